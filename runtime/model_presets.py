@@ -1,0 +1,198 @@
+"""Model configurations the runtime knows by name: the real 7B ones and the CPU-sized ``tiny`` preset.
+
+A preset is the keyword set that moshi's own classes are built from (``moshi.models.lm.LMModel`` and
+``moshi.models.loaders.get_mimi``). Nothing here imports torch, so the capacity planner and the CLI can
+read these figures without the runtime's heavy dependencies.
+
+Sources:
+- ``MOSHI_7B_LM``: ``moshi/models/loaders.py::_lm_kwargs`` in moshi 0.2.13 (Kyutai's Moshi 7B).
+- ``PERSONAPLEX_7B_LM``: the same backbone with ``dep_q=16`` (NVIDIA/personaplex ``moshi/models/loaders.py``,
+  ``get_moshi_lm`` sets ``lm_kwargs["dep_q"] = 16``).
+- ``MIMI``: ``moshi/models/loaders.py::_mimi_config`` in moshi 0.2.13.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+SAMPLE_RATE_HZ = 24_000
+"""Mimi's audio sample rate (Hz), both directions."""
+FRAME_RATE_HZ = 12.5
+"""Model frames per second: one LM step per 80 ms frame."""
+FRAME_SAMPLES = 1920
+"""PCM samples per frame: 24000 Hz / 12.5 Hz."""
+FRAME_MS = 80.0
+"""Duration of one frame in milliseconds: the tick budget."""
+
+_DELAYS_7B = [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
+
+MOSHI_7B_LM: dict[str, Any] = {
+    "dim": 4096,
+    "text_card": 32000,
+    "existing_text_padding_id": 3,
+    "n_q": 16,
+    "dep_q": 8,
+    "card": 2048,
+    "num_heads": 32,
+    "num_layers": 32,
+    "hidden_scale": 4.125,
+    "causal": True,
+    "layer_scale": None,
+    "context": 3000,
+    "max_period": 10000,
+    "gating": "silu",
+    "norm": "rms_norm_f32",
+    "positional_embedding": "rope",
+    "depformer_dim": 1024,
+    "depformer_dim_feedforward": int(4.125 * 1024),
+    "depformer_num_heads": 16,
+    "depformer_num_layers": 6,
+    "depformer_layer_scale": None,
+    "depformer_multi_linear": True,
+    "depformer_context": 8,
+    "depformer_max_period": 10000,
+    "depformer_gating": "silu",
+    "depformer_pos_emb": "none",
+    "depformer_weights_per_step": True,
+    "delays": list(_DELAYS_7B),
+}
+
+PERSONAPLEX_7B_LM: dict[str, Any] = {**MOSHI_7B_LM, "dep_q": 16, "delays": list(_DELAYS_7B)}
+
+# The tiny preset keeps the codebook structure of the 7B (n_q 16, dep_q 8, card 2048, text_card 32000,
+# the same delays, weights per depformer step) and shrinks every width, depth and context.
+TINY_LM: dict[str, Any] = {
+    **MOSHI_7B_LM,
+    "dim": 128,
+    "num_heads": 4,
+    "num_layers": 2,
+    "context": 250,
+    "depformer_dim": 64,
+    "depformer_dim_feedforward": 128,
+    "depformer_num_heads": 2,
+    "depformer_num_layers": 1,
+    "delays": list(_DELAYS_7B),
+}
+
+MIMI: dict[str, Any] = {
+    "sample_rate": SAMPLE_RATE_HZ,
+    "channels": 1,
+    "frame_rate": FRAME_RATE_HZ,
+    "seanet": {
+        "channels": 1,
+        "dimension": 512,
+        "causal": True,
+        "n_filters": 64,
+        "n_residual_layers": 1,
+        "activation": "ELU",
+        "compress": 2,
+        "dilation_base": 2,
+        "disable_norm_outer_blocks": 0,
+        "kernel_size": 7,
+        "residual_kernel_size": 3,
+        "last_kernel_size": 3,
+        "norm": "none",
+        "pad_mode": "constant",
+        "ratios": [8, 6, 5, 4],
+        "true_skip": True,
+    },
+    "quantizer": {"dimension": 256, "n_q": 32, "bins": 2048, "input_dimension": 512, "output_dimension": 512},
+    "transformer": {
+        "d_model": 512,
+        "num_heads": 8,
+        "num_layers": 8,
+        "causal": True,
+        "layer_scale": 0.01,
+        "context": 250,
+        "conv_layout": True,
+        "max_period": 10000,
+        "gating": "none",
+        "norm": "layer_norm",
+        "positional_embedding": "rope",
+        "dim_feedforward": 2048,
+        "input_dimension": 512,
+        "output_dimensions": [512],
+    },
+}
+
+
+def _tiny_mimi() -> dict[str, Any]:
+    """Mimi with the real strides (hop 960 at 25 Hz, downsampled to 12.5 Hz: 1920-sample frames) and tiny widths."""
+    cfg = copy.deepcopy(MIMI)
+    dim = 32
+    cfg["seanet"].update({"dimension": dim, "n_filters": 4})
+    cfg["quantizer"].update({"dimension": 16, "n_q": 8, "input_dimension": dim, "output_dimension": dim})
+    cfg["transformer"].update(
+        {
+            "d_model": dim,
+            "num_heads": 2,
+            "num_layers": 1,
+            "dim_feedforward": 64,
+            "input_dimension": dim,
+            "output_dimensions": [dim],
+        }
+    )
+    return cfg
+
+
+TINY_MIMI: dict[str, Any] = _tiny_mimi()
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """A named model configuration.
+
+    Attributes:
+        name: preset name used on the CLI and in node profiles.
+        lm_kwargs: keyword arguments of ``moshi.models.lm.LMModel``.
+        mimi_config: the ``mimi_config`` dict of ``moshi.models.loaders.get_mimi``.
+        default_source: Hugging Face repo id holding the real weights, or None when the preset has
+            random weights (``tiny``).
+        checkpoint_dep_q: depformer steps stored in the preset's checkpoints (16 for PersonaPlex);
+            the runtime may build fewer (see ``runtime.models.adapt_depformer_steps``).
+    """
+
+    name: str
+    lm_kwargs: dict[str, Any]
+    mimi_config: dict[str, Any]
+    default_source: str | None
+    checkpoint_dep_q: int
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset(
+        "tiny",
+        TINY_LM,
+        TINY_MIMI,
+        None,
+        8,
+        "random weights, seeded; 7B codebook structure with small dims; runs on a CPU",
+    ),
+    "moshi-7b": ModelPreset(
+        "moshi-7b", MOSHI_7B_LM, MIMI, "kyutai/moshiko-pytorch-bf16", 8, "Kyutai Moshi 7B (Moshiko voice)"
+    ),
+    "personaplex-7b": ModelPreset(
+        "personaplex-7b",
+        PERSONAPLEX_7B_LM,
+        MIMI,
+        "nvidia/personaplex-7b-v1",
+        16,
+        "NVIDIA PersonaPlex-7B-v1 (gated on the Hub: accept the licence, set HF_TOKEN)",
+    ),
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    """Return the preset called ``name``.
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None

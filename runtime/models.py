@@ -1,0 +1,374 @@
+"""Model loading: build Moshi-architecture models with moshi's own classes, from a preset or a checkpoint.
+
+Three ways in, one result (:class:`ModelBundle`):
+
+- :func:`build_tiny`: the ``tiny`` preset, random weights from a seed, a text tokenizer trained on a
+  bundled paragraph. No download; runs on a CPU.
+- :func:`load_checkpoint`: real weights from a local directory or a Hugging Face repo id, laid out as
+  Kyutai's and NVIDIA's repos are (``model.safetensors``, the Mimi safetensors, the SentencePiece
+  model, an optional ``config.json``). PersonaPlex checkpoints store 16 depformer steps; they are adapted
+  to the number of steps the runtime builds (:func:`adapt_depformer_steps`).
+- :func:`write_checkpoint`: the inverse, used by the tests to write the tiny model in the real layout.
+
+The Hugging Face token is read at run time from ``HF_TOKEN`` by ``huggingface_hub``; it is never stored.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sentencepiece
+import torch
+from moshi.models.compression import MimiModel
+from moshi.models.lm import LMModel
+from moshi.models.loaders import get_mimi
+from safetensors.torch import load_file, save_file
+
+from runtime.model_presets import ModelPreset, get_preset
+
+log = logging.getLogger(__name__)
+
+LM_WEIGHTS_FILE = "model.safetensors"
+MIMI_WEIGHTS_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
+TEXT_TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
+CONFIG_FILE = "config.json"
+MIMI_CONFIG_FILE = "mimi_config.json"
+
+# Depformer parameters that exist once per depformer step (codebook): ``<group>.<step>.``.
+_PER_STEP_KEY = re.compile(r"(^|\.)(depformer_in|depformer_emb|linears|gating|in_projs|out_projs)\.(\d+)\.")
+# Stacked per-step attention projections, as stored in Kyutai/NVIDIA checkpoints: [steps * rows, cols].
+_STACKED_ATTN_KEY = re.compile(r"^depformer\.layers\.\d+\.self_attn\.(in_proj_weight|out_proj\.weight)$")
+
+_TINY_TOKENIZER_CORPUS = """\
+Hello, how are you today? I am fine, thank you. What would you like to talk about?
+The weather is nice and the sun is shining over the hills. Let us go for a walk.
+Full duplex conversation means both people can listen and speak at the same time.
+Our service runs many conversations on one graphics card, one frame every eighty milliseconds.
+Please tell me more about your trip. Where did you go, and what did you see there?
+I can help you book a table, check the news, or answer a question about science.
+Numbers like one, two, three, four, five, six, seven, eight, nine and ten are common words.
+"""
+
+
+@dataclass
+class ModelBundle:
+    """Everything the batch engine needs from a model, on one device.
+
+    Attributes:
+        preset: the configuration the models were built from.
+        lm: moshi ``LMModel`` in eval mode; ``lm.dep_q`` audio codebooks generated per step.
+        mimi: moshi ``MimiModel`` set to ``lm.dep_q`` codebooks; 24 kHz, 1920-sample frames.
+        text_tokenizer: SentencePiece model; ids >= its vocabulary size are never detokenised.
+        source: where the weights came from ("random(seed=N)", a directory, or a repo id).
+    """
+
+    preset: ModelPreset
+    lm: LMModel
+    mimi: MimiModel
+    text_tokenizer: sentencepiece.SentencePieceProcessor
+    source: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    def parameter_count(self) -> dict[str, int]:
+        """Parameters by part: ``{"lm": n, "mimi": n}``."""
+        return {
+            "lm": sum(p.numel() for p in self.lm.parameters()),
+            "mimi": sum(p.numel() for p in self.mimi.parameters()),
+        }
+
+
+def train_tiny_text_tokenizer(vocab_size: int = 256) -> sentencepiece.SentencePieceProcessor:
+    """Train a small SentencePiece model on a bundled paragraph (deterministic, about 0.1 s).
+
+    Ids follow Kyutai's convention for the special pieces the runtime relies on: 0 is ``<unk>`` (also the
+    end-of-text padding id), 3 is the text padding piece, both never sent to clients.
+    """
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_TINY_TOKENIZER_CORPUS.splitlines()),
+        model_writer=model,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def _seed_parameters(module: torch.nn.Module, seed: int) -> None:
+    """Re-initialise every parameter from ``seed``, independent of the global RNG and of build order."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters()):
+            if param.dim() >= 2:
+                std = 1.0 / max(1, param.shape[-1]) ** 0.5
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif name.endswith("alpha") or name.endswith("weight"):
+                param.fill_(1.0)
+            else:
+                param.zero_()
+
+
+def _finish(lm: LMModel, mimi: MimiModel, device: torch.device | str, dtype: torch.dtype) -> tuple[Any, Any]:
+    lm = lm.to(device=device, dtype=dtype).eval()
+    mimi = mimi.to(device=device).eval()
+    mimi.set_num_codebooks(lm.dep_q)
+    return lm, mimi
+
+
+def build_tiny(seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ModelBundle:
+    """Build the ``tiny`` preset with random weights drawn from ``seed``.
+
+    Same seed, same weights, on any machine. Used for CPU tests, the demo and the benchmark.
+    """
+    preset = get_preset("tiny")
+    lm = LMModel(**preset.lm_kwargs)
+    _seed_parameters(lm, seed)
+    mimi = get_mimi(None, preset.mimi_config, num_codebooks=preset.lm_kwargs["dep_q"])
+    _seed_parameters(mimi, seed + 1)
+    lm, mimi = _finish(lm, mimi, device, dtype)
+    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random(seed={seed})")
+
+
+def build_random(
+    preset_name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, dep_q: int | None = None
+) -> ModelBundle:
+    """Build any preset with random weights (moshi's own init), e.g. the 7B on a GPU for benchmarks.
+
+    Args:
+        dep_q: depformer steps to build; default the preset's. PersonaPlex's checkpoint layout has 16.
+    """
+    preset = get_preset(preset_name)
+    lm_kwargs = dict(preset.lm_kwargs)
+    if dep_q is not None:
+        lm_kwargs["dep_q"] = dep_q
+    with torch.device(device):
+        lm = LMModel(device=device, dtype=dtype, **lm_kwargs)
+    mimi = get_mimi(None, preset.mimi_config, device=device, num_codebooks=min(lm.dep_q, 8))
+    lm, mimi = _finish(lm, mimi, device, dtype)
+    mimi.set_num_codebooks(min(lm.dep_q, 8))
+    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random({preset_name})")
+
+
+def checkpoint_depformer_steps(state: Mapping[str, torch.Tensor]) -> int:
+    """Number of depformer steps a checkpoint stores, counted from its ``linears.<i>.weight`` heads.
+
+    Raises:
+        ValueError: the state dict has no depformer output heads (not a Moshi-architecture checkpoint).
+    """
+    steps = {int(m.group(1)) for k in state for m in [re.match(r"^linears\.(\d+)\.weight$", k)] if m}
+    if not steps:
+        raise ValueError("checkpoint has no 'linears.<i>.weight' keys: not a Moshi-architecture LM checkpoint")
+    return max(steps) + 1
+
+
+def adapt_depformer_steps(state: dict[str, torch.Tensor], target_steps: int) -> dict[str, torch.Tensor]:
+    """Adapt a checkpoint's depformer to ``target_steps`` steps (codebooks generated per frame).
+
+    PersonaPlex checkpoints carry 16 steps: the agent's 8 codebooks, then the user's 8, which the runtime
+    never needs (the user's real codebooks overwrite them). Since the depformer is causal over steps,
+    keeping steps 0..7 gives the same agent tokens with half the depformer work (NVIDIA/personaplex PR 103
+    argues the same). The reverse (8 stored, 16 wanted) copies step i-8 into step i, as NVIDIA's loader does.
+
+    Handles both the per-step keys (``depformer_in.<i>``, ``depformer_emb.<i>``, ``linears.<i>``,
+    ``...gating.<i>``, ``...in_projs.<i>``) and the stacked attention projections that real checkpoints
+    store (``self_attn.in_proj_weight`` of shape ``[steps * 3 * d, d]``, ``self_attn.out_proj.weight`` of
+    shape ``[steps * d, d]``).
+
+    Returns:
+        A new dict; the input is not modified.
+    Raises:
+        ValueError: ``target_steps`` < 1, or growing by more than the stored step count.
+    """
+    stored_steps = checkpoint_depformer_steps(state)
+    if target_steps < 1:
+        raise ValueError(f"target depformer steps must be >= 1, got {target_steps}")
+    if target_steps > 2 * stored_steps:
+        raise ValueError(f"cannot grow a depformer from {stored_steps} to {target_steps} steps (at most x2)")
+    if stored_steps == target_steps:
+        return dict(state)
+    adapted: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if _STACKED_ATTN_KEY.match(key):
+            per_step = tensor.view(stored_steps, -1, *tensor.shape[1:])
+            if target_steps <= stored_steps:
+                per_step = per_step[:target_steps]
+            else:
+                per_step = torch.cat([per_step, per_step[: target_steps - stored_steps]], dim=0)
+            adapted[key] = per_step.reshape(-1, *tensor.shape[1:]).clone()
+            continue
+        match = _PER_STEP_KEY.search(key)
+        if match is None:
+            adapted[key] = tensor
+            continue
+        step = int(match.group(3))
+        if step < target_steps:
+            adapted[key] = tensor
+        # Steps beyond target are dropped; steps to add are copied below.
+    for step in range(stored_steps, target_steps):
+        source_step = step - stored_steps
+        for key, tensor in state.items():
+            match = _PER_STEP_KEY.search(key)
+            if match is not None and int(match.group(3)) == source_step:
+                start, end = match.span(3)
+                adapted[key[:start] + str(step) + key[end:]] = tensor
+    return adapted
+
+
+def _resolve_file(source: str, filename: str, revision: str | None) -> Path:
+    directory = Path(source)
+    if directory.is_dir():
+        path = directory / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint directory {directory} has no {filename}")
+        return path
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(source, filename, revision=revision))
+
+
+def _read_config(source: str, revision: str | None) -> dict[str, Any] | None:
+    try:
+        return json.loads(_resolve_file(source, CONFIG_FILE, revision).read_text())
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # huggingface_hub raises EntryNotFoundError for a repo without config.json
+        if type(exc).__name__ in {"EntryNotFoundError", "RemoteEntryNotFoundError"}:
+            return None
+        raise
+
+
+def load_checkpoint(
+    source: str,
+    preset_name: str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    dep_q: int | None = None,
+    revision: str | None = None,
+) -> ModelBundle:
+    """Load real weights from a local directory or a Hugging Face repo id.
+
+    The layout is that of ``kyutai/moshiko-pytorch-bf16`` and ``nvidia/personaplex-7b-v1``:
+    ``model.safetensors`` (LM), ``tokenizer-e351c8d8-checkpoint125.safetensors`` (Mimi),
+    ``tokenizer_spm_32k_3.model`` (text), and optionally ``config.json`` (LM kwargs, with the file names
+    as moshi's ``CheckpointInfo.from_hf_repo`` reads them: ``moshi_name``, ``mimi_name``, ``tokenizer_name``,
+    ``mimi_config_name``). Without ``config.json`` the preset's configuration is used.
+
+    Args:
+        source: directory path, or repo id such as ``nvidia/personaplex-7b-v1`` (token from ``HF_TOKEN``).
+        preset_name: the architecture to expect when the checkpoint has no ``config.json``.
+        dtype: LM weight dtype (bf16 on Ampere and later; fp16 on a T4, which has no bf16).
+        dep_q: depformer steps to build; default 8 (the agent's codebooks), whatever the checkpoint holds.
+    Raises:
+        FileNotFoundError: a file is missing from the directory.
+        ValueError: unknown preset, or weights that do not match the configuration (names the keys).
+    """
+    preset = get_preset(preset_name)
+    config = _read_config(source, revision)
+    lm_kwargs = dict(preset.lm_kwargs)
+    names = {"moshi_name": LM_WEIGHTS_FILE, "mimi_name": MIMI_WEIGHTS_FILE, "tokenizer_name": TEXT_TOKENIZER_FILE}
+    mimi_config = preset.mimi_config
+    if config is not None:
+        config = dict(config)
+        for key in names:
+            names[key] = config.pop(key, names[key])
+        mimi_config_name = config.pop("mimi_config_name", None)
+        if mimi_config_name:
+            mimi_config = json.loads(_resolve_file(source, mimi_config_name, revision).read_text())
+        for key in ("model_type", "lm_gen_config", "tts_config", "stt_config", "model_id", "lora_name"):
+            config.pop(key, None)
+        lm_kwargs = config
+    state = load_file(str(_resolve_file(source, names["moshi_name"], revision)), device="cpu")
+    target_steps = dep_q if dep_q is not None else min(lm_kwargs["dep_q"], 8)
+    state = adapt_depformer_steps(state, target_steps)
+    lm_kwargs["dep_q"] = target_steps
+    with torch.device("meta"):
+        lm = LMModel(device="meta", dtype=dtype, **lm_kwargs)
+    state = {k: (v.to(dtype) if v.dtype.is_floating_point else v) for k, v in state.items()}
+    try:
+        lm.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"LM weights in {source} do not match the {preset_name} configuration: {exc}") from exc
+    mimi = get_mimi(str(_resolve_file(source, names["mimi_name"], revision)), mimi_config, num_codebooks=target_steps)
+    tokenizer = sentencepiece.SentencePieceProcessor(
+        model_file=str(_resolve_file(source, names["tokenizer_name"], revision))
+    )
+    lm, mimi = _finish(lm, mimi, device, dtype)
+    log.info("loaded %s from %s (depformer steps %d)", preset_name, source, target_steps)
+    return ModelBundle(preset, lm, mimi, tokenizer, source)
+
+
+def _stack_attention_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of moshi's load hook: ``in_projs.<i>.weight`` -> stacked ``in_proj_weight`` (real layout)."""
+    stacked: dict[str, torch.Tensor] = {}
+    groups: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    pattern = re.compile(r"^(depformer\.layers\.\d+\.self_attn\.)(in_projs|out_projs)\.(\d+)\.weight$")
+    for key, tensor in state.items():
+        match = pattern.match(key)
+        if match:
+            groups.setdefault((match.group(1), match.group(2)), {})[int(match.group(3))] = tensor
+        else:
+            stacked[key] = tensor
+    for (prefix, kind), per_step in groups.items():
+        name = "in_proj_weight" if kind == "in_projs" else "out_proj.weight"
+        stacked[prefix + name] = torch.cat([per_step[i] for i in sorted(per_step)], dim=0).contiguous()
+    return stacked
+
+
+def write_checkpoint(bundle: ModelBundle, directory: Path, *, with_config: bool = True) -> Path:
+    """Write ``bundle`` in the real checkpoint layout that :func:`load_checkpoint` reads.
+
+    The depformer attention projections are stored stacked, as in Kyutai's and NVIDIA's files.
+    Returns the directory.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    lm_state = {k: v.detach().cpu().contiguous() for k, v in bundle.lm.state_dict().items()}
+    save_file(_stack_attention_projections(lm_state), str(directory / LM_WEIGHTS_FILE))
+    mimi_state = {k: v.detach().cpu().contiguous() for k, v in bundle.mimi.state_dict().items()}
+    save_file(mimi_state, str(directory / MIMI_WEIGHTS_FILE))
+    (directory / TEXT_TOKENIZER_FILE).write_bytes(bundle.text_tokenizer.serialized_model_proto())
+    if with_config:
+        config = {**bundle.preset.lm_kwargs, "dep_q": bundle.lm.dep_q, "mimi_config_name": MIMI_CONFIG_FILE}
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
+        (directory / MIMI_CONFIG_FILE).write_text(json.dumps(bundle.preset.mimi_config, indent=2, sort_keys=True))
+    return directory
+
+
+def load_model(
+    model: str,
+    *,
+    weights: str | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+) -> ModelBundle:
+    """The runtime's single entry: ``tiny`` builds random weights; any other preset loads ``weights``
+    (a directory or repo id; default the preset's repo).
+
+    Raises:
+        ValueError: unknown preset, or ``tiny`` given weights that do not fit it.
+    """
+    preset = get_preset(model)
+    if dtype is None:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if weights is None:
+        if preset.default_source is None:
+            return build_tiny(seed=seed, device=device, dtype=dtype)
+        weights = preset.default_source
+    return load_checkpoint(weights, model, device=device, dtype=dtype)

@@ -1,0 +1,179 @@
+"""Per-slot token sampling for the batched LM step.
+
+moshi's ``LMGen`` samples every row with the same temperature and top-k (``utils/sampling.py``). Sessions
+sharing a batch want their own, and a seeded session should draw the same tokens whether it runs alone or
+beside others. This sampler gives each slot its own temperature and top-k for text and for audio, and
+draws its randomness from a counter-based hash of (slot seed, slot step, stream, token id): no shared
+random state, so one row's draws never depend on which other rows are active.
+
+Sampling is Gumbel-max: ``argmax(logits / T + g)`` with ``g = -log(-log(u))`` draws exactly from
+``softmax(logits / T)`` (Gumbel 1954; see e.g. Maddison et al. 2014, "A* Sampling"). Temperature 0 means
+greedy (argmax of the logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+DEFAULT_AUDIO_TEMPERATURE = 0.8
+DEFAULT_AUDIO_TOP_K = 250
+DEFAULT_TEXT_TEMPERATURE = 0.7
+DEFAULT_TEXT_TOP_K = 25
+"""Defaults of moshi's ``LMGen`` (audio 0.8 / 250, text 0.7 / 25), which PersonaPlex's offline script also uses."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One session's sampling settings.
+
+    Attributes:
+        audio_temperature: >= 0; 0 is greedy.
+        audio_top_k: >= 1 candidates kept per audio codebook.
+        text_temperature: >= 0; 0 is greedy.
+        text_top_k: >= 1 candidates kept for the text token.
+        seed: 0 .. 2**31-1; the same seed and inputs give the same tokens.
+    """
+
+    audio_temperature: float = DEFAULT_AUDIO_TEMPERATURE
+    audio_top_k: int = DEFAULT_AUDIO_TOP_K
+    text_temperature: float = DEFAULT_TEXT_TEMPERATURE
+    text_top_k: int = DEFAULT_TEXT_TOP_K
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("audio_temperature", "text_temperature"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [0, 2], got {value}")
+        for name in ("audio_top_k", "text_top_k"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        """Argmax decoding for text and audio: deterministic whatever the seed."""
+        return cls(audio_temperature=0.0, text_temperature=0.0)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Murmur3's 32-bit finaliser on int64 tensors holding 32-bit values; wraps like uint32."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
+    """Uniform draws in (0, 1) from a hash of (seed, step, stream, token id).
+
+    Args:
+        seed: ``[B]`` int64, one per slot.
+        step: ``[B]`` int64, the slot's own frame counter.
+        stream: which token stream (0 text, 1 + codebook index for audio).
+        vocab: number of candidate tokens V.
+    Returns:
+        ``[B, V]`` float32.
+    """
+    device = seed.device
+    ids = torch.arange(vocab, device=device, dtype=torch.int64)
+    row = _mix32(seed * 0x9E3779B1 + 0x7F4A7C15)
+    row = _mix32(row ^ (step * 0x85EBCA77 + stream * 0xC2B2AE3D))
+    x = _mix32(row[:, None] ^ (ids[None, :] * 0x27D4EB2F + 0x165667B1))
+    return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+    stream: int,
+    top_k_bound: int | None = None,
+) -> torch.Tensor:
+    """Sample one token per row with that row's own settings.
+
+    Args:
+        logits: ``[B, V]`` any float dtype.
+        temperature: ``[B]`` float32; 0 means greedy for that row.
+        top_k: ``[B]`` int64 in [1, V]; larger values are clamped to V.
+        seed, step: ``[B]`` int64, see :func:`counter_uniform`.
+        stream: token stream index.
+        top_k_bound: a host-side upper bound on ``top_k`` (default V). Passing it keeps the candidate
+            search to ``topk(bound)`` instead of a full sort, with no device-to-host sync.
+    Returns:
+        ``[B]`` int64 token ids.
+    """
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    greedy = logits.argmax(dim=-1)
+    k = top_k.clamp(1, vocab)
+    # The bound is a host int, so no device-to-host sync: the step stays capturable in a CUDA graph.
+    bound = vocab if top_k_bound is None else max(1, min(vocab, top_k_bound))
+    k = k.clamp(max=bound)
+    top_values = logits.topk(bound, dim=-1).values  # [B, bound], descending
+    threshold = top_values.gather(1, (k - 1)[:, None])  # [B, 1]: the k-th largest logit of each row
+    safe_temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    scaled = logits / safe_temperature[:, None]
+    scaled = scaled.masked_fill(logits < threshold, float("-inf"))
+    uniform = counter_uniform(seed, step, stream, vocab)
+    gumbel = -torch.log(-torch.log(uniform))
+    sampled = (scaled + gumbel).argmax(dim=-1)
+    return torch.where(temperature > 0, sampled, greedy)
+
+
+class SlotSamplingTable:
+    """Sampling settings and step counters of every slot, as tensors the batched step reads.
+
+    All tensors are ``[B]`` on the model's device. A slot's step counter is advanced by the engine each
+    time that slot's LM row executes.
+    """
+
+    def __init__(self, slots: int, device: torch.device) -> None:
+        self.slots = slots
+        self.audio_temperature = torch.full((slots,), DEFAULT_AUDIO_TEMPERATURE, device=device)
+        self.audio_top_k = torch.full((slots,), DEFAULT_AUDIO_TOP_K, device=device, dtype=torch.int64)
+        self.text_temperature = torch.full((slots,), DEFAULT_TEXT_TEMPERATURE, device=device)
+        self.text_top_k = torch.full((slots,), DEFAULT_TEXT_TOP_K, device=device, dtype=torch.int64)
+        self.seed = torch.zeros(slots, device=device, dtype=torch.int64)
+        self.step = torch.zeros(slots, device=device, dtype=torch.int64)
+        # Host-side bounds of the top-k tensors: they only grow, so no sync is ever needed to read them.
+        self.audio_top_k_bound = DEFAULT_AUDIO_TOP_K
+        self.text_top_k_bound = DEFAULT_TEXT_TOP_K
+
+    def assign(self, slot: int, params: SamplingParams) -> None:
+        """Give ``slot`` the settings of a joining session and restart its step counter."""
+        self.audio_temperature[slot] = params.audio_temperature
+        self.audio_top_k[slot] = params.audio_top_k
+        self.text_temperature[slot] = params.text_temperature
+        self.text_top_k[slot] = params.text_top_k
+        self.seed[slot] = params.seed
+        self.step[slot] = 0
+        self.audio_top_k_bound = max(self.audio_top_k_bound, params.audio_top_k)
+        self.text_top_k_bound = max(self.text_top_k_bound, params.text_top_k)
+
+    def advance(self, executed: torch.Tensor) -> None:
+        """Count one step for the rows in ``executed`` (``[B]`` bool)."""
+        self.step += executed.to(self.step.dtype)
+
+    def sample_text(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, V_text]`` logits -> ``[B]`` text tokens."""
+        return sample_rows(
+            logits, self.text_temperature, self.text_top_k, self.seed, self.step, 0, self.text_top_k_bound
+        )
+
+    def sample_audio(self, logits: torch.Tensor, codebook: int) -> torch.Tensor:
+        """``[B, card]`` logits of one audio codebook -> ``[B]`` audio tokens."""
+        return sample_rows(
+            logits, self.audio_temperature, self.audio_top_k, self.seed, self.step, 1 + codebook,
+            self.audio_top_k_bound,
+        )
