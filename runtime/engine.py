@@ -259,12 +259,14 @@ class BatchEngine:
     # --- the tick -------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def tick(self, pcm_in: np.ndarray) -> TickResult:
+    def tick(self, pcm_in: np.ndarray, active: np.ndarray | None = None) -> TickResult:
         """Run one frame for every slot.
 
         Args:
             pcm_in: ``[B, 1920]`` float32 in [-1, 1], 24 kHz; rows of non-LIVE slots are ignored. The
                 caller puts silence in the row of a live slot whose client frame did not arrive in time.
+            active: ``[B]`` bool; LIVE slots where it is False are frozen this tick (a session that has
+                not sent its first frame yet). Default: every LIVE slot steps.
         Returns:
             :class:`TickResult`.
         Raises:
@@ -279,7 +281,7 @@ class BatchEngine:
         text_tokens = np.full(self.slots, UNGENERATED_TOKEN, dtype=np.int64)
         audio_tokens = np.full((self.slots, self.dep_q), UNGENERATED_TOKEN, dtype=np.int64)
 
-        live = self.live_slots
+        live = [i for i in self.live_slots if active is None or active[i]]
         if live:
             skipping = [i for i in live if self._slots[i].skip_next_frame]
             stepping = [i for i in live if not self._slots[i].skip_next_frame]

@@ -1,0 +1,255 @@
+"""Per-session converters between audio payloads on the wire and the model's 80 ms frames.
+
+Inbound, an *assembler* turns the payloads of 0x01 audio messages (Ogg/Opus pages, or Int16 LE PCM for a
+``format=pcm`` session) into frames of ``FRAME_SAMPLES`` (1920) float32 samples at ``SAMPLE_RATE_HZ``
+(24000 Hz), keeping whatever does not fill a frame yet for the next message. Outbound, an *encoder* turns
+one such frame into the payload of one 0x01 audio message. One assembler and one encoder per session:
+both are stateful and not thread-safe.
+
+Flow-control policy (``max_buffered_frames``): :meth:`push` returns every complete frame at once, so the
+assembler itself only ever keeps less than one frame. A single push whose audio would complete more than
+``max_buffered_frames`` frames is refused with ``ProtocolError(reason="too_fast")`` and its audio is
+dropped as a whole; the assembler stays usable. Callers that bound their own inbound queue by the same
+figure can therefore never be handed more than they may hold in one go; what they do once their queue is
+full (drop oldest, close) is theirs to decide.
+
+What sphn 0.2.1 does with bad Opus input (tried): ``OpusStreamReader.append_bytes`` raises ``ValueError``
+(``unexpected ogg capture pattern [...]`` for bytes that are not an Ogg page, ``opus_decode_float:
+corrupted stream`` for a broken Opus packet). Fewer bytes than an Ogg page header are buffered silently,
+so garbage may only be reported by a later call. After a failure the reader stays broken (every later
+call raises again) and a fresh reader would wait for Opus headers the client will not resend, so
+:class:`OpusFrameAssembler` refuses every later push with ``bad_opus`` too: the session must end.
+Decoded samples of a damaged but parseable stream can exceed 1.0: they are clipped to [-1, 1].
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import sphn
+
+from runtime.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.protocol import AudioFormat, ProtocolError
+
+__all__ = [
+    "FrameAssembler",
+    "FrameEncoder",
+    "OpusFrameAssembler",
+    "OpusFrameEncoder",
+    "PcmFrameAssembler",
+    "PcmFrameEncoder",
+    "make_codec",
+]
+
+_PCM_SCALE = 32768.0
+"""Int16 full scale: sample k <-> float k / 32768, so every Int16 value round-trips exactly."""
+_PCM_BYTES_PER_SAMPLE = 2
+
+
+class FrameAssembler(Protocol):
+    """Turns the payloads of inbound audio messages into [1920] float32 frames (see module docstring)."""
+
+    def push(self, payload: bytes) -> list[np.ndarray]: ...
+
+
+class FrameEncoder(Protocol):
+    """Turns one [1920] float32 frame into the payload of an outbound audio message (maybe b"")."""
+
+    def encode(self, frame: np.ndarray) -> bytes: ...
+
+
+def _check_max_buffered_frames(max_buffered_frames: int) -> int:
+    if max_buffered_frames < 1:
+        raise ValueError(f"max_buffered_frames must be >= 1, got {max_buffered_frames}")
+    return int(max_buffered_frames)
+
+
+def _too_fast(frames: int, max_buffered_frames: int) -> ProtocolError:
+    return ProtocolError(
+        "too_fast",
+        f"one audio message completed {frames} frames ({frames * FRAME_MS:.0f} ms of audio); a session may "
+        f"buffer at most {max_buffered_frames} frames ({max_buffered_frames * FRAME_MS:.0f} ms): send audio "
+        "in real time, in messages of at most that length",
+    )
+
+
+def _split_frames(samples: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+    """Cut float32 samples into whole [1920] frames and the remainder (fewer than 1920 samples)."""
+    whole = (samples.size // FRAME_SAMPLES) * FRAME_SAMPLES
+    block = samples[:whole].reshape(-1, FRAME_SAMPLES)
+    return list(block), samples[whole:].copy()
+
+
+def _prepare_frame(frame: np.ndarray) -> np.ndarray:
+    """Validate one outbound frame: [1920] real numbers -> contiguous float32 in [-1, 1], NaN -> 0."""
+    array = np.asarray(frame)
+    if array.shape != (FRAME_SAMPLES,) or not np.issubdtype(array.dtype, np.number):
+        raise ValueError(
+            f"expected one frame of shape ({FRAME_SAMPLES},) float32 ({FRAME_MS:.0f} ms at "
+            f"{SAMPLE_RATE_HZ} Hz), got shape {array.shape} dtype {array.dtype}"
+        )
+    array = np.nan_to_num(array.astype(np.float32, copy=False), nan=0.0, posinf=1.0, neginf=-1.0)
+    return np.ascontiguousarray(np.clip(array, -1.0, 1.0), dtype=np.float32)
+
+
+class PcmFrameAssembler:
+    """Raw PCM (Int16 little-endian, 24000 Hz mono) payloads -> [1920] float32 frames in [-1, 1).
+
+    A frame may span several messages; each message must hold whole samples (an even byte count).
+
+    Args:
+        max_buffered_frames: most frames (80 ms each) one :meth:`push` may complete (>= 1).
+    """
+
+    def __init__(self, max_buffered_frames: int) -> None:
+        self.max_buffered_frames = _check_max_buffered_frames(max_buffered_frames)
+        self._pending = b""
+
+    @property
+    def pending_samples(self) -> int:
+        """Samples received but not yet returned in a frame (0..1919)."""
+        return len(self._pending) // _PCM_BYTES_PER_SAMPLE
+
+    def push(self, payload: bytes) -> list[np.ndarray]:
+        """Add one audio payload; return the frames it completes, oldest first.
+
+        Args:
+            payload: Int16 LE samples, any whole number of them (0 bytes is fine).
+
+        Returns:
+            Zero or more arrays of shape [1920], dtype float32, values k / 32768 for Int16 k.
+
+        Raises:
+            ProtocolError: ``bad_pcm`` for an odd byte count (the payload is dropped); ``too_fast`` when
+                the payload would complete more than ``max_buffered_frames`` frames (the payload is
+                dropped, pending samples are kept).
+        """
+        payload = bytes(payload)
+        if len(payload) % _PCM_BYTES_PER_SAMPLE:
+            raise ProtocolError(
+                "bad_pcm",
+                f"a PCM audio payload must hold whole Int16 little-endian samples (an even number of "
+                f"bytes, 24000 Hz mono); got {len(payload)} bytes",
+            )
+        buffered = self._pending + payload
+        frame_bytes = FRAME_SAMPLES * _PCM_BYTES_PER_SAMPLE
+        frame_count = len(buffered) // frame_bytes
+        if frame_count > self.max_buffered_frames:
+            raise _too_fast(frame_count, self.max_buffered_frames)
+        whole = frame_count * frame_bytes
+        self._pending = buffered[whole:]
+        if not frame_count:
+            return []
+        samples = np.frombuffer(buffered, dtype="<i2", count=whole // _PCM_BYTES_PER_SAMPLE)
+        block = (samples.astype(np.float32) / np.float32(_PCM_SCALE)).reshape(frame_count, FRAME_SAMPLES)
+        return list(block)
+
+
+class OpusFrameAssembler:
+    """Ogg/Opus pages (24000 Hz mono, as Kyutai's clients send them) -> [1920] float32 frames in [-1, 1].
+
+    Decodes with ``sphn.OpusStreamReader(24000)``; a page or a frame may span several messages.
+
+    Args:
+        max_buffered_frames: most frames (80 ms each) one :meth:`push` may complete (>= 1).
+    """
+
+    def __init__(self, max_buffered_frames: int) -> None:
+        self.max_buffered_frames = _check_max_buffered_frames(max_buffered_frames)
+        self._reader = sphn.OpusStreamReader(SAMPLE_RATE_HZ)
+        self._pending = np.zeros(0, dtype=np.float32)
+        self._failure: str | None = None
+
+    @property
+    def pending_samples(self) -> int:
+        """Decoded samples not yet returned in a frame (0..1919)."""
+        return int(self._pending.size)
+
+    @property
+    def failed(self) -> bool:
+        """True once the stream was refused as bad Opus: every later push raises ``bad_opus``."""
+        return self._failure is not None
+
+    def push(self, payload: bytes) -> list[np.ndarray]:
+        """Add the bytes of one audio payload; return the frames they complete, oldest first.
+
+        Returns:
+            Zero or more arrays of shape [1920], dtype float32, clipped to [-1, 1].
+
+        Raises:
+            ProtocolError: ``bad_opus`` when sphn refuses the bytes (not Ogg, corrupted Opus), and for every
+                push after that; ``too_fast`` when the payload decodes to more than ``max_buffered_frames``
+                frames (that audio is dropped, the stream stays usable).
+        """
+        if self._failure is not None:
+            raise ProtocolError(
+                "bad_opus", f"the Ogg/Opus stream already failed earlier and cannot resume ({self._failure})"
+            )
+        try:
+            decoded = self._reader.append_bytes(bytes(payload))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # ValueError from sphn; BaseException also covers a Rust panic
+            self._failure = str(exc)[:200]
+            raise ProtocolError(
+                "bad_opus",
+                f"audio payload is not a valid Ogg/Opus stream (24000 Hz mono Opus in Ogg pages, first "
+                f"pages OpusHead and OpusTags): {self._failure}",
+            ) from None
+        decoded = np.asarray(decoded, dtype=np.float32).reshape(-1)
+        if not decoded.size:
+            return []
+        samples = np.concatenate([self._pending, decoded]) if self._pending.size else decoded
+        frame_count = samples.size // FRAME_SAMPLES
+        if frame_count > self.max_buffered_frames:
+            raise _too_fast(frame_count, self.max_buffered_frames)
+        frames, self._pending = _split_frames(samples)
+        return [np.clip(np.nan_to_num(frame, nan=0.0), -1.0, 1.0) for frame in frames]
+
+
+class PcmFrameEncoder:
+    """[1920] float32 frames -> raw PCM payloads (Int16 little-endian, 24000 Hz mono, 3840 bytes each)."""
+
+    def encode(self, frame: np.ndarray) -> bytes:
+        """Clip ``frame`` to [-1, 1] (NaN -> 0) and return it as 3840 bytes of Int16 LE.
+
+        Sample x maps to round(x * 32768) capped to [-32768, 32767], the inverse of
+        :class:`PcmFrameAssembler`'s k / 32768.
+
+        Raises:
+            ValueError: ``frame`` is not shape [1920] of numbers.
+        """
+        samples = _prepare_frame(frame)
+        scaled = np.clip(np.rint(samples * np.float32(_PCM_SCALE)), -32768, 32767)
+        return scaled.astype("<i2").tobytes()
+
+
+class OpusFrameEncoder:
+    """[1920] float32 frames -> Ogg/Opus bytes (24000 Hz mono) with ``sphn.OpusStreamWriter(24000)``."""
+
+    def __init__(self) -> None:
+        self._writer = sphn.OpusStreamWriter(SAMPLE_RATE_HZ)
+
+    def encode(self, frame: np.ndarray) -> bytes:
+        """Clip ``frame`` to [-1, 1] (NaN -> 0), encode it, return the Ogg bytes ready so far.
+
+        The first call's bytes start with the OpusHead/OpusTags pages. The result may be ``b""`` while
+        the writer accumulates a page: send nothing then.
+
+        Raises:
+            ValueError: ``frame`` is not shape [1920] of numbers.
+        """
+        return bytes(self._writer.append_pcm(_prepare_frame(frame)))
+
+
+def make_codec(fmt: AudioFormat | str, max_buffered_frames: int) -> tuple[FrameAssembler, FrameEncoder]:
+    """A fresh (assembler, encoder) pair for one session speaking ``fmt`` ("opus" or "pcm").
+
+    Raises:
+        ValueError: unknown ``fmt``, or ``max_buffered_frames`` < 1.
+    """
+    audio_format = AudioFormat(fmt)
+    if audio_format is AudioFormat.PCM:
+        return PcmFrameAssembler(max_buffered_frames), PcmFrameEncoder()
+    return OpusFrameAssembler(max_buffered_frames), OpusFrameEncoder()

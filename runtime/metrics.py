@@ -1,0 +1,73 @@
+"""Prometheus metrics of one runtime process (``prometheus_client``), on a registry of its own.
+
+Every name starts with ``duplex_``. Alert rules and dashboards (the node issue) read these names: change
+one and change them too.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE  # noqa: N811
+
+__all__ = ["RuntimeMetrics", "PROMETHEUS_CONTENT_TYPE"]
+
+# Tick durations around the 80 ms frame budget (seconds).
+_TICK_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08, 0.1, 0.12, 0.16, 0.25, 0.5, 1.0)
+# First-audio latency: the floor is the 80 ms frame plus the acoustic delay (one more frame).
+_FIRST_AUDIO_BUCKETS_S = (0.08, 0.12, 0.16, 0.18, 0.2, 0.22, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+
+class RuntimeMetrics:
+    """The runtime's metrics. One instance per server; ``registry`` is what ``/metrics`` serves."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.slots_total = Gauge("duplex_slots_total", "Batch slots (maximum concurrent sessions)", registry=r)
+        self.active_sessions = Gauge("duplex_active_sessions", "Sessions holding a slot", registry=r)
+        self.draining = Gauge("duplex_draining", "1 while the process drains after SIGTERM", registry=r)
+        self.ready = Gauge("duplex_ready", "1 when /readyz answers 200", registry=r)
+        self.tick_duration = Histogram(
+            "duplex_tick_duration_seconds",
+            "Wall time of one batched tick (encode, LM step, decode, prompt steps)",
+            buckets=_TICK_BUCKETS_S,
+            registry=r,
+        )
+        self.ticks_total = Counter("duplex_ticks_total", "Ticks run with at least one slot busy", registry=r)
+        self.ticks_over_budget = Counter(
+            "duplex_ticks_over_budget_total", "Ticks that took longer than the 80 ms frame", registry=r
+        )
+        self.first_audio_latency = Histogram(
+            "duplex_first_audio_latency_seconds",
+            "Time from a session's first input frame to its first output frame sent",
+            buckets=_FIRST_AUDIO_BUCKETS_S,
+            registry=r,
+        )
+        self.frames_dropped = Counter(
+            "duplex_frames_dropped_total",
+            "Frames lost: late_input (silence fed instead), input_overflow (client faster than real time), "
+            "slow_client (output not read in time)",
+            ["reason"],
+            registry=r,
+        )
+        self.admissions_refused = Counter(
+            "duplex_admissions_refused_total", "Sessions refused, by reason", ["reason"], registry=r
+        )
+        self.sessions_started = Counter("duplex_sessions_started_total", "Sessions admitted", registry=r)
+        self.sessions_ended = Counter("duplex_sessions_ended_total", "Sessions ended, by reason", ["reason"], registry=r)
+        self.protocol_errors = Counter(
+            "duplex_protocol_errors_total", "Malformed client input, by reason", ["reason"], registry=r
+        )
+        self.redis_errors = Counter("duplex_redis_errors_total", "Failed Redis operations, by op", ["op"], registry=r)
+        self.redis_backlog = Gauge("duplex_redis_backlog_ops", "Session-store writes waiting for Redis", registry=r)
+        self.gpu_memory_allocated = Gauge(
+            "duplex_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated on the engine's GPU", registry=r
+        )
+        for reason in ("late_input", "input_overflow", "slow_client"):
+            self.frames_dropped.labels(reason=reason)
+        for reason in ("node_full", "draining", "bad_request"):
+            self.admissions_refused.labels(reason=reason)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of the registry."""
+        return generate_latest(self.registry)

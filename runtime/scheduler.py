@@ -1,0 +1,242 @@
+"""The slot scheduler: which session holds which slot, and the tick thread that drives the engine.
+
+Threads: the asyncio event loop (sockets) and one tick thread (the model). They meet here only:
+
+- admission and release: a lock-guarded free-slot list; joins and leaves are queued and applied by the
+  tick thread at the start of the next tick (so a disconnect frees its slot at the next tick);
+- input: each session's inbox is a deque the event loop appends frames to and the tick thread pops one
+  frame per tick from (deque append/popleft are atomic);
+- output: the tick thread hands each produced frame and text piece to the event loop with
+  ``loop.call_soon_threadsafe``; it never waits on a socket.
+
+The tick thread paces itself on a monotonic clock at one tick per 80 ms frame. A session whose frame has
+not arrived gets silence for that tick; a tick that overruns the frame is counted and the next starts at
+once; a tick loop that falls more than a frame behind re-anchors its clock rather than bursting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import sentencepiece
+
+from runtime.engine import TEXT_PADDING_IDS, BatchEngine, PromptStep
+from runtime.metrics import RuntimeMetrics
+from runtime.model_presets import FRAME_MS, FRAME_SAMPLES
+from runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class SlotSession:
+    """A session as the scheduler sees it. Created by the server, one per admitted connection.
+
+    Attributes:
+        session_id: unique id (registry key).
+        sampling: the session's sampling settings.
+        prompt: persona prompt steps to feed before the conversation.
+        on_output: called on the event loop with ``(pcm [1920] float32 or None, text piece or None)``.
+        on_prompt_done: called on the event loop once the slot is LIVE (send the handshake then).
+        max_inbox_frames: input frames held before the oldest are dropped (client faster than real time).
+    """
+
+    session_id: str
+    sampling: SamplingParams
+    prompt: list[PromptStep]
+    on_output: Callable[[np.ndarray | None, str | None], None]
+    on_prompt_done: Callable[[], None]
+    max_inbox_frames: int = 8
+    slot: int = -1
+    inbox: deque[np.ndarray] = field(default_factory=deque)
+    started_input: bool = False
+    first_input_at: float | None = None
+
+    def push_frame(self, frame: np.ndarray) -> bool:
+        """Queue one ``[1920]`` float32 input frame; returns False if the oldest frame was dropped."""
+        if self.first_input_at is None:
+            self.first_input_at = time.monotonic()
+        self.inbox.append(frame)
+        self.started_input = True
+        if len(self.inbox) > self.max_inbox_frames:
+            try:
+                self.inbox.popleft()
+            except IndexError:
+                pass
+            return False
+        return True
+
+
+class NodeFull(Exception):
+    """Every slot is taken."""
+
+
+class SlotScheduler:
+    """Assigns slots and runs the tick thread.
+
+    Args:
+        engine: the batch engine; only the tick thread touches it after :meth:`start`.
+        tokenizer: to turn text tokens into pieces (ids 0 and 3 are padding and dropped).
+        metrics: where ticks, drops and latencies are counted.
+        loop: the event loop that owns the sessions' sockets.
+        frame_ms: the tick period (80 ms at 12.5 Hz).
+    """
+
+    def __init__(
+        self,
+        engine: BatchEngine,
+        tokenizer: sentencepiece.SentencePieceProcessor,
+        metrics: RuntimeMetrics,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        frame_ms: float = FRAME_MS,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.loop = loop
+        self.frame_s = frame_ms / 1e3
+        self.slots = engine.slots
+        self._vocab_size = tokenizer.vocab_size()
+        self._lock = threading.Lock()
+        self._free = list(range(self.slots))
+        self._sessions: list[SlotSession | None] = [None] * self.slots
+        self._commands: queue.SimpleQueue[tuple[str, SlotSession]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tick-loop", daemon=True)
+        self.ticks_run = 0
+        self.last_error: BaseException | None = None
+        metrics.slots_total.set(self.slots)
+
+    # --- event-loop side ------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def admit(self, session: SlotSession) -> int:
+        """Give ``session`` a slot; it joins the batch at the next tick.
+
+        Raises:
+            NodeFull: no slot is free (the caller refuses the session).
+        """
+        with self._lock:
+            if not self._free:
+                raise NodeFull(f"all {self.slots} slots are in use")
+            session.slot = self._free.pop(0)
+        self._commands.put(("join", session))
+        self._wake.set()
+        self.metrics.active_sessions.set(self.slots - self.free_slots)
+        return session.slot
+
+    def release(self, session: SlotSession) -> None:
+        """Free ``session``'s slot at the next tick. Idempotent."""
+        if session.slot >= 0:
+            self._commands.put(("leave", session))
+            self._wake.set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # --- tick thread ----------------------------------------------------------------------------------
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                action, session = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            slot = session.slot
+            if action == "join":
+                self._sessions[slot] = session
+                self.engine.join(slot, session.sampling, session.prompt)
+                if not session.prompt:
+                    self.loop.call_soon_threadsafe(session.on_prompt_done)
+            elif self._sessions[slot] is session:
+                self.engine.leave(slot)
+                self._sessions[slot] = None
+                session.slot = -1
+                with self._lock:
+                    self._free.append(slot)
+                    self._free.sort()
+                self.metrics.active_sessions.set(self.slots - len(self._free))
+
+    def _text_piece(self, token: int) -> str | None:
+        if token < 0 or token in TEXT_PADDING_IDS or token >= self._vocab_size:
+            return None
+        return self.tokenizer.id_to_piece(int(token)).replace("\u2581", " ")
+
+    def _run(self) -> None:
+        next_tick = time.monotonic()
+        pcm_in = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
+        active = np.zeros(self.slots, dtype=bool)
+        while not self._stop.is_set():
+            self._apply_commands()
+            busy = [s for s in self._sessions if s is not None]
+            if not busy:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                next_tick = time.monotonic()
+                continue
+            pcm_in[:] = 0.0
+            active[:] = False
+            for session in busy:
+                if not session.started_input:
+                    continue
+                active[session.slot] = True
+                try:
+                    pcm_in[session.slot] = session.inbox.popleft()
+                except IndexError:
+                    self.metrics.frames_dropped.labels(reason="late_input").inc()
+            try:
+                result = self.engine.tick(pcm_in, active)
+            except BaseException as exc:  # a model failure must be loud, not a silent dead thread
+                self.last_error = exc
+                log.exception("tick failed; the tick loop stops and /healthz turns unhealthy")
+                raise
+            self.ticks_run += 1
+            tick_s = result.timings.total_ms / 1e3
+            self.metrics.ticks_total.inc()
+            self.metrics.tick_duration.observe(tick_s)
+            if tick_s > self.frame_s:
+                self.metrics.ticks_over_budget.inc()
+            for session in busy:
+                slot = session.slot
+                if slot < 0:
+                    continue
+                pcm = result.pcm[slot].copy() if result.audio_ready[slot] else None
+                piece = self._text_piece(int(result.text_tokens[slot]))
+                if pcm is not None or piece is not None:
+                    self.loop.call_soon_threadsafe(session.on_output, pcm, piece)
+            for slot in result.prompt_finished:
+                finished = self._sessions[slot]
+                if finished is not None:
+                    self.loop.call_soon_threadsafe(finished.on_prompt_done)
+            memory = self.engine.memory_allocated_bytes()
+            if memory is not None:
+                self.metrics.gpu_memory_allocated.set(memory)
+            next_tick += self.frame_s
+            delay = next_tick - time.monotonic()
+            if delay > 0:
+                self._stop.wait(delay)
+            elif -delay > self.frame_s:
+                next_tick = time.monotonic()

@@ -1,0 +1,226 @@
+"""Audio payload <-> 1920-sample frame converters: PCM exactness, Opus round trip, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import sphn
+
+from runtime.audio_codec import (
+    OpusFrameAssembler,
+    OpusFrameEncoder,
+    PcmFrameAssembler,
+    PcmFrameEncoder,
+    make_codec,
+)
+from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.protocol import AudioFormat, ProtocolError
+
+FRAME_BYTES = 2 * FRAME_SAMPLES
+
+
+def sine(seconds: float, frequency_hz: float = 440.0, amplitude: float = 0.5) -> np.ndarray:
+    t = np.arange(int(seconds * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
+    return (amplitude * np.sin(2 * np.pi * frequency_hz * t)).astype(np.float32)
+
+
+def frames_of(pcm: np.ndarray) -> list[np.ndarray]:
+    whole = pcm.size // FRAME_SAMPLES * FRAME_SAMPLES
+    return list(pcm[:whole].reshape(-1, FRAME_SAMPLES))
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+
+
+# ------------------------------------------------------------------------------------------------
+# PCM
+# ------------------------------------------------------------------------------------------------
+
+
+def test_pcm_round_trip_is_exact_for_every_int16_value() -> None:
+    every_int16 = np.arange(-32768, 32768, dtype=np.int64)
+    values = np.concatenate([every_int16, np.zeros(35 * FRAME_SAMPLES - every_int16.size, dtype=np.int64)])
+    payload = values.astype("<i2").tobytes()
+    assembler = PcmFrameAssembler(max_buffered_frames=64)
+    frames = assembler.push(payload)
+    assert len(frames) == 35 and assembler.pending_samples == 0
+    for frame in frames:
+        assert frame.shape == (FRAME_SAMPLES,) and frame.dtype == np.float32
+    pcm = np.concatenate(frames)
+    assert pcm.min() == -1.0 and pcm.max() < 1.0
+    encoder = PcmFrameEncoder()
+    assert b"".join(encoder.encode(frame) for frame in frames) == payload
+
+
+def test_pcm_frames_span_messages() -> None:
+    samples = (np.arange(3 * FRAME_SAMPLES + 100) % 2000 - 1000).astype("<i2")
+    payload = samples.tobytes()
+    # Cut at odd sample counts so every frame is built from several messages.
+    cuts = [0, 2 * 7, 2 * 1000, 2 * 1921, 2 * 3000, 2 * 5759, 2 * 5760, len(payload)]
+    assembler = PcmFrameAssembler(max_buffered_frames=4)
+    per_push = [assembler.push(payload[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert [len(frames) for frames in per_push] == [0, 0, 1, 0, 1, 1, 0]
+    assert assembler.pending_samples == 100
+    got = np.concatenate([frame for frames in per_push for frame in frames])
+    assert np.array_equal(np.rint(got * 32768).astype(np.int16), samples[: 3 * FRAME_SAMPLES])
+
+
+def test_pcm_odd_payload_is_bad_pcm_and_keeps_state() -> None:
+    assembler = PcmFrameAssembler(max_buffered_frames=4)
+    assert assembler.push(b"\x01\x00" * 10) == []
+    with pytest.raises(ProtocolError) as info:
+        assembler.push(b"\x00\x01\x02")
+    assert info.value.reason == "bad_pcm"
+    assert "3 bytes" in info.value.message and "Int16 little-endian" in info.value.message
+    assert assembler.pending_samples == 10
+
+
+def test_pcm_too_many_frames_in_one_push_is_too_fast_and_keeps_state() -> None:
+    assembler = PcmFrameAssembler(max_buffered_frames=2)
+    assert assembler.push(b"\x00\x00" * 100) == []
+    with pytest.raises(ProtocolError) as info:
+        assembler.push(b"\x00\x00" * (3 * FRAME_SAMPLES))
+    assert info.value.reason == "too_fast"
+    assert "3 frames" in info.value.message and "at most 2 frames" in info.value.message
+    assert assembler.pending_samples == 100
+    # Exactly max_buffered_frames frames in one push is fine.
+    assert len(assembler.push(b"\x00\x00" * (2 * FRAME_SAMPLES - 100))) == 2
+
+
+def test_pcm_empty_payload_yields_nothing() -> None:
+    assert PcmFrameAssembler(max_buffered_frames=1).push(b"") == []
+
+
+def test_pcm_encoder_clips_and_cleans() -> None:
+    frame = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+    frame[:5] = [2.0, -2.0, np.nan, np.inf, -np.inf]
+    samples = np.frombuffer(PcmFrameEncoder().encode(frame), dtype="<i2")
+    assert samples.size == FRAME_SAMPLES
+    assert samples[:5].tolist() == [32767, -32768, 0, 32767, -32768]
+
+
+@pytest.mark.parametrize("encoder", [PcmFrameEncoder(), OpusFrameEncoder()], ids=["pcm", "opus"])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        np.zeros(FRAME_SAMPLES - 1, np.float32),
+        np.zeros((1, FRAME_SAMPLES), np.float32),
+        np.array(["a"] * 1920),
+    ],
+    ids=["short", "2d", "strings"],
+)
+def test_encoders_refuse_frames_of_wrong_shape(encoder: object, frame: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="1920"):
+        encoder.encode(frame)  # type: ignore[attr-defined]
+
+
+def test_max_buffered_frames_must_be_positive() -> None:
+    for cls in (PcmFrameAssembler, OpusFrameAssembler):
+        with pytest.raises(ValueError):
+            cls(max_buffered_frames=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Opus
+# ------------------------------------------------------------------------------------------------
+
+
+def test_opus_round_trip_of_a_sine_keeps_length_energy_and_pitch() -> None:
+    pcm = sine(2.0)
+    encoder = OpusFrameEncoder()
+    pages = [encoder.encode(frame) for frame in frames_of(pcm)]
+    assert pages[0].startswith(b"OggS")
+    assembler = OpusFrameAssembler(max_buffered_frames=4)
+    decoded = [frame for page in pages if page for frame in assembler.push(page)]
+    assert len(decoded) == 25  # 2 s / 80 ms
+    for frame in decoded:
+        assert frame.shape == (FRAME_SAMPLES,) and frame.dtype == np.float32
+    out = np.concatenate(decoded)
+    steady_in, steady_out = pcm[SAMPLE_RATE_HZ // 4 :], out[SAMPLE_RATE_HZ // 4 :]
+    assert rms(steady_out) == pytest.approx(rms(steady_in), rel=0.15)
+    spectrum = np.abs(np.fft.rfft(steady_out))
+    peak_hz = np.argmax(spectrum) * SAMPLE_RATE_HZ / steady_out.size
+    assert peak_hz == pytest.approx(440.0, abs=5.0)
+
+
+def test_opus_pages_split_across_messages_decode_the_same() -> None:
+    encoder = OpusFrameEncoder()
+    stream = b"".join(encoder.encode(frame) for frame in frames_of(sine(0.8)))
+    whole = OpusFrameAssembler(max_buffered_frames=20).push(stream)
+    assembler = OpusFrameAssembler(max_buffered_frames=20)
+    pieces = [stream[i : i + 37] for i in range(0, len(stream), 37)]
+    split = [frame for piece in pieces for frame in assembler.push(piece)]
+    assert len(whole) == len(split) == 10
+    assert np.array_equal(np.concatenate(whole), np.concatenate(split))
+
+
+def test_opus_too_many_frames_in_one_push_is_too_fast_and_stream_continues() -> None:
+    encoder = OpusFrameEncoder()
+    pages = [encoder.encode(frame) for frame in frames_of(sine(1.2))]
+    assembler = OpusFrameAssembler(max_buffered_frames=3)
+    with pytest.raises(ProtocolError) as info:
+        assembler.push(b"".join(pages[:8]))
+    assert info.value.reason == "too_fast"
+    assert not assembler.failed
+    assert sum(len(assembler.push(page)) for page in pages[8:]) == len(pages) - 8
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"this is not an ogg stream at all, just text", bytes(range(256)) * 4, b"OggS" + b"\xff" * 200],
+    ids=["text", "bytes", "bad-ogg-header"],
+)
+def test_opus_garbage_is_bad_opus_and_the_stream_stays_failed(garbage: bytes) -> None:
+    assembler = OpusFrameAssembler(max_buffered_frames=4)
+    with pytest.raises(ProtocolError) as info:
+        assembler.push(garbage)
+    assert info.value.reason == "bad_opus"
+    assert "Ogg/Opus" in info.value.message
+    assert assembler.failed
+    good = OpusFrameEncoder().encode(sine(0.08))
+    with pytest.raises(ProtocolError) as again:
+        assembler.push(good)
+    assert again.value.reason == "bad_opus" and "already failed" in again.value.message
+
+
+def test_opus_short_garbage_is_reported_on_a_later_push() -> None:
+    """sphn buffers fewer bytes than an Ogg page header without looking at them."""
+    assembler = OpusFrameAssembler(max_buffered_frames=4)
+    assert assembler.push(b"garbage") == []
+    with pytest.raises(ProtocolError) as info:
+        assembler.push(b"x" * 100)
+    assert info.value.reason == "bad_opus"
+
+
+def test_sphn_behaviour_on_garbage_is_what_the_assembler_expects() -> None:
+    """Pin sphn's behaviour: ValueError on non-Ogg bytes, silence on a short prefix."""
+    reader = sphn.OpusStreamReader(SAMPLE_RATE_HZ)
+    assert reader.append_bytes(b"junk").size == 0
+    with pytest.raises(ValueError, match="capture pattern"):
+        reader.append_bytes(b"more junk than a page header needs to hold, more junk")
+
+
+def test_opus_encoder_survives_silence_clipping_and_nan() -> None:
+    encoder = OpusFrameEncoder()
+    frames = [np.zeros(FRAME_SAMPLES, np.float32), np.full(FRAME_SAMPLES, 3.0, np.float32)]
+    frames.append(np.full(FRAME_SAMPLES, np.nan, np.float32))
+    stream = b"".join(encoder.encode(frame) for frame in frames)
+    decoded = OpusFrameAssembler(max_buffered_frames=4).push(stream)
+    assert len(decoded) == 3
+    assert all(np.all(np.abs(frame) <= 1.0) for frame in decoded)
+
+
+# ------------------------------------------------------------------------------------------------
+# Factory
+# ------------------------------------------------------------------------------------------------
+
+
+def test_make_codec_picks_the_pair_for_the_format() -> None:
+    assembler, encoder = make_codec(AudioFormat.PCM, max_buffered_frames=5)
+    assert isinstance(assembler, PcmFrameAssembler) and isinstance(encoder, PcmFrameEncoder)
+    assert assembler.max_buffered_frames == 5
+    assembler, encoder = make_codec("opus", max_buffered_frames=5)
+    assert isinstance(assembler, OpusFrameAssembler) and isinstance(encoder, OpusFrameEncoder)
+    with pytest.raises(ValueError):
+        make_codec("wav", max_buffered_frames=5)

@@ -1,0 +1,416 @@
+"""SessionStore against a real redis-server: round trip, TTLs, order, outages, overflow, close."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as redis
+
+from runtime.session_store import SessionRecord, SessionStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _record(slot: int = 0, persona: str = "NATF2", node: str = "node-a") -> SessionRecord:
+    return SessionRecord(
+        session_id=str(uuid.uuid4()),
+        node_id=node,
+        slot=slot,
+        started_at_unix_s=time.time(),
+        persona=persona,
+        audio_format="opus",
+    )
+
+
+async def _wait_until(cond: Callable[[], bool], timeout_s: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def _flushed(store: SessionStore, timeout_s: float = 15.0) -> None:
+    await _wait_until(lambda: store.connected and store.backlog == 0, timeout_s, "store flushed")
+
+
+class _Probe:
+    """Collects on_error names and on_backlog values."""
+
+    def __init__(self) -> None:
+        self.errors: Counter[str] = Counter()
+        self.backlog: list[int] = []
+
+    def on_error(self, name: str) -> None:
+        self.errors[name] += 1
+
+    def on_backlog(self, n: int) -> None:
+        self.backlog.append(n)
+
+
+@pytest.fixture
+async def raw(redis_server) -> AsyncIterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+def _store(url: str, probe: _Probe, **kw) -> SessionStore:
+    kw.setdefault("retry_initial_s", 0.05)
+    kw.setdefault("retry_max_s", 0.2)
+    return SessionStore(url, "node-a", on_error=probe.on_error, on_backlog=probe.on_backlog, **kw)
+
+
+async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
+    probe = _Probe()
+    store = _store(redis_server.url, probe, session_ttl_s=600, transcript_ttl_s=300)
+    await store.start()
+    rec = _record(slot=3)
+    store.register_session(rec)
+    for piece in ["Hello", ", ", "world", "!"]:
+        store.append_transcript(rec.session_id, piece)
+    await _flushed(store)
+
+    sess = await store.get_session(rec.session_id)
+    assert sess == {
+        "id": rec.session_id,
+        "node": "node-a",
+        "slot": "3",
+        "started_at": repr(rec.started_at_unix_s),
+        "persona": "NATF2",
+        "format": "opus",
+        "state": "active",
+    }
+    assert float(sess["started_at"]) == rec.started_at_unix_s
+    assert await store.get_transcript(rec.session_id) == "Hello, world!"
+    assert await store.active_sessions() == {rec.session_id}
+
+    store.end_session(rec.session_id, "client_closed")
+    await _flushed(store)
+    sess = await store.get_session(rec.session_id)
+    assert sess is not None
+    assert sess["state"] == "ended"
+    assert sess["end_reason"] == "client_closed"
+    assert abs(float(sess["ended_at"]) - time.time()) < 60
+    assert await store.active_sessions() == set()
+    assert await store.get_transcript("nope") == ""
+    assert await store.get_session("nope") is None
+
+    hkey = f"duplex:session:{rec.session_id}"
+    tkey = f"duplex:transcript:{rec.session_id}"
+    assert 0 < await raw.ttl(hkey) <= 600
+    assert 0 < await raw.ttl(tkey) <= 300
+    assert await raw.ttl("duplex:node:node-a:writer") > 0
+    assert await raw.type(tkey) == "string"
+    assert await raw.type(hkey) == "hash"
+
+    assert probe.errors == Counter()
+    assert probe.backlog[-1] == 0 and max(probe.backlog) >= 1
+    assert await store.close() == 0
+
+
+async def test_node_set_ttl_and_custom_prefix(redis_server, raw) -> None:
+    store = _store(redis_server.url, _Probe(), key_prefix="t1", session_ttl_s=120)
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    await _flushed(store)
+    assert await raw.smembers("t1:node:node-a:sessions") == {rec.session_id}
+    assert 0 < await raw.ttl("t1:node:node-a:sessions") <= 120
+    assert await raw.exists(f"duplex:session:{rec.session_id}") == 0
+    await store.close()
+
+
+async def test_order_preserved_across_sessions_and_batches(redis_server) -> None:
+    store = _store(redis_server.url, _Probe())
+    await store.start()
+    recs = [_record(slot=i) for i in range(3)]
+    for rec in recs:
+        store.register_session(rec)
+    expected: dict[str, list[str]] = {rec.session_id: [] for rec in recs}
+    for i in range(2500):  # more than one batch (BATCH_MAX_OPS) of interleaved appends
+        rec = recs[i % 3]
+        piece = f"<{i}>"
+        store.append_transcript(rec.session_id, piece)
+        expected[rec.session_id].append(piece)
+        if i % 400 == 0:
+            await asyncio.sleep(0)  # let the writer run between bursts
+    store.end_session(recs[1].session_id, "done")
+    await _flushed(store)
+    for rec in recs:
+        assert await store.get_transcript(rec.session_id) == "".join(expected[rec.session_id])
+    assert await store.active_sessions() == {recs[0].session_id, recs[2].session_id}
+    await store.close()
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["restart_empty", "restart_with_data"])
+async def test_outage_audio_path_keeps_going_then_catches_up(redis_server, save: bool) -> None:
+    probe = _Probe()
+    store = _store(redis_server.url, probe)
+    await store.start()
+    a, b = _record(slot=0), _record(slot=1)
+    store.register_session(a)
+    pieces = [f"a{i} " for i in range(20)]
+    for p in pieces:
+        store.append_transcript(a.session_id, p)
+    await _flushed(store)
+    assert await store.get_transcript(a.session_id) == "".join(pieces)
+
+    redis_server.stop(save=save)  # save=False: Redis comes back empty; True: it reloads its data
+
+    # The audio path keeps calling at frame rate; every call returns at once and never raises.
+    c = _record(slot=2)
+    durations: list[float] = []
+
+    def timed(fn, *args) -> None:
+        t0 = time.perf_counter()
+        fn(*args)
+        durations.append(time.perf_counter() - t0)
+
+    timed(store.register_session, b)
+    timed(store.register_session, c)
+    more_a: list[str] = []
+    more_b: list[str] = []
+    more_c: list[str] = []
+    for i in range(60):
+        for rec, acc, tag in ((a, more_a, "A"), (b, more_b, "B"), (c, more_c, "C")):
+            piece = f"{tag}{i} "
+            acc.append(piece)
+            timed(store.append_transcript, rec.session_id, piece)
+        if i == 30:
+            timed(store.end_session, c.session_id, "hangup")
+        if i > 30:
+            more_c.pop()  # appends after end are ignored (counted as unknown_session)
+        await asyncio.sleep(0.005)
+    await _wait_until(lambda: probe.errors["write"] + probe.errors["resync"] >= 2, what="failures counted")
+    assert not store.connected
+    assert store.backlog > 0
+    assert max(durations) < 0.05, f"slowest call {max(durations) * 1e3:.1f} ms"  # loose: returns, not fast
+    assert probe.errors["unknown_session"] == 29
+
+    redis_server.start()  # same port
+    await _flushed(store)
+
+    assert await store.get_transcript(a.session_id) == "".join(pieces + more_a)
+    assert await store.get_transcript(b.session_id) == "".join(more_b)
+    assert await store.get_transcript(c.session_id) == "".join(more_c)
+    assert await store.active_sessions() == {a.session_id, b.session_id}
+    for rec in (a, b):
+        sess = await store.get_session(rec.session_id)
+        assert sess is not None and sess["state"] == "active" and sess["slot"] == str(rec.slot)
+    sess_c = await store.get_session(c.session_id)
+    assert sess_c is not None and sess_c["state"] == "ended" and sess_c["end_reason"] == "hangup"
+
+    # And the connection pool really reconnected: later writes land too.
+    store.append_transcript(a.session_id, "tail")
+    store.end_session(a.session_id, "done")
+    await _flushed(store)
+    assert (await store.get_transcript(a.session_id)).endswith("A59 tail")
+    assert await store.active_sessions() == {b.session_id}
+    assert probe.errors["backlog_overflow"] == 0
+    await store.close()
+
+
+async def test_data_loss_without_connection_error_is_detected(redis_server, raw) -> None:
+    probe = _Probe()
+    store = _store(redis_server.url, probe)
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    store.append_transcript(rec.session_id, "one ")
+    await _flushed(store)
+    await raw.flushall()  # Redis loses everything while the store's connection stays up
+    store.append_transcript(rec.session_id, "two")
+    await _flushed(store)
+    await _wait_until(lambda: store.backlog == 0 and not store._need_resync, what="resync")
+    assert await store.get_transcript(rec.session_id) == "one two"
+    assert (await store.get_session(rec.session_id) or {}).get("state") == "active"
+    assert await store.active_sessions() == {rec.session_id}
+    assert sum(probe.errors.values()) == 0
+    await store.close()
+
+
+async def test_backlog_overflow_drops_oldest_appends_first(redis_server) -> None:
+    probe = _Probe()
+    store = _store(redis_server.url, probe, max_backlog_ops=10)
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    store.append_transcript(rec.session_id, "kept-before ")
+    await _flushed(store)
+    redis_server.stop()
+
+    other = _record(slot=1)
+    store.register_session(other)  # never dropped
+    pieces = [f"p{i} " for i in range(50)]
+    for p in pieces:  # no await in between: the writer cannot take any of them in flight
+        store.append_transcript(rec.session_id, p)
+    assert store.backlog == 10
+    assert probe.errors["backlog_overflow"] == 41  # 51 ops queued, 10 kept (the register + 9 appends)
+    assert probe.backlog[-1] == 10
+
+    redis_server.start()
+    await _flushed(store)
+    assert await store.get_transcript(rec.session_id) == "kept-before " + "".join(pieces[-9:])
+    assert await store.active_sessions() == {rec.session_id, other.session_id}
+    assert probe.errors["backlog_overflow"] == 41
+    await store.close()
+
+
+async def test_close_with_redis_down_returns_within_timeout(redis_server) -> None:
+    probe = _Probe()
+    store = _store(redis_server.url, probe)
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    await _flushed(store)
+    redis_server.stop()
+    for i in range(20):
+        store.append_transcript(rec.session_id, f"x{i}")
+    t0 = time.monotonic()
+    left = await store.close(flush_timeout_s=0.5)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 0.5 + 1.5, f"close took {elapsed:.2f} s"
+    assert left == 20
+    # After close the audio-path calls are still harmless.
+    store.append_transcript(rec.session_id, "late")
+    store.end_session(rec.session_id, "late")
+    assert probe.errors["closed"] == 2
+
+
+async def test_close_flushes_pending_ops(redis_server, raw) -> None:
+    store = _store(redis_server.url, _Probe())
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    for i in range(100):
+        store.append_transcript(rec.session_id, f"{i},")
+    store.end_session(rec.session_id, "shutdown")
+    assert await store.close(flush_timeout_s=5.0) == 0
+    assert await raw.get(f"duplex:transcript:{rec.session_id}") == "".join(f"{i}," for i in range(100))
+    assert await raw.hget(f"duplex:session:{rec.session_id}", "state") == "ended"
+
+
+async def test_redis_down_from_the_start_then_up(redis_server) -> None:
+    probe = _Probe()
+    redis_server.stop()
+    store = _store(redis_server.url, probe)
+    rec = _record()
+    store.register_session(rec)  # before start(): queued
+    await store.start()
+    store.append_transcript(rec.session_id, "early")
+    await _wait_until(lambda: probe.errors["resync"] >= 1, what="first failure")
+    assert not store.connected
+    redis_server.start()
+    await _flushed(store)
+    assert await store.get_transcript(rec.session_id) == "early"
+    assert await store.active_sessions() == {rec.session_id}
+    await store.close()
+
+
+async def test_misuse_never_raises(redis_server) -> None:
+    probe = _Probe()
+
+    def bad_callback(_: object) -> None:
+        raise RuntimeError("callback bug")
+
+    store = SessionStore(redis_server.url, "node-a", on_error=bad_callback, on_backlog=bad_callback)
+    await store.start()
+    store.append_transcript("unknown", "x")
+    store.end_session("unknown", "x")
+    store.append_transcript("unknown", "")
+    store.register_session(None)  # type: ignore[arg-type]
+    rec = _record()
+    store.register_session(rec)
+    store.append_transcript(rec.session_id, 42)  # type: ignore[arg-type]
+    await _flushed(store)
+    assert await store.get_transcript(rec.session_id) == "42"
+    await store.close()
+
+    with pytest.raises(ValueError):
+        SessionStore(redis_server.url, "n", session_ttl_s=0)
+    with pytest.raises(ValueError):
+        SessionStore(redis_server.url, "n", max_backlog_ops=0)
+    with pytest.raises(RuntimeError):
+        await store.start()
+    del probe
+
+
+async def test_redis_server_fixture_restarts_on_same_port(redis_server) -> None:
+    async def get_k() -> bytes | str | None:
+        client = redis.Redis.from_url(redis_server.url)
+        try:
+            await client.set("probe", "1")
+            return await client.get("k")
+        finally:
+            await client.aclose()
+
+    port = redis_server.port
+    client = redis.Redis.from_url(redis_server.url)
+    await client.set("k", "v")
+    await client.aclose()
+    redis_server.stop(save=True)
+    assert not redis_server.running
+    redis_server.start()
+    assert redis_server.port == port and redis_server.url.endswith(f":{port}/0")
+    assert await get_k() == b"v"
+    redis_server.stop()
+    redis_server.start()
+    assert await get_k() is None
+
+
+async def test_batch_applied_but_reply_lost_is_not_duplicated(redis_server) -> None:
+    """EXEC runs on the server, then the connection drops before the reply: no APPEND twice."""
+    probe = _Probe()
+    store = _store(redis_server.url, probe)
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    store.append_transcript(rec.session_id, "a")
+    await _flushed(store)
+
+    real_pipeline = store._redis.pipeline
+    lost: list[object] = []
+
+    def pipeline_losing_one_reply(*args, **kwargs):
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+
+        async def execute(*a, **k):
+            result = await real_execute(*a, **k)
+            if not lost:
+                lost.append(result)
+                raise redis.ConnectionError("reply lost (simulated)")
+            return result
+
+        pipe.execute = execute  # type: ignore[method-assign]
+        return pipe
+
+    store._redis.pipeline = pipeline_losing_one_reply  # type: ignore[method-assign]
+    store.append_transcript(rec.session_id, "b")
+    store.append_transcript(rec.session_id, "c")
+    await _wait_until(lambda: bool(lost) and store.connected and store.backlog == 0, what="recovery")
+    assert probe.errors["write"] == 1
+    assert await store.get_transcript(rec.session_id) == "abc"
+    await store.close()
+
+
+async def test_calls_from_another_thread(redis_server) -> None:
+    store = _store(redis_server.url, _Probe())
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+
+    def producer() -> None:
+        for i in range(2000):
+            store.append_transcript(rec.session_id, f"{i};")
+
+    await asyncio.gather(asyncio.to_thread(producer), asyncio.sleep(0.05))
+    await _flushed(store)
+    assert await store.get_transcript(rec.session_id) == "".join(f"{i};" for i in range(2000))
+    await store.close()
