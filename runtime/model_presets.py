@@ -61,10 +61,13 @@ MOSHI_7B_LM: dict[str, Any] = {
 
 PERSONAPLEX_7B_LM: dict[str, Any] = {**MOSHI_7B_LM, "dep_q": 16, "delays": list(_DELAYS_7B)}
 
-# The tiny preset keeps the codebook structure of the 7B (n_q 16, dep_q 8, card 2048, text_card 32000,
-# the same delays, weights per depformer step) and shrinks every width, depth and context.
+# The tiny preset keeps the audio codebook structure of the 7B (n_q 16, dep_q 8, card 2048, the same
+# delays, weights per depformer step) and shrinks every width, depth and context. Its text vocabulary is
+# that of its own tokenizer (256 pieces, trained by runtime.models.train_tiny_text_tokenizer).
+TINY_TEXT_VOCAB = 256
 TINY_LM: dict[str, Any] = {
     **MOSHI_7B_LM,
+    "text_card": TINY_TEXT_VOCAB,
     "dim": 128,
     "num_heads": 4,
     "num_layers": 2,

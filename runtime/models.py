@@ -31,7 +31,7 @@ from moshi.models.lm import LMModel
 from moshi.models.loaders import get_mimi
 from safetensors.torch import load_file, save_file
 
-from runtime.model_presets import ModelPreset, get_preset
+from runtime.model_presets import TINY_TEXT_VOCAB, ModelPreset, get_preset
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class ModelBundle:
         }
 
 
-def train_tiny_text_tokenizer(vocab_size: int = 256) -> sentencepiece.SentencePieceProcessor:
+def train_tiny_text_tokenizer(vocab_size: int = TINY_TEXT_VOCAB) -> sentencepiece.SentencePieceProcessor:
     """Train a small SentencePiece model on a bundled paragraph (deterministic, about 0.1 s).
 
     Ids follow Kyutai's convention for the special pieces the runtime relies on: 0 is ``<unk>`` (also the

@@ -1,0 +1,1 @@
+"""Infrastructure of the duplex runtime: the capacity planner (``infra.capacity``) and the stacks."""

@@ -1,0 +1,237 @@
+"""``duplex``: the project's command line (Typer + Rich).
+
+Commands: ``serve`` (run a node's runtime), ``demo`` (the main job on this machine: a local node with the
+tiny model serving 5 concurrent sessions of synthesised speech), ``loadgen`` (sessions against any
+node), ``bench`` (batched vs stock tick times), ``capacity`` (the capacity planner).
+Heavy imports (torch, moshi) happen inside the commands that need them, so ``--help`` and ``capacity``
+start fast and work without the runtime extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from infra.capacity.cli import app as capacity_app
+
+app = typer.Typer(
+    name="duplex",
+    help="Batched full-duplex speech-to-speech runtime (Moshi / PersonaPlex) and its deployment tools.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+app.add_typer(capacity_app, name="capacity")
+console = Console()
+
+
+def _config(**overrides: object):
+    """RuntimeConfig from DUPLEX_* environment variables, with the CLI flags that were given on top."""
+    from pydantic import ValidationError
+
+    from runtime.config import RuntimeConfig
+
+    try:
+        return RuntimeConfig(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        for error in exc.errors():
+            field = ".".join(str(p) for p in error["loc"])
+            console.print(f"[red]invalid setting {field}[/red] (DUPLEX_{field.upper()}): {error['msg']}")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(
+    model: Annotated[str | None, typer.Option(help="Model preset: tiny, moshi-7b, personaplex-7b")] = None,
+    weights: Annotated[str | None, typer.Option(help="Checkpoint directory or Hugging Face repo id")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu, cuda, cuda:N")] = None,
+    host: Annotated[str | None, typer.Option(help="Listen address")] = None,
+    port: Annotated[int | None, typer.Option(help="Listen port")] = None,
+    max_sessions: Annotated[int | None, typer.Option(help="Batch slots = concurrent sessions")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Session store, redis://...")] = None,
+    voices_dir: Annotated[Path | None, typer.Option(help="Directory of voice prompts")] = None,
+    log_level: Annotated[str, typer.Option(help="Python log level")] = "INFO",
+) -> None:
+    """Run the batched runtime until SIGTERM/SIGINT, then drain. Settings also come from DUPLEX_* env vars."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = _config(
+        model=model,
+        weights=weights,
+        device=device,
+        host=host,
+        port=port,
+        max_sessions=max_sessions,
+        redis_url=redis_url,
+        voices_dir=voices_dir,
+    )
+    from runtime.server import build_server
+
+    async def main() -> None:
+        server = build_server(config)
+        await server.start()
+        await server.serve_until_signal()
+
+    asyncio.run(main())
+
+
+def _sessions_table(title: str, results: list) -> Table:
+    table = Table(title=title)
+    for column in ("session", "handshake", "frames sent", "audio frames back", "first audio (ms)", "close"):
+        table.add_column(column)
+    table.add_column("text / error", max_width=40, no_wrap=True, overflow="ellipsis")
+    for i, r in enumerate(results):
+        table.add_row(
+            str(i),
+            "yes" if r.handshake else "no",
+            str(r.frames_sent),
+            str(r.audio_messages),
+            f"{r.first_audio_ms:.0f}" if r.first_audio_ms is not None else "-",
+            str(r.close_code),
+            (r.text.strip() or "-") if r.handshake else "; ".join(r.errors),
+        )
+    return table
+
+
+@app.command()
+def demo(
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions to stream")] = 5,
+    max_sessions: Annotated[int, typer.Option(help="Slots on the local node")] = 5,
+    redis: Annotated[bool, typer.Option(help="Start a local redis-server for the session store")] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON")] = False,
+) -> None:
+    """The main job on this machine: start a local node (tiny model, CPU), stream SESSIONS concurrent
+    sessions of synthesised speech (espeak-ng) at real-time pace, show what each got back, show that one
+    more caller is refused, and print the node's metrics. Exits 1 if any session failed."""
+    logging.basicConfig(level=logging.WARNING)
+    from runtime.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
+    from runtime.local_redis import LocalRedisError, RedisServer
+    from runtime.server import build_server
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local_redis = None
+        if redis:
+            local_redis = RedisServer(Path(tmp) / "redis")
+            try:
+                local_redis.start()
+            except LocalRedisError as exc:
+                console.print(f"[yellow]no session store: {exc}[/yellow]")
+                local_redis = None
+        config = _config(port=0, max_sessions=max_sessions, redis_url=local_redis.url if local_redis else None)
+
+        async def main() -> dict:
+            with console.status("loading the tiny model and warming up"):
+                server = build_server(config)
+                await server.start()
+            base = f"ws://127.0.0.1:{server.port}"
+            speech = [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(sessions)]
+            console.print(f"node up at {base}/api/chat with {max_sessions} slots; streaming {sessions} sessions")
+            with console.status(f"{sessions} sessions streaming at real-time pace"):
+                results = await asyncio.gather(*[run_session(session_url(base), pcm) for pcm in speech])
+                # One more caller while the node is full: wait for the slots to be released, hold all of
+                # them open, then knock.
+                assert server.scheduler is not None
+                while server.scheduler.free_slots < max_sessions:
+                    await asyncio.sleep(0.05)
+                holders = [
+                    asyncio.create_task(run_session(session_url(base), speech[0][: 1920 * 25]))
+                    for _ in range(max_sessions)
+                ]
+                await asyncio.sleep(1.0)
+                extra = await run_session(session_url(base), speech[0][:1920], tail_s=0.1)
+                await asyncio.gather(*holders)
+            metrics = server.metrics.render().decode()
+            await server.close()
+            return {"results": results, "extra": extra, "metrics": metrics}
+
+        try:
+            outcome = asyncio.run(main())
+        finally:
+            if local_redis is not None:
+                local_redis.stop()
+    results, extra = outcome["results"], outcome["extra"]
+    ok = all(r.handshake and r.audio_messages > 0 for r in results) and not extra.handshake
+    if json_out:
+        print(json.dumps({"ok": ok, "sessions": [vars(r) for r in results], "refused": vars(extra)}, default=str))
+    else:
+        console.print(_sessions_table("sessions", results))
+        console.print(f"extra caller at the cap: close code {extra.close_code}, error: {'; '.join(extra.errors)}")
+        wanted = ("duplex_tick_duration_seconds_count", "duplex_ticks_over_budget_total", "duplex_admissions_refused")
+        for line in outcome["metrics"].splitlines():
+            if line.startswith(wanted) and "_created" not in line:
+                console.print(f"  {line}")
+        console.print("[green]demo passed[/green]" if ok else "[red]demo failed[/red]")
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def loadgen(
+    url: Annotated[str, typer.Option(help="Node base URL, e.g. ws://127.0.0.1:8998")] = "ws://127.0.0.1:8998",
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions")] = 5,
+    audio_format: Annotated[str, typer.Option("--format", help="pcm or opus")] = "pcm",
+) -> None:
+    """Stream SESSIONS concurrent sessions of synthesised speech to a running node and report each."""
+    from runtime.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
+    from runtime.protocol import AudioFormat
+
+    fmt = AudioFormat(audio_format)
+    speech = [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(sessions)]
+
+    async def main() -> list:
+        return await asyncio.gather(*[run_session(session_url(url, audio_format=fmt), p, audio_format=fmt) for p in speech])
+
+    results = asyncio.run(main())
+    console.print(_sessions_table(f"{sessions} sessions against {url}", results))
+    raise typer.Exit(0 if all(r.handshake and r.audio_messages for r in results) else 1)
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Option(help="Model preset")] = "tiny",
+    device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
+    batch: Annotated[list[int] | None, typer.Option(help="Batch sizes (repeat the option)")] = None,
+    ticks: Annotated[int, typer.Option(help="Measured ticks per configuration")] = 200,
+    stock: Annotated[bool, typer.Option(help="Also measure the stock design")] = True,
+    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the rows to this JSON file")] = None,
+) -> None:
+    """Tick time of the batched engine vs B stock batch-1 generators (see runtime/bench.py)."""
+    import torch
+
+    from runtime.bench import rows_as_dicts, run_benchmark, speedups
+    from runtime.models import build_random, build_tiny
+
+    if threads:
+        torch.set_num_threads(threads)
+    sizes = batch or [1, 2, 4, 8]
+
+    def make_bundle():
+        if model == "tiny":
+            return build_tiny(device=device)
+        return build_random(model, device=device)
+
+    rows = run_benchmark(make_bundle, sizes, ticks=ticks, stock=stock, progress=lambda m: console.log(m))
+    table = Table(title=f"tick time, {model} on {device} (torch threads {torch.get_num_threads()})")
+    for column in ("design", "B", "p50 ms", "p99 ms", "real-time sessions", "p99 < 80 ms"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(
+            r.design, str(r.batch), f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}", f"{r.realtime_sessions:.1f}",
+            "yes" if r.within_budget else "no",
+        )
+    console.print(table)
+    for b, ratio in speedups(rows).items():
+        console.print(f"B={b}: batched throughput {ratio:.2f}x the stock design")
+    if json_path:
+        json_path.write_text(json.dumps({"rows": rows_as_dicts(rows), "speedups": speedups(rows)}, indent=2))
+
+
+def main() -> None:  # pragma: no cover - console entry
+    sys.exit(app())

@@ -1,0 +1,429 @@
+"""The WebSocket server: Kyutai's wire protocol on ``/api/chat``, health, readiness and metrics over HTTP.
+
+It speaks the protocol and knows nothing of tensors: frames go to the slot scheduler, frames and text
+come back from it. One :class:`ChatSession` per connection. Endpoints:
+
+- ``GET /api/chat`` (WebSocket): a conversation. Query parameters: see :func:`runtime.protocol.parse_session_query`.
+  Refusals happen after the upgrade, as a 0x05 error message naming the reason, then a close code:
+  1013 (try again later) when the node is full or draining, 1008 (policy) for a bad request.
+- ``GET /healthz``: 200 while the process and its tick thread are alive.
+- ``GET /readyz``: 200 when the model is loaded and warm, a slot is free and the node is not draining;
+  503 with a JSON reason otherwise.
+- ``GET /metrics``: Prometheus text format.
+
+Drain (SIGTERM): ``/readyz`` turns 503, new sessions are refused, running ones may finish until the grace
+period ends, then they are closed with 1001 (going away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import numpy as np
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+
+from runtime.audio_codec import make_codec
+from runtime.config import RuntimeConfig
+from runtime.engine import BatchEngine
+from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
+from runtime.models import ModelBundle
+from runtime.persona import Persona, PersonaError, VoiceCatalog, build_prompt
+from runtime.protocol import (
+    AudioMessage,
+    ProtocolError,
+    SessionRequest,
+    encode_audio,
+    encode_error,
+    encode_handshake,
+    encode_text,
+    parse_client_message,
+    parse_session_query,
+)
+from runtime.sampling import SamplingParams
+from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
+from runtime.session_store import SessionRecord, SessionStore
+
+log = logging.getLogger(__name__)
+
+CHAT_PATH = "/api/chat"
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_TRY_AGAIN_LATER = 1013
+PROMPT_TIMEOUT_S = 120.0
+"""Longest wait for a persona prompt to be fed before the handshake."""
+_FATAL_PROTOCOL_REASONS = frozenset({"bad_opus"})
+"""Errors after which the session's input cannot recover: the session is closed (1008)."""
+
+
+def sampling_from_request(request: SessionRequest) -> SamplingParams:
+    """The session's sampling settings: its query values where given, moshi's defaults elsewhere, and a
+    random seed when the session names none.
+
+    Raises:
+        ValueError: a value out of range (the message names it).
+    """
+    defaults = SamplingParams()
+    return SamplingParams(
+        audio_temperature=defaults.audio_temperature if request.audio_temperature is None else request.audio_temperature,
+        audio_top_k=defaults.audio_top_k if request.audio_topk is None else request.audio_topk,
+        text_temperature=defaults.text_temperature if request.text_temperature is None else request.text_temperature,
+        text_top_k=defaults.text_top_k if request.text_topk is None else request.text_topk,
+        seed=secrets.randbelow(2**31) if request.seed is None else request.seed,
+    )
+
+
+@dataclass
+class SessionOutcome:
+    """How a session ended, for logs, metrics and the registry."""
+
+    reason: str
+    close_code: int = CLOSE_NORMAL
+
+
+class ChatSession:
+    """One admitted conversation: its socket, codecs, slot and outbound queue."""
+
+    def __init__(self, server: DuplexServer, connection: ServerConnection, request: SessionRequest, persona: Persona):
+        self.server = server
+        self.connection = connection
+        self.request = request
+        self.persona = persona
+        self.session_id = uuid.uuid4().hex
+        config = server.config
+        self.assembler, self.encoder = make_codec(request.format, config.max_inbox_frames)
+        self.outbox: asyncio.Queue[tuple[np.ndarray | None, str | None]] = asyncio.Queue(config.max_outbox_frames)
+        self.ready = asyncio.Event()
+        self.first_audio_sent = False
+        self.frames_in = 0
+        self.frames_out = 0
+        self.slot_session: SlotSession | None = None
+
+    # Called on the event loop by the scheduler (via call_soon_threadsafe).
+    def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:
+        if self.outbox.full():
+            self.outbox.get_nowait()
+            self.server.metrics.frames_dropped.labels(reason="slow_client").inc()
+        self.outbox.put_nowait((pcm, piece))
+
+    def on_prompt_done(self) -> None:
+        self.ready.set()
+
+    async def send_loop(self) -> None:
+        metrics = self.server.metrics
+        store = self.server.store
+        while True:
+            pcm, piece = await self.outbox.get()
+            if pcm is not None:
+                payload = self.encoder.encode(pcm)
+                if not self.first_audio_sent and self.slot_session and self.slot_session.first_input_at:
+                    self.first_audio_sent = True
+                    metrics.first_audio_latency.observe(time.monotonic() - self.slot_session.first_input_at)
+                self.frames_out += 1
+                if payload:
+                    await self.connection.send(encode_audio(payload))
+            if piece is not None:
+                if store is not None:
+                    store.append_transcript(self.session_id, piece)
+                await self.connection.send(encode_text(piece))
+
+    async def receive_loop(self) -> SessionOutcome:
+        """Read client messages until the client leaves; frames go to the slot's inbox."""
+        metrics = self.server.metrics
+        assert self.slot_session is not None
+        async for message in self.connection:
+            try:
+                parsed = parse_client_message(message, max_message_bytes=self.server.config.max_message_bytes)
+                if not isinstance(parsed, AudioMessage):
+                    continue  # ping, control and metadata carry nothing the batch needs
+                if not self.ready.is_set():
+                    continue  # audio before the handshake is dropped, as moshi's server does
+                for frame in self.assembler.push(parsed.payload):
+                    self.frames_in += 1
+                    if not self.slot_session.push_frame(frame):
+                        metrics.frames_dropped.labels(reason="input_overflow").inc()
+            except ProtocolError as exc:
+                metrics.protocol_errors.labels(reason=exc.reason).inc()
+                if exc.reason == "too_fast":
+                    metrics.frames_dropped.labels(reason="input_overflow").inc()
+                await self.connection.send(encode_error(f"{exc.reason}: {exc}"))
+                if exc.reason in _FATAL_PROTOCOL_REASONS:
+                    return SessionOutcome(f"protocol_{exc.reason}", CLOSE_POLICY)
+        return SessionOutcome("client_closed")
+
+
+class DuplexServer:
+    """The batched runtime's server: one model copy, ``config.max_sessions`` slots.
+
+    Args:
+        config: validated settings.
+        bundle: the loaded models (see :func:`runtime.models.load_model`).
+        store: the Redis session store, or None to run without one.
+        metrics: metrics registry; a fresh one by default.
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        bundle: ModelBundle,
+        *,
+        store: SessionStore | None = None,
+        metrics: RuntimeMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.bundle = bundle
+        self.store = store
+        self.metrics = metrics or RuntimeMetrics()
+        self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
+        self.engine = BatchEngine(bundle, config.max_sessions)
+        self.scheduler: SlotScheduler | None = None
+        self.sessions: set[ChatSession] = set()
+        self.draining = False
+        self.warm = False
+        self._server: Server | None = None
+        self._drained = asyncio.Event()
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    def warm_up(self, frames: int = 4) -> None:
+        """Run ``frames`` silent ticks through slot 0, then free it: first-call costs leave the hot path."""
+        self.engine.join(0, SamplingParams())
+        silence = np.zeros((self.engine.slots, 1920), dtype=np.float32)
+        for _ in range(frames + 1):
+            self.engine.tick(silence)
+        self.engine.leave(0)
+        self.warm = True
+
+    async def start(self) -> None:
+        """Warm the model, start the tick thread and the store, and listen."""
+        if not self.warm:
+            await asyncio.to_thread(self.warm_up)
+        loop = asyncio.get_running_loop()
+        self.scheduler = SlotScheduler(self.engine, self.bundle.text_tokenizer, self.metrics, loop)
+        self.scheduler.start()
+        if self.store is not None:
+            await self.store.start()
+        self._server = await serve(
+            self._handle,
+            self.config.host,
+            self.config.port,
+            process_request=self._process_request,
+            max_size=self.config.max_message_bytes,
+            compression=None,
+        )
+        self.metrics.ready.set(1)
+        log.info("listening on %s:%d with %d slots", self.config.host, self.port, self.engine.slots)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stop admitting, let running sessions go on for ``grace_s`` (default the config's), then close
+        the rest with 1001 and stop listening."""
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        self.draining = True
+        self.metrics.draining.set(1)
+        self.metrics.ready.set(0)
+        log.info("draining: %d sessions, grace %.1f s", len(self.sessions), grace)
+        deadline = time.monotonic() + grace
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for session in list(self.sessions):
+            await session.connection.close(CLOSE_GOING_AWAY, "server draining")
+        while self.sessions and time.monotonic() < deadline + 5:
+            await asyncio.sleep(0.05)
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop listening, stop the tick thread, flush the store."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        if self.scheduler is not None:
+            await asyncio.to_thread(self.scheduler.stop)
+        if self.store is not None:
+            await self.store.close()
+        self._drained.set()
+
+    async def serve_until_signal(self) -> None:
+        """Serve until SIGTERM or SIGINT, then drain."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.drain()
+
+    # --- HTTP -----------------------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, reason): what ``/readyz`` answers."""
+        if self.draining:
+            return False, "draining"
+        if not self.warm or self.scheduler is None:
+            return False, "warming up"
+        if not self.scheduler.alive:
+            return False, "tick loop stopped"
+        if self.scheduler.free_slots == 0:
+            return False, f"node full: {self.engine.slots} of {self.engine.slots} slots in use"
+        return True, f"{self.scheduler.free_slots} of {self.engine.slots} slots free"
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        path = urlsplit(request.path).path
+        if path == CHAT_PATH:
+            return None
+        if path == "/healthz":
+            alive = self.scheduler is not None and self.scheduler.alive
+            return connection.respond(200 if alive else 500, "ok\n" if alive else "tick loop stopped\n")
+        if path == "/readyz":
+            ready, reason = self.readiness()
+            body = json.dumps({"ready": ready, "reason": reason}) + "\n"
+            return _response(200 if ready else 503, body.encode(), "application/json")
+        if path == "/metrics":
+            if self.store is not None:
+                self.metrics.redis_backlog.set(self.store.backlog)
+            return _response(200, self.metrics.render(), PROMETHEUS_CONTENT_TYPE)
+        return connection.respond(404, f"no route {path}; try {CHAT_PATH}, /healthz, /readyz, /metrics\n")
+
+    # --- sessions -------------------------------------------------------------------------------------
+
+    async def _refuse(self, connection: ServerConnection, reason: str, message: str, code: int) -> None:
+        self.metrics.admissions_refused.labels(reason=reason).inc()
+        log.info("refused session: %s", message)
+        try:
+            await connection.send(encode_error(message))
+            await connection.close(code, message[:120])
+        except ConnectionClosed:
+            pass
+
+    async def _handle(self, connection: ServerConnection) -> None:
+        assert self.scheduler is not None
+        query = urlsplit(connection.request.path).query if connection.request else ""
+        try:
+            request = parse_session_query(query)
+            persona = Persona(request.voice_prompt, request.text_prompt)
+            prompt = build_prompt(
+                persona,
+                self.voices,
+                self.bundle.text_tokenizer,
+                silence_codes=self.engine.silence_codes.cpu(),
+                sine_codes=self.engine.sine_codes.cpu(),
+            )
+            sampling = sampling_from_request(request)
+        except (ProtocolError, PersonaError, ValueError) as exc:
+            await self._refuse(connection, "bad_request", f"bad request: {exc}", CLOSE_POLICY)
+            return
+        if request.ignored_params:
+            log.debug("ignored query parameters: %s", ", ".join(request.ignored_params))
+        if self.draining:
+            await self._refuse(
+                connection, "draining", "node is draining for shutdown; connect to another node", CLOSE_TRY_AGAIN_LATER
+            )
+            return
+        session = ChatSession(self, connection, request, persona)
+        session.slot_session = SlotSession(
+            session.session_id,
+            sampling,
+            prompt,
+            on_output=session.on_output,
+            on_prompt_done=session.on_prompt_done,
+            max_inbox_frames=self.config.max_inbox_frames,
+        )
+        try:
+            slot = self.scheduler.admit(session.slot_session)
+        except NodeFull:
+            slots = self.engine.slots
+            await self._refuse(
+                connection,
+                "node_full",
+                f"node full: all {slots} slots in use (max_sessions={slots}); try again later",
+                CLOSE_TRY_AGAIN_LATER,
+            )
+            return
+        self.sessions.add(session)
+        self.metrics.sessions_started.inc()
+        if self.store is not None:
+            self.store.register_session(
+                SessionRecord(
+                    session.session_id, self.config.node_id, slot, time.time(), persona.label, request.format.value
+                )
+            )
+        outcome = SessionOutcome("client_closed")
+        sender: asyncio.Task[None] | None = None
+        try:
+            await asyncio.wait_for(session.ready.wait(), PROMPT_TIMEOUT_S)
+            await connection.send(encode_handshake())
+            sender = asyncio.create_task(session.send_loop())
+            try:
+                async with asyncio.timeout(self.config.max_session_s):
+                    outcome = await session.receive_loop()
+            except TimeoutError:
+                outcome = SessionOutcome("max_session_length")
+                await connection.send(encode_error(f"session reached max_session_s={self.config.max_session_s:g}"))
+        except ConnectionClosed:
+            outcome = SessionOutcome("client_closed")
+        except TimeoutError:
+            outcome = SessionOutcome("prompt_timeout", CLOSE_TRY_AGAIN_LATER)
+        finally:
+            self.scheduler.release(session.slot_session)
+            if sender is not None:
+                sender.cancel()
+            self.sessions.discard(session)
+            if self.draining and connection.close_code == CLOSE_GOING_AWAY:
+                outcome = SessionOutcome("drained", CLOSE_GOING_AWAY)
+            self.metrics.sessions_ended.labels(reason=outcome.reason).inc()
+            if self.store is not None:
+                self.store.end_session(session.session_id, outcome.reason)
+            log.info(
+                "session %s ended (%s): %d frames in, %d out",
+                session.session_id,
+                outcome.reason,
+                session.frames_in,
+                session.frames_out,
+            )
+        try:
+            await connection.close(outcome.close_code, outcome.reason)
+        except ConnectionClosed:
+            pass
+
+
+def _response(status: int, body: bytes, content_type: str) -> Response:
+    reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}[status]
+    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    return Response(status, reason, headers, body)
+
+
+def build_server(config: RuntimeConfig) -> DuplexServer:
+    """Load the model named by ``config`` and build the server and its store (not started)."""
+    import torch
+
+    from runtime.models import load_model
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    bundle = load_model(config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed)
+    metrics = RuntimeMetrics()
+    store = None
+    if config.redis_url:
+        store = SessionStore(
+            config.redis_url,
+            config.node_id,
+            on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
+            on_backlog=metrics.redis_backlog.set,
+        )
+    return DuplexServer(config, bundle, store=store, metrics=metrics)

@@ -1,0 +1,108 @@
+"""The ``capacity`` command: exit codes, JSON shape, tables and the Scale-5 report."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from infra.capacity.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_feasible_exits_zero_and_prints_tables():
+    r = _run("--model", "personaplex-7b", "--gpu", "l40s", "--precision", "int8", "--sessions", "5")
+    assert r.exit_code == 0, r.output
+    for title in ("GPU memory", "Tick", "First audio", "Network", "Power", "FEASIBLE"):
+        assert title in r.output
+
+
+def test_infeasible_exits_one():
+    r = _run("--model", "personaplex-7b", "--gpu", "t4", "--precision", "fp16", "--sessions", "4")
+    assert r.exit_code == 1
+    assert "INFEASIBLE" in r.output and "out of memory by" in r.output
+
+
+def test_machine_type_refusal_exits_one():
+    r = _run(
+        "--model", "moshi-7b", "--gpu", "a100-40gb", "--precision", "bf16", "--machine-type", "n1-standard-8"
+    )
+    assert r.exit_code == 1
+    assert "machine_type_cannot_carry_gpu" in r.output
+
+
+def test_json_shape():
+    r = _run(
+        "--model",
+        "moshi-7b",
+        "--gpu",
+        "h100",
+        "--precision",
+        "int8",
+        "--sessions",
+        "5",
+        "--nodes",
+        "2",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert set(d) == {"config", "model", "memory", "tick", "latency", "network", "power", "verdict"}
+    assert (
+        d["config"]["sessions"] == 5 and d["config"]["nodes"] == 2 and d["config"]["kv_precision"] == "fp16"
+    )
+    assert d["verdict"]["feasible"] is True and d["verdict"]["problems"] == []
+    assert isinstance(d["memory"]["required_bytes"], int)
+    assert {r["name"] for r in d["memory"]["per_slot"]} >= {
+        "KV cache, temporal transformer",
+        "Mimi streaming state",
+    }
+    assert d["tick"]["budget_ms"] == 64.0
+    assert d["power"]["machine_type"] == "a3-highgpu-1g"
+
+
+def test_json_infeasible_lists_reasons():
+    r = _run("--model", "tiny", "--gpu", "t4", "--precision", "bf16", "--json")
+    assert r.exit_code == 1
+    d = json.loads(r.output)
+    assert {p["reason"] for p in d["verdict"]["problems"]} == {"precision_unsupported"}
+
+
+def test_cfg_and_kv_precision_flags():
+    r = _run(
+        "--model", "moshi-7b", "--gpu", "h100", "--kv-precision", "fp8", "--cfg", "--margin", "0.1", "--json"
+    )
+    d = json.loads(r.output)
+    assert (
+        d["config"]["cfg"] is True and d["config"]["kv_precision"] == "fp8" and d["tick"]["budget_ms"] == 72.0
+    )
+
+
+def test_bad_input_exits_two_naming_field_and_values():
+    r = _run("--model", "llama", "--gpu", "l4")
+    assert r.exit_code == 2
+    assert "model" in r.output and "personaplex-7b" in r.output
+    r = _run("--model", "tiny", "--gpu", "rtx4090")
+    assert r.exit_code == 2 and "gpu" in r.output and "l40s" in r.output
+    r = _run("--model", "tiny", "--gpu", "l4", "--precision", "int2")
+    assert r.exit_code == 2 and "precision" in r.output
+    r = _run("--model", "tiny", "--gpu", "l4", "--sessions", "0")
+    assert r.exit_code == 2 and "sessions" in r.output
+    r = _run("--gpu", "l4")
+    assert r.exit_code == 2 and "model" in r.output
+
+
+def test_compare_scale5_report():
+    r = _run("--compare-scale5")
+    assert r.exit_code == 0, r.output
+    assert "DIFFERS" in r.output and "Scale-5" in r.output
+    r = _run("--compare-scale5", "--model", "moshi-7b", "--json")
+    d = json.loads(r.output)
+    assert d["model"] == "moshi-7b"
+    assert any(not row["agrees"] and row["reason"] for row in d["rows"])
+    assert {"topic", "item", "gpu", "theirs", "ours", "agrees", "reason"} <= set(d["rows"][0])
