@@ -58,7 +58,14 @@ def _row(design: str, batch: int, times_ms: list[float]) -> BenchRow:
     p50 = statistics.median(times_ms)
     p99 = _percentile(times_ms, 99)
     return BenchRow(
-        design, batch, len(times_ms), p50, p99, statistics.fmean(times_ms), batch * FRAME_MS / p50, p99 < FRAME_MS
+        design,
+        batch,
+        len(times_ms),
+        p50,
+        p99,
+        statistics.fmean(times_ms),
+        batch * FRAME_MS / p50,
+        p99 < FRAME_MS,
     )
 
 
@@ -108,7 +115,9 @@ def run_benchmark(
             progress(f"batched B={batch}")
         pcm = (rng.standard_normal((batch, FRAME_SAMPLES)) * 0.05).astype(np.float32)
         engine = _live_engine(copy.deepcopy(base) if not cuda else make_bundle(), batch)
-        rows.append(_row("batched", batch, _time_ticks(lambda e=engine, x=pcm: e.tick(x), ticks, warmup, cuda)))
+        rows.append(
+            _row("batched", batch, _time_ticks(lambda e=engine, x=pcm: e.tick(x), ticks, warmup, cuda))
+        )
         del engine
         if not stock:
             continue

@@ -124,7 +124,9 @@ def demo(
             except LocalRedisError as exc:
                 console.print(f"[yellow]no session store: {exc}[/yellow]")
                 local_redis = None
-        config = _config(port=0, max_sessions=max_sessions, redis_url=local_redis.url if local_redis else None)
+        config = _config(
+            port=0, max_sessions=max_sessions, redis_url=local_redis.url if local_redis else None
+        )
 
         async def main() -> dict:
             with console.status("loading the tiny model and warming up"):
@@ -132,7 +134,9 @@ def demo(
                 await server.start()
             base = f"ws://127.0.0.1:{server.port}"
             speech = [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(sessions)]
-            console.print(f"node up at {base}/api/chat with {max_sessions} slots; streaming {sessions} sessions")
+            console.print(
+                f"node up at {base}/api/chat with {max_sessions} slots; streaming {sessions} sessions"
+            )
             with console.status(f"{sessions} sessions streaming at real-time pace"):
                 results = await asyncio.gather(*[run_session(session_url(base), pcm) for pcm in speech])
                 # One more caller while the node is full: wait for the slots to be released, hold all of
@@ -159,11 +163,21 @@ def demo(
     results, extra = outcome["results"], outcome["extra"]
     ok = all(r.handshake and r.audio_messages > 0 for r in results) and not extra.handshake
     if json_out:
-        print(json.dumps({"ok": ok, "sessions": [vars(r) for r in results], "refused": vars(extra)}, default=str))
+        print(
+            json.dumps(
+                {"ok": ok, "sessions": [vars(r) for r in results], "refused": vars(extra)}, default=str
+            )
+        )
     else:
         console.print(_sessions_table("sessions", results))
-        console.print(f"extra caller at the cap: close code {extra.close_code}, error: {'; '.join(extra.errors)}")
-        wanted = ("duplex_tick_duration_seconds_count", "duplex_ticks_over_budget_total", "duplex_admissions_refused")
+        console.print(
+            f"extra caller at the cap: close code {extra.close_code}, error: {'; '.join(extra.errors)}"
+        )
+        wanted = (
+            "duplex_tick_duration_seconds_count",
+            "duplex_ticks_over_budget_total",
+            "duplex_admissions_refused",
+        )
         for line in outcome["metrics"].splitlines():
             if line.startswith(wanted) and "_created" not in line:
                 console.print(f"  {line}")
@@ -185,7 +199,9 @@ def loadgen(
     speech = [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(sessions)]
 
     async def main() -> list:
-        return await asyncio.gather(*[run_session(session_url(url, audio_format=fmt), p, audio_format=fmt) for p in speech])
+        return await asyncio.gather(
+            *[run_session(session_url(url, audio_format=fmt), p, audio_format=fmt) for p in speech]
+        )
 
     results = asyncio.run(main())
     console.print(_sessions_table(f"{sessions} sessions against {url}", results))
@@ -223,7 +239,11 @@ def bench(
         table.add_column(column)
     for r in rows:
         table.add_row(
-            r.design, str(r.batch), f"{r.p50_ms:.1f}", f"{r.p99_ms:.1f}", f"{r.realtime_sessions:.1f}",
+            r.design,
+            str(r.batch),
+            f"{r.p50_ms:.1f}",
+            f"{r.p99_ms:.1f}",
+            f"{r.realtime_sessions:.1f}",
             "yes" if r.within_budget else "no",
         )
     console.print(table)

@@ -36,13 +36,17 @@ class RuntimeConfig(BaseSettings):
     seed: int = Field(0, ge=0, description="Seed of the tiny preset's random weights")
     max_sessions: int = Field(5, ge=1, le=256, description="Batch slots B = concurrent sessions")
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
-    redis_url: str | None = Field(None, description="redis://[:password@]host:port/db; None disables the store")
+    redis_url: str | None = Field(
+        None, description="redis://[:password@]host:port/db; None disables the store"
+    )
     voices_dir: Path | None = Field(None, description="Directory of voice prompts (*.wav, *.pt)")
     drain_grace_s: float = Field(30.0, ge=0, description="After SIGTERM, how long running sessions may go on")
     max_session_s: float = Field(3600.0, gt=0, description="Longest session; it is closed after this")
     max_message_bytes: int = Field(65536, ge=1024, description="Largest client WebSocket message")
     max_inbox_frames: int = Field(8, ge=1, description="Input frames buffered per session (8 = 640 ms)")
-    max_outbox_frames: int = Field(25, ge=1, description="Output frames queued per session before drops (2 s)")
+    max_outbox_frames: int = Field(
+        25, ge=1, description="Output frames queued per session before drops (2 s)"
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default torch's")
 
     @field_validator("model")

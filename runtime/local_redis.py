@@ -59,7 +59,9 @@ class RedisServer:
             return
         exe = shutil.which("redis-server")
         if exe is None:
-            raise LocalRedisError("redis-server not found on PATH: install Redis >= 6 (apt-get install redis-server)")
+            raise LocalRedisError(
+                "redis-server not found on PATH: install Redis >= 6 (apt-get install redis-server)"
+            )
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - the child process owns it
         try:
             self.proc = subprocess.Popen(

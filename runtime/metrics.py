@@ -23,7 +23,9 @@ class RuntimeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.slots_total = Gauge("duplex_slots_total", "Batch slots (maximum concurrent sessions)", registry=r)
+        self.slots_total = Gauge(
+            "duplex_slots_total", "Batch slots (maximum concurrent sessions)", registry=r
+        )
         self.active_sessions = Gauge("duplex_active_sessions", "Sessions holding a slot", registry=r)
         self.draining = Gauge("duplex_draining", "1 while the process drains after SIGTERM", registry=r)
         self.ready = Gauge("duplex_ready", "1 when /readyz answers 200", registry=r)
@@ -54,12 +56,18 @@ class RuntimeMetrics:
             "duplex_admissions_refused_total", "Sessions refused, by reason", ["reason"], registry=r
         )
         self.sessions_started = Counter("duplex_sessions_started_total", "Sessions admitted", registry=r)
-        self.sessions_ended = Counter("duplex_sessions_ended_total", "Sessions ended, by reason", ["reason"], registry=r)
+        self.sessions_ended = Counter(
+            "duplex_sessions_ended_total", "Sessions ended, by reason", ["reason"], registry=r
+        )
         self.protocol_errors = Counter(
             "duplex_protocol_errors_total", "Malformed client input, by reason", ["reason"], registry=r
         )
-        self.redis_errors = Counter("duplex_redis_errors_total", "Failed Redis operations, by op", ["op"], registry=r)
-        self.redis_backlog = Gauge("duplex_redis_backlog_ops", "Session-store writes waiting for Redis", registry=r)
+        self.redis_errors = Counter(
+            "duplex_redis_errors_total", "Failed Redis operations, by op", ["op"], registry=r
+        )
+        self.redis_backlog = Gauge(
+            "duplex_redis_backlog_ops", "Session-store writes waiting for Redis", registry=r
+        )
         self.gpu_memory_allocated = Gauge(
             "duplex_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated on the engine's GPU", registry=r
         )

@@ -122,7 +122,8 @@ MIMI: dict[str, Any] = {
 
 
 def _tiny_mimi() -> dict[str, Any]:
-    """Mimi with the real strides (hop 960 at 25 Hz, downsampled to 12.5 Hz: 1920-sample frames) and tiny widths."""
+    """Mimi with the real strides (hop 960 at 25 Hz, downsampled to 12.5 Hz: 1920-sample frames),
+    tiny widths."""
     cfg = copy.deepcopy(MIMI)
     dim = 32
     cfg["seanet"].update({"dimension": dim, "n_filters": 4})
@@ -198,4 +199,6 @@ def get_preset(name: str) -> ModelPreset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
+        raise ValueError(
+            f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+        ) from None

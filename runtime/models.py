@@ -131,7 +131,9 @@ def _finish(lm: LMModel, mimi: MimiModel, device: torch.device | str, dtype: tor
     return lm, mimi
 
 
-def build_tiny(seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> ModelBundle:
+def build_tiny(
+    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> ModelBundle:
     """Build the ``tiny`` preset with random weights drawn from ``seed``.
 
     Same seed, same weights, on any machine. Used for CPU tests, the demo and the benchmark.
@@ -146,7 +148,10 @@ def build_tiny(seed: int = 0, device: torch.device | str = "cpu", dtype: torch.d
 
 
 def build_random(
-    preset_name: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, dep_q: int | None = None
+    preset_name: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    dep_q: int | None = None,
 ) -> ModelBundle:
     """Build any preset with random weights (moshi's own init), e.g. the 7B on a GPU for benchmarks.
 
@@ -173,7 +178,9 @@ def checkpoint_depformer_steps(state: Mapping[str, torch.Tensor]) -> int:
     """
     steps = {int(m.group(1)) for k in state for m in [re.match(r"^linears\.(\d+)\.weight$", k)] if m}
     if not steps:
-        raise ValueError("checkpoint has no 'linears.<i>.weight' keys: not a Moshi-architecture LM checkpoint")
+        raise ValueError(
+            "checkpoint has no 'linears.<i>.weight' keys: not a Moshi-architecture LM checkpoint"
+        )
     return max(steps) + 1
 
 
@@ -282,7 +289,11 @@ def load_checkpoint(
     preset = get_preset(preset_name)
     config = _read_config(source, revision)
     lm_kwargs = dict(preset.lm_kwargs)
-    names = {"moshi_name": LM_WEIGHTS_FILE, "mimi_name": MIMI_WEIGHTS_FILE, "tokenizer_name": TEXT_TOKENIZER_FILE}
+    names = {
+        "moshi_name": LM_WEIGHTS_FILE,
+        "mimi_name": MIMI_WEIGHTS_FILE,
+        "tokenizer_name": TEXT_TOKENIZER_FILE,
+    }
     mimi_config = preset.mimi_config
     if config is not None:
         config = dict(config)
@@ -304,8 +315,12 @@ def load_checkpoint(
     try:
         lm.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
-        raise ValueError(f"LM weights in {source} do not match the {preset_name} configuration: {exc}") from exc
-    mimi = get_mimi(str(_resolve_file(source, names["mimi_name"], revision)), mimi_config, num_codebooks=target_steps)
+        raise ValueError(
+            f"LM weights in {source} do not match the {preset_name} configuration: {exc}"
+        ) from exc
+    mimi = get_mimi(
+        str(_resolve_file(source, names["mimi_name"], revision)), mimi_config, num_codebooks=target_steps
+    )
     tokenizer = sentencepiece.SentencePieceProcessor(
         model_file=str(_resolve_file(source, names["tokenizer_name"], revision))
     )
@@ -346,7 +361,9 @@ def write_checkpoint(bundle: ModelBundle, directory: Path, *, with_config: bool 
     if with_config:
         config = {**bundle.preset.lm_kwargs, "dep_q": bundle.lm.dep_q, "mimi_config_name": MIMI_CONFIG_FILE}
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
-        (directory / MIMI_CONFIG_FILE).write_text(json.dumps(bundle.preset.mimi_config, indent=2, sort_keys=True))
+        (directory / MIMI_CONFIG_FILE).write_text(
+            json.dumps(bundle.preset.mimi_config, indent=2, sort_keys=True)
+        )
     return directory
 
 

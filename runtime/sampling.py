@@ -23,7 +23,7 @@ DEFAULT_AUDIO_TEMPERATURE = 0.8
 DEFAULT_AUDIO_TOP_K = 250
 DEFAULT_TEXT_TEMPERATURE = 0.7
 DEFAULT_TEXT_TOP_K = 25
-"""Defaults of moshi's ``LMGen`` (audio 0.8 / 250, text 0.7 / 25), which PersonaPlex's offline script also uses."""
+"""moshi's ``LMGen`` defaults (audio 0.8 / 250, text 0.7 / 25); PersonaPlex's offline script uses them too."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +174,11 @@ class SlotSamplingTable:
     def sample_audio(self, logits: torch.Tensor, codebook: int) -> torch.Tensor:
         """``[B, card]`` logits of one audio codebook -> ``[B]`` audio tokens."""
         return sample_rows(
-            logits, self.audio_temperature, self.audio_top_k, self.seed, self.step, 1 + codebook,
+            logits,
+            self.audio_temperature,
+            self.audio_top_k,
+            self.seed,
+            self.step,
+            1 + codebook,
             self.audio_top_k_bound,
         )

@@ -17,6 +17,7 @@ once; a tick loop that falls more than a frame behind re-anchors its clock rathe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -67,10 +68,8 @@ class SlotSession:
         self.inbox.append(frame)
         self.started_input = True
         if len(self.inbox) > self.max_inbox_frames:
-            try:
+            with contextlib.suppress(IndexError):
                 self.inbox.popleft()
-            except IndexError:
-                pass
             return False
         return True
 

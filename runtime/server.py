@@ -3,7 +3,8 @@
 It speaks the protocol and knows nothing of tensors: frames go to the slot scheduler, frames and text
 come back from it. One :class:`ChatSession` per connection. Endpoints:
 
-- ``GET /api/chat`` (WebSocket): a conversation. Query parameters: see :func:`runtime.protocol.parse_session_query`.
+- ``GET /api/chat`` (WebSocket): a conversation. Query parameters:
+  see :func:`runtime.protocol.parse_session_query`.
   Refusals happen after the upgrade, as a 0x05 error message naming the reason, then a close code:
   1013 (try again later) when the node is full or draining, 1008 (policy) for a bad request.
 - ``GET /healthz``: 200 while the process and its tick thread are alive.
@@ -18,6 +19,7 @@ period ends, then they are closed with 1001 (going away).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -76,9 +78,13 @@ def sampling_from_request(request: SessionRequest) -> SamplingParams:
     """
     defaults = SamplingParams()
     return SamplingParams(
-        audio_temperature=defaults.audio_temperature if request.audio_temperature is None else request.audio_temperature,
+        audio_temperature=defaults.audio_temperature
+        if request.audio_temperature is None
+        else request.audio_temperature,
         audio_top_k=defaults.audio_top_k if request.audio_topk is None else request.audio_topk,
-        text_temperature=defaults.text_temperature if request.text_temperature is None else request.text_temperature,
+        text_temperature=defaults.text_temperature
+        if request.text_temperature is None
+        else request.text_temperature,
         text_top_k=defaults.text_top_k if request.text_topk is None else request.text_topk,
         seed=secrets.randbelow(2**31) if request.seed is None else request.seed,
     )
@@ -95,7 +101,9 @@ class SessionOutcome:
 class ChatSession:
     """One admitted conversation: its socket, codecs, slot and outbound queue."""
 
-    def __init__(self, server: DuplexServer, connection: ServerConnection, request: SessionRequest, persona: Persona):
+    def __init__(
+        self, server: DuplexServer, connection: ServerConnection, request: SessionRequest, persona: Persona
+    ):
         self.server = server
         self.connection = connection
         self.request = request
@@ -103,7 +111,9 @@ class ChatSession:
         self.session_id = uuid.uuid4().hex
         config = server.config
         self.assembler, self.encoder = make_codec(request.format, config.max_inbox_frames)
-        self.outbox: asyncio.Queue[tuple[np.ndarray | None, str | None]] = asyncio.Queue(config.max_outbox_frames)
+        self.outbox: asyncio.Queue[tuple[np.ndarray | None, str | None]] = asyncio.Queue(
+            config.max_outbox_frames
+        )
         self.ready = asyncio.Event()
         self.first_audio_sent = False
         self.frames_in = 0
@@ -331,7 +341,10 @@ class DuplexServer:
             log.debug("ignored query parameters: %s", ", ".join(request.ignored_params))
         if self.draining:
             await self._refuse(
-                connection, "draining", "node is draining for shutdown; connect to another node", CLOSE_TRY_AGAIN_LATER
+                connection,
+                "draining",
+                "node is draining for shutdown; connect to another node",
+                CLOSE_TRY_AGAIN_LATER,
             )
             return
         session = ChatSession(self, connection, request, persona)
@@ -359,7 +372,12 @@ class DuplexServer:
         if self.store is not None:
             self.store.register_session(
                 SessionRecord(
-                    session.session_id, self.config.node_id, slot, time.time(), persona.label, request.format.value
+                    session.session_id,
+                    self.config.node_id,
+                    slot,
+                    time.time(),
+                    persona.label,
+                    request.format.value,
                 )
             )
         outcome = SessionOutcome("client_closed")
@@ -373,7 +391,9 @@ class DuplexServer:
                     outcome = await session.receive_loop()
             except TimeoutError:
                 outcome = SessionOutcome("max_session_length")
-                await connection.send(encode_error(f"session reached max_session_s={self.config.max_session_s:g}"))
+                await connection.send(
+                    encode_error(f"session reached max_session_s={self.config.max_session_s:g}")
+                )
         except ConnectionClosed:
             outcome = SessionOutcome("client_closed")
         except TimeoutError:
@@ -395,10 +415,8 @@ class DuplexServer:
                 session.frames_in,
                 session.frames_out,
             )
-        try:
+        with contextlib.suppress(ConnectionClosed):
             await connection.close(outcome.close_code, outcome.reason)
-        except ConnectionClosed:
-            pass
 
 
 def _response(status: int, body: bytes, content_type: str) -> Response:
@@ -416,7 +434,9 @@ def build_server(config: RuntimeConfig) -> DuplexServer:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    bundle = load_model(config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed)
+    bundle = load_model(
+        config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed
+    )
     metrics = RuntimeMetrics()
     store = None
     if config.redis_url:
