@@ -315,7 +315,7 @@ class BatchEngine:
                     mimi.set_exec_mask(ready)
                     codes_out = agent[:, : self.mimi_codebooks, None].clamp(min=0)  # [B, K, 1]
                     decoded = mimi.decode(codes_out)  # [B, 1, 1920]
-                    pcm_out[:] = decoded[:, 0].float().cpu().numpy()
+                    pcm_out[ready_cpu] = decoded[:, 0].float().cpu().numpy()[ready_cpu]
                     audio_ready = ready_cpu
                 timings.decode_ms = (time.perf_counter() - t2) * 1e3
                 tokens_cpu = tokens.cpu().numpy()

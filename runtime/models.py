@@ -41,10 +41,21 @@ TEXT_TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
 CONFIG_FILE = "config.json"
 MIMI_CONFIG_FILE = "mimi_config.json"
 
-# Depformer parameters that exist once per depformer step (codebook): ``<group>.<step>.``.
-_PER_STEP_KEY = re.compile(r"(^|\.)(depformer_in|depformer_emb|linears|gating|in_projs|out_projs)\.(\d+)\.")
+# Depformer parameters that exist once per depformer step (codebook): ``<group>.<index>.``. Only keys
+# under ``depformer*`` and the output heads ``linears.`` are per step; the temporal transformer's
+# ``self_attn.in_projs.0`` is not.
+_PER_STEP_KEY = re.compile(
+    r"^(?:depformer[^.]*(?:\.[^.]+)*?\.|)(depformer_in|depformer_emb|linears|gating|in_projs|out_projs)\.(\d+)\."
+)
 # Stacked per-step attention projections, as stored in Kyutai/NVIDIA checkpoints: [steps * rows, cols].
 _STACKED_ATTN_KEY = re.compile(r"^depformer\.layers\.\d+\.self_attn\.(in_proj_weight|out_proj\.weight)$")
+
+
+def _per_step_match(key: str) -> re.Match[str] | None:
+    if not (key.startswith("depformer") or key.startswith("linears.")):
+        return None
+    return _PER_STEP_KEY.match(key)
+
 
 _TINY_TOKENIZER_CORPUS = """\
 Hello, how are you today? I am fine, thank you. What would you like to talk about?
@@ -110,18 +121,29 @@ def train_tiny_text_tokenizer(vocab_size: int = TINY_TEXT_VOCAB) -> sentencepiec
     return sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
 
 
-def _seed_parameters(module: torch.nn.Module, seed: int) -> None:
-    """Re-initialise every parameter from ``seed``, independent of the global RNG and of build order."""
+def _seed_parameters(module: torch.nn.Module, seed: int, codebook_std: float = 1.0) -> None:
+    """Re-initialise every parameter (and Mimi's codebook buffers) from ``seed``, independent of the global
+    RNG and of build order."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(module.named_parameters()):
             if param.dim() >= 2:
-                std = 1.0 / max(1, param.shape[-1]) ** 0.5
+                fan_in = param[0].numel()  # in_features (x kernel size for convolutions)
+                std = 1.0 / max(1, fan_in) ** 0.5
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
             elif name.endswith("alpha") or name.endswith("weight"):
                 param.fill_(1.0)
             else:
                 param.zero_()
+        # Mimi's codebooks are buffers (EMA sums and usage counts), not parameters: left at their zero
+        # init, every frame would quantise to code 0 and the model would never hear its input.
+        for name, buffer in sorted(module.named_buffers()):
+            if name.endswith("embedding_sum"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * codebook_std)
+            elif name.endswith("cluster_usage"):
+                buffer.fill_(1.0)
+            elif name.endswith("_initialized"):
+                buffer.fill_(1.0)
 
 
 def _finish(lm: LMModel, mimi: MimiModel, device: torch.device | str, dtype: torch.dtype) -> tuple[Any, Any]:
@@ -190,7 +212,8 @@ def adapt_depformer_steps(state: dict[str, torch.Tensor], target_steps: int) -> 
     PersonaPlex checkpoints carry 16 steps: the agent's 8 codebooks, then the user's 8, which the runtime
     never needs (the user's real codebooks overwrite them). Since the depformer is causal over steps,
     keeping steps 0..7 gives the same agent tokens with half the depformer work (NVIDIA/personaplex PR 103
-    argues the same). The reverse (8 stored, 16 wanted) copies step i-8 into step i, as NVIDIA's loader does.
+    argues the same). The reverse (8 stored, 16 wanted) copies index i - 8 into index i, as NVIDIA's loader
+    does; ``depformer_emb`` has one entry fewer than steps, and its new entries are copied cyclically.
 
     Handles both the per-step keys (``depformer_in.<i>``, ``depformer_emb.<i>``, ``linears.<i>``,
     ``...gating.<i>``, ``...in_projs.<i>``) and the stacked attention projections that real checkpoints
@@ -209,6 +232,13 @@ def adapt_depformer_steps(state: dict[str, torch.Tensor], target_steps: int) -> 
         raise ValueError(f"cannot grow a depformer from {stored_steps} to {target_steps} steps (at most x2)")
     if stored_steps == target_steps:
         return dict(state)
+    # Entries per group as stored (depformer_emb has steps - 1); the target keeps the same offset.
+    stored_count: dict[str, int] = {}
+    for key in state:
+        match = _per_step_match(key)
+        if match:
+            group = key[: match.start(2)] + match.group(1)
+            stored_count[group] = max(stored_count.get(group, 0), int(match.group(2)) + 1)
     adapted: dict[str, torch.Tensor] = {}
     for key, tensor in state.items():
         if _STACKED_ATTN_KEY.match(key):
@@ -219,21 +249,19 @@ def adapt_depformer_steps(state: dict[str, torch.Tensor], target_steps: int) -> 
                 per_step = torch.cat([per_step, per_step[: target_steps - stored_steps]], dim=0)
             adapted[key] = per_step.reshape(-1, *tensor.shape[1:]).clone()
             continue
-        match = _PER_STEP_KEY.search(key)
+        match = _per_step_match(key)
         if match is None:
             adapted[key] = tensor
             continue
-        step = int(match.group(3))
-        if step < target_steps:
+        group = key[: match.start(2)] + match.group(1)
+        count = stored_count[group]
+        target_count = count + target_steps - stored_steps
+        index = int(match.group(2))
+        if index < target_count:
             adapted[key] = tensor
-        # Steps beyond target are dropped; steps to add are copied below.
-    for step in range(stored_steps, target_steps):
-        source_step = step - stored_steps
-        for key, tensor in state.items():
-            match = _PER_STEP_KEY.search(key)
-            if match is not None and int(match.group(3)) == source_step:
-                start, end = match.span(3)
-                adapted[key[:start] + str(step) + key[end:]] = tensor
+        for new_index in range(count, target_count):
+            if new_index % count == index:
+                adapted[key[: match.start(2)] + str(new_index) + key[match.end(2) :]] = tensor
     return adapted
 
 
@@ -333,7 +361,7 @@ def _stack_attention_projections(state: dict[str, torch.Tensor]) -> dict[str, to
     """Inverse of moshi's load hook: ``in_projs.<i>.weight`` -> stacked ``in_proj_weight`` (real layout)."""
     stacked: dict[str, torch.Tensor] = {}
     groups: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    pattern = re.compile(r"^(depformer\.layers\.\d+\.self_attn\.)(in_projs|out_projs)\.(\d+)\.weight$")
+    pattern = re.compile(r"^(.*\.self_attn\.)(in_projs|out_projs)\.(\d+)\.weight$")
     for key, tensor in state.items():
         match = pattern.match(key)
         if match:
