@@ -1,0 +1,54 @@
+"""Runtime settings and the CLI surface (no model loaded here)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from runtime.cli import app
+from runtime.config import RuntimeConfig
+
+
+def test_environment_sets_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DUPLEX_MAX_SESSIONS", "7")
+    monkeypatch.setenv("DUPLEX_MODEL", "personaplex-7b")
+    config = RuntimeConfig()
+    assert config.max_sessions == 7
+    assert config.model == "personaplex-7b"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("model", "gpt-4", "allowed: moshi-7b, personaplex-7b, tiny"),
+        ("device", "tpu", "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ("max_sessions", 0, "greater than or equal to 1"),
+        ("port", 70000, "less than or equal to 65535"),
+    ],
+)
+def test_bad_values_name_the_field_and_what_is_allowed(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        RuntimeConfig(**{field: value})
+    assert field in str(info.value)
+    assert message in str(info.value)
+
+
+def test_unknown_setting_is_refused() -> None:
+    with pytest.raises(ValidationError, match="max_session"):
+        RuntimeConfig(max_session=3)
+
+
+def test_serve_with_a_bad_env_value_exits_2_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DUPLEX_MAX_SESSIONS", "zero")
+    result = CliRunner().invoke(app, ["serve"])
+    assert result.exit_code == 2
+    assert "max_sessions" in result.output
+
+
+def test_every_command_has_help() -> None:
+    runner = CliRunner()
+    for command in ("serve", "demo", "loadgen", "bench", "capacity"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0, (command, result.output)
+        assert "Usage" in result.output
