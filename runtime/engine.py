@@ -110,10 +110,11 @@ class SlotLMGen(LMGen):
         previous = text_token
         tokens: list[torch.Tensor] = []
         assert lm_model.depformer is not None
+        noise = self.sampling.audio_noise(lm_model.dep_q, lm_model.card)  # [B, dep_q, card], one draw
         with lm_model.depformer.streaming(batch):
             for codebook in range(lm_model.dep_q):
                 logits = lm_model.forward_depformer(codebook, previous[:, None, None], transformer_out)
-                sampled = self.sampling.sample_audio(logits[:, 0, 0], codebook)
+                sampled = self.sampling.sample_audio(logits[:, 0, 0], codebook, noise[:, codebook])
                 forced = self.forcing.audio[:, codebook]
                 previous = torch.where(forced >= 0, forced, sampled)
                 tokens.append(previous)

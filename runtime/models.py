@@ -140,9 +140,7 @@ def _seed_parameters(module: torch.nn.Module, seed: int, codebook_std: float = 1
         for name, buffer in sorted(module.named_buffers()):
             if name.endswith("embedding_sum"):
                 buffer.copy_(torch.randn(buffer.shape, generator=generator) * codebook_std)
-            elif name.endswith("cluster_usage"):
-                buffer.fill_(1.0)
-            elif name.endswith("_initialized"):
+            elif name.endswith("cluster_usage") or name.endswith("_initialized"):
                 buffer.fill_(1.0)
 
 

@@ -72,23 +72,33 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def counter_uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, vocab: int) -> torch.Tensor:
+def counter_uniform(
+    seed: torch.Tensor, step: torch.Tensor, stream: int | torch.Tensor, vocab: int
+) -> torch.Tensor:
     """Uniform draws in (0, 1) from a hash of (seed, step, stream, token id).
 
     Args:
         seed: ``[B]`` int64, one per slot.
         step: ``[B]`` int64, the slot's own frame counter.
-        stream: which token stream (0 text, 1 + codebook index for audio).
+        stream: which token stream (0 text, 1 + codebook index for audio); an int, or a ``[S]`` int64
+            tensor to draw S streams at once.
         vocab: number of candidate tokens V.
     Returns:
-        ``[B, V]`` float32.
+        ``[B, V]`` float32 for an int ``stream``, ``[B, S, V]`` for a tensor.
     """
     device = seed.device
     ids = torch.arange(vocab, device=device, dtype=torch.int64)
-    row = _mix32(seed * 0x9E3779B1 + 0x7F4A7C15)
-    row = _mix32(row ^ (step * 0x85EBCA77 + stream * 0xC2B2AE3D))
-    x = _mix32(row[:, None] ^ (ids[None, :] * 0x27D4EB2F + 0x165667B1))
-    return ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    streams = torch.as_tensor(stream, dtype=torch.int64, device=device).reshape(-1)  # [S]
+    row = _mix32(seed * 0x9E3779B1 + 0x7F4A7C15)  # [B]
+    row = _mix32(row[:, None] ^ (step[:, None] * 0x85EBCA77 + streams[None, :] * 0xC2B2AE3D))  # [B, S]
+    x = _mix32(row[:, :, None] ^ (ids * 0x27D4EB2F + 0x165667B1))  # [B, S, V]
+    uniform = ((x >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    return uniform if isinstance(stream, torch.Tensor) else uniform[:, 0]
+
+
+def gumbel_noise(uniform: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel draws from uniform ones in (0, 1): ``-log(-log(u))``."""
+    return -torch.log(-torch.log(uniform))
 
 
 def sample_rows(
@@ -99,6 +109,7 @@ def sample_rows(
     step: torch.Tensor,
     stream: int,
     top_k_bound: int | None = None,
+    gumbel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sample one token per row with that row's own settings.
 
@@ -110,6 +121,8 @@ def sample_rows(
         stream: token stream index.
         top_k_bound: a host-side upper bound on ``top_k`` (default V). Passing it keeps the candidate
             search to ``topk(bound)`` instead of a full sort, with no device-to-host sync.
+        gumbel: ``[B, V]`` precomputed noise for this stream (see :meth:`SlotSamplingTable.audio_noise`);
+            drawn here from (seed, step, stream) when None.
     Returns:
         ``[B]`` int64 token ids.
     """
@@ -125,8 +138,8 @@ def sample_rows(
     safe_temperature = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / safe_temperature[:, None]
     scaled = scaled.masked_fill(logits < threshold, float("-inf"))
-    uniform = counter_uniform(seed, step, stream, vocab)
-    gumbel = -torch.log(-torch.log(uniform))
+    if gumbel is None:
+        gumbel = gumbel_noise(counter_uniform(seed, step, stream, vocab))
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)
 
@@ -171,8 +184,22 @@ class SlotSamplingTable:
             logits, self.text_temperature, self.text_top_k, self.seed, self.step, 0, self.text_top_k_bound
         )
 
-    def sample_audio(self, logits: torch.Tensor, codebook: int) -> torch.Tensor:
-        """``[B, card]`` logits of one audio codebook -> ``[B]`` audio tokens."""
+    def audio_noise(self, codebooks: int, card: int) -> torch.Tensor:
+        """Gumbel noise of every audio codebook of this step in one draw: ``[B, codebooks, card]``.
+
+        The same values :meth:`sample_audio` would draw one codebook at a time (streams 1..codebooks).
+        """
+        streams = torch.arange(1, codebooks + 1, device=self.seed.device)
+        return gumbel_noise(counter_uniform(self.seed, self.step, streams, card))
+
+    def sample_audio(
+        self, logits: torch.Tensor, codebook: int, gumbel: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[B, card]`` logits of one audio codebook -> ``[B]`` audio tokens.
+
+        Args:
+            gumbel: this codebook's ``[B, card]`` slice of :meth:`audio_noise`, or None to draw it here.
+        """
         return sample_rows(
             logits,
             self.audio_temperature,
@@ -181,4 +208,5 @@ class SlotSamplingTable:
             self.step,
             1 + codebook,
             self.audio_top_k_bound,
+            gumbel,
         )

@@ -6,7 +6,6 @@ import copy
 
 import numpy as np
 import pytest
-import torch
 
 from runtime.engine import UNGENERATED_TOKEN, BatchEngine, SlotPhase
 from runtime.models import ModelBundle, build_tiny
@@ -60,7 +59,9 @@ def _run(
 
 def test_greedy_session_is_identical_alone_and_in_a_busy_batch(tiny, speech_like) -> None:
     alone = _run(tiny, speech_like, {0: 0}, {}, SamplingParams.greedy())
-    busy = _run(tiny, speech_like, {0: 0, 1: 3, 2: 5, 3: 0, 4: 10}, {1: 20, 2: 12, 3: 30}, SamplingParams.greedy())
+    busy = _run(
+        tiny, speech_like, {0: 0, 1: 3, 2: 5, 3: 0, 4: 10}, {1: 20, 2: 12, 3: 30}, SamplingParams.greedy()
+    )
     assert len(alone[0]) >= TICKS - 3
     assert busy[0] == alone[0]
     # The others really ran (and differ from slot 0), so the batch was not idle.
@@ -131,7 +132,9 @@ def test_prompt_steps_share_the_tick_budget(tiny) -> None:
     engine = BatchEngine(copy.deepcopy(tiny), SLOTS, prompt_budget_ms=0.0)
     codes = engine.silence_codes.cpu()
     voice = VoiceCatalog({"anna": codes[:, :4]})
-    prompt = build_prompt(Persona(voice_prompt="anna"), voice, tiny.text_tokenizer, silence_codes=codes, sine_codes=codes)
+    prompt = build_prompt(
+        Persona(voice_prompt="anna"), voice, tiny.text_tokenizer, silence_codes=codes, sine_codes=codes
+    )
     engine.join(2, SamplingParams.greedy(), prompt)
     ticks = 0
     while engine.phase(2) is SlotPhase.PROMPTING:

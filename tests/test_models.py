@@ -97,7 +97,7 @@ def test_unknown_preset_lists_the_known_ones() -> None:
 
 
 def test_personaplex_checkpoint_is_cut_to_the_agent_codebooks(tmp_path: Path) -> None:
-    """A 16-step (PersonaPlex) checkpoint loads as an 8-step depformer whose steps 0..7 are the stored ones."""
+    """A 16-step (PersonaPlex) checkpoint loads as an 8-step depformer: steps 0..7 are the stored ones."""
     sixteen = _tiny_with_depformer_steps(16)
     write_checkpoint(sixteen, tmp_path)
     assert checkpoint_depformer_steps(load_file(str(tmp_path / LM_WEIGHTS_FILE))) == 16

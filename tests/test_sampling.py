@@ -14,8 +14,14 @@ def _rows(b: int, value: float, dtype=torch.float32) -> torch.Tensor:
 
 def test_temperature_zero_is_argmax() -> None:
     logits = torch.randn(4, 100)
-    got = sample_rows(logits, _rows(4, 0.0), _rows(4, 50, torch.int64), _rows(4, 1, torch.int64),
-                      _rows(4, 0, torch.int64), 0)
+    got = sample_rows(
+        logits,
+        _rows(4, 0.0),
+        _rows(4, 50, torch.int64),
+        _rows(4, 1, torch.int64),
+        _rows(4, 0, torch.int64),
+        0,
+    )
     assert torch.equal(got, logits.argmax(-1))
 
 
@@ -24,7 +30,9 @@ def test_top_k_keeps_only_the_k_best() -> None:
     top_k = torch.tensor([1, 3, 10])
     seen: list[set[int]] = [set(), set(), set()]
     for step in range(300):
-        got = sample_rows(logits, _rows(3, 2.0), top_k, _rows(3, 7, torch.int64), _rows(3, step, torch.int64), 1)
+        got = sample_rows(
+            logits, _rows(3, 2.0), top_k, _rows(3, 7, torch.int64), _rows(3, step, torch.int64), 1
+        )
         for row in range(3):
             seen[row].add(int(got[row]))
     assert seen[0] == {49}
@@ -38,8 +46,14 @@ def test_sampling_follows_the_softmax() -> None:
     counts = torch.zeros(3)
     n = 4000
     for step in range(n):
-        got = sample_rows(logits, _rows(1, 1.0), _rows(1, 3, torch.int64), _rows(1, 3, torch.int64),
-                          _rows(1, step, torch.int64), 2)
+        got = sample_rows(
+            logits,
+            _rows(1, 1.0),
+            _rows(1, 3, torch.int64),
+            _rows(1, 3, torch.int64),
+            _rows(1, step, torch.int64),
+            2,
+        )
         counts[int(got)] += 1
     expected = torch.softmax(logits[0], -1)
     assert torch.allclose(counts / n, expected, atol=0.03)
@@ -82,3 +96,14 @@ def test_table_assigns_per_slot_settings_and_counts_steps() -> None:
 def test_bad_settings_are_refused_by_name(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_batched_audio_noise_equals_per_codebook_draws() -> None:
+    table = SlotSamplingTable(3, torch.device("cpu"))
+    table.assign(0, SamplingParams(seed=11))
+    table.assign(2, SamplingParams(seed=12))
+    table.advance(torch.tensor([True, False, True]))
+    noise = table.audio_noise(4, 64)
+    for codebook in range(4):
+        one = counter_uniform(table.seed, table.step, 1 + codebook, 64)
+        assert torch.equal(noise[:, codebook], -torch.log(-torch.log(one)))
