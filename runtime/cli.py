@@ -255,3 +255,7 @@ def bench(
 
 def main() -> None:  # pragma: no cover - console entry
     sys.exit(app())
+
+
+if __name__ == "__main__":  # python -m runtime.cli
+    main()

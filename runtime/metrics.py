@@ -6,8 +6,11 @@ one and change them too.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE  # noqa: N811
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+"""The classic text format 0.0.4, which every Prometheus 2.x parses (prometheus_client's latest is 1.0.0)."""
 
 __all__ = ["RuntimeMetrics", "PROMETHEUS_CONTENT_TYPE"]
 

@@ -144,9 +144,9 @@ class ChatSession:
                 if payload:
                     await self.connection.send(encode_audio(payload))
             if piece is not None:
-                if store is not None:
-                    store.append_transcript(self.session_id, piece)
                 await self.connection.send(encode_text(piece))
+                if store is not None:  # after the send: the transcript holds what the client was sent
+                    store.append_transcript(self.session_id, piece)
 
     async def receive_loop(self) -> SessionOutcome:
         """Read client messages until the client leaves; frames go to the slot's inbox."""
@@ -251,8 +251,10 @@ class DuplexServer:
         deadline = time.monotonic() + grace
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for session in list(self.sessions):
-            await session.connection.close(CLOSE_GOING_AWAY, "server draining")
+        await asyncio.gather(
+            *(s.connection.close(CLOSE_GOING_AWAY, "server draining") for s in list(self.sessions)),
+            return_exceptions=True,
+        )
         while self.sessions and time.monotonic() < deadline + 5:
             await asyncio.sleep(0.05)
         await self.close()
