@@ -14,7 +14,6 @@ streaming. Clients name a voice; they never upload audio.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 from runtime.engine import NOT_FORCED, PromptStep
 from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.protocol import VOICE_PROMPT_RE
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ SILENCE_FRAMES = 6
 MAX_VOICE_PROMPT_FRAMES = 375
 """30 s at 12.5 Hz: longer voice prompts are cut."""
 MAX_TEXT_PROMPT_TOKENS = 1000
-_VOICE_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class PersonaError(ValueError):
@@ -99,8 +98,8 @@ class VoiceCatalog:
             if path.suffix not in (".wav", ".pt"):
                 continue
             name = path.stem
-            if not _VOICE_NAME.match(name):
-                raise PersonaError(f"voice file {path.name}: name must match {_VOICE_NAME.pattern}")
+            if not VOICE_PROMPT_RE.fullmatch(name):  # the names clients may ask for
+                raise PersonaError(f"voice file {path.name}: name must match {VOICE_PROMPT_RE.pattern}")
             if path.suffix == ".pt":
                 loaded = torch.load(path, map_location="cpu", weights_only=True)
                 codes = loaded["codes"] if isinstance(loaded, dict) else loaded

@@ -360,7 +360,7 @@ AUDIO_TOPK_RANGE = (1, 2048)
 TEXT_TOPK_RANGE = (1, 32000)
 SEED_RANGE = (0, 2**31 - 1)
 
-_VOICE_PROMPT_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{VOICE_PROMPT_MAX_CHARS - 1}}}")
+VOICE_PROMPT_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{VOICE_PROMPT_MAX_CHARS - 1}}}")
 _INT_RE = re.compile(r"\+?[0-9]{1,12}")
 _FLOAT_RE = re.compile(r"[+-]?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
 _KNOWN_PARAMS = (
@@ -515,7 +515,7 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
             raise _bad_query("format", given["format"], "expected 'opus' or 'pcm'") from None
 
     voice_prompt = given.get("voice_prompt")
-    if voice_prompt is not None and not _VOICE_PROMPT_RE.fullmatch(voice_prompt):
+    if voice_prompt is not None and not VOICE_PROMPT_RE.fullmatch(voice_prompt):
         raise _bad_query(
             "voice_prompt",
             voice_prompt,
