@@ -84,9 +84,9 @@ def serve(
 
 def _sessions_table(title: str, results: list) -> Table:
     table = Table(title=title)
-    for column in ("session", "handshake", "frames sent", "audio frames back", "first audio (ms)", "close"):
-        table.add_column(column)
-    table.add_column("text / error", max_width=40, no_wrap=True, overflow="ellipsis")
+    for column in ("#", "handshake", "frames in", "frames out", "1st audio ms", "close"):
+        table.add_column(column, no_wrap=True, min_width=max(len(column), 4))
+    table.add_column("text / error", max_width=24, no_wrap=True, overflow="ellipsis")
     for i, r in enumerate(results):
         table.add_row(
             str(i),
