@@ -24,6 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -115,9 +116,7 @@ def run_benchmark(
             progress(f"batched B={batch}")
         pcm = (rng.standard_normal((batch, FRAME_SAMPLES)) * 0.05).astype(np.float32)
         engine = _live_engine(copy.deepcopy(base) if not cuda else make_bundle(), batch)
-        rows.append(
-            _row("batched", batch, _time_ticks(lambda e=engine, x=pcm: e.tick(x), ticks, warmup, cuda))
-        )
+        rows.append(_row("batched", batch, _time_ticks(partial(engine.tick, pcm), ticks, warmup, cuda)))
         del engine
         if not stock:
             continue
@@ -125,7 +124,7 @@ def run_benchmark(
             progress(f"stock B={batch}")
         if cuda:
             single = _live_engine(make_bundle(), 1)
-            one = _time_ticks(lambda e=single, x=pcm[:1]: e.tick(x), ticks, warmup, cuda)
+            one = _time_ticks(partial(single.tick, pcm[:1]), ticks, warmup, cuda)
             rows.append(_row("stock(scaled)", batch, [t * batch for t in one]))
             del single
         else:

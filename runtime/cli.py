@@ -15,7 +15,7 @@ import logging
 import sys
 import tempfile
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -33,7 +33,7 @@ app.add_typer(capacity_app, name="capacity")
 console = Console()
 
 
-def _config(**overrides: object):
+def _config(**overrides: Any):
     """RuntimeConfig from DUPLEX_* environment variables, with the CLI flags that were given on top."""
     from pydantic import ValidationError
 

@@ -279,8 +279,8 @@ class BatchEngine:
         timings = TickTimings()
         pcm_out = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
         audio_ready = np.zeros(self.slots, dtype=bool)
-        text_tokens = np.full(self.slots, UNGENERATED_TOKEN, dtype=np.int64)
-        audio_tokens = np.full((self.slots, self.dep_q), UNGENERATED_TOKEN, dtype=np.int64)
+        text_tokens: np.ndarray = np.full(self.slots, UNGENERATED_TOKEN, dtype=np.int64)
+        audio_tokens: np.ndarray = np.full((self.slots, self.dep_q), UNGENERATED_TOKEN, dtype=np.int64)
 
         live = [i for i in self.live_slots if active is None or active[i]]
         if live:
