@@ -77,7 +77,7 @@ def _live_engine(bundle: ModelBundle, slots: int) -> BatchEngine:
     return engine
 
 
-def _time_ticks(step: Callable[[], None], ticks: int, warmup: int, cuda: bool) -> list[float]:
+def _time_ticks(step: Callable[[], object], ticks: int, warmup: int, cuda: bool) -> list[float]:
     times: list[float] = []
     for i in range(warmup + ticks):
         start = time.perf_counter()
