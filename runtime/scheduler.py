@@ -58,15 +58,18 @@ class SlotSession:
     max_inbox_frames: int = 8
     slot: int = -1
     inbox: deque[np.ndarray] = field(default_factory=deque)
-    started_input: bool = False
     first_input_at: float | None = None
+
+    @property
+    def started_input(self) -> bool:
+        """The client has sent its first frame: from then on the slot steps every tick."""
+        return self.first_input_at is not None
 
     def push_frame(self, frame: np.ndarray) -> bool:
         """Queue one ``[1920]`` float32 input frame; returns False if the oldest frame was dropped."""
         if self.first_input_at is None:
             self.first_input_at = time.monotonic()
         self.inbox.append(frame)
-        self.started_input = True
         if len(self.inbox) > self.max_inbox_frames:
             with contextlib.suppress(IndexError):
                 self.inbox.popleft()
@@ -112,8 +115,6 @@ class SlotScheduler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tick-loop", daemon=True)
-        self.ticks_run = 0
-        self.last_error: BaseException | None = None
         metrics.slots_total.set(self.slots)
 
     # --- event-loop side ------------------------------------------------------------------------------
@@ -208,11 +209,9 @@ class SlotScheduler:
                     self.metrics.frames_dropped.labels(reason="late_input").inc()
             try:
                 result = self.engine.tick(pcm_in, active)
-            except BaseException as exc:  # a model failure must be loud, not a silent dead thread
-                self.last_error = exc
+            except BaseException:  # a model failure must be loud, not a silent dead thread
                 log.exception("tick failed; the tick loop stops and /healthz turns unhealthy")
                 raise
-            self.ticks_run += 1
             tick_s = result.timings.total_ms / 1e3
             self.metrics.ticks_total.inc()
             self.metrics.tick_duration.observe(tick_s)

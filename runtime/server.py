@@ -202,7 +202,6 @@ class DuplexServer:
         self.draining = False
         self.warm = False
         self._server: Server | None = None
-        self._drained = asyncio.Event()
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -269,7 +268,6 @@ class DuplexServer:
             await asyncio.to_thread(self.scheduler.stop)
         if self.store is not None:
             await self.store.close()
-        self._drained.set()
 
     async def serve_until_signal(self) -> None:
         """Serve until SIGTERM or SIGINT, then drain."""

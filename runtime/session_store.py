@@ -60,6 +60,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
@@ -139,6 +140,16 @@ class _Op:
 
 
 _JOIN_EVERY = 64
+
+
+def _call_quietly(callback: Callable[[Any], None] | None, argument: Any, name: str) -> None:
+    """Call a metrics callback; its failure is logged, never raised into the audio path."""
+    if callback is None:
+        return
+    try:
+        callback(argument)
+    except Exception:
+        logger.exception("session store %s callback failed", name)
 
 
 class SessionStore:
@@ -470,20 +481,10 @@ class SessionStore:
                 loop.call_soon_threadsafe(wake.set)
 
     def _emit_error(self, name: str) -> None:
-        if self._on_error is None:
-            return
-        try:
-            self._on_error(name)
-        except Exception:
-            logger.exception("session store on_error callback failed")
+        _call_quietly(self._on_error, name, "on_error")
 
     def _emit_backlog(self, n: int) -> None:
-        if self._on_backlog is None:
-            return
-        try:
-            self._on_backlog(n)
-        except Exception:
-            logger.exception("session store on_backlog callback failed")
+        _call_quietly(self._on_backlog, n, "on_backlog")
 
     def _internal_error(self, where: str) -> None:
         try:
