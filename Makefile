@@ -9,18 +9,23 @@ MOSHI_VERSION ?= 0.2.13
 # Extra pip arguments for torch, e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 # for a CPU-only machine without a local CPU wheel (plain PyPI torch brings the CUDA wheels).
 TORCH_PIP_ARGS ?=
-SYSTEM_PACKAGES := redis-server espeak-ng
+# The system programs the main job and the tests run for real, as binary:Debian package.
+SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-light prometheus:prometheus \
+	promtool:prometheus prometheus-node-exporter:prometheus-node-exporter \
+	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init
 STAMP := $(VENV)/.installed
 
 .PHONY: setup system-deps demo test lint bench lock clean
 
 setup: system-deps $(STAMP)
 
-# Debian/Ubuntu packages the demo and the tests run for real: a Redis server and a speech synthesiser.
+# Debian/Ubuntu packages the main job and the tests run for real: Redis, nginx, Prometheus (with promtool)
+# and its exporters, cloud-init (its schema check), a speech synthesiser. Installed only where missing.
 system-deps:
 	@missing=""; \
-	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
-	command -v espeak-ng >/dev/null || missing="$$missing espeak-ng"; \
+	for pair in $(SYSTEM_PACKAGES); do \
+	  command -v "$${pair%%:*}" >/dev/null || missing="$$missing $${pair##*:}"; \
+	done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
@@ -37,9 +42,10 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/pip install -q -c requirements.lock -e ".[runtime,dev]"
 	touch $(STAMP)
 
-# The main job on this machine: a local node (tiny model, CPU) serving 5 concurrent speech sessions.
+# The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
+# tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then stopped.
 demo: setup
-	$(BIN)/duplex demo
+	$(BIN)/duplex node up
 
 test: setup
 	$(BIN)/pytest

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from infra.capacity.cli import app as capacity_app
+from infra.node.cli import app as node_app
 
 app = typer.Typer(
     name="duplex",
@@ -30,6 +31,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(capacity_app, name="capacity")
+app.add_typer(node_app, name="node")
 console = Console()
 
 
@@ -185,27 +187,114 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
+def load_table(title: str, report: Any) -> Table:
+    """A table of a ``runtime.loadgen.LoadReport``: one row per session, then the totals."""
+    table = Table(title=title)
+    # Times in ms; frames "in" were sent to the node, "out" came back. Fits an 80-column terminal.
+    for column in ("#", "conn", "1st audio", "gap p99", "in", "out", "lost"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("text / refusal", max_width=24, no_wrap=True, overflow="ellipsis")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for row in report.session_rows():
+        table.add_row(
+            str(row["session"]),
+            ms(row["connect_ms"]),
+            ms(row["first_audio_ms"]),
+            ms(row["inter_frame_gap_ms_p99"]),
+            str(row["frames_sent"]),
+            str(row["frames_received"]),
+            str(row["frames_lost"]),
+            (row["text"].strip() or "-") if row["handshake"] else str(row["refusal_reason"]),
+        )
+    total = report.summary()
+    table.caption = (
+        f"served {total['served']}/{total['sessions']}, refused {total['refused']}, "
+        f"failed {total['failed']}; "
+        f"first audio p50/p95/p99 {ms(total['first_audio_ms_p50'])}/{ms(total['first_audio_ms_p95'])}/"
+        f"{ms(total['first_audio_ms_p99'])} ms; gap p99 {ms(total['inter_frame_gap_ms_p99'])} ms; "
+        f"frames lost {total['frames_lost']}; {total['bytes_sent'] / 1e6:.2f} MB sent, "
+        f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms)"
+    )
+    return table
+
+
 @app.command()
 def loadgen(
-    url: Annotated[str, typer.Option(help="Node base URL, e.g. ws://127.0.0.1:8998")] = "ws://127.0.0.1:8998",
-    sessions: Annotated[int, typer.Option(help="Concurrent sessions")] = 5,
+    url: Annotated[
+        str, typer.Option(help="Node base URL: ws://host:port or wss://host[:port]")
+    ] = "ws://127.0.0.1:8998",
+    sessions: Annotated[int, typer.Option(min=1, max=256, help="Concurrent sessions")] = 5,
     audio_format: Annotated[str, typer.Option("--format", help="pcm or opus")] = "pcm",
+    wav: Annotated[
+        list[Path] | None, typer.Option(help="Speech WAV files (default: espeak-ng speech)")
+    ] = None,
+    ca_cert: Annotated[
+        Path | None, typer.Option(help="Trust this PEM certificate (self-signed nodes)")
+    ] = None,
+    max_duration_s: Annotated[
+        float, typer.Option(min=1, max=3600, help="Cut the run after this (s)")
+    ] = 120.0,
+    stagger_s: Annotated[float, typer.Option(min=0, max=60, help="Delay between session starts (s)")] = 0.0,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print per-session rows and totals as JSON")
+    ] = False,
 ) -> None:
-    """Stream SESSIONS concurrent sessions of synthesised speech to a running node and report each."""
-    from runtime.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
+    """Drive SESSIONS concurrent sessions of speech at real-time pace against a node (this one, a GCP
+    node, a GKE endpoint) and report per session and in total: connect time, first-audio latency
+    p50/p95/p99, inter-frame gap p99, frames lost, refusals, bytes each way. Exits 1 if any session was not
+    served, 2 on bad input."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from runtime.loadgen import (
+        DEMO_SENTENCES,
+        load_wav,
+        run_load,
+        session_url,
+        synthesize_speech,
+        trusting_context,
+    )
     from runtime.protocol import AudioFormat
 
-    fmt = AudioFormat(audio_format)
-    speech = [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(sessions)]
-
-    async def main() -> list:
-        return await asyncio.gather(
-            *[run_session(session_url(url, audio_format=fmt), p, audio_format=fmt) for p in speech]
+    if not url.startswith(("ws://", "wss://")):
+        console.print(f"[red]--url must start with ws:// or wss://, got {url!r}[/red]")
+        raise typer.Exit(2)
+    try:
+        fmt = AudioFormat(audio_format)
+        speech = (
+            [load_wav(p) for p in wav]
+            if wav
+            else [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(min(sessions, 5))]
         )
-
-    results = asyncio.run(main())
-    console.print(_sessions_table(f"{sessions} sessions against {url}", results))
-    raise typer.Exit(0 if all(r.handshake and r.audio_messages for r in results) else 1)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red] (--format: pcm or opus)")
+        raise typer.Exit(2) from None
+    context = trusting_context(ca_cert) if ca_cert else None
+    frames = sum(len(speech[i % len(speech)]) // 1920 for i in range(sessions))
+    with Progress(
+        TextColumn("frames streamed"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True, disable=json_out,
+    ) as progress:  # fmt: skip
+        task = progress.add_task("frames", total=frames)
+        report = asyncio.run(
+            run_load(
+                session_url(url, audio_format=fmt),
+                speech,
+                sessions=sessions,
+                ssl_context=context,
+                max_duration_s=max_duration_s,
+                stagger_s=stagger_s,
+                on_frame=lambda: progress.advance(task),
+                audio_format=fmt,
+            )
+        )
+    if json_out:
+        print(json.dumps({"summary": report.summary(), "sessions": report.session_rows()}))
+    else:
+        console.print(load_table(f"{sessions} sessions against {url}", report))
+    raise typer.Exit(0 if len(report.served) == sessions else 1)
 
 
 @app.command()

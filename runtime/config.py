@@ -39,6 +39,11 @@ class RuntimeConfig(BaseSettings):
     redis_url: str | None = Field(
         None, description="redis://[:password@]host:port/db; None disables the store"
     )
+    transcript_ttl_s: int = Field(
+        86400,
+        ge=60,
+        description="Redis TTL (s) of a session's record and transcript, refreshed at each write",
+    )
     voices_dir: Path | None = Field(None, description="Directory of voice prompts (*.wav, *.pt)")
     drain_grace_s: float = Field(30.0, ge=0, description="After SIGTERM, how long running sessions may go on")
     max_session_s: float = Field(3600.0, gt=0, description="Longest session; it is closed after this")

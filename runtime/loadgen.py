@@ -7,17 +7,20 @@ Speech is synthesised with espeak-ng (Debian package ``espeak-ng``) and resample
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import numpy as np
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from runtime.audio_codec import make_codec
 from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
@@ -63,6 +66,28 @@ def synthesize_speech(text: str, *, voice: str = "en-us", words_per_minute: int 
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
+def load_wav(path: Path) -> np.ndarray:
+    """Read a WAV file (any rate, any channel count) as mono float32 PCM at 24 kHz, ``[T]``.
+
+    Raises:
+        ValueError: the file is missing, unreadable, or shorter than one 80 ms frame.
+    """
+    import sphn
+
+    if not path.is_file():
+        raise ValueError(f"speech file {path} does not exist")
+    try:
+        pcm, rate = sphn.read(str(path))
+    except Exception as exc:  # sphn raises plain exceptions for bad containers
+        raise ValueError(f"cannot read {path} as audio: {exc}") from None
+    mono = np.asarray(pcm, dtype=np.float32).mean(axis=0)
+    if rate != SAMPLE_RATE_HZ:
+        mono = sphn.resample(mono, src_sample_rate=rate, dst_sample_rate=SAMPLE_RATE_HZ)
+    if len(mono) < FRAME_SAMPLES:
+        raise ValueError(f"{path} is shorter than one {FRAME_SAMPLES}-sample frame at {SAMPLE_RATE_HZ} Hz")
+    return np.ascontiguousarray(mono, dtype=np.float32)
+
+
 @dataclass
 class SessionResult:
     """What one client session saw.
@@ -76,7 +101,12 @@ class SessionResult:
         errors: 0x05 reasons received.
         first_audio_ms: from the first frame sent to the first audio message received.
         close_code: the WebSocket close code (None if the client closed first and got none).
-        audio_gaps: longest stretch, in frames, between two audio messages after the first one.
+        audio_arrival_s: ``time.monotonic()`` of each audio message.
+        connect_ms: from opening the TCP connection to the completed WebSocket upgrade (TLS included).
+        http_status, http_body: the HTTP answer when the upgrade was refused (nginx's 503 at the cap, 502
+            when the runtime is down, the runtime's own 4xx/503); None when it was accepted.
+        connect_error: why the connection could not be made at all (refused port, TLS failure...).
+        bytes_sent, bytes_received: WebSocket payload bytes each way.
     """
 
     handshake: bool = False
@@ -89,11 +119,41 @@ class SessionResult:
     close_code: int | None = None
     close_reason: str = ""
     audio_arrival_s: list[float] = field(default_factory=list)
+    connect_ms: float | None = None
+    http_status: int | None = None
+    http_body: str = ""
+    connect_error: str = ""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def refused(self) -> bool:
+        """The node turned the session away (HTTP refusal, or closed before its handshake)."""
+        return self.http_status is not None or (not self.handshake and not self.connect_error)
+
+    @property
+    def refusal_reason(self) -> str:
+        """The node's words for a refusal ('' when the session was served)."""
+        if self.http_status is not None:
+            return f"HTTP {self.http_status}: {self.http_body.strip()}"
+        if not self.handshake:
+            return "; ".join(self.errors) or self.close_reason or self.connect_error
+        return ""
+
+    def audio_gaps_s(self) -> list[float]:
+        """Times between consecutive audio messages (s)."""
+        arrivals = self.audio_arrival_s
+        return [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
 
     def max_audio_gap_s(self) -> float:
         """Longest silence between two consecutive audio messages (s); 0 with fewer than 2."""
-        arrivals = self.audio_arrival_s
-        return max((b - a for a, b in zip(arrivals, arrivals[1:], strict=False)), default=0.0)
+        return max(self.audio_gaps_s(), default=0.0)
+
+    def frames_lost(self) -> int:
+        """Output frames missing from the audio stream: a gap of ``g`` s between two messages stands for
+        ``round(g / 80 ms) - 1`` frames that never came (a gap under 1.5 frames counts none)."""
+        frame_s = FRAME_SAMPLES / SAMPLE_RATE_HZ
+        return sum(max(0, round(g / frame_s) - 1) for g in self.audio_gaps_s())
 
 
 def session_url(base: str, *, audio_format: AudioFormat = AudioFormat.PCM, **params: object) -> str:
@@ -111,21 +171,46 @@ async def run_session(
     handshake_timeout_s: float = 30.0,
     audio_format: AudioFormat = AudioFormat.PCM,
     raw_messages: list[bytes] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    on_frame: Callable[[], None] | None = None,
 ) -> SessionResult:
-    """Stream ``pcm`` (float32, 24 kHz) to ``url`` frame by frame and collect what comes back.
+    """Stream ``pcm`` (float32, 24 kHz, ``[T]``) to ``url`` frame by frame and collect what comes back.
+
+    A refused upgrade (HTTP status instead of 101) or an unreachable node is recorded in the result
+    (``http_status``/``http_body``, ``connect_error``), not raised.
 
     Args:
         realtime: pace frames at 80 ms (else send as fast as possible).
         tail_s: keep listening this long after the last frame before closing.
         raw_messages: extra raw messages to send right after the handshake (for bad-input tests).
+        ssl_context: for ``wss://`` URLs (e.g. trusting a node's self-signed certificate).
+        on_frame: called after each frame sent (progress bars).
     """
     result = SessionResult()
     assembler, encoder = make_codec(audio_format, max_buffered_frames=1000)
     frames = [pcm[i : i + FRAME_SAMPLES] for i in range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES)]
     started: float | None = None
     done = asyncio.Event()
+    secure = urlsplit(url).scheme == "wss"
+    connect_started = time.monotonic()
+    try:
+        ws = await connect(
+            url,
+            max_size=2**20,
+            compression=None,
+            open_timeout=30,
+            ssl=(ssl_context or True) if secure else None,
+        )
+    except InvalidStatus as exc:
+        result.http_status = exc.response.status_code
+        result.http_body = exc.response.body.decode("utf-8", errors="replace") if exc.response.body else ""
+        return result
+    except (OSError, InvalidHandshake, TimeoutError) as exc:
+        result.connect_error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.connect_ms = (time.monotonic() - connect_started) * 1e3
 
-    async with connect(url, max_size=2**20, compression=None, open_timeout=30) as ws:
+    async with ws:
 
         async def receive() -> None:
             nonlocal started
@@ -133,6 +218,7 @@ async def run_session(
                 async for message in ws:
                     if isinstance(message, str) or not message:
                         continue
+                    result.bytes_received += len(message)
                     kind, payload = message[0], message[1:]
                     now = time.monotonic()
                     if kind == MessageKind.HANDSHAKE:
@@ -160,12 +246,17 @@ async def run_session(
             if result.handshake:
                 for raw in raw_messages or []:
                     await ws.send(raw)
+                    result.bytes_sent += len(raw)
                 next_send = time.monotonic()
                 for frame in frames:
                     if started is None:
                         started = time.monotonic()
-                    await ws.send(encode_audio(encoder.encode(frame)))
+                    message = encode_audio(encoder.encode(frame))
+                    await ws.send(message)
                     result.frames_sent += 1
+                    result.bytes_sent += len(message)
+                    if on_frame is not None:
+                        on_frame()
                     if realtime:
                         next_send += FRAME_SAMPLES / SAMPLE_RATE_HZ
                         await asyncio.sleep(max(0.0, next_send - time.monotonic()))
@@ -180,3 +271,144 @@ async def run_session(
         result.close_reason = ws.close_reason or ""
     del assembler
     return result
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, linear interpolation) or None without values."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
+
+
+@dataclass
+class LoadReport:
+    """Totals over the sessions of one load run (``run_load``). Times in ms, sizes in bytes.
+
+    Attributes:
+        sessions: every session's own result, in launch order.
+        wall_s: from the first connection attempt to the last session's end.
+    """
+
+    sessions: list[SessionResult]
+    wall_s: float
+
+    @property
+    def served(self) -> list[SessionResult]:
+        """Sessions that got the handshake."""
+        return [r for r in self.sessions if r.handshake]
+
+    def summary(self) -> dict[str, float | int | None]:
+        """Totals: served/refused/failed counts, connect time p50/p99, first-audio latency p50/p95/p99,
+        inter-frame gap p99 (jitter: time between consecutive audio messages; 80 ms when steady), frames
+        sent/received/lost, bytes each way."""
+        served = self.served
+        first_audio = [r.first_audio_ms for r in served if r.first_audio_ms is not None]
+        connect = [r.connect_ms for r in self.sessions if r.connect_ms is not None]
+        gaps_ms = [g * 1e3 for r in served for g in r.audio_gaps_s()]
+        return {
+            "sessions": len(self.sessions),
+            "served": len(served),
+            "refused": sum(r.refused for r in self.sessions),
+            "failed": sum(bool(r.connect_error) for r in self.sessions),
+            "connect_ms_p50": _percentile(connect, 50),
+            "connect_ms_p99": _percentile(connect, 99),
+            "first_audio_ms_p50": _percentile(first_audio, 50),
+            "first_audio_ms_p95": _percentile(first_audio, 95),
+            "first_audio_ms_p99": _percentile(first_audio, 99),
+            "inter_frame_gap_ms_p99": _percentile(gaps_ms, 99),
+            "frames_sent": sum(r.frames_sent for r in self.sessions),
+            "frames_received": sum(r.audio_messages for r in self.sessions),
+            "frames_lost": sum(r.frames_lost() for r in served),
+            "bytes_sent": sum(r.bytes_sent for r in self.sessions),
+            "bytes_received": sum(r.bytes_received for r in self.sessions),
+            "wall_s": round(self.wall_s, 3),
+        }
+
+    def session_rows(self) -> list[dict[str, object]]:
+        """One JSON-ready dict per session (no raw arrival times)."""
+        rows = []
+        for i, r in enumerate(self.sessions):
+            gaps_ms = [g * 1e3 for g in r.audio_gaps_s()]
+            rows.append(
+                {
+                    "session": i,
+                    "handshake": r.handshake,
+                    "connect_ms": r.connect_ms,
+                    "first_audio_ms": r.first_audio_ms,
+                    "inter_frame_gap_ms_p99": _percentile(gaps_ms, 99),
+                    "frames_sent": r.frames_sent,
+                    "frames_received": r.audio_messages,
+                    "frames_lost": r.frames_lost(),
+                    "bytes_sent": r.bytes_sent,
+                    "bytes_received": r.bytes_received,
+                    "text": r.text,
+                    "refused": r.refused,
+                    "refusal_reason": r.refusal_reason,
+                    "close_code": r.close_code,
+                }
+            )
+        return rows
+
+
+MAX_LOAD_SESSIONS = 256
+"""Most sessions one ``run_load`` drives (a node has at most 256 slots)."""
+
+
+async def run_load(
+    url: str,
+    speech: Sequence[np.ndarray],
+    *,
+    sessions: int,
+    ssl_context: ssl.SSLContext | None = None,
+    max_duration_s: float = 120.0,
+    stagger_s: float = 0.0,
+    on_frame: Callable[[], None] | None = None,
+    audio_format: AudioFormat = AudioFormat.PCM,
+) -> LoadReport:
+    """Drive ``sessions`` concurrent sessions against ``url`` (a full ``.../api/chat?...`` URL), session
+    ``i`` streaming ``speech[i % len(speech)]`` at real-time pace.
+
+    Args:
+        max_duration_s: the whole run is cancelled after this (sessions still open count as they stand).
+        stagger_s: delay between session starts (s).
+
+    Raises:
+        ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, no speech, or a non-positive duration.
+    """
+    if not 1 <= sessions <= MAX_LOAD_SESSIONS:
+        raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
+    if not speech:
+        raise ValueError("no speech to stream: give at least one WAV file")
+    if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
+        raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
+    started = time.monotonic()
+
+    async def one(i: int) -> SessionResult:
+        await asyncio.sleep(i * stagger_s)
+        return await run_session(
+            url,
+            speech[i % len(speech)],
+            ssl_context=ssl_context,
+            on_frame=on_frame,
+            audio_format=audio_format,
+        )
+
+    tasks = [asyncio.create_task(one(i)) for i in range(sessions)]
+    done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    results = []
+    for task in tasks:
+        if task in done and task.exception() is None:
+            results.append(task.result())
+        else:
+            failed = SessionResult()
+            failed.connect_error = (
+                f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
+            )
+            results.append(failed)
+    return LoadReport(results, time.monotonic() - started)
+
+
+def trusting_context(certificate: Path) -> ssl.SSLContext:
+    """An SSL context that trusts ``certificate`` (a node's self-signed PEM) and verifies host names."""
+    return ssl.create_default_context(cafile=str(certificate))

@@ -443,6 +443,8 @@ def build_server(config: RuntimeConfig) -> DuplexServer:
         store = SessionStore(
             config.redis_url,
             config.node_id,
+            session_ttl_s=config.transcript_ttl_s,
+            transcript_ttl_s=config.transcript_ttl_s,
             on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
             on_backlog=metrics.redis_backlog.set,
         )

@@ -1,0 +1,159 @@
+"""``duplex node``: node profiles, the rendered bundle, and bringing the local node up (the main job).
+
+Commands: ``profiles`` (the built-in profiles as a table), ``render PROFILE OUT`` (write a profile's bundle),
+``up`` (start the local node as real processes, stream sessions through nginx over TLS, show Prometheus's
+figures, stop; exit 0 when everything worked, 1 when something did not, 2 on bad input or a missing
+package).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import tempfile
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from infra.node.profile import PROFILES
+
+app = typer.Typer(help="Node profiles, the rendered node bundle, and the local node.", no_args_is_help=True)
+console = Console()
+
+
+@app.command("profiles")
+def profiles_command() -> None:
+    """List the built-in node profiles."""
+    table = Table(title="node profiles")
+    for column in ("profile", "gpu", "model", "precision", "sessions", "deployment", "https", "domain"):
+        table.add_column(column)
+    for p in PROFILES.values():
+        table.add_row(
+            p.name, p.gpu or "none (CPU)", p.model, p.precision, str(p.sessions), p.deployment,
+            str(p.ports.https), p.domain,
+        )  # fmt: skip
+    console.print(table)
+
+
+@app.command("render")
+def render_command(
+    profile: Annotated[str, typer.Argument(help=f"Profile: {', '.join(PROFILES)}")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the bundle into")],
+) -> None:
+    """Write PROFILE's bundle (nginx, Redis, Prometheus, Grafana, Compose, cloud-init) into OUT."""
+    from infra.node.bundle import render_bundle, write_bundle
+
+    if profile not in PROFILES:
+        console.print(f"[red]unknown profile {profile!r}[/red]; allowed: {', '.join(PROFILES)}")
+        raise typer.Exit(2)
+    for path in write_bundle(render_bundle(PROFILES[profile]), out):
+        console.print(str(path))
+
+
+def _speech(wav: list[Path] | None, count: int) -> list:
+    from runtime.loadgen import DEMO_SENTENCES, load_wav, synthesize_speech
+
+    if wav:
+        return [load_wav(path) for path in wav]
+    return [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(count)]
+
+
+def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
+    from runtime.cli import load_table
+
+    if check.load is not None:
+        console.print(load_table(f"sessions through {node.wss_url}/api/chat", check.load))
+    if check.extra_caller is not None:
+        console.print(f"extra caller at the cap: {check.extra_caller.refusal_reason or 'served (!)'}")
+    if check.scraped:
+        table = Table(title=f"the node's figures, from Prometheus ({node.prometheus_url})")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        for name, value in check.scraped.items():
+            table.add_row(name, "-" if value is None else f"{value:.1f}")
+        console.print(table)
+    for problem in check.problems:
+        console.print(f"[red]problem:[/red] {problem}")
+
+
+@app.command("up")
+def up_command(
+    node_dir: Annotated[
+        Path | None, typer.Option("--dir", help="Node directory (default: a temporary one, removed after)")
+    ] = None,
+    free_ports: Annotated[
+        bool, typer.Option(help="Use free loopback ports instead of the profile's")
+    ] = False,
+    sessions: Annotated[
+        int | None, typer.Option(help="Sessions to stream (default: the node's slots)")
+    ] = None,
+    wav: Annotated[
+        list[Path] | None, typer.Option(help="Speech WAV files (default: espeak-ng speech)")
+    ] = None,
+    keep_running: Annotated[bool, typer.Option(help="Leave the node running until Ctrl-C")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON")] = False,
+) -> None:
+    """The main job: bring the local node up (redis, exporters, runtime with the tiny model, Prometheus,
+    nginx with a self-signed certificate, all on loopback), stream sessions of real speech through
+    wss:// at real-time pace plus one extra caller that must be refused, show Prometheus's figures, stop."""
+    logging.basicConfig(level=logging.WARNING)
+    from infra.node.bringup import bring_up_and_check
+    from infra.node.local import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
+
+    profile = free_port_profile() if free_ports else PROFILES["local"]
+    with tempfile.TemporaryDirectory(prefix="duplex-node-") as tmp:
+        node = LocalNode(node_dir or Path(tmp), profile)
+        try:
+            with console.status("starting the local node") as status:
+                node.start(progress=lambda message: status.update(message))
+        except (MissingBinaryError, NodeStartError) as exc:
+            console.print(f"[red]the node did not start:[/red] {exc}")
+            raise typer.Exit(2 if isinstance(exc, MissingBinaryError) else 1) from None
+        try:
+            console.print(f"node up: {node.wss_url}/api/chat  Prometheus {node.prometheus_url}")
+            console.print(f"logs: {node.node_dir}/logs")
+            count = sessions or profile.sessions
+            speech = _speech(wav, count)
+            frames = sum(len(speech[i % len(speech)]) // 1920 for i in range(count))
+            with Progress(
+                TextColumn("[progress.description]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            ) as progress:
+                task = progress.add_task("frames streamed", total=frames)
+                check = bring_up_and_check(
+                    node,
+                    speech,
+                    sessions=count,
+                    on_frame=lambda: progress.advance(task),
+                    progress=lambda message: progress.update(task, description=message),
+                )
+            if json_out:
+                print(json.dumps(check.as_dict(), default=str))
+            else:
+                _print_check(check, node)
+            if keep_running and not check.dead_processes:
+                console.print(f"node running: {node.wss_url}/api/chat; Ctrl-C to stop")
+                stop = threading.Event()
+                signal.signal(signal.SIGTERM, lambda *_: stop.set())
+                try:
+                    while not stop.wait(1.0) and not node.dead_processes():
+                        pass
+                except KeyboardInterrupt:
+                    pass
+        finally:
+            with console.status("stopping the local node"):
+                codes = node.stop()
+        if not json_out:
+            console.print(f"stopped: {', '.join(f'{name} ({code})' for name, code in codes.items())}")
+            console.print("[green]node check passed[/green]" if check.ok else "[red]node check failed[/red]")
+    raise typer.Exit(0 if check.ok else 1)

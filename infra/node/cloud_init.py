@@ -1,0 +1,423 @@
+"""cloud-init user-data that turns a fresh GCE VM into a node: ``render_cloud_init`` gives
+``cloud-init/user-data.yaml``.
+
+The VM boots from a Deep Learning VM image: Ubuntu 22.04 with the NVIDIA driver, Docker and the NVIDIA
+Container Toolkit preinstalled (``DLVM_IMAGE_FAMILY`` = ``common-cu128-ubuntu-2204-nvidia-570`` in project
+``deeplearning-platform-release``: CUDA 12.8, driver 570; the Google Cloud CLI is there too). The user-data
+(metadata key ``user-data``):
+
+1. ``write_files``: every bundle file under ``/etc/duplex`` (gzip + base64, mode 0644), a preparation
+   script (``PREPARE_SCRIPT``) and the systemd unit ``duplex-node.service``;
+2. ``runcmd``: installs the Docker Compose plugin if the image lacks it, then enables and starts the unit.
+
+``duplex-node.service`` runs, on every start (so at every boot):
+
+- the preparation script: the host directories of ``infra.node.compose.host_directories`` with their
+  owners; a self-signed certificate when ``tls.mode`` is ``self-signed`` and none exists yet (ECDSA P-256,
+  365 days, the domain, ``localhost`` and 127.0.0.1 as names); then the secrets, fetched from Secret
+  Manager into ``/etc/duplex/secrets/`` with ``umask 077`` (``gcloud secrets versions access latest``,
+  with retries; a secret that cannot be read keeps its previous file if there is one, else the start
+  fails). Without Secret Manager the script only checks that the secret files are there (written over SSH
+  by whoever brings the node up);
+- ``docker compose up`` in ``/etc/duplex`` (in the foreground: the containers' logs go to the journal),
+  and ``docker compose down`` on stop, within ``TimeoutStopSec`` = ``node_stop_timeout_s`` (nginx's and
+  the runtime's grace periods, which cover the drain grace).
+
+Secret values never appear in the user-data: instance metadata can be read by every process on the VM and
+by every project viewer. The user-data names Secret Manager secrets by id only; the VM's service account
+needs ``roles/secretmanager.secretAccessor`` on them (and the ``cloud-platform`` scope). Each secret's
+payload is the file's exact content as ``infra.node.services.secret_files`` renders it, except
+``hf_token`` (the bare Hugging Face token; the unit passes it to ``docker compose`` as ``HF_TOKEN``) and
+the optional ``tls_certificate`` / ``tls_private_key`` (PEM, written to the profile's TLS paths).
+
+cloud-init applies ``write_files`` once per instance: a changed bundle needs a new VM (or the files copied
+over and the unit restarted). GCE caps one metadata value at 256 KB (``GCE_METADATA_VALUE_LIMIT``).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import re
+import shlex
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+
+from infra.node.compose import (
+    COMPOSE_FILE,
+    CONTAINER_READ_SECRETS,
+    host_directories,
+    node_stop_timeout_s,
+)
+from infra.node.profile import NodeProfile
+from infra.node.services import SECRET_FILES, SECRETS_DIR
+
+__all__ = [
+    "DLVM_IMAGE_FAMILY",
+    "DLVM_IMAGE_PROJECT",
+    "EXTRA_SECRET_ROLES",
+    "GCE_METADATA_VALUE_LIMIT",
+    "HF_TOKEN_FILE",
+    "NODE_ROOT",
+    "PREPARE_SCRIPT",
+    "UNIT_NAME",
+    "USER_DATA_FILE",
+    "render_cloud_init",
+]
+
+USER_DATA_FILE = "cloud-init/user-data.yaml"
+"""The bundle path of the rendered user-data (never written onto the VM by itself)."""
+
+NODE_ROOT = "/etc/duplex"
+"""Where the bundle lives on the VM: the Compose project directory; secrets in ``NODE_ROOT/secrets``."""
+
+UNIT_NAME = "duplex-node.service"
+PREPARE_SCRIPT = "/usr/local/sbin/duplex-node-prepare"
+
+DLVM_IMAGE_PROJECT = "deeplearning-platform-release"
+DLVM_IMAGE_FAMILY = "common-cu128-ubuntu-2204-nvidia-570"
+"""The boot image this user-data is written for (Ubuntu 22.04, NVIDIA driver 570, CUDA 12.8, Docker,
+NVIDIA Container Toolkit, Google Cloud CLI)."""
+
+GCE_METADATA_VALUE_LIMIT = 256 * 1024
+"""Largest value of one GCE metadata entry, in bytes (the user-data is one entry)."""
+
+HF_TOKEN_FILE = f"{SECRETS_DIR}/hf-token.env"
+"""Where the Hugging Face token goes (``HF_TOKEN=...``, bundle-relative); the unit's ``EnvironmentFile``."""
+
+EXTRA_SECRET_ROLES = {
+    "hf_token": f"the bare Hugging Face token, written as HF_TOKEN=... to {HF_TOKEN_FILE}",
+    "tls_certificate": "PEM certificate chain, written to tls.certificate_path (tls.mode: files)",
+    "tls_private_key": "PEM private key, written to tls.private_key_path (tls.mode: files)",
+}
+"""Optional Secret Manager roles beyond ``SECRET_FILES``, with what each secret holds."""
+
+_SECRET_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
+_PROJECT_ID_RE = re.compile(r"^([a-z][a-z0-9.-]{0,61}[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
+_DOCKER = "/usr/bin/docker"
+_SECRET_FETCH_ATTEMPTS = 5
+_SECRET_FETCH_PAUSE_S = 10
+_SELF_SIGNED_DAYS = 365
+
+
+def render_cloud_init(
+    profile: NodeProfile,
+    bundle: dict[str, bytes],
+    *,
+    secret_manager_secrets: dict[str, str] | None = None,
+    project_id: str | None = None,
+) -> dict[str, bytes]:
+    """``{"cloud-init/user-data.yaml": ...}``: a ``#cloud-config`` document that installs ``bundle`` (from
+    ``render_bundle``; its own user-data entry is left out) under ``/etc/duplex`` on a fresh VM and runs
+    the node with systemd. The same arguments always give the same bytes.
+
+    Args:
+        secret_manager_secrets: ``{role: Secret Manager secret id}`` for every role of ``SECRET_FILES``
+            (plus, optionally, the roles of ``EXTRA_SECRET_ROLES``). None: the secrets are put in place
+            by other means before the unit starts; the unit checks that they are there.
+        project_id: the project holding the secrets; None: the VM's own project (gcloud's default there).
+
+    Raises:
+        ValueError: the profile is not a ``compose`` node; the bundle holds a secret file or a path that
+            is absolute or climbs out; a role is unknown or missing, a secret or project id is malformed,
+            or a TLS secret is given for a self-signed profile; the user-data exceeds
+            ``GCE_METADATA_VALUE_LIMIT``.
+    """
+    if profile.deployment != "compose":
+        raise ValueError(
+            f"deployment: profile {profile.name!r} has deployment={profile.deployment!r}; cloud-init "
+            "user-data is rendered only for deployment='compose' (a VM running compose.yaml)"
+        )
+    if COMPOSE_FILE not in bundle:
+        raise ValueError(f"the bundle has no {COMPOSE_FILE}: render it with infra.node.bundle.render_bundle")
+    files = _bundle_files(bundle)
+    secret_roles = _check_secrets(profile, secret_manager_secrets, project_id)
+
+    write_files: list[dict[str, Any]] = [
+        {
+            "path": f"{NODE_ROOT}/{path}",
+            "owner": "root:root",
+            "permissions": "0644",
+            "encoding": "gz+b64",
+            "content": base64.b64encode(gzip.compress(content, compresslevel=9, mtime=0)).decode("ascii"),
+        }
+        for path, content in files.items()
+    ]
+    write_files.append(
+        {
+            "path": PREPARE_SCRIPT,
+            "owner": "root:root",
+            "permissions": "0755",
+            "content": _prepare_script(profile, secret_roles, project_id),
+        }
+    )
+    write_files.append(
+        {
+            "path": f"/etc/systemd/system/{UNIT_NAME}",
+            "owner": "root:root",
+            "permissions": "0644",
+            "content": _unit(profile),
+        }
+    )
+    install_compose = (
+        f"{_DOCKER} compose version >/dev/null 2>&1 || {{ apt-get update -q && "
+        "DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose-plugin; }"
+    )
+    document = {
+        "write_files": write_files,
+        "runcmd": [
+            ["sh", "-c", install_compose],
+            ["systemctl", "daemon-reload"],
+            ["systemctl", "enable", UNIT_NAME],
+            ["systemctl", "start", "--no-block", UNIT_NAME],
+        ],
+    }
+    secrets_note = (
+        "they are fetched from Secret Manager when the node starts"
+        if secret_roles is not None
+        else f"write them into {NODE_ROOT}/{SECRETS_DIR}/ before the node starts"
+    )
+    header = (
+        "#cloud-config\n"
+        f"# Rendered by infra.node.cloud_init for node profile {profile.name!r}. Do not edit: re-render.\n"
+        f"# Boot image: family {DLVM_IMAGE_FAMILY} in project {DLVM_IMAGE_PROJECT}.\n"
+        f"# No secret values here: {secrets_note}.\n"
+    )
+    user_data = (header + _dump(document)).encode()
+    if len(user_data) > GCE_METADATA_VALUE_LIMIT:
+        largest = sorted(files.items(), key=lambda item: len(item[1]), reverse=True)[:5]
+        sizes = ", ".join(f"{path} ({len(content)} bytes)" for path, content in largest)
+        raise ValueError(
+            f"the user-data is {len(user_data)} bytes, over GCE's {GCE_METADATA_VALUE_LIMIT}-byte limit on "
+            f"one metadata value (files gzip-compressed); largest bundle files: {sizes}"
+        )
+    return {USER_DATA_FILE: user_data}
+
+
+def _bundle_files(bundle: dict[str, bytes]) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
+    for path in sorted(bundle):
+        pure = PurePosixPath(path)
+        if pure.is_absolute() or ".." in pure.parts or not pure.parts:
+            raise ValueError(f"bundle path {path!r} must be relative and stay inside the bundle")
+        if pure.parts[0] == SECRETS_DIR:
+            raise ValueError(
+                f"bundle path {path!r} is a secret file: secrets never go into user-data (instance metadata "
+                "is readable on the VM and by project viewers); name Secret Manager secrets instead"
+            )
+        if path == USER_DATA_FILE:
+            continue
+        files[path] = bundle[path]
+    return files
+
+
+def _check_secrets(
+    profile: NodeProfile, secrets: dict[str, str] | None, project_id: str | None
+) -> dict[str, str] | None:
+    if project_id is not None and not _PROJECT_ID_RE.match(project_id):
+        raise ValueError(f"project_id {project_id!r} is not a Google Cloud project id")
+    if secrets is None:
+        return None
+    allowed = set(SECRET_FILES) | set(EXTRA_SECRET_ROLES)
+    unknown = sorted(set(secrets) - allowed)
+    if unknown:
+        raise ValueError(
+            f"secret_manager_secrets: unknown role(s) {', '.join(unknown)}; "
+            f"allowed: {', '.join(sorted(allowed))}"
+        )
+    missing = sorted(set(SECRET_FILES) - set(secrets))
+    if missing:
+        raise ValueError(
+            f"secret_manager_secrets: missing role(s) {', '.join(missing)}; every role of SECRET_FILES needs "
+            "a Secret Manager secret"
+        )
+    for role, secret_id in secrets.items():
+        if not _SECRET_ID_RE.match(secret_id):
+            raise ValueError(
+                f"secret_manager_secrets[{role!r}]: {secret_id!r} is not a Secret Manager secret id "
+                "(1-255 letters, digits, '_' or '-')"
+            )
+    tls_roles = {"tls_certificate", "tls_private_key"} & set(secrets)
+    if tls_roles and profile.tls.mode != "files":
+        raise ValueError(
+            f"secret_manager_secrets: {', '.join(sorted(tls_roles))} given but tls.mode is "
+            f"{profile.tls.mode!r}; set tls.mode to 'files' to install a certificate from Secret Manager"
+        )
+    if len(tls_roles) == 1:
+        raise ValueError("secret_manager_secrets: tls_certificate and tls_private_key go together")
+    return {role: secrets[role] for role in sorted(secrets)}
+
+
+# --- the preparation script ------------------------------------------------------------------------------
+
+
+def _prepare_script(profile: NodeProfile, secrets: dict[str, str] | None, project_id: str | None) -> str:
+    q = shlex.quote
+    lines = [
+        "#!/bin/sh",
+        f"# Rendered by infra.node.cloud_init for node profile {profile.name!r}. Run by {UNIT_NAME} before",
+        "# `docker compose up`: host directories, TLS certificate, secrets. Idempotent.",
+        "set -eu",
+        'export PATH="$PATH:/snap/bin:/usr/lib/google-cloud-sdk/bin"',
+        'export HOME="${HOME:-/root}"',
+        f"ROOT={q(NODE_ROOT)}",
+        'log() { echo "duplex-node-prepare: $*" >&2; }',
+        "",
+        "# Directories the containers write, owned by the users they run as.",
+        "umask 022",
+    ]
+    for d in host_directories(profile):
+        path = q(d.path)
+        lines.append(f"mkdir -p {path} && chown {d.uid}:{d.gid} {path} && chmod {d.mode:04o} {path}")
+
+    crt, key = q(profile.tls.certificate_path), q(profile.tls.private_key_path)
+    lines += ["", f"# TLS (tls.mode: {profile.tls.mode})."]
+    if profile.tls.mode == "self-signed":
+        domain = profile.domain
+        subject = q(f"/CN={domain}")
+        names = q(f"subjectAltName=DNS:{domain},DNS:localhost,IP:127.0.0.1")
+        lines += [
+            f"if [ ! -s {crt} ] || [ ! -s {key} ]; then",
+            f'    log "no certificate at {profile.tls.certificate_path}: generating a self-signed one"',
+            "    (",
+            "        umask 077",
+            "        openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \\",
+            f"            -days {_SELF_SIGNED_DAYS} -subj {subject} -addext {names} \\",
+            "            -addext extendedKeyUsage=serverAuth \\",
+            f"            -keyout {key}.tmp -out {crt}.tmp",
+            "    )",
+            f"    chmod 0644 {crt}.tmp",
+            f"    mv -f {key}.tmp {key}",
+            f"    mv -f {crt}.tmp {crt}",
+            "fi",
+        ]
+    elif secrets is None or "tls_certificate" not in secrets:
+        lines += [
+            f"for f in {crt} {key}; do",
+            '    [ -s "$f" ] && continue',
+            '    log "missing $f (tls.mode: files): install the certificate and key"; exit 1',
+            "done",
+        ]
+
+    lines += [
+        "",
+        "# Secrets: secrets/ 0700; files 0600, or 0640 (root:root) for those a container reads itself.",
+        "umask 077",
+        'mkdir -p "$ROOT/secrets" && chown root:root "$ROOT/secrets" && chmod 0700 "$ROOT/secrets"',
+    ]
+    targets = _secret_targets(profile)
+    if secrets is None:
+        secret_paths = [q(f"{NODE_ROOT}/{SECRET_FILES[role]}") for role in sorted(SECRET_FILES)]
+        lines += [
+            "# Not from Secret Manager: whoever brings the node up writes them; check they are there.",
+            f"for f in {' '.join(secret_paths)}; do",
+            '    [ -s "$f" ] && continue',
+            '    log "missing secret file $f: write the node\'s secrets first"; exit 1',
+            "done",
+        ]
+        for role in sorted(CONTAINER_READ_SECRETS):
+            lines.append(f"chmod 0640 {q(f'{NODE_ROOT}/{SECRET_FILES[role]}')}")
+        return "\n".join(lines) + "\n"
+
+    project = f" --project={q(project_id)}" if project_id is not None else ""
+    lines += [
+        "# fetch SECRET_ID TARGET MODE [ENV_NAME]: the latest version into TARGET (as ENV_NAME=value when",
+        "# ENV_NAME is given); on failure keep an existing TARGET, else stop.",
+        "fetch() {",
+        "    secret=$1 target=$2 mode=$3 name=${4:-}",
+        '    tmp="$target.tmp"',
+        "    n=0",
+        f'    until gcloud secrets versions access latest --secret="$secret"{project} --quiet >"$tmp"; do',
+        "        n=$((n + 1))",
+        f'        if [ "$n" -ge {_SECRET_FETCH_ATTEMPTS} ]; then',
+        '            rm -f "$tmp"',
+        '            if [ -s "$target" ]; then',
+        '                log "cannot read secret $secret; keeping the previous $target"; return 0',
+        "            fi",
+        '            log "cannot read secret $secret from Secret Manager (service account role?)"; exit 1',
+        "        fi",
+        f"        sleep {_SECRET_FETCH_PAUSE_S}",
+        "    done",
+        '    if [ -n "$name" ]; then',
+        '        value=$(cat "$tmp")',
+        '        printf \'%s=%s\\n\' "$name" "$value" >"$tmp"',
+        "    fi",
+        '    chown root:root "$tmp" && chmod "$mode" "$tmp" && mv -f "$tmp" "$target"',
+        "}",
+    ]
+    for role, secret_id in secrets.items():
+        target, mode, env_name = targets[role]
+        args = f"{q(secret_id)} {q(target)} {mode}" + (f" {env_name}" if env_name else "")
+        lines.append(f"fetch {args}")
+    return "\n".join(lines) + "\n"
+
+
+def _secret_targets(profile: NodeProfile) -> dict[str, tuple[str, str, str]]:
+    """{role: (absolute path on the VM, mode, env variable name or "")}."""
+    targets = {
+        role: (f"{NODE_ROOT}/{path}", "0640" if role in CONTAINER_READ_SECRETS else "0600", "")
+        for role, path in SECRET_FILES.items()
+    }
+    targets["hf_token"] = (f"{NODE_ROOT}/{HF_TOKEN_FILE}", "0600", "HF_TOKEN")
+    targets["tls_certificate"] = (profile.tls.certificate_path, "0644", "")
+    targets["tls_private_key"] = (profile.tls.private_key_path, "0600", "")
+    return targets
+
+
+# --- the systemd unit ------------------------------------------------------------------------------------
+
+
+def _unit(profile: NodeProfile) -> str:
+    compose = f"{_DOCKER} compose --project-directory {NODE_ROOT} --file {NODE_ROOT}/{COMPOSE_FILE}"
+    return f"""# Rendered by infra.node.cloud_init for node profile {profile.name!r}. Do not edit: re-render.
+[Unit]
+Description=Duplex node {profile.name} (docker compose in {NODE_ROOT})
+Requires=docker.service
+After=docker.service network-online.target
+Wants=network-online.target
+
+[Service]
+Type=exec
+WorkingDirectory={NODE_ROOT}
+# The runtime's node id: this VM's host name.
+Environment=DUPLEX_NODE_ID=%H
+# HF_TOKEN for the runtime (compose.yaml passes it through without a value); absent without one.
+EnvironmentFile=-{NODE_ROOT}/{HF_TOKEN_FILE}
+ExecStartPre={PREPARE_SCRIPT}
+ExecStartPre={compose} config --quiet
+ExecStart={compose} up --remove-orphans --no-color
+ExecStop={compose} down
+# First boot: Secret Manager retries; the image pull and the model download happen in ExecStart.
+TimeoutStartSec=900
+# nginx's and the runtime's stop grace periods (they cover the drain grace) plus a minute.
+TimeoutStopSec={node_stop_timeout_s(profile)}
+Restart=on-failure
+RestartSec=30
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+# --- YAML ------------------------------------------------------------------------------------------------
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the script, the unit) as literal blocks, readable in the metadata."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def _dump(document: dict[str, Any]) -> str:
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)

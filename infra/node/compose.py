@@ -1,0 +1,437 @@
+"""The Compose file of a ``compose`` node (GPU hosts, VMs): ``render_compose`` gives ``compose.yaml``.
+
+One Compose project (``duplex``) on one bridge network runs every service of ``infra.node.services``
+under its Compose service name, so ``endpoint(profile, service)`` (``runtime:8998``, ``redis:6379`` ...)
+is what nginx, Prometheus and Grafana dial. The project directory is the bundle root (``/etc/duplex`` on a
+VM): every bundle file and every secret is mounted by a path relative to it.
+
+Exposure: only nginx publishes ports on ``profile.public_address``; Prometheus and Grafana publish on
+``profile.private_address`` only (reached through an SSH tunnel or IAP); Redis, the runtime and the
+exporters publish nothing and are reached on the bridge network alone.
+
+Secrets are never in the file. The runtime reads ``DUPLEX_REDIS_URL`` from ``secrets/runtime.env``
+(``env_file``), redis_exporter ``REDIS_PASSWORD`` from ``secrets/redis-exporter.env``, Redis ``requirepass``
+from ``secrets/redis-auth.conf`` (``include``d by ``redis/redis.conf``), Grafana its admin password through
+``GF_SECURITY_ADMIN_PASSWORD__FILE`` from a Compose secret backed by ``secrets/grafana_admin_password``.
+``HF_TOKEN`` is passed through from the environment of whoever runs ``docker compose`` (it has no value
+in the file). Compose mounts file secrets as bind mounts, so the host file's owner and mode are what the
+container sees: the files a container reads itself (``CONTAINER_READ_SECRETS``) must be ``root:root``
+mode 0640, and the containers that read them run with group 0 (Grafana's image default; Redis is set to
+``999:0`` here). The directories the containers write (``host_directories``) must exist with the owners
+listed there before ``docker compose up``.
+
+Stopping: ``docker compose down`` stops nginx first (it depends on the runtime). nginx's stop signal is
+SIGQUIT (graceful: open WebSockets go on) and its grace period covers the drain grace, so running sessions
+may finish; then the runtime gets SIGTERM and drains (``/readyz`` 503, new sessions refused, running ones
+closed with 1001 after ``limits.drain_grace_s``). ``node_stop_timeout_s`` is how long all of it may take
+(the systemd unit's ``TimeoutStopSec``).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from infra.node.profile import GRAFANA_VERSION, NodeProfile
+from infra.node.prometheus import prometheus_args
+from infra.node.services import SECRET_FILES, endpoint, runtime_settings
+
+__all__ = [
+    "COMPOSE_FILE",
+    "CONTAINER_READ_SECRETS",
+    "GRAFANA_DASHBOARDS_DIR",
+    "GRAFANA_PROVISIONING_DIR",
+    "IMAGES",
+    "NETWORK",
+    "NGINX_STOP_MARGIN_S",
+    "PROJECT_NAME",
+    "PROMETHEUS_CONFIG",
+    "PROMETHEUS_DATA_DIR",
+    "PROMETHEUS_RULES_DIR",
+    "REDIS_AUTH_CONF",
+    "REDIS_CONF",
+    "RUNTIME_STOP_MARGIN_S",
+    "HostDirectory",
+    "host_directories",
+    "nginx_stop_grace_s",
+    "node_stop_timeout_s",
+    "render_compose",
+    "runtime_stop_grace_s",
+]
+
+COMPOSE_FILE = "compose.yaml"
+"""The bundle path of the rendered file."""
+
+PROJECT_NAME = "duplex"
+"""The Compose project name (containers are ``duplex-<service>-1`` whatever the directory is called)."""
+
+NETWORK = "duplex"
+"""The node's one bridge network (also its Docker name)."""
+
+IMAGES: dict[str, str] = {
+    "nginx": "nginx:1.28.0",
+    "redis": "redis:7.4.6",
+    "prometheus": "prom/prometheus:v3.5.0",
+    "grafana": f"grafana/grafana:{GRAFANA_VERSION}",
+    "node-exporter": "prom/node-exporter:v1.9.1",
+    "redis-exporter": "oliver006/redis_exporter:v1.74.0-alpine",
+    "dcgm-exporter": "nvcr.io/nvidia/k8s/dcgm-exporter:4.4.2-4.7.1-ubuntu22.04",
+}
+"""Pinned images of every service but the runtime (``profile.runtime_image``). The redis_exporter image
+is the Alpine variant: the default one is ``FROM scratch`` and has nothing to run a healthcheck with."""
+
+# Paths inside the containers. redis/redis.conf (infra.node.redis_conf) includes REDIS_AUTH_CONF;
+# prometheus.yml's rule_files (rules/*.yml, relative to it) are under PROMETHEUS_RULES_DIR; Grafana's
+# dashboard provider (infra.node.grafana.DASHBOARDS_PATH) reads GRAFANA_DASHBOARDS_DIR, mounted inside
+# Grafana's data directory.
+REDIS_CONF = "/usr/local/etc/redis/redis.conf"
+REDIS_AUTH_CONF = "/usr/local/etc/redis/redis-auth.conf"
+PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"
+PROMETHEUS_RULES_DIR = "/etc/prometheus/rules"
+PROMETHEUS_DATA_DIR = "/prometheus"
+GRAFANA_PROVISIONING_DIR = "/etc/grafana/provisioning"
+GRAFANA_DASHBOARDS_DIR = "/var/lib/grafana/dashboards"
+_MODELS_DIR = "/models"
+_SECRETS_MOUNT = "/run/secrets"
+
+CONTAINER_READ_SECRETS: frozenset[str] = frozenset(
+    {"redis_auth_conf", "redis_password", "grafana_admin_password"}
+)
+"""Roles of ``SECRET_FILES`` that a container opens itself (bind-mounted): they must be ``root:root``
+mode 0640 on the host (the reading containers run with group 0). The others (``runtime_env``,
+``redis_exporter_env``) are read by ``docker compose`` on the host and stay 0600."""
+
+# Container users. Fixed so that host directories can be prepared with matching owners.
+_RUNTIME_USER = (10001, 10001)  # images/runtime/Dockerfile: useradd --uid 10001 duplex
+_REDIS_USER = (999, 0)  # the image's redis user, group 0 to read the 0640 secrets; skips the gosu step
+_PROMETHEUS_USER = (65534, 65534)  # the image's nobody
+_GRAFANA_USER = (472, 0)  # the image's default
+_REDIS_EXPORTER_USER = (59000, 59000)  # the scratch image's user, kept on the Alpine variant
+
+RUNTIME_STOP_MARGIN_S = 30
+"""After the drain grace the runtime closes the remaining sessions (up to 5 s) and flushes Redis."""
+
+NGINX_STOP_MARGIN_S = 10
+"""nginx's grace beyond the drain grace, before Docker kills it."""
+
+_LOGGING = {"driver": "json-file", "options": {"max-size": "20m", "max-file": "5"}}
+_HEALTH_TIMING = {"interval": "15s", "timeout": "5s", "retries": 3}
+
+# Compose bind mounts in short syntax split on ':'; interpolation acts on '$'.
+_SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/-]*$")
+
+
+@dataclass(frozen=True)
+class HostDirectory:
+    """A directory the node needs on the host before ``docker compose up``: path, owner and mode."""
+
+    path: str
+    uid: int
+    gid: int
+    mode: int
+    purpose: str
+
+
+def runtime_stop_grace_s(profile: NodeProfile) -> int:
+    """The runtime's ``stop_grace_period`` (s): the drain grace plus ``RUNTIME_STOP_MARGIN_S``."""
+    return profile.limits.drain_grace_s + RUNTIME_STOP_MARGIN_S
+
+
+def nginx_stop_grace_s(profile: NodeProfile) -> int:
+    """nginx's ``stop_grace_period`` (s): SIGQUIT lets open sessions go on for the drain grace."""
+    return profile.limits.drain_grace_s + NGINX_STOP_MARGIN_S
+
+
+def node_stop_timeout_s(profile: NodeProfile) -> int:
+    """Upper bound (s) for ``docker compose down``: nginx, then the runtime, each within its grace
+    period, plus a minute for the rest (Redis's last save, removing containers and the network)."""
+    return nginx_stop_grace_s(profile) + runtime_stop_grace_s(profile) + 60
+
+
+def host_directories(profile: NodeProfile) -> list[HostDirectory]:
+    """Directories to create on the host (with these owners) before the first ``docker compose up``:
+    the containers run as fixed non-root users and Docker would create a missing bind source as root."""
+    data = profile.data_dir
+    dirs = [
+        HostDirectory(profile.model_cache_dir, *_RUNTIME_USER, 0o750, "model cache (/models)"),
+        HostDirectory(posixpath.join(data, "redis"), *_REDIS_USER, 0o750, "Redis data (/data)"),
+        HostDirectory(posixpath.join(data, "prometheus"), *_PROMETHEUS_USER, 0o750, "Prometheus TSDB"),
+        HostDirectory(posixpath.join(data, "grafana"), *_GRAFANA_USER, 0o750, "Grafana data"),
+    ]
+    for tls_dir in _tls_dirs(profile):
+        dirs.append(HostDirectory(tls_dir, 0, 0, 0o755, "TLS certificate and key (nginx)"))
+    return dirs
+
+
+def render_compose(profile: NodeProfile) -> dict[str, bytes]:
+    """``{"compose.yaml": ...}`` for a ``compose`` node; the same profile always gives the same bytes.
+
+    Raises:
+        ValueError: ``profile.deployment`` is not ``compose`` (the local node runs host processes, see
+            ``infra.node.local``), or a path field cannot be used in a Compose bind mount.
+    """
+    if profile.deployment != "compose":
+        raise ValueError(
+            f"deployment: profile {profile.name!r} has deployment={profile.deployment!r}; compose.yaml is "
+            "rendered only for deployment='compose' (GPU hosts and VMs). The local node runs host processes "
+            "(infra.node.local)."
+        )
+    for field, value in (
+        ("model_cache_dir", profile.model_cache_dir),
+        ("data_dir", profile.data_dir),
+        ("tls.certificate_path", profile.tls.certificate_path),
+        ("tls.private_key_path", profile.tls.private_key_path),
+    ):
+        if not _SAFE_PATH.match(value):
+            raise ValueError(
+                f"{field}: {value!r} must be an absolute path of letters, digits, '.', '_', '-' and '/' "
+                "(it becomes a Compose bind mount)"
+            )
+
+    services: dict[str, Any] = {
+        "nginx": _nginx(profile),
+        "runtime": _runtime(profile),
+        "redis": _redis(profile),
+        "prometheus": _prometheus(profile),
+        "grafana": _grafana(profile),
+        "node-exporter": _node_exporter(profile),
+        "redis-exporter": _redis_exporter(profile),
+    }
+    if profile.gpu is not None:
+        services["dcgm-exporter"] = _dcgm_exporter(profile)
+    for service in services.values():
+        service["restart"] = "unless-stopped"
+        service["networks"] = [NETWORK]
+        service["logging"] = _LOGGING
+
+    document = {
+        "name": PROJECT_NAME,
+        "services": services,
+        "networks": {NETWORK: {"name": NETWORK, "driver": "bridge"}},
+        "secrets": {
+            "grafana_admin_password": {"file": "./" + SECRET_FILES["grafana_admin_password"]},
+            "redis_password": {"file": "./" + SECRET_FILES["redis_password"]},
+        },
+    }
+    header = (
+        f"# Rendered by infra.node.compose for node profile {profile.name!r}. Do not edit: re-render.\n"
+        "# Run from the bundle root (the directory holding this file and secrets/): docker compose up\n"
+    )
+    return {COMPOSE_FILE: (header + _dump(document)).encode()}
+
+
+# --- services -------------------------------------------------------------------------------------------
+
+
+def _nginx(profile: NodeProfile) -> dict[str, Any]:
+    ports = profile.ports
+    volumes = ["./nginx/nginx.conf:/etc/nginx/nginx.conf:ro"]
+    volumes += [f"{d}:{d}:ro" for d in _tls_dirs(profile)]
+    return {
+        "image": IMAGES["nginx"],
+        "depends_on": {"runtime": {"condition": "service_healthy"}},
+        "ports": [
+            _port(profile.public_address, ports.https),
+            _port(profile.public_address, ports.http),
+        ],
+        "volumes": volumes,
+        # The image's stop signal, spelled out: graceful, open WebSocket sessions go on.
+        "stop_signal": "SIGQUIT",
+        "stop_grace_period": f"{nginx_stop_grace_s(profile)}s",
+        # Plain HTTP answers 301 for every path: nginx is up whatever the runtime does.
+        "healthcheck": {
+            "test": ["CMD", "curl", "-fsS", "-o", "/dev/null", f"http://127.0.0.1:{ports.http}/"],
+            **_HEALTH_TIMING,
+        },
+    }
+
+
+def _runtime(profile: NodeProfile) -> dict[str, Any]:
+    port = profile.ports.runtime
+    environment: dict[str, str | None] = dict(runtime_settings(profile))
+    # The host may name the node (the VM's systemd unit passes its host name); else the profile's name.
+    environment["DUPLEX_NODE_ID"] = f"${{DUPLEX_NODE_ID:-{environment['DUPLEX_NODE_ID']}}}"
+    # No value: taken from the environment of `docker compose`, never written to a file.
+    environment["HF_TOKEN"] = None
+    service: dict[str, Any] = {
+        "image": profile.runtime_image,
+        "user": _user(_RUNTIME_USER),
+        "depends_on": {"redis": {"condition": "service_healthy"}},
+        "env_file": ["./" + SECRET_FILES["runtime_env"]],
+        "environment": environment,
+        "volumes": [f"{profile.model_cache_dir}:{_MODELS_DIR}"],
+        "stop_signal": "SIGTERM",
+        "stop_grace_period": f"{runtime_stop_grace_s(profile)}s",
+        # /healthz, not /readyz: readiness is 503 whenever the node is full, which is not a failure.
+        # The server listens only once the model is loaded and warm: a first boot downloads the weights.
+        "healthcheck": {
+            "test": ["CMD", "curl", "-fsS", "-o", "/dev/null", f"http://127.0.0.1:{port}/healthz"],
+            "interval": "10s",
+            "timeout": "5s",
+            "retries": 3,
+            "start_period": "1800s",
+        },
+    }
+    if profile.gpu is not None:
+        service["deploy"] = _gpu_reservation()
+    return service
+
+
+def _redis(profile: NodeProfile) -> dict[str, Any]:
+    port = profile.ports.redis
+    # $$: a literal $ for the container's shell (Compose interpolates a single $).
+    ping = f'REDISCLI_AUTH="$$(cat {_SECRETS_MOUNT}/redis_password)" redis-cli -p {port} ping | grep -q PONG'
+    return {
+        "image": IMAGES["redis"],
+        "user": _user(_REDIS_USER),
+        "command": ["redis-server", REDIS_CONF],
+        "volumes": [
+            f"./redis/redis.conf:{REDIS_CONF}:ro",
+            f"./{SECRET_FILES['redis_auth_conf']}:{REDIS_AUTH_CONF}:ro",
+            f"{posixpath.join(profile.data_dir, 'redis')}:/data",
+        ],
+        "secrets": ["redis_password"],
+        "stop_grace_period": "30s",
+        "healthcheck": {"test": ["CMD-SHELL", ping], **_HEALTH_TIMING},
+    }
+
+
+def _prometheus(profile: NodeProfile) -> dict[str, Any]:
+    port = profile.ports.prometheus
+    return {
+        "image": IMAGES["prometheus"],
+        "user": _user(_PROMETHEUS_USER),
+        "command": _prometheus_command(profile),
+        "ports": [_port(profile.private_address, port)],
+        "volumes": [
+            f"./prometheus/prometheus.yml:{PROMETHEUS_CONFIG}:ro",
+            f"./prometheus/rules:{PROMETHEUS_RULES_DIR}:ro",
+            f"{posixpath.join(profile.data_dir, 'prometheus')}:{PROMETHEUS_DATA_DIR}",
+        ],
+        "healthcheck": {
+            "test": ["CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{port}/-/healthy"],
+            **_HEALTH_TIMING,
+        },
+    }
+
+
+def _prometheus_command(profile: NodeProfile) -> list[str]:
+    listen = f"0.0.0.0:{profile.ports.prometheus}"
+    return prometheus_args(profile, PROMETHEUS_CONFIG, PROMETHEUS_DATA_DIR, listen)
+
+
+def _grafana(profile: NodeProfile) -> dict[str, Any]:
+    port = profile.ports.grafana
+    return {
+        "image": IMAGES["grafana"],
+        "user": _user(_GRAFANA_USER),
+        "depends_on": {"prometheus": {"condition": "service_started"}},
+        "environment": {
+            "GF_SERVER_HTTP_PORT": str(port),
+            "GF_SECURITY_ADMIN_USER": "admin",
+            "GF_SECURITY_ADMIN_PASSWORD__FILE": f"{_SECRETS_MOUNT}/grafana_admin_password",
+            "GF_USERS_ALLOW_SIGN_UP": "false",
+            "GF_AUTH_ANONYMOUS_ENABLED": "false",
+            "GF_ANALYTICS_REPORTING_ENABLED": "false",
+            "GF_ANALYTICS_CHECK_FOR_UPDATES": "false",
+            "GF_ANALYTICS_CHECK_FOR_PLUGIN_UPDATES": "false",
+        },
+        "secrets": ["grafana_admin_password"],
+        "ports": [_port(profile.private_address, port)],
+        "volumes": [
+            f"./grafana/provisioning/datasources:{GRAFANA_PROVISIONING_DIR}/datasources:ro",
+            f"./grafana/provisioning/dashboards:{GRAFANA_PROVISIONING_DIR}/dashboards:ro",
+            f"./grafana/dashboards:{GRAFANA_DASHBOARDS_DIR}:ro",
+            f"{posixpath.join(profile.data_dir, 'grafana')}:/var/lib/grafana",
+        ],
+        "healthcheck": {
+            "test": ["CMD", "curl", "-fsS", "-o", "/dev/null", f"http://127.0.0.1:{port}/api/health"],
+            **_HEALTH_TIMING,
+        },
+    }
+
+
+def _node_exporter(profile: NodeProfile) -> dict[str, Any]:
+    # node_exporter's README: host PID namespace and the host's root read-only at /host. It stays on the
+    # bridge network (Prometheus dials node-exporter:PORT), so network-device metrics are the container's.
+    port = profile.ports.node_exporter
+    return {
+        "image": IMAGES["node-exporter"],
+        "command": ["--path.rootfs=/host", f"--web.listen-address=:{port}"],
+        "pid": "host",
+        "volumes": ["/:/host:ro,rslave"],
+        "healthcheck": {
+            "test": ["CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{port}/"],
+            **_HEALTH_TIMING,
+        },
+    }
+
+
+def _redis_exporter(profile: NodeProfile) -> dict[str, Any]:
+    port = profile.ports.redis_exporter
+    return {
+        "image": IMAGES["redis-exporter"],
+        "user": _user(_REDIS_EXPORTER_USER),
+        "depends_on": {"redis": {"condition": "service_healthy"}},
+        "env_file": ["./" + SECRET_FILES["redis_exporter_env"]],
+        "environment": {
+            "REDIS_ADDR": f"redis://{endpoint(profile, 'redis')}",
+            "REDIS_EXPORTER_WEB_LISTEN_ADDRESS": f"0.0.0.0:{port}",
+        },
+        "healthcheck": {
+            "test": ["CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{port}/health"],
+            **_HEALTH_TIMING,
+        },
+    }
+
+
+def _dcgm_exporter(profile: NodeProfile) -> dict[str, Any]:
+    port = profile.ports.dcgm_exporter
+    return {
+        "image": IMAGES["dcgm-exporter"],
+        # NVIDIA's instructions: SYS_ADMIN for the profiling (DCP) metrics.
+        "cap_add": ["SYS_ADMIN"],
+        "environment": {"DCGM_EXPORTER_LISTEN": f":{port}"},
+        "deploy": _gpu_reservation(),
+        # No curl or wget in the image; bash can open a TCP connection.
+        "healthcheck": {
+            "test": ["CMD", "bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"],
+            **_HEALTH_TIMING,
+        },
+    }
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+
+
+def _gpu_reservation() -> dict[str, Any]:
+    device = {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    return {"resources": {"reservations": {"devices": [device]}}}
+
+
+def _port(host_ip: str, port: int) -> dict[str, Any]:
+    return {"target": port, "published": str(port), "host_ip": host_ip, "protocol": "tcp"}
+
+
+def _user(user: tuple[int, int]) -> str:
+    return f"{user[0]}:{user[1]}"
+
+
+def _tls_dirs(profile: NodeProfile) -> list[str]:
+    dirs = [posixpath.dirname(profile.tls.certificate_path), posixpath.dirname(profile.tls.private_key_path)]
+    return list(dict.fromkeys(dirs))
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, no aliases (the logging mapping is shared), no line folding."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _dump(document: dict[str, Any]) -> str:
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)

@@ -1,0 +1,384 @@
+"""Bring a node up on this machine as real processes: redis-server, redis_exporter, node-exporter, the
+runtime (``duplex serve``), Prometheus and nginx, all on loopback, from the ``local`` profile's bundle.
+
+``LocalNode`` renders the bundle into a node directory, writes fresh secrets and a self-signed certificate,
+starts each process in its own process group with its log in ``logs/<name>.log``, waits until each one
+answers its readiness probe, and stops them all (reverse order, SIGTERM then SIGKILL) on ``stop()``.
+A process that exits early is reported with its exit code and the tail of its log rather than waited on.
+
+Node directory::
+
+    nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle)
+    secrets/                              0700: Redis password, runtime env (infra.node.services)
+    tls/node.crt, tls/node.key            self-signed certificate (infra.node.tls)
+    logs/                                 one log per process, nginx's access and error logs
+    run/                                  nginx's pid and temp files
+    redis/data/, prometheus/data/         data
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.node.bundle import render_bundle, write_bundle, write_secrets
+from infra.node.nginx import NGINX_CONF
+from infra.node.profile import NodeProfile, get_profile
+from infra.node.prometheus import prometheus_args, prometheus_config
+from infra.node.redis_conf import REDIS_CONF
+from infra.node.services import NodeSecrets, endpoint, runtime_settings
+from infra.node.tls import write_self_signed_certificate
+
+__all__ = [
+    "REQUIRED_BINARIES",
+    "LocalNode",
+    "MissingBinaryError",
+    "NodeStartError",
+    "free_port_profile",
+    "missing_binaries",
+]
+
+log = logging.getLogger(__name__)
+
+REQUIRED_BINARIES: dict[str, str] = {
+    "nginx": "nginx-light",
+    "redis-server": "redis-server",
+    "prometheus": "prometheus",
+    "prometheus-node-exporter": "prometheus-node-exporter",
+    "prometheus-redis-exporter": "prometheus-redis-exporter",
+}
+"""Executable -> the Debian/Ubuntu package that provides it."""
+
+
+class MissingBinaryError(RuntimeError):
+    """A system binary the local node needs is not installed; the message names the package."""
+
+
+class NodeStartError(RuntimeError):
+    """A process of the node could not start or did not become ready; the message says which and why."""
+
+
+def missing_binaries() -> dict[str, str]:
+    """``{binary: package}`` for each required binary that is not on PATH (empty when all are there)."""
+    return {binary: package for binary, package in REQUIRED_BINARIES.items() if shutil.which(binary) is None}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def free_port_profile(**overrides: object) -> NodeProfile:
+    """The ``local`` profile with every port replaced by a free loopback port (tests, ``--free-ports``)."""
+    names = ("https", "http", "runtime", "redis", "prometheus", "grafana", "node_exporter", "redis_exporter")
+    ports: dict[str, int] = {}
+    while len(set(ports.values())) < len(names):
+        ports = {name: _free_port() for name in names}
+    ports["dcgm_exporter"] = 1 + max(ports.values())  # unused on a CPU node, must merely be distinct
+    return get_profile("local", ports=ports, **overrides)
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+@dataclass
+class ManagedProcess:
+    """One process of the node: its command, how to probe it, and its handle once started."""
+
+    name: str
+    argv: list[str]
+    probe: Callable[[], bool]
+    env: dict[str, str] = field(default_factory=dict)
+    stop_timeout_s: float = 10.0
+    popen: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    def start(self, cwd: Path, log_dir: Path) -> None:
+        self.log_path = log_dir / f"{self.name}.log"
+        with open(self.log_path, "ab") as log_file:
+            self.popen = subprocess.Popen(
+                self.argv,
+                cwd=cwd,
+                env={**os.environ, **self.env},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group: Ctrl-C in the terminal reaches only us
+            )
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while running (or never started)."""
+        return None if self.popen is None else self.popen.poll()
+
+    def log_tail(self, lines: int = 15) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``stop_timeout_s``; returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: SIGKILL", self.name, self.stop_timeout_s)
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        return self.popen.returncode
+
+
+def _http_ok(url: str, *, context: ssl.SSLContext | None = None, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:  # noqa: S310
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class LocalNode:
+    """The node of ``profile`` (a ``processes`` profile, e.g. ``local``) running in ``node_dir``.
+
+    Use as a context manager, or call ``start()`` and ``stop()``. ``start`` raises
+    ``MissingBinaryError`` (names the Debian package to install) or ``NodeStartError`` (a port in use, a
+    process that exited or never became ready: the message has its log tail); it stops whatever it had
+    started before raising.
+    """
+
+    def __init__(
+        self,
+        node_dir: Path,
+        profile: NodeProfile | None = None,
+        *,
+        node_secrets: NodeSecrets | None = None,
+        runtime_args: list[str] | None = None,
+    ) -> None:
+        self.profile = profile or get_profile("local")
+        if self.profile.deployment != "processes":
+            raise ValueError(
+                f"profile {self.profile.name!r} has deployment {self.profile.deployment!r}; a local node "
+                "needs deployment 'processes' (use the 'local' profile)"
+            )
+        self.node_dir = node_dir.resolve()
+        self.secrets = node_secrets or NodeSecrets.generate()
+        self.runtime_args = runtime_args or []
+        self.processes: list[ManagedProcess] = []
+        self.certificate_path = self.node_dir / self.profile.tls.certificate_path
+
+    # -- addresses -------------------------------------------------------------------------------------
+    @property
+    def https_url(self) -> str:
+        """``https://localhost:<https port>`` (the certificate is for ``localhost`` and 127.0.0.1)."""
+        return f"https://{self.profile.domain}:{self.profile.ports.https}"
+
+    @property
+    def wss_url(self) -> str:
+        """``wss://localhost:<https port>``: the base URL clients stream to (through nginx)."""
+        return f"wss://{self.profile.domain}:{self.profile.ports.https}"
+
+    @property
+    def prometheus_url(self) -> str:
+        return f"http://{endpoint(self.profile, 'prometheus')}"
+
+    @property
+    def runtime_url(self) -> str:
+        """The runtime itself, behind nginx (private side)."""
+        return f"http://{endpoint(self.profile, 'runtime')}"
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """An SSL context that trusts this node's self-signed certificate."""
+        return ssl.create_default_context(cafile=str(self.certificate_path))
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Render the bundle, write secrets and the certificate, create the runtime directories."""
+        missing = missing_binaries()
+        if missing:
+            packages = " ".join(sorted(set(missing.values())))
+            raise MissingBinaryError(
+                f"missing {', '.join(sorted(missing))}: install with `apt-get install {packages}`"
+            )
+        p = self.profile
+        busy = [
+            f"{name} {port}"
+            for name, port in p.ports.model_dump().items()
+            if name not in ("grafana", "dcgm_exporter") and _port_in_use(p.public_address, port)
+        ]
+        if busy:
+            raise NodeStartError(
+                f"ports in use on this machine: {', '.join(busy)}; stop what holds them, or pass --free-ports"
+            )
+        for sub in ("logs", "run", "redis/data", "prometheus/data", "tls"):
+            (self.node_dir / sub).mkdir(parents=True, exist_ok=True)
+        write_bundle(render_bundle(p), self.node_dir)
+        write_secrets(p, self.secrets, self.node_dir)
+        write_self_signed_certificate(
+            self.certificate_path,
+            self.node_dir / p.tls.private_key_path,
+            domain=p.domain,
+            ip_addresses=(p.public_address,),
+        )
+
+    def _build_processes(self) -> list[ManagedProcess]:
+        p = self.profile
+        tls = self.ssl_context()
+        redis_password = self.secrets.redis_password
+        redis_endpoint = endpoint(p, "redis")
+        redis_url = f"redis://:{redis_password}@{redis_endpoint}/0"
+
+        def redis_ready() -> bool:
+            import redis
+
+            try:
+                return bool(redis.Redis.from_url(redis_url, socket_timeout=1).ping())
+            except redis.RedisError:
+                return False
+
+        return [
+            ManagedProcess("redis", ["redis-server", REDIS_CONF], redis_ready),
+            ManagedProcess(
+                "redis-exporter",
+                [
+                    "prometheus-redis-exporter",
+                    f"--redis.addr=redis://{redis_endpoint}",
+                    f"--web.listen-address={endpoint(p, 'redis-exporter')}",
+                ],
+                lambda: _http_ok(f"http://{endpoint(p, 'redis-exporter')}/metrics"),
+                env={"REDIS_PASSWORD": redis_password},
+            ),
+            ManagedProcess(
+                "node-exporter",
+                ["prometheus-node-exporter", f"--web.listen-address={endpoint(p, 'node-exporter')}"],
+                lambda: _http_ok(f"http://{endpoint(p, 'node-exporter')}/metrics"),
+            ),
+            ManagedProcess(
+                "runtime",
+                [sys.executable, "-m", "runtime.cli", "serve", *self.runtime_args],
+                lambda: _http_ok(f"{self.runtime_url}/readyz"),
+                env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url},
+                stop_timeout_s=p.limits.drain_grace_s + 10.0,
+            ),
+            ManagedProcess(
+                "prometheus",
+                [
+                    "prometheus",
+                    *prometheus_args(
+                        p, "prometheus/prometheus.yml", "prometheus/data", endpoint(p, "prometheus")
+                    ),
+                ],
+                self._prometheus_scraped_every_target,
+            ),
+            ManagedProcess(
+                "nginx",
+                [
+                    "nginx",
+                    "-p",
+                    f"{self.node_dir}/",
+                    "-c",
+                    NGINX_CONF,
+                    "-e",
+                    "logs/error.log",
+                    "-g",
+                    "daemon off;",
+                ],
+                lambda: _http_ok(f"{self.https_url}/readyz", context=tls),
+            ),
+        ]
+
+    def _prometheus_scraped_every_target(self) -> bool:
+        """Prometheus is ready and its last scrape of every target of the node succeeded (so that a run
+        that starts now is seen from its beginning)."""
+        if not _http_ok(f"{self.prometheus_url}/-/ready"):
+            return False
+        jobs = {job["job_name"] for job in prometheus_config(self.profile)["scrape_configs"]}
+        url = f"{self.prometheus_url}/api/v1/query?query=up"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as response:  # noqa: S310 (loopback)
+                series = json.loads(response.read())["data"]["result"]
+        except (OSError, ValueError, KeyError):
+            return False
+        up = {s["metric"].get("job") for s in series if s["value"][1] == "1"}
+        return jobs <= up
+
+    def start(self, *, timeout_s: float = 120.0, progress: Callable[[str], None] | None = None) -> None:
+        """Prepare the node directory, then start every process in order and wait for each probe.
+
+        Raises:
+            MissingBinaryError, NodeStartError: see the class docstring.
+        """
+        say = progress or (lambda message: log.info("%s", message))
+        self.prepare()
+        deadline = time.monotonic() + timeout_s
+        try:
+            for process in self._build_processes():
+                say(f"starting {process.name}")
+                process.start(self.node_dir, self.node_dir / "logs")
+                self.processes.append(process)
+                while not process.probe():
+                    if process.exit_code is not None:
+                        raise NodeStartError(
+                            f"{process.name} exited with code {process.exit_code} while starting; "
+                            f"its log ({process.log_path}):\n{process.log_tail()}"
+                        )
+                    if time.monotonic() > deadline:
+                        raise NodeStartError(
+                            f"{process.name} not ready after {timeout_s:.0f} s; "
+                            f"its log ({process.log_path}):\n{process.log_tail()}"
+                        )
+                    time.sleep(0.2)
+                say(f"{process.name} ready")
+        except BaseException:
+            self.stop()
+            raise
+
+    def dead_processes(self) -> dict[str, int]:
+        """``{name: exit code}`` of the node's processes that have exited (empty while all run)."""
+        return {p.name: code for p in self.processes if (code := p.exit_code) is not None}
+
+    def process(self, name: str) -> ManagedProcess:
+        """The managed process called ``name``. Raises KeyError (listing the names) if there is none."""
+        for p in self.processes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no process {name!r}; running: {', '.join(p.name for p in self.processes)}")
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop every process, last started first; returns ``{name: exit code}``. Idempotent."""
+        codes = {}
+        for process in reversed(self.processes):
+            codes[process.name] = process.stop()
+        self.processes = []
+        return codes
+
+    def __enter__(self) -> LocalNode:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,196 @@
+"""nginx in front of the runtime: TLS termination, the WebSocket proxy and the node's session cap.
+
+``render_nginx(profile)`` gives ``nginx/nginx.conf``. What it does, and why:
+
+- TLS 1.2 and 1.3 only, ECDHE key exchange with AEAD ciphers (Mozilla's "intermediate" list), HSTS; plain
+  HTTP on ``ports.http`` answers 301 to HTTPS.
+- ``/api/chat``: the WebSocket location. ``proxy_http_version 1.1`` and ``Upgrade``/``Connection`` forwarded
+  explicitly (hop-by-hop headers are dropped otherwise); ``proxy_read_timeout`` and ``proxy_send_timeout``
+  longer than ``limits.max_session_s`` (nginx's 60 s default would close a quiet socket mid-conversation);
+  no buffering. ``limit_conn`` counts an upgraded connection for its whole life, which makes it a real
+  session cap: ``max_sessions`` for the whole node and ``limits.max_sessions_per_client`` per client
+  address; over either, nginx answers 503 with a plain-text reason and the runtime never sees the caller.
+- ``/healthz`` and ``/readyz`` pass through (load balancers probe ``/readyz``); ``/metrics`` answers 404 on
+  the public side: Prometheus scrapes the runtime on the private address directly.
+- 502/504 (runtime down or not answering) get a plain-text body that says so.
+
+In a ``processes`` deployment (the local node) every path is relative to nginx's prefix (``nginx -p
+<node dir>``) so one unprivileged nginx runs from the node directory; in ``compose`` the paths are the
+official image's.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+from infra.node.profile import NodeProfile
+from infra.node.services import endpoint
+
+__all__ = ["NGINX_CONF", "SESSION_TIMEOUT_MARGIN_S", "render_nginx"]
+
+NGINX_CONF = "nginx/nginx.conf"
+"""The bundle path of the rendered configuration."""
+
+SESSION_TIMEOUT_MARGIN_S = 60
+"""How much longer than ``limits.max_session_s`` nginx keeps a WebSocket open (s): the runtime closes a
+session at its limit; nginx must never be the one that cuts it."""
+
+# Mozilla "intermediate" TLS configuration (ssl-config.mozilla.org, version 5.7): TLS 1.2 ciphers with
+# forward secrecy and AEAD only; TLS 1.3 suites are not configurable here and all are strong.
+_TLS12_CIPHERS = ":".join(
+    (
+        "ECDHE-ECDSA-AES128-GCM-SHA256",
+        "ECDHE-RSA-AES128-GCM-SHA256",
+        "ECDHE-ECDSA-AES256-GCM-SHA384",
+        "ECDHE-RSA-AES256-GCM-SHA384",
+        "ECDHE-ECDSA-CHACHA20-POLY1305",
+        "ECDHE-RSA-CHACHA20-POLY1305",
+    )
+)
+
+
+def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
+    """``{"nginx/nginx.conf": ...}`` for ``profile``; the same profile always gives the same bytes."""
+    local = profile.deployment == "processes"
+    paths = (
+        {"pid": "run/nginx.pid", "logs": "logs", "temp": "run"}
+        if local
+        else {"pid": "/var/run/nginx.pid", "logs": "/var/log/nginx", "temp": "/var/cache/nginx"}
+    )
+    # nginx resolves certificate paths against the configuration file's directory (logs and pid against
+    # its -p prefix, the node directory): a relative TLS path of the profile is relative to the node dir.
+    certificate, private_key = (
+        path if path.startswith("/") else posixpath.relpath(path, posixpath.dirname(NGINX_CONF))
+        for path in (profile.tls.certificate_path, profile.tls.private_key_path)
+    )
+    timeout_s = profile.limits.max_session_s + SESSION_TIMEOUT_MARGIN_S
+    # In a container nginx binds every interface of its own network namespace; Compose publishes the
+    # ports on the profile's public address.
+    public = profile.public_address if local else "0.0.0.0"
+    https_port = profile.ports.https
+    redirect_port = "" if https_port == 443 else f":{https_port}"
+    node_full = (
+        f"node full: this node serves at most {profile.sessions} sessions, "
+        f"{profile.limits.max_sessions_per_client} per client address; retry later or use another node\\n"
+    )
+    temp_dirs = "\n".join(
+        f"    {kind}_temp_path {paths['temp']}/{kind};"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    conf = f"""# Rendered by infra.node.nginx for node profile {profile.name!r}. Do not edit: re-render.
+worker_processes {1 if local else "auto"};
+pid {paths["pid"]};
+error_log {paths["logs"]}/error.log warn;
+
+# On shutdown, open WebSockets get the drain grace, then are closed (the runtime drains the same way).
+worker_shutdown_timeout {profile.limits.drain_grace_s + 5}s;
+
+events {{
+    worker_connections 4096;
+}}
+
+http {{
+    server_tokens off;
+    default_type application/octet-stream;
+    log_format duplex '$remote_addr [$time_iso8601] "$request" $status $body_bytes_sent '
+                      'rt=$request_time upstream=$upstream_status conn=$connection';
+    access_log {paths["logs"]}/access.log duplex;
+{temp_dirs}
+
+    map $http_upgrade $connection_upgrade {{
+        default upgrade;
+        ''      close;
+    }}
+
+    # Session caps: an upgraded WebSocket holds its limit_conn slot for its whole life.
+    limit_conn_zone $server_name zone=duplex_node_sessions:1m;
+    limit_conn_zone $binary_remote_addr zone=duplex_client_sessions:10m;
+    limit_conn_status 503;
+    limit_conn_log_level warn;
+
+    upstream duplex_runtime {{
+        server {endpoint(profile, "runtime")} max_fails=0;
+        keepalive 8;
+    }}
+
+    server {{
+        listen {public}:{profile.ports.http};
+        server_name {profile.domain};
+        location / {{
+            return 301 https://$host{redirect_port}$request_uri;
+        }}
+    }}
+
+    server {{
+        listen {public}:{https_port} ssl;
+        server_name {profile.domain};
+
+        ssl_certificate {certificate};
+        ssl_certificate_key {private_key};
+        ssl_protocols TLSv1.2 TLSv1.3;
+        ssl_ciphers {_TLS12_CIPHERS};
+        ssl_prefer_server_ciphers off;
+        ssl_session_cache shared:duplex_tls:10m;
+        ssl_session_timeout 1d;
+        ssl_session_tickets off;
+        add_header Strict-Transport-Security "max-age=63072000" always;
+
+        proxy_set_header Host $host;
+        proxy_set_header X-Real-IP $remote_addr;
+        proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+        proxy_set_header X-Forwarded-Proto https;
+
+        error_page 502 504 @runtime_unavailable;
+
+        location = /api/chat {{
+            limit_conn duplex_node_sessions {profile.sessions};
+            limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};
+            error_page 503 @node_full;
+            error_page 502 504 @runtime_unavailable;  # error_page is not inherited once a level sets one
+
+            proxy_pass http://duplex_runtime;
+            proxy_http_version 1.1;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection $connection_upgrade;
+            proxy_buffering off;
+            proxy_connect_timeout 5s;
+            # Longer than the longest session ({profile.limits.max_session_s} s): the runtime ends sessions.
+            proxy_read_timeout {timeout_s}s;
+            proxy_send_timeout {timeout_s}s;
+        }}
+
+        location = /healthz {{
+            proxy_pass http://duplex_runtime;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+
+        location = /readyz {{
+            proxy_pass http://duplex_runtime;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+
+        # Never public: Prometheus scrapes the runtime on the private address.
+        location = /metrics {{
+            return 404;
+        }}
+
+        location @node_full {{
+            default_type text/plain;
+            return 503 "{node_full}";
+        }}
+
+        location @runtime_unavailable {{
+            default_type text/plain;
+            return 502 "runtime unavailable: the node's runtime is down or not answering\\n";
+        }}
+
+        location / {{
+            default_type text/plain;
+            return 404 "not found: WebSocket sessions are at /api/chat\\n";
+        }}
+    }}
+}}
+"""
+    return {NGINX_CONF: conf.encode()}

@@ -1,0 +1,330 @@
+"""Node profiles: one typed description of a single-GPU (or CPU) node, from which every file of the node
+bundle is rendered (``infra.node.bundle``).
+
+A node is the unit every stack deploys: nginx (TLS, WebSocket proxy, session cap) in front of the batched
+runtime, Redis for session state and transcripts, Prometheus scraping the runtime, the host (node-exporter),
+Redis (redis_exporter) and, on GPU hosts, NVIDIA's dcgm-exporter, and Grafana.
+
+Built-in profiles (``PROFILES``): ``local`` (this machine: CPU, tiny preset, loopback, self-signed TLS),
+``l40s`` and ``a100-80gb`` (on-premises or cloud GPU hosts, Scale-5: 5 sessions), ``t4-int8`` (the dev VM:
+T4 with INT8 weights, as many sessions as the capacity planner allows). A profile is validated when it is
+built: a bad field raises ``pydantic.ValidationError`` naming the field, the value and what is allowed; a
+session count beyond what the capacity planner says fits raises the same, with the planner's reasons.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from infra.capacity import InfeasibleConfiguration, max_sessions, require_feasible
+from infra.capacity.gpus import GPUS
+from runtime.model_presets import FRAME_MS, PRESETS
+
+__all__ = [
+    "Deployment",
+    "GRAFANA_VERSION",
+    "NodeLimits",
+    "NodePorts",
+    "NodeProfile",
+    "PROFILES",
+    "Precision",
+    "Retention",
+    "TlsSettings",
+    "get_profile",
+]
+
+Deployment = Literal["compose", "processes"]
+"""How the node's services run: ``compose`` (containers on one bridge network, GPU hosts and VMs) or
+``processes`` (host processes on loopback: the local node, ``infra.node.local``)."""
+
+Precision = Literal["fp32", "bf16", "fp16", "int8"]
+"""Weight precision of the LM. ``int8`` needs a CUDA GPU (bitsandbytes), ``fp32`` is the CPU default."""
+
+GRAFANA_VERSION = "11.6.16"
+"""The Grafana release the dashboards and the Compose file target (grafana-foundation-sdk is pinned to it)."""
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
+_DOMAIN_RE = re.compile(
+    r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodePorts(_Strict):
+    """TCP ports of the node's services. ``https``/``http`` are public (nginx); the rest listen on
+    ``NodeProfile.private_address`` only."""
+
+    https: int = Field(443, ge=1, le=65535)
+    http: int = Field(80, ge=1, le=65535, description="Plain HTTP: redirects to HTTPS")
+    runtime: int = Field(8998, ge=1, le=65535, description="The runtime's WebSocket/HTTP port (behind nginx)")
+    redis: int = Field(6379, ge=1, le=65535)
+    prometheus: int = Field(9090, ge=1, le=65535)
+    grafana: int = Field(3000, ge=1, le=65535)
+    node_exporter: int = Field(9100, ge=1, le=65535)
+    redis_exporter: int = Field(9121, ge=1, le=65535)
+    dcgm_exporter: int = Field(9400, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> NodePorts:
+        seen: dict[int, str] = {}
+        for name, port in self.model_dump().items():
+            if port in seen:
+                raise ValueError(f"ports.{name} and ports.{seen[port]} are both {port}; each needs its own")
+            seen[port] = name
+        return self
+
+
+class TlsSettings(_Strict):
+    """Where nginx finds its certificate. ``self-signed``: generated at bring-up (``infra.node.tls``), for
+    local nodes and first boots; ``files``: the operator's certificate and key at these paths on the host
+    (from a secret store or an ACME client)."""
+
+    mode: Literal["self-signed", "files"] = "self-signed"
+    certificate_path: str = Field("/etc/duplex/tls/node.crt", description="PEM chain, path on the node")
+    private_key_path: str = Field("/etc/duplex/tls/node.key", description="PEM key, path on the node")
+
+
+class NodeLimits(_Strict):
+    """What one node admits, and the targets its alerts watch."""
+
+    max_sessions_per_client: int = Field(
+        2, ge=1, description="Concurrent WebSocket sessions per client address (nginx limit_conn)"
+    )
+    max_session_s: int = Field(3600, ge=10, le=86400, description="Longest session; nginx waits longer")
+    first_audio_p99_target_ms: float = Field(
+        180.0, gt=2 * FRAME_MS, description="Alert above this p99 first-audio latency (Scale-5: 180 ms)"
+    )
+    at_cap_alert_minutes: int = Field(10, ge=1, le=1440, description="Alert when full for this long")
+    gpu_memory_alert_fraction: float = Field(0.9, gt=0, lt=1, description="Alert above this GPU memory use")
+    drain_grace_s: int = Field(
+        30, ge=0, le=86400, description="How long running sessions may go on after SIGTERM"
+    )
+
+
+class Retention(_Strict):
+    """How long the node keeps what it records."""
+
+    prometheus_days: int = Field(15, ge=1, le=3650)
+    redis_max_memory_mb: int = Field(
+        512, ge=16, description="Redis maxmemory (MB); transcripts beyond it are evicted by TTL"
+    )
+    transcript_ttl_hours: int = Field(
+        24 * 7, ge=1, description="Redis TTL of a finished session's transcript"
+    )
+
+
+class NodeProfile(_Strict):
+    """One node, typed. Every renderer of ``infra.node`` reads only this (plus secrets given apart).
+
+    Attributes:
+        name: profile name, ``[a-z][a-z0-9-]*`` (used in labels and file names).
+        gpu: a capacity-planner GPU key (``infra.capacity.gpus.GPUS``) or None for a CPU node.
+        model, precision: the runtime's model preset and weight precision.
+        max_sessions: batch slots B = the node's concurrent sessions (nginx caps connections at this).
+            None takes the capacity planner's ``max_sessions`` for (model, gpu, precision).
+        domain: the public DNS name the certificate is for.
+        public_address: where nginx listens (``0.0.0.0`` on a host, ``127.0.0.1`` locally).
+        private_address: where Redis, the runtime, Prometheus, Grafana and the exporters listen (loopback or
+            the private network; never a public address).
+        deployment: ``compose`` or ``processes`` (see ``Deployment``).
+        runtime_image: the container image the Compose file runs (GPU hosts; stacks pin a digest).
+        model_cache_dir: host directory for downloaded weights (mounted at /models).
+        data_dir: host directory for Redis, Prometheus and Grafana data.
+        scrape_interval_s: Prometheus's scrape and rule-evaluation interval (s); Grafana's minimum step.
+    """
+
+    name: str
+    gpu: str | None = None
+    model: str = "tiny"
+    precision: Precision = "fp32"
+    max_sessions: int | None = Field(None, ge=1, le=256)
+    domain: str = "localhost"
+    public_address: str = "0.0.0.0"
+    private_address: str = "127.0.0.1"
+    deployment: Deployment = "compose"
+    runtime_image: str = "duplexops/runtime:latest"
+    model_cache_dir: str = "/var/lib/duplex/models"
+    data_dir: str = "/var/lib/duplex"
+    scrape_interval_s: int = Field(5, ge=1, le=60, description="Prometheus scrape/evaluation interval (s)")
+    ports: NodePorts = NodePorts()
+    tls: TlsSettings = TlsSettings()
+    limits: NodeLimits = NodeLimits()
+    retention: Retention = Retention()
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError(f"name {value!r} must match {_NAME_RE.pattern} (lower case, digits, '-')")
+        return value
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str | None) -> str | None:
+        if value is not None and value not in GPUS:
+            raise ValueError(
+                f"unknown gpu {value!r}; allowed: {', '.join(sorted(GPUS))} or null for a CPU node"
+            )
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown model {value!r}; allowed: {', '.join(sorted(PRESETS))}")
+        return value
+
+    @field_validator("domain")
+    @classmethod
+    def _valid_domain(cls, value: str) -> str:
+        if not _DOMAIN_RE.match(value):
+            raise ValueError(f"domain {value!r} is not a DNS name (lower case labels separated by dots)")
+        return value
+
+    @field_validator("public_address", "private_address")
+    @classmethod
+    def _ip_address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address (e.g. 127.0.0.1, 10.0.0.5, 0.0.0.0)") from None
+        return value
+
+    @field_validator("model_cache_dir", "data_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not Path(value).is_absolute():
+            raise ValueError(f"{value!r} must be an absolute path on the node")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NodeProfile:
+        address = ipaddress.ip_address(self.private_address)
+        if not (address.is_loopback or address.is_private):
+            raise ValueError(
+                f"private_address {self.private_address} is neither loopback nor private: Redis, Prometheus "
+                "and Grafana must never listen on a public address"
+            )
+        if self.gpu is None:
+            if self.precision not in ("fp32", "bf16"):
+                raise ValueError(
+                    f"precision {self.precision!r} needs a GPU; a CPU node (gpu: null) runs fp32 or bf16"
+                )
+            if self.max_sessions is None:
+                raise ValueError(
+                    "max_sessions is required on a CPU node (the capacity planner models GPUs only)"
+                )
+            return self
+        capacity_model = self.model if self.model in ("moshi-7b", "personaplex-7b") else None
+        if capacity_model is None:
+            if self.max_sessions is None:
+                raise ValueError(
+                    f"max_sessions is required for model {self.model!r} (not in the capacity planner)"
+                )
+            return self
+        if self.max_sessions is None:
+            fits = max_sessions(capacity_model, self.gpu, self.precision)
+            if fits < 1:
+                raise ValueError(
+                    f"{capacity_model} at {self.precision} does not fit one session on the {self.gpu} "
+                    "(duplex capacity plan for the reasons)"
+                )
+            object.__setattr__(self, "max_sessions", fits)
+        try:
+            require_feasible(capacity_model, self.gpu, self.precision, sessions=self.max_sessions)
+        except InfeasibleConfiguration as exc:
+            fits = max_sessions(capacity_model, self.gpu, self.precision)
+            raise ValueError(
+                f"max_sessions={self.max_sessions} does not fit {capacity_model} at {self.precision} on a "
+                f"{self.gpu} (the capacity planner allows at most {fits}): {exc}"
+            ) from None
+        return self
+
+    @property
+    def sessions(self) -> int:
+        """The node's slot count (``max_sessions`` after the planner filled it in)."""
+        assert self.max_sessions is not None  # set by validation
+        return self.max_sessions
+
+    @property
+    def device(self) -> str:
+        """The runtime's torch device: ``cuda`` on a GPU node, else ``cpu``."""
+        return "cpu" if self.gpu is None else "cuda"
+
+    @property
+    def runtime_dtype(self) -> str | None:
+        """``DUPLEX_DTYPE`` for this precision (None where the runtime picks: int8 quantises fp16 compute)."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "float16"}[self.precision]
+
+
+_BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
+    "local": {
+        "name": "local",
+        "gpu": None,
+        "model": "tiny",
+        "precision": "fp32",
+        "max_sessions": 5,
+        "domain": "localhost",
+        "public_address": "127.0.0.1",
+        "private_address": "127.0.0.1",
+        "deployment": "processes",
+        "scrape_interval_s": 1,  # a demo run lasts seconds: scrape often enough to see it
+        # Relative to the node directory (nginx runs with -p <node dir>).
+        "tls": {"certificate_path": "tls/node.crt", "private_key_path": "tls/node.key"},
+        # Unprivileged ports: the local node runs as the invoking user.
+        "ports": {"https": 8443, "http": 8080, "redis": 6390},
+        "limits": {"max_sessions_per_client": 10, "max_session_s": 600, "drain_grace_s": 5},
+        "retention": {"prometheus_days": 1, "redis_max_memory_mb": 64, "transcript_ttl_hours": 1},
+        "model_cache_dir": "/var/tmp/duplex-local/models",
+        "data_dir": "/var/tmp/duplex-local",
+    },
+    "l40s": {
+        "name": "l40s",
+        "gpu": "l40s",
+        "model": "personaplex-7b",
+        "precision": "int8",
+        "max_sessions": 5,
+        "domain": "duplex.example.com",
+    },
+    "a100-80gb": {
+        "name": "a100-80gb",
+        "gpu": "a100-80gb-sxm",
+        "model": "personaplex-7b",
+        "precision": "bf16",
+        "max_sessions": 5,
+        "domain": "duplex.example.com",
+    },
+    "t4-int8": {
+        "name": "t4-int8",
+        "gpu": "t4",
+        "model": "personaplex-7b",
+        "precision": "int8",
+        "max_sessions": None,  # the capacity planner's figure
+        "domain": "duplex-dev.example.com",
+        "limits": {"first_audio_p99_target_ms": 250.0},
+    },
+}
+
+PROFILES: dict[str, NodeProfile] = {name: NodeProfile(**fields) for name, fields in _BUILTIN_PROFILES.items()}
+"""The built-in profiles, validated at import. Derive variants with ``get_profile(name, **overrides)``."""
+
+
+def get_profile(profile_name: str, /, **overrides: Any) -> NodeProfile:
+    """A built-in profile with ``overrides`` applied (a nested override such as ``ports={...}`` replaces
+    the whole nested section), validated again: ``max_sessions`` left unset is re-derived by the planner.
+
+    Raises:
+        KeyError: no profile of that name (the message lists the allowed names).
+        pydantic.ValidationError: an override is invalid (names the field and what is allowed).
+    """
+    if profile_name not in _BUILTIN_PROFILES:
+        raise KeyError(f"unknown node profile {profile_name!r}; allowed: {', '.join(_BUILTIN_PROFILES)}")
+    return NodeProfile(**{**_BUILTIN_PROFILES[profile_name], **overrides})

@@ -1,0 +1,156 @@
+"""The rendered nginx and Redis configurations, checked by the real programs: ``nginx -t`` for every
+profile, and a redis-server started from the rendered file (password required, persistence on)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from infra.node.bundle import write_bundle, write_secrets
+from infra.node.local import free_port_profile
+from infra.node.nginx import NGINX_CONF, SESSION_TIMEOUT_MARGIN_S, render_nginx
+from infra.node.profile import PROFILES, get_profile
+from infra.node.redis_conf import REDIS_CONF, render_redis
+from infra.node.services import NodeSecrets
+from infra.node.tls import write_self_signed_certificate
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("nginx") is None, reason="nginx not installed (apt: nginx-light)"
+)
+
+
+def _nginx_test(profile_name: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``nginx -t`` on the profile's config. Compose configs name container paths and the ``runtime``
+    service: those are pointed at tmp_path and loopback first (nothing else changes)."""
+    profile = PROFILES[profile_name]
+    conf = render_nginx(profile)[NGINX_CONF].decode()
+    for sub in ("logs", "run", "tls"):
+        (tmp_path / sub).mkdir(exist_ok=True)
+    if profile.deployment == "compose":
+        conf = conf.replace("/var/run/", f"{tmp_path}/run/").replace("/var/log/nginx", f"{tmp_path}/logs")
+        conf = conf.replace("/var/cache/nginx", f"{tmp_path}/run")
+        conf = conf.replace(str(Path(profile.tls.certificate_path).parent), f"{tmp_path}/tls")
+        conf = conf.replace("server runtime:", "server 127.0.0.1:")
+        cert, key = (
+            tmp_path / "tls" / Path(profile.tls.certificate_path).name,
+            tmp_path / "tls" / Path(profile.tls.private_key_path).name,
+        )
+    else:
+        cert, key = tmp_path / profile.tls.certificate_path, tmp_path / profile.tls.private_key_path
+    write_self_signed_certificate(cert, key, domain=profile.domain)
+    (tmp_path / "nginx").mkdir(exist_ok=True)
+    (tmp_path / NGINX_CONF).write_text(conf)
+    return subprocess.run(
+        ["nginx", "-t", "-p", f"{tmp_path}/", "-c", NGINX_CONF, "-e", "logs/error.log"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+def test_nginx_accepts_every_profile(profile_name: str, tmp_path: Path) -> None:
+    result = _nginx_test(profile_name, tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_nginx_rejects_a_broken_config(tmp_path: Path) -> None:
+    """The check above can fail: a config with a typo does not pass nginx -t."""
+    profile = PROFILES["local"]
+    conf = (
+        render_nginx(profile)[NGINX_CONF]
+        .decode()
+        .replace("proxy_http_version 1.1;", "proxy_http_versio 1.1;")
+    )
+    (tmp_path / "nginx").mkdir()
+    for sub in ("logs", "run"):
+        (tmp_path / sub).mkdir()
+    write_self_signed_certificate(
+        tmp_path / profile.tls.certificate_path, tmp_path / profile.tls.private_key_path, domain="localhost"
+    )
+    (tmp_path / NGINX_CONF).write_text(conf)
+    result = subprocess.run(
+        ["nginx", "-t", "-p", f"{tmp_path}/", "-c", NGINX_CONF, "-e", "logs/error.log"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode != 0 and "proxy_http_versio" in result.stderr
+
+
+@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+def test_nginx_config_has_what_the_node_needs(profile_name: str) -> None:
+    profile = PROFILES[profile_name]
+    conf = render_nginx(profile)[NGINX_CONF].decode()
+    assert conf == render_nginx(profile)[NGINX_CONF].decode()  # deterministic
+    assert "ssl_protocols TLSv1.2 TLSv1.3;" in conf and "TLSv1.1" not in conf.replace("TLSv1.1 ", "")
+    assert re.search(r"return 301 https://\$host", conf)
+    chat = conf[conf.index("location = /api/chat") :]
+    chat = chat[: chat.index("}")]
+    assert "proxy_set_header Upgrade $http_upgrade;" in chat
+    assert "proxy_set_header Connection $connection_upgrade;" in chat
+    timeout = int(re.search(r"proxy_read_timeout (\d+)s;", chat).group(1))
+    assert timeout == profile.limits.max_session_s + SESSION_TIMEOUT_MARGIN_S > profile.limits.max_session_s
+    assert f"limit_conn duplex_node_sessions {profile.sessions};" in chat
+    assert f"limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};" in chat
+    assert "location = /healthz" in conf and "location = /readyz" in conf
+    metrics = conf[conf.index("location = /metrics") :]
+    assert metrics[: metrics.index("}")].strip().endswith("return 404;")
+    assert f"at most {profile.sessions} sessions" in conf
+
+
+def test_session_cap_follows_the_profile() -> None:
+    conf = render_nginx(get_profile("a100-80gb", max_sessions=8))[NGINX_CONF].decode()
+    assert "limit_conn duplex_node_sessions 8;" in conf
+
+
+def _start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], int, NodeSecrets]:
+    profile = free_port_profile()
+    node_secrets = NodeSecrets.generate()
+    write_bundle(render_redis(profile), directory)
+    write_secrets(profile, node_secrets, directory)
+    (directory / "redis" / "data").mkdir(parents=True)
+    process = subprocess.Popen(
+        ["redis-server", REDIS_CONF], cwd=directory, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    port = profile.ports.redis
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=0.5).ping()
+            return process, port, node_secrets
+        except redis.ConnectionError:
+            time.sleep(0.1)
+    process.kill()
+    raise AssertionError("redis-server did not start from the rendered config")
+
+
+def test_rendered_redis_requires_the_password_and_persists(tmp_path: Path) -> None:
+    process, port, node_secrets = _start_redis(tmp_path)
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=1).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="wrong-password-0000", socket_timeout=1).ping()
+        client = redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=1)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("bind") == {"bind": "127.0.0.1"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "volatile-ttl"}
+        assert client.config_get("maxmemory") == {"maxmemory": str(64 * 1024 * 1024)}
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert list((tmp_path / "redis" / "data").iterdir()), "no persistence files written"
+
+
+def test_rendered_redis_holds_no_secret() -> None:
+    for profile in PROFILES.values():
+        conf = render_redis(profile)[REDIS_CONF].decode()
+        assert not [line for line in conf.splitlines() if line.startswith("requirepass")]
+        assert "include " in conf and "redis-auth.conf" in conf
