@@ -1,0 +1,215 @@
+"""The local node for real: redis-server, the exporters, the runtime, Prometheus and nginx as processes on
+loopback, sessions of real speech through nginx over TLS, and the faults an SRE meets (Redis killed, the
+runtime killed, a client that vanishes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import ssl
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from infra.node.bringup import bring_up_and_check, prometheus_query
+from infra.node.local import (
+    LocalNode,
+    MissingBinaryError,
+    NodeStartError,
+    free_port_profile,
+    missing_binaries,
+)
+from runtime.loadgen import DEMO_SENTENCES, run_load, run_session, session_url, synthesize_speech
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(missing_binaries()), reason=f"missing system binaries: {missing_binaries()}"),
+]
+
+MAX_GAP_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def speech() -> list:
+    return [synthesize_speech(sentence) for sentence in DEMO_SENTENCES]
+
+
+def _nothing_listens(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _alert_states(node: LocalNode, name: str) -> set[str]:
+    with urllib.request.urlopen(f"{node.prometheus_url}/api/v1/alerts", timeout=5) as response:
+        alerts = json.loads(response.read())["data"]["alerts"]
+    return {a["state"] for a in alerts if a["labels"].get("alertname") == name}
+
+
+def _wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return False
+
+
+def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
+    """What the README's main job does: 5 sessions through wss://, the 6th refused, Prometheus saw it,
+    and nothing is left behind."""
+    node = LocalNode(tmp_path / "node", free_port_profile())
+    node.start()
+    pids = [p.popen.pid for p in node.processes if p.popen is not None]
+    try:
+        check = bring_up_and_check(node, speech)
+    finally:
+        codes = node.stop()
+    assert check.ok, check.problems
+    assert len(check.load.served) == 5
+    for r in check.load.served:
+        assert r.audio_messages > 10 and r.text.strip() and r.first_audio_ms is not None
+        assert r.connect_ms is not None and r.bytes_received > 0 and r.bytes_sent > 0
+    extra = check.extra_caller
+    assert extra.http_status == 503 and "node full" in extra.http_body, extra.refusal_reason
+    assert check.scraped["sessions_started"] >= 5
+    assert check.scraped["peak_active_sessions"] == 5
+    assert check.scraped["targets_up"] == check.scraped["targets"] == 4
+    assert check.scraped["tick_p99_ms"] is not None and check.scraped["first_audio_p99_ms"] is not None
+    # Everything stopped: every process reaped, every port free again.
+    assert set(codes) == {"nginx", "prometheus", "runtime", "node-exporter", "redis-exporter", "redis"}
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    ports = node.profile.ports.model_dump()
+    assert all(
+        _nothing_listens(port) for name, port in ports.items() if name not in ("grafana", "dcgm_exporter")
+    )
+
+
+def test_redis_killed_mid_run_audio_goes_on_and_redis_down_is_raised(tmp_path: Path, speech: list) -> None:
+    node = LocalNode(tmp_path / "node", free_port_profile())
+    node.start()
+    try:
+        url = session_url(node.wss_url)
+
+        async def run() -> list:
+            load = asyncio.create_task(run_load(url, speech[:2], sessions=2, ssl_context=node.ssl_context()))
+            await asyncio.sleep(1.5)
+            node.process("redis").popen.send_signal(signal.SIGKILL)
+            return (await load).sessions
+
+        results = asyncio.run(run())
+        for r in results:
+            assert r.handshake and r.audio_messages > 20
+            assert r.max_audio_gap_s() < MAX_GAP_S, f"audio stalled {r.max_audio_gap_s():.2f} s"
+        assert node.dead_processes() == {"redis": -signal.SIGKILL}
+        # The live Prometheus evaluates the rendered rules on what it scraped: RedisDown goes pending
+        # (it fires after its `for`, which the promtool unit tests cover).
+        assert _wait_for(lambda: _alert_states(node, "RedisDown") & {"pending", "firing"}, 15)
+        assert prometheus_query(node.prometheus_url, 'redis_up{job="redis-exporter"}') == 0
+    finally:
+        node.stop()
+
+
+def test_runtime_killed_nginx_answers_502_and_the_check_reports_it(tmp_path: Path, speech: list) -> None:
+    node = LocalNode(tmp_path / "node", free_port_profile())
+    node.start()
+    try:
+        node.process("runtime").popen.send_signal(signal.SIGKILL)
+        assert _wait_for(lambda: "runtime" in node.dead_processes(), 10)
+        started = time.monotonic()
+        check = bring_up_and_check(node, [s[: 1920 * 10] for s in speech], max_duration_s=30)
+        assert time.monotonic() - started < 60  # reported, not hung
+        assert not check.ok
+        assert any("runtime exited with code -9" in p for p in check.problems), check.problems
+        for r in check.load.sessions:
+            assert r.http_status == 502 and "runtime unavailable" in r.http_body
+        assert _wait_for(lambda: _alert_states(node, "RuntimeDown") & {"pending", "firing"}, 15)
+    finally:
+        node.stop()
+
+
+def test_client_vanishing_mid_session_frees_its_slot(tmp_path: Path, speech: list) -> None:
+    node = LocalNode(tmp_path / "node", free_port_profile())
+    node.start()
+    try:
+        context = node.ssl_context()
+
+        def active_sessions() -> float:
+            with urllib.request.urlopen(f"{node.runtime_url}/metrics", timeout=5) as response:
+                for line in response.read().decode().splitlines():
+                    if line.startswith("duplex_active_sessions "):
+                        return float(line.split()[1])
+            raise AssertionError("duplex_active_sessions not exported")
+
+        async def vanish() -> None:
+            from websockets.asyncio.client import connect
+
+            from runtime.protocol import encode_audio
+
+            ws = await connect(session_url(node.wss_url), ssl=context, compression=None)
+            await ws.recv()  # handshake
+            for i in range(10):
+                pcm16 = (speech[0][i * 1920 : (i + 1) * 1920] * 32767).astype("<i2").tobytes()
+                await ws.send(encode_audio(pcm16))
+                await asyncio.sleep(0.08)
+            ws.transport.abort()  # no close frame: the client is simply gone
+
+        asyncio.run(vanish())
+        assert _wait_for(lambda: active_sessions() == 0, 15), "slot not freed"
+        # The slot serves the next caller.
+        result = asyncio.run(
+            run_session(session_url(node.wss_url), speech[1][: 1920 * 20], ssl_context=context)
+        )
+        assert result.handshake and result.audio_messages > 0
+    finally:
+        node.stop()
+
+
+def test_missing_binary_names_the_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(MissingBinaryError, match=r"apt-get install .*nginx-light"):
+        LocalNode(tmp_path / "node", free_port_profile()).start()
+
+
+def test_port_in_use_is_reported_before_anything_starts(tmp_path: Path) -> None:
+    profile = free_port_profile()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", profile.ports.prometheus))
+        holder.listen()
+        node = LocalNode(tmp_path / "node", profile)
+        with pytest.raises(NodeStartError, match=f"prometheus {profile.ports.prometheus}"):
+            node.start()
+        assert node.processes == []
+
+
+def test_tls_is_verified_and_plain_http_redirects(tmp_path: Path) -> None:
+    node = LocalNode(tmp_path / "node", free_port_profile())
+    node.start()
+    try:
+        with urllib.request.urlopen(f"{node.https_url}/healthz", context=node.ssl_context(), timeout=5) as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(
+                f"{node.https_url}/healthz", context=ssl.create_default_context(), timeout=5
+            )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{node.https_url}/metrics", context=node.ssl_context(), timeout=5)
+        assert err.value.code == 404  # never public
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):  # noqa: ANN002, ANN003
+                return None
+
+        opener = urllib.request.build_opener(NoRedirect)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            opener.open(f"http://127.0.0.1:{node.profile.ports.http}/api/chat", timeout=5)
+        assert err.value.code == 301
+        assert err.value.headers["Location"].startswith("https://")
+    finally:
+        node.stop()
