@@ -200,7 +200,7 @@ def test_each_alert_has_positive_and_negative_cases(
 @pytest.mark.parametrize(
     ("alert", "expr"),
     [
-        # bad_request refusals are a client's fault: the healthy data has them and must not alert.
+        # bad_request and token refusals are a client's fault: the healthy data has them and must not alert.
         ("AdmissionsRefused", 'increase(duplex_admissions_refused_total{job="runtime"}[5m]) > 0'),
         # A draining runtime reports not ready on purpose.
         ("RuntimeNotReady", 'duplex_ready{job="runtime"} == 0'),
@@ -237,8 +237,10 @@ def test_scrape_jobs_targets_and_gpu_only_parts(name: str) -> None:
     profile = PROFILES[name]
     files = render_prometheus(profile)
     config = yaml.safe_load(files[CONFIG_FILE])
-    assert config["global"]["scrape_interval"] == "5s"
-    assert config["global"]["evaluation_interval"] == "5s"
+    interval = f"{profile.scrape_interval_s}s"  # 5 s on hosts, 1 s on the local node
+    assert config["global"]["scrape_interval"] == config["global"]["evaluation_interval"] == interval
+    timeout_s = int(config["global"]["scrape_timeout"].removesuffix("s"))
+    assert 1 <= timeout_s <= profile.scrape_interval_s
     assert config["rule_files"] == ["rules/*.yml"]
     assert "alerting" not in config
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
@@ -285,7 +287,7 @@ def test_thresholds_follow_the_profile() -> None:
     assert alerts(variant)["NodeAtSessionCap"]["for"] == "7m"
     gpu = get_profile("a100-80gb", limits={"gpu_memory_alert_fraction": 0.85})
     assert alerts(gpu)["GpuMemoryHigh"]["expr"].endswith("> 0.85")
-    assert 'reason!="bad_request"' in alerts(gpu)["AdmissionsRefused"]["expr"]
+    assert 'reason=~"node_full|draining|replay_check_unavailable"' in alerts(gpu)["AdmissionsRefused"]["expr"]
 
 
 # --- command line and a real Prometheus --------------------------------------------------------------------
