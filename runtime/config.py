@@ -6,14 +6,19 @@ value and what is allowed, before any model is loaded.
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from runtime.model_presets import PRESETS
+
+if TYPE_CHECKING:  # runtime.tokens (PyJWT) is imported when the keys are loaded
+    from runtime.tokens import SigningKey
 
 
 class RuntimeConfig(BaseSettings):
@@ -23,7 +28,8 @@ class RuntimeConfig(BaseSettings):
     token is never a field: ``huggingface_hub`` reads ``HF_TOKEN`` itself at load time.
     """
 
-    model_config = SettingsConfigDict(env_prefix="DUPLEX_", extra="forbid")
+    # hide_input_in_errors: a rejected DUPLEX_TOKEN_KEYS must not be echoed into a log.
+    model_config = SettingsConfigDict(env_prefix="DUPLEX_", extra="forbid", hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 inside a container)")
     port: int = Field(8998, ge=0, le=65535, description="WebSocket/HTTP port; 0 picks a free one")
@@ -53,6 +59,30 @@ class RuntimeConfig(BaseSettings):
         25, ge=1, description="Output frames queued per session before drops (2 s)"
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default torch's")
+    # Access control (runtime/tokens.py, README "Access control").
+    auth_mode: Literal["token", "off"] = Field(
+        "token",
+        description="token: a session needs a signed session token; off: anyone reaching the port may "
+        "open one (tests, a private demo)",
+    )
+    token_keys: SecretStr | None = Field(
+        None, description='Signing keys as JSON {"kid": "secret", ...} (secrets >= 32 bytes)'
+    )
+    token_keys_file: Path | None = Field(None, description="File holding the signing keys' JSON instead")
+    token_audience: str = Field(
+        "duplex", min_length=1, max_length=256, description="The aud claim tokens must carry"
+    )
+    token_leeway_s: float = Field(5.0, ge=0, le=300, description="Clock skew tolerated on exp/nbf/iat (s)")
+    token_replay_check: Literal["redis", "redis-or-memory", "memory", "off"] = Field(
+        "redis",
+        description="Where used token ids are kept: redis (refuse when Redis is down), redis-or-memory "
+        "(fall back to this process's memory when Redis is down), memory (this process only), off",
+    )
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Browser origins allowed to open sessions (scheme://host[:port], comma-separated or "
+        'JSON; "*" for any); requests without an Origin header are not affected',
+    )
 
     @field_validator("model")
     @classmethod
@@ -68,3 +98,94 @@ class RuntimeConfig(BaseSettings):
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
         return value
+
+    @field_validator("token_keys")
+    @classmethod
+    def _keys_json(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            from runtime.tokens import keys_from_mapping
+
+            try:
+                mapping = json.loads(value.get_secret_value())
+            except json.JSONDecodeError:
+                raise ValueError('must be JSON: {"<kid>": "<secret of >= 32 bytes>", ...}') from None
+            keys_from_mapping(mapping, source="DUPLEX_TOKEN_KEYS")
+        return value
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origin_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError:
+                    raise ValueError('a JSON list of origins, e.g. ["https://app.example.com"]') from None
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        return [normalize_origin(origin) for origin in value]
+
+    def signing_keys(self) -> list[SigningKey]:
+        """The token signing keys from ``DUPLEX_TOKEN_KEYS`` or ``DUPLEX_TOKEN_KEYS_FILE`` (read now).
+
+        Raises:
+            ValueError: neither or both set, the file unreadable or a key invalid (names the variable).
+        """
+        from runtime.tokens import keys_from_mapping, load_key_file
+
+        if self.token_keys is not None and self.token_keys_file is not None:
+            raise ValueError("set DUPLEX_TOKEN_KEYS or DUPLEX_TOKEN_KEYS_FILE, not both")
+        if self.token_keys is not None:
+            return keys_from_mapping(
+                json.loads(self.token_keys.get_secret_value()), source="DUPLEX_TOKEN_KEYS"
+            )
+        if self.token_keys_file is not None:
+            try:
+                return load_key_file(self.token_keys_file)
+            except ValueError as exc:
+                raise ValueError(f"DUPLEX_TOKEN_KEYS_FILE: {exc}") from None
+        raise ValueError(
+            "DUPLEX_AUTH_MODE=token needs signing keys: set DUPLEX_TOKEN_KEYS "
+            '(JSON {"<kid>": "<secret>"}) or DUPLEX_TOKEN_KEYS_FILE (`duplex token keygen` makes a key), '
+            "or DUPLEX_AUTH_MODE=off to serve without access control"
+        )
+
+    def check_access_control(self) -> None:
+        """Cross-field checks of the access settings, made when a server is built (not at parse time, so
+        that a config can be built and inspected without keys).
+
+        Raises:
+            ValueError: token mode without usable keys, or a Redis replay check without a Redis URL.
+        """
+        if self.auth_mode == "off":
+            return
+        self.signing_keys()
+        if self.token_replay_check in ("redis", "redis-or-memory") and not self.redis_url:
+            raise ValueError(
+                f"DUPLEX_TOKEN_REPLAY_CHECK={self.token_replay_check} needs DUPLEX_REDIS_URL (used token "
+                "ids are kept in Redis); without Redis set DUPLEX_TOKEN_REPLAY_CHECK=memory (this process "
+                "only) or off"
+            )
+
+
+def normalize_origin(origin: str) -> str:
+    """``scheme://host[:port]`` in lower case, without a trailing slash; ``*`` stays ``*``.
+
+    Raises:
+        ValueError: not an http(s) origin (a path, a query, another scheme).
+    """
+    text = origin.strip().rstrip("/").lower()
+    if text == "*":
+        return text
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+        raise ValueError(
+            f"origin {origin!r} must be scheme://host[:port] with scheme http or https "
+            '(e.g. https://app.example.com), or "*"'
+        )
+    return text

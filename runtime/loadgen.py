@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlencode, urlsplit
 
 import numpy as np
@@ -25,6 +26,11 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from runtime.audio_codec import make_codec
 from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.tokens import SUBPROTOCOL_PREFIX
+
+TokenVia = Literal["subprotocol", "query"]
+"""How a client presents its session token: the ``Sec-WebSocket-Protocol`` ``duplex.token.<jwt>`` (the
+default: headers stay out of access logs) or the ``token`` query parameter."""
 
 DEMO_SENTENCES = (
     "Hello, can you hear me? I would like to book a table for two tonight.",
@@ -162,6 +168,11 @@ def session_url(base: str, *, audio_format: AudioFormat = AudioFormat.PCM, **par
     return f"{base.rstrip('/')}/api/chat?{urlencode(query)}"
 
 
+def with_token(url: str, token: str) -> str:
+    """``url`` with ``token=<token>`` added to its query."""
+    return f"{url}{'&' if urlsplit(url).query else '?'}{urlencode({'token': token})}"
+
+
 async def run_session(
     url: str,
     pcm: np.ndarray,
@@ -173,6 +184,8 @@ async def run_session(
     raw_messages: list[bytes] | None = None,
     ssl_context: ssl.SSLContext | None = None,
     on_frame: Callable[[], None] | None = None,
+    token: str | None = None,
+    token_via: TokenVia = "subprotocol",
 ) -> SessionResult:
     """Stream ``pcm`` (float32, 24 kHz, ``[T]``) to ``url`` frame by frame and collect what comes back.
 
@@ -185,6 +198,8 @@ async def run_session(
         raw_messages: extra raw messages to send right after the handshake (for bad-input tests).
         ssl_context: for ``wss://`` URLs (e.g. trusting a node's self-signed certificate).
         on_frame: called after each frame sent (progress bars).
+        token: the session token (``runtime.tokens.mint_token``; single-use), or None to send none.
+        token_via: how to present it (``TokenVia``).
     """
     result = SessionResult()
     assembler, encoder = make_codec(audio_format, max_buffered_frames=1000)
@@ -192,6 +207,11 @@ async def run_session(
     started: float | None = None
     done = asyncio.Event()
     secure = urlsplit(url).scheme == "wss"
+    subprotocols = None
+    if token is not None and token_via == "subprotocol":
+        subprotocols = [SUBPROTOCOL_PREFIX + token]
+    elif token is not None:
+        url = with_token(url, token)
     connect_started = time.monotonic()
     try:
         ws = await connect(
@@ -200,6 +220,7 @@ async def run_session(
             compression=None,
             open_timeout=30,
             ssl=(ssl_context or True) if secure else None,
+            subprotocols=subprotocols,  # type: ignore[arg-type]
         )
     except InvalidStatus as exc:
         result.http_status = exc.response.status_code
@@ -362,6 +383,8 @@ async def run_load(
     stagger_s: float = 0.0,
     on_frame: Callable[[], None] | None = None,
     audio_format: AudioFormat = AudioFormat.PCM,
+    token: str | Callable[[], str] | None = None,
+    token_via: TokenVia = "subprotocol",
 ) -> LoadReport:
     """Drive ``sessions`` concurrent sessions against ``url`` (a full ``.../api/chat?...`` URL), session
     ``i`` streaming ``speech[i % len(speech)]`` at real-time pace.
@@ -369,9 +392,13 @@ async def run_load(
     Args:
         max_duration_s: the whole run is cancelled after this (sessions still open count as they stand).
         stagger_s: delay between session starts (s).
+        token: a token factory called once per session, just before it connects (tokens are single-use);
+            a plain token for a single session; None for a node without access control.
+        token_via: how each session presents its token (``TokenVia``).
 
     Raises:
-        ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, no speech, or a non-positive duration.
+        ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, no speech, a non-positive duration, or one
+            token for several sessions.
     """
     if not 1 <= sessions <= MAX_LOAD_SESSIONS:
         raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
@@ -379,6 +406,8 @@ async def run_load(
         raise ValueError("no speech to stream: give at least one WAV file")
     if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
         raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
+    if isinstance(token, str) and sessions > 1:
+        raise ValueError("a session token opens one session: pass a token factory for several sessions")
     started = time.monotonic()
 
     async def one(i: int) -> SessionResult:
@@ -389,6 +418,8 @@ async def run_load(
             ssl_context=ssl_context,
             on_frame=on_frame,
             audio_format=audio_format,
+            token=token() if callable(token) else token,
+            token_via=token_via,
         )
 
     tasks = [asyncio.create_task(one(i)) for i in range(sessions)]

@@ -5,7 +5,13 @@ come back from it. One :class:`ChatSession` per connection. Endpoints:
 
 - ``GET /api/chat`` (WebSocket): a conversation. Query parameters:
   see :func:`runtime.protocol.parse_session_query`.
-  Refusals happen after the upgrade, as a 0x05 error message naming the reason, then a close code:
+  Access check first, before the upgrade (``process_request``), so no WebSocket is opened, no slot is
+  taken and nginx and clients see a plain HTTP status: the ``Origin`` header against
+  ``DUPLEX_ALLOWED_ORIGINS`` (403), then, with ``DUPLEX_AUTH_MODE=token``, the session token from the
+  ``token`` query parameter or the ``Sec-WebSocket-Protocol`` ``duplex.token.<jwt>`` (which the server then
+  selects, as browsers require): 401 for a missing or invalid token, 403 for a replayed one or a voice
+  prompt it does not allow, 503 when the replay check cannot be made (``runtime.tokens``).
+  Later refusals happen after the upgrade, as a 0x05 error message naming the reason, then a close code:
   1013 (try again later) when the node is full or draining, 1008 (policy) for a bad request.
 - ``GET /healthz``: 200 while the process and its tick thread are alive.
 - ``GET /readyz``: 200 when the model is loaded and warm, a slot is free and the node is not draining;
@@ -26,14 +32,17 @@ import secrets
 import signal
 import time
 import uuid
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.typing import Subprotocol
 
 from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
@@ -55,6 +64,15 @@ from runtime.protocol import (
 from runtime.sampling import SamplingParams
 from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.session_store import SessionRecord, SessionStore
+from runtime.tokens import (
+    SUBPROTOCOL_PREFIX,
+    MemoryReplayGuard,
+    RedisReplayGuard,
+    ReplayGuard,
+    TokenClaims,
+    TokenRejected,
+    TokenVerifier,
+)
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +137,15 @@ class ChatSession:
         self.frames_in = 0
         self.frames_out = 0
         self.slot_session: SlotSession | None = None
+        self.claims: TokenClaims | None = None
+
+    @property
+    def max_session_s(self) -> float:
+        """The node's longest session, or the token's ``max_session_s`` when shorter."""
+        limit = self.server.config.max_session_s
+        if self.claims is not None and self.claims.max_session_s is not None:
+            limit = min(limit, self.claims.max_session_s)
+        return limit
 
     # Called on the event loop by the scheduler (via call_soon_threadsafe).
     def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:
@@ -202,6 +229,14 @@ class DuplexServer:
         self.draining = False
         self.warm = False
         self._server: Server | None = None
+        self.verifier: TokenVerifier | None = None
+        self.replay_guard: ReplayGuard | None = None
+        if config.auth_mode == "token":
+            config.check_access_control()
+            self.verifier = TokenVerifier(config.signing_keys(), config.token_audience, config.token_leeway_s)
+            self.replay_guard = _replay_guard(config, self.metrics)
+        # The claims of each admitted handshake, from process_request to the session's handler.
+        self._claims: weakref.WeakKeyDictionary[ServerConnection, TokenClaims] = weakref.WeakKeyDictionary()
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -228,6 +263,7 @@ class DuplexServer:
             self.config.host,
             self.config.port,
             process_request=self._process_request,
+            select_subprotocol=_select_token_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,
         )
@@ -268,6 +304,8 @@ class DuplexServer:
             await asyncio.to_thread(self.scheduler.stop)
         if self.store is not None:
             await self.store.close()
+        if self.replay_guard is not None:
+            await self.replay_guard.close()
 
     async def serve_until_signal(self) -> None:
         """Serve until SIGTERM or SIGINT, then drain."""
@@ -292,9 +330,13 @@ class DuplexServer:
             return False, f"node full: {self.engine.slots} of {self.engine.slots} slots in use"
         return True, f"{self.scheduler.free_slots} of {self.engine.slots} slots free"
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+    async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = urlsplit(request.path).path
         if path == CHAT_PATH:
+            try:
+                await self._check_access(connection, request)
+            except TokenRejected as exc:
+                return self._refuse_handshake(connection, exc)
             return None
         if path == "/healthz":
             alive = self.scheduler is not None and self.scheduler.alive
@@ -308,6 +350,46 @@ class DuplexServer:
                 self.metrics.redis_backlog.set(self.store.backlog)
             return _response(200, self.metrics.render(), PROMETHEUS_CONTENT_TYPE)
         return connection.respond(404, f"no route {path}; try {CHAT_PATH}, /healthz, /readyz, /metrics\n")
+
+    # --- access ---------------------------------------------------------------------------------------
+
+    async def _check_access(self, connection: ServerConnection, request: Request) -> None:
+        """The checks made before the upgrade, in order: origin, token (signature, key, audience, time),
+        persona, replay. On success the claims wait in ``_claims`` for the session's handler.
+
+        Raises:
+            TokenRejected: the reason and what to tell the caller.
+        """
+        origin = request.headers.get("Origin")
+        if origin is not None and not self._origin_allowed(origin):
+            raise TokenRejected(
+                "origin_not_allowed",
+                f"origin {origin!r} may not open sessions on this node (DUPLEX_ALLOWED_ORIGINS)",
+            )
+        if self.verifier is None:
+            return
+        claims = self.verifier.verify(_token_of(request))
+        try:
+            voice_prompt = parse_session_query(urlsplit(request.path).query).voice_prompt
+        except ProtocolError:
+            return  # refused after the upgrade with 1008, naming the parameter; the token is not spent
+        self.verifier.check_persona(claims, voice_prompt)
+        if self.replay_guard is not None:
+            await self.replay_guard.spend(claims)
+        self._claims[connection] = claims
+
+    def _origin_allowed(self, origin: str) -> bool:
+        allowed = self.config.allowed_origins
+        return "*" in allowed or origin.strip().rstrip("/").lower() in allowed
+
+    def _refuse_handshake(self, connection: ServerConnection, exc: TokenRejected) -> Response:
+        self.metrics.admissions_refused.labels(reason=exc.reason).inc()
+        log.info("refused handshake from %s: %s", _peer(connection), exc)
+        response = connection.respond(exc.status, f"{exc.reason}: {exc.detail}\n")
+        if exc.status == 401:  # RFC 6750, 3
+            error = "" if exc.reason == "missing" else ', error="invalid_token"'
+            response.headers["WWW-Authenticate"] = f'Bearer realm="duplex"{error}'
+        return response
 
     # --- sessions -------------------------------------------------------------------------------------
 
@@ -348,6 +430,7 @@ class DuplexServer:
             )
             return
         session = ChatSession(self, connection, request, persona)
+        session.claims = self._claims.pop(connection, None)
         session.slot_session = SlotSession(
             session.session_id,
             sampling,
@@ -386,14 +469,14 @@ class DuplexServer:
             await asyncio.wait_for(session.ready.wait(), PROMPT_TIMEOUT_S)
             await connection.send(encode_handshake())
             sender = asyncio.create_task(session.send_loop())
+            limit = session.max_session_s
             try:
-                async with asyncio.timeout(self.config.max_session_s):
+                async with asyncio.timeout(limit):
                     outcome = await session.receive_loop()
             except TimeoutError:
                 outcome = SessionOutcome("max_session_length")
-                await connection.send(
-                    encode_error(f"session reached max_session_s={self.config.max_session_s:g}")
-                )
+                source = "" if limit == self.config.max_session_s else " (the token's limit)"
+                await connection.send(encode_error(f"session reached max_session_s={limit:g}{source}"))
         except ConnectionClosed:
             outcome = SessionOutcome("client_closed")
         except TimeoutError:
@@ -419,6 +502,51 @@ class DuplexServer:
             await connection.close(outcome.close_code, outcome.reason)
 
 
+def _token_of(request: Request) -> str | None:
+    """The session token: the ``duplex.token.<jwt>`` subprotocol, else the ``token`` query parameter."""
+    for header in request.headers.get_all("Sec-WebSocket-Protocol"):
+        for offered in header.split(","):
+            offered = offered.strip()
+            if offered.startswith(SUBPROTOCOL_PREFIX):
+                return offered.removeprefix(SUBPROTOCOL_PREFIX)
+    values = parse_qs(urlsplit(request.path).query).get("token")
+    return values[0] if values else None
+
+
+def _select_token_subprotocol(
+    connection: ServerConnection, subprotocols: Sequence[Subprotocol]
+) -> Subprotocol | None:
+    """Select the ``duplex.token.<jwt>`` subprotocol when the client offered one: a browser fails the
+    handshake unless the server names one of the subprotocols it offered."""
+    for offered in subprotocols:
+        if offered.startswith(SUBPROTOCOL_PREFIX):
+            return offered
+    return None
+
+
+def _replay_guard(config: RuntimeConfig, metrics: RuntimeMetrics) -> ReplayGuard | None:
+    """The replay check that ``DUPLEX_TOKEN_REPLAY_CHECK`` names (None for ``off``)."""
+    mode = config.token_replay_check
+    if mode == "off":
+        return None
+    if mode == "memory":
+        return MemoryReplayGuard(config.token_leeway_s)
+    assert config.redis_url is not None  # check_access_control
+    return RedisReplayGuard(
+        config.redis_url,
+        leeway_s=config.token_leeway_s,
+        fallback=MemoryReplayGuard(config.token_leeway_s) if mode == "redis-or-memory" else None,
+        on_error=lambda: metrics.redis_errors.labels(op="token_replay_check").inc(),
+    )
+
+
+def _peer(connection: ServerConnection) -> str:
+    """The caller's address for logs: nginx's ``X-Real-IP`` when proxied, else the socket's peer."""
+    real_ip = connection.request.headers.get("X-Real-IP") if connection.request else None
+    address = connection.remote_address
+    return real_ip or (str(address[0]) if address else "?")
+
+
 def _response(status: int, body: bytes, content_type: str) -> Response:
     reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}[status]
     headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
@@ -431,6 +559,7 @@ def build_server(config: RuntimeConfig) -> DuplexServer:
 
     from runtime.models import load_model
 
+    config.check_access_control()  # before the model loads: a missing key stops the process at once
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None

@@ -48,7 +48,7 @@ def test_serve_with_a_bad_env_value_exits_2_naming_it(monkeypatch: pytest.Monkey
 
 def test_every_command_has_help() -> None:
     runner = CliRunner()
-    for command in ("serve", "demo", "loadgen", "bench", "capacity"):
-        result = runner.invoke(app, [command, "--help"])
+    for command in ("serve", "demo", "loadgen", "bench", "capacity", "token", "token mint", "token keygen"):
+        result = runner.invoke(app, [*command.split(), "--help"])
         assert result.exit_code == 0, (command, result.output)
         assert "Usage" in result.output

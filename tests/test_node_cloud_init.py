@@ -389,7 +389,9 @@ def test_prepare_script_fetches_secrets_and_prepares_the_host(tmp_path: Path) ->
         target = root / path
         assert target.read_bytes() == contents[path], role
         expected_mode = (
-            0o640 if role in ("redis_auth_conf", "redis_password", "grafana_admin_password") else 0o600
+            0o640
+            if role in ("redis_auth_conf", "redis_password", "grafana_admin_password", "token_keys")
+            else 0o600
         )
         assert _mode(target) == expected_mode, role
     hf = root / "secrets" / "hf-token.env"

@@ -234,6 +234,7 @@ def test_secrets_come_from_the_secret_files() -> None:
     assert doc["secrets"] == {
         "grafana_admin_password": {"file": "./" + SECRET_FILES["grafana_admin_password"]},
         "redis_password": {"file": "./" + SECRET_FILES["redis_password"]},
+        "token_keys": {"file": "./" + SECRET_FILES["token_keys"]},
     }
     grafana = doc["services"]["grafana"]
     assert grafana["secrets"] == ["grafana_admin_password"]

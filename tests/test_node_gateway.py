@@ -103,11 +103,34 @@ def test_nginx_config_has_what_the_node_needs(profile_name: str) -> None:
     metrics = conf[conf.index("location = /metrics") :]
     assert metrics[: metrics.index("}")].strip().endswith("return 404;")
     assert f"at most {profile.sessions} sessions" in conf
+    # Handshake floods stop at the edge: a rate per client address, 429 with a plain-text reason.
+    limits = profile.limits
+    assert (
+        f"limit_req_zone $binary_remote_addr zone=duplex_handshakes:10m "
+        f"rate={limits.handshakes_per_second_per_client:g}r/s;" in conf
+    )
+    assert f"limit_req zone=duplex_handshakes burst={limits.handshake_burst} nodelay;" in chat
+    assert "limit_req_status 429;" in conf and "error_page 429 @too_many_handshakes;" in chat
+    too_many = conf[conf.index("location @too_many_handshakes") :]
+    assert 'return 429 "too many connection attempts' in too_many[: too_many.index("}")]
+    # No query string (where a session token may be) in the access log.
+    log_format = conf[conf.index("log_format duplex") : conf.index("access_log")]
+    assert "$request_method $uri" in log_format and '"$request"' not in log_format
 
 
 def test_session_cap_follows_the_profile() -> None:
     conf = render_nginx(get_profile("a100-80gb", max_sessions=8))[NGINX_CONF].decode()
     assert "limit_conn duplex_node_sessions 8;" in conf
+
+
+def test_handshake_rate_follows_the_profile() -> None:
+    limits = {"handshakes_per_second_per_client": 0.5, "handshake_burst": 3}
+    conf = render_nginx(get_profile("l40s", limits=limits))[NGINX_CONF].decode()
+    assert "zone=duplex_handshakes:10m rate=30r/m;" in conf
+    assert "limit_req zone=duplex_handshakes burst=3 nodelay;" in conf
+    assert "at most 0.5 per second (burst 3)" in conf
+    with pytest.raises(ValueError, match="whole number per minute"):
+        get_profile("l40s", limits={"handshakes_per_second_per_client": 0.3333})
 
 
 def _start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], int, NodeSecrets]:

@@ -98,7 +98,9 @@ def test_redis_killed_mid_run_audio_goes_on_and_redis_down_is_raised(tmp_path: P
         url = session_url(node.wss_url)
 
         async def run() -> list:
-            load = asyncio.create_task(run_load(url, speech[:2], sessions=2, ssl_context=node.ssl_context()))
+            load = asyncio.create_task(
+                run_load(url, speech[:2], sessions=2, ssl_context=node.ssl_context(), token=node.mint_token)
+            )
             await asyncio.sleep(1.5)
             node.process("redis").popen.send_signal(signal.SIGKILL)
             return (await load).sessions
@@ -152,7 +154,9 @@ def test_client_vanishing_mid_session_frees_its_slot(tmp_path: Path, speech: lis
 
             from runtime.protocol import encode_audio
 
-            ws = await connect(session_url(node.wss_url), ssl=context, compression=None)
+            ws = await connect(
+                session_url(node.wss_url, token=node.mint_token()), ssl=context, compression=None
+            )
             await ws.recv()  # handshake
             for i in range(10):
                 pcm16 = (speech[0][i * 1920 : (i + 1) * 1920] * 32767).astype("<i2").tobytes()
@@ -164,7 +168,12 @@ def test_client_vanishing_mid_session_frees_its_slot(tmp_path: Path, speech: lis
         assert _wait_for(lambda: active_sessions() == 0, 15), "slot not freed"
         # The slot serves the next caller.
         result = asyncio.run(
-            run_session(session_url(node.wss_url), speech[1][: 1920 * 20], ssl_context=context)
+            run_session(
+                session_url(node.wss_url),
+                speech[1][: 1920 * 20],
+                ssl_context=context,
+                token=node.mint_token(),
+            )
         )
         assert result.handshake and result.audio_messages > 0
     finally:

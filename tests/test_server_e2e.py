@@ -95,7 +95,9 @@ def speech() -> list[np.ndarray]:
 def make_server(
     bundle: ModelBundle, *, redis_url: str | None = None, max_sessions: int = SLOTS, **config: object
 ) -> DuplexServer:
-    """A DuplexServer on a free port with its own copy of the model, wired like ``build_server``."""
+    """A DuplexServer on a free port with its own copy of the model, wired like ``build_server``.
+    Access control is off unless ``auth_mode`` is given (tests/test_access_control.py covers it)."""
+    config.setdefault("auth_mode", "off")
     settings = RuntimeConfig(
         host="127.0.0.1",
         port=0,
@@ -620,7 +622,7 @@ def _serve_command(port: int) -> list[str]:
 async def test_sigterm_drains_a_real_process(speech, tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUPLEX_")}
-    env.update(DUPLEX_DRAIN_GRACE_S="1", DUPLEX_NODE_ID="sigterm-node")
+    env.update(DUPLEX_DRAIN_GRACE_S="1", DUPLEX_NODE_ID="sigterm-node", DUPLEX_AUTH_MODE="off")
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(_serve_command(port), env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -2,8 +2,10 @@
 node's own figures back from Prometheus, and stop it.
 
 ``bring_up_and_check`` starts a ``LocalNode``, drives ``profile.max_sessions`` concurrent sessions of
-speech through nginx over ``wss://`` (the load generator, ``runtime.loadgen``), knocks once more while
-they all run (that caller must be refused: nginx's session cap answers 503 with its reason), then asks
+speech through nginx over ``wss://`` (the load generator, ``runtime.loadgen``), each with a fresh session
+token minted from the node's signing key (access control is on, as on every node), knocks once more while
+they all run, with a valid token too (that caller must be refused: nginx's session cap answers 503 with
+its reason), then asks
 Prometheus's HTTP API what it scraped from the runtime (peak active sessions, tick p99, first-audio p99,
 refusals). A process of the node that died during the run is reported, not waited on.
 """
@@ -162,10 +164,13 @@ def bring_up_and_check(
                 ssl_context=context,
                 on_frame=on_frame,
                 max_duration_s=max_duration_s,
+                token=node.mint_token,
             )
         )
         await asyncio.sleep(EXTRA_CALLER_DELAY_S)
-        extra = await run_session(url, speech[0][: 1920 * 5], ssl_context=context, tail_s=0.1)
+        extra = await run_session(
+            url, speech[0][: 1920 * 5], ssl_context=context, tail_s=0.1, token=node.mint_token()
+        )
         return await load, extra
 
     say(f"streaming {sessions} sessions through {node.wss_url}")

@@ -57,6 +57,7 @@ from infra.node.services import SECRET_FILES, SECRETS_DIR
 __all__ = [
     "DLVM_IMAGE_FAMILY",
     "DLVM_IMAGE_PROJECT",
+    "DOCKER_CONFIG_DIR",
     "EXTRA_SECRET_ROLES",
     "GCE_METADATA_VALUE_LIMIT",
     "HF_TOKEN_FILE",
@@ -64,7 +65,9 @@ __all__ = [
     "PREPARE_SCRIPT",
     "UNIT_NAME",
     "USER_DATA_FILE",
+    "google_registry_host",
     "render_cloud_init",
+    "render_prepare_script",
 ]
 
 USER_DATA_FILE = "cloud-init/user-data.yaml"
@@ -97,6 +100,23 @@ EXTRA_SECRET_ROLES = {
 _SECRET_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
 _PROJECT_ID_RE = re.compile(r"^([a-z][a-z0-9.-]{0,61}[a-z0-9]:)?[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 _DOCKER = "/usr/bin/docker"
+_GOOGLE_REGISTRY_RE = re.compile(r"^([a-z0-9-]+-docker\.pkg\.dev|([a-z]+\.)?gcr\.io)/")
+
+DOCKER_CONFIG_DIR = "/root/.docker"
+"""Docker's configuration directory for the unit's ``docker compose`` (registry logins)."""
+
+
+def google_registry_host(image: str) -> str | None:
+    """The registry host of ``image`` when it is Artifact Registry (``REGION-docker.pkg.dev``) or Container
+    Registry (``gcr.io``): the VM logs Docker in to it with its service account. None otherwise.
+
+    >>> google_registry_host("us-central1-docker.pkg.dev/p/repo/runtime@sha256:" + "0" * 64)
+    'us-central1-docker.pkg.dev'
+    """
+    match = _GOOGLE_REGISTRY_RE.match(image)
+    return match.group(1) if match else None
+
+
 _SECRET_FETCH_ATTEMPTS = 5
 _SECRET_FETCH_PAUSE_S = 10
 _SELF_SIGNED_DAYS = 365
@@ -150,7 +170,7 @@ def render_cloud_init(
             "path": PREPARE_SCRIPT,
             "owner": "root:root",
             "permissions": "0755",
-            "content": _prepare_script(profile, secret_roles, project_id),
+            "content": _prepare_script(profile, secret_roles, project_id, registry_login=True),
         }
     )
     write_files.append(
@@ -253,7 +273,28 @@ def _check_secrets(
 # --- the preparation script ------------------------------------------------------------------------------
 
 
-def _prepare_script(profile: NodeProfile, secrets: dict[str, str] | None, project_id: str | None) -> str:
+def render_prepare_script(profile: NodeProfile, *, root: str = NODE_ROOT) -> str:
+    """The preparation script for a node whose secrets are written by other means (over SSH: the
+    on-premises stack) into ``root/secrets``: host directories, the self-signed certificate when none
+    exists, then a check that every secret file is there (modes fixed). ``root`` is the bundle root on the
+    host (absolute). Run it as root before ``docker compose up``; it is idempotent.
+
+    Raises:
+        ValueError: ``root`` is not an absolute path of letters, digits, '.', '_', '-' and '/'.
+    """
+    if not re.match(r"^/[A-Za-z0-9._/-]*$", root):
+        raise ValueError(f"root: {root!r} must be an absolute path of letters, digits, '.', '_', '-' and '/'")
+    return _prepare_script(profile, None, None, root=root.rstrip("/") or "/")
+
+
+def _prepare_script(
+    profile: NodeProfile,
+    secrets: dict[str, str] | None,
+    project_id: str | None,
+    *,
+    root: str = NODE_ROOT,
+    registry_login: bool = False,
+) -> str:
     q = shlex.quote
     lines = [
         "#!/bin/sh",
@@ -262,7 +303,7 @@ def _prepare_script(profile: NodeProfile, secrets: dict[str, str] | None, projec
         "set -eu",
         'export PATH="$PATH:/snap/bin:/usr/lib/google-cloud-sdk/bin"',
         'export HOME="${HOME:-/root}"',
-        f"ROOT={q(NODE_ROOT)}",
+        f"ROOT={q(root)}",
         'log() { echo "duplex-node-prepare: $*" >&2; }',
         "",
         "# Directories the containers write, owned by the users they run as.",
@@ -271,6 +312,25 @@ def _prepare_script(profile: NodeProfile, secrets: dict[str, str] | None, projec
     for d in host_directories(profile):
         path = q(d.path)
         lines.append(f"mkdir -p {path} && chown {d.uid}:{d.gid} {path} && chmod {d.mode:04o} {path}")
+
+    registry = google_registry_host(profile.runtime_image) if registry_login else None
+    if registry is not None:
+        lines += [
+            "",
+            f"# The runtime image is in {registry}: log Docker in with the VM service account's token",
+            f"# (roles/artifactregistry.reader); docker compose reads {DOCKER_CONFIG_DIR} (set by the unit).",
+            f"export DOCKER_CONFIG={q(DOCKER_CONFIG_DIR)}",
+            "n=0",
+            "until gcloud auth print-access-token --quiet | "
+            f"{_DOCKER} login --username oauth2accesstoken --password-stdin "
+            f"{q('https://' + registry)} >/dev/null; do",
+            "    n=$((n + 1))",
+            f'    if [ "$n" -ge {_SECRET_FETCH_ATTEMPTS} ]; then',
+            f'        log "cannot log Docker in to {registry} (service account role?)"; exit 1',
+            "    fi",
+            f"    sleep {_SECRET_FETCH_PAUSE_S}",
+            "done",
+        ]
 
     crt, key = q(profile.tls.certificate_path), q(profile.tls.private_key_path)
     lines += ["", f"# TLS (tls.mode: {profile.tls.mode})."]
@@ -309,7 +369,7 @@ def _prepare_script(profile: NodeProfile, secrets: dict[str, str] | None, projec
     ]
     targets = _secret_targets(profile)
     if secrets is None:
-        secret_paths = [q(f"{NODE_ROOT}/{SECRET_FILES[role]}") for role in sorted(SECRET_FILES)]
+        secret_paths = [q(f"{root}/{SECRET_FILES[role]}") for role in sorted(SECRET_FILES)]
         lines += [
             "# Not from Secret Manager: whoever brings the node up writes them; check they are there.",
             f"for f in {' '.join(secret_paths)}; do",
@@ -318,7 +378,7 @@ def _prepare_script(profile: NodeProfile, secrets: dict[str, str] | None, projec
             "done",
         ]
         for role in sorted(CONTAINER_READ_SECRETS):
-            lines.append(f"chmod 0640 {q(f'{NODE_ROOT}/{SECRET_FILES[role]}')}")
+            lines.append(f"chmod 0640 {q(f'{root}/{SECRET_FILES[role]}')}")
         return "\n".join(lines) + "\n"
 
     project = f" --project={q(project_id)}" if project_id is not None else ""
@@ -383,6 +443,8 @@ Type=exec
 WorkingDirectory={NODE_ROOT}
 # The runtime's node id: this VM's host name.
 Environment=DUPLEX_NODE_ID=%H
+# Where the preparation script logs Docker in to a Google registry (Artifact Registry images).
+Environment=DOCKER_CONFIG={DOCKER_CONFIG_DIR}
 # HF_TOKEN for the runtime (compose.yaml passes it through without a value); absent without one.
 EnvironmentFile=-{NODE_ROOT}/{HF_TOKEN_FILE}
 ExecStartPre={PREPARE_SCRIPT}

@@ -12,13 +12,15 @@ exporters publish nothing and are reached on the bridge network alone.
 Secrets are never in the file. The runtime reads ``DUPLEX_REDIS_URL`` from ``secrets/runtime.env``
 (``env_file``), redis_exporter ``REDIS_PASSWORD`` from ``secrets/redis-exporter.env``, Redis ``requirepass``
 from ``secrets/redis-auth.conf`` (``include``d by ``redis/redis.conf``), Grafana its admin password through
-``GF_SECURITY_ADMIN_PASSWORD__FILE`` from a Compose secret backed by ``secrets/grafana_admin_password``.
+``GF_SECURITY_ADMIN_PASSWORD__FILE`` from a Compose secret backed by ``secrets/grafana_admin_password``,
+the runtime its session-token signing keys (``DUPLEX_TOKEN_KEYS_FILE``) from a Compose secret backed by
+``secrets/token_keys.json``.
 ``HF_TOKEN`` is passed through from the environment of whoever runs ``docker compose`` (it has no value
 in the file). Compose mounts file secrets as bind mounts, so the host file's owner and mode are what the
 container sees: the files a container reads itself (``CONTAINER_READ_SECRETS``) must be ``root:root``
 mode 0640, and the containers that read them run with group 0 (Grafana's image default; Redis is set to
-``999:0`` here). The directories the containers write (``host_directories``) must exist with the owners
-listed there before ``docker compose up``.
+``999:0`` here, the runtime to ``10001:0``). The directories the containers write (``host_directories``)
+must exist with the owners listed there before ``docker compose up``.
 
 Stopping: ``docker compose down`` stops nginx first (it depends on the runtime). nginx's stop signal is
 SIGQUIT (graceful: open WebSockets go on) and its grace period covers the drain grace, so running sessions
@@ -38,7 +40,7 @@ import yaml
 
 from infra.node.profile import GRAFANA_VERSION, NodeProfile
 from infra.node.prometheus import prometheus_args
-from infra.node.services import SECRET_FILES, endpoint, runtime_settings
+from infra.node.services import SECRET_FILES, TOKEN_KEYS_CONTAINER_PATH, endpoint, runtime_settings
 
 __all__ = [
     "COMPOSE_FILE",
@@ -99,14 +101,14 @@ _MODELS_DIR = "/models"
 _SECRETS_MOUNT = "/run/secrets"
 
 CONTAINER_READ_SECRETS: frozenset[str] = frozenset(
-    {"redis_auth_conf", "redis_password", "grafana_admin_password"}
+    {"redis_auth_conf", "redis_password", "grafana_admin_password", "token_keys"}
 )
 """Roles of ``SECRET_FILES`` that a container opens itself (bind-mounted): they must be ``root:root``
 mode 0640 on the host (the reading containers run with group 0). The others (``runtime_env``,
 ``redis_exporter_env``) are read by ``docker compose`` on the host and stay 0600."""
 
 # Container users. Fixed so that host directories can be prepared with matching owners.
-_RUNTIME_USER = (10001, 10001)  # images/runtime/Dockerfile: useradd --uid 10001 duplex
+_RUNTIME_USER = (10001, 0)  # images/runtime/Dockerfile: useradd --uid 10001 duplex; group 0 reads token keys
 _REDIS_USER = (999, 0)  # the image's redis user, group 0 to read the 0640 secrets; skips the gosu step
 _PROMETHEUS_USER = (65534, 65534)  # the image's nobody
 _GRAFANA_USER = (472, 0)  # the image's default
@@ -215,6 +217,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
         "secrets": {
             "grafana_admin_password": {"file": "./" + SECRET_FILES["grafana_admin_password"]},
             "redis_password": {"file": "./" + SECRET_FILES["redis_password"]},
+            "token_keys": {"file": "./" + SECRET_FILES["token_keys"]},
         },
     }
     header = (
@@ -263,6 +266,7 @@ def _runtime(profile: NodeProfile) -> dict[str, Any]:
         "depends_on": {"redis": {"condition": "service_healthy"}},
         "env_file": ["./" + SECRET_FILES["runtime_env"]],
         "environment": environment,
+        "secrets": [posixpath.basename(TOKEN_KEYS_CONTAINER_PATH)],  # DUPLEX_TOKEN_KEYS_FILE
         "volumes": [f"{profile.model_cache_dir}:{_MODELS_DIR}"],
         "stop_signal": "SIGTERM",
         "stop_grace_period": f"{runtime_stop_grace_s(profile)}s",

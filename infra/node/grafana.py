@@ -378,7 +378,8 @@ class _Panels:
         return [
             self._timeseries(
                 "Admissions refused by reason",
-                "Sessions refused per second: node_full, draining, bad_request.",
+                "Sessions refused per second: node_full, draining, bad_request, and the access check's "
+                "(missing, expired, bad_signature, replayed, origin_not_allowed, ...).",
                 units.CountsPerSecond,
                 [(f"sum by (reason) ({self._rate('duplex_admissions_refused_total')})", "{{reason}}")],
                 width=12,

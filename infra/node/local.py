@@ -9,7 +9,8 @@ A process that exits early is reported with its exit code and the tail of its lo
 Node directory::
 
     nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle)
-    secrets/                              0700: Redis password, runtime env (infra.node.services)
+    secrets/                              0700: Redis password, runtime env, token signing keys
+                                          (infra.node.services)
     tls/node.crt, tls/node.key            self-signed certificate (infra.node.tls)
     logs/                                 one log per process, nginx's access and error logs
     run/                                  nginx's pid and temp files
@@ -40,8 +41,9 @@ from infra.node.nginx import NGINX_CONF
 from infra.node.profile import NodeProfile, get_profile
 from infra.node.prometheus import prometheus_args, prometheus_config
 from infra.node.redis_conf import REDIS_CONF
-from infra.node.services import NodeSecrets, endpoint, runtime_settings
+from infra.node.services import NodeSecrets, endpoint, runtime_settings, token_audience
 from infra.node.tls import write_self_signed_certificate
+from runtime.tokens import mint_token
 
 __all__ = [
     "REQUIRED_BINARIES",
@@ -214,6 +216,20 @@ class LocalNode:
     def ssl_context(self) -> ssl.SSLContext:
         """An SSL context that trusts this node's self-signed certificate."""
         return ssl.create_default_context(cafile=str(self.certificate_path))
+
+    def mint_token(
+        self, *, ttl_s: float = 300.0, personas: tuple[str, ...] = ("*",), max_session_s: float | None = None
+    ) -> str:
+        """A fresh session token for this node (its first signing key, its audience): what the
+        application backend of a real node does once per conversation. Single-use."""
+        key = self.secrets.signing_keys()[0]
+        return mint_token(
+            key,
+            ttl_s=ttl_s,
+            personas=personas,
+            max_session_s=max_session_s,
+            audience=token_audience(self.profile),
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------------
     def prepare(self) -> None:

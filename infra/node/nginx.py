@@ -10,6 +10,12 @@
   no buffering. ``limit_conn`` counts an upgraded connection for its whole life, which makes it a real
   session cap: ``max_sessions`` for the whole node and ``limits.max_sessions_per_client`` per client
   address; over either, nginx answers 503 with a plain-text reason and the runtime never sees the caller.
+  ``limit_req`` bounds session *handshakes* per client address (``limits.handshakes_per_second_per_client``,
+  burst ``limits.handshake_burst``, no delay): a flood of connection attempts (guessing tokens, or a
+  client retrying in a tight loop) gets 429 with a plain-text reason at the edge, and never reaches the
+  runtime's token check; sessions already open are not affected (one request each).
+- The access log records ``$request_method $uri``, not ``$request``: a session token passed as the
+  ``token`` query parameter must not land in a log.
 - ``/healthz`` and ``/readyz`` pass through (load balancers probe ``/readyz``); ``/metrics`` answers 404 on
   the public side: Prometheus scrapes the runtime on the private address directly.
 - 502/504 (runtime down or not answering) get a plain-text body that says so.
@@ -69,6 +75,12 @@ def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
     public = profile.public_address if local else "0.0.0.0"
     https_port = profile.ports.https
     redirect_port = "" if https_port == 443 else f":{https_port}"
+    limits = profile.limits
+    rate = limits.handshakes_per_second_per_client
+    too_many = (
+        f"too many connection attempts from your address: at most {rate:g} "
+        f"per second (burst {limits.handshake_burst}); retry later\\n"
+    )
     node_full = (
         f"node full: this node serves at most {profile.sessions} sessions, "
         f"{profile.limits.max_sessions_per_client} per client address; retry later or use another node\\n"
@@ -92,7 +104,8 @@ events {{
 http {{
     server_tokens off;
     default_type application/octet-stream;
-    log_format duplex '$remote_addr [$time_iso8601] "$request" $status $body_bytes_sent '
+    # "$request_method $uri", not "$request": no query string (a session token may be in it) in the log.
+    log_format duplex '$remote_addr [$time_iso8601] "$request_method $uri" $status $body_bytes_sent '
                       'rt=$request_time upstream=$upstream_status conn=$connection';
     access_log {paths["logs"]}/access.log duplex;
 {temp_dirs}
@@ -107,6 +120,11 @@ http {{
     limit_conn_zone $binary_remote_addr zone=duplex_client_sessions:10m;
     limit_conn_status 503;
     limit_conn_log_level warn;
+
+    # Handshake rate per client address: floods of connection attempts stop here with 429.
+    limit_req_zone $binary_remote_addr zone=duplex_handshakes:10m rate={limits.nginx_handshake_rate};
+    limit_req_status 429;
+    limit_req_log_level warn;
 
     upstream duplex_runtime {{
         server {endpoint(profile, "runtime")} max_fails=0;
@@ -145,7 +163,9 @@ http {{
         location = /api/chat {{
             limit_conn duplex_node_sessions {profile.sessions};
             limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};
+            limit_req zone=duplex_handshakes burst={limits.handshake_burst} nodelay;
             error_page 503 @node_full;
+            error_page 429 @too_many_handshakes;
             error_page 502 504 @runtime_unavailable;  # error_page is not inherited once a level sets one
 
             proxy_pass http://duplex_runtime;
@@ -179,6 +199,11 @@ http {{
         location @node_full {{
             default_type text/plain;
             return 503 "{node_full}";
+        }}
+
+        location @too_many_handshakes {{
+            default_type text/plain;
+            return 429 "{too_many}";
         }}
 
         location @runtime_unavailable {{

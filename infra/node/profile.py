@@ -107,6 +107,33 @@ class NodeLimits(_Strict):
     drain_grace_s: int = Field(
         30, ge=0, le=86400, description="How long running sessions may go on after SIGTERM"
     )
+    handshakes_per_second_per_client: float = Field(
+        5.0,
+        gt=0,
+        le=1000,
+        description="Session handshakes (/api/chat requests) per second per client address (nginx "
+        "limit_req); whole requests per second or per minute (0.5 = 30 per minute)",
+    )
+    handshake_burst: int = Field(
+        10, ge=0, le=10000, description="Handshakes above the rate let through at once (nginx burst)"
+    )
+
+    @field_validator("handshakes_per_second_per_client")
+    @classmethod
+    def _nginx_rate(cls, value: float) -> float:
+        per_minute = value * 60
+        if abs(per_minute - round(per_minute)) > 1e-9:
+            raise ValueError(
+                f"{value:g} handshakes per second is not a whole number per minute (nginx rates are "
+                "r/s or r/m); e.g. 5, 0.5 (30/min), 0.25 (15/min)"
+            )
+        return value
+
+    @property
+    def nginx_handshake_rate(self) -> str:
+        """``limit_req_zone``'s ``rate=``: ``5r/s``, or ``30r/m`` for 0.5 per second."""
+        rate = self.handshakes_per_second_per_client
+        return f"{round(rate)}r/s" if rate == round(rate) else f"{round(rate * 60)}r/m"
 
 
 class Retention(_Strict):

@@ -30,9 +30,11 @@ Alerts (group ``duplex-node.alerts``). ``severity: page`` where sessions are fai
 - ``TicksOverBudget`` (page): more than ``TICKS_OVER_BUDGET_FRACTION`` (1 %) of busy ticks over the 80 ms
   frame budget, over 5 m, for 5 m (every session of the node hears the glitches).
 - ``NodeAtSessionCap`` (ticket): every slot in use for ``profile.limits.at_cap_alert_minutes``.
-- ``AdmissionsRefused`` (ticket): a session refused in the last 5 m for ``node_full`` or ``draining``,
-  by reason, at once. ``bad_request`` is excluded on purpose: it is a client's malformed request, not
-  a capacity or availability problem of the node (it stays visible in ``duplex:admissions_refused:rate5m``).
+- ``AdmissionsRefused`` (ticket): a session refused in the last 5 m for ``node_full``, ``draining`` or
+  ``replay_check_unavailable`` (Redis down under a fail-closed replay check), by reason, at once. The
+  client-side reasons (``bad_request`` and the token refusals: ``missing``, ``expired``, ...) are left out
+  on purpose: a client's malformed request or bad token is not a capacity or availability problem of the
+  node (they stay visible in ``duplex:admissions_refused:rate5m``).
 - ``GpuMemoryHigh`` (ticket, GPU profiles only): DCGM's framebuffer use
   ``DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE)`` above
   ``profile.limits.gpu_memory_alert_fraction``, for 5 m.
@@ -62,6 +64,7 @@ from infra.node.services import Service, endpoint
 __all__ = [
     "CONFIG_FILE",
     "DCGM_SELECTOR",
+    "NODE_SIDE_REFUSALS",
     "REDIS_SELECTOR",
     "RULES_FILE",
     "RULES_TEST_FILE",
@@ -94,6 +97,11 @@ def scrape_interval(profile: NodeProfile) -> str:
     """The node's scrape and rule-evaluation interval, as Prometheus writes durations (``"5s"``)."""
     return f"{profile.scrape_interval_s}s"
 
+
+NODE_SIDE_REFUSALS = ("node_full", "draining", "replay_check_unavailable")
+"""``duplex_admissions_refused_total`` reasons that ``AdmissionsRefused`` alerts on: the node's own
+capacity or availability. The others (a bad request, a missing or invalid token, a foreign origin) are the
+client's."""
 
 TICKS_OVER_BUDGET_FRACTION = 0.01
 """``TicksOverBudget`` fires above this share (0..1) of busy ticks longer than the 80 ms frame."""
@@ -250,7 +258,7 @@ def _alert_specs(
     target_ms = limits.first_audio_p99_target_ms
     window = _RATE_WINDOW
     over = _num(TICKS_OVER_BUDGET_FRACTION)
-    not_bad_request = 'reason!="bad_request"'
+    node_side = f'reason=~"{"|".join(NODE_SIDE_REFUSALS)}"'
     specs = [
         (
             "RuntimeDown",
@@ -316,7 +324,7 @@ def _alert_specs(
         ),
         (
             "AdmissionsRefused",
-            f"increase(duplex_admissions_refused_total{_sel(runtime, not_bad_request)}[{window}]) > 0",
+            f"increase(duplex_admissions_refused_total{_sel(runtime, node_side)}[{window}]) > 0",
             "0s",
             "ticket",
             "Sessions refused on {{ $labels.instance }} ({{ $labels.reason }})",
@@ -454,10 +462,10 @@ def rules_unit_tests(
     """A ``promtool test rules`` file (as a dict) for ``alert_rules(profile, <same selectors>)``.
 
     One healthy group, where every alert stays silent (with data just on the good side of each threshold
-    and ``bad_request`` refusals, which do not alert), and for each alert a group where it fires, with its
-    exact labels and annotations (values computed as Prometheus computes them), and is checked silent
-    before its ``for`` duration has passed. Thresholds come from the profile, so the file is true for every
-    profile; ``rule_file`` is relative to the test file's directory.
+    and ``bad_request`` and ``expired`` refusals, which do not alert), and for each alert a group where it
+    fires, with its exact labels and annotations (values computed as Prometheus computes them), and is
+    checked silent before its ``for`` duration has passed. Thresholds come from the profile, so the file is
+    true for every profile; ``rule_file`` is relative to the test file's directory.
 
     Raises:
         ValueError: a selector is invalid, or has a non-equality matcher (no series can be synthesised).
@@ -550,6 +558,7 @@ def rules_unit_tests(
         ("duplex_admissions_refused_total", {**rt, "reason": "node_full"}, steady(0)),
         ("duplex_admissions_refused_total", {**rt, "reason": "draining"}, steady(0)),
         ("duplex_admissions_refused_total", {**rt, "reason": "bad_request"}, counter(4)),
+        ("duplex_admissions_refused_total", {**rt, "reason": "expired"}, counter(4)),
         ("up", rd, steady(1)),
         ("redis_up", rd, steady(1)),
     ]

@@ -13,22 +13,27 @@ on-premises host. ``SECRET_FILES`` names them; renderers reference them by these
 
 from __future__ import annotations
 
+import json
 import secrets as _stdlib_secrets
 from dataclasses import dataclass, field
 from typing import Literal
 
 from infra.node.profile import NodeProfile
+from runtime.tokens import SigningKey, generate_signing_key
 
 __all__ = [
     "SECRETS_DIR",
     "SECRET_FILES",
     "SERVICES",
+    "TOKEN_KEYS_CONTAINER_PATH",
     "NodeSecrets",
     "Service",
     "endpoint",
+    "public_origin",
     "runtime_settings",
     "secret_files",
     "services_of",
+    "token_audience",
 ]
 
 Service = Literal[
@@ -65,10 +70,16 @@ SECRET_FILES = {
     "runtime_env": "secrets/runtime.env",
     "redis_exporter_env": "secrets/redis-exporter.env",
     "grafana_admin_password": "secrets/grafana_admin_password",
+    "token_keys": "secrets/token_keys.json",
 }
 """What ``secret_files`` writes, by role: the Redis password alone; ``requirepass`` for redis.conf's
 ``include``; ``DUPLEX_REDIS_URL`` for the runtime; ``REDIS_PASSWORD`` for redis_exporter; Grafana's admin
-password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``)."""
+password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
+``{"kid": "secret", ...}``, which the runtime reads (``DUPLEX_TOKEN_KEYS_FILE``) and the application
+backend mints with (``duplex token mint --key-file``, ``runtime.tokens.mint_token``)."""
+
+TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
+"""Where a ``compose`` node's runtime container reads ``secrets/token_keys.json`` (a Compose secret)."""
 
 
 def endpoint(profile: NodeProfile, service: Service) -> str:
@@ -86,10 +97,28 @@ def endpoint(profile: NodeProfile, service: Service) -> str:
     return f"{host}:{port}"
 
 
+def token_audience(profile: NodeProfile) -> str:
+    """The ``aud`` claim this node's tokens must carry (``DUPLEX_TOKEN_AUDIENCE``): its public domain, so a
+    token minted for one deployment (``duplex.example.com``) does not open sessions on another."""
+    return profile.domain
+
+
+def public_origin(profile: NodeProfile) -> str:
+    """``https://<domain>[:port]``: the browser origin of pages served from the node's own name."""
+    port = "" if profile.ports.https == 443 else f":{profile.ports.https}"
+    return f"https://{profile.domain}{port}"
+
+
 def runtime_settings(profile: NodeProfile) -> dict[str, str]:
     """The runtime's non-secret ``DUPLEX_*`` environment for this node (``runtime/config.py``); the Redis
     URL, which holds the password, comes from ``secrets/runtime.env``. ``DUPLEX_HOST`` is the private
-    address for host processes and ``0.0.0.0`` in a container (whose only network is the node's bridge)."""
+    address for host processes and ``0.0.0.0`` in a container (whose only network is the node's bridge).
+
+    Access control is on: tokens signed with the keys of ``secrets/token_keys.json`` (read by the runtime
+    from the node directory, its working directory, in a ``processes`` deployment; from the Compose secret
+    ``TOKEN_KEYS_CONTAINER_PATH`` in a container), for ``token_audience(profile)``, single-use (checked in
+    the node's Redis, refusing while Redis is down); browser pages only from ``public_origin(profile)``."""
+    keys_file = SECRET_FILES["token_keys"] if profile.deployment == "processes" else TOKEN_KEYS_CONTAINER_PATH
     settings = {
         "DUPLEX_HOST": profile.private_address if profile.deployment == "processes" else "0.0.0.0",
         "DUPLEX_PORT": str(profile.ports.runtime),
@@ -100,6 +129,11 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
         "DUPLEX_DRAIN_GRACE_S": str(profile.limits.drain_grace_s),
         "DUPLEX_MAX_SESSION_S": str(profile.limits.max_session_s),
         "DUPLEX_TRANSCRIPT_TTL_S": str(profile.retention.transcript_ttl_hours * 3600),
+        "DUPLEX_AUTH_MODE": "token",
+        "DUPLEX_TOKEN_KEYS_FILE": keys_file,
+        "DUPLEX_TOKEN_AUDIENCE": token_audience(profile),
+        "DUPLEX_TOKEN_REPLAY_CHECK": "redis",
+        "DUPLEX_ALLOWED_ORIGINS": public_origin(profile),
     }
     if profile.runtime_dtype is not None:
         settings["DUPLEX_DTYPE"] = profile.runtime_dtype
@@ -114,10 +148,15 @@ def services_of(profile: NodeProfile) -> tuple[Service, ...]:
 @dataclass(frozen=True)
 class NodeSecrets:
     """The node's secrets (hidden from ``repr``). ``generate()`` makes fresh random ones (local node,
-    first boot); stacks pass Pulumi secrets or Secret Manager values instead."""
+    first boot); stacks pass Pulumi secrets or Secret Manager values instead.
+
+    ``token_keys``: the session-token signing keys, ``{kid: secret}`` (at least one; several during a
+    rotation; ``duplex token keygen`` makes one). Required: a node without keys refuses every session.
+    """
 
     redis_password: str = field(repr=False)
     grafana_admin_password: str = field(repr=False)
+    token_keys: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("redis_password", "grafana_admin_password"):
@@ -127,13 +166,25 @@ class NodeSecrets:
                     f"{name} must be at least 16 characters with no spaces, quotes, '@', ':', '/' or '\\' "
                     "(it goes into a Redis URL and config files)"
                 )
+        if not self.token_keys:
+            raise ValueError(
+                "token_keys needs at least one session-token signing key {kid: secret} "
+                "(`duplex token keygen` makes one)"
+            )
+        self.signing_keys()  # kids and secret lengths
+
+    def signing_keys(self) -> list[SigningKey]:
+        """``token_keys`` as ``runtime.tokens.SigningKey`` objects (the first is the one to mint with)."""
+        return [SigningKey(kid, secret) for kid, secret in self.token_keys.items()]
 
     @classmethod
     def generate(cls) -> NodeSecrets:
-        """Fresh random secrets: 32 URL-safe characters each (192 bits)."""
+        """Fresh random secrets: 32 URL-safe characters each (192 bits); one token signing key (256 bits)."""
+        key = generate_signing_key()
         return cls(
             redis_password=_stdlib_secrets.token_urlsafe(24),
             grafana_admin_password=_stdlib_secrets.token_urlsafe(24),
+            token_keys={key.kid: key.secret.decode()},
         )
 
 
@@ -149,4 +200,5 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
         ]: f"DUPLEX_REDIS_URL=redis://:{password}@{redis_host}:{redis_port}/0\n".encode(),
         SECRET_FILES["redis_exporter_env"]: f"REDIS_PASSWORD={password}\n".encode(),
         SECRET_FILES["grafana_admin_password"]: node_secrets.grafana_admin_password.encode(),
+        SECRET_FILES["token_keys"]: (json.dumps(node_secrets.token_keys, indent=2) + "\n").encode(),
     }
