@@ -1,0 +1,315 @@
+"""``GceGpuNode``: one GPU VM on Compute Engine running the node bundle.
+
+What it declares (every child parented to the component):
+
+- a VPC network of its own with one subnet (the project's ``default`` network comes with
+  ``default-allow-ssh`` from anywhere, which would defeat the rule below);
+- firewall rules on the node's network tag: the public ports (nginx's HTTPS and HTTP) from
+  ``public_source_ranges`` only, SSH (22) from Google's IAP range ``35.235.240.0/20`` only. Nothing else
+  comes in: Prometheus and Grafana listen on loopback and are reached through an IAP SSH tunnel;
+- a static external IPv4 address (the endpoint survives a VM replacement);
+- a dedicated service account with the least it needs: ``roles/logging.logWriter`` and
+  ``roles/monitoring.metricWriter`` on the project, ``roles/artifactregistry.reader`` on the image's
+  repository only, ``roles/secretmanager.secretAccessor`` on the node's own secrets only;
+- the VM: the machine type with its GPU (attached for N1 types, built into A2/G2/A3 types: the capacity
+  catalog's ``bundled`` says which), ``onHostMaintenance: TERMINATE`` (GPU VMs cannot live-migrate), the
+  Deep Learning VM image family of ``infra.node.cloud_init`` on the boot disk, Shielded VM (Secure Boot,
+  vTPM, integrity monitoring), OS Login, and the cloud-init ``user-data`` of
+  ``infra.node.cloud_init.render_cloud_init``: the bundle of ``infra.node.bundle.render_bundle`` for the
+  profile running the image digest, secrets named by Secret Manager id (never their values).
+
+cloud-init applies its files once per VM, so a change of the user-data (a new image digest, a profile
+change) replaces the VM (``replace_on_changes``), deleting the old one first (the static address and the
+name move to the new one). The model cache is on the boot disk: a replaced VM downloads the weights again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_gcp.artifactregistry as artifactregistry
+import pulumi_gcp.compute as compute
+import pulumi_gcp.projects as projects
+import pulumi_gcp.secretmanager as secretmanager
+import pulumi_gcp.serviceaccount as serviceaccount
+
+from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.node.bundle import render_bundle
+from infra.node.cloud_init import (
+    DLVM_IMAGE_FAMILY,
+    DLVM_IMAGE_PROJECT,
+    USER_DATA_FILE,
+    render_cloud_init,
+)
+from infra.node.profile import NodeProfile
+
+__all__ = [
+    "BOOT_IMAGE",
+    "IAP_SOURCE_RANGE",
+    "NODE_PROJECT_ROLES",
+    "GceGpuNode",
+    "GceGpuNodeArgs",
+    "render_user_data",
+]
+
+IAP_SOURCE_RANGE = "35.235.240.0/20"
+"""Google's IAP TCP-forwarding range: the only source of SSH."""
+
+BOOT_IMAGE = f"projects/{DLVM_IMAGE_PROJECT}/global/images/family/{DLVM_IMAGE_FAMILY}"
+"""The boot disk's image: the newest image of the Deep Learning VM family the user-data is written for
+(a newer image in the family does not replace a running VM)."""
+
+NODE_PROJECT_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter")
+"""Project-level roles of the node's service account (nothing broader: no editor, no owner)."""
+
+SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+"""OAuth scopes of the VM: cloud-platform, so that IAM roles alone decide what the node may do."""
+
+
+def render_user_data(
+    profile: NodeProfile, image_ref: str, secret_ids: Mapping[str, str], project_id: str
+) -> str:
+    """The cloud-init user-data of ``profile`` running ``image_ref``, its secrets named by Secret Manager
+    id (``{role: id}``) in ``project_id``."""
+    node = profile.model_copy(update={"runtime_image": image_ref})
+    bundle = render_bundle(node)
+    files = render_cloud_init(node, bundle, secret_manager_secrets=dict(secret_ids), project_id=project_id)
+    return files[USER_DATA_FILE].decode()
+
+
+@dataclass(frozen=True)
+class GceGpuNodeArgs:
+    """One GCE GPU node.
+
+    Attributes:
+        name_prefix: prefix of every resource's cloud name (VM ``<prefix>-node``).
+        project, region, zone: where it runs.
+        machine_type: the GCE machine type.
+        accelerator_type, accelerator_count: the GPU to attach (N1 types); None when the machine type
+            comes with its GPU.
+        boot_disk_gb, boot_disk_type: the boot disk.
+        public_source_ranges: IPv4 CIDRs allowed to reach the public ports.
+        subnet_cidr: the node's subnet.
+        profile: the node profile (its ``runtime_image`` is replaced by ``image_ref``).
+        image_ref: the digest-pinned image the node runs.
+        image_repository: the Artifact Registry repository holding it (the VM may read it only).
+        secret_ids: ``{role: Secret Manager secret id}`` for the user-data.
+        secrets: the Secret Manager secrets the VM may read (``{role: secret}``).
+        boot_after: resources that must exist before the VM boots (secret versions).
+        labels: labels of the VM and its address.
+    """
+
+    name_prefix: str
+    project: str
+    region: str
+    zone: str
+    machine_type: str
+    accelerator_type: str | None
+    accelerator_count: int
+    boot_disk_gb: int
+    boot_disk_type: str
+    public_source_ranges: Sequence[str]
+    subnet_cidr: str
+    profile: NodeProfile
+    image_ref: pulumi.Input[str]
+    image_repository: artifactregistry.Repository
+    secret_ids: Mapping[str, str]
+    secrets: Mapping[str, pulumi.CustomResource]
+    boot_after: Sequence[pulumi.Resource] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def network_tag(self) -> str:
+        return f"{self.name_prefix}-node"
+
+    @property
+    def instance_name(self) -> str:
+        return f"{self.name_prefix}-node"
+
+
+class GceGpuNode(pulumi.ComponentResource):
+    """A GPU VM running the node bundle, with its network, firewall, address and service account."""
+
+    instance: compute.Instance
+    address: compute.Address
+    service_account: serviceaccount.Account
+    external_ip: pulumi.Output[str]
+    user_data: pulumi.Output[str]
+    instance_name: str
+    zone: str
+    project: str
+
+    def __init__(self, name: str, args: GceGpuNodeArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{COMPONENT_PACKAGE}:GceGpuNode", name, None, opts)
+        deps = dependencies(opts)
+        prefix, project, profile = args.name_prefix, args.project, args.profile
+        self.instance_name, self.zone, self.project = args.instance_name, args.zone, project
+
+        network = compute.Network(
+            f"{name}-network",
+            name=f"{prefix}-net",
+            project=project,
+            auto_create_subnetworks=False,
+            description="duplexops node network: only the node's firewall rules apply",
+            opts=child_options(self, deps),
+        )
+        subnet = compute.Subnetwork(
+            f"{name}-subnet",
+            name=f"{prefix}-subnet",
+            project=project,
+            region=args.region,
+            network=network.id,
+            ip_cidr_range=args.subnet_cidr,
+            private_ip_google_access=True,
+            opts=child_options(self, deps),
+        )
+        public_ports = sorted({profile.ports.http, profile.ports.https})
+        web = compute.Firewall(
+            f"{name}-allow-web",
+            name=f"{prefix}-allow-web",
+            project=project,
+            network=network.id,
+            direction="INGRESS",
+            allows=[{"protocol": "tcp", "ports": [str(p) for p in public_ports]}],
+            source_ranges=list(args.public_source_ranges),
+            target_tags=[args.network_tag],
+            description="nginx: HTTPS (WebSocket sessions) and HTTP (redirect) from the configured ranges",
+            opts=child_options(self, deps),
+        )
+        ssh = compute.Firewall(
+            f"{name}-allow-iap-ssh",
+            name=f"{prefix}-allow-iap-ssh",
+            project=project,
+            network=network.id,
+            direction="INGRESS",
+            allows=[{"protocol": "tcp", "ports": ["22"]}],
+            source_ranges=[IAP_SOURCE_RANGE],
+            target_tags=[args.network_tag],
+            description="SSH through Identity-Aware Proxy only (gcloud compute ssh --tunnel-through-iap)",
+            opts=child_options(self, deps),
+        )
+        self.address = compute.Address(
+            f"{name}-address",
+            name=f"{prefix}-ip",
+            project=project,
+            region=args.region,
+            address_type="EXTERNAL",
+            network_tier="PREMIUM",
+            labels=dict(args.labels),
+            opts=child_options(self, deps),
+        )
+
+        self.service_account = serviceaccount.Account(
+            f"{name}-service-account",
+            project=project,
+            account_id=f"{prefix}-node",
+            display_name=f"duplexops node {prefix}",
+            description="Runs the duplexops node VM: writes logs and metrics, reads its image and secrets",
+            opts=child_options(self, deps),
+        )
+        member = self.service_account.email.apply(lambda email: f"serviceAccount:{email}")
+        grants: list[pulumi.Resource] = []
+        for role in NODE_PROJECT_ROLES:
+            grants.append(
+                projects.IAMMember(
+                    f"{name}-{role.split('/')[-1].replace('.', '-').lower()}",
+                    project=project,
+                    role=role,
+                    member=member,
+                    opts=child_options(self, deps),
+                )
+            )
+        grants.append(
+            artifactregistry.RepositoryIamMember(
+                f"{name}-image-reader",
+                project=project,
+                location=args.image_repository.location,
+                repository=args.image_repository.repository_id,
+                role="roles/artifactregistry.reader",
+                member=member,
+                opts=child_options(self, deps),
+            )
+        )
+        for role, secret in sorted(args.secrets.items()):
+            grants.append(
+                secretmanager.SecretIamMember(
+                    f"{name}-reads-{role.replace('_', '-')}",
+                    project=project,
+                    secret_id=secret.secret_id,  # type: ignore[attr-defined]
+                    role="roles/secretmanager.secretAccessor",
+                    member=member,
+                    opts=child_options(self, deps),
+                )
+            )
+
+        secret_ids = dict(args.secret_ids)
+        self.user_data = pulumi.Output.from_input(args.image_ref).apply(
+            lambda image_ref: render_user_data(profile, image_ref, secret_ids, project)
+        )
+        accelerators: list[compute.InstanceGuestAcceleratorArgsDict] | None = None
+        if args.accelerator_type is not None:  # N1: attached; A2/G2/A3 types come with their GPUs
+            accelerators = [{"type": args.accelerator_type, "count": args.accelerator_count}]
+        self.instance = compute.Instance(
+            f"{name}-vm",
+            name=args.instance_name,
+            project=project,
+            zone=args.zone,
+            machine_type=args.machine_type,
+            guest_accelerators=accelerators,
+            scheduling={"on_host_maintenance": "TERMINATE", "automatic_restart": True},
+            boot_disk={
+                "auto_delete": True,
+                "initialize_params": {
+                    "image": BOOT_IMAGE,
+                    "size": args.boot_disk_gb,
+                    "type": args.boot_disk_type,
+                },
+            },
+            network_interfaces=[
+                {
+                    "subnetwork": subnet.id,
+                    "access_configs": [{"nat_ip": self.address.address, "network_tier": "PREMIUM"}],
+                }
+            ],
+            shielded_instance_config={
+                "enable_secure_boot": True,
+                "enable_vtpm": True,
+                "enable_integrity_monitoring": True,
+            },
+            service_account={"email": self.service_account.email, "scopes": list(SCOPES)},
+            metadata={
+                "user-data": self.user_data,
+                "enable-oslogin": "TRUE",
+                "block-project-ssh-keys": "TRUE",
+            },
+            tags=[args.network_tag],
+            labels={**args.labels, "profile": profile.name},
+            allow_stopping_for_update=True,
+            opts=child_options(
+                self,
+                [*deps, *grants, *args.boot_after, web, ssh],
+                replace_on_changes=['metadata["user-data"]'],
+                delete_before_replace=True,
+            ),
+        )
+        self.external_ip = self.address.address
+        self.register_outputs(
+            {
+                "instance_name": self.instance.name,
+                "external_ip": self.external_ip,
+                "service_account": self.service_account.email,
+            }
+        )
+
+    def ssh_command(self) -> str:
+        """How an operator opens a shell on the VM (IAP tunnel, OS Login)."""
+        return (
+            f"gcloud compute ssh {self.instance_name} --project {self.project} --zone {self.zone} "
+            "--tunnel-through-iap"
+        )
+
+    def tunnel_command(self, local_port: int, remote: str) -> str:
+        """An SSH tunnel through IAP forwarding ``localhost:<local_port>`` to ``remote`` on the VM."""
+        return f"{self.ssh_command()} -- -N -L {local_port}:{remote}"

@@ -1,0 +1,176 @@
+"""``StackSecrets``: the node's secrets.
+
+- The Redis password and Grafana's admin password come from the stack's secret configuration when given
+  (``redisPassword``, ``grafanaAdminPassword``), else from a ``random.RandomPassword`` (32 letters and
+  digits: the runtime puts the Redis password in a URL). They are secret Outputs either way.
+- The session-token signing keys (``tokenSigningKeys``, JSON ``{"kid": "secret", ...}``) from secret
+  configuration when given, else one key ``<name_prefix>-1`` whose secret is a ``random.RandomPassword``
+  (48 letters and digits). The application backend mints session tokens with them.
+- The Hugging Face token (``hfToken``) only from secret configuration; absent when not given.
+- ``files``: the node's secret files (``infra.node.services.secret_files``, plus ``secrets/hf-token.env``
+  when there is a token), ``{bundle path: content}``, a secret Output: the on-premises stack writes them
+  over SSH.
+- With ``secret_manager_project`` (GCE nodes), one Secret Manager secret per role (replication automatic)
+  holding exactly what ``infra.node.cloud_init`` fetches at boot: the secret file's content for the roles
+  of ``SECRET_FILES``, the bare token for ``hf_token``. ``secret_ids`` maps role to secret id (plain: ids
+  are not secret); the VM's service account gets read access to these secrets only (``GceGpuNode``).
+
+Nothing here is ever a plain output: every value is wrapped with ``pulumi.Output.secret``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_random as random
+
+from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.node.cloud_init import HF_TOKEN_FILE
+from infra.node.profile import NodeProfile
+from infra.node.services import SECRET_FILES, NodeSecrets, secret_files
+
+__all__ = ["PASSWORD_LENGTH", "StackSecrets", "StackSecretsArgs", "secret_id_for"]
+
+PASSWORD_LENGTH = 32
+TOKEN_KEY_LENGTH = 48
+
+
+def secret_id_for(name_prefix: str, role: str) -> str:
+    """The Secret Manager secret id of ``role`` for a node named ``name_prefix``."""
+    return f"{name_prefix}-{role.replace('_', '-')}"
+
+
+@dataclass(frozen=True)
+class StackSecretsArgs:
+    """What the secrets are made of.
+
+    Attributes:
+        name_prefix: prefix of the generated resources and secret ids.
+        profile: the node's profile (the Redis URL in ``runtime.env`` names its Redis endpoint).
+        redis_password, grafana_admin_password: given values (secret Outputs), or None to generate.
+        token_keys: the session-token signing keys as JSON ``{"kid": "secret"}`` (secret Output), or None to
+            generate one key.
+        hf_token: the Hugging Face token (secret Output), or None.
+        secret_manager_project: the project to store the secrets in (GCE); None: no Secret Manager.
+        labels: labels of the Secret Manager secrets.
+    """
+
+    name_prefix: str
+    profile: NodeProfile
+    redis_password: pulumi.Input[str] | None = None
+    grafana_admin_password: pulumi.Input[str] | None = None
+    token_keys: pulumi.Input[str] | None = None
+    hf_token: pulumi.Input[str] | None = None
+    secret_manager_project: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+class StackSecrets(pulumi.ComponentResource):
+    """The node's passwords (given or generated), its secret files, and their Secret Manager secrets."""
+
+    redis_password: pulumi.Output[str]
+    grafana_admin_password: pulumi.Output[str]
+    token_keys: pulumi.Output[str]
+    hf_token: pulumi.Output[str] | None
+    files: pulumi.Output[dict[str, str]]
+    secret_ids: dict[str, str]
+    secrets: dict[str, pulumi.CustomResource]
+    versions: list[pulumi.CustomResource]
+
+    def __init__(self, name: str, args: StackSecretsArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{COMPONENT_PACKAGE}:StackSecrets", name, None, opts)
+        deps = dependencies(opts)
+        self.redis_password = self._password(name, "redis-password", args.redis_password, deps)
+        self.grafana_admin_password = self._password(
+            name, "grafana-admin-password", args.grafana_admin_password, deps
+        )
+        if args.token_keys is not None:
+            self.token_keys = pulumi.Output.secret(args.token_keys)
+        else:
+            kid = f"{args.name_prefix}-1"
+            key = self._password(name, "token-signing-key", None, deps, length=TOKEN_KEY_LENGTH)
+            self.token_keys = pulumi.Output.secret(key.apply(lambda secret: json.dumps({kid: secret})))
+        self.hf_token = None if args.hf_token is None else pulumi.Output.secret(args.hf_token)
+
+        profile = args.profile
+
+        def render(values: list[str | None]) -> dict[str, str]:
+            redis, grafana, keys, token = values
+            assert redis is not None and grafana is not None and keys is not None
+            node_secrets = NodeSecrets(
+                redis_password=redis, grafana_admin_password=grafana, token_keys=json.loads(keys)
+            )
+            files = {path: content.decode() for path, content in secret_files(profile, node_secrets).items()}
+            if token:
+                files[HF_TOKEN_FILE] = f"HF_TOKEN={token}\n"
+            return files
+
+        token_input: pulumi.Input[str | None] = self.hf_token if self.hf_token is not None else None
+        self.files = pulumi.Output.secret(
+            pulumi.Output.all(
+                self.redis_password, self.grafana_admin_password, self.token_keys, token_input
+            ).apply(render)
+        )
+
+        self.secret_ids = {}
+        self.secrets = {}
+        self.versions = []
+        if args.secret_manager_project is not None:
+            self._store(name, args, deps)
+        self.register_outputs({"secret_ids": self.secret_ids})
+
+    def _password(
+        self,
+        name: str,
+        what: str,
+        given: pulumi.Input[str] | None,
+        deps: list[pulumi.Resource],
+        *,
+        length: int = PASSWORD_LENGTH,
+    ) -> pulumi.Output[str]:
+        if given is not None:
+            return pulumi.Output.secret(given)
+        generated = random.RandomPassword(
+            f"{name}-{what}",
+            length=length,
+            special=False,
+            min_lower=1,
+            min_upper=1,
+            min_numeric=1,
+            opts=child_options(self, deps),
+        )
+        return pulumi.Output.secret(generated.result)
+
+    def _store(self, name: str, args: StackSecretsArgs, deps: list[pulumi.Resource]) -> None:
+        import pulumi_gcp.secretmanager as secretmanager
+
+        project = args.secret_manager_project
+
+        def payload(path: str) -> pulumi.Output[str]:
+            return pulumi.Output.secret(self.files.apply(lambda files: files[path]))
+
+        payloads = {role: payload(path) for role, path in SECRET_FILES.items()}
+        if self.hf_token is not None:
+            payloads["hf_token"] = self.hf_token
+        for role in sorted(payloads):
+            secret_id = secret_id_for(args.name_prefix, role)
+            secret = secretmanager.Secret(
+                f"{name}-{role.replace('_', '-')}",
+                project=project,
+                secret_id=secret_id,
+                replication={"auto": {}},
+                labels={**args.labels, "role": role.replace("_", "-")},
+                opts=child_options(self, deps),
+            )
+            version = secretmanager.SecretVersion(
+                f"{name}-{role.replace('_', '-')}-version",
+                secret=secret.id,
+                secret_data=payloads[role],
+                opts=child_options(self, deps),
+            )
+            self.secret_ids[role] = secret_id
+            self.secrets[role] = secret
+            self.versions.append(version)

@@ -1,0 +1,390 @@
+"""``OnPremNode``: an existing GPU host (L40S, A100, ...) brought up over SSH with ``pulumi_command``.
+
+The host needs: Linux with the NVIDIA driver, Docker with the Compose plugin and the NVIDIA Container
+Toolkit, ``curl`` and ``openssl``, an SSH user that is root or has passwordless ``sudo``, and access to
+the runtime image's registry (a public image, or ``docker login`` done once on the host). The stack does
+not build images: it runs the digest-pinned ``runtimeImage`` of its configuration (pushed by CI or by the
+GCE stack's ``RuntimeImage``).
+
+Steps (``remote.Command`` unless said), each after the one before:
+
+1. ``gpu-check``: ``nvidia-smi --query-gpu=name,memory.total --format=csv,noheader`` must show the
+   profile's GPU on every line (name pattern and at least 90 % of the catalog's memory), else it fails
+   naming what it found;
+2. ``stage`` (``installDir`` and a staging directory the SSH user owns), ``bundle``
+   (``remote.CopyToRemote`` of the rendered bundle, a ``FileArchive`` written under the local build
+   directory) and ``install`` (root-owned copy into ``installDir``, old bundle files replaced; ``secrets/``
+   and ``tls/`` kept);
+3. ``secrets``: the secret files written from ``stdin`` (never on a command line) into
+   ``installDir/secrets`` (0700): 0640 for the files a container reads itself
+   (``infra.node.compose.CONTAINER_READ_SECRETS``), 0600 for the others;
+4. ``compose-up``: the preparation script of ``infra.node.cloud_init.render_prepare_script`` (host
+   directories with their owners, a self-signed certificate when none exists, the secrets checked), then
+   ``docker compose up -d``. Its ``delete`` runs ``docker compose down`` and removes ``installDir``:
+   destroy removes what the stack installed (the data directory, with the model cache, Redis, Prometheus
+   and Grafana data, stays);
+5. ``ready``: polls ``https://127.0.0.1/readyz`` (``curl -k``) until it answers 200, or fails after
+   ``ready_timeout_s`` with ``docker compose ps`` and the runtime's last log lines.
+
+Steps 1-3 and 5 carry the bundle's hash in ``triggers``: a changed profile, image or script re-runs them.
+``compose-up`` carries it in its ``environment`` instead, so a change runs it again as an update
+(``docker compose up -d`` recreates what changed) rather than a replacement, whose ``delete`` would take
+the node down and remove ``installDir`` after the new bundle was installed. Its ``triggers`` are where
+the node is (host, port, ``installDir``): moving it replaces it, deleting the old one first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pulumi
+import pulumi_command.remote as remote
+
+from infra.capacity.gpus import GPUS
+from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.node.bundle import render_bundle, write_bundle
+from infra.node.cloud_init import USER_DATA_FILE, render_prepare_script
+from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS
+from infra.node.profile import NodeProfile
+from infra.node.services import SECRET_FILES, SECRETS_DIR
+
+__all__ = [
+    "GPU_NAME_PATTERNS",
+    "PREPARE_SCRIPT",
+    "OnPremNode",
+    "OnPremNodeArgs",
+    "bundle_digest",
+    "compose_up_script",
+    "gpu_check_script",
+    "install_script",
+    "onprem_bundle",
+    "ready_script",
+    "secret_stdin",
+    "secrets_script",
+    "stage_script",
+]
+
+GPU_NAME_PATTERNS: dict[str, str] = {
+    "t4": r"(^|[ -])T4($|[ -])",
+    "l4": r"(^|[ -])L4($|[ -])",
+    "l40s": r"L40S",
+    "a100-40gb": r"A100.*40GB",
+    "a100-80gb-pcie": r"A100.*80GB.*PCIe",
+    "a100-80gb-sxm": r"A100.*SXM.*80GB",
+    "h100": r"H100",
+    "h200": r"H200",
+}
+"""Extended regular expressions (case-insensitive) matching ``nvidia-smi``'s name of each catalog GPU:
+``Tesla T4``, ``NVIDIA L4``, ``NVIDIA L40S``, ``NVIDIA A100-SXM4-40GB``, ``NVIDIA A100 80GB PCIe``,
+``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``, ``NVIDIA H200``."""
+
+MEMORY_TOLERANCE = 0.9
+"""A GPU passes the check with at least this fraction of the catalog's memory (ECC and driver reserve)."""
+
+PREPARE_SCRIPT = "bin/prepare-host.sh"
+"""Bundle path of the host preparation script (on-premises bundles only)."""
+
+STAGING_DIR = ".staging"
+"""Directory under ``installDir`` the SSH user copies the bundle into before it is installed."""
+
+_DOCKER = "docker"
+
+
+def onprem_bundle(profile: NodeProfile, install_dir: str) -> dict[str, bytes]:
+    """The files the host gets: the node bundle without the GCE user-data, plus ``PREPARE_SCRIPT``."""
+    bundle = {path: content for path, content in render_bundle(profile).items() if path != USER_DATA_FILE}
+    bundle[PREPARE_SCRIPT] = render_prepare_script(profile, root=install_dir).encode()
+    return dict(sorted(bundle.items()))
+
+
+def bundle_digest(bundle: dict[str, bytes]) -> str:
+    """SHA-256 over the bundle's paths and contents (the steps' trigger)."""
+    h = hashlib.sha256()
+    for path in sorted(bundle):
+        h.update(path.encode() + b"\0" + hashlib.sha256(bundle[path]).digest())
+    return h.hexdigest()
+
+
+def _as_root(script: str, user: str) -> str:
+    """A command line running ``script`` with ``sh`` as root (``sudo -n`` unless the user is root)."""
+    sudo = "" if user == "root" else "sudo -n "
+    return f"{sudo}sh -c {shlex.quote(script)}"
+
+
+def gpu_check_script(profile: NodeProfile) -> str:
+    """Fails (exit 1, message on stderr) unless every GPU ``nvidia-smi`` lists is the profile's GPU."""
+    assert profile.gpu is not None
+    spec = GPUS[profile.gpu]
+    pattern = GPU_NAME_PATTERNS[profile.gpu]
+    min_mib = int(spec.memory_mib * MEMORY_TOLERANCE)
+    q = shlex.quote
+    return f"""set -eu
+want={q(pattern)}
+min_mib={min_mib}
+fail() {{ echo "gpu-check: $*" >&2; exit 1; }}
+command -v nvidia-smi >/dev/null 2>&1 || fail "nvidia-smi not found: install the NVIDIA driver"
+gpus=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader) || fail "nvidia-smi failed: $gpus"
+[ -n "$gpus" ] || fail "no GPU found; profile {profile.name} needs {spec.name}"
+bad=""
+while IFS=, read -r name memory; do
+    name=$(echo "$name" | sed 's/^ *//; s/ *$//')
+    mib=$(echo "$memory" | tr -dc 0-9)
+    if ! printf '%s\\n' "$name" | grep -Eiq "$want"; then
+        bad="$bad; $name ($memory MiB is not {spec.name})"
+    elif [ "${{mib:-0}}" -lt "$min_mib" ]; then
+        bad="$bad; $name has ${{mib:-0}} MiB, below $min_mib MiB"
+    fi
+done <<EOF
+$gpus
+EOF
+[ -z "$bad" ] || fail "profile {profile.name} needs {spec.name} ({spec.memory_mib} MiB); found:${{bad#;}}"
+echo "gpu-check: ok: $(echo "$gpus" | tr '\\n' ';')"
+"""
+
+
+def stage_script(install_dir: str, owner: str) -> str:
+    """Creates ``install_dir`` (root, 0755) and an empty staging directory owned by ``owner``."""
+    q = shlex.quote
+    staging = f"{install_dir}/{STAGING_DIR}"
+    return f"""set -eu
+install -d -m 0755 -o root -g root {q(install_dir)}
+rm -rf {q(staging)}
+install -d -m 0700 -o {q(owner)} {q(staging)}
+"""
+
+
+def install_script(install_dir: str, bundle: dict[str, bytes]) -> str:
+    """Replaces the bundle's files under ``install_dir`` with the staged ones (root:root, 0644/0755)."""
+    q = shlex.quote
+    staged = f"{install_dir}/{STAGING_DIR}/bundle"
+    tops = sorted({path.split("/", 1)[0] for path in bundle})
+    return f"""set -eu
+cd {q(install_dir)}
+[ -f {q(staged + "/" + COMPOSE_FILE)} ] || {{ echo "install: nothing staged in {staged}" >&2; exit 1; }}
+rm -rf {" ".join(q(t) for t in tops)}
+cp -R {q(staged)}/. {q(install_dir)}/
+chown -R root:root {" ".join(q(t) for t in tops)}
+find {" ".join(q(t) for t in tops)} -type d -exec chmod 0755 {{}} +
+find {" ".join(q(t) for t in tops)} -type f -exec chmod 0644 {{}} +
+chmod 0755 {q(PREPARE_SCRIPT)}
+"""
+
+
+def secrets_script(install_dir: str) -> str:
+    """Writes the secret files read from stdin (``secret_stdin``) into ``install_dir/secrets``."""
+    q = shlex.quote
+    allowed = " | ".join(sorted({*SECRET_FILES.values(), f"{SECRETS_DIR}/hf-token.env"}))
+    return f"""set -eu
+umask 077
+root={q(install_dir)}
+install -d -m 0700 -o root -g root "$root/{SECRETS_DIR}"
+seen=""
+while read -r path mode data; do
+    case "$path" in
+        {allowed}) ;;
+        *) echo "secrets: unexpected path $path" >&2; exit 1 ;;
+    esac
+    case "$mode" in 0600|0640) ;; *) echo "secrets: bad mode $mode for $path" >&2; exit 1 ;; esac
+    printf '%s' "$data" | base64 -d >"$root/$path.tmp"
+    chown root:root "$root/$path.tmp"
+    chmod "$mode" "$root/$path.tmp"
+    mv -f "$root/$path.tmp" "$root/$path"
+    seen="$seen $path"
+done
+case "$seen" in *hf-token.env*) ;; *) rm -f "$root/{SECRETS_DIR}/hf-token.env" ;; esac
+echo "secrets: wrote$seen"
+"""
+
+
+def secret_stdin(files: dict[str, str]) -> str:
+    """The ``secrets`` step's stdin: one line per file, ``path mode base64(content)``."""
+    import base64
+
+    lines = []
+    for path in sorted(files):
+        role = next((r for r, p in SECRET_FILES.items() if p == path), None)
+        mode = "0640" if role in CONTAINER_READ_SECRETS else "0600"
+        lines.append(f"{path} {mode} {base64.b64encode(files[path].encode()).decode()}")
+    return "\n".join(lines) + "\n"
+
+
+def _compose(install_dir: str) -> str:
+    q = shlex.quote
+    return (
+        f"{_DOCKER} compose --project-directory {q(install_dir)} --file {q(install_dir + '/' + COMPOSE_FILE)}"
+    )
+
+
+def _hf_env(install_dir: str) -> str:
+    env_file = shlex.quote(f"{install_dir}/{SECRETS_DIR}/hf-token.env")
+    return f"if [ -f {env_file} ]; then set -a; . {env_file}; set +a; fi"
+
+
+def compose_up_script(install_dir: str) -> str:
+    """Prepares the host and starts the node (``docker compose up -d``)."""
+    q = shlex.quote
+    compose = _compose(install_dir)
+    return f"""set -eu
+sh {q(install_dir + "/" + PREPARE_SCRIPT)}
+cd {q(install_dir)}
+export DUPLEX_NODE_ID="$(hostname)"
+{_hf_env(install_dir)}
+{compose} config --quiet
+{compose} pull --quiet
+{compose} up -d --remove-orphans
+{compose} ps
+"""
+
+
+def compose_down_script(install_dir: str) -> str:
+    """Stops the node and removes ``install_dir`` (nothing else: the data directory stays)."""
+    q = shlex.quote
+    compose = _compose(install_dir)
+    return f"""set -eu
+if [ -f {q(install_dir + "/" + COMPOSE_FILE)} ]; then
+    cd {q(install_dir)}
+    {compose} down --remove-orphans || true
+fi
+cd /
+rm -rf {q(install_dir)}
+"""
+
+
+def ready_script(profile: NodeProfile, install_dir: str, timeout_s: int) -> str:
+    """Waits until nginx answers 200 on ``/readyz``; fails after ``timeout_s`` with the node's state."""
+    port = profile.ports.https
+    url = f"https://127.0.0.1{'' if port == 443 else f':{port}'}/readyz"
+    compose = _compose(install_dir)
+    return f"""set -eu
+deadline=$(( $(date +%s) + {timeout_s} ))
+until curl -kfsS -o /dev/null --max-time 10 {url}; do
+    if [ "$(date +%s)" -ge "$deadline" ]; then
+        echo "ready: {url} did not answer 200 within {timeout_s} s (first boots download the weights)" >&2
+        {compose} ps >&2 || true
+        {compose} logs --no-color --tail 50 runtime >&2 || true
+        exit 1
+    fi
+    sleep 10
+done
+echo "ready: {url} answers 200"
+"""
+
+
+@dataclass(frozen=True)
+class OnPremNodeArgs:
+    """An existing GPU host.
+
+    Attributes:
+        host, port, user: SSH coordinates (``user``: root, or passwordless sudo).
+        private_key: the SSH private key (a secret Output).
+        host_key: the host's public key (pins it), or None.
+        install_dir: where the bundle goes (removed on destroy).
+        profile: the node profile, with the image the host runs in ``runtime_image``.
+        secret_files: ``{bundle path: content}`` of the node's secrets (a secret Output).
+        ready_timeout_s: how long ``ready`` waits for ``/readyz``.
+        local_bundle_dir: where the bundle is written locally for ``CopyToRemote`` (emptied first). An
+            absolute path: the engine reads the archive from its own working directory.
+    """
+
+    host: str
+    port: int
+    user: str
+    private_key: pulumi.Input[str]
+    install_dir: str
+    profile: NodeProfile
+    secret_files: pulumi.Input[dict[str, str]]
+    local_bundle_dir: str
+    host_key: str | None = None
+    ready_timeout_s: int = 1800
+
+
+class OnPremNode(pulumi.ComponentResource):
+    """The node bundle installed and started on an existing GPU host over SSH."""
+
+    bundle: dict[str, bytes]
+    bundle_sha256: str
+    gpu_check: remote.Command
+    copy: remote.CopyToRemote
+    compose_up: remote.Command
+    ready: remote.Command
+
+    def __init__(self, name: str, args: OnPremNodeArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{COMPONENT_PACKAGE}:OnPremNode", name, None, opts)
+        deps = dependencies(opts)
+        profile, install_dir, user = args.profile, args.install_dir, args.user
+        self.bundle = onprem_bundle(profile, install_dir)
+        self.bundle_sha256 = digest = bundle_digest(self.bundle)
+        local = Path(args.local_bundle_dir).resolve()
+        if local.exists():
+            shutil.rmtree(local)
+        write_bundle(self.bundle, local)
+
+        connection = remote.ConnectionArgs(
+            host=args.host,
+            port=args.port,
+            user=user,
+            private_key=pulumi.Output.secret(args.private_key),
+            host_key=args.host_key,
+            dial_error_limit=10,
+            per_dial_timeout=15,
+        )
+        conn: pulumi.Output[remote.ConnectionArgs] = pulumi.Output.secret(connection)
+
+        def step(
+            step_name: str,
+            after: list[pulumi.Resource],
+            create: str,
+            stdin: pulumi.Input[str] | None = None,
+        ) -> remote.Command:
+            return remote.Command(
+                f"{name}-{step_name}",
+                connection=conn,
+                create=create,
+                stdin=stdin,
+                triggers=[digest],
+                opts=child_options(self, [*deps, *after]),
+            )
+
+        def stdin_of(files: dict[str, str]) -> str:
+            return secret_stdin(dict(files))
+
+        self.gpu_check = step("gpu-check", [], create=gpu_check_script(profile))
+        stage = step("stage", [self.gpu_check], create=_as_root(stage_script(install_dir, user), user))
+        self.copy = remote.CopyToRemote(
+            f"{name}-bundle",
+            connection=conn,
+            source=pulumi.FileArchive(str(local)),
+            remote_path=f"{install_dir}/{STAGING_DIR}",
+            triggers=[digest],
+            opts=child_options(self, [*deps, stage]),
+        )
+        install = step(
+            "install", [self.copy], create=_as_root(install_script(install_dir, self.bundle), user)
+        )
+        secrets = step(
+            "secrets",
+            [install],
+            create=_as_root(secrets_script(install_dir), user),
+            stdin=pulumi.Output.secret(pulumi.Output.from_input(args.secret_files).apply(stdin_of)),
+        )
+        self.compose_up = remote.Command(
+            f"{name}-compose-up",
+            connection=conn,
+            create=_as_root(compose_up_script(install_dir), user),
+            delete=_as_root(compose_down_script(install_dir), user),
+            # A changed bundle changes this input: an update runs `create` again (sshd may drop the
+            # variable itself, which nothing reads).
+            environment={"DUPLEX_BUNDLE_SHA256": digest},
+            triggers=[args.host, str(args.port), install_dir],
+            opts=child_options(self, [*deps, install, secrets], delete_before_replace=True),
+        )
+        self.ready = step(
+            "ready",
+            [self.compose_up],
+            create=_as_root(ready_script(profile, install_dir, args.ready_timeout_s), user),
+        )
+        self.register_outputs({"bundle_sha256": digest, "ready": self.ready.stdout})

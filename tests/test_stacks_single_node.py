@@ -1,0 +1,663 @@
+"""The Pulumi program of the three single-node stacks (dev, scale5-gcp, scale5-onprem), run whole under
+Pulumi's mocks with each stack's own ``stacks/Pulumi.<stack>.yaml`` (``tests/pulumi_harness.py``): no
+CLI, no engine, no cloud. Checked: the resource inventory, the properties that matter (GPU, machine type,
+maintenance policy, firewall, service account roles, Shielded VM, the cloud-init user-data, the remote
+commands of the on-premises node), that secrets stay secret, and that every configuration error stops
+the program before it declares anything, naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pulumi_harness
+import pytest
+import yaml
+from pulumi_harness import STACKS, StackRun, load_stack_file, run_stack
+
+from infra.capacity import max_sessions, plan
+from infra.capacity.gcp import MACHINE_TYPES
+from infra.node.compose import CONTAINER_READ_SECRETS
+from infra.node.profile import get_profile
+from infra.node.services import SECRET_FILES
+from infra.stack_config import StackConfigError
+
+REPO = pulumi_harness.REPO_ROOT
+IAP_RANGE = "35.235.240.0/20"
+
+
+def _onprem():  # noqa: ANN202
+    """``infra.components.onprem_node``, imported after the harness set the mocks (as a program would)."""
+    from infra.components import onprem_node
+
+    return onprem_node
+
+
+GCE_STACKS = ("dev", "scale5-gcp")
+
+INSTANCE = "gcp:compute/instance:Instance"
+FIREWALL = "gcp:compute/firewall:Firewall"
+COMMAND = "command:remote:Command"
+
+GCE_INVENTORY = {
+    "gcp:projects/service:Service": 5,
+    "duplexops:components:RuntimeImage": 1,
+    "gcp:artifactregistry/repository:Repository": 1,
+    "docker-build:index:Image": 1,
+    "duplexops:components:StackSecrets": 1,
+    "random:index/randomPassword:RandomPassword": 3,
+    "gcp:secretmanager/secret:Secret": 7,
+    "gcp:secretmanager/secretVersion:SecretVersion": 7,
+    "duplexops:components:GceGpuNode": 1,
+    "gcp:compute/network:Network": 1,
+    "gcp:compute/subnetwork:Subnetwork": 1,
+    "gcp:compute/firewall:Firewall": 2,
+    "gcp:compute/address:Address": 1,
+    "gcp:serviceaccount/account:Account": 1,
+    "gcp:projects/iAMMember:IAMMember": 2,
+    "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
+    "gcp:secretmanager/secretIamMember:SecretIamMember": 7,
+    "gcp:compute/instance:Instance": 1,
+}
+ONPREM_INVENTORY = {
+    "duplexops:components:StackSecrets": 1,
+    "random:index/randomPassword:RandomPassword": 3,
+    "duplexops:components:OnPremNode": 1,
+    "command:remote:Command": 6,
+    "command:remote:CopyToRemote": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, StackRun]:
+    """Each stack's program, run once with its own stack file (and fake secret config)."""
+    return {stack: run_stack(stack, build_dir=tmp_path_factory.mktemp(stack)) for stack in STACKS}
+
+
+# --- the project and the stack files -------------------------------------------------------------------
+
+
+def test_pulumi_project_file() -> None:
+    project = yaml.safe_load((REPO / "Pulumi.yaml").read_text())
+    assert project["name"] == "duplexops"
+    assert project["runtime"] == {"name": "python", "options": {"toolchain": "pip", "virtualenv": ".venv"}}
+    assert project["main"] == "infra/"
+    assert project["stackConfigDir"] == "stacks"
+    assert project["description"]
+    assert (REPO / "infra" / "__main__.py").is_file()
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_stack_files_hold_no_secret(stack: str) -> None:
+    text = (REPO / "stacks" / f"Pulumi.{stack}.yaml").read_text()
+    config = load_stack_file(stack)
+    assert "secure:" not in text
+    keys = ["redisPassword", "grafanaAdminPassword", "tokenSigningKeys", "hfToken"]
+    if config["duplexops:topology"] == "onprem-node":
+        keys.append("onpremSshPrivateKey")
+    for key in keys:
+        assert f"duplexops:{key}" not in config
+        assert f"--secret {key}" in text, f"the comment block shows how to set {key}"
+
+
+# --- inventory -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_inventory(runs: dict[str, StackRun], stack: str) -> None:
+    expected = ONPREM_INVENTORY if stack == "scale5-onprem" else GCE_INVENTORY
+    assert runs[stack].inventory == Counter(expected)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_children_are_parented_to_their_components(runs: dict[str, StackRun], stack: str) -> None:
+    run = runs[stack]
+    assert all(r.urn for r in run.resources), "every resource has a URN"
+    for r in run.resources:
+        if r.type == "gcp:projects/service:Service" or not r.custom:
+            assert r.parent_types == [], "project APIs and the components belong to the stack"
+        else:
+            assert r.parent_types and r.parent_types[0].startswith("duplexops:components:"), r.urn
+    [component] = [r for r in run.resources if r.type.endswith(("GceGpuNode", "OnPremNode"))]
+    node_children = [r for r in run.resources if r.parent_types[:1] == [component.type]]
+    assert len(node_children) >= 7
+
+
+# --- GCE: the VM -----------------------------------------------------------------------------------------
+
+
+def test_dev_vm_is_n1_with_one_t4(runs: dict[str, StackRun]) -> None:
+    vm = runs["dev"].one(INSTANCE).plain
+    assert vm["machineType"] == "n1-standard-8"
+    assert vm["guestAccelerators"] == [{"type": "nvidia-tesla-t4", "count": 1}]
+    assert vm["zone"] == "us-central1-a" and vm["project"] == "my-gcp-project"
+
+
+def test_scale5_gcp_vm_is_a2_ultragpu_with_its_builtin_a100(runs: dict[str, StackRun]) -> None:
+    vm = runs["scale5-gcp"].one(INSTANCE).plain
+    assert vm["machineType"] == "a2-ultragpu-1g"
+    # The capacity catalog: A2 types come with their GPU (bundled); attaching one would be refused.
+    assert MACHINE_TYPES["a2-ultragpu-1g"].bundled and MACHINE_TYPES["a2-ultragpu-1g"].gpu == "a100-80gb-sxm"
+    assert not vm.get("guestAccelerators")
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_vm_scheduling_disk_and_shielded_vm(runs: dict[str, StackRun], stack: str) -> None:
+    vm = runs[stack].one(INSTANCE).plain
+    assert vm["scheduling"]["onHostMaintenance"] == "TERMINATE"
+    assert vm["scheduling"]["automaticRestart"] is True
+    params = vm["bootDisk"]["initializeParams"]
+    from infra.components.gce_node import BOOT_IMAGE
+
+    assert params["image"] == BOOT_IMAGE
+    assert params["image"] == (
+        "projects/deeplearning-platform-release/global/images/family/common-cu128-ubuntu-2204-nvidia-570"
+    )
+    assert params["size"] == 200
+    assert vm["shieldedInstanceConfig"] == {
+        "enableSecureBoot": True,
+        "enableVtpm": True,
+        "enableIntegrityMonitoring": True,
+    }
+    assert vm["metadata"]["enable-oslogin"] == "TRUE"
+    assert vm["networkInterfaces"][0]["accessConfigs"][0]["natIp"] == pulumi_harness.MOCK_IP
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_firewall_opens_only_web_and_iap_ssh(runs: dict[str, StackRun], stack: str) -> None:
+    run = runs[stack]
+    rules = {r.plain["name"]: r.plain for r in run.of_type(FIREWALL)}
+    tag = run.one(INSTANCE).plain["tags"]
+    opened: dict[str, set[str]] = {}
+    for rule in rules.values():
+        assert rule["direction"] == "INGRESS"
+        assert rule["targetTags"] == tag
+        for allow in rule["allows"]:
+            assert allow["protocol"] == "tcp"
+            for port in allow["ports"]:
+                opened.setdefault(port, set()).update(rule["sourceRanges"])
+    assert opened.keys() == {"22", "80", "443"}
+    from infra.components.gce_node import IAP_SOURCE_RANGE
+
+    assert opened["22"] == {IAP_SOURCE_RANGE} == {IAP_RANGE}
+    stack_ranges = set(load_stack_file(stack)["duplexops:publicSourceRanges"])
+    assert opened["443"] == opened["80"] == stack_ranges
+    assert "9090" not in opened and "3000" not in opened
+    # A network of its own: the default network's allow-ssh-from-anywhere rule does not apply.
+    assert run.one("gcp:compute/network:Network").plain["autoCreateSubnetworks"] is False
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_service_account_has_least_privilege(runs: dict[str, StackRun], stack: str) -> None:
+    run = runs[stack]
+    account = run.one("gcp:serviceaccount/account:Account").plain
+    email = f"{account['accountId']}@my-gcp-project.iam.gserviceaccount.com"
+    member = f"serviceAccount:{email}"
+    vm = run.one(INSTANCE).plain
+    assert vm["serviceAccount"]["email"] == email
+    assert vm["serviceAccount"]["scopes"] == ["https://www.googleapis.com/auth/cloud-platform"]
+
+    bindings = [
+        r.plain
+        for r in run.resources
+        if r.type.startswith("gcp:") and ("IamMember" in r.type or "IAMMember" in r.type)
+    ]
+    roles = Counter(b["role"] for b in bindings)
+    assert roles == {
+        "roles/logging.logWriter": 1,
+        "roles/monitoring.metricWriter": 1,
+        "roles/artifactregistry.reader": 1,
+        "roles/secretmanager.secretAccessor": len(SECRET_FILES) + 1,
+    }
+    assert all(b["member"] == member for b in bindings)
+    assert not any(re.search(r"editor|owner|admin", b["role"]) for b in bindings)
+    [reader] = run.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember")
+    repo = run.one("gcp:artifactregistry/repository:Repository").plain
+    assert reader.plain["repository"] == repo["repositoryId"] and reader.plain["location"] == repo["location"]
+    # Secret access on the node's own secrets only.
+    own = {s.plain["secretId"] for s in run.of_type("gcp:secretmanager/secret:Secret")}
+    granted = {b.plain["secretId"] for b in run.of_type("gcp:secretmanager/secretIamMember:SecretIamMember")}
+    assert granted == own
+
+
+# --- GCE: the user-data --------------------------------------------------------------------------------
+
+
+def _user_data(run: StackRun) -> str:
+    return run.one(INSTANCE).plain["metadata"]["user-data"]
+
+
+def _written_files(user_data: str) -> dict[str, bytes]:
+    document = yaml.safe_load(user_data)
+    files = {}
+    for entry in document["write_files"]:
+        content = entry["content"]
+        if entry.get("encoding") == "gz+b64":
+            files[entry["path"]] = gzip.decompress(base64.b64decode(content))
+        else:
+            files[entry["path"]] = content.encode()
+    return files
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_user_data_installs_the_bundle_running_the_image_digest(
+    runs: dict[str, StackRun], stack: str
+) -> None:
+    run = runs[stack]
+    user_data = _user_data(run)
+    assert user_data.startswith("#cloud-config\n")
+    files = _written_files(user_data)
+    for path in ("compose.yaml", "nginx/nginx.conf", "redis/redis.conf", "prometheus/prometheus.yml"):
+        assert f"/etc/duplex/{path}" in files, path
+    assert "/etc/systemd/system/duplex-node.service" in files
+    image = run.outputs["image"]
+    assert re.fullmatch(
+        r"us-central1-docker\.pkg\.dev/my-gcp-project/[a-z0-9-]+/duplex-runtime@sha256:[0-9a-f]{64}", image
+    )
+    compose = yaml.safe_load(files["/etc/duplex/compose.yaml"])
+    assert compose["services"]["runtime"]["image"] == image
+    profile = load_stack_file(stack)["duplexops:profile"]
+    sessions = runs[stack].outputs["capacity"]["sessions_per_node"]
+    assert compose["services"]["runtime"]["environment"]["DUPLEX_MAX_SESSIONS"] == str(sessions)
+    assert f"node profile {profile!r}" in user_data
+    # Secrets named by Secret Manager id, never their values; Docker logs in to the image's registry.
+    prepare = files["/usr/local/sbin/duplex-node-prepare"].decode()
+    for secret_id in run.outputs["node"]["secretIds"].values():
+        assert secret_id in prepare
+    assert "docker login --username oauth2accesstoken" in prepare
+    for value in run.secret_values:
+        assert value not in user_data
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_user_data_passes_cloud_init_schema(runs: dict[str, StackRun], stack: str, tmp_path: Path) -> None:
+    binary = shutil.which("cloud-init")
+    if binary is None:
+        pytest.skip("cloud-init is not installed (apt-get install cloud-init); CI installs it")
+    path = tmp_path / "user-data.yaml"
+    path.write_text(_user_data(runs[stack]))
+    result = subprocess.run(
+        [binary, "schema", "--config-file", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- GCE: image and secrets ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_image_is_built_from_the_repo_and_pushed(runs: dict[str, StackRun], stack: str) -> None:
+    run = runs[stack]
+    image = run.one("docker-build:index:Image")
+    spec = image.plain
+    assert spec["push"] is True
+    assert (Path.cwd() / spec["context"]["location"]).resolve() == REPO
+    assert (Path.cwd() / spec["dockerfile"]["location"]).resolve() == REPO / "images/runtime/Dockerfile"
+    [registry] = spec["registries"]
+    assert registry["address"] == "us-central1-docker.pkg.dev"
+    assert registry["username"] == "oauth2accesstoken"
+    assert registry["password"] == pulumi_harness.MOCK_ACCESS_TOKEN
+    assert image.is_secret("registries"), "the registry token is secret"
+    repo = run.one("gcp:artifactregistry/repository:Repository").plain
+    assert repo["format"] == "DOCKER"
+    assert spec["tags"][0].startswith(f"us-central1-docker.pkg.dev/my-gcp-project/{repo['repositoryId']}/")
+    assert any(c.token == "gcp:organizations/getClientConfig:getClientConfig" for c in run.calls)
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_secret_manager_holds_the_node_secrets(runs: dict[str, StackRun], stack: str) -> None:
+    run = runs[stack]
+    secrets = {s.name: s.plain for s in run.of_type("gcp:secretmanager/secret:Secret")}
+    assert all(s["replication"] == {"auto": {}} for s in secrets.values())
+    roles = {s["labels"]["role"] for s in secrets.values()}
+    assert roles == {r.replace("_", "-") for r in [*SECRET_FILES, "hf_token"]}
+    versions = run.of_type("gcp:secretmanager/secretVersion:SecretVersion")
+    assert all(v.is_secret("secretData") for v in versions)
+    payloads = {v.name: v.plain["secretData"] for v in versions}
+    [redis_pw] = [
+        pulumi_harness._mock_password(r.name)
+        for r in run.of_type("random:index/randomPassword:RandomPassword")
+        if "redis" in r.name
+    ]
+    assert payloads["secrets-redis-password-version"] == redis_pw
+    assert payloads["secrets-redis-auth-conf-version"] == f"requirepass {redis_pw}\n"
+    assert payloads["secrets-runtime-env-version"] == f"DUPLEX_REDIS_URL=redis://:{redis_pw}@redis:6379/0\n"
+    assert payloads["secrets-hf-token-version"] == pulumi_harness.FAKE_SECRETS["gce-node"]["hfToken"]
+    generated = run.of_type("random:index/randomPassword:RandomPassword")
+    assert {r.name: r.plain["length"] for r in generated} == {
+        "secrets-redis-password": 32,
+        "secrets-grafana-admin-password": 32,
+        "secrets-token-signing-key": 48,
+    }
+    assert all(r.plain["special"] is False for r in generated)
+    [token_secret] = [pulumi_harness._mock_password(r.name) for r in generated if "token" in r.name]
+    prefix = run.outputs["node"]["instance"].removesuffix("-node")
+    assert json.loads(payloads["secrets-token-keys-version"]) == {f"{prefix}-1": token_secret}
+
+
+def test_configured_passwords_are_used_and_stay_secret(tmp_path: Path) -> None:
+    given = {
+        "redisPassword": "RedisPasswordFromConfig0123456789",
+        "grafanaAdminPassword": "GrafanaPasswordFromConfig0123456",
+        "tokenSigningKeys": json.dumps({"backend-2026": "k" * 43}),
+        "hfToken": "hf_FromConfig0123456789",
+    }
+    run = run_stack("dev", secrets=given, build_dir=tmp_path)
+    assert not run.of_type("random:index/randomPassword:RandomPassword")
+    versions = {v.name: v for v in run.of_type("gcp:secretmanager/secretVersion:SecretVersion")}
+    assert versions["secrets-redis-password-version"].plain["secretData"] == given["redisPassword"]
+    assert (
+        versions["secrets-grafana-admin-password-version"].plain["secretData"]
+        == given["grafanaAdminPassword"]
+    )
+    tokens = versions["secrets-token-keys-version"].plain["secretData"]
+    assert json.loads(tokens) == {"backend-2026": "k" * 43}
+    assert all(v.is_secret("secretData") for v in versions.values())
+    dumped = json.dumps(run.outputs)
+    assert not any(value in dumped for value in given.values())
+
+
+# --- GCE: outputs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_gce_outputs(runs: dict[str, StackRun], stack: str) -> None:
+    run = runs[stack]
+    out = run.outputs
+    instance = run.one(INSTANCE).plain["name"]
+    assert out["endpoint"] == f"wss://{pulumi_harness.MOCK_IP}/api/chat"
+    assert out["ssh"] == (
+        f"gcloud compute ssh {instance} --project my-gcp-project --zone us-central1-a --tunnel-through-iap"
+    )
+    assert out["grafana"]["url"] == "http://localhost:3000"
+    assert out["grafana"]["tunnel"].endswith("--tunnel-through-iap -- -N -L 3000:127.0.0.1:3000")
+    assert out["image"].startswith("us-central1-docker.pkg.dev/") and "@sha256:" in out["image"]
+    capacity = out["capacity"]
+    machine_type = run.one(INSTANCE).plain["machineType"]
+    price = MACHINE_TYPES[machine_type].price
+    assert price is not None
+    assert capacity["machine_type"] == machine_type
+    assert capacity["usd_per_month"] == pytest.approx(price.usd_per_hour * 730, abs=0.01)
+    assert capacity["price_source"] == price.source
+
+
+def test_capacity_outputs_follow_the_planner(runs: dict[str, StackRun]) -> None:
+    dev = runs["dev"].outputs["capacity"]
+    assert dev["sessions_per_node"] == max_sessions("personaplex-7b", "t4", "int8") >= 1
+    assert runs["scale5-gcp"].outputs["capacity"]["sessions_per_node"] == 5
+    assert runs["scale5-onprem"].outputs["capacity"]["sessions_per_node"] == 5
+    scale5 = plan("personaplex-7b", "a100-80gb-sxm", "bf16", 5, machine_type="a2-ultragpu-1g")
+    assert runs["scale5-gcp"].outputs["capacity"]["usd_per_month"] == round(scale5.power.cloud_usd_month, 2)
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_no_secret_in_outputs(runs: dict[str, StackRun], stack: str) -> None:
+    run = runs[stack]
+    assert run.secret_outputs == set(), "outputs are plain: they must not carry secrets"
+    dumped = json.dumps(run.outputs)
+    assert run.secret_values, "the run handled secrets"
+    for value in run.secret_values:
+        assert value not in dumped
+    assert pulumi_harness.MOCK_ACCESS_TOKEN not in dumped
+
+
+# --- on-premises -----------------------------------------------------------------------------------------
+
+
+def _commands(run: StackRun) -> dict[str, dict]:
+    return {r.name.removeprefix("node-"): r.plain for r in run.of_type(COMMAND)}
+
+
+def test_onprem_steps_and_their_order(runs: dict[str, StackRun]) -> None:
+    run = runs["scale5-onprem"]
+    commands = _commands(run)
+    assert set(commands) == {"gpu-check", "stage", "install", "secrets", "compose-up", "ready"}
+    assert "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader" in commands["gpu-check"]["create"]
+    assert "L40S" in commands["gpu-check"]["create"]
+    up = commands["compose-up"]
+    assert "docker compose" in up["create"] and "up -d" in up["create"]
+    assert "/opt/duplex/bin/prepare-host.sh" in up["create"]
+    assert "docker compose" in up["delete"] and " down" in up["delete"]
+    # Destroy removes installDir and nothing else.
+    assert re.findall(r"rm -rf (\S+)", up["delete"]) == ["/opt/duplex"]
+    ready = commands["ready"]["create"]
+    assert "curl -k" in ready and "https://127.0.0.1/readyz" in ready
+    assert "1800" in ready
+    copy = run.one("command:remote:CopyToRemote")
+    assert copy.plain["remotePath"] == "/opt/duplex/.staging"
+    # Registration order is the order the steps run in (each depends on the one before).
+    order = [r.name for r in run.resources if r.type.startswith("command:remote:")]
+    assert order == [
+        "node-gpu-check",
+        "node-stage",
+        "node-bundle",
+        "node-install",
+        "node-secrets",
+        "node-compose-up",
+        "node-ready",
+    ]
+
+
+def test_onprem_steps_rerun_when_the_bundle_changes(runs: dict[str, StackRun], tmp_path: Path) -> None:
+    run = runs["scale5-onprem"]
+    profile = get_profile(
+        "l40s",
+        max_sessions=5,
+        runtime_image=load_stack_file("scale5-onprem")["duplexops:runtimeImage"],
+        tls={"certificate_path": "/opt/duplex/tls/node.crt", "private_key_path": "/opt/duplex/tls/node.key"},
+    )
+    digest = _onprem().bundle_digest(_onprem().onprem_bundle(profile, "/opt/duplex"))
+    commands = _commands(run)
+    for step in ("gpu-check", "stage", "install", "secrets", "ready"):
+        assert commands[step]["triggers"] == [digest], step
+    assert run.one("command:remote:CopyToRemote").plain["triggers"] == [digest]
+    # compose-up re-runs as an update (its environment), so its delete never runs on a change.
+    assert commands["compose-up"]["environment"] == {"DUPLEX_BUNDLE_SHA256": digest}
+    assert commands["compose-up"]["triggers"] == ["gpu01.example.internal", "22", "/opt/duplex"]
+    changed = run_stack("scale5-onprem", overrides={"duplexops:maxSessions": 4}, build_dir=tmp_path)
+    assert _commands(changed)["gpu-check"]["triggers"] != [digest]
+
+
+def test_onprem_bundle_is_written_for_copy(runs: dict[str, StackRun]) -> None:
+    run = runs["scale5-onprem"]
+    copy = run.one("command:remote:CopyToRemote")
+    local = Path(copy.inputs["source"].path)
+    assert local == run.build_dir / "scale5-onprem" / "bundle"
+    written = {str(p.relative_to(local)) for p in local.rglob("*") if p.is_file()}
+    assert "compose.yaml" in written and "bin/prepare-host.sh" in written
+    assert not any(p.startswith(("secrets/", "cloud-init/")) for p in written)
+    compose = yaml.safe_load((local / "compose.yaml").read_text())
+    assert compose["services"]["runtime"]["image"] == run.outputs["image"]
+    prepare = (local / "bin/prepare-host.sh").read_text()
+    assert "ROOT=/opt/duplex" in prepare and "/opt/duplex/secrets/redis_password" in prepare
+
+
+def test_onprem_secrets_travel_on_stdin_only(runs: dict[str, StackRun]) -> None:
+    run = runs["scale5-onprem"]
+    secrets = run.named("node-secrets")
+    assert secrets.is_secret("stdin")
+    for command in run.of_type(COMMAND):
+        assert command.is_secret("connection")
+        for value in run.secret_values:
+            assert value not in json.dumps(
+                {k: v for k, v in command.plain.items() if k != "stdin"}, default=str
+            )
+    assert run.named("node-gpu-check").plain["connection"]["privateKey"].startswith("-----BEGIN OPENSSH")
+    lines = [line.split(" ") for line in secrets.plain["stdin"].strip().splitlines()]
+    modes = {path: mode for path, mode, _ in lines}
+    expected = {
+        path: "0640" if role in CONTAINER_READ_SECRETS else "0600" for role, path in SECRET_FILES.items()
+    }
+    assert modes == {**expected, "secrets/hf-token.env": "0600"}
+
+
+def test_onprem_outputs(runs: dict[str, StackRun]) -> None:
+    out = runs["scale5-onprem"].outputs
+    assert out["endpoint"] == "wss://gpu01.example.internal/api/chat"
+    assert out["ssh"] == "ssh deploy@gpu01.example.internal"
+    assert out["grafana"]["tunnel"] == "ssh -N -L 3000:127.0.0.1:3000 deploy@gpu01.example.internal"
+    assert out["image"] == load_stack_file("scale5-onprem")["duplexops:runtimeImage"]
+    assert out["capacity"]["electricity_usd_month"] > 0 and "usd_per_month" not in out["capacity"]
+
+
+# --- the on-premises scripts, run here ------------------------------------------------------------------
+
+
+def _fake_bin(tmp_path: Path, name: str, body: str) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    path = bin_dir / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize(
+    ("gpus", "ok", "message"),
+    [
+        ("NVIDIA L40S, 46068 MiB", True, "gpu-check: ok"),
+        ("NVIDIA L40S, 46068 MiB\nNVIDIA L40S, 46068 MiB", True, "gpu-check: ok"),
+        ("NVIDIA A100-SXM4-80GB, 81920 MiB", False, "profile l40s needs NVIDIA L40S"),
+        ("NVIDIA L40S, 20000 MiB", False, "below"),
+        ("", False, "no GPU found"),
+    ],
+)
+def test_gpu_check_script(tmp_path: Path, gpus: str, ok: bool, message: str) -> None:
+    bin_dir = _fake_bin(tmp_path, "nvidia-smi", f"cat <<'EOF'\n{gpus}\nEOF\n" if gpus else "exit 0\n")
+    script = _onprem().gpu_check_script(get_profile("l40s"))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert (result.returncode == 0) is ok, result.stdout + result.stderr
+    assert message in result.stdout + result.stderr
+
+
+def test_gpu_check_script_without_a_driver(tmp_path: Path) -> None:
+    script = _onprem().gpu_check_script(get_profile("a100-80gb"))
+    env = {**os.environ, "PATH": str(_fake_bin(tmp_path, "true-only", "exit 0\n")) + ":/usr/bin:/bin"}
+    if shutil.which("nvidia-smi", path=env["PATH"]):
+        pytest.skip("a real nvidia-smi is on PATH")
+    result = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode == 1 and "nvidia-smi not found" in result.stderr
+
+
+def test_secrets_script_writes_files_with_their_modes(tmp_path: Path) -> None:
+    root = tmp_path / "duplex"
+    files = {path: f"value of {path}\n" for path in SECRET_FILES.values()}
+    env = dict(os.environ)
+    if os.geteuid() != 0:  # chown/install -o root need root: stand-ins that only create and chmod
+        bin_dir = _fake_bin(tmp_path, "chown", "exit 0\n")
+        _fake_bin(tmp_path, "install", 'for a; do d="$a"; done; mkdir -p "$d" && chmod 0700 "$d"\n')
+        env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    result = subprocess.run(
+        ["sh", "-c", _onprem().secrets_script(str(root))],
+        input=_onprem().secret_stdin(files),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE((root / "secrets").stat().st_mode) == 0o700
+    for role, path in SECRET_FILES.items():
+        target = root / path
+        assert target.read_text() == files[path]
+        assert stat.S_IMODE(target.stat().st_mode) == (0o640 if role in CONTAINER_READ_SECRETS else 0o600)
+    for value in files.values():
+        assert value not in result.stdout + result.stderr
+    bad = subprocess.run(
+        ["sh", "-c", _onprem().secrets_script(str(root))],
+        input="../../etc/passwd 0600 eA==\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert bad.returncode == 1 and "unexpected path" in bad.stderr
+
+
+# --- configuration errors: each stops the program before any resource -------------------------------------
+
+
+def _config_error(stack: str, **kwargs: object) -> str:
+    with pytest.raises(StackConfigError) as caught:
+        run_stack(stack, **kwargs)  # type: ignore[arg-type]
+    mocks = pulumi_harness.LAST_MOCKS
+    assert mocks is not None and mocks.resources == [], "nothing may be declared before the error"
+    return str(caught.value)
+
+
+def test_unknown_topology() -> None:
+    message = _config_error("dev", overrides={"duplexops:topology": "gke-cluster"})
+    assert "duplexops:topology" in message and "'gke-cluster'" in message
+    assert "allowed: gce-node, onprem-node" in message
+
+
+def test_multi_region_is_not_built_yet() -> None:
+    message = _config_error("dev", overrides={"duplexops:topology": "multi-region"})
+    assert "duplexops:topology" in message and "'multi-region' is not built yet" in message
+    assert "gce-node, onprem-node" in message
+
+
+def test_a100_on_an_n1_machine_type() -> None:
+    message = _config_error("scale5-gcp", overrides={"duplexops:machineType": "n1-standard-8"})
+    assert "duplexops:machineType" in message and "'n1-standard-8'" in message
+    assert "cannot carry a100-80gb-sxm" in message
+    assert "allowed: a2-ultragpu-1g" in message
+
+
+def test_sessions_beyond_capacity() -> None:
+    fits = max_sessions("personaplex-7b", "t4", "int8")
+    message = _config_error("dev", overrides={"duplexops:maxSessions": 12})
+    assert "duplexops:maxSessions" in message and "12" in message
+    assert f"the capacity planner allows at most {fits}" in message
+
+
+def test_missing_ssh_key() -> None:
+    message = _config_error(
+        "scale5-onprem", secrets={"hfToken": pulumi_harness.FAKE_SECRETS["onprem-node"]["hfToken"]}
+    )
+    assert "duplexops:onpremSshPrivateKey: missing" in message
+    assert "SSH private key" in message and "pulumi config set --secret" in message
+
+
+def test_secret_set_in_plain_text() -> None:
+    message = _config_error(
+        "scale5-onprem",
+        overrides={
+            "duplexops:onpremSshPrivateKey": pulumi_harness.FAKE_SECRETS["onprem-node"]["onpremSshPrivateKey"]
+        },
+        secrets={},
+    )
+    assert "duplexops:onpremSshPrivateKey: set in plain text" in message
+    assert "BEGIN" not in message, "the value is never shown"
+
+
+def test_missing_public_source_ranges_and_typos_are_reported_together() -> None:
+    message = _config_error(
+        "dev", overrides={"duplexops:publicSourceRanges": None, "duplexops:maxSesions": 2}
+    )
+    assert "2 problems" in message
+    assert "duplexops:publicSourceRanges: missing" in message and "0.0.0.0/0" in message
+    assert "duplexops:maxSesions: unknown key" in message
+
+
+def test_onprem_keys_are_refused_on_gce() -> None:
+    message = _config_error("dev", overrides={"duplexops:runtimeImage": "ghcr.io/x/y@sha256:" + "a" * 64})
+    assert "duplexops:runtimeImage: does not apply to topology 'gce-node'" in message
+
+
+def test_runtime_image_must_be_pinned() -> None:
+    message = _config_error(
+        "scale5-onprem", overrides={"duplexops:runtimeImage": "ghcr.io/org/runtime:latest"}
+    )
+    assert "duplexops:runtimeImage" in message and "'ghcr.io/org/runtime:latest'" in message
+    assert "digest-pinned" in message
