@@ -39,7 +39,7 @@ $(STAMP): pyproject.toml requirements.lock
 	# moshi pins torch<2.10 in its metadata but works with current torch: install it without its
 	# dependencies; the runtime extra lists the ones it needs (README, "Packaging").
 	$(BIN)/pip install -q --no-deps "moshi==$(MOSHI_VERSION)"
-	$(BIN)/pip install -q -c requirements.lock -e ".[runtime,dev]"
+	$(BIN)/pip install -q -c requirements.lock -e ".[runtime,deploy,dev]"
 	touch $(STAMP)
 
 # The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
