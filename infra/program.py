@@ -32,6 +32,7 @@ from infra.capacity import plan
 from infra.capacity.power import DEFAULT_USD_PER_KWH, HOURS_PER_MONTH
 from infra.components._util import REPO_ROOT
 from infra.node.profile import NodeProfile
+from infra.node.services import token_audience
 from infra.stack_config import StackConfig
 
 __all__ = ["BUILD_DIR_ENV", "GCP_APIS", "capacity_summary", "run"]
@@ -108,6 +109,15 @@ def capacity_summary(profile: NodeProfile, *, machine_type: str | None, nodes: i
 def _labels(config: StackConfig) -> dict[str, str]:
     stack = re.sub(r"[^a-z0-9_-]+", "-", config.stack.lower())[:63]
     return {"app": "duplexops", "stack": stack, "managed-by": "pulumi"}
+
+
+def _mint_command(profile: NodeProfile) -> str:
+    """How an operator mints a session token for this node, from the keys the ``tokenKeys`` output reads
+    (saved as ``token_keys.json``); application backends call ``runtime.tokens.mint_token`` instead."""
+    return (
+        "duplex token mint --key-file token_keys.json --kid <kid in the file> "
+        f"--audience {token_audience(profile)} --ttl-s 300 --persona any"
+    )
 
 
 def _endpoint(host: pulumi.Input[str], profile: NodeProfile) -> pulumi.Output[str]:
@@ -213,6 +223,7 @@ def _gce_node(config: StackConfig) -> dict[str, Any]:
         # The application backend mints session tokens with these keys (never an output themselves).
         "tokenKeys": "gcloud secrets versions access latest "
         f"--secret={secrets.secret_ids['token_keys']} --project={gce.project}",
+        "mintToken": _mint_command(profile),
         "ssh": node.ssh_command(),
         "capacity": capacity_summary(profile, machine_type=gce.machine_type),
         "image": image.image_ref,
@@ -281,6 +292,7 @@ def _onprem_node(config: StackConfig) -> dict[str, Any]:
             "tunnel": f"ssh{port} -N -L 9090:{local}:{profile.ports.prometheus} {onprem.user}@{onprem.host}",
         },
         "tokenKeys": f"{ssh} {sudo}cat {onprem.install_dir}/secrets/token_keys.json",
+        "mintToken": _mint_command(profile),
         "ssh": ssh,
         "capacity": capacity_summary(profile, machine_type=None),
         "image": onprem.runtime_image,

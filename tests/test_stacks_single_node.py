@@ -381,6 +381,9 @@ def test_gce_outputs(runs: dict[str, StackRun], stack: str) -> None:
     assert out["grafana"]["url"] == "http://localhost:3000"
     assert out["grafana"]["tunnel"].endswith("--tunnel-through-iap -- -N -L 3000:127.0.0.1:3000")
     assert out["image"].startswith("us-central1-docker.pkg.dev/") and "@sha256:" in out["image"]
+    assert out["tokenKeys"].startswith("gcloud secrets versions access latest --secret=")
+    assert out["mintToken"].startswith("duplex token mint --key-file token_keys.json")
+    assert re.search(r"--audience [a-z0-9.-]+ ", out["mintToken"])
     capacity = out["capacity"]
     machine_type = run.one(INSTANCE).plain["machineType"]
     price = MACHINE_TYPES[machine_type].price
