@@ -499,7 +499,7 @@ def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings |
         region=region,
         zone=zone,
         machine_type=mt.name,
-        accelerator_type=None if mt.bundled else _ACCELERATOR_TYPES[mt.gpu or ""],
+        accelerator_type=None if mt.bundled else gcp_catalog.ACCELERATOR_TYPES[mt.gpu or ""],
         accelerator_count=mt.gpu_count[0],
         boot_disk_gb=boot_disk_gb,
         boot_disk_type=boot_disk_type,
@@ -510,17 +510,6 @@ def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings |
         price_source=mt.price.source if mt.price else None,
         price_read_on=mt.price.read_on if mt.price else None,
     )
-
-
-_ACCELERATOR_TYPES = {
-    "t4": "nvidia-tesla-t4",
-    "l4": "nvidia-l4",
-    "a100-40gb": "nvidia-tesla-a100",
-    "a100-80gb-sxm": "nvidia-a100-80gb",
-    "h100": "nvidia-h100-80gb",
-    "h200": "nvidia-h200-141gb",
-}
-"""GCE accelerator type names of the catalog's GPUs (only attached ones, N1 + T4, are ever named)."""
 
 
 def _onprem_settings(reader: _Reader) -> OnPremSettings | None:

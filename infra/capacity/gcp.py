@@ -143,6 +143,26 @@ N1/G2 so that the CPU-side work of a few sessions fits). GPUs absent here are no
 GCP_GPUS: frozenset[str] = frozenset(m.gpu for m in MACHINE_TYPES.values() if m.gpu)
 """GPU keys that GCP offers at all."""
 
+GPU_LABELS: dict[str, str] = {
+    "t4": "T4",
+    "l4": "L4",
+    "a100-40gb": "A100 40 GB",
+    "a100-80gb-sxm": "A100 80 GB",
+    "h100": "H100",
+    "h200": "H200",
+}
+"""How GCP names each of ``GCP_GPUS`` in its documentation (for messages)."""
+
+ACCELERATOR_TYPES: dict[str, str] = {
+    "t4": "nvidia-tesla-t4",
+    "l4": "nvidia-l4",
+    "a100-40gb": "nvidia-tesla-a100",
+    "a100-80gb-sxm": "nvidia-a100-80gb",
+    "h100": "nvidia-h100-80gb",
+    "h200": "nvidia-h200-141gb",
+}
+"""GCE accelerator type names (``guestAccelerators[].type``) of ``GCP_GPUS``, by catalog key."""
+
 
 def get_machine_type(name: str) -> MachineType:
     """Return the machine type ``name``; ``ValueError`` naming the known types otherwise."""
@@ -162,14 +182,7 @@ def carry_problem(machine_type: str, gpu: str) -> str | None:
     if gpu not in GCP_GPUS:
         return f"{gpu} is not offered on GCP (no machine type carries it)"
     homes = sorted({m.name.rsplit("-", 1)[0] + "-*" for m in MACHINE_TYPES.values() if m.gpu == gpu})
-    label = {
-        "t4": "T4",
-        "l4": "L4",
-        "a100-40gb": "A100 40 GB",
-        "a100-80gb-sxm": "A100 80 GB",
-        "h100": "H100",
-        "h200": "H200",
-    }[gpu]
+    label = GPU_LABELS[gpu]
     where = "N1 types (attached)" if gpu == "t4" else " / ".join(homes) + " types"
     return f"{machine_type} ({mt.family}) cannot carry {gpu}: on GCP {label} comes only with {where}"
 

@@ -28,7 +28,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from infra.capacity.gcp import DEFAULT_MACHINE_TYPE, MACHINE_TYPES, MachineType, carry_problem
+from infra.capacity.gcp import (
+    ACCELERATOR_TYPES,
+    DEFAULT_MACHINE_TYPE,
+    GPU_LABELS,
+    MACHINE_TYPES,
+    MachineType,
+    carry_problem,
+)
 from infra.node.profile import NodePorts
 
 __all__ = [
@@ -149,27 +156,9 @@ def _q(value: Any) -> str:
 # GPUs and machine types (the capacity planner's GCP catalog)
 # --------------------------------------------------------------------------------------------------------
 
-ACCELERATOR_GPUS: dict[str, str] = {
-    "nvidia-tesla-t4": "t4",
-    "nvidia-l4": "l4",
-    "nvidia-tesla-a100": "a100-40gb",
-    "nvidia-a100-80gb": "a100-80gb-sxm",
-    "nvidia-h100-80gb": "h100",
-    "nvidia-h200-141gb": "h200",
-}
+ACCELERATOR_GPUS: dict[str, str] = {name: gpu for gpu, name in ACCELERATOR_TYPES.items()}
 """GCP accelerator type names (``guestAccelerators[].type``) -> the planner's GPU keys
 (``infra.capacity.gcp``). Accelerators absent here are not in the planner's catalog."""
-
-_GPU_LABEL = {
-    "t4": "T4",
-    "l4": "L4",
-    "a100-40gb": "A100 40 GB",
-    "a100-80gb-sxm": "A100 80 GB",
-    "h100": "H100",
-    "h200": "H200",
-}
-
-_GPU_ACCELERATOR = {gpu: name for name, gpu in ACCELERATOR_GPUS.items()}
 
 BUILT_IN_GPU_SERIES: frozenset[str] = frozenset(
     {m.name.split("-", 1)[0] for m in MACHINE_TYPES.values() if m.bundled} | {"a4", "a4x", "g4"}
@@ -213,7 +202,7 @@ def _gpu_homes(gpu: str) -> str:
 
 def _carry_problem(machine_type: str, gpu: str, count: int | None) -> str | None:
     """Why ``machine_type`` cannot carry ``count`` x ``gpu`` (planner keys), or None when it can."""
-    label = _GPU_LABEL.get(gpu, gpu)
+    label = GPU_LABELS.get(gpu, gpu)
     fix = f'use machineType "{DEFAULT_MACHINE_TYPE[gpu]}"' if gpu in DEFAULT_MACHINE_TYPE else ""
     entry = _catalog_entry(machine_type)
     if entry is None:
