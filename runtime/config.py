@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime.model_presets import PRESETS
+from runtime.model_presets import PRESETS, check_preset_name
 
 if TYPE_CHECKING:  # runtime.tokens (PyJWT) is imported when the keys are loaded
     from runtime.tokens import SigningKey
@@ -87,9 +87,7 @@ class RuntimeConfig(BaseSettings):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        if value not in PRESETS:
-            raise ValueError(f"unknown model {value!r}; allowed: {', '.join(sorted(PRESETS))}")
-        return value
+        return check_preset_name(value)
 
     @field_validator("device")
     @classmethod

@@ -190,6 +190,17 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
+def check_preset_name(name: str) -> str:
+    """Return ``name`` if it is a preset (for config validators).
+
+    Raises:
+        ValueError: unknown name; the message lists the allowed ones.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(sorted(PRESETS))}")
+    return name
+
+
 def get_preset(name: str) -> ModelPreset:
     """Return the preset called ``name``.
 

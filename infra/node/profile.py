@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from infra.capacity import InfeasibleConfiguration, max_sessions, require_feasible
 from infra.capacity.gpus import GPUS
-from runtime.model_presets import FRAME_MS, PRESETS
+from runtime.model_presets import FRAME_MS, check_preset_name
 
 __all__ = [
     "Deployment",
@@ -205,9 +205,7 @@ class NodeProfile(_Strict):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        if value not in PRESETS:
-            raise ValueError(f"unknown model {value!r}; allowed: {', '.join(sorted(PRESETS))}")
-        return value
+        return check_preset_name(value)
 
     @field_validator("domain")
     @classmethod
