@@ -19,8 +19,8 @@ class LocalRedisError(RuntimeError):
     """redis-server is missing or did not come up; the message says which and how to fix it."""
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (another process may take it before you bind it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -41,7 +41,7 @@ class RedisServer:
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port = port if port is not None else _free_port()
+        self.port = port if port is not None else free_loopback_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.node.bringup import bring_up_and_check, prometheus_query
+from infra.node.bringup import bring_up_and_check
 from infra.node.local import (
     LocalNode,
     MissingBinaryError,
@@ -24,6 +24,7 @@ from infra.node.local import (
     free_port_profile,
     missing_binaries,
 )
+from infra.node.prometheus_api import prometheus_query
 from runtime.loadgen import DEMO_SENTENCES, run_load, run_session, session_url, synthesize_speech
 
 pytestmark = [

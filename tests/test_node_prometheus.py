@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -32,6 +31,7 @@ from infra.node.prometheus import (
     render_prometheus,
     rules_unit_tests,
 )
+from runtime.local_redis import free_loopback_port
 
 ALL_ALERTS = {
     "RuntimeDown",
@@ -308,12 +308,6 @@ def test_prometheus_args() -> None:
         prometheus_args(PROFILES["local"], "c.yml", "", "127.0.0.1:9090")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as response:
         return json.load(response)
@@ -325,7 +319,7 @@ def test_real_prometheus_starts_with_the_args_and_loads_the_rules(tmp_path: Path
         pytest.skip("prometheus is not on PATH (apt-get install prometheus); CI installs it")
     profile = PROFILES["local"]
     prom = _write(tmp_path / "bundle", render_prometheus(profile))
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_loopback_port()}"
     args = prometheus_args(profile, str(prom / "prometheus.yml"), str(tmp_path / "data"), address)
     log = (tmp_path / "prometheus.log").open("wb")
     process = subprocess.Popen([binary, *args], stdout=log, stderr=subprocess.STDOUT)

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from websockets.exceptions import ConnectionClosed
 from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
 from runtime.loadgen import SessionResult, run_session, session_url, synthesize_speech
+from runtime.local_redis import free_loopback_port
 from runtime.metrics import RuntimeMetrics
 from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.models import ModelBundle, build_tiny
@@ -603,12 +603,6 @@ async def test_drain_lets_a_session_finish_within_the_grace(bundle, speech):
         assert metrics.value("duplex_sessions_ended_total", reason="drained") == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _serve_command(port: int) -> list[str]:
     """``duplex serve`` from this interpreter's environment (the console script, or its entry point)."""
     args = ["serve", "--port", str(port), "--max-sessions", "2", "--log-level", "INFO"]
@@ -620,7 +614,7 @@ def _serve_command(port: int) -> list[str]:
 
 @pytest.mark.slow
 async def test_sigterm_drains_a_real_process(speech, tmp_path):
-    port = _free_port()
+    port = free_loopback_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUPLEX_")}
     env.update(DUPLEX_DRAIN_GRACE_S="1", DUPLEX_NODE_ID="sigterm-node", DUPLEX_AUTH_MODE="off")
     log_path = tmp_path / "serve.log"

@@ -13,48 +13,20 @@ refusals). A process of the node that died during the run is reported, not waite
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from infra.node.local import LocalNode
+from infra.node.prometheus_api import prometheus_query
 from runtime.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
 
-__all__ = ["NodeCheck", "PrometheusQueryError", "bring_up_and_check", "prometheus_query", "scraped_figures"]
+__all__ = ["NodeCheck", "bring_up_and_check", "scraped_figures"]
 
 EXTRA_CALLER_DELAY_S = 1.5
 """When the extra caller knocks (s after the load starts): every session is connected by then."""
-
-
-class PrometheusQueryError(RuntimeError):
-    """Prometheus did not answer a query, or answered with an error."""
-
-
-def prometheus_query(base_url: str, promql: str, *, timeout_s: float = 5.0) -> float | None:
-    """Instant query ``promql`` against Prometheus at ``base_url``; the first sample's value, or None
-    when the result is empty (or NaN).
-
-    Raises:
-        PrometheusQueryError: unreachable, HTTP error, or ``status`` not ``success`` (message has the error).
-    """
-    url = f"{base_url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (http to our node)
-            body = json.loads(response.read())
-    except (OSError, ValueError) as exc:
-        raise PrometheusQueryError(f"query {promql!r} failed: {exc}") from None
-    if body.get("status") != "success":
-        raise PrometheusQueryError(f"query {promql!r}: {body.get('errorType')}: {body.get('error')}")
-    result = body["data"]["result"]
-    if not result:
-        return None
-    value = float(result[0]["value"][1])
-    return None if value != value else value  # NaN: no samples in the window
 
 
 SCRAPED_QUERIES = {

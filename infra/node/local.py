@@ -20,7 +20,6 @@ Node directory::
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -40,9 +39,11 @@ from infra.node.bundle import render_bundle, write_bundle, write_secrets
 from infra.node.nginx import NGINX_CONF
 from infra.node.profile import NodeProfile, get_profile
 from infra.node.prometheus import prometheus_args, prometheus_config
+from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
 from infra.node.redis_conf import REDIS_CONF
 from infra.node.services import NodeSecrets, endpoint, runtime_settings, token_audience
 from infra.node.tls import write_self_signed_certificate
+from runtime.local_redis import free_loopback_port
 from runtime.tokens import mint_token
 
 __all__ = [
@@ -79,18 +80,12 @@ def missing_binaries() -> dict[str, str]:
     return {binary: package for binary, package in REQUIRED_BINARIES.items() if shutil.which(binary) is None}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def free_port_profile(**overrides: object) -> NodeProfile:
     """The ``local`` profile with every port replaced by a free loopback port (tests, ``--free-ports``)."""
     names = ("https", "http", "runtime", "redis", "prometheus", "grafana", "node_exporter", "redis_exporter")
     ports: dict[str, int] = {}
     while len(set(ports.values())) < len(names):
-        ports = {name: _free_port() for name in names}
+        ports = {name: free_loopback_port() for name in names}
     ports["dcgm_exporter"] = 1 + max(ports.values())  # unused on a CPU node, must merely be distinct
     return get_profile("local", ports=ports, **overrides)
 
@@ -332,15 +327,12 @@ class LocalNode:
         that starts now is seen from its beginning)."""
         if not _http_ok(f"{self.prometheus_url}/-/ready"):
             return False
-        jobs = {job["job_name"] for job in prometheus_config(self.profile)["scrape_configs"]}
-        url = f"{self.prometheus_url}/api/v1/query?query=up"
+        jobs = len(prometheus_config(self.profile)["scrape_configs"])  # one target per job
         try:
-            with urllib.request.urlopen(url, timeout=1.0) as response:  # noqa: S310 (loopback)
-                series = json.loads(response.read())["data"]["result"]
-        except (OSError, ValueError, KeyError):
+            targets_up = prometheus_query(self.prometheus_url, "count(up == 1)", timeout_s=1.0)
+        except PrometheusQueryError:
             return False
-        up = {s["metric"].get("job") for s in series if s["value"][1] == "1"}
-        return jobs <= up
+        return targets_up is not None and targets_up >= jobs
 
     def start(self, *, timeout_s: float = 120.0, progress: Callable[[str], None] | None = None) -> None:
         """Prepare the node directory, then start every process in order and wait for each probe.
