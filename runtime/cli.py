@@ -295,11 +295,9 @@ def loadgen(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from runtime.loadgen import (
-        DEMO_SENTENCES,
-        load_wav,
+        load_speech,
         run_load,
         session_url,
-        synthesize_speech,
         trusting_context,
     )
     from runtime.protocol import AudioFormat
@@ -309,11 +307,7 @@ def loadgen(
         raise typer.Exit(2)
     try:
         fmt = AudioFormat(audio_format)
-        speech = (
-            [load_wav(p) for p in wav]
-            if wav
-            else [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(min(sessions, 5))]
-        )
+        speech = load_speech(wav, sessions)
     except ValueError as exc:
         console.print(f"[red]{exc}[/red] (--format: pcm or opus)")
         raise typer.Exit(2) from None

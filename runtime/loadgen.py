@@ -94,6 +94,22 @@ def load_wav(path: Path) -> np.ndarray:
     return np.ascontiguousarray(mono, dtype=np.float32)
 
 
+def load_speech(wav_files: Sequence[Path] | None, sessions: int) -> list[np.ndarray]:
+    """The speech a load run streams (``run_load`` cycles through it): the given WAV files, or else one
+    espeak-ng rendering per demo sentence, as many as the sessions need (at most ``len(DEMO_SENTENCES)``).
+
+    Raises:
+        ValueError: a WAV file is missing or unreadable (``load_wav``).
+        SpeechSynthesisError: no WAV files given and espeak-ng is missing or failed.
+    """
+    if wav_files:
+        return [load_wav(path) for path in wav_files]
+    return [
+        synthesize_speech(sentence)
+        for sentence in DEMO_SENTENCES[: max(1, min(sessions, len(DEMO_SENTENCES)))]
+    ]
+
+
 @dataclass
 class SessionResult:
     """What one client session saw.

@@ -56,14 +56,6 @@ def render_command(
         console.print(str(path))
 
 
-def _speech(wav: list[Path] | None, count: int) -> list:
-    from runtime.loadgen import DEMO_SENTENCES, load_wav, synthesize_speech
-
-    if wav:
-        return [load_wav(path) for path in wav]
-    return [synthesize_speech(DEMO_SENTENCES[i % len(DEMO_SENTENCES)]) for i in range(count)]
-
-
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
     from runtime.cli import load_table
 
@@ -105,6 +97,7 @@ def up_command(
     logging.basicConfig(level=logging.WARNING)
     from infra.node.bringup import bring_up_and_check
     from infra.node.local import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
+    from runtime.loadgen import load_speech
 
     profile = free_port_profile() if free_ports else PROFILES["local"]
     with tempfile.TemporaryDirectory(prefix="duplex-node-") as tmp:
@@ -119,7 +112,7 @@ def up_command(
             console.print(f"node up: {node.wss_url}/api/chat  Prometheus {node.prometheus_url}")
             console.print(f"logs: {node.node_dir}/logs")
             count = sessions or profile.sessions
-            speech = _speech(wav, count)
+            speech = load_speech(wav, count)
             frames = sum(len(speech[i % len(speech)]) // 1920 for i in range(count))
             with Progress(
                 TextColumn("[progress.description]{task.description}"),
