@@ -10,7 +10,7 @@ Keys (``pulumi config set <key> <value>``; secrets with ``--secret``):
 ======================  ===================  ==========================================================
 key                     topologies           meaning (default)
 ======================  ===================  ==========================================================
-topology                all                  ``gce-node``, ``onprem-node`` (``multi-region``: not built yet)
+topology                all                  ``gce-node``, ``onprem-node``, ``multi-region``
 profile                 all                  node profile (``infra.node.profile``): t4-int8, a100-80gb, l40s
 maxSessions             all                  sessions per node (the profile's; planner-checked)
 gpu                     all                  override the profile's GPU (capacity-planner key)
@@ -34,7 +34,31 @@ onpremHostKey           onprem-node          the host's public SSH key (pins it;
 installDir              onprem-node          where the bundle goes (/opt/duplex; destroy removes it)
 runtimeImage            onprem-node (req.)   digest-pinned runtime image (repo@sha256:...)
 readyTimeoutSeconds     onprem-node          how long to wait for /readyz (1800)
+regions                 multi-region (req.)  list of regions (``RegionSettings``; keys below)
+adminSourceRanges       multi-region (req.)  IPv4 CIDRs allowed to reach the GKE control planes
+releaseChannel          multi-region         GKE release channel: RAPID, REGULAR, STABLE (REGULAR)
+deletionProtection      multi-region         refuse to delete clusters (true; false to destroy)
+systemMachineType       multi-region         machine type of the CPU pool for system pods (e2-standard-4)
 ======================  ===================  ==========================================================
+
+``publicSourceRanges`` (required) and ``enableApis`` also apply to ``multi-region``: the Cloud Armor policy
+of the global entry admits only those ranges. ``domain`` is required there (Google-managed certificate).
+
+Each item of ``regions`` (a YAML list of mappings):
+
+================  ==========================================================================================
+key               meaning (default)
+================  ==========================================================================================
+region            GCP region, e.g. ``us-central1`` (required, unique)
+zones             zones of the GPU node pool, in the region, e.g. ``[us-central1-a, us-central1-c]`` (req.)
+gpu               capacity-planner GPU key (the profile's); the region's slots per pod follow from it
+machineType       GPU node machine type (the capacity catalog's default for the GPU)
+minNodes          GPU nodes (= runtime pods, one GPU each) kept at least (1)
+maxNodes          GPU nodes at most, the autoscaling bound (4)
+redisMemoryGb     Memorystore size in GB (1)
+networkIndex      0-31, picks the region's address ranges (its position in the list); never change it
+serving           false drains the region: the global entry sends it no new callers (true)
+================  ==========================================================================================
 """
 
 from __future__ import annotations
@@ -72,10 +96,10 @@ NAMESPACE = "duplexops"
 """The project's configuration namespace (the project name in Pulumi.yaml)."""
 GCP_NAMESPACE = "gcp"
 
-Topology = Literal["gce-node", "onprem-node"]
+Topology = Literal["gce-node", "onprem-node", "multi-region"]
 TOPOLOGIES: tuple[str, ...] = ("gce-node", "onprem-node", "multi-region")
 """Every topology name the program knows."""
-BUILT_TOPOLOGIES: tuple[str, ...] = ("gce-node", "onprem-node")
+BUILT_TOPOLOGIES: tuple[str, ...] = TOPOLOGIES
 """The topologies this program can deploy today."""
 
 PLACEHOLDER_IMAGE = "registry.invalid/duplexops/runtime@sha256:" + "0" * 64
@@ -111,7 +135,16 @@ _ONPREM_KEYS = (
     "runtimeImage",
     "readyTimeoutSeconds",
 )
-KNOWN_KEYS: tuple[str, ...] = _COMMON_KEYS + _GCE_KEYS + _ONPREM_KEYS
+_MULTI_REGION_KEYS = (
+    "regions",
+    "adminSourceRanges",
+    "releaseChannel",
+    "deletionProtection",
+    "systemMachineType",
+)
+_MULTI_REGION_SHARED_KEYS = ("publicSourceRanges", "enableApis")
+"""gce-node keys that also apply to multi-region."""
+KNOWN_KEYS: tuple[str, ...] = _COMMON_KEYS + _GCE_KEYS + _ONPREM_KEYS + _MULTI_REGION_KEYS
 SECRET_KEYS: frozenset[str] = frozenset(
     {"redisPassword", "grafanaAdminPassword", "tokenSigningKeys", "hfToken", "onpremSshPrivateKey"}
 )
@@ -196,6 +229,72 @@ class OnPremSettings(_Frozen):
     ready_timeout_s: int
 
 
+class RegionSettings(_Frozen):
+    """One region of the multi-region stack: a GKE cluster, its GPU node pool and its Memorystore.
+
+    Attributes:
+        region: GCP region (``us-central1``).
+        zones: zones of the GPU node pool (inside ``region``).
+        profile: the runtime's profile in this region (its GPU; ``sessions`` = slots per pod, from the
+            capacity planner unless ``maxSessions`` is set).
+        machine_type: GPU node machine type; accelerator_type: GKE/GCE accelerator name
+            (``nvidia-a100-80gb``); accelerator_count: GPUs per node (1: one runtime pod per node).
+        min_nodes, max_nodes: autoscaling bounds of the GPU pool (= runtime pods).
+        redis_memory_gb: Memorystore capacity (GB).
+        network_index: picks the address ranges (``subnet_cidr``, ``pods_cidr``, ``services_cidr``,
+            ``master_cidr``); stable across edits.
+        serving: False when the region is drained (the global entry gives it no capacity).
+        usd_per_hour: on-demand price of one GPU node (catalog, us-central1 list price), or None.
+    """
+
+    region: str
+    zones: tuple[str, ...]
+    profile: NodeProfile
+    machine_type: str
+    accelerator_type: str
+    accelerator_count: int
+    min_nodes: int
+    max_nodes: int
+    redis_memory_gb: int
+    network_index: int
+    serving: bool
+    usd_per_hour: float | None
+    price_source: str | None
+
+    @property
+    def subnet_cidr(self) -> str:
+        """Nodes' primary range: ``10.<64+index>.0.0/20`` (4,096 addresses)."""
+        return f"10.{64 + self.network_index}.0.0/20"
+
+    @property
+    def pods_cidr(self) -> str:
+        """Pods' secondary range: ``10.<128+index>.0.0/17`` (VPC-native; NEG endpoints are pod IPs)."""
+        return f"10.{128 + self.network_index}.0.0/17"
+
+    @property
+    def services_cidr(self) -> str:
+        """Services' secondary range: ``10.<128+index>.128.0/20``."""
+        return f"10.{128 + self.network_index}.128.0/20"
+
+    @property
+    def master_cidr(self) -> str:
+        """The private control plane's /28: ``172.16.<index>.0/28``."""
+        return f"172.16.{self.network_index}.0/28"
+
+
+class MultiRegionSettings(_Frozen):
+    """The multi-region stack: one GKE cluster per region behind one global HTTPS load balancer."""
+
+    project: str
+    regions: tuple[RegionSettings, ...]
+    public_source_ranges: tuple[str, ...]
+    admin_source_ranges: tuple[str, ...]
+    release_channel: str
+    deletion_protection: bool
+    system_machine_type: str
+    enable_apis: bool
+
+
 class StackConfig(_Frozen):
     """One stack's validated configuration.
 
@@ -206,7 +305,7 @@ class StackConfig(_Frozen):
         profile_name, profile_overrides: the node profile and what the stack changes in it.
         profile: the validated profile (with a placeholder ``runtime_image``: use ``node_profile``).
         domain: the endpoint's DNS name, or None (the endpoint is the IP address).
-        gce, onprem: the topology's settings (the other one is None).
+        gce, onprem, multi_region: the topology's settings (the others are None).
         secrets: secrets from the configuration.
     """
 
@@ -220,6 +319,7 @@ class StackConfig(_Frozen):
     domain: str | None
     gce: GceSettings | None = None
     onprem: OnPremSettings | None = None
+    multi_region: MultiRegionSettings | None = None
     secrets: StackSecretsConfig = StackSecretsConfig()
 
     def node_profile(self, runtime_image: str) -> NodeProfile:
@@ -294,13 +394,6 @@ def parse_stack_config(
             problems.append(f"{full_key}: unknown key; allowed keys: {', '.join(KNOWN_KEYS)}")
 
     topology = reader.choice("topology", TOPOLOGIES, required=True)
-    if topology == "multi-region":
-        raise StackConfigError(
-            [
-                f"{NAMESPACE}:topology: 'multi-region' is not built yet (a later issue builds it); "
-                f"allowed today: {', '.join(BUILT_TOPOLOGIES)}"
-            ]
-        )
     name_prefix = reader.string(
         "namePrefix",
         default=_default_prefix(stack),
@@ -308,18 +401,24 @@ def parse_stack_config(
         allowed="3-21 characters: lower case letters, digits and '-', starting with a letter",
     )
 
-    # Keys of the other topology.
-    if topology == "gce-node":
-        foreign = [k for k in _ONPREM_KEYS if f"{NAMESPACE}:{k}" in values]
-    elif topology == "onprem-node":
-        foreign = [k for k in _GCE_KEYS if f"{NAMESPACE}:{k}" in values]
-    else:
-        foreign = []
-    for key in foreign:
-        problems.append(
-            f"{NAMESPACE}:{key}: does not apply to topology {topology!r}; remove it "
-            f"(gce-node keys: {', '.join(_GCE_KEYS)}; onprem-node keys: {', '.join(_ONPREM_KEYS)})"
-        )
+    # Keys of another topology.
+    own = {
+        "gce-node": _GCE_KEYS,
+        "onprem-node": _ONPREM_KEYS,
+        "multi-region": _MULTI_REGION_KEYS + _MULTI_REGION_SHARED_KEYS,
+    }.get(topology or "", ())
+    if topology is not None:
+        topology_keys = set(_GCE_KEYS + _ONPREM_KEYS + _MULTI_REGION_KEYS)
+        if topology == "multi-region":
+            # Memorystore makes its own AUTH string: a configured Redis password would never be used.
+            topology_keys.add("redisPassword")
+        for key in sorted(topology_keys - set(own)):
+            if f"{NAMESPACE}:{key}" in values:
+                common = [k for k in _COMMON_KEYS if k not in topology_keys]
+                problems.append(
+                    f"{NAMESPACE}:{key}: does not apply to topology {topology!r}; remove it "
+                    f"(its keys: {', '.join(own)}; common keys: {', '.join(common)})"
+                )
 
     secrets = StackSecretsConfig(
         redis_password=reader.password("redisPassword"),
@@ -340,7 +439,11 @@ def parse_stack_config(
     if domain is not None:
         overrides["domain"] = domain
 
-    gce = onprem = None
+    gce = onprem = multi_region = None
+    if topology == "multi-region" and domain is None:
+        reader.missing(
+            "domain", NAMESPACE, "the DNS name of the global endpoint (its managed certificate is for it)"
+        )
     if topology == "onprem-node":
         onprem = _onprem_settings(reader)
         if onprem is not None:
@@ -355,7 +458,9 @@ def parse_stack_config(
         profile = _profile(reader, profile_name, overrides)
     if topology == "gce-node":
         gce = _gce_settings(reader, profile)
-    if profile is not None:
+    if topology == "multi-region" and profile_name is not None:
+        multi_region = _multi_region_settings(reader, profile_name, overrides)
+    if profile is not None and topology != "multi-region":
         _check_bundle(reader, profile)
 
     if problems:
@@ -372,6 +477,7 @@ def parse_stack_config(
         domain=domain,
         gce=gce,
         onprem=onprem,
+        multi_region=multi_region,
         secrets=secrets,
     )
 
@@ -512,6 +618,213 @@ def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings |
     )
 
 
+_RELEASE_CHANNELS = ("RAPID", "REGULAR", "STABLE")
+_REGION_KEYS = (
+    "region",
+    "zones",
+    "gpu",
+    "machineType",
+    "minNodes",
+    "maxNodes",
+    "redisMemoryGb",
+    "networkIndex",
+    "serving",
+)
+_NODES_BOUNDS = (0, 100)
+_REDIS_GB_BOUNDS = (1, 300)
+_NETWORK_INDEX_BOUNDS = (0, 31)
+
+
+def _multi_region_settings(
+    reader: _Reader, profile_name: str, overrides: dict[str, Any]
+) -> MultiRegionSettings | None:
+    problems = reader.problems
+    start = len(problems)
+    project = reader.string(
+        "project",
+        namespace=GCP_NAMESPACE,
+        required=True,
+        pattern=_PROJECT_RE,
+        allowed="a Google Cloud project id (6-30 lower case letters, digits, '-')",
+    )
+    public = reader.cidr_list("publicSourceRanges", required=True)
+    admin = reader.cidr_list("adminSourceRanges", required=True)
+    channel = reader.choice("releaseChannel", _RELEASE_CHANNELS, default="REGULAR")
+    deletion_protection = reader.boolean("deletionProtection", default=True)
+    system_machine_type = reader.string(
+        "systemMachineType",
+        default="e2-standard-4",
+        pattern=re.compile(r"^[a-z][a-z0-9]*-[a-z]+-[0-9]+$"),
+        allowed="a GCE machine type such as e2-standard-4",
+    )
+    enable_apis = reader.boolean("enableApis", default=True)
+    regions = _regions(reader, profile_name, overrides)
+    if len(problems) > start or regions is None:
+        return None
+    assert project and public and admin and channel and system_machine_type
+    return MultiRegionSettings(
+        project=project,
+        regions=tuple(regions),
+        public_source_ranges=tuple(public),
+        admin_source_ranges=tuple(admin),
+        release_channel=channel,
+        deletion_protection=bool(deletion_protection),
+        system_machine_type=system_machine_type,
+        enable_apis=bool(enable_apis),
+    )
+
+
+def _regions(reader: _Reader, profile_name: str, overrides: dict[str, Any]) -> list[RegionSettings] | None:
+    """Parse ``regions`` (a JSON list of mappings), each problem naming ``regions[i].<key>``."""
+    key = f"{NAMESPACE}:regions"
+    example = '[{"region": "us-central1", "zones": ["us-central1-a"], "minNodes": 1, "maxNodes": 4}, ...]'
+    raw = reader.raw("regions")
+    if raw is None:
+        reader.missing("regions", NAMESPACE, f"a list of regions, e.g. {example}")
+        return None
+    try:
+        items = json.loads(raw)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        reader.problems.append(f"{key}: {raw!r} is not valid; allowed: mappings, {example}")
+        return None
+    regions: list[RegionSettings] = []
+    seen_regions: dict[str, int] = {}
+    seen_indexes: dict[int, int] = {}
+    for i, item in enumerate(items):
+        region = _region(reader, f"{key}[{i}]", i, item, profile_name, overrides)
+        if region is None:
+            continue
+        for value, seen, what in (
+            (region.region, seen_regions, "region"),
+            (region.network_index, seen_indexes, "networkIndex"),
+        ):
+            if value in seen:
+                reader.problems.append(
+                    f"{key}[{i}].{what}: {value!r} is already used by regions[{seen[value]}]; allowed: each "
+                    f"{what} once"
+                )
+            seen[value] = i  # type: ignore[index]
+        regions.append(region)
+    return regions if len(regions) == len(items) else None
+
+
+def _region(
+    reader: _Reader,
+    where: str,
+    position: int,
+    item: dict[str, Any],
+    profile_name: str,
+    overrides: dict[str, Any],
+) -> RegionSettings | None:
+    problems = reader.problems
+    start = len(problems)
+    for unknown in sorted(set(item) - set(_REGION_KEYS)):
+        problems.append(f"{where}.{unknown}: unknown key; allowed keys: {', '.join(_REGION_KEYS)}")
+
+    def integer(name: str, default: int, bounds: tuple[int, int]) -> int | None:
+        value = item.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not bounds[0] <= value <= bounds[1]:
+            problems.append(
+                f"{where}.{name}: {value!r} is not valid; allowed: an integer from {bounds[0]} to {bounds[1]}"
+            )
+            return None
+        return value
+
+    region = item.get("region")
+    if not isinstance(region, str) or not _REGION_RE.match(region):
+        problems.append(f"{where}.region: {region!r} is not valid; allowed: a GCP region such as us-central1")
+        region = None
+    zones = item.get("zones")
+    if not isinstance(zones, list) or not zones or not all(isinstance(z, str) for z in zones):
+        problems.append(f"{where}.zones: {zones!r} is not valid; allowed: a non-empty list of zones")
+        zones = None
+    elif region is not None:
+        for zone in zones:
+            if not _ZONE_RE.match(zone) or not zone.startswith(region + "-"):
+                problems.append(
+                    f"{where}.zones: {zone!r} is not a zone of {region}; allowed: {region}-a, {region}-b, ..."
+                )
+        if len(set(zones)) != len(zones):
+            problems.append(f"{where}.zones: {zones!r} names a zone twice; allowed: each zone once")
+    min_nodes = integer("minNodes", 1, _NODES_BOUNDS)
+    max_nodes = integer("maxNodes", 4, (1, _NODES_BOUNDS[1]))
+    if min_nodes is not None and max_nodes is not None and min_nodes > max_nodes:
+        problems.append(
+            f"{where}.minNodes: {min_nodes} is above maxNodes {max_nodes}; allowed: minNodes <= maxNodes"
+        )
+    redis_gb = integer("redisMemoryGb", 1, _REDIS_GB_BOUNDS)
+    index = integer("networkIndex", position, _NETWORK_INDEX_BOUNDS)
+    serving = item.get("serving", True)
+    if not isinstance(serving, bool):
+        problems.append(f"{where}.serving: {serving!r} is not valid; allowed: true, false")
+
+    gpu = item.get("gpu", overrides.get("gpu"))
+    region_overrides = dict(overrides)
+    if gpu is not None:
+        region_overrides["gpu"] = gpu
+    profile = None
+    try:
+        profile = get_profile(profile_name, **{**region_overrides, "runtime_image": PLACEHOLDER_IMAGE})
+    except ValidationError as exc:
+        for error in exc.errors():
+            message = str(error.get("msg", error)).removeprefix("Value error, ")
+            problems.append(f"{where}: profile {profile_name!r} is not valid in this region: {message}")
+    except (KeyError, ValueError) as exc:
+        problems.append(f"{where}: profile {profile_name!r}: {exc}")
+    machine = None
+    if profile is not None and profile.gpu is not None:
+        if profile.gpu not in gcp_catalog.GCP_GPUS:
+            problems.append(
+                f"{where}.gpu: {profile.gpu!r} is not offered on GCP (on-premises only); allowed: "
+                + ", ".join(sorted(gcp_catalog.GCP_GPUS))
+            )
+        else:
+            name = item.get("machineType", gcp_catalog.DEFAULT_MACHINE_TYPE[profile.gpu])
+            if name not in gcp_catalog.MACHINE_TYPES:
+                problems.append(
+                    f"{where}.machineType: unknown machine type {name!r}; allowed: "
+                    + ", ".join(gcp_catalog.machine_types_for(profile.gpu))
+                )
+            elif why := gcp_catalog.carry_problem(name, profile.gpu):
+                carriers = ", ".join(gcp_catalog.machine_types_for(profile.gpu))
+                problems.append(f"{where}.machineType: {why}; allowed: {carriers}")
+            else:
+                machine = gcp_catalog.MACHINE_TYPES[name]
+                if machine.gpu_count[0] != 1:
+                    problems.append(
+                        f"{where}.machineType: {name!r} has {machine.gpu_count[0]} GPUs; allowed: a one-GPU "
+                        f"type (one runtime pod per GPU node): "
+                        + ", ".join(
+                            m
+                            for m in gcp_catalog.machine_types_for(profile.gpu)
+                            if gcp_catalog.MACHINE_TYPES[m].gpu_count[0] == 1
+                        )
+                    )
+    if profile is not None:
+        _check_bundle(reader, profile)
+    if len(problems) > start or profile is None or machine is None:
+        return None
+    assert region and zones and min_nodes is not None and max_nodes and redis_gb and index is not None
+    assert profile.gpu is not None
+    return RegionSettings(
+        region=region,
+        zones=tuple(zones),
+        profile=profile,
+        machine_type=machine.name,
+        accelerator_type=gcp_catalog.ACCELERATOR_TYPES[profile.gpu],
+        accelerator_count=1,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        redis_memory_gb=redis_gb,
+        network_index=index,
+        serving=bool(serving),
+        usd_per_hour=machine.price.usd_per_hour if machine.price else None,
+        price_source=machine.price.source if machine.price else None,
+    )
+
+
 def _onprem_settings(reader: _Reader) -> OnPremSettings | None:
     start = len(reader.problems)
     host = reader.string("onpremHost", required=True, pattern=None)
@@ -648,11 +961,7 @@ class _Reader:
                 self.missing(key, NAMESPACE, ", ".join(allowed))
             return default
         if value not in allowed:
-            shown = [a for a in allowed if a != "multi-region"]
-            extra = " (multi-region: not built yet)" if "multi-region" in allowed else ""
-            self.problems.append(
-                f"{NAMESPACE}:{key}: unknown value {value!r}; allowed: {', '.join(shown)}{extra}"
-            )
+            self.problems.append(f"{NAMESPACE}:{key}: unknown value {value!r}; allowed: {', '.join(allowed)}")
             return None
         return value
 

@@ -697,6 +697,7 @@ EXPECTED_POLICIES = [
     "gpu-machine-type-match",
     "redis-auth-required",
     "gpu-node-pool-tainted",
+    "backend-timeout-fits-websockets",
 ]
 
 

@@ -601,13 +601,13 @@ def _config_error(stack: str, **kwargs: object) -> str:
 def test_unknown_topology() -> None:
     message = _config_error("dev", overrides={"duplexops:topology": "gke-cluster"})
     assert "duplexops:topology" in message and "'gke-cluster'" in message
-    assert "allowed: gce-node, onprem-node" in message
+    assert "allowed: gce-node, onprem-node, multi-region" in message
 
 
-def test_multi_region_is_not_built_yet() -> None:
+def test_switching_a_node_stack_to_multi_region_names_what_to_change() -> None:
     message = _config_error("dev", overrides={"duplexops:topology": "multi-region"})
-    assert "duplexops:topology" in message and "'multi-region' is not built yet" in message
-    assert "gce-node, onprem-node" in message
+    assert "duplexops:bootDiskSizeGb: does not apply to topology 'multi-region'" in message
+    assert "duplexops:regions: missing" in message and "duplexops:domain: missing" in message
 
 
 def test_a100_on_an_n1_machine_type() -> None:

@@ -56,6 +56,8 @@ class StackSecretsArgs:
         hf_token: the Hugging Face token (secret Output), or None.
         secret_manager_project: the project to store the secrets in (GCE); None: no Secret Manager.
         labels: labels of the Secret Manager secrets.
+        node_files: False where no node bundle runs (the multi-region stack: Memorystore makes the Redis
+            AUTH string, Kubernetes Secrets carry the rest): no Redis password, ``files`` is None.
     """
 
     name_prefix: str
@@ -66,16 +68,17 @@ class StackSecretsArgs:
     hf_token: pulumi.Input[str] | None = None
     secret_manager_project: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    node_files: bool = True
 
 
 class StackSecrets(pulumi.ComponentResource):
     """The node's passwords (given or generated), its secret files, and their Secret Manager secrets."""
 
-    redis_password: pulumi.Output[str]
+    redis_password: pulumi.Output[str] | None
     grafana_admin_password: pulumi.Output[str]
     token_keys: pulumi.Output[str]
     hf_token: pulumi.Output[str] | None
-    files: pulumi.Output[dict[str, str]]
+    files: pulumi.Output[dict[str, str]] | None
     secret_ids: dict[str, str]
     secrets: dict[str, pulumi.CustomResource]
     versions: list[pulumi.CustomResource]
@@ -83,7 +86,9 @@ class StackSecrets(pulumi.ComponentResource):
     def __init__(self, name: str, args: StackSecretsArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PACKAGE}:StackSecrets", name, None, opts)
         deps = dependencies(opts)
-        self.redis_password = self._password(name, "redis-password", args.redis_password, deps)
+        self.redis_password = (
+            self._password(name, "redis-password", args.redis_password, deps) if args.node_files else None
+        )
         self.grafana_admin_password = self._password(
             name, "grafana-admin-password", args.grafana_admin_password, deps
         )
@@ -109,6 +114,12 @@ class StackSecrets(pulumi.ComponentResource):
             return files
 
         token_input: pulumi.Input[str | None] = self.hf_token if self.hf_token is not None else None
+        self.files = None
+        if self.redis_password is None:
+            if args.secret_manager_project is not None:
+                raise ValueError("StackSecretsArgs: Secret Manager holds node files: keep node_files=True")
+            self.register_outputs({})
+            return
         self.files = pulumi.Output.secret(
             pulumi.Output.all(
                 self.redis_password, self.grafana_admin_password, self.token_keys, token_input
@@ -149,8 +160,11 @@ class StackSecrets(pulumi.ComponentResource):
 
         project = args.secret_manager_project
 
+        files = self.files
+        assert files is not None
+
         def payload(path: str) -> pulumi.Output[str]:
-            return pulumi.Output.secret(self.files.apply(lambda files: files[path]))
+            return pulumi.Output.secret(files.apply(lambda content: content[path]))
 
         payloads = {role: payload(path) for role, path in SECRET_FILES.items()}
         if self.hf_token is not None:

@@ -28,7 +28,7 @@ ENFORCEMENT_LEVEL = EnforcementLevel.MANDATORY
 DESCRIPTION = (
     "Guard rails for the duplex runtime's stacks: GPU VMs terminate on maintenance, machine types match "
     "their GPUs, no SSH or monitoring ports open to the internet, Redis requires AUTH over TLS, GPU node "
-    "pools are tainted."
+    "pools are tainted, HTTP load balancers keep WebSockets open past 30 s."
 )
 
 _SEVERITY = {
@@ -38,6 +38,7 @@ _SEVERITY = {
     "gpu-machine-type-match": Severity.MEDIUM,
     "redis-auth-required": Severity.HIGH,
     "gpu-node-pool-tainted": Severity.MEDIUM,
+    "backend-timeout-fits-websockets": Severity.HIGH,
 }
 
 

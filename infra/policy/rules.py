@@ -40,7 +40,9 @@ from infra.node.profile import NodePorts
 
 __all__ = [
     "ACCELERATOR_GPUS",
+    "BACKEND_SERVICE",
     "CLUSTER",
+    "MIN_WEBSOCKET_BACKEND_TIMEOUT_S",
     "FIREWALL",
     "INSTANCE",
     "INSTANCE_TEMPLATE",
@@ -50,6 +52,7 @@ __all__ = [
     "UNKNOWN",
     "UNKNOWN_SENTINELS",
     "Rule",
+    "backend_timeout_fits_websockets",
     "check_resources",
     "firewall_no_public_monitoring",
     "firewall_no_world_ssh",
@@ -66,6 +69,7 @@ FIREWALL = "gcp:compute/firewall:Firewall"
 NODE_POOL = "gcp:container/nodePool:NodePool"
 CLUSTER = "gcp:container/cluster:Cluster"
 REDIS = "gcp:redis/instance:Instance"
+BACKEND_SERVICE = "gcp:compute/backendService:BackendService"
 
 # --------------------------------------------------------------------------------------------------------
 # Unknown values
@@ -691,6 +695,48 @@ def gpu_node_pool_tainted(resource_type: str, props: Mapping[str, Any]) -> list[
 
 
 # --------------------------------------------------------------------------------------------------------
+# Rule 7: HTTP backend services keep WebSockets open
+# --------------------------------------------------------------------------------------------------------
+
+MIN_WEBSOCKET_BACKEND_TIMEOUT_S = 600
+"""The shortest backend timeout (s) allowed in front of the runtime: a session lasts minutes."""
+
+
+def backend_timeout_fits_websockets(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """An HTTP(S) backend service (``gcp:compute/backendService:BackendService``, protocol HTTP, HTTPS or
+    HTTP2) has ``timeoutSec`` of at least ``MIN_WEBSOCKET_BACKEND_TIMEOUT_S``: for a WebSocket behind a
+    Google Application Load Balancer the backend timeout is the longest the connection may live, and the
+    default of 30 s cuts every conversation at 30 s.
+
+    A missing ``timeoutSec`` is a violation (the default 30 s); ``protocol`` missing means HTTP (the
+    default). Passes when ``protocol`` or ``timeoutSec`` is unknown during preview.
+    """
+    if resource_type != BACKEND_SERVICE:
+        return []
+    p = _normalize(props)
+    protocol = p.get("protocol")
+    if is_unknown(protocol) or (
+        protocol is not None and str(protocol).upper() not in ("HTTP", "HTTPS", "HTTP2")
+    ):
+        return []
+    timeout = p.get("timeoutSec")
+    if is_unknown(timeout):
+        return []
+    if (
+        isinstance(timeout, (int, float))
+        and not isinstance(timeout, bool)
+        and timeout >= MIN_WEBSOCKET_BACKEND_TIMEOUT_S
+    ):
+        return []
+    now = "is not set (default 30 s)" if timeout is None else f"is {_q(timeout)} s"
+    return [
+        f"timeoutSec {now}: the load balancer closes a WebSocket after the backend timeout. Set timeoutSec "
+        f"to at least {MIN_WEBSOCKET_BACKEND_TIMEOUT_S} s, and past the longest session (Python: "
+        f"timeout_sec=max_session_s + 60)."
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------
 # The pack's rule list and a helper for the stacks' tests
 # --------------------------------------------------------------------------------------------------------
 
@@ -752,6 +798,14 @@ RULES: tuple[Rule, ...] = (
         (NODE_POOL, CLUSTER),
         gpu_node_pool_tainted,
         'Add {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"} to nodeConfig.taints.',
+    ),
+    Rule(
+        "backend-timeout-fits-websockets",
+        f"HTTP(S) backend services must have timeoutSec >= {MIN_WEBSOCKET_BACKEND_TIMEOUT_S} s (the 30 s "
+        "default cuts WebSocket sessions).",
+        (BACKEND_SERVICE,),
+        backend_timeout_fits_websockets,
+        "Set timeoutSec past the longest session (max_session_s + 60).",
     ),
 )
 """The pack's rules, in the order the pack lists its policies."""

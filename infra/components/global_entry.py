@@ -1,0 +1,311 @@
+"""``GlobalEntry``: one global external Application Load Balancer in front of every region's runtime pods.
+
+Built from the standalone zonal network endpoint groups (NEGs) that GKE's NEG controller creates from the
+runtime Service's ``cloud.google.com/neg`` annotation (one per zone, same name in every region), rather
+than from a multi-cluster Gateway: every setting the entry depends on (timeout, affinity, health check,
+Cloud Armor, per-endpoint capacity) is then a Google Cloud resource that Pulumi owns, previews and tests,
+with no fleet registration or config cluster to keep alive.
+
+What it declares:
+
+- a global static IPv4 address and a Google-managed certificate for ``domain`` (it provisions once the
+  domain's A record points at the address);
+- a Cloud Armor policy (``security_rules``): callers outside ``public_source_ranges`` get 403, and each
+  client IP is throttled to ``handshakes_per_minute`` new requests per minute (429 beyond; a session is
+  one request: the WebSocket upgrade), with adaptive layer-7 DDoS protection;
+- a health check on every pod's ``/readyz`` (the serving port of the NEG endpoint): a full or draining
+  pod turns 503 and receives no new callers;
+- the backend service: ``EXTERNAL_MANAGED`` scheme, a timeout of the longest session plus a margin (the
+  default 30 s would cut every WebSocket at 30 s), connection draining as long as the runtime's drain, one
+  backend per (region, zone) NEG balanced on ``IN_FLIGHT`` requests with at most ``sessions`` per endpoint
+  (= the pod's slots) and ``trafficDuration: LONG``: the load balancer sends a caller to the nearest
+  region with capacity and spills over to the next nearest when every pod there is full, while an open
+  WebSocket stays on its pod (hence in its region) for its whole life. Session affinity ``CLIENT_IP``
+  sends a caller's reconnects to the same pod while it has room;
+- the HTTPS proxy and forwarding rule on 443, and a port-80 rule that redirects to HTTPS;
+- a firewall rule on the stack's VPC admitting Google's front ends and health checkers
+  (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime port of the pods, and nothing else.
+
+A region with ``serving: false`` keeps its backends with ``capacity_scaler`` 0: no new callers, running
+conversations go on (the drain of the README).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_gcp.compute as compute
+
+from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+
+__all__ = [
+    "BACKEND_TIMEOUT_MARGIN_S",
+    "GOOGLE_FRONT_END_RANGES",
+    "GlobalEntry",
+    "GlobalEntryArgs",
+    "RegionBackend",
+    "neg_url",
+    "security_rules",
+]
+
+GOOGLE_FRONT_END_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
+"""Source ranges of Google's front ends and health checkers (cloud.google.com/load-balancing/docs/health-
+check-concepts, "Probe IP ranges and firewall rules")."""
+
+BACKEND_TIMEOUT_MARGIN_S = 60
+"""Seconds the backend timeout adds to the longest session (the runtime closes a session at its limit)."""
+
+ARMOR_RULES_PER_MATCH = 10
+"""Cloud Armor's limit of source ranges in one basic match rule."""
+
+
+def neg_url(project: str, zone: str, neg_name: str) -> str:
+    """The URL of the standalone NEG ``neg_name`` in ``zone``."""
+    return f"projects/{project}/zones/{zone}/networkEndpointGroups/{neg_name}"
+
+
+@dataclass(frozen=True)
+class RegionBackend:
+    """One region's pods as seen by the load balancer.
+
+    Attributes:
+        region: GCP region; zones: the zones of its GPU pool (one NEG in each).
+        neg_name: the NEG name of the runtime Service's annotation.
+        sessions_per_endpoint: slots of one pod (the most in-flight WebSockets it is sent).
+        serving: False: capacity 0 (drained).
+        ready: resources that must exist first (the region's Service and Deployment: their NEGs).
+    """
+
+    region: str
+    zones: Sequence[str]
+    neg_name: str
+    sessions_per_endpoint: int
+    serving: bool = True
+    ready: Sequence[pulumi.Resource] = ()
+
+
+@dataclass(frozen=True)
+class GlobalEntryArgs:
+    """The global entry's settings.
+
+    Attributes:
+        name_prefix: prefix of resource names; project: the GCP project; network: the stack's VPC.
+        domain: the certificate's DNS name.
+        runtime_port: the pods' serving port (NEG endpoints' port), for the firewall rule.
+        backends: every region's NEGs.
+        max_session_s: the longest session (s); the backend timeout is this plus
+            ``BACKEND_TIMEOUT_MARGIN_S``.
+        drain_s: connection-draining timeout (s): how long a removed endpoint keeps its WebSockets.
+        public_source_ranges: who may connect (``0.0.0.0/0``: everyone).
+        handshakes_per_minute: new requests per client IP per minute before 429.
+        labels: labels of the address.
+    """
+
+    name_prefix: str
+    project: str
+    network: pulumi.Input[str]
+    domain: str
+    runtime_port: int
+    backends: Sequence[RegionBackend]
+    max_session_s: int
+    drain_s: int
+    public_source_ranges: Sequence[str]
+    handshakes_per_minute: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+class GlobalEntry(pulumi.ComponentResource):
+    """The global HTTPS load balancer, its certificate, Cloud Armor policy and health check."""
+
+    address: compute.GlobalAddress
+    backend_service: compute.BackendService
+    certificate: compute.ManagedSslCertificate
+    security_policy: compute.SecurityPolicy
+    health_check: compute.HealthCheck
+
+    def __init__(self, name: str, args: GlobalEntryArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{COMPONENT_PACKAGE}:GlobalEntry", name, None, opts)
+        deps = dependencies(opts)
+        prefix, project = args.name_prefix, args.project
+
+        def child(*extra: pulumi.Resource) -> pulumi.ResourceOptions:
+            return child_options(self, [*deps, *extra])
+
+        compute.Firewall(
+            f"{name}-allow-google-front-ends",
+            name=f"{prefix}-allow-lb",
+            project=project,
+            network=args.network,
+            direction="INGRESS",
+            source_ranges=list(GOOGLE_FRONT_END_RANGES),
+            allows=[{"protocol": "tcp", "ports": [str(args.runtime_port)]}],
+            description="Google front ends and health checks to the runtime pods (NEG endpoints)",
+            opts=child(),
+        )
+        self.address = compute.GlobalAddress(
+            f"{name}-address",
+            name=f"{prefix}-entry",
+            project=project,
+            ip_version="IPV4",
+            labels=dict(args.labels),
+            opts=child(),
+        )
+        self.certificate = compute.ManagedSslCertificate(
+            f"{name}-certificate",
+            name=f"{prefix}-entry",
+            project=project,
+            managed={"domains": [args.domain]},
+            opts=child(),
+        )
+        self.security_policy = compute.SecurityPolicy(
+            f"{name}-armor",
+            name=f"{prefix}-entry",
+            project=project,
+            type="CLOUD_ARMOR",
+            description="duplexops global entry: source ranges and per-client handshake rate",
+            rules=security_rules(args.public_source_ranges, args.handshakes_per_minute),
+            adaptive_protection_config={"layer7_ddos_defense_config": {"enable": True}},
+            opts=child(),
+        )
+        self.health_check = compute.HealthCheck(
+            f"{name}-readyz",
+            name=f"{prefix}-readyz",
+            project=project,
+            http_health_check={"port_specification": "USE_SERVING_PORT", "request_path": "/readyz"},
+            check_interval_sec=5,
+            timeout_sec=3,
+            healthy_threshold=1,
+            unhealthy_threshold=2,
+            log_config={"enable": True},
+            opts=child(),
+        )
+        ready = [r for backend in args.backends for r in backend.ready]
+        self.backend_service = compute.BackendService(
+            f"{name}-backend",
+            name=f"{prefix}-runtime",
+            project=project,
+            load_balancing_scheme="EXTERNAL_MANAGED",
+            protocol="HTTP",
+            port_name="http",
+            timeout_sec=args.max_session_s + BACKEND_TIMEOUT_MARGIN_S,
+            connection_draining_timeout_sec=args.drain_s,
+            session_affinity="CLIENT_IP",
+            locality_lb_policy="LEAST_REQUEST",
+            health_checks=self.health_check.id,
+            security_policy=self.security_policy.id,
+            log_config={"enable": True, "sample_rate": 1.0},
+            backends=[
+                {
+                    "group": neg_url(project, zone, backend.neg_name),
+                    "balancing_mode": "IN_FLIGHT",
+                    "max_in_flight_requests_per_endpoint": backend.sessions_per_endpoint,
+                    "traffic_duration": "LONG",
+                    "capacity_scaler": 1.0 if backend.serving else 0.0,
+                    "description": f"{backend.region} {zone}" + ("" if backend.serving else " (drained)"),
+                }
+                for backend in args.backends
+                for zone in backend.zones
+            ],
+            # The NEGs exist once the regions' Services do (GKE's NEG controller makes them).
+            opts=child(*ready),
+        )
+        url_map = compute.URLMap(
+            f"{name}-url-map",
+            name=f"{prefix}-entry",
+            project=project,
+            default_service=self.backend_service.id,
+            opts=child(),
+        )
+        https_proxy = compute.TargetHttpsProxy(
+            f"{name}-https-proxy",
+            name=f"{prefix}-entry",
+            project=project,
+            url_map=url_map.id,
+            ssl_certificates=[self.certificate.id],
+            opts=child(),
+        )
+        compute.GlobalForwardingRule(
+            f"{name}-https",
+            name=f"{prefix}-https",
+            project=project,
+            ip_address=self.address.id,
+            ip_protocol="TCP",
+            port_range="443",
+            load_balancing_scheme="EXTERNAL_MANAGED",
+            target=https_proxy.id,
+            opts=child(),
+        )
+        redirect = compute.URLMap(
+            f"{name}-redirect",
+            name=f"{prefix}-redirect",
+            project=project,
+            default_url_redirect={
+                "https_redirect": True,
+                "strip_query": False,
+                "redirect_response_code": "MOVED_PERMANENTLY_DEFAULT",
+            },
+            opts=child(),
+        )
+        http_proxy = compute.TargetHttpProxy(
+            f"{name}-http-proxy",
+            name=f"{prefix}-redirect",
+            project=project,
+            url_map=redirect.id,
+            opts=child(),
+        )
+        compute.GlobalForwardingRule(
+            f"{name}-http",
+            name=f"{prefix}-http",
+            project=project,
+            ip_address=self.address.id,
+            ip_protocol="TCP",
+            port_range="80",
+            load_balancing_scheme="EXTERNAL_MANAGED",
+            target=http_proxy.id,
+            opts=child(),
+        )
+        self.register_outputs({"address": self.address.address})
+
+
+def security_rules(
+    public_source_ranges: Sequence[str], handshakes_per_minute: int
+) -> list[dict[str, object]]:
+    """Cloud Armor rules, first match wins: callers from ``public_source_ranges`` (10 ranges per rule,
+    Cloud Armor's limit) are allowed up to ``handshakes_per_minute`` requests per minute per client IP and
+    get 429 beyond; the default rule denies everyone else with 403 (``0.0.0.0/0``: the throttle rule
+    matches every source and the default rule allows, as nothing else is left)."""
+    everyone = "0.0.0.0/0" in public_source_ranges
+    chunks = (
+        [["*"]]
+        if everyone
+        else [
+            list(public_source_ranges[i : i + ARMOR_RULES_PER_MATCH])
+            for i in range(0, len(public_source_ranges), ARMOR_RULES_PER_MATCH)
+        ]
+    )
+    rules: list[dict[str, object]] = [
+        {
+            "priority": 1000 + n,
+            "action": "throttle",
+            "description": "public source ranges, per-client handshake rate",
+            "match": {"versioned_expr": "SRC_IPS_V1", "config": {"src_ip_ranges": chunk}},
+            "rate_limit_options": {
+                "conform_action": "allow",
+                "exceed_action": "deny(429)",
+                "enforce_on_key": "IP",
+                "rate_limit_threshold": {"count": handshakes_per_minute, "interval_sec": 60},
+            },
+        }
+        for n, chunk in enumerate(chunks)
+    ]
+    rules.append(
+        {
+            "priority": 2147483647,
+            "action": "allow" if everyone else "deny(403)",
+            "description": "default rule",
+            "match": {"versioned_expr": "SRC_IPS_V1", "config": {"src_ip_ranges": ["*"]}},
+        }
+    )
+    return rules
