@@ -21,7 +21,7 @@ UP = WORKFLOWS / "pulumi-up.yml"
 UP_STACK = WORKFLOWS / "pulumi-up-stack.yml"
 ALL = [PREVIEW, UP, UP_STACK]
 
-STACK_ORDER = ["dev", "scale5-gcp", "scale5-onprem"]  # the deploy order the SREs asked for
+STACK_ORDER = ["dev", "scale5-gcp", "scale5-onprem", "multi-region"]  # the deploy order the SREs asked for
 
 # Inputs of pulumi/actions@v6 and google-github-actions/auth@v2 (their action.yml), to catch misspelt keys
 # such as `policy-packs` (the action's input is `policyPacks`), which GitHub only warns about.
@@ -261,3 +261,13 @@ def test_actionlint() -> None:
         [actionlint, "-no-color", *map(str, ALL)], capture_output=True, text=True, cwd=ROOT, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", [PREVIEW, UP_STACK], ids=lambda p: p.name)
+def test_gke_auth_plugin_is_installed_before_pulumi_runs(path: Path) -> None:
+    """The multi-region stack's Kubernetes provider runs ``gke-gcloud-auth-plugin``."""
+    [job] = load(path)["jobs"].values()
+    names = [str(s.get("uses", "")).split("@")[0] for s in job["steps"]]
+    setup = names.index("google-github-actions/setup-gcloud")
+    assert "gke-gcloud-auth-plugin" in job["steps"][setup]["with"]["install_components"]
+    assert setup < names.index("pulumi/actions")
