@@ -9,6 +9,11 @@ Topologies (``duplexops:topology``):
 - ``onprem-node``: the node's secrets (``StackSecrets``, no cloud store) and an existing GPU host brought
   up over SSH (``OnPremNode``) running the configured digest-pinned ``runtimeImage``. Stack
   ``scale5-onprem``.
+- ``multi-region``: the Google APIs, the runtime image (in the first region's Artifact Registry), the
+  session-token keys and Grafana's password (``StackSecrets`` without node files), one VPC, then per region
+  a GKE cluster with its GPU pool, Memorystore and model bucket (``GkeRegion``) and the runtime's
+  Kubernetes objects on it (``RegionalRuntime`` of ``infra.k8s.region_objects``), and one global HTTPS
+  load balancer over every region's pods (``GlobalEntry``). Stack ``multi-region``.
 
 Outputs (never a secret value: passwords are named by where to read them):
 
@@ -17,6 +22,11 @@ Outputs (never a secret value: passwords are named by where to read them):
 - ``ssh``: how to open a shell on the node;
 - ``capacity``: sessions per node and the monthly cost from the capacity planner;
 - ``image``: the digest-pinned image the node runs.
+
+The multi-region stack exports ``endpoint`` (the global ``wss://`` endpoint), ``globalIp`` (for the
+domain's A record), ``regions`` (per region: cluster, ``kubectl`` credentials command, slots, Grafana
+port-forward), ``grafana``, ``capacity`` (slots per region and cost per month at the configured bounds),
+``tokenKeys``, ``mintToken`` and ``image``.
 """
 
 from __future__ import annotations
@@ -33,9 +43,21 @@ from infra.capacity.power import DEFAULT_USD_PER_KWH, HOURS_PER_MONTH
 from infra.components._util import REPO_ROOT
 from infra.node.profile import NodeProfile
 from infra.node.services import token_audience
-from infra.stack_config import StackConfig
+from infra.stack_config import RegionSettings, StackConfig
 
-__all__ = ["BUILD_DIR_ENV", "GCP_APIS", "capacity_summary", "run"]
+__all__ = ["BUILD_DIR_ENV", "GCP_APIS", "GKE_APIS", "capacity_summary", "region_capacity", "run"]
+
+GKE_APIS = (
+    "compute.googleapis.com",
+    "container.googleapis.com",
+    "redis.googleapis.com",
+    "artifactregistry.googleapis.com",
+    "iam.googleapis.com",
+    "monitoring.googleapis.com",
+    "logging.googleapis.com",
+    "storage.googleapis.com",
+)
+"""Google APIs the multi-region stack needs (enabled, never disabled on destroy)."""
 
 GCP_APIS = (
     "compute.googleapis.com",
@@ -57,6 +79,8 @@ def run(config: StackConfig) -> dict[str, Any]:
         return _gce_node(config)
     if config.topology == "onprem-node":
         return _onprem_node(config)
+    if config.topology == "multi-region":
+        return _multi_region(config)
     raise AssertionError(f"topology {config.topology!r} passed validation but has no program")
 
 
@@ -302,5 +326,220 @@ def _onprem_node(config: StackConfig) -> dict[str, Any]:
             "host": onprem.host,
             "installDir": onprem.install_dir,
             "bundleSha256": node.bundle_sha256,
+        },
+    }
+
+
+# --- multi-region ----------------------------------------------------------------------------------------
+
+
+def region_capacity(region: RegionSettings) -> dict[str, Any]:
+    """Slots and on-demand cost of one region at its autoscaling bounds: one runtime pod per GPU node,
+    ``profile.sessions`` slots per pod (the capacity planner's figure), the catalog's hourly price of the
+    GPU machine type x 730 h per month (system pool, Memorystore, load balancer and egress not counted)."""
+    sessions = region.profile.sessions
+    summary: dict[str, Any] = {
+        "gpu": region.profile.gpu,
+        "machineType": region.machine_type,
+        "slotsPerPod": sessions,
+        "nodes": {"min": region.min_nodes, "max": region.max_nodes},
+        "slots": {"min": sessions * region.min_nodes, "max": sessions * region.max_nodes},
+        "serving": region.serving,
+    }
+    planned = capacity_summary(
+        region.profile, machine_type=region.machine_type, nodes=max(1, region.max_nodes)
+    )
+    summary["plannerMaxSessionsPerPod"] = planned.get("planner_max_sessions")
+    if region.usd_per_hour is not None:
+        month = region.usd_per_hour * HOURS_PER_MONTH
+        summary["usdPerMonth"] = {
+            "min": round(month * region.min_nodes, 2),
+            "max": round(month * region.max_nodes, 2),
+        }
+        summary["usdPerNodeHour"] = region.usd_per_hour
+        summary["priceSource"] = region.price_source
+    return summary
+
+
+def _multi_region(config: StackConfig) -> dict[str, Any]:
+    import pulumi_gcp.compute as compute
+    import pulumi_gcp.projects as projects
+
+    from infra.components.gke_region import GkeRegion, GkeRegionArgs
+    from infra.components.global_entry import GlobalEntry, GlobalEntryArgs, RegionBackend
+    from infra.components.image import RuntimeImage, RuntimeImageArgs
+    from infra.components.node_secrets import StackSecrets, StackSecretsArgs
+    from infra.components.regional_runtime import RegionalRuntime
+    from infra.k8s import workload as k8s
+
+    mr = config.multi_region
+    assert mr is not None and config.domain is not None
+    prefix, labels, project = config.name_prefix, _labels(config), mr.project
+    first = mr.regions[0]
+    apis: list[pulumi.Resource] = []
+    if mr.enable_apis:
+        for service in GKE_APIS:
+            apis.append(
+                projects.Service(
+                    f"api-{service.split('.')[0]}",
+                    project=project,
+                    service=service,
+                    disable_on_destroy=False,
+                    disable_dependent_services=False,
+                )
+            )
+    after_apis = pulumi.ResourceOptions(depends_on=apis)
+    image = RuntimeImage(
+        "runtime-image",
+        RuntimeImageArgs(project=project, location=first.region, repository_id=prefix, labels=labels),
+        opts=after_apis,
+    )
+    secrets = StackSecrets(
+        "secrets",
+        StackSecretsArgs(
+            name_prefix=prefix,
+            profile=first.profile,
+            grafana_admin_password=_secret(config.secrets.grafana_admin_password),
+            token_keys=_secret(config.secrets.token_keys),
+            hf_token=_secret(config.secrets.hf_token),
+            node_files=False,
+        ),
+        opts=after_apis,
+    )
+    network = compute.Network(
+        "network",
+        name=prefix,
+        project=project,
+        auto_create_subnetworks=False,
+        routing_mode="GLOBAL",
+        description="duplexops multi-region: every region's GKE subnet",
+        opts=after_apis,
+    )
+
+    regions_out: dict[str, Any] = {}
+    backends: list[RegionBackend] = []
+    for settings in mr.regions:
+        region_name = settings.region
+        gke = GkeRegion(
+            f"region-{region_name}",
+            GkeRegionArgs(
+                name_prefix=prefix,
+                project=project,
+                settings=settings,
+                network=network.id,
+                admin_source_ranges=mr.admin_source_ranges,
+                release_channel=mr.release_channel,
+                deletion_protection=mr.deletion_protection,
+                system_machine_type=mr.system_machine_type,
+                image_repository=image.repository.name,
+                image_repository_location=first.region,
+                labels=labels,
+            ),
+            opts=after_apis,
+        )
+        bindings = gke.bind_workload_identity(project, k8s.WORKLOAD_IDENTITY_BINDINGS)
+        redis_url = pulumi.Output.secret(
+            pulumi.Output.all(gke.redis.host, gke.redis.port, gke.redis.auth_string).apply(
+                lambda v: k8s.redis_url(str(v[0]), int(v[1]), str(v[2]))
+            )
+        )
+        workload = k8s.RegionWorkload(
+            region=region_name,
+            cluster_name=gke.cluster_name,
+            project=project,
+            profile=settings.profile,
+            image=image.image_ref,
+            accelerator=settings.accelerator_type,
+            min_replicas=settings.min_nodes,
+            max_replicas=settings.max_nodes,
+            redis_url=redis_url,
+            redis_host=gke.redis.host,
+            redis_port=gke.redis.port,
+            redis_password=pulumi.Output.secret(gke.redis.auth_string),
+            redis_ca_certificate=gke.redis.server_ca_certs.apply(
+                lambda certs: certs[0]["cert"] if certs else ""
+            ),
+            token_keys_json=secrets.token_keys,
+            hf_token=secrets.hf_token,
+            weights_bucket=gke.weights_bucket.name,
+            runtime_service_account=gke.runtime_service_account.email,
+            weights_service_account=gke.weights_service_account.email,
+            monitoring_service_account=gke.monitoring_service_account.email,
+            grafana_admin_password=secrets.grafana_admin_password,
+            neg_name=f"{prefix}-runtime",
+        )
+        runtime = RegionalRuntime(
+            f"runtime-{region_name}",
+            k8s.region_objects(workload),
+            provider=gke.provider,
+            opts=pulumi.ResourceOptions(depends_on=[gke, *bindings]),
+        )
+        backends.append(
+            RegionBackend(
+                region=region_name,
+                zones=settings.zones,
+                neg_name=workload.neg_name,
+                sessions_per_endpoint=settings.profile.sessions,
+                serving=settings.serving,
+                ready=[runtime],
+            )
+        )
+        credentials = (
+            f"gcloud container clusters get-credentials {gke.cluster_name} --region {region_name} "
+            f"--project {project}"
+        )
+        regions_out[region_name] = {
+            "cluster": gke.cluster_name,
+            "kubectl": credentials,
+            "grafana": k8s.grafana_port_forward(workload),
+            "weightsBucket": gke.weights_bucket.name,
+            "capacity": region_capacity(settings),
+        }
+
+    profile = first.profile
+    entry = GlobalEntry(
+        "global-entry",
+        GlobalEntryArgs(
+            name_prefix=prefix,
+            project=project,
+            network=network.id,
+            domain=config.domain,
+            runtime_port=profile.ports.runtime,
+            backends=backends,
+            max_session_s=profile.limits.max_session_s,
+            drain_s=k8s.drain_seconds(profile),
+            public_source_ranges=mr.public_source_ranges,
+            handshakes_per_minute=max(1, round(profile.limits.handshakes_per_second_per_client * 60)),
+            labels=labels,
+        ),
+        opts=after_apis,
+    )
+    capacities = [region_capacity(r) for r in mr.regions]
+    serving = [c for c, r in zip(capacities, mr.regions, strict=True) if r.serving]
+    return {
+        "endpoint": f"wss://{config.domain}/api/chat",
+        "globalIp": entry.address.address,
+        "regions": regions_out,
+        "grafana": {
+            "user": "admin",
+            "url": "http://localhost:3000",
+            "tunnel": "see regions.<region>.grafana (kubectl port-forward after `kubectl` credentials)",
+            "password": k8s.grafana_password_command(),
+        },
+        "tokenKeys": k8s.token_keys_command(),
+        "mintToken": _mint_command(profile),
+        "image": image.image_ref,
+        "capacity": {
+            "regions": {r.region: c for r, c in zip(mr.regions, capacities, strict=True)},
+            "totalSlots": {
+                "min": sum(c["slots"]["min"] for c in serving),
+                "max": sum(c["slots"]["max"] for c in serving),
+            },
+            "usdPerMonth": {
+                "min": round(sum(c.get("usdPerMonth", {}).get("min", 0.0) for c in capacities), 2),
+                "max": round(sum(c.get("usdPerMonth", {}).get("max", 0.0) for c in capacities), 2),
+            },
+            "basis": f"GPU nodes only: on-demand list price x {HOURS_PER_MONTH:.0f} h per month; the system "
+            "pool, Memorystore, the load balancer and egress are not counted (re-check before quoting)",
         },
     }

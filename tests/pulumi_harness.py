@@ -68,6 +68,7 @@ _FAKE_KEY = (
 )
 FAKE_SECRETS: dict[str, dict[str, str]] = {
     "gce-node": {"hfToken": "hf_FakeTokenForUnitTests0123456789"},
+    "multi-region": {"hfToken": "hf_FakeTokenForUnitTests0123456789"},
     "onprem-node": {
         "onpremSshPrivateKey": _FAKE_KEY,
         "hfToken": "hf_FakeTokenForUnitTests0123456789",
@@ -77,6 +78,8 @@ FAKE_SECRETS: dict[str, dict[str, str]] = {
 
 MOCK_ACCESS_TOKEN = "ya29.mock-access-token-for-unit-tests"
 MOCK_IP = "203.0.113.10"
+MOCK_GLOBAL_IP = "198.51.100.7"
+MOCK_REDIS_CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIFICATE-----\n"
 
 
 # --- values --------------------------------------------------------------------------------------------
@@ -204,6 +207,23 @@ def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"selfLink": f"https://compute.googleapis.com/mock/{name}"}
     if typ == "command:remote:Command":
         return {"stdout": "", "stderr": ""}
+    if typ == "gcp:container/cluster:Cluster":
+        return {
+            "endpoint": "192.0.2.10",
+            "masterAuth": {"clusterCaCertificate": "TW9jayBjbHVzdGVyIENB"},
+            "selfLink": f"https://container.googleapis.com/mock/{name}",
+        }
+    if typ == "gcp:redis/instance:Instance":
+        return {
+            "host": "10.200.0.4",
+            "port": 6378,
+            "authString": rpc.wrap_rpc_secret(_mock_password(name)),
+            "serverCaCerts": [{"cert": MOCK_REDIS_CA}],
+        }
+    if typ == "gcp:storage/bucket:Bucket":
+        return {"name": f"{name}-a1b2c3", "url": f"gs://{name}-a1b2c3"}
+    if typ == "gcp:compute/globalAddress:GlobalAddress":
+        return {"address": MOCK_GLOBAL_IP, "selfLink": f"https://compute.googleapis.com/mock/{name}"}
     return {}
 
 
@@ -293,6 +313,8 @@ class StackRun:
         """Every secret value the program handled: the injected secret config, and generated passwords."""
         values = {v for k, v in self.config.items() if k.rsplit(":", 1)[-1] in _ALL_SECRET_KEYS}
         for r in self.of_type("random:index/randomPassword:RandomPassword"):
+            values.add(_mock_password(r.name))
+        for r in self.of_type("gcp:redis/instance:Instance"):
             values.add(_mock_password(r.name))
         return values
 

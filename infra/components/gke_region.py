@@ -411,7 +411,7 @@ class GkeRegion(pulumi.ComponentResource):
             kubeconfig=pulumi.Output.secret(config),
             enable_server_side_apply=True,
             delete_unreachable=False,
-            opts=child(depends_on=[self.cluster, self.gpu_pool, *deps]),
+            opts=child_options(self, [self.cluster, self.gpu_pool, *deps]),
         )
         self.register_outputs(
             {

@@ -54,7 +54,9 @@ __all__ = [
     "TICK_BUDGET_S",
     "dashboard_bytes",
     "dashboard_uid",
+    "datasource_yaml",
     "node_dashboard",
+    "provider_yaml",
     "render_grafana",
 ]
 
@@ -507,7 +509,19 @@ class _Panels:
         ]
 
 
-def _datasource_yaml(profile: NodeProfile) -> bytes:
+def datasource_yaml(profile: NodeProfile, url: str | None = None) -> bytes:
+    """The datasource provisioning file (``DATASOURCE_FILE``'s content) with the Prometheus API at ``url``
+    (default the node's Prometheus, ``http://<endpoint(profile, "prometheus")>``; a Kubernetes stack passes
+    its query frontend's)."""
+    return _datasource_yaml(profile, url)
+
+
+def provider_yaml(profile: NodeProfile, dashboards_path: str = DASHBOARDS_PATH) -> bytes:
+    """The dashboard provider provisioning file (``PROVIDER_FILE``'s content), reading ``dashboards_path``."""
+    return _provider_yaml(profile, dashboards_path)
+
+
+def _datasource_yaml(profile: NodeProfile, url: str | None = None) -> bytes:
     document = {
         "apiVersion": 1,
         "datasources": [
@@ -517,7 +531,7 @@ def _datasource_yaml(profile: NodeProfile) -> bytes:
                 "type": DATASOURCE_TYPE,
                 "access": "proxy",
                 "orgId": 1,
-                "url": f"http://{endpoint(profile, 'prometheus')}",
+                "url": url or f"http://{endpoint(profile, 'prometheus')}",
                 "isDefault": True,
                 "editable": False,
                 "jsonData": {"httpMethod": "POST", "timeInterval": scrape_interval(profile)},

@@ -1,0 +1,116 @@
+"""``RegionalRuntime``: the Kubernetes objects of one region (``infra.k8s``) declared on its cluster.
+
+``infra.k8s`` renders every object as a plain manifest (dicts, camelCase, values that may be Pulumi
+Outputs); this component declares each one with pulumi-kubernetes through the region's provider, typed
+where pulumi-kubernetes has the kind (``apps/v1`` ``Deployment`` -> ``kubernetes.apps.v1.Deployment``) and
+as a ``CustomResource`` otherwise (GMP's ``PodMonitoring``, ``ClusterRules``). Objects are declared in the
+renderer's order, each depending on the ones before it of the kinds that must exist first (Namespaces,
+ServiceAccounts, Secrets, ConfigMaps, CRD-backed monitoring after the workloads).
+
+Pulumi waits for a Deployment's rollout (its pods ready: model loaded, up to the startup probe's limit)
+and a Job's completion; ``CUSTOM_TIMEOUT`` lets a 7B download and load take that long.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import pulumi
+import pulumi_kubernetes as kubernetes
+
+from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+
+__all__ = ["CUSTOM_TIMEOUT", "FIRST_KINDS", "RegionalRuntime", "resource_class"]
+
+CUSTOM_TIMEOUT = "60m"
+"""Create/update timeout of each object: a first rollout downloads and loads the weights."""
+
+FIRST_KINDS = ("Namespace", "ServiceAccount", "Secret", "ConfigMap", "ClusterRole", "Role")
+"""Kinds every later object depends on (declared first, in this order)."""
+
+
+_MODULES = {"": "core", "rbac.authorization.k8s.io": "rbac", "apiregistration.k8s.io": "apiregistration"}
+
+
+def resource_class(api_version: str, kind: str) -> type[pulumi.CustomResource] | None:
+    """The pulumi-kubernetes class of ``apiVersion``/``kind`` (``apps/v1``, ``Deployment``), or None when
+    pulumi-kubernetes has no typed class for it (a custom resource)."""
+    group, _, version = api_version.rpartition("/")
+    module = {
+        "": "core",
+        "rbac.authorization.k8s.io": "rbac",
+        "apiregistration.k8s.io": "apiregistration",
+    }.get(group, group.split(".")[0])
+    if not re.fullmatch(r"[a-z0-9]+", module) or not re.fullmatch(r"v[0-9a-z]+", version):
+        return None
+    try:
+        package = importlib.import_module(f"pulumi_kubernetes.{module}.{version}")
+    except ImportError:
+        return None
+    cls = getattr(package, kind, None)
+    return cls if isinstance(cls, type) and issubclass(cls, pulumi.CustomResource) else None
+
+
+class RegionalRuntime(pulumi.ComponentResource):
+    """Declares ``objects`` (manifests from ``infra.k8s``) on a cluster through ``provider``.
+
+    Attributes:
+        resources: ``{"<Kind>/<namespace>/<name>": resource}`` of every declared object.
+    """
+
+    resources: dict[str, pulumi.CustomResource]
+
+    def __init__(
+        self,
+        name: str,
+        objects: Sequence[dict[str, Any]],
+        provider: kubernetes.Provider,
+        opts: pulumi.ResourceOptions | None = None,
+    ):
+        super().__init__(f"{COMPONENT_PACKAGE}:RegionalRuntime", name, None, opts)
+        deps = dependencies(opts)
+        self.resources = {}
+        foundations: list[pulumi.Resource] = []
+        ordered = sorted(
+            objects,
+            key=lambda o: FIRST_KINDS.index(o["kind"]) if o["kind"] in FIRST_KINDS else len(FIRST_KINDS),
+        )
+        for manifest in ordered:
+            metadata = manifest.get("metadata") or {}
+            key = f"{manifest['kind']}/{metadata.get('namespace', '')}/{metadata['name']}"
+            if key in self.resources:
+                raise ValueError(f"{name}: two objects {key}: every object needs its own kind/namespace/name")
+            logical = (
+                f"{name}-{manifest['kind'].lower()}-{metadata.get('namespace', 'cluster')}-{metadata['name']}"
+            )
+            options = child_options(
+                self,
+                [*deps, *foundations],
+                provider=provider,
+                custom_timeouts=pulumi.CustomTimeouts(create=CUSTOM_TIMEOUT, update=CUSTOM_TIMEOUT),
+            )
+            resource = declare(logical, manifest, options)
+            self.resources[key] = resource
+            if manifest["kind"] in FIRST_KINDS:
+                foundations.append(resource)
+        self.register_outputs({"objects": sorted(self.resources)})
+
+
+def declare(name: str, manifest: dict[str, Any], opts: pulumi.ResourceOptions) -> pulumi.CustomResource:
+    """Declare one manifest as a pulumi-kubernetes resource named ``name``."""
+    api_version, kind = manifest["apiVersion"], manifest["kind"]
+    body = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind")}
+    cls = resource_class(api_version, kind)
+    if cls is None:
+        return kubernetes.apiextensions.CustomResource(
+            name, api_version=api_version, kind=kind, **body, opts=opts
+        )
+    return cls(name, **{_snake(k): v for k, v in body.items()}, opts=opts)
+
+
+def _snake(key: str) -> str:
+    """A top-level manifest field as the resource's argument name (``stringData`` -> ``string_data``)."""
+    return re.sub(r"(?<!^)([A-Z])", r"_\1", key).lower()

@@ -1,0 +1,505 @@
+"""Monitoring of one region on Google Managed Prometheus (GMP): what is scraped, the node's rules, and the
+tools to look at it (the GMP query frontend and Grafana with the node dashboard).
+
+- ``PodMonitoring`` objects (``monitoring.googleapis.com/v1``) for the runtime (port ``http``, ``/metrics``)
+  and redis_exporter, every ``profile.scrape_interval_s``. GMP's managed collection gives every series the
+  target labels ``project_id``, ``location``, ``cluster``, ``namespace``, ``job`` (= the PodMonitoring's
+  name), ``instance`` (``<pod>:<port>``) and the pod metadata of ``targetLabels.metadata``: GMP's default
+  ``pod``, ``container``, ``top_level_controller_name`` and ``top_level_controller_type`` (the
+  PodMonitoring CRD), plus ``node`` here (``TARGET_METADATA``: the node's alert annotations name it). The
+  PodMonitorings are named ``runtime`` and ``redis-exporter``, so the node's job names hold here too.
+- GPU metrics come from GKE's managed DCGM exporter (cluster ``monitoringConfig`` component ``DCGM``):
+  a DaemonSet in namespace ``gke-managed-system`` (pods labelled
+  ``app.kubernetes.io/name=gke-managed-dcgm-exporter``) scraped by GKE's ClusterPodMonitoring
+  ``gke-managed-dcgm-exporter``, so its series carry ``namespace="gke-managed-system"`` and
+  ``job="gke-managed-dcgm-exporter"`` (``DCGM_SELECTOR``). Sources: the code index (public repositories
+  running ``kubectl get clusterpodmonitoring gke-managed-dcgm-exporter`` and ``kubectl get pods -n
+  gke-managed-system -l app.kubernetes.io/name=gke-managed-dcgm-exporter`` against GKE clusters); GKE's
+  "Collect and view DCGM metrics" page says the component installs DCGM-Exporter and a ClusterPodMonitoring.
+- redis_exporter (``oliver006/redis_exporter``, the node's pinned image) watches Memorystore over TLS
+  (``REDIS_ADDR=rediss://host:port``, the password from the runtime's Secret, Memorystore's CA from the
+  ``redis-ca`` ConfigMap), so the node's ``RedisDown`` alert works unchanged.
+- A ``ClusterRules`` object whose groups are ``infra.node.prometheus.alert_rules`` with the selectors above
+  (``alert_selectors``), each group evaluated every ``RULE_INTERVAL``; GMP's rule evaluator restricts every
+  query of a ClusterRules to its own cluster. ``alert_rules_unit_tests`` is the promtool unit-test file
+  for the same selectors.
+- The GMP query frontend (``gke.gcr.io/prometheus-engine/frontend``): a Prometheus HTTP API over Cloud
+  Monitoring for the project, as the monitoring Google service account (Workload Identity); Grafana's
+  datasource points at it.
+- Grafana: the node's provisioning files and dashboard (``infra.node.grafana``: ``datasource_yaml``,
+  ``provider_yaml``, ``node_dashboard``), every query scoped to this cluster (``dashboard_selector``), the
+  admin password from a Secret; reached with ``kubectl port-forward`` (ClusterIP only).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from infra.k8s.workload import (
+    REDIS_CA_CONFIGMAP,
+    REDIS_CA_DIR,
+    REDIS_CA_PATH,
+    SECRET_KEYS,
+    SECRET_NAME,
+    RegionWorkload,
+    lift,
+    pod_labels,
+    redis_address,
+)
+from infra.node.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, IMAGES
+from infra.node.compose import _grafana as _compose_grafana
+from infra.node.grafana import dashboard_bytes, datasource_yaml, node_dashboard, provider_yaml
+from infra.node.prometheus import alert_rules, rules_unit_tests, scrape_interval
+
+__all__ = [
+    "DCGM_JOB",
+    "DCGM_NAMESPACE",
+    "DCGM_SELECTOR",
+    "FRONTEND_IMAGE",
+    "FRONTEND_NAME",
+    "GRAFANA_NAME",
+    "GRAFANA_SECRET",
+    "GRAFANA_SECRET_KEY",
+    "REDIS_EXPORTER_NAME",
+    "RULE_INTERVAL",
+    "RUNTIME_JOB",
+    "TARGET_METADATA",
+    "alert_rules_unit_tests",
+    "alert_selectors",
+    "cluster_rules",
+    "dashboard_selector",
+    "frontend_objects",
+    "grafana_objects",
+    "monitoring_objects",
+    "redis_exporter_objects",
+    "rule_groups",
+    "runtime_pod_monitoring",
+]
+
+RUNTIME_JOB = "runtime"
+"""The runtime's PodMonitoring, hence its series' ``job`` label (the node's job name)."""
+REDIS_EXPORTER_NAME = "redis-exporter"
+"""redis_exporter's Deployment, Service and PodMonitoring (``job`` label), as on the node."""
+DCGM_NAMESPACE = "gke-managed-system"
+DCGM_JOB = "gke-managed-dcgm-exporter"
+DCGM_SELECTOR = f'namespace="{DCGM_NAMESPACE}", job="{DCGM_JOB}"'
+"""GKE's managed DCGM exporter's series: its namespace and its ClusterPodMonitoring's name (module
+docstring for the sources)."""
+
+TARGET_METADATA = ("pod", "container", "node", "top_level_controller_name", "top_level_controller_type")
+"""Pod metadata GMP puts on the PodMonitorings' series: its default (pod, container, top-level controller
+name and type; the PodMonitoring CRD) plus ``node``."""
+
+RULE_INTERVAL = "30s"
+"""Evaluation interval of the ClusterRules groups. Each evaluation is a set of queries against Cloud
+Monitoring (quota, cost); 30 s is below every ``for`` of the rules (1 min and more) and keeps a region's
+rule load at a few queries per second."""
+
+FRONTEND_NAME = "gmp-frontend"
+FRONTEND_IMAGE = "gke.gcr.io/prometheus-engine/frontend:v0.15.3-gke.0"
+"""The GMP query frontend's image as GoogleCloudPlatform/prometheus-engine's ``examples/frontend.yaml``
+pins it (the version read from the code index)."""
+FRONTEND_PORT = 9090
+
+GRAFANA_NAME = "grafana"
+GRAFANA_SECRET = "grafana-admin"
+GRAFANA_SECRET_KEY = "admin-password"
+"""Grafana's Deployment/Service name and the Secret (key) with its admin password."""
+_GRAFANA_UID = 472  # the grafana/grafana image's user (infra.node.compose)
+_REDIS_EXPORTER_UID = 59000  # the redis_exporter image's user (infra.node.compose)
+_FRONTEND_UID = 1000  # examples/frontend.yaml's runAsUser
+_SECRETS_MOUNT = "/run/secrets"  # where infra.node.compose's Grafana environment reads its password file
+
+
+def alert_selectors(workload: RegionWorkload) -> dict[str, str]:
+    """The label selectors of the node's rules (``alert_rules``/``rules_unit_tests`` keyword arguments):
+    ``runtime_selector`` = ``namespace="<ns>", job="runtime"``, ``redis_selector`` =
+    ``namespace="<ns>", job="redis-exporter"``, ``dcgm_selector`` = ``DCGM_SELECTOR``. No ``cluster``
+    matcher: GMP scopes a ClusterRules object to its cluster."""
+    ns = workload.namespace
+    return {
+        "runtime_selector": f'namespace="{ns}", job="{RUNTIME_JOB}"',
+        "redis_selector": f'namespace="{ns}", job="{REDIS_EXPORTER_NAME}"',
+        "dcgm_selector": DCGM_SELECTOR,
+    }
+
+
+def dashboard_selector(workload: RegionWorkload) -> str:
+    """The Grafana dashboard's selector: this cluster's series (``cluster``, ``location``: the frontend
+    queries the whole project, every region) of the runtime's namespace and of GKE's DCGM exporter."""
+    return (
+        f'cluster="{workload.cluster_name}", location="{workload.region}", '
+        f'namespace=~"{workload.namespace}|{DCGM_NAMESPACE}"'
+    )
+
+
+def _meta(workload: RegionWorkload, name: str, component: str, **extra: Any) -> dict[str, Any]:
+    labels = {
+        "app.kubernetes.io/name": name,
+        "app.kubernetes.io/part-of": "duplexops",
+        "app.kubernetes.io/component": component,
+    }
+    return {"name": name, "namespace": workload.namespace, "labels": labels, **extra}
+
+
+def _selector(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "duplexops"}
+
+
+def _security(uid: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(pod, container) security contexts that satisfy Pod Security ``restricted``."""
+    pod = {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    container = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    return pod, container
+
+
+def _pod_monitoring(
+    workload: RegionWorkload, name: str, selector: dict[str, str], port: str
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.googleapis.com/v1",
+        "kind": "PodMonitoring",
+        "metadata": _meta(workload, name, "monitoring"),
+        "spec": {
+            "selector": {"matchLabels": dict(selector)},
+            "endpoints": [{"port": port, "path": "/metrics", "interval": scrape_interval(workload.profile)}],
+            # GMP's default target labels plus ``node`` (the Kubernetes node), which the node's alert
+            # annotations name ("node {{ $labels.node }}").
+            "targetLabels": {"metadata": list(TARGET_METADATA)},
+        },
+    }
+
+
+def runtime_pod_monitoring(workload: RegionWorkload) -> dict[str, Any]:
+    """PodMonitoring ``runtime``: the runtime pods' ``/metrics`` on port ``http``, every
+    ``profile.scrape_interval_s`` s."""
+    return _pod_monitoring(workload, RUNTIME_JOB, pod_labels(workload), "http")
+
+
+def redis_exporter_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """redis_exporter for Memorystore: Deployment (1 replica, ``IMAGES["redis-exporter"]``, requests 50m CPU
+    and 64 MiB, limit 128 MiB; ``REDIS_ADDR`` = ``redis_address(host, port)``, ``REDIS_PASSWORD`` from the
+    runtime's Secret, ``REDIS_EXPORTER_TLS_CA_CERT_FILE`` = Memorystore's CA), its ClusterIP Service and
+    PodMonitoring ``redis-exporter`` (port ``metrics``, ``profile.ports.redis_exporter``, 9121)."""
+    port = workload.profile.ports.redis_exporter
+    pod_security, container_security = _security(_REDIS_EXPORTER_UID)
+    selector = _selector(REDIS_EXPORTER_NAME)
+    env = [
+        {"name": "REDIS_ADDR", "value": lift(redis_address, workload.redis_host, workload.redis_port)},
+        {
+            "name": "REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEYS["redis_password"]}},
+        },
+        {"name": "REDIS_EXPORTER_TLS_CA_CERT_FILE", "value": REDIS_CA_PATH},
+        {"name": "REDIS_EXPORTER_WEB_LISTEN_ADDRESS", "value": f"0.0.0.0:{port}"},
+    ]
+    probe = {"httpGet": {"path": "/health", "port": "metrics"}, "periodSeconds": 15, "timeoutSeconds": 5}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(workload, REDIS_EXPORTER_NAME, "monitoring"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**selector, "app.kubernetes.io/component": "monitoring"}},
+                "spec": {
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security,
+                    "containers": [
+                        {
+                            "name": "redis-exporter",
+                            "image": IMAGES["redis-exporter"],
+                            "env": env,
+                            "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
+                            "readinessProbe": probe,
+                            "livenessProbe": {**probe, "failureThreshold": 3},
+                            "resources": {
+                                "requests": {"cpu": "50m", "memory": "64Mi"},
+                                "limits": {"memory": "128Mi"},
+                            },
+                            "securityContext": container_security,
+                            "volumeMounts": [
+                                {"name": "redis-ca", "mountPath": REDIS_CA_DIR, "readOnly": True}
+                            ],
+                        }
+                    ],
+                    "volumes": [{"name": "redis-ca", "configMap": {"name": REDIS_CA_CONFIGMAP}}],
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(workload, REDIS_EXPORTER_NAME, "monitoring"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [{"name": "metrics", "port": port, "targetPort": "metrics", "protocol": "TCP"}],
+        },
+    }
+    return [deployment, service, _pod_monitoring(workload, REDIS_EXPORTER_NAME, selector, "metrics")]
+
+
+def rule_groups(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """``alert_rules(profile, **alert_selectors(workload))["groups"]`` with ``interval: RULE_INTERVAL`` on
+    every group (GMP's ClusterRules requires it)."""
+    groups = alert_rules(workload.profile, **alert_selectors(workload))["groups"]
+    return [{"name": g["name"], "interval": RULE_INTERVAL, "rules": g["rules"]} for g in groups]
+
+
+def cluster_rules(workload: RegionWorkload) -> dict[str, Any]:
+    """GMP ``ClusterRules`` ``<namespace>-rules`` (cluster-scoped): the node's recording and alert rules
+    (``rule_groups``). Alerts go to GMP's managed Alertmanager when one is configured (not here)."""
+    return {
+        "apiVersion": "monitoring.googleapis.com/v1",
+        "kind": "ClusterRules",
+        "metadata": {
+            "name": f"{workload.namespace}-rules",
+            "labels": {"app.kubernetes.io/part-of": "duplexops", "app.kubernetes.io/component": "monitoring"},
+        },
+        "spec": {"groups": rule_groups(workload)},
+    }
+
+
+def alert_rules_unit_tests(workload: RegionWorkload, rule_file: str = "rules.yml") -> dict[str, Any]:
+    """``rules_unit_tests`` (``infra.node.prometheus``) for ``alert_selectors(workload)``: a ``promtool test
+    rules`` document whose ``rule_files`` is ``[rule_file]`` (relative to the test file), to run against
+    ``{"groups": rule_groups(workload)}``."""
+    return rules_unit_tests(workload.profile, **alert_selectors(workload), rule_file=rule_file)
+
+
+def frontend_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """The GMP query frontend: ServiceAccount ``gmp-frontend`` (Workload Identity:
+    ``monitoring_service_account``), Deployment (1 replica, ``FRONTEND_IMAGE``,
+    ``--web.listen-address=:9090``, ``--query.project-id=<project>``, probes ``/-/healthy`` and
+    ``/-/ready`` as Google's example; requests 50m CPU and 64 MiB, limit 256 MiB) and ClusterIP Service
+    ``gmp-frontend:9090``."""
+    pod_security, container_security = _security(_FRONTEND_UID)
+    selector = _selector(FRONTEND_NAME)
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": _meta(
+                workload,
+                FRONTEND_NAME,
+                "monitoring",
+                annotations={"iam.gke.io/gcp-service-account": workload.monitoring_service_account},
+            ),
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(workload, FRONTEND_NAME, "monitoring"),
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": {**selector, "app.kubernetes.io/component": "monitoring"}},
+                    "spec": {
+                        "serviceAccountName": FRONTEND_NAME,
+                        "enableServiceLinks": False,
+                        "securityContext": pod_security,
+                        "containers": [
+                            {
+                                "name": "frontend",
+                                "image": FRONTEND_IMAGE,
+                                "args": [
+                                    f"--web.listen-address=:{FRONTEND_PORT}",
+                                    f"--query.project-id={workload.project}",
+                                ],
+                                "ports": [{"name": "web", "containerPort": FRONTEND_PORT, "protocol": "TCP"}],
+                                "livenessProbe": {"httpGet": {"path": "/-/healthy", "port": "web"}},
+                                "readinessProbe": {"httpGet": {"path": "/-/ready", "port": "web"}},
+                                "resources": {
+                                    "requests": {"cpu": "50m", "memory": "64Mi"},
+                                    "limits": {"memory": "256Mi"},
+                                },
+                                "securityContext": container_security,
+                            }
+                        ],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(workload, FRONTEND_NAME, "monitoring"),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector,
+                "ports": [{"name": "web", "port": FRONTEND_PORT, "targetPort": "web", "protocol": "TCP"}],
+            },
+        },
+    ]
+
+
+def _frontend_url(workload: RegionWorkload) -> str:
+    return f"http://{FRONTEND_NAME}.{workload.namespace}.svc:{FRONTEND_PORT}"
+
+
+def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """Grafana (``IMAGES["grafana"]``, ``GRAFANA_VERSION``): Secret ``grafana-admin`` (the admin password),
+    ConfigMap ``grafana-provisioning`` (``datasource_yaml`` with the GMP frontend's URL, ``provider_yaml``),
+    ConfigMap ``grafana-dashboards`` (``node_dashboard`` scoped by ``dashboard_selector``, uid
+    ``duplex-<region>``), Deployment (1 replica, the Compose node's Grafana environment, data on an emptyDir:
+    everything it shows is provisioned; requests 100m CPU and 256 MiB, limit 512 MiB) and ClusterIP
+    Service on ``profile.ports.grafana`` (3000)."""
+    profile = workload.profile
+    port = profile.ports.grafana
+    pod_security, container_security = _security(_GRAFANA_UID)
+    selector = _selector(GRAFANA_NAME)
+    dashboard = node_dashboard(
+        profile,
+        dashboard_selector(workload),
+        uid=f"duplex-{workload.region}",
+        title=f"Duplex {workload.region} ({workload.cluster_name})",
+    )
+    environment = dict(_compose_grafana(profile)["environment"])
+    environment["GF_LOG_MODE"] = "console"  # the image's default also writes /var/log/grafana (read-only)
+    password_file = environment["GF_SECURITY_ADMIN_PASSWORD__FILE"]
+    if posixpath.dirname(password_file) != _SECRETS_MOUNT:
+        raise AssertionError(f"infra.node.compose's Grafana reads its password from {password_file}")
+    probe = {"httpGet": {"path": "/api/health", "port": "http"}, "periodSeconds": 15, "timeoutSeconds": 5}
+    provisioning = "grafana-provisioning"
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _meta(workload, GRAFANA_SECRET, "monitoring"),
+            "type": "Opaque",
+            "stringData": {GRAFANA_SECRET_KEY: workload.grafana_admin_password},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(workload, provisioning, "monitoring"),
+            "data": {
+                "datasources.yml": datasource_yaml(profile, _frontend_url(workload)).decode(),
+                "dashboards.yml": provider_yaml(profile, GRAFANA_DASHBOARDS_DIR).decode(),
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(workload, "grafana-dashboards", "monitoring"),
+            "data": {"duplex-region.json": dashboard_bytes(dashboard).decode()},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": _meta(workload, GRAFANA_NAME, "monitoring"),
+            "spec": {
+                "replicas": 1,
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {"labels": {**selector, "app.kubernetes.io/component": "monitoring"}},
+                    "spec": {
+                        "enableServiceLinks": False,
+                        "securityContext": pod_security,
+                        "containers": [
+                            {
+                                "name": "grafana",
+                                "image": IMAGES["grafana"],
+                                "env": [{"name": k, "value": v} for k, v in environment.items()],
+                                "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+                                "readinessProbe": probe,
+                                "livenessProbe": {**probe, "failureThreshold": 3},
+                                "resources": {
+                                    "requests": {"cpu": "100m", "memory": "256Mi"},
+                                    "limits": {"memory": "512Mi"},
+                                },
+                                "securityContext": container_security,
+                                "volumeMounts": [
+                                    {"name": "data", "mountPath": "/var/lib/grafana"},
+                                    {"name": "tmp", "mountPath": "/tmp"},
+                                    {"name": "admin", "mountPath": _SECRETS_MOUNT, "readOnly": True},
+                                    {
+                                        "name": "datasources",
+                                        "mountPath": f"{GRAFANA_PROVISIONING_DIR}/datasources",
+                                        "readOnly": True,
+                                    },
+                                    {
+                                        "name": "providers",
+                                        "mountPath": f"{GRAFANA_PROVISIONING_DIR}/dashboards",
+                                        "readOnly": True,
+                                    },
+                                    {
+                                        "name": "dashboards",
+                                        "mountPath": GRAFANA_DASHBOARDS_DIR,
+                                        "readOnly": True,
+                                    },
+                                ],
+                            }
+                        ],
+                        "volumes": [
+                            {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}},
+                            {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+                            {
+                                "name": "admin",
+                                "secret": {
+                                    "secretName": GRAFANA_SECRET,
+                                    "defaultMode": 0o440,
+                                    "items": [
+                                        {"key": GRAFANA_SECRET_KEY, "path": posixpath.basename(password_file)}
+                                    ],
+                                },
+                            },
+                            {
+                                "name": "datasources",
+                                "configMap": {
+                                    "name": provisioning,
+                                    "items": [{"key": "datasources.yml", "path": "prometheus.yml"}],
+                                },
+                            },
+                            {
+                                "name": "providers",
+                                "configMap": {
+                                    "name": provisioning,
+                                    "items": [{"key": "dashboards.yml", "path": "duplex.yml"}],
+                                },
+                            },
+                            {"name": "dashboards", "configMap": {"name": "grafana-dashboards"}},
+                        ],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(workload, GRAFANA_NAME, "monitoring"),
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector,
+                "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+            },
+        },
+    ]
+
+
+def monitoring_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """Every monitoring object of the region in apply order: redis_exporter (Deployment, Service,
+    PodMonitoring), the GMP frontend, Grafana, the runtime's PodMonitoring and the ClusterRules."""
+    return [
+        *redis_exporter_objects(workload),
+        *frontend_objects(workload),
+        *grafana_objects(workload),
+        runtime_pod_monitoring(workload),
+        cluster_rules(workload),
+    ]

@@ -1,0 +1,432 @@
+"""The runtime's Kubernetes objects of one region (``infra.k8s.workload``), built from a ``RegionWorkload``
+with plain strings where the stack passes Pulumi Outputs: strict validation against the Kubernetes
+schemas, the Deployment's GPU placement, probes and drain, the Service's NEG, the PDB, the HPA, where the
+secrets go, and the runtime settings the environment carries."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from infra.k8s import workload as k8s
+from infra.k8s.manifest import region_objects, validate_manifests
+from infra.node.profile import PROFILES, get_profile
+from runtime.config import RuntimeConfig
+
+SECRETS = {
+    "redis_password": "redis-pw-0123456789abcdef",
+    "token_keys_json": json.dumps({"k2025": "s" * 43}),
+    "hf_token": "hf_SecretTokenForTests0123456789",
+    "grafana_admin_password": "grafana-pw-0123456789abcdef",
+}
+IMAGE = "us-central1-docker.pkg.dev/my-gcp-project/duplex/runtime@sha256:" + "ab" * 32
+CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIFICATE-----\n"
+
+
+def make_workload(**overrides: Any) -> k8s.RegionWorkload:
+    """A region with plain values everywhere (the stack passes Outputs for the cloud's values)."""
+    fields: dict[str, Any] = {
+        "region": "us-central1",
+        "cluster_name": "duplex-multi-region-us-central1",
+        "project": "my-gcp-project",
+        "profile": PROFILES["a100-80gb"],
+        "image": IMAGE,
+        "accelerator": "nvidia-a100-80gb",
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "redis_host": "10.64.0.3",
+        "redis_port": 6378,
+        "redis_ca_certificate": CA,
+        "weights_bucket": "duplex-models-us-central1",
+        "runtime_service_account": "duplex-rt-0@my-gcp-project.iam.gserviceaccount.com",
+        "weights_service_account": "duplex-wt-0@my-gcp-project.iam.gserviceaccount.com",
+        "monitoring_service_account": "duplex-mon-0@my-gcp-project.iam.gserviceaccount.com",
+        "neg_name": "duplex-multi-region-runtime",
+        **SECRETS,
+    }
+    fields.update(overrides)
+    return k8s.RegionWorkload(**fields)
+
+
+@pytest.fixture(scope="module")
+def workload() -> k8s.RegionWorkload:
+    return make_workload()
+
+
+@pytest.fixture(scope="module")
+def objects(workload: k8s.RegionWorkload) -> list[dict]:
+    return region_objects(workload)
+
+
+def _one(objects: list[dict], kind: str, name: str = k8s.APP_NAME) -> dict:
+    [found] = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def _runtime_container(deployment: dict) -> dict:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+# --- strict validation ------------------------------------------------------------------------------------
+
+
+def test_every_object_validates_strictly(objects: list[dict]) -> None:
+    assert validate_manifests(objects) == []
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Job"} <= kinds
+    assert {"PodMonitoring", "ClusterRules", "APIService"} <= kinds
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d["spec"]["template"]["spec"].update(replica=3), "'replica' was unexpected"),
+        (
+            lambda d: d["spec"]["template"]["spec"].update(terminationGracePeriodSeconds="3660"),
+            "is not of type",
+        ),
+        (
+            lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="8998"),
+            "is not of type",
+        ),
+        (lambda d: d["metadata"].update(labelz={}), "'labelz' was unexpected"),
+    ],
+)
+def test_a_broken_object_fails(objects: list[dict], mutate: Any, expected: str) -> None:
+    deployment = copy.deepcopy(_one(objects, "Deployment"))
+    mutate(deployment)
+    problems = validate_manifests([deployment])
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("Deployment duplex/duplex-runtime: ")
+    assert expected in problems[0]
+
+
+# --- the Deployment ---------------------------------------------------------------------------------------
+
+
+def test_deployment_runs_one_gpu_pod_per_node_and_has_no_replicas(objects: list[dict]) -> None:
+    deployment = _one(objects, "Deployment")
+    assert "replicas" not in deployment["spec"]  # the HPA owns it
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    pod = deployment["spec"]["template"]["spec"]
+    runtime = _runtime_container(deployment)
+    assert runtime["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-a100-80gb"}
+    assert runtime["image"] == IMAGE and runtime["args"] == ["serve"]
+    assert runtime["ports"] == [{"name": "http", "containerPort": 8998, "protocol": "TCP"}]
+    assert pod["serviceAccountName"] == k8s.RUNTIME_SERVICE_ACCOUNT
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+
+
+def test_probes_and_drain(objects: list[dict], workload: k8s.RegionWorkload) -> None:
+    deployment = _one(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    runtime = _runtime_container(deployment)
+    startup, liveness, readiness = (
+        runtime["startupProbe"],
+        runtime["livenessProbe"],
+        runtime["readinessProbe"],
+    )
+    assert startup["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert liveness["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert readiness["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # a 7B model load
+    assert startup["periodSeconds"] * startup["failureThreshold"] == k8s.startup_budget_s() == 1800
+    max_session_s = workload.profile.limits.max_session_s
+    assert pod["terminationGracePeriodSeconds"] >= max_session_s
+    assert pod["terminationGracePeriodSeconds"] == max_session_s + k8s.DRAIN_MARGIN_S == 3660
+    env = {e["name"]: e for e in runtime["env"]}
+    assert env["DUPLEX_DRAIN_GRACE_S"]["value"] == str(max_session_s)  # running sessions finish
+    command = runtime["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/sh", "-c"] and command[2].startswith("kill -TERM 1;")
+    assert "http://127.0.0.1:8998/healthz" in command[2]
+
+
+def test_init_container_waits_for_the_weights_marker(
+    objects: list[dict], workload: k8s.RegionWorkload
+) -> None:
+    deployment = _one(objects, "Deployment")
+    [init] = deployment["spec"]["template"]["spec"]["initContainers"]
+    marker = f"/models/nvidia/personaplex-7b-v1/{k8s.WEIGHTS_MARKER}"
+    assert f'[ -f "{marker}" ]' in init["command"][2]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in init["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in _runtime_container(deployment)["env"]}
+    assert env["DUPLEX_WEIGHTS"] == "/models/nvidia/personaplex-7b-v1" == k8s.weights_dir(workload)
+    assert env["HF_HUB_OFFLINE"] == "1"
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX shell")
+def test_shell_commands_parse(objects: list[dict]) -> None:
+    deployment = _one(objects, "Deployment")
+    runtime = _runtime_container(deployment)
+    [init] = deployment["spec"]["template"]["spec"]["initContainers"]
+    for command in (runtime["lifecycle"]["preStop"]["exec"]["command"], init["command"]):
+        assert command[:2] == ["/bin/sh", "-c"]
+        result = subprocess.run(["sh", "-n", "-c", command[2]], capture_output=True, text=True, timeout=10)
+        assert result.returncode == 0, result.stderr
+
+
+def test_pod_and_containers_meet_pod_security_restricted(objects: list[dict]) -> None:
+    namespace = _one(objects, "Namespace", "duplex")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for obj in objects:
+        if obj["kind"] not in ("Deployment", "Job") or obj["metadata"]["namespace"] != "duplex":
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, obj["metadata"]["name"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False
+            assert security["capabilities"] == {"drop": ["ALL"]}
+            assert security["readOnlyRootFilesystem"] is True
+    runtime_pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert runtime_pod["securityContext"]["runAsUser"] == k8s.RUNTIME_UID == 10001
+
+
+def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every DUPLEX_* variable is a RuntimeConfig field (a typo fails), and the plain values parse."""
+    runtime = _runtime_container(_one(objects, "Deployment"))
+    names = [e["name"] for e in runtime["env"]]
+    assert len(names) == len(set(names))
+    fields = set(RuntimeConfig.model_fields)
+    duplex = [n for n in names if n.startswith("DUPLEX_")]
+    assert [n for n in duplex if n.removeprefix("DUPLEX_").lower() not in fields] == []
+    assert set(names) - set(duplex) == {"HF_HUB_OFFLINE", "HF_HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR"}
+    for name in list(os.environ):
+        if name.startswith("DUPLEX_"):
+            monkeypatch.delenv(name)
+    for var in runtime["env"]:
+        if var["name"].startswith("DUPLEX_") and "value" in var:
+            monkeypatch.setenv(var["name"], var["value"])
+    config = RuntimeConfig()
+    assert config.host == "0.0.0.0" and config.device == "cuda" and config.max_sessions == 5
+    assert str(config.token_keys_file) == k8s.TOKEN_KEYS_PATH
+    assert config.drain_grace_s == config.max_session_s == 3600
+
+
+# --- Service, PDB, HPA -------------------------------------------------------------------------------------
+
+
+def test_service_has_the_neg_annotation(objects: list[dict], workload: k8s.RegionWorkload) -> None:
+    service = _one(objects, "Service")
+    neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
+    assert neg == {"exposed_ports": {"8998": {"name": "duplex-multi-region-runtime"}}}
+    [port] = service["spec"]["ports"]
+    assert port == {"name": "http", "port": 8998, "targetPort": "http", "protocol": "TCP"}
+    container_port = _runtime_container(_one(objects, "Deployment"))["ports"][0]["containerPort"]
+    assert str(container_port) in neg["exposed_ports"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["selector"] == k8s.pod_labels(workload)
+
+
+def test_pdb_allows_one_disruption_of_the_runtime_pods(objects: list[dict]) -> None:
+    pdb = _one(objects, "PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["maxUnavailable"] == 1
+    pod_labels = _one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert selector == _one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+
+
+def test_hpa_scales_on_active_sessions_per_pod(objects: list[dict]) -> None:
+    hpa = _one(objects, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": k8s.APP_NAME,
+    }
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
+    [metric] = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == "prometheus.googleapis.com|duplex_active_sessions|gauge"
+    assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "4"}  # 5 slots x 0.8
+    behavior = hpa["spec"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 600
+
+
+@pytest.mark.parametrize(
+    ("sessions", "utilization", "expected"),
+    [(5, 0.8, "4"), (3, 0.8, "2400m"), (2, 0.75, "1500m"), (1, 0.8, "800m"), (8, 1.0, "8")],
+)
+def test_hpa_target_is_slots_times_utilization(sessions: int, utilization: float, expected: str) -> None:
+    profile = get_profile("a100-80gb", max_sessions=sessions)
+    workload = make_workload(profile=profile, target_slot_utilization=utilization)
+    assert k8s.hpa_target_average(workload) == expected
+
+
+# --- secrets and the weights Job ---------------------------------------------------------------------------
+
+
+def test_secret_values_appear_only_in_secrets_string_data(objects: list[dict]) -> None:
+    secrets = [o for o in objects if o["kind"] == "Secret"]
+    assert {s["metadata"]["name"] for s in secrets} == {k8s.SECRET_NAME, "grafana-admin"}
+    for obj in objects:
+        shown = {k: v for k, v in obj.items() if not (obj["kind"] == "Secret" and k == "stringData")}
+        text = json.dumps(shown)
+        for name, value in SECRETS.items():
+            assert value not in text, f"{obj['kind']} {obj['metadata']['name']} holds {name}"
+    runtime_secret = _one(objects, "Secret", k8s.SECRET_NAME)
+    assert runtime_secret["type"] == "Opaque"
+    data = runtime_secret["stringData"]
+    assert data["redis-url"] == (
+        "rediss://:redis-pw-0123456789abcdef@10.64.0.3:6378/0"
+        "?ssl_ca_certs=/etc/duplex/redis-ca/ca.pem&ssl_check_hostname=false"
+    )
+    assert data["token_keys.json"] == SECRETS["token_keys_json"]
+    assert data["hf-token"] == SECRETS["hf_token"]
+    assert (
+        "hf-token"
+        not in _one(region_objects(make_workload(hf_token=None)), "Secret", k8s.SECRET_NAME)["stringData"]
+    )
+
+
+def test_redis_url_is_what_redis_py_reads() -> None:
+    from redis.connection import parse_url
+
+    url = k8s.redis_url("10.64.0.3", 6378, "p@ss/w:rd")
+    parsed = parse_url(url)
+    assert parsed["password"] == "p@ss/w:rd"
+    assert (parsed["host"], parsed["port"], parsed["db"]) == ("10.64.0.3", 6378, 0)
+    assert parsed["ssl_ca_certs"] == k8s.REDIS_CA_PATH
+    assert parsed["ssl_check_hostname"] is False
+    assert parsed["connection_class"].__name__ == "SSLConnection"
+    with pytest.raises(ValueError, match="port"):
+        k8s.redis_url("10.64.0.3", 70000, "pw")
+
+
+def test_given_redis_url_is_used_as_is() -> None:
+    url = "rediss://:other@10.0.0.9:6378/0?ssl_ca_certs=/etc/duplex/redis-ca/ca.pem&ssl_check_hostname=false"
+    secret = _one(region_objects(make_workload(redis_url=url)), "Secret", k8s.SECRET_NAME)
+    assert secret["stringData"]["redis-url"] == url
+
+
+def test_weights_job_downloads_the_presets_repo_on_a_cpu_node(objects: list[dict]) -> None:
+    job = _one(objects, "Job", k8s.WEIGHTS_JOB)
+    pod = job["spec"]["template"]["spec"]
+    assert "tolerations" not in pod and "nodeSelector" not in pod
+    assert pod["serviceAccountName"] == k8s.WEIGHTS_SERVICE_ACCOUNT
+    assert job["spec"]["template"]["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
+    [container] = pod["containers"]
+    assert container["command"][:2] == ["python", "-c"]
+    assert container["command"][3:] == [
+        "nvidia/personaplex-7b-v1",
+        "/models/nvidia/personaplex-7b-v1",
+        ".duplex-complete",
+    ]
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    [volume] = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
+    assert volume["csi"]["readOnly"] is False
+    assert volume["csi"]["volumeAttributes"]["bucketName"] == "duplex-models-us-central1"
+    assert {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": k8s.SECRET_NAME, "key": "hf-token"}},
+    } in (container["env"])
+    assert job["spec"]["backoffLimit"] >= 1
+    runtime_models = [
+        v for v in _one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"
+    ]
+    assert runtime_models[0]["csi"]["readOnly"] is True
+    assert "file-cache:max-size-mb" in runtime_models[0]["csi"]["volumeAttributes"]["mountOptions"]
+
+
+def test_service_accounts_and_workload_identity(objects: list[dict], workload: k8s.RegionWorkload) -> None:
+    assert k8s.workload_identity_bindings() == k8s.WORKLOAD_IDENTITY_BINDINGS
+    emails = {
+        "runtime": workload.runtime_service_account,
+        "weights": workload.weights_service_account,
+        "monitoring": workload.monitoring_service_account,
+    }
+    for role, namespace, name in k8s.workload_identity_bindings(workload.namespace):
+        [account] = [
+            o
+            for o in objects
+            if o["kind"] == "ServiceAccount"
+            and (o["metadata"]["namespace"], o["metadata"]["name"]) == (namespace, name)
+        ]
+        expected = emails[role]
+        assert account["metadata"]["annotations"] == {"iam.gke.io/gcp-service-account": expected}
+
+
+# --- RegionWorkload validation -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"region": "US-Central1"}, "RegionWorkload.region"),
+        ({"cluster_name": "x" * 41}, "RegionWorkload.cluster_name"),
+        ({"namespace": "kube-system"}, "RegionWorkload.namespace"),
+        (
+            {"accelerator": "nvidia-l4"},
+            "the profile's GPU 'a100-80gb-sxm' is GKE accelerator 'nvidia-a100-80gb'",
+        ),
+        ({"accelerator": "tpu-v5"}, "RegionWorkload.accelerator"),
+        ({"min_replicas": 0}, "RegionWorkload.min_replicas"),
+        ({"min_replicas": 3, "max_replicas": 2}, "must be >= min_replicas"),
+        ({"target_slot_utilization": 1.5}, "target_slot_utilization"),
+        ({"image": "us-docker.pkg.dev/p/r/runtime:latest"}, "digest-pinned"),
+        ({"redis_port": 0}, "RegionWorkload.redis_port"),
+        ({"neg_name": "Runtime_NEG"}, "RegionWorkload.neg_name"),
+        ({"runtime_service_account": "runtime"}, "service account email"),
+        ({"token_keys_json": "not json"}, "token_keys_json"),
+        ({"profile": PROFILES["local"]}, "must have a GPU"),
+    ],
+)
+def test_bad_fields_are_refused_with_the_field_named(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_workload(**overrides)
+
+
+def test_secrets_are_hidden_from_repr(workload: k8s.RegionWorkload) -> None:
+    text = repr(workload)
+    for value in SECRETS.values():
+        assert value not in text
+
+
+def test_outputs_are_placed_untouched() -> None:
+    """Values the stack passes as Outputs are placed as they are (here: marker objects)."""
+
+    class Opaque:
+        pass
+
+    image, bucket, ca = Opaque(), Opaque(), Opaque()
+    workload = make_workload(image=image, weights_bucket=bucket, redis_ca_certificate=ca, redis_url=Opaque())
+    objects = region_objects(workload)
+    deployment = _one(objects, "Deployment")
+    assert _runtime_container(deployment)["image"] is image
+    [models] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"]
+    assert models["csi"]["volumeAttributes"]["bucketName"] is bucket
+    assert _one(objects, "ConfigMap", k8s.REDIS_CA_CONFIGMAP)["data"]["ca.pem"] is ca
+
+
+def test_lift_joins_outputs_with_output_all() -> None:
+    pulumi = pytest.importorskip("pulumi")
+    assert k8s.lift(k8s.redis_address, "10.0.0.3", 6378) == "rediss://10.0.0.3:6378"
+    joined = k8s.lift(k8s.redis_address, pulumi.Output.from_input("10.0.0.3"), 6378)
+    assert isinstance(joined, pulumi.Output)
+
+
+def test_namespace_changes_every_namespaced_object() -> None:
+    objects = region_objects(replace(make_workload(), namespace="voice"))
+    namespaced = [
+        o for o in objects if o["metadata"].get("namespace") not in (None, "custom-metrics", "kube-system")
+    ]
+    assert namespaced and all(o["metadata"]["namespace"] == "voice" for o in namespaced)
+    assert validate_manifests(objects) == []
