@@ -153,6 +153,24 @@ def _secret(value: Any) -> pulumi.Output[str] | None:
     return None if value is None else pulumi.Output.secret(value.get_secret_value())
 
 
+def _enable_apis(project: str, services: tuple[str, ...]) -> pulumi.ResourceOptions:
+    """Enable ``services`` in ``project`` (never disabled on destroy: other stacks may use them); options
+    that make a resource wait for them."""
+    import pulumi_gcp.projects as projects
+
+    apis = [
+        projects.Service(
+            f"api-{service.split('.')[0]}",
+            project=project,
+            service=service,
+            disable_on_destroy=False,
+            disable_dependent_services=False,
+        )
+        for service in services
+    ]
+    return pulumi.ResourceOptions(depends_on=apis)
+
+
 def _build_dir() -> Path:
     configured = os.environ.get(BUILD_DIR_ENV)
     return Path(configured).resolve() if configured else REPO_ROOT / ".pulumi-build"
@@ -162,7 +180,6 @@ def _build_dir() -> Path:
 
 
 def _gce_node(config: StackConfig) -> dict[str, Any]:
-    import pulumi_gcp.projects as projects
 
     from infra.components.gce_node import GceGpuNode, GceGpuNodeArgs
     from infra.components.image import RuntimeImage, RuntimeImageArgs
@@ -171,19 +188,7 @@ def _gce_node(config: StackConfig) -> dict[str, Any]:
     gce = config.gce
     assert gce is not None
     prefix, profile, labels = config.name_prefix, config.profile, _labels(config)
-    apis: list[pulumi.Resource] = []
-    if gce.enable_apis:
-        for service in GCP_APIS:
-            apis.append(
-                projects.Service(
-                    f"api-{service.split('.')[0]}",
-                    project=gce.project,
-                    service=service,
-                    disable_on_destroy=False,
-                    disable_dependent_services=False,
-                )
-            )
-    after_apis = pulumi.ResourceOptions(depends_on=apis)
+    after_apis = _enable_apis(gce.project, GCP_APIS if gce.enable_apis else ())
 
     image = RuntimeImage(
         "runtime-image",
@@ -363,7 +368,6 @@ def region_capacity(region: RegionSettings) -> dict[str, Any]:
 
 def _multi_region(config: StackConfig) -> dict[str, Any]:
     import pulumi_gcp.compute as compute
-    import pulumi_gcp.projects as projects
 
     from infra.components.gke_region import GkeRegion, GkeRegionArgs
     from infra.components.global_entry import GlobalEntry, GlobalEntryArgs, RegionBackend
@@ -376,19 +380,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
     assert mr is not None and config.domain is not None
     prefix, labels, project = config.name_prefix, _labels(config), mr.project
     first = mr.regions[0]
-    apis: list[pulumi.Resource] = []
-    if mr.enable_apis:
-        for service in GKE_APIS:
-            apis.append(
-                projects.Service(
-                    f"api-{service.split('.')[0]}",
-                    project=project,
-                    service=service,
-                    disable_on_destroy=False,
-                    disable_dependent_services=False,
-                )
-            )
-    after_apis = pulumi.ResourceOptions(depends_on=apis)
+    after_apis = _enable_apis(project, GKE_APIS if mr.enable_apis else ())
     image = RuntimeImage(
         "runtime-image",
         RuntimeImageArgs(project=project, location=first.region, repository_id=prefix, labels=labels),

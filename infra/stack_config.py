@@ -526,16 +526,20 @@ def _profile_problem(profile_name: str, overrides: dict[str, Any], error: Any) -
     return f"{NAMESPACE}:{key}: {overrides.get(field)!r} rejected for profile {profile_name!r}: {message}"
 
 
-def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings | None:
-    problems = reader.problems
-    start = len(problems)
-    project = reader.string(
+def _gcp_project(reader: _Reader) -> str | None:
+    return reader.string(
         "project",
         namespace=GCP_NAMESPACE,
         required=True,
         pattern=_PROJECT_RE,
         allowed="a Google Cloud project id (6-30 lower case letters, digits, '-')",
     )
+
+
+def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings | None:
+    problems = reader.problems
+    start = len(problems)
+    project = _gcp_project(reader)
     region = reader.string(
         "region",
         namespace=GCP_NAMESPACE,
@@ -640,13 +644,7 @@ def _multi_region_settings(
 ) -> MultiRegionSettings | None:
     problems = reader.problems
     start = len(problems)
-    project = reader.string(
-        "project",
-        namespace=GCP_NAMESPACE,
-        required=True,
-        pattern=_PROJECT_RE,
-        allowed="a Google Cloud project id (6-30 lower case letters, digits, '-')",
-    )
+    project = _gcp_project(reader)
     public = reader.cidr_list("publicSourceRanges", required=True)
     admin = reader.cidr_list("adminSourceRanges", required=True)
     channel = reader.choice("releaseChannel", _RELEASE_CHANNELS, default="REGULAR")
