@@ -278,7 +278,7 @@ def test_policy_pack_passes(run: StackRun) -> None:
     assert check_resources(_policy_inputs(run)) == []
 
 
-def test_policy_pack_fails_on_untainted_gpu_pool_and_plain_redis(run: StackRun) -> None:
+def test_policy_pack_fails_on_untainted_gpu_pool_plain_redis_and_short_timeout(run: StackRun) -> None:
     resources = _policy_inputs(run)
     broken = []
     for typ, props, name in resources:
@@ -287,9 +287,12 @@ def test_policy_pack_fails_on_untainted_gpu_pool_and_plain_redis(run: StackRun) 
             props["nodeConfig"]["taints"] = []
         if typ == REDIS and name.startswith("region-europe-west4"):
             props["transitEncryptionMode"] = "DISABLED"
+        if typ == BACKEND:
+            props.pop("timeoutSec")  # the 30 s default
         broken.append((typ, props, name))
     violations = check_resources(broken)
-    assert len(violations) == 2, violations
+    assert len(violations) == 3, violations
+    assert any("[backend-timeout-fits-websockets]" in v and "default 30 s" in v for v in violations)
     assert any("[gpu-node-pool-tainted]" in v and "region-us-central1" in v for v in violations)
     assert any("[redis-auth-required]" in v and "transitEncryptionMode" in v for v in violations)
 
