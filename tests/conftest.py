@@ -7,18 +7,28 @@ persistence, with its working dir under the test's ``tmp_path``. It can be stopp
 the SAME port, so clients see an outage and a restart. The function-scoped :func:`redis_server` fixture
 yields a started one and stops it at teardown. A missing ``redis-server`` is a test failure, not a skip:
 CI installs it (``apt-get install redis-server``).
+
+A region's Kubernetes objects
+-----------------------------
+The module-scoped :func:`workload` fixture is ``k8s_fixtures.make_workload()`` (a ``RegionWorkload`` with
+plain values) and :func:`objects` its ``infra.k8s.manifest.region_objects``, built once per test module
+(``tests/test_k8s_*.py``); imported when first used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from runtime.local_redis import LocalRedisError, RedisServer
 
-__all__ = ["RedisServer", "redis_server"]
+if TYPE_CHECKING:
+    from infra.k8s.workload import RegionWorkload
+
+__all__ = ["RedisServer", "objects", "redis_server", "workload"]
 
 
 @pytest.fixture
@@ -33,3 +43,19 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def workload() -> RegionWorkload:
+    """``k8s_fixtures.make_workload()``: a region with plain values, one per test module."""
+    from k8s_fixtures import make_workload
+
+    return make_workload()
+
+
+@pytest.fixture(scope="module")
+def objects(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """Every Kubernetes object of ``workload`` in apply order (``infra.k8s.manifest.region_objects``)."""
+    from infra.k8s.manifest import region_objects
+
+    return region_objects(workload)

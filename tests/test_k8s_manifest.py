@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_k8s_objects import make_workload
 
 from infra.k8s import workload as k8s
 from infra.k8s.manifest import (
     APPLY_FIRST,
     UnknownKindError,
-    region_objects,
     to_manifest,
     validate_manifests,
     write_manifests,
@@ -32,11 +30,6 @@ from infra.k8s.manifest import (
 from runtime.local_redis import free_loopback_port
 
 _SECRET_SIG = {"4dabf18193072939515e22adb298388d": "1b47061264138c4ac30d75fd1eb44270"}
-
-
-@pytest.fixture(scope="module")
-def objects() -> list[dict]:
-    return region_objects(make_workload())
 
 
 def _floatified(value):

@@ -12,27 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_k8s_objects import make_workload
+from k8s_fixtures import make_workload, one
 
 from infra.k8s import metrics_adapter, monitoring
 from infra.k8s import workload as k8s
-from infra.k8s.manifest import region_objects, validate_manifests
+from infra.k8s.manifest import validate_manifests
 from infra.node.profile import get_profile
-
-
-@pytest.fixture(scope="module")
-def workload() -> k8s.RegionWorkload:
-    return make_workload()
-
-
-@pytest.fixture(scope="module")
-def objects(workload: k8s.RegionWorkload) -> list[dict]:
-    return region_objects(workload)
-
-
-def _one(objects: list[dict], kind: str, name: str) -> dict:
-    [found] = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
-    return found
 
 
 @pytest.fixture
@@ -69,7 +54,7 @@ def test_cluster_rules_pass_promtool(promtool: str, tmp_path: Path, profile) -> 
 
 
 def test_rules_select_gmp_target_labels(objects: list[dict]) -> None:
-    rules = _one(objects, "ClusterRules", "duplex-rules")
+    rules = one(objects, "ClusterRules", "duplex-rules")
     assert "namespace" not in rules["metadata"]  # cluster-scoped
     groups = rules["spec"]["groups"]
     assert [g["interval"] for g in groups] == [monitoring.RULE_INTERVAL] * len(groups)
@@ -81,27 +66,27 @@ def test_rules_select_gmp_target_labels(objects: list[dict]) -> None:
         in (alerts["GpuMemoryHigh"])
     )
     # The job labels are the PodMonitorings' names.
-    assert _one(objects, "PodMonitoring", monitoring.RUNTIME_JOB)
-    assert _one(objects, "PodMonitoring", monitoring.REDIS_EXPORTER_NAME)
+    assert one(objects, "PodMonitoring", monitoring.RUNTIME_JOB)
+    assert one(objects, "PodMonitoring", monitoring.REDIS_EXPORTER_NAME)
 
 
 def test_pod_monitorings_scrape_the_runtime_and_the_exporter(objects: list[dict], workload) -> None:
-    runtime = _one(objects, "PodMonitoring", "runtime")
+    runtime = one(objects, "PodMonitoring", "runtime")
     assert runtime["apiVersion"] == "monitoring.googleapis.com/v1"
     assert runtime["spec"]["selector"]["matchLabels"] == k8s.pod_labels(workload)
     assert runtime["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "5s"}]
     assert "node" in runtime["spec"]["targetLabels"]["metadata"]
-    exporter = _one(objects, "PodMonitoring", "redis-exporter")
+    exporter = one(objects, "PodMonitoring", "redis-exporter")
     [endpoint] = exporter["spec"]["endpoints"]
     assert endpoint["port"] == "metrics"
-    deployment = _one(objects, "Deployment", "redis-exporter")
+    deployment = one(objects, "Deployment", "redis-exporter")
     assert exporter["spec"]["selector"]["matchLabels"].items() <= (
         deployment["spec"]["template"]["metadata"]["labels"].items()
     )
 
 
 def test_redis_exporter_watches_memorystore_over_tls(objects: list[dict]) -> None:
-    deployment = _one(objects, "Deployment", "redis-exporter")
+    deployment = one(objects, "Deployment", "redis-exporter")
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == "oliver006/redis_exporter:v1.74.0-alpine"  # the node's pin
     env = {e["name"]: e for e in container["env"]}
@@ -116,12 +101,12 @@ def test_redis_exporter_watches_memorystore_over_tls(objects: list[dict]) -> Non
 
 
 def test_frontend_queries_the_project_as_the_monitoring_account(objects: list[dict], workload) -> None:
-    account = _one(objects, "ServiceAccount", monitoring.FRONTEND_NAME)
+    account = one(objects, "ServiceAccount", monitoring.FRONTEND_NAME)
     assert (
         account["metadata"]["annotations"]["iam.gke.io/gcp-service-account"]
         == workload.monitoring_service_account
     )
-    deployment = _one(objects, "Deployment", monitoring.FRONTEND_NAME)
+    deployment = one(objects, "Deployment", monitoring.FRONTEND_NAME)
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == monitoring.FRONTEND_NAME
     [container] = pod["containers"]
@@ -130,13 +115,13 @@ def test_frontend_queries_the_project_as_the_monitoring_account(objects: list[di
 
 
 def test_grafana_is_provisioned_with_the_node_dashboard(objects: list[dict], workload) -> None:
-    provisioning = _one(objects, "ConfigMap", "grafana-provisioning")["data"]
+    provisioning = one(objects, "ConfigMap", "grafana-provisioning")["data"]
     datasources = yaml.safe_load(provisioning["datasources.yml"])
     [source] = datasources["datasources"]
     assert source["url"] == "http://gmp-frontend.duplex.svc:9090"
     providers = yaml.safe_load(provisioning["dashboards.yml"])
     assert providers["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
-    dashboard = json.loads(_one(objects, "ConfigMap", "grafana-dashboards")["data"]["duplex-region.json"])
+    dashboard = json.loads(one(objects, "ConfigMap", "grafana-dashboards")["data"]["duplex-region.json"])
     assert dashboard["uid"] == "duplex-us-central1"
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     scope = (
@@ -146,7 +131,7 @@ def test_grafana_is_provisioned_with_the_node_dashboard(objects: list[dict], wor
     assert exprs and all(scope in e for e in exprs)
     assert any("DCGM_FI_DEV_FB_USED" in e for e in exprs)
     assert len(json.dumps(dashboard)) < 1_000_000  # a ConfigMap holds at most 1 MiB
-    deployment = _one(objects, "Deployment", monitoring.GRAFANA_NAME)
+    deployment = one(objects, "Deployment", monitoring.GRAFANA_NAME)
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
@@ -159,12 +144,12 @@ def test_grafana_is_provisioned_with_the_node_dashboard(objects: list[dict], wor
 def test_adapter_objects_follow_googles_manifest(objects: list[dict], workload) -> None:
     adapter = [o for o in objects if o["metadata"].get("namespace") == "custom-metrics"]
     assert {o["kind"] for o in adapter} == {"ServiceAccount", "Deployment", "Service"}
-    account = _one(objects, "ServiceAccount", metrics_adapter.ADAPTER_NAME)
+    account = one(objects, "ServiceAccount", metrics_adapter.ADAPTER_NAME)
     assert (
         account["metadata"]["annotations"]["iam.gke.io/gcp-service-account"]
         == workload.monitoring_service_account
     )
-    deployment = _one(objects, "Deployment", metrics_adapter.ADAPTER_NAME)
+    deployment = one(objects, "Deployment", metrics_adapter.ADAPTER_NAME)
     [container] = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == metrics_adapter.ADAPTER_IMAGE
     assert "--use-new-resource-model=true" in container["command"]

@@ -14,60 +14,12 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from k8s_fixtures import IMAGE, SECRETS, make_workload, one
 
 from infra.k8s import workload as k8s
 from infra.k8s.manifest import region_objects, validate_manifests
 from infra.node.profile import PROFILES, get_profile
 from runtime.config import RuntimeConfig
-
-SECRETS = {
-    "redis_password": "redis-pw-0123456789abcdef",
-    "token_keys_json": json.dumps({"k2025": "s" * 43}),
-    "hf_token": "hf_SecretTokenForTests0123456789",
-    "grafana_admin_password": "grafana-pw-0123456789abcdef",
-}
-IMAGE = "us-central1-docker.pkg.dev/my-gcp-project/duplex/runtime@sha256:" + "ab" * 32
-CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIFICATE-----\n"
-
-
-def make_workload(**overrides: Any) -> k8s.RegionWorkload:
-    """A region with plain values everywhere (the stack passes Outputs for the cloud's values)."""
-    fields: dict[str, Any] = {
-        "region": "us-central1",
-        "cluster_name": "duplex-multi-region-us-central1",
-        "project": "my-gcp-project",
-        "profile": PROFILES["a100-80gb"],
-        "image": IMAGE,
-        "accelerator": "nvidia-a100-80gb",
-        "min_replicas": 1,
-        "max_replicas": 4,
-        "redis_host": "10.64.0.3",
-        "redis_port": 6378,
-        "redis_ca_certificate": CA,
-        "weights_bucket": "duplex-models-us-central1",
-        "runtime_service_account": "duplex-rt-0@my-gcp-project.iam.gserviceaccount.com",
-        "weights_service_account": "duplex-wt-0@my-gcp-project.iam.gserviceaccount.com",
-        "monitoring_service_account": "duplex-mon-0@my-gcp-project.iam.gserviceaccount.com",
-        "neg_name": "duplex-multi-region-runtime",
-        **SECRETS,
-    }
-    fields.update(overrides)
-    return k8s.RegionWorkload(**fields)
-
-
-@pytest.fixture(scope="module")
-def workload() -> k8s.RegionWorkload:
-    return make_workload()
-
-
-@pytest.fixture(scope="module")
-def objects(workload: k8s.RegionWorkload) -> list[dict]:
-    return region_objects(workload)
-
-
-def _one(objects: list[dict], kind: str, name: str = k8s.APP_NAME) -> dict:
-    [found] = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
-    return found
 
 
 def _runtime_container(deployment: dict) -> dict:
@@ -101,7 +53,7 @@ def test_every_object_validates_strictly(objects: list[dict]) -> None:
     ],
 )
 def test_a_broken_object_fails(objects: list[dict], mutate: Any, expected: str) -> None:
-    deployment = copy.deepcopy(_one(objects, "Deployment"))
+    deployment = copy.deepcopy(one(objects, "Deployment"))
     mutate(deployment)
     problems = validate_manifests([deployment])
     assert len(problems) == 1, problems
@@ -113,7 +65,7 @@ def test_a_broken_object_fails(objects: list[dict], mutate: Any, expected: str) 
 
 
 def test_deployment_runs_one_gpu_pod_per_node_and_has_no_replicas(objects: list[dict]) -> None:
-    deployment = _one(objects, "Deployment")
+    deployment = one(objects, "Deployment")
     assert "replicas" not in deployment["spec"]  # the HPA owns it
     assert deployment["spec"]["strategy"] == {
         "type": "RollingUpdate",
@@ -131,7 +83,7 @@ def test_deployment_runs_one_gpu_pod_per_node_and_has_no_replicas(objects: list[
 
 
 def test_probes_and_drain(objects: list[dict], workload: k8s.RegionWorkload) -> None:
-    deployment = _one(objects, "Deployment")
+    deployment = one(objects, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     runtime = _runtime_container(deployment)
     startup, liveness, readiness = (
@@ -157,7 +109,7 @@ def test_probes_and_drain(objects: list[dict], workload: k8s.RegionWorkload) -> 
 def test_init_container_waits_for_the_weights_marker(
     objects: list[dict], workload: k8s.RegionWorkload
 ) -> None:
-    deployment = _one(objects, "Deployment")
+    deployment = one(objects, "Deployment")
     [init] = deployment["spec"]["template"]["spec"]["initContainers"]
     marker = f"/models/nvidia/personaplex-7b-v1/{k8s.WEIGHTS_MARKER}"
     assert f'[ -f "{marker}" ]' in init["command"][2]
@@ -169,7 +121,7 @@ def test_init_container_waits_for_the_weights_marker(
 
 @pytest.mark.skipif(shutil.which("sh") is None, reason="no POSIX shell")
 def test_shell_commands_parse(objects: list[dict]) -> None:
-    deployment = _one(objects, "Deployment")
+    deployment = one(objects, "Deployment")
     runtime = _runtime_container(deployment)
     [init] = deployment["spec"]["template"]["spec"]["initContainers"]
     for command in (runtime["lifecycle"]["preStop"]["exec"]["command"], init["command"]):
@@ -179,7 +131,7 @@ def test_shell_commands_parse(objects: list[dict]) -> None:
 
 
 def test_pod_and_containers_meet_pod_security_restricted(objects: list[dict]) -> None:
-    namespace = _one(objects, "Namespace", "duplex")
+    namespace = one(objects, "Namespace", "duplex")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
     for obj in objects:
         if obj["kind"] not in ("Deployment", "Job") or obj["metadata"]["namespace"] != "duplex":
@@ -192,13 +144,13 @@ def test_pod_and_containers_meet_pod_security_restricted(objects: list[dict]) ->
             assert security["allowPrivilegeEscalation"] is False
             assert security["capabilities"] == {"drop": ["ALL"]}
             assert security["readOnlyRootFilesystem"] is True
-    runtime_pod = _one(objects, "Deployment")["spec"]["template"]["spec"]
+    runtime_pod = one(objects, "Deployment")["spec"]["template"]["spec"]
     assert runtime_pod["securityContext"]["runAsUser"] == k8s.RUNTIME_UID == 10001
 
 
 def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every DUPLEX_* variable is a RuntimeConfig field (a typo fails), and the plain values parse."""
-    runtime = _runtime_container(_one(objects, "Deployment"))
+    runtime = _runtime_container(one(objects, "Deployment"))
     names = [e["name"] for e in runtime["env"]]
     assert len(names) == len(set(names))
     fields = set(RuntimeConfig.model_fields)
@@ -221,29 +173,29 @@ def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch
 
 
 def test_service_has_the_neg_annotation(objects: list[dict], workload: k8s.RegionWorkload) -> None:
-    service = _one(objects, "Service")
+    service = one(objects, "Service")
     neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
     assert neg == {"exposed_ports": {"8998": {"name": "duplex-multi-region-runtime"}}}
     [port] = service["spec"]["ports"]
     assert port == {"name": "http", "port": 8998, "targetPort": "http", "protocol": "TCP"}
-    container_port = _runtime_container(_one(objects, "Deployment"))["ports"][0]["containerPort"]
+    container_port = _runtime_container(one(objects, "Deployment"))["ports"][0]["containerPort"]
     assert str(container_port) in neg["exposed_ports"]
     assert service["spec"]["type"] == "ClusterIP"
     assert service["spec"]["selector"] == k8s.pod_labels(workload)
 
 
 def test_pdb_allows_one_disruption_of_the_runtime_pods(objects: list[dict]) -> None:
-    pdb = _one(objects, "PodDisruptionBudget")
+    pdb = one(objects, "PodDisruptionBudget")
     assert pdb["apiVersion"] == "policy/v1"
     assert pdb["spec"]["maxUnavailable"] == 1
-    pod_labels = _one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    pod_labels = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
     selector = pdb["spec"]["selector"]["matchLabels"]
     assert selector.items() <= pod_labels.items()
-    assert selector == _one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert selector == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
 
 
 def test_hpa_scales_on_active_sessions_per_pod(objects: list[dict]) -> None:
-    hpa = _one(objects, "HorizontalPodAutoscaler")
+    hpa = one(objects, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
@@ -281,7 +233,7 @@ def test_secret_values_appear_only_in_secrets_string_data(objects: list[dict]) -
         text = json.dumps(shown)
         for name, value in SECRETS.items():
             assert value not in text, f"{obj['kind']} {obj['metadata']['name']} holds {name}"
-    runtime_secret = _one(objects, "Secret", k8s.SECRET_NAME)
+    runtime_secret = one(objects, "Secret", k8s.SECRET_NAME)
     assert runtime_secret["type"] == "Opaque"
     data = runtime_secret["stringData"]
     assert data["redis-url"] == (
@@ -292,7 +244,7 @@ def test_secret_values_appear_only_in_secrets_string_data(objects: list[dict]) -
     assert data["hf-token"] == SECRETS["hf_token"]
     assert (
         "hf-token"
-        not in _one(region_objects(make_workload(hf_token=None)), "Secret", k8s.SECRET_NAME)["stringData"]
+        not in one(region_objects(make_workload(hf_token=None)), "Secret", k8s.SECRET_NAME)["stringData"]
     )
 
 
@@ -312,12 +264,12 @@ def test_redis_url_is_what_redis_py_reads() -> None:
 
 def test_given_redis_url_is_used_as_is() -> None:
     url = "rediss://:other@10.0.0.9:6378/0?ssl_ca_certs=/etc/duplex/redis-ca/ca.pem&ssl_check_hostname=false"
-    secret = _one(region_objects(make_workload(redis_url=url)), "Secret", k8s.SECRET_NAME)
+    secret = one(region_objects(make_workload(redis_url=url)), "Secret", k8s.SECRET_NAME)
     assert secret["stringData"]["redis-url"] == url
 
 
 def test_weights_job_downloads_the_presets_repo_on_a_cpu_node(objects: list[dict]) -> None:
-    job = _one(objects, "Job", k8s.WEIGHTS_JOB)
+    job = one(objects, "Job", k8s.WEIGHTS_JOB)
     pod = job["spec"]["template"]["spec"]
     assert "tolerations" not in pod and "nodeSelector" not in pod
     assert pod["serviceAccountName"] == k8s.WEIGHTS_SERVICE_ACCOUNT
@@ -340,7 +292,7 @@ def test_weights_job_downloads_the_presets_repo_on_a_cpu_node(objects: list[dict
     } in (container["env"])
     assert job["spec"]["backoffLimit"] >= 1
     runtime_models = [
-        v for v in _one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"
+        v for v in one(objects, "Deployment")["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"
     ]
     assert runtime_models[0]["csi"]["readOnly"] is True
     assert "file-cache:max-size-mb" in runtime_models[0]["csi"]["volumeAttributes"]["mountOptions"]
@@ -409,11 +361,11 @@ def test_outputs_are_placed_untouched() -> None:
     image, bucket, ca = Opaque(), Opaque(), Opaque()
     workload = make_workload(image=image, weights_bucket=bucket, redis_ca_certificate=ca, redis_url=Opaque())
     objects = region_objects(workload)
-    deployment = _one(objects, "Deployment")
+    deployment = one(objects, "Deployment")
     assert _runtime_container(deployment)["image"] is image
     [models] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"]
     assert models["csi"]["volumeAttributes"]["bucketName"] is bucket
-    assert _one(objects, "ConfigMap", k8s.REDIS_CA_CONFIGMAP)["data"]["ca.pem"] is ca
+    assert one(objects, "ConfigMap", k8s.REDIS_CA_CONFIGMAP)["data"]["ca.pem"] is ca
 
 
 def test_lift_joins_outputs_with_output_all() -> None:

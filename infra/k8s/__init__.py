@@ -7,7 +7,10 @@ side (``infra.components.regional_runtime``) declares them with pulumi-kubernete
 
 - ``infra.k8s.workload``: ``RegionWorkload`` (what one region runs) and the runtime's objects: Namespace,
   ServiceAccounts, Secret, Redis CA ConfigMap, the weights-prefetch Job, the Deployment, its Service
-  (standalone NEG for the global load balancer), PodDisruptionBudget and HorizontalPodAutoscaler.
+  (standalone NEG for the global load balancer), PodDisruptionBudget and HorizontalPodAutoscaler; and the
+  pieces the other modules build with: ``object_meta`` (``standard_labels``, ``selector_labels``),
+  ``pod_security``/``container_security`` (Pod Security ``restricted``), ``service_account`` (Workload
+  Identity) and ``cluster_ip_service``.
 - ``infra.k8s.metrics_adapter``: Google's Custom Metrics Stackdriver Adapter (the HPA's metric source).
 - ``infra.k8s.monitoring``: Google Managed Prometheus scrape configs and rules (the node's alert rules,
   reused), redis_exporter for Memorystore, the GMP query frontend and Grafana with the node dashboard.

@@ -36,10 +36,33 @@ ADAPTER_IMAGE = "gcr.io/gke-release/custom-metrics-stackdriver-adapter:v0.15.1-g
 """The image of Google's ``adapter_new_resource_model.yaml`` at the version read (module docstring)."""
 
 _LABELS = {"run": ADAPTER_NAME, "k8s-app": ADAPTER_NAME}
+_RBAC = "rbac.authorization.k8s.io"
+_ADAPTER_SUBJECT = {"kind": "ServiceAccount", "name": ADAPTER_NAME, "namespace": ADAPTER_NAMESPACE}
 
 
-def _subject() -> dict[str, str]:
-    return {"kind": "ServiceAccount", "name": ADAPTER_NAME, "namespace": ADAPTER_NAMESPACE}
+def _binding(
+    name: str, role: str, *, namespace: str | None = None, subject: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """ClusterRoleBinding ``name`` of ClusterRole ``role`` or, with ``namespace``, RoleBinding ``name`` there
+    of Role ``role``; its one subject is the adapter's ServiceAccount unless ``subject`` says otherwise."""
+    metadata = {"name": name} if namespace is None else {"name": name, "namespace": namespace}
+    return {
+        "apiVersion": f"{_RBAC}/v1",
+        "kind": "ClusterRoleBinding" if namespace is None else "RoleBinding",
+        "metadata": metadata,
+        "roleRef": {"apiGroup": _RBAC, "kind": "ClusterRole" if namespace is None else "Role", "name": role},
+        "subjects": [dict(_ADAPTER_SUBJECT if subject is None else subject)],
+    }
+
+
+def _cluster_role(name: str, api_group: str, resources: list[str], verbs: list[str]) -> dict[str, Any]:
+    """ClusterRole ``name`` with one rule: ``verbs`` on ``resources`` of ``api_group``."""
+    return {
+        "apiVersion": f"{_RBAC}/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name},
+        "rules": [{"apiGroups": [api_group], "resources": resources, "verbs": verbs}],
+    }
 
 
 def _api_service(group: str, version: str, version_priority: int) -> dict[str, Any]:
@@ -77,51 +100,14 @@ def adapter_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
                 "annotations": {"iam.gke.io/gcp-service-account": workload.monitoring_service_account},
             },
         },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": "custom-metrics:system:auth-delegator"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "system:auth-delegator",
-            },
-            "subjects": [_subject()],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": {"name": "custom-metrics-auth-reader", "namespace": "kube-system"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "Role",
-                "name": "extension-apiserver-authentication-reader",
-            },
-            "subjects": [_subject()],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": {"name": "custom-metrics-resource-reader"},
-            "rules": [
-                {
-                    "apiGroups": [""],
-                    "resources": ["pods", "nodes", "nodes/stats"],
-                    "verbs": ["get", "list", "watch"],
-                }
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": "custom-metrics-resource-reader"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "custom-metrics-resource-reader",
-            },
-            "subjects": [_subject()],
-        },
+        _binding("custom-metrics:system:auth-delegator", "system:auth-delegator"),
+        _binding(
+            "custom-metrics-auth-reader", "extension-apiserver-authentication-reader", namespace="kube-system"
+        ),
+        _cluster_role(
+            "custom-metrics-resource-reader", "", ["pods", "nodes", "nodes/stats"], ["get", "list", "watch"]
+        ),
+        _binding("custom-metrics-resource-reader", "custom-metrics-resource-reader"),
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
@@ -175,29 +161,14 @@ def adapter_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         _api_service("custom.metrics.k8s.io", "v1beta1", 100),
         _api_service("custom.metrics.k8s.io", "v1beta2", 200),
         _api_service("external.metrics.k8s.io", "v1beta1", 100),
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRole",
-            "metadata": {"name": "external-metrics-reader"},
-            "rules": [
-                {
-                    "apiGroups": ["external.metrics.k8s.io"],
-                    "resources": ["*"],
-                    "verbs": ["list", "get", "watch"],
-                }
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "ClusterRoleBinding",
-            "metadata": {"name": "external-metrics-reader"},
-            "roleRef": {
-                "apiGroup": "rbac.authorization.k8s.io",
-                "kind": "ClusterRole",
-                "name": "external-metrics-reader",
+        _cluster_role("external-metrics-reader", "external.metrics.k8s.io", ["*"], ["list", "get", "watch"]),
+        _binding(
+            "external-metrics-reader",
+            "external-metrics-reader",
+            subject={
+                "kind": "ServiceAccount",
+                "name": "horizontal-pod-autoscaler",
+                "namespace": "kube-system",
             },
-            "subjects": [
-                {"kind": "ServiceAccount", "name": "horizontal-pod-autoscaler", "namespace": "kube-system"}
-            ],
-        },
+        ),
     ]

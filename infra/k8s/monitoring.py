@@ -37,15 +37,23 @@ import posixpath
 from typing import Any
 
 from infra.k8s.workload import (
+    PART_OF,
     REDIS_CA_CONFIGMAP,
     REDIS_CA_DIR,
     REDIS_CA_PATH,
     SECRET_KEYS,
     SECRET_NAME,
     RegionWorkload,
+    cluster_ip_service,
+    container_security,
     lift,
+    object_meta,
     pod_labels,
+    pod_security,
     redis_address,
+    selector_labels,
+    service_account,
+    standard_labels,
 )
 from infra.node.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, IMAGES
 from infra.node.compose import _grafana as _compose_grafana
@@ -134,35 +142,45 @@ def dashboard_selector(workload: RegionWorkload) -> str:
     )
 
 
-def _meta(workload: RegionWorkload, name: str, component: str, **extra: Any) -> dict[str, Any]:
-    labels = {
-        "app.kubernetes.io/name": name,
-        "app.kubernetes.io/part-of": "duplexops",
-        "app.kubernetes.io/component": component,
-    }
-    return {"name": name, "namespace": workload.namespace, "labels": labels, **extra}
-
-
-def _selector(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": name, "app.kubernetes.io/part-of": "duplexops"}
-
-
-def _security(uid: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(pod, container) security contexts that satisfy Pod Security ``restricted``."""
+def _monitoring_deployment(
+    workload: RegionWorkload,
+    name: str,
+    *,
+    uid: int,
+    containers: list[dict[str, Any]],
+    volumes: list[dict[str, Any]] | None = None,
+    service_account_name: str | None = None,
+) -> dict[str, Any]:
+    """Deployment ``name`` of a monitoring tool: 1 replica, pods labelled ``standard_labels(name,
+    "monitoring")`` (selected on ``selector_labels(name)``), no service links, ``pod_security(uid)`` (the
+    image's user), ``containers`` (each with its ``container_security()``), then ``volumes`` and
+    ``serviceAccountName`` when given."""
     pod = {
-        "runAsNonRoot": True,
-        "runAsUser": uid,
-        "runAsGroup": uid,
-        "fsGroup": uid,
-        "seccompProfile": {"type": "RuntimeDefault"},
+        "serviceAccountName": service_account_name,
+        "enableServiceLinks": False,
+        "securityContext": pod_security(uid),
+        "containers": containers,
+        "volumes": volumes,
     }
-    container = {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(workload, name, "monitoring"),
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector_labels(name)},
+            "template": {
+                "metadata": {"labels": standard_labels(name, "monitoring")},
+                "spec": {key: value for key, value in pod.items() if value is not None},
+            },
+        },
     }
-    return pod, container
+
+
+def _http_probes(path: str, port: str) -> dict[str, Any]:
+    """readinessProbe and livenessProbe (3 failures) ``GET path`` on ``port`` every 15 s, 5 s timeout."""
+    probe = {"httpGet": {"path": path, "port": port}, "periodSeconds": 15, "timeoutSeconds": 5}
+    return {"readinessProbe": probe, "livenessProbe": {**probe, "failureThreshold": 3}}
 
 
 def _pod_monitoring(
@@ -171,7 +189,7 @@ def _pod_monitoring(
     return {
         "apiVersion": "monitoring.googleapis.com/v1",
         "kind": "PodMonitoring",
-        "metadata": _meta(workload, name, "monitoring"),
+        "metadata": object_meta(workload, name, "monitoring"),
         "spec": {
             "selector": {"matchLabels": dict(selector)},
             "endpoints": [{"port": port, "path": "/metrics", "interval": scrape_interval(workload.profile)}],
@@ -194,8 +212,6 @@ def redis_exporter_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     runtime's Secret, ``REDIS_EXPORTER_TLS_CA_CERT_FILE`` = Memorystore's CA), its ClusterIP Service and
     PodMonitoring ``redis-exporter`` (port ``metrics``, ``profile.ports.redis_exporter``, 9121)."""
     port = workload.profile.ports.redis_exporter
-    pod_security, container_security = _security(_REDIS_EXPORTER_UID)
-    selector = _selector(REDIS_EXPORTER_NAME)
     env = [
         {"name": "REDIS_ADDR", "value": lift(redis_address, workload.redis_host, workload.redis_port)},
         {
@@ -205,53 +221,27 @@ def redis_exporter_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         {"name": "REDIS_EXPORTER_TLS_CA_CERT_FILE", "value": REDIS_CA_PATH},
         {"name": "REDIS_EXPORTER_WEB_LISTEN_ADDRESS", "value": f"0.0.0.0:{port}"},
     ]
-    probe = {"httpGet": {"path": "/health", "port": "metrics"}, "periodSeconds": 15, "timeoutSeconds": 5}
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _meta(workload, REDIS_EXPORTER_NAME, "monitoring"),
-        "spec": {
-            "replicas": 1,
-            "selector": {"matchLabels": selector},
-            "template": {
-                "metadata": {"labels": {**selector, "app.kubernetes.io/component": "monitoring"}},
-                "spec": {
-                    "enableServiceLinks": False,
-                    "securityContext": pod_security,
-                    "containers": [
-                        {
-                            "name": "redis-exporter",
-                            "image": IMAGES["redis-exporter"],
-                            "env": env,
-                            "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
-                            "readinessProbe": probe,
-                            "livenessProbe": {**probe, "failureThreshold": 3},
-                            "resources": {
-                                "requests": {"cpu": "50m", "memory": "64Mi"},
-                                "limits": {"memory": "128Mi"},
-                            },
-                            "securityContext": container_security,
-                            "volumeMounts": [
-                                {"name": "redis-ca", "mountPath": REDIS_CA_DIR, "readOnly": True}
-                            ],
-                        }
-                    ],
-                    "volumes": [{"name": "redis-ca", "configMap": {"name": REDIS_CA_CONFIGMAP}}],
-                },
-            },
-        },
+    container = {
+        "name": "redis-exporter",
+        "image": IMAGES["redis-exporter"],
+        "env": env,
+        "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
+        **_http_probes("/health", "metrics"),
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "128Mi"}},
+        "securityContext": container_security(),
+        "volumeMounts": [{"name": "redis-ca", "mountPath": REDIS_CA_DIR, "readOnly": True}],
     }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(workload, REDIS_EXPORTER_NAME, "monitoring"),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector,
-            "ports": [{"name": "metrics", "port": port, "targetPort": "metrics", "protocol": "TCP"}],
-        },
-    }
-    return [deployment, service, _pod_monitoring(workload, REDIS_EXPORTER_NAME, selector, "metrics")]
+    return [
+        _monitoring_deployment(
+            workload,
+            REDIS_EXPORTER_NAME,
+            uid=_REDIS_EXPORTER_UID,
+            containers=[container],
+            volumes=[{"name": "redis-ca", "configMap": {"name": REDIS_CA_CONFIGMAP}}],
+        ),
+        cluster_ip_service(workload, REDIS_EXPORTER_NAME, "monitoring", "metrics", port),
+        _pod_monitoring(workload, REDIS_EXPORTER_NAME, selector_labels(REDIS_EXPORTER_NAME), "metrics"),
+    ]
 
 
 def rule_groups(workload: RegionWorkload) -> list[dict[str, Any]]:
@@ -269,7 +259,7 @@ def cluster_rules(workload: RegionWorkload) -> dict[str, Any]:
         "kind": "ClusterRules",
         "metadata": {
             "name": f"{workload.namespace}-rules",
-            "labels": {"app.kubernetes.io/part-of": "duplexops", "app.kubernetes.io/component": "monitoring"},
+            "labels": {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/component": "monitoring"},
         },
         "spec": {"groups": rule_groups(workload)},
     }
@@ -288,64 +278,26 @@ def frontend_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     ``--web.listen-address=:9090``, ``--query.project-id=<project>``, probes ``/-/healthy`` and
     ``/-/ready`` as Google's example; requests 50m CPU and 64 MiB, limit 256 MiB) and ClusterIP Service
     ``gmp-frontend:9090``."""
-    pod_security, container_security = _security(_FRONTEND_UID)
-    selector = _selector(FRONTEND_NAME)
+    container = {
+        "name": "frontend",
+        "image": FRONTEND_IMAGE,
+        "args": [f"--web.listen-address=:{FRONTEND_PORT}", f"--query.project-id={workload.project}"],
+        "ports": [{"name": "web", "containerPort": FRONTEND_PORT, "protocol": "TCP"}],
+        "livenessProbe": {"httpGet": {"path": "/-/healthy", "port": "web"}},
+        "readinessProbe": {"httpGet": {"path": "/-/ready", "port": "web"}},
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "securityContext": container_security(),
+    }
     return [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": _meta(
-                workload,
-                FRONTEND_NAME,
-                "monitoring",
-                annotations={"iam.gke.io/gcp-service-account": workload.monitoring_service_account},
-            ),
-        },
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": _meta(workload, FRONTEND_NAME, "monitoring"),
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": selector},
-                "template": {
-                    "metadata": {"labels": {**selector, "app.kubernetes.io/component": "monitoring"}},
-                    "spec": {
-                        "serviceAccountName": FRONTEND_NAME,
-                        "enableServiceLinks": False,
-                        "securityContext": pod_security,
-                        "containers": [
-                            {
-                                "name": "frontend",
-                                "image": FRONTEND_IMAGE,
-                                "args": [
-                                    f"--web.listen-address=:{FRONTEND_PORT}",
-                                    f"--query.project-id={workload.project}",
-                                ],
-                                "ports": [{"name": "web", "containerPort": FRONTEND_PORT, "protocol": "TCP"}],
-                                "livenessProbe": {"httpGet": {"path": "/-/healthy", "port": "web"}},
-                                "readinessProbe": {"httpGet": {"path": "/-/ready", "port": "web"}},
-                                "resources": {
-                                    "requests": {"cpu": "50m", "memory": "64Mi"},
-                                    "limits": {"memory": "256Mi"},
-                                },
-                                "securityContext": container_security,
-                            }
-                        ],
-                    },
-                },
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": _meta(workload, FRONTEND_NAME, "monitoring"),
-            "spec": {
-                "type": "ClusterIP",
-                "selector": selector,
-                "ports": [{"name": "web", "port": FRONTEND_PORT, "targetPort": "web", "protocol": "TCP"}],
-            },
-        },
+        service_account(workload, FRONTEND_NAME, "monitoring", workload.monitoring_service_account),
+        _monitoring_deployment(
+            workload,
+            FRONTEND_NAME,
+            uid=_FRONTEND_UID,
+            containers=[container],
+            service_account_name=FRONTEND_NAME,
+        ),
+        cluster_ip_service(workload, FRONTEND_NAME, "monitoring", "web", FRONTEND_PORT),
     ]
 
 
@@ -362,8 +314,6 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     Service on ``profile.ports.grafana`` (3000)."""
     profile = workload.profile
     port = profile.ports.grafana
-    pod_security, container_security = _security(_GRAFANA_UID)
-    selector = _selector(GRAFANA_NAME)
     dashboard = node_dashboard(
         profile,
         dashboard_selector(workload),
@@ -375,20 +325,63 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     password_file = environment["GF_SECURITY_ADMIN_PASSWORD__FILE"]
     if posixpath.dirname(password_file) != _SECRETS_MOUNT:
         raise AssertionError(f"infra.node.compose's Grafana reads its password from {password_file}")
-    probe = {"httpGet": {"path": "/api/health", "port": "http"}, "periodSeconds": 15, "timeoutSeconds": 5}
     provisioning = "grafana-provisioning"
+    container = {
+        "name": "grafana",
+        "image": IMAGES["grafana"],
+        "env": [{"name": k, "value": v} for k, v in environment.items()],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        **_http_probes("/api/health", "http"),
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}},
+        "securityContext": container_security(),
+        "volumeMounts": [
+            {"name": "data", "mountPath": "/var/lib/grafana"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "admin", "mountPath": _SECRETS_MOUNT, "readOnly": True},
+            {"name": "datasources", "mountPath": f"{GRAFANA_PROVISIONING_DIR}/datasources", "readOnly": True},
+            {"name": "providers", "mountPath": f"{GRAFANA_PROVISIONING_DIR}/dashboards", "readOnly": True},
+            {"name": "dashboards", "mountPath": GRAFANA_DASHBOARDS_DIR, "readOnly": True},
+        ],
+    }
+    volumes = [
+        {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+        {
+            "name": "admin",
+            "secret": {
+                "secretName": GRAFANA_SECRET,
+                "defaultMode": 0o440,
+                "items": [{"key": GRAFANA_SECRET_KEY, "path": posixpath.basename(password_file)}],
+            },
+        },
+        {
+            "name": "datasources",
+            "configMap": {
+                "name": provisioning,
+                "items": [{"key": "datasources.yml", "path": "prometheus.yml"}],
+            },
+        },
+        {
+            "name": "providers",
+            "configMap": {
+                "name": provisioning,
+                "items": [{"key": "dashboards.yml", "path": "duplex.yml"}],
+            },
+        },
+        {"name": "dashboards", "configMap": {"name": "grafana-dashboards"}},
+    ]
     return [
         {
             "apiVersion": "v1",
             "kind": "Secret",
-            "metadata": _meta(workload, GRAFANA_SECRET, "monitoring"),
+            "metadata": object_meta(workload, GRAFANA_SECRET, "monitoring"),
             "type": "Opaque",
             "stringData": {GRAFANA_SECRET_KEY: workload.grafana_admin_password},
         },
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
-            "metadata": _meta(workload, provisioning, "monitoring"),
+            "metadata": object_meta(workload, provisioning, "monitoring"),
             "data": {
                 "datasources.yml": datasource_yaml(profile, _frontend_url(workload)).decode(),
                 "dashboards.yml": provider_yaml(profile, GRAFANA_DASHBOARDS_DIR).decode(),
@@ -397,99 +390,13 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
-            "metadata": _meta(workload, "grafana-dashboards", "monitoring"),
+            "metadata": object_meta(workload, "grafana-dashboards", "monitoring"),
             "data": {"duplex-region.json": dashboard_bytes(dashboard).decode()},
         },
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": _meta(workload, GRAFANA_NAME, "monitoring"),
-            "spec": {
-                "replicas": 1,
-                "selector": {"matchLabels": selector},
-                "template": {
-                    "metadata": {"labels": {**selector, "app.kubernetes.io/component": "monitoring"}},
-                    "spec": {
-                        "enableServiceLinks": False,
-                        "securityContext": pod_security,
-                        "containers": [
-                            {
-                                "name": "grafana",
-                                "image": IMAGES["grafana"],
-                                "env": [{"name": k, "value": v} for k, v in environment.items()],
-                                "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-                                "readinessProbe": probe,
-                                "livenessProbe": {**probe, "failureThreshold": 3},
-                                "resources": {
-                                    "requests": {"cpu": "100m", "memory": "256Mi"},
-                                    "limits": {"memory": "512Mi"},
-                                },
-                                "securityContext": container_security,
-                                "volumeMounts": [
-                                    {"name": "data", "mountPath": "/var/lib/grafana"},
-                                    {"name": "tmp", "mountPath": "/tmp"},
-                                    {"name": "admin", "mountPath": _SECRETS_MOUNT, "readOnly": True},
-                                    {
-                                        "name": "datasources",
-                                        "mountPath": f"{GRAFANA_PROVISIONING_DIR}/datasources",
-                                        "readOnly": True,
-                                    },
-                                    {
-                                        "name": "providers",
-                                        "mountPath": f"{GRAFANA_PROVISIONING_DIR}/dashboards",
-                                        "readOnly": True,
-                                    },
-                                    {
-                                        "name": "dashboards",
-                                        "mountPath": GRAFANA_DASHBOARDS_DIR,
-                                        "readOnly": True,
-                                    },
-                                ],
-                            }
-                        ],
-                        "volumes": [
-                            {"name": "data", "emptyDir": {"sizeLimit": "1Gi"}},
-                            {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
-                            {
-                                "name": "admin",
-                                "secret": {
-                                    "secretName": GRAFANA_SECRET,
-                                    "defaultMode": 0o440,
-                                    "items": [
-                                        {"key": GRAFANA_SECRET_KEY, "path": posixpath.basename(password_file)}
-                                    ],
-                                },
-                            },
-                            {
-                                "name": "datasources",
-                                "configMap": {
-                                    "name": provisioning,
-                                    "items": [{"key": "datasources.yml", "path": "prometheus.yml"}],
-                                },
-                            },
-                            {
-                                "name": "providers",
-                                "configMap": {
-                                    "name": provisioning,
-                                    "items": [{"key": "dashboards.yml", "path": "duplex.yml"}],
-                                },
-                            },
-                            {"name": "dashboards", "configMap": {"name": "grafana-dashboards"}},
-                        ],
-                    },
-                },
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": _meta(workload, GRAFANA_NAME, "monitoring"),
-            "spec": {
-                "type": "ClusterIP",
-                "selector": selector,
-                "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
-            },
-        },
+        _monitoring_deployment(
+            workload, GRAFANA_NAME, uid=_GRAFANA_UID, containers=[container], volumes=volumes
+        ),
+        cluster_ip_service(workload, GRAFANA_NAME, "monitoring", "http", port),
     ]
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "MODELS_MOUNT",
     "HPA_METRIC",
     "HPA_SCALE_DOWN_WINDOW_S",
+    "PART_OF",
     "PREFETCH_SCRIPT",
     "REDIS_CA_CONFIGMAP",
     "REDIS_CA_PATH",
@@ -63,6 +64,8 @@ __all__ = [
     "WEIGHTS_SERVICE_ACCOUNT",
     "WORKLOAD_IDENTITY_BINDINGS",
     "RegionWorkload",
+    "cluster_ip_service",
+    "container_security",
     "drain_seconds",
     "grafana_password_command",
     "grafana_port_forward",
@@ -70,8 +73,10 @@ __all__ = [
     "horizontal_pod_autoscaler",
     "lift",
     "namespace",
+    "object_meta",
     "pod_disruption_budget",
     "pod_labels",
+    "pod_security",
     "prestop_command",
     "quantity",
     "redis_address",
@@ -84,6 +89,9 @@ __all__ = [
     "runtime_secret",
     "runtime_service",
     "runtime_service_account",
+    "selector_labels",
+    "service_account",
+    "standard_labels",
     "startup_budget_s",
     "termination_grace_s",
     "token_keys_command",
@@ -97,7 +105,13 @@ DEFAULT_NAMESPACE = "duplex"
 """The runtime's namespace unless ``RegionWorkload.namespace`` says otherwise."""
 
 APP_NAME = "duplex-runtime"
-"""Name of the Deployment, its Service, PodDisruptionBudget and HorizontalPodAutoscaler."""
+"""Name of the Deployment, its Service, PodDisruptionBudget and HorizontalPodAutoscaler; the
+``app.kubernetes.io/name`` label of every runtime object."""
+
+PART_OF = "duplexops"
+"""The ``app.kubernetes.io/part-of`` label of every object of the region but the metrics adapter's."""
+_WEIGHTS_APP = "weights"
+"""The ``app.kubernetes.io/name`` label of the weights Job, its pods and its ServiceAccount."""
 
 RUNTIME_SERVICE_ACCOUNT = "duplex-runtime"
 """Kubernetes service account of the runtime pods (Workload Identity: reads the model bucket)."""
@@ -486,29 +500,95 @@ def token_keys_command(namespace: str = DEFAULT_NAMESPACE) -> str:
 # --- objects ---------------------------------------------------------------------------------------------
 
 
+def selector_labels(app: str) -> dict[str, str]:
+    """The labels that a workload's pods carry and its controllers, Services, PodDisruptionBudget and
+    PodMonitoring select on: ``app.kubernetes.io/name`` = ``app``, ``app.kubernetes.io/part-of`` =
+    ``PART_OF``."""
+    return {"app.kubernetes.io/name": app, "app.kubernetes.io/part-of": PART_OF}
+
+
+def standard_labels(app: str, component: str) -> dict[str, str]:
+    """``selector_labels(app)`` plus ``app.kubernetes.io/component`` = ``component`` (``runtime``,
+    ``weights``, ``monitoring``): the labels of every namespaced object and of the pod templates."""
+    return {**selector_labels(app), "app.kubernetes.io/component": component}
+
+
 def pod_labels(workload: RegionWorkload) -> dict[str, str]:
     """The runtime pods' labels, which the Deployment, Service, PodDisruptionBudget and PodMonitoring
-    select on."""
-    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/part-of": "duplexops"}
+    select on: ``selector_labels(APP_NAME)``."""
+    return selector_labels(APP_NAME)
 
 
-def _labels(workload: RegionWorkload, component: str) -> dict[str, str]:
+def object_meta(
+    workload: RegionWorkload, name: str, component: str, *, app: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """The ``metadata`` of a namespaced object: ``name``, the workload's namespace, the labels
+    ``standard_labels(app, component)`` (``app`` defaults to ``name``), then ``extra`` as given
+    (``annotations=...``)."""
+    labels = standard_labels(name if app is None else app, component)
+    return {"name": name, "namespace": workload.namespace, "labels": labels, **extra}
+
+
+def pod_security(uid: int) -> dict[str, Any]:
+    """A pod ``securityContext`` that meets Pod Security ``restricted`` (with ``container_security`` on
+    every container): non-root, user, group and ``fsGroup`` ``uid`` (the image's user), seccomp
+    RuntimeDefault."""
     return {
-        "app.kubernetes.io/name": APP_NAME if component == "runtime" else component,
-        "app.kubernetes.io/part-of": "duplexops",
-        "app.kubernetes.io/component": component,
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
-def _meta(workload: RegionWorkload, name: str, component: str, **extra: Any) -> dict[str, Any]:
-    return {"name": name, "namespace": workload.namespace, "labels": _labels(workload, component), **extra}
+def container_security() -> dict[str, Any]:
+    """A container ``securityContext`` that meets Pod Security ``restricted``: no privilege escalation,
+    read-only root filesystem, non-root, every capability dropped."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def service_account(
+    workload: RegionWorkload, name: str, component: str, gcp_account: Any, *, app: str | None = None
+) -> dict[str, Any]:
+    """ServiceAccount ``name`` annotated for Workload Identity with the Google service account
+    ``gcp_account`` (``iam.gke.io/gcp-service-account``); labels as ``object_meta``."""
+    annotations = {"iam.gke.io/gcp-service-account": gcp_account}
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": object_meta(workload, name, component, app=app, annotations=annotations),
+    }
+
+
+def cluster_ip_service(
+    workload: RegionWorkload, name: str, component: str, port_name: str, port: int, **extra: Any
+) -> dict[str, Any]:
+    """ClusterIP Service ``name`` of the pods labelled ``selector_labels(name)``: one TCP port ``port``
+    named ``port_name`` to the containers' port of that name; ``extra`` goes to ``object_meta``
+    (``annotations=...``)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(workload, name, component, **extra),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}],
+        },
+    }
 
 
 def namespace(workload: RegionWorkload) -> dict[str, Any]:
     """The runtime's Namespace, with Pod Security Admission at ``restricted`` (enforce, audit and warn): every
     pod of it runs as non-root without privilege escalation, all capabilities dropped, seccomp
     RuntimeDefault (GKE's Cloud Storage FUSE sidecar follows the same standard)."""
-    labels = {"app.kubernetes.io/part-of": "duplexops"}
+    labels = {"app.kubernetes.io/part-of": PART_OF}
     for mode in ("enforce", "audit", "warn"):
         labels[f"pod-security.kubernetes.io/{mode}"] = "restricted"
         labels[f"pod-security.kubernetes.io/{mode}-version"] = "latest"
@@ -519,27 +599,19 @@ def namespace(workload: RegionWorkload) -> dict[str, Any]:
     }
 
 
-def _service_account(workload: RegionWorkload, name: str, component: str, gcp_account: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _meta(
-            workload, name, component, annotations={"iam.gke.io/gcp-service-account": gcp_account}
-        ),
-    }
-
-
 def runtime_service_account(workload: RegionWorkload) -> dict[str, Any]:
     """The runtime pods' ServiceAccount, annotated for Workload Identity with
     ``runtime_service_account`` (``iam.gke.io/gcp-service-account``)."""
-    return _service_account(workload, RUNTIME_SERVICE_ACCOUNT, "runtime", workload.runtime_service_account)
+    return service_account(
+        workload, RUNTIME_SERVICE_ACCOUNT, "runtime", workload.runtime_service_account, app=APP_NAME
+    )
 
 
 def weights_service_account(workload: RegionWorkload) -> dict[str, Any]:
     """The weights Job's ServiceAccount, annotated for Workload Identity with ``weights_service_account``
     (the runtime's account when None)."""
     account = workload.weights_service_account or workload.runtime_service_account
-    return _service_account(workload, WEIGHTS_SERVICE_ACCOUNT, "weights", account)
+    return service_account(workload, WEIGHTS_SERVICE_ACCOUNT, "weights", account, app=_WEIGHTS_APP)
 
 
 def runtime_secret(workload: RegionWorkload) -> dict[str, Any]:
@@ -556,7 +628,7 @@ def runtime_secret(workload: RegionWorkload) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _meta(workload, SECRET_NAME, "runtime"),
+        "metadata": object_meta(workload, SECRET_NAME, "runtime", app=APP_NAME),
         "type": "Opaque",
         "stringData": data,
     }
@@ -568,27 +640,8 @@ def redis_ca_configmap(workload: RegionWorkload) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(workload, REDIS_CA_CONFIGMAP, "runtime"),
+        "metadata": object_meta(workload, REDIS_CA_CONFIGMAP, "runtime", app=APP_NAME),
         "data": {"ca.pem": workload.redis_ca_certificate},
-    }
-
-
-def _container_security() -> dict[str, Any]:
-    return {
-        "allowPrivilegeEscalation": False,
-        "readOnlyRootFilesystem": True,
-        "runAsNonRoot": True,
-        "capabilities": {"drop": ["ALL"]},
-    }
-
-
-def _pod_security(uid: int) -> dict[str, Any]:
-    return {
-        "runAsNonRoot": True,
-        "runAsUser": uid,
-        "runAsGroup": uid,
-        "fsGroup": uid,
-        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -675,7 +728,7 @@ def weights_job(workload: RegionWorkload) -> dict[str, Any]:
         "command": ["python", "-c", PREFETCH_SCRIPT, repo, weights_dir(workload), WEIGHTS_MARKER],
         "env": env,
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": [
             {"name": "models", "mountPath": MODELS_MOUNT},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -684,19 +737,19 @@ def weights_job(workload: RegionWorkload) -> dict[str, Any]:
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": _meta(workload, WEIGHTS_JOB, "weights"),
+        "metadata": object_meta(workload, WEIGHTS_JOB, "weights", app=_WEIGHTS_APP),
         "spec": {
             "backoffLimit": 4,
             "activeDeadlineSeconds": 7200,
             "template": {
                 "metadata": {
-                    "labels": _labels(workload, "weights"),
+                    "labels": standard_labels(_WEIGHTS_APP, "weights"),
                     "annotations": dict(_GCSFUSE_ANNOTATIONS),
                 },
                 "spec": {
                     "serviceAccountName": WEIGHTS_SERVICE_ACCOUNT,
                     "restartPolicy": "Never",
-                    "securityContext": _pod_security(RUNTIME_UID),
+                    "securityContext": pod_security(RUNTIME_UID),
                     "containers": [container],
                     "volumes": [
                         _gcsfuse_volume(workload, read_only=False),
@@ -820,7 +873,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
             "timeoutSeconds": 3,
         },
         "lifecycle": {"preStop": {"exec": {"command": prestop_command(port)}}},
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": mounts,
     }
     wait_for_weights = {
@@ -828,23 +881,22 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
         "image": workload.image,
         "command": ["/bin/sh", "-c", wait],
         "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
-        "securityContext": _container_security(),
+        "securityContext": container_security(),
         "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT, "readOnly": True}],
     }
-    labels = pod_labels(workload)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(workload, APP_NAME, "runtime"),
+        "metadata": object_meta(workload, APP_NAME, "runtime"),
         "spec": {
-            "selector": {"matchLabels": labels},
+            "selector": {"matchLabels": pod_labels(workload)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "revisionHistoryLimit": 5,
             # A rollout is stuck only after the weights wait and the whole startup budget.
             "progressDeadlineSeconds": startup_budget_s() + 1800,
             "template": {
                 "metadata": {
-                    "labels": {**labels, "app.kubernetes.io/component": "runtime"},
+                    "labels": standard_labels(APP_NAME, "runtime"),
                     "annotations": dict(_GCSFUSE_ANNOTATIONS),
                 },
                 "spec": {
@@ -853,7 +905,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
                     "nodeSelector": {"cloud.google.com/gke-accelerator": workload.accelerator},
                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                     "terminationGracePeriodSeconds": termination_grace_s(profile),
-                    "securityContext": _pod_security(RUNTIME_UID),
+                    "securityContext": pod_security(RUNTIME_UID),
                     "initContainers": [wait_for_weights],
                     "containers": [runtime],
                     "volumes": [
@@ -885,16 +937,9 @@ def runtime_service(workload: RegionWorkload) -> dict[str, Any]:
     the stack's global load balancer uses them as backends."""
     port = workload.profile.ports.runtime
     neg = json.dumps({"exposed_ports": {str(port): {"name": workload.neg_name}}}, separators=(",", ":"))
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(workload, APP_NAME, "runtime", annotations={"cloud.google.com/neg": neg}),
-        "spec": {
-            "type": "ClusterIP",
-            "selector": pod_labels(workload),
-            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return cluster_ip_service(
+        workload, APP_NAME, "runtime", "http", port, annotations={"cloud.google.com/neg": neg}
+    )
 
 
 def pod_disruption_budget(workload: RegionWorkload) -> dict[str, Any]:
@@ -905,7 +950,7 @@ def pod_disruption_budget(workload: RegionWorkload) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(workload, APP_NAME, "runtime"),
+        "metadata": object_meta(workload, APP_NAME, "runtime"),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pod_labels(workload)}},
     }
 
@@ -929,7 +974,7 @@ def horizontal_pod_autoscaler(workload: RegionWorkload) -> dict[str, Any]:
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _meta(workload, APP_NAME, "runtime"),
+        "metadata": object_meta(workload, APP_NAME, "runtime"),
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": APP_NAME},
             "minReplicas": workload.min_replicas,
