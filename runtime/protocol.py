@@ -13,7 +13,7 @@ byte    kind        direction           payload
 0x03    control     client -> server    one byte: 0 start, 1 end turn, 2 pause, 3 restart
 0x04    metadata    both                one JSON object, UTF-8
 0x05    error       server -> client    UTF-8 reason (our addition on the Python side)
-0x06    ping        both                opaque bytes
+0x06    ping        both                opaque bytes; the server echoes a client's ping unchanged
 ======  ==========  ==================  =============================================================
 
 Everything here is pure: no sockets, no audio decoding (see :mod:`runtime.audio_codec`), no torch.

@@ -13,6 +13,15 @@ come back from it. One :class:`ChatSession` per connection. Endpoints:
   prompt it does not allow, 503 when the replay check cannot be made (``runtime.tokens``).
   Later refusals happen after the upgrade, as a 0x05 error message naming the reason, then a close code:
   1013 (try again later) when the node is full or draining, 1008 (policy) for a bad request.
+  A client's 0x06 ping is echoed back unchanged (clients time the round trip with it).
+- ``GET /api/admission``: the same checks as ``/api/chat`` (origin, token, persona, replay, request, drain,
+  capacity), made without spending the token or taking a slot, answered as JSON
+  ``{"ok", "status", "reason", "message"}`` (:class:`Admission`). A browser cannot read the HTTP status of
+  a refused WebSocket upgrade (it sees close code 1006 only): the web client asks here why. The token comes
+  as ``Authorization: Bearer <jwt>`` (or ``?token=``), the origin from the ``Origin`` header, else from an
+  ``origin`` query parameter (browsers send no ``Origin`` on a same-origin GET). Advisory only: it grants
+  nothing, and a slot free now may be taken before the upgrade.
+- ``GET /api/personas``: the voice prompts this node has (``voices_dir``) and the text prompt's limit, JSON.
 - ``GET /healthz``: 200 while the process and its tick thread are alive.
 - ``GET /readyz``: 200 when the model is loaded and warm, a slot is free and the node is not draining;
   503 with a JSON reason otherwise.
@@ -46,17 +55,21 @@ from websockets.typing import Subprotocol
 
 from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
-from runtime.engine import BatchEngine
+from runtime.engine import BatchEngine, PromptStep
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
 from runtime.models import ModelBundle
 from runtime.persona import Persona, PersonaError, VoiceCatalog, build_prompt
 from runtime.protocol import (
+    TEXT_PROMPT_MAX_CHARS,
+    VOICE_PROMPT_MAX_CHARS,
     AudioMessage,
+    PingMessage,
     ProtocolError,
     SessionRequest,
     encode_audio,
     encode_error,
     encode_handshake,
+    encode_ping,
     encode_text,
     parse_client_message,
     parse_session_query,
@@ -65,6 +78,7 @@ from runtime.sampling import SamplingParams
 from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.session_store import SessionRecord, SessionStore
 from runtime.tokens import (
+    REFUSAL_STATUS,
     SUBPROTOCOL_PREFIX,
     MemoryReplayGuard,
     RedisReplayGuard,
@@ -77,6 +91,8 @@ from runtime.tokens import (
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/api/chat"
+ADMISSION_PATH = "/api/admission"
+PERSONAS_PATH = "/api/personas"
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_POLICY = 1008
@@ -85,6 +101,48 @@ PROMPT_TIMEOUT_S = 120.0
 """Longest wait for a persona prompt to be fed before the handshake."""
 _FATAL_PROTOCOL_REASONS = frozenset({"bad_opus"})
 """Errors after which the session's input cannot recover: the session is closed (1008)."""
+DRAINING_MESSAGE = "node is draining for shutdown; connect to another node"
+"""The 0x05 reason sent to a session refused while the node drains (and the admission check's message)."""
+ADMISSION_REASONS: tuple[str, ...] = (
+    "ok",
+    *REFUSAL_STATUS,
+    "bad_request",
+    "draining",
+    "not_ready",
+    "node_full",
+)
+"""Every ``reason`` :class:`Admission` can carry: ``ok``, the token and origin refusals of
+``runtime.tokens.REFUSAL_STATUS``, and the refusals made after the upgrade."""
+
+
+def node_full_message(slots: int) -> str:
+    """The 0x05 reason sent to a session refused because all ``slots`` are in use."""
+    return f"node full: all {slots} slots in use (max_sessions={slots}); try again later"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What ``GET /api/admission`` answers: would ``/api/chat`` with this query, token and origin open a
+    session now, and if not, why (the same words the refusal itself would carry).
+
+    Attributes:
+        ok: a session would be admitted now.
+        status: the HTTP status equivalent: 200 when ok; the upgrade's own 401/403/503 for a token or origin
+            refusal (``runtime.tokens.REFUSAL_STATUS``); 400 for a bad request (refused after the upgrade
+            with close code 1008); 503 for a full, draining or not-ready node (close code 1013).
+        reason: one of :data:`ADMISSION_REASONS` (snake_case, stable: clients map it to their own words).
+        message: the runtime's sentence.
+    """
+
+    ok: bool
+    status: int
+    reason: str
+    message: str
+
+    def as_json(self) -> bytes:
+        """The JSON body, UTF-8, newline-terminated."""
+        body = {"ok": self.ok, "status": self.status, "reason": self.reason, "message": self.message}
+        return (json.dumps(body) + "\n").encode()
 
 
 def sampling_from_request(request: SessionRequest) -> SamplingParams:
@@ -182,8 +240,12 @@ class ChatSession:
         async for message in self.connection:
             try:
                 parsed = parse_client_message(message, max_message_bytes=self.server.config.max_message_bytes)
+                if isinstance(parsed, PingMessage):
+                    # Echoed unchanged: the client times the round trip (the web client shows it in ms).
+                    await self.connection.send(encode_ping(parsed.payload))
+                    continue
                 if not isinstance(parsed, AudioMessage):
-                    continue  # ping, control and metadata carry nothing the batch needs
+                    continue  # control and metadata carry nothing the batch needs
                 if not self.ready.is_set():
                     continue  # audio before the handshake is dropped, as moshi's server does
                 for frame in self.assembler.push(parsed.payload):
@@ -338,6 +400,11 @@ class DuplexServer:
             except TokenRejected as exc:
                 return self._refuse_handshake(connection, exc)
             return None
+        if path == ADMISSION_PATH:
+            admission = await self.admission(request)
+            return _response(200, admission.as_json(), "application/json", cache_control="no-store")
+        if path == PERSONAS_PATH:
+            return _response(200, self.personas_json(), "application/json", cache_control="no-cache")
         if path == "/healthz":
             alive = self.scheduler is not None and self.scheduler.alive
             return connection.respond(200 if alive else 500, "ok\n" if alive else "tick loop stopped\n")
@@ -349,7 +416,57 @@ class DuplexServer:
             if self.store is not None:
                 self.metrics.redis_backlog.set(self.store.backlog)
             return _response(200, self.metrics.render(), PROMETHEUS_CONTENT_TYPE)
-        return connection.respond(404, f"no route {path}; try {CHAT_PATH}, /healthz, /readyz, /metrics\n")
+        routes = ", ".join((CHAT_PATH, ADMISSION_PATH, PERSONAS_PATH, "/healthz", "/readyz", "/metrics"))
+        return connection.respond(404, f"no route {path}; try {routes}\n")
+
+    def personas_json(self) -> bytes:
+        """``GET /api/personas``: ``{"voices": [names], "voice_prompt_max_chars", "text_prompt_max_chars"}``.
+        A session may also name no voice (the model's own) and any text prompt within the limit."""
+        body = {
+            "voices": self.voices.names,
+            "voice_prompt_max_chars": VOICE_PROMPT_MAX_CHARS,
+            "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
+        }
+        return (json.dumps(body) + "\n").encode()
+
+    async def admission(self, request: Request) -> Admission:
+        """``GET /api/admission``: the checks of a ``/api/chat`` upgrade and of the session after it, in the
+        same order (origin, token, query, persona, replay, persona prompt, drain, readiness, capacity), made
+        without spending the token (``ReplayGuard.seen``) or taking a slot. Never raises for bad input:
+        every refusal is an :class:`Admission` with its reason."""
+        query = urlsplit(request.path).query
+        params = parse_qs(query)
+        origin = request.headers.get("Origin") or (params.get("origin") or [None])[0]
+        try:
+            self._check_origin(origin)
+            claims = None
+            if self.verifier is not None:
+                claims = self.verifier.verify(_bearer_token(request) or _token_of(request))
+            try:
+                session_request = parse_session_query(query)
+            except ProtocolError as exc:
+                return Admission(False, 400, "bad_request", f"bad request: {exc}")
+            if claims is not None and self.verifier is not None:
+                self.verifier.check_persona(claims, session_request.voice_prompt)
+                if self.replay_guard is not None and await self.replay_guard.seen(claims):
+                    raise TokenRejected(
+                        "replayed", f"token {claims.token_id} was already used; tokens are single-use"
+                    )
+        except TokenRejected as exc:
+            return Admission(False, exc.status, exc.reason, str(exc))
+        try:
+            self._plan_session(query)
+        except (ProtocolError, PersonaError, ValueError) as exc:
+            return Admission(False, 400, "bad_request", f"bad request: {exc}")
+        if self.draining:
+            return Admission(False, 503, "draining", DRAINING_MESSAGE)
+        if not self.warm or self.scheduler is None or not self.scheduler.alive:
+            return Admission(False, 503, "not_ready", f"node not ready: {self.readiness()[1]}")
+        free = self.scheduler.free_slots
+        if free == 0:
+            return Admission(False, 503, "node_full", node_full_message(self.engine.slots))
+        slots = self.engine.slots
+        return Admission(True, 200, "ok", f"a session would be admitted: {free} of {slots} slots free")
 
     # --- access ---------------------------------------------------------------------------------------
 
@@ -360,12 +477,7 @@ class DuplexServer:
         Raises:
             TokenRejected: the reason and what to tell the caller.
         """
-        origin = request.headers.get("Origin")
-        if origin is not None and not self._origin_allowed(origin):
-            raise TokenRejected(
-                "origin_not_allowed",
-                f"origin {origin!r} may not open sessions on this node (DUPLEX_ALLOWED_ORIGINS)",
-            )
+        self._check_origin(request.headers.get("Origin"))
         if self.verifier is None:
             return
         claims = self.verifier.verify(_token_of(request))
@@ -377,6 +489,15 @@ class DuplexServer:
         if self.replay_guard is not None:
             await self.replay_guard.spend(claims)
         self._claims[connection] = claims
+
+    def _check_origin(self, origin: str | None) -> None:
+        """Raises ``TokenRejected("origin_not_allowed")`` for a browser origin not in the allow-list (None:
+        not a browser, not checked)."""
+        if origin is not None and not self._origin_allowed(origin):
+            raise TokenRejected(
+                "origin_not_allowed",
+                f"origin {origin!r} may not open sessions on this node (DUPLEX_ALLOWED_ORIGINS)",
+            )
 
     def _origin_allowed(self, origin: str) -> bool:
         allowed = self.config.allowed_origins
@@ -402,32 +523,38 @@ class DuplexServer:
         except ConnectionClosed:
             pass
 
+    def _plan_session(self, query: str) -> tuple[SessionRequest, Persona, list[PromptStep], SamplingParams]:
+        """What a ``/api/chat`` query asks for: the request, its persona, the persona's prompt steps and the
+        sampling settings.
+
+        Raises:
+            ProtocolError: a bad query parameter.
+            PersonaError: an unknown voice, or a text prompt over the token limit.
+            ValueError: a sampling value out of range.
+        """
+        request = parse_session_query(query)
+        persona = Persona(request.voice_prompt, request.text_prompt)
+        prompt = build_prompt(
+            persona,
+            self.voices,
+            self.bundle.text_tokenizer,
+            silence_codes=self.engine.silence_codes.cpu(),
+            sine_codes=self.engine.sine_codes.cpu(),
+        )
+        return request, persona, prompt, sampling_from_request(request)
+
     async def _handle(self, connection: ServerConnection) -> None:
         assert self.scheduler is not None
         query = urlsplit(connection.request.path).query if connection.request else ""
         try:
-            request = parse_session_query(query)
-            persona = Persona(request.voice_prompt, request.text_prompt)
-            prompt = build_prompt(
-                persona,
-                self.voices,
-                self.bundle.text_tokenizer,
-                silence_codes=self.engine.silence_codes.cpu(),
-                sine_codes=self.engine.sine_codes.cpu(),
-            )
-            sampling = sampling_from_request(request)
+            request, persona, prompt, sampling = self._plan_session(query)
         except (ProtocolError, PersonaError, ValueError) as exc:
             await self._refuse(connection, "bad_request", f"bad request: {exc}", CLOSE_POLICY)
             return
         if request.ignored_params:
             log.debug("ignored query parameters: %s", ", ".join(request.ignored_params))
         if self.draining:
-            await self._refuse(
-                connection,
-                "draining",
-                "node is draining for shutdown; connect to another node",
-                CLOSE_TRY_AGAIN_LATER,
-            )
+            await self._refuse(connection, "draining", DRAINING_MESSAGE, CLOSE_TRY_AGAIN_LATER)
             return
         session = ChatSession(self, connection, request, persona)
         session.claims = self._claims.pop(connection, None)
@@ -442,12 +569,8 @@ class DuplexServer:
         try:
             slot = self.scheduler.admit(session.slot_session)
         except NodeFull:
-            slots = self.engine.slots
             await self._refuse(
-                connection,
-                "node_full",
-                f"node full: all {slots} slots in use (max_sessions={slots}); try again later",
-                CLOSE_TRY_AGAIN_LATER,
+                connection, "node_full", node_full_message(self.engine.slots), CLOSE_TRY_AGAIN_LATER
             )
             return
         self.sessions.add(session)
@@ -513,6 +636,14 @@ def _token_of(request: Request) -> str | None:
     return values[0] if values else None
 
 
+def _bearer_token(request: Request) -> str | None:
+    """The token of an ``Authorization: Bearer <jwt>`` header (RFC 6750, 2.1), or None."""
+    scheme, _, value = (request.headers.get("Authorization") or "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return value.strip() or None
+
+
 def _select_token_subprotocol(
     connection: ServerConnection, subprotocols: Sequence[Subprotocol]
 ) -> Subprotocol | None:
@@ -547,9 +678,11 @@ def _peer(connection: ServerConnection) -> str:
     return real_ip or (str(address[0]) if address else "?")
 
 
-def _response(status: int, body: bytes, content_type: str) -> Response:
+def _response(status: int, body: bytes, content_type: str, *, cache_control: str | None = None) -> Response:
     reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}[status]
     headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
+    if cache_control is not None:
+        headers["Cache-Control"] = cache_control
     return Response(status, reason, headers, body)
 
 

@@ -412,6 +412,14 @@ class ReplayGuard(Protocol):
         """
         ...
 
+    async def seen(self, claims: TokenClaims) -> bool:
+        """Whether ``claims.token_id`` was already spent, without spending it (the admission preflight).
+
+        Raises:
+            TokenRejected: ``replay_check_unavailable`` when the check cannot be made now.
+        """
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -443,11 +451,20 @@ class MemoryReplayGuard:
             self._seen[claims.token_id] = claims.expires_at + self.leeway_s
             return True
 
+    def was_used(self, claims: TokenClaims) -> bool:
+        """The id is recorded (and its token has not expired); records nothing."""
+        with self._lock:
+            until = self._seen.get(claims.token_id)
+        return until is not None and until > self._clock()
+
     async def spend(self, claims: TokenClaims) -> None:
         if not self.remember(claims):
             raise TokenRejected(
                 "replayed", f"token {claims.token_id} was already used; tokens are single-use"
             )
+
+    async def seen(self, claims: TokenClaims) -> bool:
+        return self.was_used(claims)
 
     async def close(self) -> None:
         return None
@@ -522,6 +539,22 @@ class RedisReplayGuard:
             )
         if self.fallback is not None:
             self.fallback.remember(claims)
+
+    async def seen(self, claims: TokenClaims) -> bool:
+        """``EXISTS duplex:token:<jti>``: read only. When Redis does not answer, the fallback's memory
+        answers, or (without one) ``replay_check_unavailable`` is raised, as ``spend`` would."""
+        try:
+            return bool(await self._redis.exists(self.key(claims.token_id)))
+        except self._errors as exc:
+            if self._on_error is not None:
+                self._on_error()
+            if self.fallback is None:
+                raise TokenRejected(
+                    "replay_check_unavailable",
+                    f"cannot check the token against those already used (Redis: {type(exc).__name__}); "
+                    "retry in a moment",
+                ) from None
+            return self.fallback.was_used(claims)
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -5,6 +5,7 @@ secrets go, and the runtime settings the environment carries."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -371,8 +372,16 @@ def test_outputs_are_placed_untouched() -> None:
 def test_lift_joins_outputs_with_output_all() -> None:
     pulumi = pytest.importorskip("pulumi")
     assert k8s.lift(k8s.redis_address, "10.0.0.3", 6378) == "rediss://10.0.0.3:6378"
-    joined = k8s.lift(k8s.redis_address, pulumi.Output.from_input("10.0.0.3"), 6378)
-    assert isinstance(joined, pulumi.Output)
+    # A loop of its own: an async test before this one may have closed and unset the thread's loop.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        joined = k8s.lift(k8s.redis_address, pulumi.Output.from_input("10.0.0.3"), 6378)
+        assert isinstance(joined, pulumi.Output)
+        assert loop.run_until_complete(joined.future()) == "rediss://10.0.0.3:6378"
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 def test_namespace_changes_every_namespaced_object() -> None:

@@ -467,3 +467,19 @@ def test_tls_files_can_come_from_secret_manager() -> None:
         render_cloud_init(
             profile, _fake_bundle(profile), secret_manager_secrets={**SECRET_IDS, "tls_certificate": "c"}
         )
+
+
+def test_the_browser_client_reaches_the_vm() -> None:
+    """The client's files travel in the user-data with the rest of the bundle, where Compose mounts them."""
+    from infra.node.webclient import WEB_DIR, render_web
+
+    profile = PROFILES["l40s"]
+    written = _written(_parse(_user_data(profile, _real_bundle(profile))))
+    web = render_web()
+    assert f"{WEB_DIR}/index.html" in web and len(web) >= 6
+    for path, content in web.items():
+        entry = written[f"{NODE_ROOT}/{path}"]
+        assert _decode(entry) == content, path
+        assert (entry["owner"], entry["permissions"]) == ("root:root", "0644")
+    nginx_mounts = yaml.safe_load(render_compose(profile)[COMPOSE_FILE])["services"]["nginx"]["volumes"]
+    assert any(volume.startswith(f"./{WEB_DIR}:") for volume in nginx_mounts)

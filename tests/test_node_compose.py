@@ -345,3 +345,16 @@ def test_host_directories_cover_the_writable_bind_mounts() -> None:
             if source.startswith("/") and not mode.startswith("ro"):
                 assert source in prepared, f"{name}: {volume} has no prepared host directory"
     assert profile.model_cache_dir in prepared
+
+
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_nginx_mounts_the_browser_client_where_its_config_serves_it(name: str) -> None:
+    from infra.node.bundle import render_bundle
+    from infra.node.webclient import WEB_CONTAINER_ROOT, WEB_DIR
+
+    profile = PROFILES[name]
+    volumes = _doc(profile)["services"]["nginx"]["volumes"]
+    assert f"./{WEB_DIR}:{WEB_CONTAINER_ROOT}:ro" in volumes  # read-only
+    bundle = render_bundle(profile)
+    assert f"{WEB_DIR}/index.html" in bundle
+    assert f"root {WEB_CONTAINER_ROOT};" in bundle["nginx/nginx.conf"].decode()

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from infra.node.bundle import write_bundle, write_secrets
-from infra.node.local import free_port_profile
+from infra.node.local import free_port_profile, nginx_global_directives
 from infra.node.nginx import NGINX_CONF, SESSION_TIMEOUT_MARGIN_S, render_nginx
 from infra.node.profile import PROFILES, get_profile
 from infra.node.redis_conf import REDIS_CONF, render_redis
@@ -177,3 +177,133 @@ def test_rendered_redis_holds_no_secret() -> None:
         conf = render_redis(profile)[REDIS_CONF].decode()
         assert not [line for line in conf.splitlines() if line.startswith("requirepass")]
         assert "include " in conf and "redis-auth.conf" in conf
+
+
+# --- the browser client at / -------------------------------------------------------------------------------
+
+
+def _block(conf: str, opening: str) -> str:
+    """The text of the location block that starts with ``opening``, up to its closing brace."""
+    start = conf.index(opening)
+    depth, i = 0, conf.index("{", start)
+    while True:
+        depth += {"{": 1, "}": -1}.get(conf[i], 0)
+        if depth == 0:
+            return conf[start : i + 1]
+        i += 1
+
+
+@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+def test_browser_client_location_has_its_headers(profile_name: str) -> None:
+    from infra.node.nginx import content_security_policy
+    from infra.node.services import public_origin
+    from infra.node.webclient import web_root
+
+    profile = PROFILES[profile_name]
+    conf = render_nginx(profile)[NGINX_CONF].decode()
+    root = _block(conf[conf.index("listen") :].split("ssl_certificate ", 1)[1], "location / {")
+    assert f"root {web_root(profile)};" in root
+    assert "limit_except GET {" in root and "try_files $uri $uri/ =404;" in root
+    assert "text/javascript js;" in root and "text/html html;" in root and "text/css css;" in root
+    csp = content_security_policy(profile)
+    assert f'add_header Content-Security-Policy "{csp}" always;' in root
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    wss = public_origin(profile).replace("https://", "wss://")
+    assert f"connect-src 'self' {wss};" in csp + ";"
+    assert "http:" not in csp and "*" not in csp  # nothing from elsewhere, no wildcard
+    for header in (
+        "X-Content-Type-Options nosniff",
+        'Permissions-Policy "microphone=(self), camera=(), geolocation=()"',
+        "Referrer-Policy no-referrer",
+        "Cache-Control no-cache",
+        'Strict-Transport-Security "max-age=63072000"',  # not inherited once the location adds headers
+    ):
+        assert f"add_header {header} always;" in root, header
+    # The client's admission check verifies tokens: rate-limited like handshakes; both pass to the runtime.
+    admission = _block(conf, "location = /api/admission {")
+    assert f"limit_req zone=duplex_handshakes burst={profile.limits.handshake_burst} nodelay;" in admission
+    assert "error_page 429 @too_many_handshakes;" in admission
+    assert "proxy_pass http://duplex_runtime;" in _block(conf, "location = /api/personas {")
+    # The session's location passes the caller's address (a level with proxy_set_header inherits none).
+    assert "proxy_set_header X-Real-IP $remote_addr;" in _block(conf, "location = /api/chat {")
+
+
+def test_nginx_serves_the_browser_client_with_its_headers(tmp_path: Path) -> None:
+    """The rendered local config in a real nginx: the page, its modules as JavaScript, the headers, GET only,
+    a plain-text 404."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    from infra.node.webclient import render_web
+
+    profile = free_port_profile()
+    files = {**render_nginx(profile), **render_web()}
+    write_bundle(files, tmp_path)
+    for sub in ("logs", "run"):
+        (tmp_path / sub).mkdir()
+    cert = tmp_path / profile.tls.certificate_path
+    write_self_signed_certificate(cert, tmp_path / profile.tls.private_key_path, domain=profile.domain)
+    process = subprocess.Popen(
+        ["nginx", "-p", f"{tmp_path}/", "-c", NGINX_CONF, "-e", "logs/error.log"]
+        + ["-g", nginx_global_directives(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    context = ssl.create_default_context(cafile=str(cert))
+    base = f"https://{profile.domain}:{profile.ports.https}"
+    opener = urllib.request.build_opener(
+        urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
+    )
+
+    def get(path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+        try:
+            with opener.open(urllib.request.Request(base + path, method=method), timeout=5) as response:
+                return response.status, dict(response.headers), response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                status, headers, body = get("/")
+                break
+            except urllib.error.URLError:
+                assert process.poll() is None, (tmp_path / "logs" / "error.log").read_text()
+                assert time.monotonic() < deadline, "nginx did not start"
+                time.sleep(0.1)
+        assert status == 200 and body == files["web/index.html"]
+        assert headers["Content-Type"] == "text/html; charset=utf-8"
+        assert headers["Content-Security-Policy"].startswith("default-src 'none'; script-src 'self';")
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        assert headers["Permissions-Policy"].startswith("microphone=(self)")
+        assert headers["Cache-Control"] == "no-cache" and headers["ETag"]
+        assert headers["Strict-Transport-Security"] == "max-age=63072000"
+        for name in ("app.js", "protocol.js", "player.js", "audio-worklet.js"):
+            status, headers, body = get(f"/{name}")
+            assert status == 200 and body == files[f"web/{name}"], name
+            assert headers["Content-Type"] == "text/javascript; charset=utf-8", name  # modules need it
+        assert get("/style.css")[1]["Content-Type"] == "text/css; charset=utf-8"
+        assert get("/", method="POST")[0] == 403
+        status, headers, body = get("/nothing-here.js")
+        assert status == 404 and headers["Content-Type"] == "text/plain" and b"/api/chat" in body
+        assert headers["X-Content-Type-Options"] == "nosniff"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_nginx_workers_run_as_the_node_directorys_owner_when_started_as_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import grp
+    import os
+    import pwd
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert nginx_global_directives(tmp_path) == "daemon off;"  # workers are the invoking user already
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    owner = tmp_path.stat()
+    user, group = pwd.getpwuid(owner.st_uid).pw_name, grp.getgrgid(owner.st_gid).gr_name
+    assert nginx_global_directives(tmp_path) == f"daemon off; user {user} {group};"

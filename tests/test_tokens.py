@@ -195,6 +195,45 @@ async def test_memory_replay_guard_admits_each_id_once_until_it_expires() -> Non
     await guard.spend(claims)
 
 
+async def test_seen_reports_a_spent_id_without_spending_one() -> None:
+    now = [1000.0]
+    guard = MemoryReplayGuard(leeway_s=5, clock=lambda: now[0])
+    claims = verifier().verify(mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id="peek"))
+    assert not await guard.seen(claims) and not await guard.seen(claims)  # looking twice spends nothing
+    assert len(guard) == 0
+    await guard.spend(claims)
+    assert await guard.seen(claims)
+    now[0] = claims.expires_at + 6
+    assert not await guard.seen(claims)
+
+
+async def test_redis_seen_reads_only_and_fails_like_spend(redis_server) -> None:
+    from runtime.tokens import RedisReplayGuard
+
+    claims = verifier().verify(
+        mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id="r-peek")
+    )
+    errors: list[int] = []
+    closed = RedisReplayGuard(redis_server.url, on_error=lambda: errors.append(1))
+    fallback = MemoryReplayGuard()
+    open_ = RedisReplayGuard(redis_server.url, fallback=fallback)
+    try:
+        assert not await closed.seen(claims)
+        assert not await closed.seen(claims)
+        await closed.spend(claims)  # the id was not recorded by looking: the first use goes through
+        assert await closed.seen(claims) and await open_.seen(claims)
+        redis_server.stop()
+        with pytest.raises(TokenRejected) as info:
+            await closed.seen(claims)
+        assert info.value.reason == "replay_check_unavailable" and errors == [1]
+        assert not await open_.seen(claims)  # Redis down: the fallback's memory answers (it never saw it)
+        fallback.remember(claims)
+        assert await open_.seen(claims)
+    finally:
+        await closed.close()
+        await open_.close()
+
+
 def test_refusal_reasons_are_the_metric_labels() -> None:
     assert set(REFUSAL_STATUS) == set(ACCESS_REFUSAL_REASONS)
     with pytest.raises(ValueError, match="unknown refusal reason"):

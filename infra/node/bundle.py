@@ -8,6 +8,7 @@ or copied over SSH, and a re-run with an unchanged profile changes nothing.
 path                                                rendered by
 =================================================  ==========================================
 ``nginx/nginx.conf``                                ``infra.node.nginx``
+``web/`` (the browser client, served at ``/``)      ``infra.node.webclient``
 ``redis/redis.conf``                                ``infra.node.redis_conf``
 ``prometheus/prometheus.yml``, ``rules/``, ``tests/``  ``infra.node.prometheus``
 ``grafana/provisioning/...``, ``grafana/dashboards/``  ``infra.node.grafana``
@@ -31,6 +32,7 @@ from infra.node.profile import NodeProfile
 from infra.node.prometheus import render_prometheus
 from infra.node.redis_conf import render_redis
 from infra.node.services import SECRETS_DIR, NodeSecrets, secret_files
+from infra.node.webclient import render_web
 
 __all__ = ["render_bundle", "write_bundle", "write_secrets"]
 
@@ -38,8 +40,9 @@ __all__ = ["render_bundle", "write_bundle", "write_secrets"]
 def render_bundle(profile: NodeProfile) -> dict[str, bytes]:
     """All files of the node's bundle, ``{posix path relative to the bundle root: content}``, sorted.
 
-    A ``compose`` node also gets ``compose.yaml`` and the cloud-init user-data that installs the rest of the
-    bundle on a fresh GCE VM (secrets fetched at boot from Secret Manager, see ``infra.node.cloud_init``).
+    Every node gets the browser client nginx serves at ``/`` (``web/``). A ``compose`` node also gets
+    ``compose.yaml`` and the cloud-init user-data that installs the rest of the bundle, the client included,
+    on a fresh GCE VM (secrets fetched at boot from Secret Manager, see ``infra.node.cloud_init``).
 
     Raises:
         ValueError: two renderers produced the same path (a bug), or a path escapes the bundle.
@@ -47,6 +50,7 @@ def render_bundle(profile: NodeProfile) -> dict[str, bytes]:
     files: dict[str, bytes] = {}
     parts = [render_nginx(profile), render_redis(profile), render_prometheus(profile)]
     parts.append(render_grafana(profile))
+    parts.append(render_web())
     if profile.deployment == "compose":
         parts.append(render_compose(profile))
     for part in parts:

@@ -74,6 +74,25 @@ def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: im
         console.print(f"[red]problem:[/red] {problem}")
 
 
+BROWSER_LINK_TTL_S = 900.0
+"""Lifetime (s) of the token in the browser link ``duplex node up --keep-running`` prints: 15 min."""
+
+
+def _print_browser_client(node) -> None:  # noqa: ANN001 (LocalNode: imported lazily)
+    """The browser client's address, a one-conversation link carrying a fresh token in its fragment (never
+    sent to the server, never logged), and how to mint more tokens."""
+    from infra.node.services import SECRET_FILES, token_audience
+
+    token = node.mint_token(ttl_s=BROWSER_LINK_TTL_S)
+    minutes = BROWSER_LINK_TTL_S / 60
+    page = f"{node.https_url}/"
+    console.print(f"browser client: {page} (self-signed certificate: accept the browser's warning)")
+    console.print(f"one conversation, within {minutes:g} min: {page}#token={token}", soft_wrap=True)
+    keys = node.node_dir / SECRET_FILES["token_keys"]
+    audience = token_audience(node.profile)
+    console.print(f"more tokens: duplex token mint --key-file {keys} --audience {audience}", soft_wrap=True)
+
+
 @app.command("up")
 def up_command(
     node_dir: Annotated[
@@ -136,6 +155,7 @@ def up_command(
                 _print_check(check, node)
             if keep_running and not check.dead_processes:
                 console.print(f"node running: {node.wss_url}/api/chat; Ctrl-C to stop")
+                _print_browser_client(node)
                 stop = threading.Event()
                 signal.signal(signal.SIGTERM, lambda *_: stop.set())
                 try:

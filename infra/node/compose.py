@@ -41,6 +41,7 @@ import yaml
 from infra.node.profile import GRAFANA_VERSION, NodeProfile
 from infra.node.prometheus import prometheus_args
 from infra.node.services import SECRET_FILES, TOKEN_KEYS_CONTAINER_PATH, endpoint, runtime_settings
+from infra.node.webclient import WEB_CONTAINER_ROOT, WEB_DIR
 
 __all__ = [
     "COMPOSE_FILE",
@@ -232,7 +233,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
 
 def _nginx(profile: NodeProfile) -> dict[str, Any]:
     ports = profile.ports
-    volumes = ["./nginx/nginx.conf:/etc/nginx/nginx.conf:ro"]
+    volumes = ["./nginx/nginx.conf:/etc/nginx/nginx.conf:ro", f"./{WEB_DIR}:{WEB_CONTAINER_ROOT}:ro"]
     volumes += [f"{d}:{d}:ro" for d in _tls_dirs(profile)]
     return {
         "image": IMAGES["nginx"],

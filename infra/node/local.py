@@ -9,6 +9,7 @@ A process that exits early is reported with its exit code and the tail of its lo
 Node directory::
 
     nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle)
+    web/                                  the browser client nginx serves at / (infra.node.webclient)
     secrets/                              0700: Redis password, runtime env, token signing keys
                                           (infra.node.services)
     tls/node.crt, tls/node.key            self-signed certificate (infra.node.tls)
@@ -20,8 +21,10 @@ Node directory::
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -53,6 +56,7 @@ __all__ = [
     "NodeStartError",
     "free_port_profile",
     "missing_binaries",
+    "nginx_global_directives",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,19 @@ def free_port_profile(**overrides: object) -> NodeProfile:
         ports = {name: free_loopback_port() for name in names}
     ports["dcgm_exporter"] = 1 + max(ports.values())  # unused on a CPU node, must merely be distinct
     return get_profile("local", ports=ports, **overrides)
+
+
+def nginx_global_directives(node_dir: Path) -> str:
+    """nginx's ``-g`` directives for a node run from ``node_dir``: in the foreground and, when started as
+    root, with workers running as the node directory's owner (nginx's default worker user, ``nobody``,
+    cannot read the browser client's files under a 0700 directory such as a temporary one). Without root,
+    workers run as the invoking user and no ``user`` directive is given."""
+    directives = "daemon off;"
+    if os.geteuid() == 0:
+        owner = Path(node_dir).stat()
+        user, group = pwd.getpwuid(owner.st_uid).pw_name, grp.getgrgid(owner.st_gid).gr_name
+        directives += f" user {user} {group};"
+    return directives
 
 
 def _port_in_use(host: str, port: int) -> bool:
@@ -316,7 +333,7 @@ class LocalNode:
                     "-e",
                     "logs/error.log",
                     "-g",
-                    "daemon off;",
+                    nginx_global_directives(self.node_dir),
                 ],
                 lambda: _http_ok(f"{self.https_url}/readyz", context=tls),
             ),

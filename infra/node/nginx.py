@@ -18,6 +18,14 @@
   ``token`` query parameter must not land in a log.
 - ``/healthz`` and ``/readyz`` pass through (load balancers probe ``/readyz``); ``/metrics`` answers 404 on
   the public side: Prometheus scrapes the runtime on the private address directly.
+- ``/``: the browser client (``infra.node.webclient``), static files from the bundle's ``web/``, GET and HEAD
+  only, with a Content-Security-Policy that allows nothing but the node itself (scripts, styles, the
+  AudioWorklet, ``fetch`` and the ``wss://`` session), ``X-Content-Type-Options: nosniff``,
+  ``Permissions-Policy: microphone=(self)``, no referrer, no framing, and ``Cache-Control: no-cache`` (the
+  files have no hashed names: browsers revalidate with the ETag, a changed bundle is seen at once).
+- ``/api/admission`` and ``/api/personas`` pass through to the runtime (the client's check of why a session
+  would be refused, and the node's voices); the admission check verifies tokens, so the handshake rate
+  limit covers it too.
 - 502/504 (runtime down or not answering) get a plain-text body that says so.
 
 In a ``processes`` deployment (the local node) every path is relative to nginx's prefix (``nginx -p
@@ -30,9 +38,10 @@ from __future__ import annotations
 import posixpath
 
 from infra.node.profile import NodeProfile
-from infra.node.services import endpoint
+from infra.node.services import endpoint, public_origin
+from infra.node.webclient import WEB_TYPES, web_root
 
-__all__ = ["NGINX_CONF", "SESSION_TIMEOUT_MARGIN_S", "render_nginx"]
+__all__ = ["NGINX_CONF", "SESSION_TIMEOUT_MARGIN_S", "content_security_policy", "render_nginx"]
 
 NGINX_CONF = "nginx/nginx.conf"
 """The bundle path of the rendered configuration."""
@@ -53,6 +62,25 @@ _TLS12_CIPHERS = ":".join(
         "ECDHE-RSA-CHACHA20-POLY1305",
     )
 )
+
+
+def content_security_policy(profile: NodeProfile) -> str:
+    """The browser client's Content-Security-Policy: scripts (and the AudioWorklet), styles, images and
+    connections from the node itself only (``'self'``, and its ``wss://`` origin for the session, which
+    older browsers do not count as ``'self'``); no plugins, no framing, no ``<base>``, no form posts."""
+    wss_origin = "wss://" + public_origin(profile).removeprefix("https://")
+    return "; ".join(
+        (
+            "default-src 'none'",
+            "script-src 'self'",
+            "style-src 'self'",
+            "img-src 'self'",
+            f"connect-src 'self' {wss_origin}",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        )
+    )
 
 
 def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
@@ -85,6 +113,7 @@ def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
         f"node full: this node serves at most {profile.sessions} sessions, "
         f"{profile.limits.max_sessions_per_client} per client address; retry later or use another node\\n"
     )
+    types = " ".join(f"{mime} {ext};" for ext, mime in sorted(WEB_TYPES.items()))
     temp_dirs = "\n".join(
         f"    {kind}_temp_path {paths['temp']}/{kind};"
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -170,6 +199,11 @@ http {{
 
             proxy_pass http://duplex_runtime;
             proxy_http_version 1.1;
+            # A level that sets proxy_set_header inherits none from the server level: all of them again.
+            proxy_set_header Host $host;
+            proxy_set_header X-Real-IP $remote_addr;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto https;
             proxy_set_header Upgrade $http_upgrade;
             proxy_set_header Connection $connection_upgrade;
             proxy_buffering off;
@@ -186,6 +220,26 @@ http {{
         }}
 
         location = /readyz {{
+            proxy_pass http://duplex_runtime;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+
+        # The browser client's admission check (why a session would be refused: a browser cannot read a
+        # refused upgrade's status) and the node's voices. The check verifies tokens: rate-limited as
+        # handshakes are.
+        location = /api/admission {{
+            limit_req zone=duplex_handshakes burst={limits.handshake_burst} nodelay;
+            error_page 429 @too_many_handshakes;
+            error_page 502 504 @runtime_unavailable;
+            proxy_pass http://duplex_runtime;
+            proxy_http_version 1.1;
+            proxy_set_header Host $host;
+            proxy_set_header X-Real-IP $remote_addr;
+            proxy_set_header Connection "";
+        }}
+
+        location = /api/personas {{
             proxy_pass http://duplex_runtime;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
@@ -211,9 +265,35 @@ http {{
             return 502 "runtime unavailable: the node's runtime is down or not answering\\n";
         }}
 
+        # The browser client (infra.node.webclient): static files only.
         location / {{
+            root {web_root(profile)};
+            index index.html;
+            try_files $uri $uri/ =404;
+            limit_except GET {{
+                deny all;
+            }}
+            types {{ {types} }}
+            default_type application/octet-stream;
+            charset utf-8;
+            charset_types text/css text/javascript image/svg+xml;
+            error_page 404 @not_found;
+            # A level with add_header inherits none from the server level: HSTS again.
+            add_header Strict-Transport-Security "max-age=63072000" always;
+            add_header Content-Security-Policy "{content_security_policy(profile)}" always;
+            add_header X-Content-Type-Options nosniff always;
+            add_header Permissions-Policy "microphone=(self), camera=(), geolocation=()" always;
+            add_header Referrer-Policy no-referrer always;
+            add_header X-Frame-Options DENY always;
+            add_header Cross-Origin-Opener-Policy same-origin always;
+            add_header Cache-Control no-cache always;
+        }}
+
+        location @not_found {{
             default_type text/plain;
-            return 404 "not found: WebSocket sessions are at /api/chat\\n";
+            add_header Strict-Transport-Security "max-age=63072000" always;
+            add_header X-Content-Type-Options nosniff always;
+            return 404 "not found: the browser client is at /, WebSocket sessions at /api/chat\\n";
         }}
     }}
 }}

@@ -1,0 +1,344 @@
+// The page: persona and token, the talk button, one conversation at a time, the live readout.
+//
+// A conversation: check admission (GET /api/admission: why a refusal, in words, before any socket), open
+// the microphone, capture it at 24 kHz in an AudioWorklet (audio-worklet.js), open wss://.../api/chat with
+// the token as the WebSocket subprotocol, wait for the handshake, then stream 80 ms Int16 frames up while
+// playing the frames that come down (player.js) and showing the text pieces.
+
+import {
+  FRAME_MS,
+  Kind,
+  TOKEN_SUBPROTOCOL_PREFIX,
+  chatUrl,
+  checkAdmission,
+  decodeMessage,
+  describe,
+  encodeAudio,
+  encodePing,
+  readToken,
+  reasonOfClose,
+  reasonOfError,
+} from "./protocol.js";
+import { Player } from "./player.js";
+
+const PING_INTERVAL_MS = 1000; // one round-trip probe per second
+const READOUT_INTERVAL_MS = 250; // how often the numbers on the page are refreshed
+const LEVEL_GAIN = 4; // speech RMS around 0.05..0.2 fills a visible part of the meter
+
+// Personas: role prompts in PersonaPlex's style. The voices come from the node (GET /api/personas).
+const PERSONAS = [
+  {
+    label: "Friendly assistant",
+    prompt: "You are a wise and friendly assistant. Answer clearly and kindly.",
+  },
+  {
+    label: "Restaurant host",
+    prompt:
+      "You work for a small restaurant and take table reservations: ask for the day, time and party size.",
+  },
+  {
+    label: "Customer support",
+    prompt: "You are a customer support agent for an online shop. Help with orders, deliveries and returns.",
+  },
+  { label: "Casual chat", prompt: "You enjoy having a good conversation about anything." },
+  { label: "None (no role prompt)", prompt: "" },
+];
+
+const ui = Object.fromEntries(
+  ["token", "token-info", "voice", "persona", "prompt", "settings", "talk", "status", "problem", "transcript",
+    "level", "stat-rtt", "stat-received", "stat-lost", "stat-underruns", "stat-buffer", "stat-sent",
+  ].map((id) => [id, document.getElementById(id)]),
+);
+
+// What the page measures. Shown on the page, and readable as window.duplexClient.stats (tests, debugging).
+const stats = {
+  state: "idle", // idle | connecting | live
+  reason: "", // the last refusal's reason code (protocol.js REASONS), "" when none
+  framesSent: 0, // 80 ms frames sent up
+  framesReceived: 0, // 80 ms frames received
+  framesLost: 0, // gaps in the received stream: g ms between two frames counts round(g / 80) - 1 frames
+  framesScheduled: 0, // frames handed to the AudioContext
+  underruns: 0, // times playback ran dry mid-conversation (an audible gap)
+  dropped: 0, // frames dropped by the player to keep the latency bounded
+  bufferedMs: 0, // audio queued ahead of the playhead (ms)
+  rttMs: null, // last ping round trip (ms): page -> nginx -> runtime -> page
+  transcriptChars: 0,
+  inputRateHz: null, // the AudioContext's rate the worklet resamples from
+  resampled: null, // whether it had to (false when the context already ran at 24 kHz)
+  contextTimeS: 0, // AudioContext.currentTime (s)
+  scheduledUntilS: 0, // context time (s) up to which audio is scheduled
+};
+window.duplexClient = { stats };
+
+let session = null; // the conversation in progress, if any
+
+function setState(state) {
+  stats.state = state;
+  document.body.dataset.state = state;
+  ui.talk.textContent = state === "idle" ? "Start talking" : "Stop talking";
+  ui.settings.disabled = state !== "idle";
+}
+
+function setStatus(text) {
+  ui.status.textContent = text;
+}
+
+function showProblem(reason, message) {
+  stats.reason = reason;
+  ui.problem.dataset.reason = reason;
+  let words = describe(reason, message);
+  if (reason === "bad_request" && message) words += ` (${message})`;
+  ui.problem.textContent = words;
+}
+
+function clearProblem() {
+  stats.reason = "";
+  delete ui.problem.dataset.reason;
+  ui.problem.textContent = "";
+}
+
+function readPlayer(s) {
+  const player = s.player;
+  stats.framesScheduled = player.framesScheduled;
+  stats.underruns = player.underruns;
+  stats.dropped = player.dropped;
+  stats.bufferedMs = player.bufferedMs;
+  stats.contextTimeS = s.context.currentTime;
+  stats.scheduledUntilS = player.nextStartS;
+}
+
+function refreshReadout() {
+  if (session?.player) readPlayer(session);
+  ui["stat-rtt"].textContent = stats.rttMs === null ? "–" : `${Math.round(stats.rttMs)} ms`;
+  ui["stat-received"].textContent = String(stats.framesReceived);
+  ui["stat-lost"].textContent = String(stats.framesLost + stats.dropped);
+  ui["stat-underruns"].textContent = String(stats.underruns);
+  ui["stat-buffer"].textContent = stats.state === "live" ? `${Math.round(stats.bufferedMs)} ms` : "–";
+  ui["stat-sent"].textContent = String(stats.framesSent);
+}
+
+// --- one conversation ----------------------------------------------------------------------------------
+
+async function start() {
+  clearProblem();
+  if (!window.AudioWorkletNode || !window.WebSocket || !navigator.mediaDevices?.getUserMedia) {
+    showProblem("unsupported", "");
+    return;
+  }
+  const token = ui.token.value.trim();
+  if (token && !/^[A-Za-z0-9_.-]+$/.test(token)) {
+    // Not a JWT (base64url parts and dots): it could not even travel in a header or subprotocol.
+    showProblem("malformed", "");
+    return;
+  }
+  const persona = { voicePrompt: ui.voice.value, textPrompt: ui.prompt.value };
+  let context;
+  try {
+    // Created inside the click: browsers let audio start only after a user gesture.
+    context = new AudioContext({ latencyHint: "interactive" });
+  } catch (error) {
+    showProblem("unsupported", String(error));
+    return;
+  }
+  const s = { context, token, persona, handshake: false, opened: false, ended: false, error: null, pings: 0 };
+  session = s;
+  Object.assign(stats, { framesSent: 0, framesReceived: 0, framesLost: 0, rttMs: null, transcriptChars: 0 });
+  ui.transcript.textContent = "";
+  setState("connecting");
+  try {
+    setStatus("Checking with the node…");
+    const admission = await checkAdmission(location, persona, token);
+    if (s.ended) return;
+    if (!admission.ok) return end(s, admission.reason, admission.message);
+
+    setStatus("Waiting for the microphone…");
+    try {
+      s.stream = await navigator.mediaDevices.getUserMedia({
+        audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+      });
+    } catch (error) {
+      const reason = error.name === "NotFoundError" ? "microphone_missing" : "microphone_denied";
+      return end(s, reason, String(error));
+    }
+    if (s.ended) return release(s);
+
+    await context.audioWorklet.addModule(new URL("audio-worklet.js", import.meta.url));
+    await context.resume();
+    if (s.ended) return release(s);
+    s.player = new Player(context);
+    s.capture = new AudioWorkletNode(context, "capture-24k", { numberOfInputs: 1, numberOfOutputs: 0 });
+    s.capture.port.onmessage = (event) => onCapture(s, event.data);
+    s.source = context.createMediaStreamSource(s.stream);
+    s.source.connect(s.capture);
+
+    setStatus("Connecting…");
+    s.ws = new WebSocket(chatUrl(location, persona), token ? [TOKEN_SUBPROTOCOL_PREFIX + token] : []);
+    s.ws.binaryType = "arraybuffer";
+    s.ws.onopen = () => {
+      s.opened = true;
+      setStatus("Connected. The node is getting the persona ready…");
+    };
+    s.ws.onmessage = (event) => onMessage(s, event.data);
+    s.ws.onclose = (event) => onClose(s, event);
+  } catch (error) {
+    end(s, "unsupported", String(error));
+  }
+}
+
+function onCapture(s, data) {
+  if (data.type === "ready") {
+    stats.inputRateHz = data.inputRateHz;
+    stats.resampled = data.resampled;
+    return;
+  }
+  ui.level.value = Math.min(1, data.rms * LEVEL_GAIN);
+  // Audio sent before the handshake would be dropped by the node: start with the conversation.
+  if (s.handshake && !s.ended && s.ws.readyState === WebSocket.OPEN) {
+    s.ws.send(encodeAudio(data.samples));
+    stats.framesSent += 1;
+  }
+}
+
+function onMessage(s, data) {
+  if (s.ended || !(data instanceof ArrayBuffer)) return;
+  const message = decodeMessage(data);
+  switch (message.kind) {
+    case Kind.HANDSHAKE:
+      s.handshake = true;
+      setState("live");
+      setStatus("Live: speak now. Press “Stop talking” to end the conversation.");
+      s.pingTimer = setInterval(() => {
+        if (s.ws.readyState === WebSocket.OPEN) s.ws.send(encodePing(++s.pings, performance.now()));
+      }, PING_INTERVAL_MS);
+      break;
+    case Kind.AUDIO: {
+      const now = performance.now();
+      // Frames are 80 ms apart: a longer gap stands for frames that did not come (as duplex loadgen counts).
+      if (s.lastAudioMs !== undefined) {
+        stats.framesLost += Math.max(0, Math.round((now - s.lastAudioMs) / FRAME_MS) - 1);
+      }
+      s.lastAudioMs = now;
+      stats.framesReceived += 1;
+      s.player.push(message.samples);
+      readPlayer(s);
+      break;
+    }
+    case Kind.TEXT:
+      ui.transcript.append(message.text);
+      ui.transcript.scrollTop = ui.transcript.scrollHeight;
+      stats.transcriptChars += message.text.length;
+      break;
+    case Kind.ERROR: // the runtime says why before it closes (node full, draining, time limit...)
+      s.error = { reason: reasonOfError(message.message), message: message.message };
+      showProblem(s.error.reason, s.error.message);
+      break;
+    case Kind.PING:
+      if (Number.isFinite(message.sentAtMs)) stats.rttMs = performance.now() - message.sentAtMs;
+      break;
+    default:
+      break; // metadata: nothing to show
+  }
+}
+
+async function onClose(s, event) {
+  if (s.ended) return;
+  if (s.error) return end(s, s.error.reason, s.error.message);
+  if (!s.opened) {
+    // The upgrade was refused: the browser shows 1006 and hides the HTTP status. Ask the node why.
+    setStatus("The node refused the connection; asking why…");
+    const admission = await checkAdmission(location, s.persona, s.token);
+    if (!admission.ok) return end(s, admission.reason, admission.message);
+    return end(s, "connection_failed", "refused, though the node would admit a session now: try again");
+  }
+  if (event.code === 1000 && event.reason !== "max_session_length") return end(s, null);
+  end(s, reasonOfClose(event.code, event.reason), event.reason);
+}
+
+/** Free what the conversation holds (idempotent: also frees what an await delivered after the end). */
+function release(s) {
+  clearInterval(s.pingTimer);
+  if (s.ws && s.ws.readyState <= WebSocket.OPEN) s.ws.close(1000, "client ended");
+  s.stream?.getTracks().forEach((track) => track.stop());
+  s.source?.disconnect();
+  if (s.capture) {
+    s.capture.port.onmessage = null;
+    s.capture.disconnect();
+  }
+  s.player?.stop();
+  if (s.context.state !== "closed") s.context.close();
+}
+
+/** End the conversation; `reason` (a protocol.js REASONS code) when it did not end by choice. */
+function end(s, reason, message = "") {
+  if (s.ended) return;
+  s.ended = true;
+  refreshReadout();
+  release(s);
+  if (session === s) session = null;
+  setState("idle");
+  if (reason) {
+    showProblem(reason, message);
+    setStatus("Not connected.");
+  } else {
+    setStatus("Conversation ended.");
+  }
+}
+
+// --- set-up ----------------------------------------------------------------------------------------------
+
+function takeTokenFromFragment() {
+  // #token=... never reaches the server (fragments are not sent); drop it from the address bar and history.
+  const token = new URLSearchParams(location.hash.slice(1)).get("token");
+  if (token) {
+    ui.token.value = token;
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+}
+
+function describeToken() {
+  const claims = readToken(ui.token.value.trim());
+  if (!claims) {
+    ui["token-info"].textContent = "";
+    return;
+  }
+  const voices = claims.personas.includes("*") ? "any" : claims.personas.join(", ");
+  ui["token-info"].textContent = `Valid until ${claims.expiresAt.toLocaleTimeString()}; voices: ${voices}.`;
+}
+
+async function loadVoices() {
+  try {
+    const response = await fetch("/api/personas", { cache: "no-cache" });
+    if (!response.ok) return;
+    const { voices } = await response.json();
+    for (const name of voices) ui.voice.append(new Option(name, name));
+  } catch {
+    // The model's own voice stays available.
+  }
+}
+
+function init() {
+  for (const [index, persona] of PERSONAS.entries()) {
+    ui.persona.append(new Option(persona.label, String(index)));
+  }
+  ui.prompt.value = PERSONAS[0].prompt;
+  ui.persona.addEventListener("change", () => {
+    ui.prompt.value = PERSONAS[Number(ui.persona.value)].prompt;
+  });
+  takeTokenFromFragment();
+  describeToken();
+  ui.token.addEventListener("input", describeToken);
+  document.getElementById("setup").addEventListener("submit", (event) => event.preventDefault());
+  // A native <button>: Space and Enter press it, focus is visible (style.css :focus-visible).
+  ui.talk.addEventListener("click", () => {
+    if (session) {
+      session.userEnded = true;
+      end(session, null);
+    } else {
+      start();
+    }
+  });
+  setInterval(refreshReadout, READOUT_INTERVAL_MS);
+  loadVoices();
+}
+
+init();

@@ -1,0 +1,67 @@
+"""The browser client every node serves at ``/``: static files shipped with this package, copied into the
+node bundle under ``web/`` and served by nginx (``infra.node.nginx``).
+
+Plain ES modules, no build step, nothing fetched from elsewhere (the page's Content-Security-Policy allows
+only the node itself): ``index.html``, ``style.css``, ``app.js`` (the page), ``protocol.js`` (the wire
+protocol, the admission check and the refusal reasons in plain words), ``audio-worklet.js`` (microphone
+capture resampled to 24 kHz Int16 frames), ``player.js`` (jitter-buffered playback), ``favicon.svg``.
+
+Where nginx finds them: ``web/`` under its prefix (the node directory) on a ``processes`` node; on a
+``compose`` node the bundle's ``web/`` is mounted read-only at ``WEB_CONTAINER_ROOT`` in the nginx
+container. On a GCE VM the files travel in the cloud-init user-data with the rest of the bundle.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+
+from infra.node.profile import NodeProfile
+
+__all__ = ["WEB_CONTAINER_ROOT", "WEB_DIR", "WEB_TYPES", "render_web", "web_root"]
+
+WEB_DIR = "web"
+"""The bundle directory holding the client's files."""
+
+WEB_CONTAINER_ROOT = "/usr/share/duplex/web"
+"""Where the nginx container of a ``compose`` node sees ``WEB_DIR`` (a read-only bind mount)."""
+
+WEB_TYPES: dict[str, str] = {
+    "html": "text/html",
+    "css": "text/css",
+    "js": "text/javascript",
+    "svg": "image/svg+xml",
+}
+"""File extension -> MIME type: the only files shipped and the only types nginx serves from ``/``. ES modules
+and worklets are refused by browsers unless they come as JavaScript."""
+
+_PACKAGE, _SOURCE_DIR = "infra.node", "web"
+
+
+def render_web() -> dict[str, bytes]:
+    """``{"web/<name>": content}`` for every client file shipped in the package (``infra/node/web/``), by
+    name; only the extensions of ``WEB_TYPES``. Always the same bytes for the same installed package.
+
+    Raises:
+        FileNotFoundError: the package was installed without its web files (a packaging bug), or
+            ``index.html`` is missing.
+    """
+    source = importlib.resources.files(_PACKAGE).joinpath(_SOURCE_DIR)
+    if not source.is_dir():
+        raise FileNotFoundError(
+            f"the browser client's files are missing from the installed package ({_PACKAGE}/{_SOURCE_DIR}/); "
+            "reinstall duplexops (MANIFEST.in ships them)"
+        )
+    files = {
+        f"{WEB_DIR}/{entry.name}": entry.read_bytes()
+        for entry in source.iterdir()
+        if entry.is_file() and entry.name.rsplit(".", 1)[-1] in WEB_TYPES
+    }
+    if f"{WEB_DIR}/index.html" not in files:
+        raise FileNotFoundError(f"{_PACKAGE}/{_SOURCE_DIR}/index.html is missing: the client has no page")
+    return dict(sorted(files.items()))
+
+
+def web_root(profile: NodeProfile) -> str:
+    """nginx's ``root`` for the client: ``web`` (relative to nginx's prefix, the node directory) on a
+    ``processes`` node, ``WEB_CONTAINER_ROOT`` in a container."""
+    return WEB_DIR if profile.deployment == "processes" else WEB_CONTAINER_ROOT
