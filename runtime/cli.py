@@ -86,10 +86,19 @@ def serve(
     except ValueError as exc:
         console.print(f"[red]invalid access control settings[/red]: {exc}")
         raise typer.Exit(2) from None
-    from runtime.server import build_server
+    from runtime.metrics import RuntimeMetrics
+    from runtime.server import build_server, loading_status
+
+    def load(metrics: RuntimeMetrics):  # noqa: ANN202 - DuplexServer, imported lazily
+        server = build_server(config, metrics=metrics)
+        server.warm_up()
+        return server
 
     async def main() -> None:
-        server = build_server(config)
+        metrics = RuntimeMetrics()
+        # Probes and Prometheus get answers during the load (minutes for a 7B model), not refusals.
+        async with loading_status(config, metrics):
+            server = await asyncio.to_thread(load, metrics)
         await server.start()
         await server.serve_until_signal()
 

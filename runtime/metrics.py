@@ -48,6 +48,9 @@ class RuntimeMetrics:
         self.active_sessions = Gauge("duplex_active_sessions", "Sessions holding a slot", registry=r)
         self.draining = Gauge("duplex_draining", "1 while the process drains after SIGTERM", registry=r)
         self.ready = Gauge("duplex_ready", "1 when /readyz answers 200", registry=r)
+        self.loading = Gauge(
+            "duplex_loading", "1 while the model loads and warms up (/readyz 503 'loading')", registry=r
+        )
         self.tick_duration = Histogram(
             "duplex_tick_duration_seconds",
             "Wall time of one batched tick (encode, LM step, decode, prompt steps)",

@@ -23,6 +23,10 @@ come back from it. One :class:`ChatSession` per connection. Endpoints:
   nothing, and a slot free now may be taken before the upgrade.
 - ``GET /api/personas``: the voice prompts this node has (``voices_dir``) and the text prompt's limit, JSON.
 - ``GET /healthz``: 200 while the process and its tick thread are alive.
+- While the model loads (``loading_status``, minutes for a 7B model) the same address answers already:
+  ``/healthz`` 200 ``loading``, ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``,
+  ``/metrics`` with ``duplex_loading 1``, ``/api/admission`` ``not_ready``, everything else 503: probes
+  and Prometheus see a live process that is not ready yet, not a refused connection.
 - ``GET /readyz``: 200 when the model is loaded and warm, a slot is free and the node is not draining;
   503 with a JSON reason otherwise.
 - ``GET /metrics``: Prometheus text format.
@@ -42,7 +46,7 @@ import signal
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -113,6 +117,10 @@ ADMISSION_REASONS: tuple[str, ...] = (
 )
 """Every ``reason`` :class:`Admission` can carry: ``ok``, the token and origin refusals of
 ``runtime.tokens.REFUSAL_STATUS``, and the refusals made after the upgrade."""
+
+
+LOADING_MESSAGE = "node is loading the model; try again in a few minutes"
+"""What every request but the probes gets while the model loads."""
 
 
 def node_full_message(slots: int) -> str:
@@ -686,8 +694,58 @@ def _response(status: int, body: bytes, content_type: str, *, cache_control: str
     return Response(status, reason, headers, body)
 
 
-def build_server(config: RuntimeConfig) -> DuplexServer:
-    """Load the model named by ``config`` and build the server and its store (not started)."""
+@contextlib.asynccontextmanager
+async def loading_status(config: RuntimeConfig, metrics: RuntimeMetrics) -> AsyncIterator[Server | None]:
+    """Answer on the runtime's address while the model loads, then free the address for the real server.
+
+    Inside the context: ``/healthz`` 200 ``loading`` (the process is alive), ``/readyz`` 503
+    ``{"ready": false, "reason": "loading the model"}``, ``/metrics`` the registry of ``metrics`` (with
+    ``duplex_loading`` 1 and ``duplex_ready`` 0: Prometheus's ``up`` is 1, so ``RuntimeDown`` stays quiet
+    during a load of minutes), ``/api/admission`` an ``Admission`` ``not_ready``, anything else 503 with
+    ``LOADING_MESSAGE``. Nothing is upgraded to a WebSocket. ``duplex_loading`` is 0 again on exit.
+
+    Yields the listening server, or None when ``config.port`` is 0 (an ephemeral port: the real server
+    would listen elsewhere, so there is nothing to hold).
+
+    Raises:
+        OSError: the address is in use.
+    """
+    metrics.loading.set(1)
+    metrics.ready.set(0)
+
+    def answer(connection: ServerConnection, request: Request) -> Response:
+        path = urlsplit(request.path).path
+        if path == "/healthz":
+            return connection.respond(200, "loading\n")
+        if path == "/readyz":
+            body = json.dumps({"ready": False, "reason": "loading the model"}) + "\n"
+            return _response(503, body.encode(), "application/json")
+        if path == "/metrics":
+            return _response(200, metrics.render(), PROMETHEUS_CONTENT_TYPE)
+        if path == ADMISSION_PATH:
+            admission = Admission(False, 503, "not_ready", LOADING_MESSAGE)
+            return _response(200, admission.as_json(), "application/json", cache_control="no-store")
+        return connection.respond(503, LOADING_MESSAGE + "\n")
+
+    async def never_upgraded(connection: ServerConnection) -> None:  # every request is answered above
+        await connection.close()
+
+    server = None
+    if config.port != 0:
+        server = await serve(never_upgraded, config.host, config.port, process_request=answer)
+        log.info("loading the model; %s:%d answers the probes meanwhile", config.host, config.port)
+    try:
+        yield server
+    finally:
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+        metrics.loading.set(0)
+
+
+def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None) -> DuplexServer:
+    """Load the model named by ``config`` and build the server and its store (not started); ``metrics``: the
+    registry to keep (the one ``loading_status`` served), a fresh one by default."""
     import torch
 
     from runtime.models import load_model
@@ -699,7 +757,7 @@ def build_server(config: RuntimeConfig) -> DuplexServer:
     bundle = load_model(
         config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed
     )
-    metrics = RuntimeMetrics()
+    metrics = metrics or RuntimeMetrics()
     store = None
     if config.redis_url:
         store = SessionStore(

@@ -162,8 +162,9 @@ def test_weights_script_downloads_once_and_marks_completion(objects: list[dict],
 
 
 def _healthy(port: int) -> bool:
+    """The runtime has loaded its model and serves (``/healthz`` already answers during the load)."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False

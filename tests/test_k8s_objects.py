@@ -92,7 +92,7 @@ def test_probes_and_drain(objects: list[dict], workload: k8s.RegionWorkload) -> 
         runtime["livenessProbe"],
         runtime["readinessProbe"],
     )
-    assert startup["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert startup["httpGet"] == {"path": "/readyz", "port": "http"}  # /healthz answers during the load
     assert liveness["httpGet"] == {"path": "/healthz", "port": "http"}
     assert readiness["httpGet"] == {"path": "/readyz", "port": "http"}
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # a 7B model load

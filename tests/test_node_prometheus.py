@@ -36,6 +36,7 @@ from runtime.local_redis import free_loopback_port
 ALL_ALERTS = {
     "RuntimeDown",
     "RuntimeNotReady",
+    "RuntimeLoadingTooLong",
     "RedisDown",
     "FirstAudioLatencyHigh",
     "TicksOverBudget",
@@ -204,6 +205,8 @@ def test_each_alert_has_positive_and_negative_cases(
         ("AdmissionsRefused", 'increase(duplex_admissions_refused_total{job="runtime"}[5m]) > 0'),
         # A draining runtime reports not ready on purpose.
         ("RuntimeNotReady", 'duplex_ready{job="runtime"} == 0'),
+        # A runtime loading its model reports not ready on purpose too.
+        ("RuntimeNotReady", 'duplex_ready{job="runtime"} == 0 unless duplex_draining{job="runtime"} == 1'),
         # redis_exporter itself down (no redis_up at all) is Redis unobserved: it must alert.
         ("RedisDown", 'redis_up{job="redis-exporter"} == 0'),
         # A runtime missing from Prometheus must alert, not only a failing scrape.

@@ -625,9 +625,9 @@ async def test_sigterm_drains_a_real_process(speech, tmp_path):
         while True:
             assert proc.poll() is None, log_path.read_text()
             try:
-                status, _, body = await http_get(port, "/healthz")
+                status, _, body = await http_get(port, "/readyz")  # /healthz says "loading" before
                 if status == 200:
-                    assert body == "ok\n"
+                    assert json.loads(body)["ready"] is True
                     break
             except OSError:
                 pass

@@ -156,8 +156,11 @@ flushes Redis; the preStop hook notices within its 5 s poll. 60 s is twice the C
 
 STARTUP_PROBE_PERIOD_S = 10
 STARTUP_PROBE_FAILURES = 180
-"""The startup probe: ``/healthz`` every 10 s, 180 failures allowed: 1800 s (30 min) from the runtime
-container's start (after the init container has seen the weights) to a loaded, warm model. A 7B load from
+"""The startup probe: ``/readyz`` every 10 s, 180 failures allowed: 1800 s (30 min) from the runtime
+container's start (after the init container has seen the weights) to a loaded, warm model. ``/readyz``,
+not ``/healthz``: the runtime answers ``/healthz`` 200 while it loads (``runtime.server.loading_status``),
+so only readiness says the load finished, and a load stuck past the budget gets the container restarted
+(a fresh pod cannot be full or draining, the other reasons for a 503). A 7B load from
 the bucket is minutes (15.6 GiB of bf16 weights for personaplex-7b, ``infra.capacity.models``, through
 Cloud Storage FUSE's parallel downloads); 30 min is the Compose node's ``start_period`` (1800 s), which
 also covers a download."""
@@ -854,7 +857,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
             "limits": {"memory": "28Gi", "nvidia.com/gpu": "1"},
         },
         "startupProbe": {
-            "httpGet": {"path": "/healthz", "port": "http"},
+            "httpGet": {"path": "/readyz", "port": "http"},
             "periodSeconds": STARTUP_PROBE_PERIOD_S,
             "failureThreshold": STARTUP_PROBE_FAILURES,
             "timeoutSeconds": 5,

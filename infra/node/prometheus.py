@@ -22,7 +22,11 @@ Alerts (group ``duplex-node.alerts``). ``severity: page`` where sessions are fai
 ``severity: ticket`` where a human should look within a working day:
 
 - ``RuntimeDown`` (page): the runtime's ``up`` is 0, or no runtime target exists, for 1 m.
-- ``RuntimeNotReady`` (page): ``duplex_ready`` is 0 while ``duplex_draining`` is not 1, for 2 m.
+- ``RuntimeNotReady`` (page): ``duplex_ready`` is 0 while neither ``duplex_draining`` nor
+  ``duplex_loading`` is 1, for 2 m (a drain and a model load are not-ready on purpose).
+- ``RuntimeLoadingTooLong`` (ticket): ``duplex_loading`` is 1 for ``LOADING_ALERT_MINUTES`` (20 m): a
+  model download or load is stuck (the runtime answers its probes while loading, so ``RuntimeDown``
+  stays quiet during a normal load of a few minutes).
 - ``RedisDown`` (page): redis_exporter reports ``redis_up`` 0, or redis_exporter itself cannot be scraped
   or is missing, for 1 m (session state and transcripts are not being stored).
 - ``FirstAudioLatencyHigh`` (page): p99 first-audio latency over 5 m above
@@ -67,6 +71,7 @@ __all__ = [
     "NODE_SIDE_REFUSALS",
     "REDIS_SELECTOR",
     "RULES_FILE",
+    "LOADING_ALERT_MINUTES",
     "RULES_TEST_FILE",
     "RUNTIME_SELECTOR",
     "scrape_interval",
@@ -84,6 +89,9 @@ RULES_FILE = "prometheus/rules/duplex-node.rules.yml"
 """The rule file, relative to the bundle root (``rule_files: [rules/*.yml]`` in the configuration)."""
 RULES_TEST_FILE = "prometheus/tests/duplex-node.rules.test.yml"
 """The ``promtool test rules`` file, relative to the bundle root (outside ``rules/``: never loaded)."""
+
+LOADING_ALERT_MINUTES = 20
+"""Minutes of ``duplex_loading`` 1 before ``RuntimeLoadingTooLong`` (a 7B load takes a few minutes)."""
 
 RUNTIME_SELECTOR = 'job="runtime"'
 """Label matchers selecting the runtime's targets on a node."""
@@ -272,12 +280,24 @@ def _alert_specs(
         ),
         (
             "RuntimeNotReady",
-            f"duplex_ready{_sel(runtime)} == 0 unless duplex_draining{_sel(runtime)} == 1",
+            f"duplex_ready{_sel(runtime)} == 0 unless duplex_draining{_sel(runtime)} == 1 "
+            f"unless duplex_loading{_sel(runtime)} == 1",
             "2m",
             "page",
             "Runtime {{ $labels.instance }} is not ready",
             "duplex_ready has been {{ $value | humanize }} on {{ $labels.instance }} (node "
-            "{{ $labels.node }}) for 2 minutes while the runtime is not draining: it admits no sessions.",
+            "{{ $labels.node }}) for 2 minutes while the runtime is neither draining nor loading its model: "
+            "it admits no sessions.",
+        ),
+        (
+            "RuntimeLoadingTooLong",
+            f"duplex_loading{_sel(runtime)} == 1",
+            f"{LOADING_ALERT_MINUTES}m",
+            "ticket",
+            "Runtime {{ $labels.instance }} is still loading its model",
+            f"{{{{ $labels.instance }}}} (node {{{{ $labels.node }}}}) has been loading its model for "
+            f"{LOADING_ALERT_MINUTES} minutes: the weights download or load is stuck or far slower than "
+            "usual (a 7B model loads in a few minutes from a warm cache). Check the runtime's log.",
         ),
         (
             "RedisDown",
@@ -612,6 +632,17 @@ def rules_unit_tests(
     draining = with_series(healthy, "duplex_ready", rt, steady(0))
     draining = with_series(draining, "duplex_draining", rt, steady(1))
     groups.append(group("RuntimeNotReady: draining is expected", draining, check("RuntimeNotReady", late)))
+    loading = with_series(healthy, "duplex_ready", rt, steady(0))
+    loading = with_series(loading, "duplex_loading", rt, steady(1))
+    groups.append(
+        group(
+            "RuntimeNotReady: loading is expected; RuntimeLoadingTooLong once it lasts",
+            loading,
+            check("RuntimeNotReady", late),
+            check("RuntimeLoadingTooLong", LOADING_ALERT_MINUTES - 1),
+            check("RuntimeLoadingTooLong", late, expect("RuntimeLoadingTooLong", rt, 1)),
+        )
+    )
     groups.append(
         group(
             "RedisDown: redis_exporter reports redis_up 0",
