@@ -523,14 +523,8 @@ class RedisReplayGuard:
         try:
             fresh = await self._redis.set(self.key(claims.token_id), claims.kid, nx=True, ex=ttl_s)
         except self._errors as exc:
-            if self._on_error is not None:
-                self._on_error()
-            if self.fallback is None:
-                raise TokenRejected(
-                    "replay_check_unavailable",
-                    f"cannot check the token against those already used (Redis: {type(exc).__name__}); "
-                    "retry in a moment",
-                ) from None
+            self._redis_failed(exc)
+            assert self.fallback is not None
             await self.fallback.spend(claims)
             return
         if not fresh:
@@ -546,15 +540,24 @@ class RedisReplayGuard:
         try:
             return bool(await self._redis.exists(self.key(claims.token_id)))
         except self._errors as exc:
-            if self._on_error is not None:
-                self._on_error()
-            if self.fallback is None:
-                raise TokenRejected(
-                    "replay_check_unavailable",
-                    f"cannot check the token against those already used (Redis: {type(exc).__name__}); "
-                    "retry in a moment",
-                ) from None
+            self._redis_failed(exc)
+            assert self.fallback is not None
             return self.fallback.was_used(claims)
+
+    def _redis_failed(self, exc: BaseException) -> None:
+        """Count a Redis failure; without a fallback, refuse (fail closed).
+
+        Raises:
+            TokenRejected: ``replay_check_unavailable`` when there is no fallback.
+        """
+        if self._on_error is not None:
+            self._on_error()
+        if self.fallback is None:
+            raise TokenRejected(
+                "replay_check_unavailable",
+                f"cannot check the token against those already used (Redis: {type(exc).__name__}); "
+                "retry in a moment",
+            ) from None
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -24,11 +24,11 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
-import yaml
 
 from infra.k8s.metrics_adapter import adapter_objects
 from infra.k8s.monitoring import monitoring_objects
 from infra.k8s.workload import RegionWorkload, runtime_objects
+from infra.yaml_text import dump_yaml_all
 
 __all__ = [
     "APPLY_FIRST",
@@ -163,21 +163,6 @@ def to_manifest(
 # --- writing ---------------------------------------------------------------------------------------------
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style, no aliases, multi-line strings (PEM, scripts, dashboards) as literal blocks."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in value else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-
-_Dumper.add_representer(str, _str)
-
-
 def write_manifests(objects: Iterable[Mapping[str, Any]], path: str | Path) -> Path:
     """Write ``objects`` (plain values only: no Pulumi Outputs) to ``path`` as one multi-document YAML file,
     keys in the builders' order, for ``kubectl apply -f`` or a review.
@@ -186,9 +171,7 @@ def write_manifests(objects: Iterable[Mapping[str, Any]], path: str | Path) -> P
         the path written.
     """
     target = Path(path)
-    text = yaml.dump_all(
-        [dict(o) for o in objects], Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096
-    )
+    text = dump_yaml_all([dict(o) for o in objects], literal_blocks=True)
     target.write_text("# Rendered by infra.k8s; edit the renderers, not this file.\n" + text)
     return target
 

@@ -43,8 +43,6 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
-import yaml
-
 from infra.node.compose import (
     COMPOSE_FILE,
     CONTAINER_READ_SECRETS,
@@ -53,6 +51,7 @@ from infra.node.compose import (
 )
 from infra.node.profile import NodeProfile
 from infra.node.services import SECRET_FILES, SECRETS_DIR
+from infra.yaml_text import dump_yaml
 
 __all__ = [
     "DLVM_IMAGE_FAMILY",
@@ -466,20 +465,5 @@ WantedBy=multi-user.target
 # --- YAML ------------------------------------------------------------------------------------------------
 
 
-class _Dumper(yaml.SafeDumper):
-    """Multi-line strings (the script, the unit) as literal blocks, readable in the metadata."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
-def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
-    style = "|" if "\n" in data else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
-
-
-_Dumper.add_representer(str, _represent_str)
-
-
 def _dump(document: dict[str, Any]) -> str:
-    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
+    return dump_yaml(document, literal_blocks=True)  # the script and the unit readable in the metadata

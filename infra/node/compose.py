@@ -36,12 +36,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from infra.node.profile import GRAFANA_VERSION, NodeProfile
 from infra.node.prometheus import prometheus_args
 from infra.node.services import SECRET_FILES, TOKEN_KEYS_CONTAINER_PATH, endpoint, runtime_settings
 from infra.node.webclient import WEB_CONTAINER_ROOT, WEB_DIR
+from infra.yaml_text import dump_yaml
 
 __all__ = [
     "COMPOSE_FILE",
@@ -431,12 +430,5 @@ def _tls_dirs(profile: NodeProfile) -> list[str]:
     return list(dict.fromkeys(dirs))
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style, no aliases (the logging mapping is shared), no line folding."""
-
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
-
-
 def _dump(document: dict[str, Any]) -> str:
-    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=4096)
+    return dump_yaml(document)  # no aliases: the logging mapping is shared between services
