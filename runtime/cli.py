@@ -23,8 +23,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from infra.capacity.cli import app as capacity_app
-from infra.node.cli import app as node_app
+try:
+    from infra.capacity.cli import app as capacity_app
+    from infra.node.cli import app as node_app
+except ModuleNotFoundError as missing:
+    # The runtime image carries runtime/ only (images/runtime/Dockerfile): a change to the deployment
+    # tools must not make a new image digest. Only the absence of the infra package itself is tolerated.
+    if missing.name != "infra":
+        raise
+    capacity_app = node_app = None
 
 app = typer.Typer(
     name="duplex",
@@ -32,8 +39,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-app.add_typer(capacity_app, name="capacity")
-app.add_typer(node_app, name="node")
+if capacity_app is not None and node_app is not None:
+    app.add_typer(capacity_app, name="capacity")
+    app.add_typer(node_app, name="node")
 token_app = typer.Typer(
     help="Session tokens: mint one (what an application backend does per conversation), make a signing key.",
     no_args_is_help=True,
