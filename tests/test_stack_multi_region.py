@@ -135,6 +135,7 @@ def test_redis_auth_and_tls(run: StackRun, region: str) -> None:
 def test_global_entry(run: StackRun) -> None:
     backend = run.one(BACKEND).plain
     assert backend["timeoutSec"] >= 3600 + 60  # the a100-80gb profile's longest session, plus a margin
+    assert backend["connectionDrainingTimeoutSec"] == 3600  # the longest session, GCP's maximum
     assert backend["sessionAffinity"] == "CLIENT_IP"
     assert backend["loadBalancingScheme"] == "EXTERNAL_MANAGED"
     groups = sorted(b["group"] for b in backend["backends"])

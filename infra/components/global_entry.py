@@ -43,6 +43,8 @@ from infra.components._util import COMPONENT_PACKAGE, child_options, dependencie
 __all__ = [
     "BACKEND_TIMEOUT_MARGIN_S",
     "GOOGLE_FRONT_END_RANGES",
+    "MAX_BACKEND_TIMEOUT_S",
+    "MAX_CONNECTION_DRAINING_S",
     "GlobalEntry",
     "GlobalEntryArgs",
     "RegionBackend",
@@ -56,6 +58,12 @@ check-concepts, "Probe IP ranges and firewall rules")."""
 
 BACKEND_TIMEOUT_MARGIN_S = 60
 """Seconds the backend timeout adds to the longest session (the runtime closes a session at its limit)."""
+
+MAX_BACKEND_TIMEOUT_S = 86400
+"""The longest backend timeout a global external Application Load Balancer takes (24 h)."""
+
+MAX_CONNECTION_DRAINING_S = 3600
+"""The longest connection-draining timeout a backend service takes (1 h)."""
 
 ARMOR_RULES_PER_MATCH = 10
 """Cloud Armor's limit of source ranges in one basic match rule."""
@@ -96,8 +104,9 @@ class GlobalEntryArgs:
         runtime_port: the pods' serving port (NEG endpoints' port), for the firewall rule.
         backends: every region's NEGs.
         max_session_s: the longest session (s); the backend timeout is this plus
-            ``BACKEND_TIMEOUT_MARGIN_S``.
-        drain_s: connection-draining timeout (s): how long a removed endpoint keeps its WebSockets.
+            ``BACKEND_TIMEOUT_MARGIN_S`` (at most ``MAX_BACKEND_TIMEOUT_S``).
+        drain_s: connection-draining timeout (s): how long a removed endpoint keeps its WebSockets (at
+            most ``MAX_CONNECTION_DRAINING_S``: sessions longer than an hour are cut when their pod leaves).
         public_source_ranges: who may connect (``0.0.0.0/0``: everyone).
         handshakes_per_minute: new requests per client IP per minute before 429.
         labels: labels of the address.
@@ -189,8 +198,8 @@ class GlobalEntry(pulumi.ComponentResource):
             load_balancing_scheme="EXTERNAL_MANAGED",
             protocol="HTTP",
             port_name="http",
-            timeout_sec=args.max_session_s + BACKEND_TIMEOUT_MARGIN_S,
-            connection_draining_timeout_sec=args.drain_s,
+            timeout_sec=min(args.max_session_s + BACKEND_TIMEOUT_MARGIN_S, MAX_BACKEND_TIMEOUT_S),
+            connection_draining_timeout_sec=min(args.drain_s, MAX_CONNECTION_DRAINING_S),
             session_affinity="CLIENT_IP",
             locality_lb_policy="LEAST_REQUEST",
             health_checks=self.health_check.id,
