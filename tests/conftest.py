@@ -17,6 +17,7 @@ plain values) and :func:`objects` its ``infra.k8s.manifest.region_objects``, bui
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,7 @@ from runtime.local_redis import LocalRedisError, RedisServer
 if TYPE_CHECKING:
     from infra.k8s.workload import RegionWorkload
 
-__all__ = ["RedisServer", "objects", "redis_server", "workload"]
+__all__ = ["RedisServer", "objects", "promtool", "redis_server", "workload"]
 
 
 @pytest.fixture
@@ -59,3 +60,12 @@ def objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     from infra.k8s.manifest import region_objects
 
     return region_objects(workload)
+
+
+@pytest.fixture
+def promtool() -> str:
+    """The ``promtool`` binary (Debian's ``prometheus`` package); skipped where it is missing (CI has it)."""
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool is not on PATH (apt-get install prometheus); CI installs it")
+    return path

@@ -6,7 +6,6 @@ the adapter's objects as Google publishes them."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,14 +17,6 @@ from infra.k8s import metrics_adapter, monitoring
 from infra.k8s import workload as k8s
 from infra.k8s.manifest import validate_manifests
 from infra.node.profile import get_profile
-
-
-@pytest.fixture
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool is not on PATH (apt-get install prometheus); CI installs it")
-    return path
 
 
 def _promtool(promtool: str, cwd: Path, *args: str) -> None:

@@ -50,14 +50,6 @@ K8S_SELECTORS = {
 }
 
 
-@pytest.fixture
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool is not on PATH (apt-get install prometheus); CI installs it")
-    return path
-
-
 def _write(root: Path, files: dict[str, bytes]) -> Path:
     for rel, content in files.items():
         path = root / rel

@@ -235,17 +235,6 @@ class GlobalEntry(pulumi.ComponentResource):
             ssl_certificates=[self.certificate.id],
             opts=child(),
         )
-        compute.GlobalForwardingRule(
-            f"{name}-https",
-            name=f"{prefix}-https",
-            project=project,
-            ip_address=self.address.id,
-            ip_protocol="TCP",
-            port_range="443",
-            load_balancing_scheme="EXTERNAL_MANAGED",
-            target=https_proxy.id,
-            opts=child(),
-        )
         redirect = compute.URLMap(
             f"{name}-redirect",
             name=f"{prefix}-redirect",
@@ -264,17 +253,18 @@ class GlobalEntry(pulumi.ComponentResource):
             url_map=redirect.id,
             opts=child(),
         )
-        compute.GlobalForwardingRule(
-            f"{name}-http",
-            name=f"{prefix}-http",
-            project=project,
-            ip_address=self.address.id,
-            ip_protocol="TCP",
-            port_range="80",
-            load_balancing_scheme="EXTERNAL_MANAGED",
-            target=http_proxy.id,
-            opts=child(),
-        )
+        for scheme, port, proxy in (("https", "443", https_proxy), ("http", "80", http_proxy)):
+            compute.GlobalForwardingRule(
+                f"{name}-{scheme}",
+                name=f"{prefix}-{scheme}",
+                project=project,
+                ip_address=self.address.id,
+                ip_protocol="TCP",
+                port_range=port,
+                load_balancing_scheme="EXTERNAL_MANAGED",
+                target=proxy.id,
+                opts=child(),
+            )
         self.register_outputs({"address": self.address.address})
 
 
