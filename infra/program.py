@@ -23,7 +23,8 @@ Outputs (never a secret value: passwords are named by where to read them):
 - ``capacity``: sessions per node and the monthly cost from the capacity planner;
 - ``image``: the digest-pinned image the node runs.
 
-The multi-region stack exports ``endpoint`` (the global ``wss://`` endpoint), ``globalIp`` (for the
+The multi-region stack exports ``endpoint`` (the global ``wss://`` endpoint), ``page`` (the browser
+client), ``globalIp`` (for the
 domain's A record), ``regions`` (per region: cluster, ``kubectl`` credentials command, slots, Grafana
 port-forward), ``grafana``, ``capacity`` (slots per region and cost per month at the configured bounds),
 ``tokenKeys``, ``mintToken`` and ``image``.
@@ -42,7 +43,8 @@ from infra.capacity import plan
 from infra.capacity.power import DEFAULT_USD_PER_KWH, HOURS_PER_MONTH
 from infra.components._util import REPO_ROOT
 from infra.node.profile import NodeProfile
-from infra.node.services import token_audience
+from infra.node.services import public_origin, token_audience
+from infra.node.webclient import WEB_DIR, page_headers, render_web
 from infra.stack_config import RegionSettings, StackConfig
 
 __all__ = ["BUILD_DIR_ENV", "GCP_APIS", "GKE_APIS", "capacity_summary", "region_capacity", "run"]
@@ -502,6 +504,9 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             drain_s=k8s.drain_seconds(profile),
             public_source_ranges=mr.public_source_ranges,
             handshakes_per_minute=max(1, round(profile.limits.handshakes_per_second_per_client * 60)),
+            page_files={path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()},
+            page_headers=page_headers(public_origin(profile)),
+            page_location=first.region.upper(),
             labels=labels,
         ),
         opts=after_apis,
@@ -510,6 +515,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
     serving = [c for c, r in zip(capacities, mr.regions, strict=True) if r.serving]
     return {
         "endpoint": f"wss://{config.domain}/api/chat",
+        "page": f"https://{config.domain}/",
         "globalIp": entry.address.address,
         "regions": regions_out,
         "grafana": {

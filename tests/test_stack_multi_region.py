@@ -167,6 +167,32 @@ def test_global_entry(run: StackRun) -> None:
     assert set(forwarding) == {"443", "80"}
 
 
+def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) -> None:
+    """The browser client is the default; only the runtime's public paths reach the pods, so /metrics,
+    /healthz and /readyz are not reachable from the internet."""
+    from infra.node.webclient import WEB_DIR, render_web
+
+    [url_map] = [r.plain for r in run.of_type("gcp:compute/uRLMap:URLMap") if "hostRules" in r.plain]
+    page_id, runtime_id = "global-entry-page-backend-id", "global-entry-backend-id"
+    assert url_map["defaultService"] == page_id
+    [matcher] = url_map["pathMatchers"]
+    assert matcher["defaultService"] == page_id
+    [rule] = matcher["pathRules"]
+    assert rule["service"] == runtime_id
+    assert sorted(rule["paths"]) == ["/api/admission", "/api/chat", "/api/personas"]
+
+    objects = {o.plain["name"]: o.plain for o in run.of_type("gcp:storage/bucketObject:BucketObject")}
+    shipped = {path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()}
+    assert set(objects) == set(shipped)
+    assert objects["index.html"]["content"] == shipped["index.html"].decode()
+    assert objects["app.js"]["contentType"] == "text/javascript; charset=utf-8"
+    backend = run.one("gcp:compute/backendBucket:BackendBucket").plain
+    headers = dict(h.split(": ", 1) for h in backend["customResponseHeaders"])
+    assert "connect-src 'self' wss://duplex.example.com" in headers["Content-Security-Policy"]
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert run.outputs["page"] == "https://duplex.example.com/"
+
+
 def test_drained_region_gets_no_new_callers() -> None:
     regions = yaml.safe_load(Path("stacks/Pulumi.multi-region.yaml").read_text())["config"][
         "duplexops:regions"

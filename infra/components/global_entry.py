@@ -22,6 +22,12 @@ What it declares:
   region with capacity and spills over to the next nearest when every pod there is full, while an open
   WebSocket stays on its pod (hence in its region) for its whole life. Session affinity ``CLIENT_IP``
   sends a caller's reconnects to the same pod while it has room;
+- the browser client (issue "a browser client on every node"): its files in a public Cloud Storage bucket
+  behind a backend bucket that adds the page's security headers (``infra.node.webclient.page_headers``:
+  CSP, HSTS, nosniff, ...). The URL map sends only the runtime's public paths (``RUNTIME_PATHS``:
+  ``/api/chat``, ``/api/admission``, ``/api/personas``) to the pods and everything else to the page, so
+  ``/metrics``, ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach
+  the pods directly);
 - the HTTPS proxy and forwarding rule on 443, and a port-80 rule that redirects to HTTPS;
 - a firewall rule on the stack's VPC admitting Google's front ends and health checkers
   (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime port of the pods, and nothing else.
@@ -45,6 +51,7 @@ __all__ = [
     "GOOGLE_FRONT_END_RANGES",
     "MAX_BACKEND_TIMEOUT_S",
     "MAX_CONNECTION_DRAINING_S",
+    "RUNTIME_PATHS",
     "GlobalEntry",
     "GlobalEntryArgs",
     "RegionBackend",
@@ -64,6 +71,9 @@ MAX_BACKEND_TIMEOUT_S = 86400
 
 MAX_CONNECTION_DRAINING_S = 3600
 """The longest connection-draining timeout a backend service takes (1 h)."""
+
+RUNTIME_PATHS = ("/api/chat", "/api/admission", "/api/personas")
+"""The runtime's paths the global entry routes to the pods; every other path is the browser client's."""
 
 ARMOR_RULES_PER_MATCH = 10
 """Cloud Armor's limit of source ranges in one basic match rule."""
@@ -109,7 +119,10 @@ class GlobalEntryArgs:
             most ``MAX_CONNECTION_DRAINING_S``: sessions longer than an hour are cut when their pod leaves).
         public_source_ranges: who may connect (``0.0.0.0/0``: everyone).
         handshakes_per_minute: new requests per client IP per minute before 429.
-        labels: labels of the address.
+        page_files: the browser client, ``{file name: content}`` (``index.html`` among them).
+        page_headers: response headers of every page file, in order.
+        page_location: Cloud Storage location of the page's bucket (``US``, ``EU``, a region).
+        labels: labels of the address and the page's bucket.
     """
 
     name_prefix: str
@@ -122,6 +135,9 @@ class GlobalEntryArgs:
     drain_s: int
     public_source_ranges: Sequence[str]
     handshakes_per_minute: int
+    page_files: Mapping[str, bytes]
+    page_headers: Mapping[str, str]
+    page_location: str
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
@@ -133,6 +149,7 @@ class GlobalEntry(pulumi.ComponentResource):
     certificate: compute.ManagedSslCertificate
     security_policy: compute.SecurityPolicy
     health_check: compute.HealthCheck
+    page: compute.BackendBucket
 
     def __init__(self, name: str, args: GlobalEntryArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PACKAGE}:GlobalEntry", name, None, opts)
@@ -220,11 +237,20 @@ class GlobalEntry(pulumi.ComponentResource):
             # The NEGs exist once the regions' Services do (GKE's NEG controller makes them).
             opts=child(*ready),
         )
+        self.page = self._page(name, args, child())
         url_map = compute.URLMap(
             f"{name}-url-map",
             name=f"{prefix}-entry",
             project=project,
-            default_service=self.backend_service.id,
+            default_service=self.page.id,
+            host_rules=[{"hosts": ["*"], "path_matcher": "entry"}],
+            path_matchers=[
+                {
+                    "name": "entry",
+                    "default_service": self.page.id,
+                    "path_rules": [{"paths": list(RUNTIME_PATHS), "service": self.backend_service.id}],
+                }
+            ],
             opts=child(),
         )
         https_proxy = compute.TargetHttpsProxy(
@@ -266,6 +292,53 @@ class GlobalEntry(pulumi.ComponentResource):
                 opts=child(),
             )
         self.register_outputs({"address": self.address.address})
+
+    def _page(self, name: str, args: GlobalEntryArgs, opts: pulumi.ResourceOptions) -> compute.BackendBucket:
+        """The browser client's bucket (public read: it is a public page), its files, and the backend
+        bucket that serves them with the page's headers."""
+        import pulumi_gcp.storage as storage
+
+        from infra.node.webclient import WEB_TYPES
+
+        if "index.html" not in args.page_files:
+            raise ValueError(f"page_files has no index.html (files: {', '.join(sorted(args.page_files))})")
+        bucket = storage.Bucket(
+            f"{name}-page",
+            project=args.project,
+            location=args.page_location,
+            uniform_bucket_level_access=True,
+            website={"main_page_suffix": "index.html"},
+            force_destroy=True,  # only the page's files, re-uploaded by every `pulumi up`
+            labels=dict(args.labels),
+            opts=opts,
+        )
+        storage.BucketIAMMember(
+            f"{name}-page-public-read",
+            bucket=bucket.name,
+            role="roles/storage.objectViewer",
+            member="allUsers",
+            opts=opts,
+        )
+        for file_name, content in sorted(args.page_files.items()):
+            storage.BucketObject(
+                f"{name}-page-{file_name}",
+                bucket=bucket.name,
+                name=file_name,
+                content=content.decode("utf-8"),
+                content_type=WEB_TYPES[file_name.rsplit(".", 1)[-1]] + "; charset=utf-8",
+                cache_control="no-cache",
+                opts=opts,
+            )
+        return compute.BackendBucket(
+            f"{name}-page-backend",
+            name=f"{args.name_prefix}-page",
+            project=args.project,
+            bucket_name=bucket.name,
+            enable_cdn=False,
+            custom_response_headers=[f"{header}: {value}" for header, value in args.page_headers.items()],
+            description="duplexops browser client",
+            opts=opts,
+        )
 
 
 def security_rules(

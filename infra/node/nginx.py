@@ -39,7 +39,8 @@ import posixpath
 
 from infra.node.profile import NodeProfile
 from infra.node.services import endpoint, public_origin
-from infra.node.webclient import WEB_TYPES, web_root
+from infra.node.webclient import WEB_TYPES, page_headers, web_root
+from infra.node.webclient import content_security_policy as page_csp
 
 __all__ = ["NGINX_CONF", "SESSION_TIMEOUT_MARGIN_S", "content_security_policy", "render_nginx"]
 
@@ -65,22 +66,18 @@ _TLS12_CIPHERS = ":".join(
 
 
 def content_security_policy(profile: NodeProfile) -> str:
-    """The browser client's Content-Security-Policy: scripts (and the AudioWorklet), styles, images and
-    connections from the node itself only (``'self'``, and its ``wss://`` origin for the session, which
-    older browsers do not count as ``'self'``); no plugins, no framing, no ``<base>``, no form posts."""
-    wss_origin = "wss://" + public_origin(profile).removeprefix("https://")
-    return "; ".join(
-        (
-            "default-src 'none'",
-            "script-src 'self'",
-            "style-src 'self'",
-            "img-src 'self'",
-            f"connect-src 'self' {wss_origin}",
-            "base-uri 'none'",
-            "form-action 'none'",
-            "frame-ancestors 'none'",
-        )
-    )
+    """The browser client's Content-Security-Policy on this node (``webclient.content_security_policy`` for
+    the node's public origin)."""
+    return page_csp(public_origin(profile))
+
+
+def _page_header_lines(profile: NodeProfile) -> str:
+    """``add_header`` lines of ``webclient.page_headers`` (values quoted where nginx needs it)."""
+    lines = []
+    for name, value in page_headers(public_origin(profile)).items():
+        shown = value if value.replace("-", "").isalnum() else f'"{value}"'
+        lines.append(f"            add_header {name} {shown} always;")
+    return "\n".join(lines)
 
 
 def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
@@ -279,14 +276,7 @@ http {{
             charset_types text/css text/javascript image/svg+xml;
             error_page 404 @not_found;
             # A level with add_header inherits none from the server level: HSTS again.
-            add_header Strict-Transport-Security "max-age=63072000" always;
-            add_header Content-Security-Policy "{content_security_policy(profile)}" always;
-            add_header X-Content-Type-Options nosniff always;
-            add_header Permissions-Policy "microphone=(self), camera=(), geolocation=()" always;
-            add_header Referrer-Policy no-referrer always;
-            add_header X-Frame-Options DENY always;
-            add_header Cross-Origin-Opener-Policy same-origin always;
-            add_header Cache-Control no-cache always;
+{_page_header_lines(profile)}
         }}
 
         location @not_found {{

@@ -17,7 +17,15 @@ import importlib.resources
 
 from infra.node.profile import NodeProfile
 
-__all__ = ["WEB_CONTAINER_ROOT", "WEB_DIR", "WEB_TYPES", "render_web", "web_root"]
+__all__ = [
+    "WEB_CONTAINER_ROOT",
+    "WEB_DIR",
+    "WEB_TYPES",
+    "content_security_policy",
+    "page_headers",
+    "render_web",
+    "web_root",
+]
 
 WEB_DIR = "web"
 """The bundle directory holding the client's files."""
@@ -49,7 +57,7 @@ def render_web() -> dict[str, bytes]:
     if not source.is_dir():
         raise FileNotFoundError(
             f"the browser client's files are missing from the installed package ({_PACKAGE}/{_SOURCE_DIR}/); "
-            "reinstall duplexops (MANIFEST.in ships them)"
+            "reinstall duplexops (pyproject.toml's package-data ships them)"
         )
     files = {
         f"{WEB_DIR}/{entry.name}": entry.read_bytes()
@@ -65,3 +73,40 @@ def web_root(profile: NodeProfile) -> str:
     """nginx's ``root`` for the client: ``web`` (relative to nginx's prefix, the node directory) on a
     ``processes`` node, ``WEB_CONTAINER_ROOT`` in a container."""
     return WEB_DIR if profile.deployment == "processes" else WEB_CONTAINER_ROOT
+
+
+def content_security_policy(page_origin: str) -> str:
+    """The page's Content-Security-Policy for a page served at ``page_origin`` (``https://<host>[:port]``):
+    scripts (and the AudioWorklet), styles, images and connections from the page's own origin only
+    (``'self'``, and its ``wss://`` origin for the session, which older browsers do not count as
+    ``'self'``); no plugins, no framing, no ``<base>``, no form posts."""
+    wss_origin = "wss://" + page_origin.removeprefix("https://")
+    return "; ".join(
+        (
+            "default-src 'none'",
+            "script-src 'self'",
+            "style-src 'self'",
+            "img-src 'self'",
+            f"connect-src 'self' {wss_origin}",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        )
+    )
+
+
+def page_headers(page_origin: str) -> dict[str, str]:
+    """The response headers every file of the page is served with, in order, wherever it is served (a
+    node's nginx, the multi-region stack's backend bucket): HSTS (2 years), the CSP of
+    ``content_security_policy``, ``nosniff``, the microphone for the page itself only, no referrer, no
+    framing, a separate browsing context group, and ``no-cache`` (revalidate: a node update shows at once)."""
+    return {
+        "Strict-Transport-Security": "max-age=63072000",
+        "Content-Security-Policy": content_security_policy(page_origin),
+        "X-Content-Type-Options": "nosniff",
+        "Permissions-Policy": "microphone=(self), camera=(), geolocation=()",
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        "Cross-Origin-Opener-Policy": "same-origin",
+        "Cache-Control": "no-cache",
+    }
