@@ -44,6 +44,7 @@ from infra.node.cloud_init import (
     render_cloud_init,
 )
 from infra.node.profile import NodeProfile
+from infra.stack_config import GceSettings
 
 __all__ = [
     "BOOT_IMAGE",
@@ -85,13 +86,8 @@ class GceGpuNodeArgs:
 
     Attributes:
         name_prefix: prefix of every resource's cloud name (VM ``<prefix>-node``).
-        project, region, zone: where it runs.
-        machine_type: the GCE machine type.
-        accelerator_type, accelerator_count: the GPU to attach (N1 types); None when the machine type
-            comes with its GPU.
-        boot_disk_gb, boot_disk_type: the boot disk.
-        public_source_ranges: IPv4 CIDRs allowed to reach the public ports.
-        subnet_cidr: the node's subnet.
+        gce: where and on what it runs (the stack's validated settings: project, region, zone, machine
+            type, the GPU to attach on N1 types, boot disk, public source ranges, subnet).
         profile: the node profile (its ``runtime_image`` is replaced by ``image_ref``).
         image_ref: the digest-pinned image the node runs.
         image_repository: the Artifact Registry repository holding it (the VM may read it only).
@@ -102,16 +98,7 @@ class GceGpuNodeArgs:
     """
 
     name_prefix: str
-    project: str
-    region: str
-    zone: str
-    machine_type: str
-    accelerator_type: str | None
-    accelerator_count: int
-    boot_disk_gb: int
-    boot_disk_type: str
-    public_source_ranges: Sequence[str]
-    subnet_cidr: str
+    gce: GceSettings
     profile: NodeProfile
     image_ref: pulumi.Input[str]
     image_repository: artifactregistry.Repository
@@ -144,8 +131,9 @@ class GceGpuNode(pulumi.ComponentResource):
     def __init__(self, name: str, args: GceGpuNodeArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PACKAGE}:GceGpuNode", name, None, opts)
         deps = dependencies(opts)
-        prefix, project, profile = args.name_prefix, args.project, args.profile
-        self.instance_name, self.zone, self.project = args.instance_name, args.zone, project
+        gce = args.gce
+        prefix, project, profile = args.name_prefix, gce.project, args.profile
+        self.instance_name, self.zone, self.project = args.instance_name, gce.zone, project
 
         network = compute.Network(
             f"{name}-network",
@@ -159,9 +147,9 @@ class GceGpuNode(pulumi.ComponentResource):
             f"{name}-subnet",
             name=f"{prefix}-subnet",
             project=project,
-            region=args.region,
+            region=gce.region,
             network=network.id,
-            ip_cidr_range=args.subnet_cidr,
+            ip_cidr_range=gce.subnet_cidr,
             private_ip_google_access=True,
             opts=child_options(self, deps),
         )
@@ -173,7 +161,7 @@ class GceGpuNode(pulumi.ComponentResource):
             network=network.id,
             direction="INGRESS",
             allows=[{"protocol": "tcp", "ports": [str(p) for p in public_ports]}],
-            source_ranges=list(args.public_source_ranges),
+            source_ranges=list(gce.public_source_ranges),
             target_tags=[args.network_tag],
             description="nginx: HTTPS (WebSocket sessions) and HTTP (redirect) from the configured ranges",
             opts=child_options(self, deps),
@@ -194,7 +182,7 @@ class GceGpuNode(pulumi.ComponentResource):
             f"{name}-address",
             name=f"{prefix}-ip",
             project=project,
-            region=args.region,
+            region=gce.region,
             address_type="EXTERNAL",
             network_tier="PREMIUM",
             labels=dict(args.labels),
@@ -249,22 +237,22 @@ class GceGpuNode(pulumi.ComponentResource):
             lambda image_ref: render_user_data(profile, image_ref, secret_ids, project)
         )
         accelerators: list[compute.InstanceGuestAcceleratorArgsDict] | None = None
-        if args.accelerator_type is not None:  # N1: attached; A2/G2/A3 types come with their GPUs
-            accelerators = [{"type": args.accelerator_type, "count": args.accelerator_count}]
+        if gce.accelerator_type is not None:  # N1: attached; A2/G2/A3 types come with their GPUs
+            accelerators = [{"type": gce.accelerator_type, "count": gce.accelerator_count}]
         self.instance = compute.Instance(
             f"{name}-vm",
             name=args.instance_name,
             project=project,
-            zone=args.zone,
-            machine_type=args.machine_type,
+            zone=gce.zone,
+            machine_type=gce.machine_type,
             guest_accelerators=accelerators,
             scheduling={"on_host_maintenance": "TERMINATE", "automatic_restart": True},
             boot_disk={
                 "auto_delete": True,
                 "initialize_params": {
                     "image": BOOT_IMAGE,
-                    "size": args.boot_disk_gb,
-                    "type": args.boot_disk_type,
+                    "size": gce.boot_disk_gb,
+                    "type": gce.boot_disk_type,
                 },
             },
             network_interfaces=[
