@@ -359,15 +359,11 @@ class SessionStore:
             if not isinstance(piece, str):
                 piece = str(piece)
             with self._lock:
-                if self._closed:
-                    errors, backlog = ["closed"], None
-                else:
-                    sess = self._sessions.get(session_id)
-                    if sess is None or sess.ended:
-                        errors, backlog = ["unknown_session"], None
-                    else:
-                        errors = self._push(_Op("append", sess, piece=piece))
-                        backlog = self._live
+                sess, errors = self._live_session(session_id)
+                backlog = None
+                if sess is not None:
+                    errors = self._push(_Op("append", sess, piece=piece))
+                    backlog = self._live
             self._after_push(errors, backlog)
         except Exception:
             self._internal_error("append_transcript")
@@ -381,22 +377,28 @@ class SessionStore:
         try:
             now = time.time()
             with self._lock:
-                if self._closed:
-                    errors, backlog = ["closed"], None
-                else:
-                    sess = self._sessions.get(session_id)
-                    if sess is None or sess.ended:
-                        errors, backlog = ["unknown_session"], None
-                    else:
-                        sess.ended = True
-                        sess.end_reason = str(reason)
-                        sess.ended_at_unix_s = now
-                        op = _Op("end", sess, reason=sess.end_reason, ended_at_unix_s=now, gen=sess.gen)
-                        errors = self._push(op)
-                        backlog = self._live
+                sess, errors = self._live_session(session_id)
+                backlog = None
+                if sess is not None:
+                    sess.ended = True
+                    sess.end_reason = str(reason)
+                    sess.ended_at_unix_s = now
+                    op = _Op("end", sess, reason=sess.end_reason, ended_at_unix_s=now, gen=sess.gen)
+                    errors = self._push(op)
+                    backlog = self._live
             self._after_push(errors, backlog)
         except Exception:
             self._internal_error("end_session")
+
+    def _live_session(self, session_id: str) -> tuple[_Session | None, list[str]]:
+        """Under ``self._lock``: the session when the store is open and the session started and not ended,
+        else None and the error to count (``closed`` or ``unknown_session``)."""
+        if self._closed:
+            return None, ["closed"]
+        sess = self._sessions.get(session_id)
+        if sess is None or sess.ended:
+            return None, ["unknown_session"]
+        return sess, []
 
     # ------------------------------------------------------------- readers
 
