@@ -153,6 +153,10 @@ GPU_LABELS: dict[str, str] = {
 }
 """How GCP names each of ``GCP_GPUS`` in its documentation (for messages)."""
 
+IAP_SOURCE_RANGE = "35.235.240.0/20"
+"""Source range of Google's Identity-Aware Proxy TCP forwarding (``gcloud compute ssh
+--tunnel-through-iap``): cloud.google.com/iap/docs/using-tcp-forwarding."""
+
 ACCELERATOR_TYPES: dict[str, str] = {
     "t4": "nvidia-tesla-t4",
     "l4": "nvidia-l4",

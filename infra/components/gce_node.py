@@ -35,6 +35,7 @@ import pulumi_gcp.projects as projects
 import pulumi_gcp.secretmanager as secretmanager
 import pulumi_gcp.serviceaccount as serviceaccount
 
+from infra.capacity.gcp import IAP_SOURCE_RANGE  # the only source of SSH
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
 from infra.node.bundle import render_bundle
 from infra.node.cloud_init import (
@@ -55,8 +56,6 @@ __all__ = [
     "render_user_data",
 ]
 
-IAP_SOURCE_RANGE = "35.235.240.0/20"
-"""Google's IAP TCP-forwarding range: the only source of SSH."""
 
 BOOT_IMAGE = f"projects/{DLVM_IMAGE_PROJECT}/global/images/family/{DLVM_IMAGE_FAMILY}"
 """The boot disk's image: the newest image of the Deep Learning VM family the user-data is written for

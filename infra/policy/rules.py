@@ -32,6 +32,7 @@ from infra.capacity.gcp import (
     ACCELERATOR_TYPES,
     DEFAULT_MACHINE_TYPE,
     GPU_LABELS,
+    IAP_SOURCE_RANGE,
     MACHINE_TYPES,
     MachineType,
     carry_problem,
@@ -330,7 +331,7 @@ PRIVATE_SOURCE_RANGES: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     ipaddress.ip_network("10.0.0.0/8"),
     ipaddress.ip_network("172.16.0.0/12"),
     ipaddress.ip_network("192.168.0.0/16"),
-    ipaddress.ip_network("35.235.240.0/20"),  # Identity-Aware Proxy TCP forwarding
+    ipaddress.ip_network(IAP_SOURCE_RANGE),  # Identity-Aware Proxy TCP forwarding
     ipaddress.ip_network("127.0.0.0/8"),
     ipaddress.ip_network("::1/128"),
 )
@@ -465,7 +466,7 @@ def firewall_no_world_ssh(resource_type: str, props: Mapping[str, Any]) -> list[
         for source in world:
             messages.append(
                 f"INGRESS rule opens SSH (tcp/22) via {opening.where} {opening.text} to {source.text} "
-                f"({source.where}). Restrict sourceRanges to IAP's 35.235.240.0/20 "
+                f"({source.where}). Restrict sourceRanges to IAP's {IAP_SOURCE_RANGE} "
                 f"(gcloud compute ssh --tunnel-through-iap) or a private/VPN range, or drop port 22 "
                 f"from {opening.where.split('.')[0]}."
             )
@@ -509,7 +510,7 @@ def firewall_no_public_monitoring(resource_type: str, props: Mapping[str, Any]) 
                 messages.append(
                     f"INGRESS rule opens {service} (tcp/{port}) via {opening.where} {opening.text} to "
                     f"{kind} {source.text} ({source.where}). Monitoring stays private: limit sourceRanges "
-                    f"to 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16 or IAP's 35.235.240.0/20 (or reach it "
+                    f"to 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16 or IAP's {IAP_SOURCE_RANGE} (or reach it "
                     f"through an SSH/IAP tunnel), or take tcp/{port} out of {opening.where.split('.')[0]}."
                 )
     for spec in unreadable:
@@ -768,7 +769,7 @@ RULES: tuple[Rule, ...] = (
         "No INGRESS firewall rule may open SSH (tcp/22) to 0.0.0.0/0 or ::/0.",
         (FIREWALL,),
         firewall_no_world_ssh,
-        "Limit sourceRanges to IAP's 35.235.240.0/20 or a private range, or remove port 22.",
+        f"Limit sourceRanges to IAP's {IAP_SOURCE_RANGE} or a private range, or remove port 22.",
     ),
     Rule(
         "firewall-no-public-monitoring",
@@ -776,7 +777,7 @@ RULES: tuple[Rule, ...] = (
         f"(tcp/{GRAFANA_PORT}) to a public source range.",
         (FIREWALL,),
         firewall_no_public_monitoring,
-        "Limit sourceRanges to RFC 1918 ranges or IAP's 35.235.240.0/20, or remove the monitoring ports.",
+        f"Limit sourceRanges to RFC 1918 ranges or IAP's {IAP_SOURCE_RANGE}, or remove the monitoring ports.",
     ),
     Rule(
         "gpu-machine-type-match",
