@@ -401,6 +401,8 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
         opts=after_apis,
     )
 
+    # One capacity plan per region, shown per region and summed for the stack.
+    capacities = {r.region: region_capacity(r) for r in mr.regions}
     regions_out: dict[str, Any] = {}
     backends: list[RegionBackend] = []
     for settings in mr.regions:
@@ -423,11 +425,6 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             opts=after_apis,
         )
         bindings = gke.bind_workload_identity(project, k8s.WORKLOAD_IDENTITY_BINDINGS)
-        redis_url = pulumi.Output.secret(
-            pulumi.Output.all(gke.redis.host, gke.redis.port, gke.redis.auth_string).apply(
-                lambda v: k8s.redis_url(str(v[0]), int(v[1]), str(v[2]))
-            )
-        )
         workload = k8s.RegionWorkload(
             region=region_name,
             cluster_name=gke.cluster_name,
@@ -437,7 +434,6 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             accelerator=settings.accelerator_type,
             min_replicas=settings.min_nodes,
             max_replicas=settings.max_nodes,
-            redis_url=redis_url,
             redis_host=gke.redis.host,
             redis_port=gke.redis.port,
             redis_password=pulumi.Output.secret(gke.redis.auth_string),
@@ -478,7 +474,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             "kubectl": credentials,
             "grafana": k8s.grafana_port_forward(workload),
             "weightsBucket": gke.weights_bucket.name,
-            "capacity": region_capacity(settings),
+            "capacity": capacities[region_name],
         }
 
     profile = first.profile
@@ -502,8 +498,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
         ),
         opts=after_apis,
     )
-    capacities = [region_capacity(r) for r in mr.regions]
-    serving = [c for c, r in zip(capacities, mr.regions, strict=True) if r.serving]
+    serving = [capacities[r.region] for r in mr.regions if r.serving]
     return {
         "endpoint": f"wss://{config.domain}/api/chat",
         "page": f"https://{config.domain}/",
@@ -519,14 +514,14 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
         "mintToken": _mint_command(profile),
         "image": image.image_ref,
         "capacity": {
-            "regions": {r.region: c for r, c in zip(mr.regions, capacities, strict=True)},
+            "regions": capacities,
             "totalSlots": {
                 "min": sum(c["slots"]["min"] for c in serving),
                 "max": sum(c["slots"]["max"] for c in serving),
             },
             "usdPerMonth": {
-                "min": round(sum(c.get("usdPerMonth", {}).get("min", 0.0) for c in capacities), 2),
-                "max": round(sum(c.get("usdPerMonth", {}).get("max", 0.0) for c in capacities), 2),
+                "min": round(sum(c.get("usdPerMonth", {}).get("min", 0.0) for c in capacities.values()), 2),
+                "max": round(sum(c.get("usdPerMonth", {}).get("max", 0.0) for c in capacities.values()), 2),
             },
             "basis": f"GPU nodes only: on-demand list price x {HOURS_PER_MONTH:.0f} h per month; the system "
             "pool, Memorystore, the load balancer and egress are not counted (re-check before quoting)",
