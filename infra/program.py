@@ -12,7 +12,7 @@ Topologies (``duplexops:topology``):
 - ``multi-region``: the Google APIs, the runtime image (in the first region's Artifact Registry), the
   session-token keys and Grafana's password (``StackSecrets`` without node files), one VPC, then per region
   a GKE cluster with its GPU pool, Memorystore and model bucket (``GkeRegion``) and the runtime's
-  Kubernetes objects on it (``RegionalRuntime`` of ``infra.k8s.region_objects``), and one global HTTPS
+  Kubernetes objects on it (``RegionalRuntime`` of ``infra.k8s.region.region_objects``), and one global HTTPS
   load balancer over every region's pods (``GlobalEntry``). Stack ``multi-region``.
 
 Outputs (never a secret value: passwords are named by where to read them):
@@ -367,6 +367,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
     from infra.components.image import RuntimeImage, RuntimeImageArgs
     from infra.components.node_secrets import StackSecrets, StackSecretsArgs
     from infra.components.regional_runtime import RegionalRuntime
+    from infra.k8s import region as k8s_region
     from infra.k8s import workload as k8s
 
     mr = config.multi_region
@@ -424,7 +425,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             ),
             opts=after_apis,
         )
-        bindings = gke.bind_workload_identity(project, k8s.WORKLOAD_IDENTITY_BINDINGS)
+        bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
         workload = k8s.RegionWorkload(
             region=region_name,
             cluster_name=gke.cluster_name,
@@ -451,7 +452,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
         )
         runtime = RegionalRuntime(
             f"runtime-{region_name}",
-            k8s.region_objects(workload),
+            k8s_region.region_objects(workload),
             provider=gke.provider,
             opts=pulumi.ResourceOptions(depends_on=[gke, *bindings]),
         )
@@ -472,7 +473,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
         regions_out[region_name] = {
             "cluster": gke.cluster_name,
             "kubectl": credentials,
-            "grafana": k8s.grafana_port_forward(workload),
+            "grafana": k8s_region.grafana_port_forward(workload),
             "weightsBucket": gke.weights_bucket.name,
             "capacity": capacities[region_name],
         }
@@ -508,9 +509,9 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             "user": "admin",
             "url": "http://localhost:3000",
             "tunnel": "see regions.<region>.grafana (kubectl port-forward after `kubectl` credentials)",
-            "password": k8s.grafana_password_command(),
+            "password": k8s_region.grafana_password_command(),
         },
-        "tokenKeys": k8s.token_keys_command(),
+        "tokenKeys": k8s_region.token_keys_command(),
         "mintToken": _mint_command(profile),
         "image": image.image_ref,
         "capacity": {

@@ -11,7 +11,7 @@ CI installs it (``apt-get install redis-server``).
 A region's Kubernetes objects
 -----------------------------
 The module-scoped :func:`workload` fixture is ``k8s_fixtures.make_workload()`` (a ``RegionWorkload`` with
-plain values) and :func:`objects` its ``infra.k8s.manifest.region_objects``, built once per test module
+plain values) and :func:`objects` its ``infra.k8s.region.region_objects``, built once per test module
 (``tests/test_k8s_*.py``); imported when first used.
 """
 
@@ -56,8 +56,8 @@ def workload() -> RegionWorkload:
 
 @pytest.fixture(scope="module")
 def objects(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """Every Kubernetes object of ``workload`` in apply order (``infra.k8s.manifest.region_objects``)."""
-    from infra.k8s.manifest import region_objects
+    """Every Kubernetes object of ``workload`` in apply order (``infra.k8s.region.region_objects``)."""
+    from infra.k8s.region import region_objects
 
     return region_objects(workload)
 

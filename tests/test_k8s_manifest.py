@@ -21,12 +21,12 @@ import yaml
 
 from infra.k8s import workload as k8s
 from infra.k8s.manifest import (
-    APPLY_FIRST,
     UnknownKindError,
     to_manifest,
     validate_manifests,
     write_manifests,
 )
+from infra.k8s.region import APPLY_FIRST
 from runtime.local_redis import free_loopback_port
 
 _SECRET_SIG = {"4dabf18193072939515e22adb298388d": "1b47061264138c4ac30d75fd1eb44270"}

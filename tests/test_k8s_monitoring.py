@@ -13,7 +13,7 @@ import pytest
 import yaml
 from k8s_fixtures import make_workload, one
 
-from infra.k8s import metrics_adapter, monitoring
+from infra.k8s import metrics_adapter, monitoring, region
 from infra.k8s import workload as k8s
 from infra.k8s.manifest import validate_manifests
 from infra.node.profile import get_profile
@@ -128,8 +128,8 @@ def test_grafana_is_provisioned_with_the_node_dashboard(objects: list[dict], wor
     assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
     [admin] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "admin"]
     assert admin["secret"]["items"] == [{"key": "admin-password", "path": "grafana_admin_password"}]
-    assert k8s.grafana_port_forward(workload) == "kubectl -n duplex port-forward svc/grafana 3000:3000"
-    assert "secret grafana-admin" in k8s.grafana_password_command()
+    assert region.grafana_port_forward(workload) == "kubectl -n duplex port-forward svc/grafana 3000:3000"
+    assert "secret grafana-admin" in region.grafana_password_command()
 
 
 def test_adapter_objects_follow_googles_manifest(objects: list[dict], workload) -> None:

@@ -18,7 +18,8 @@ import pytest
 from k8s_fixtures import IMAGE, SECRETS, make_workload, one
 
 from infra.k8s import workload as k8s
-from infra.k8s.manifest import region_objects, validate_manifests
+from infra.k8s.manifest import validate_manifests
+from infra.k8s.region import region_objects, workload_identity_bindings
 from infra.node.profile import PROFILES, get_profile
 from runtime.config import RuntimeConfig
 
@@ -300,13 +301,12 @@ def test_weights_job_downloads_the_presets_repo_on_a_cpu_node(objects: list[dict
 
 
 def test_service_accounts_and_workload_identity(objects: list[dict], workload: k8s.RegionWorkload) -> None:
-    assert k8s.workload_identity_bindings() == k8s.WORKLOAD_IDENTITY_BINDINGS
     emails = {
         "runtime": workload.runtime_service_account,
         "weights": workload.weights_service_account,
         "monitoring": workload.monitoring_service_account,
     }
-    for role, namespace, name in k8s.workload_identity_bindings(workload.namespace):
+    for role, namespace, name in workload_identity_bindings(workload.namespace):
         [account] = [
             o
             for o in objects

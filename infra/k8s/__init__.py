@@ -14,8 +14,10 @@ side (``infra.components.regional_runtime``) declares them with pulumi-kubernete
 - ``infra.k8s.metrics_adapter``: Google's Custom Metrics Stackdriver Adapter (the HPA's metric source).
 - ``infra.k8s.monitoring``: Google Managed Prometheus scrape configs and rules (the node's alert rules,
   reused), redis_exporter for Memorystore, the GMP query frontend and Grafana with the node dashboard.
-- ``infra.k8s.manifest``: ``region_objects`` (everything, in apply order), ``to_manifest``,
-  ``write_manifests`` and ``validate_manifests`` (strict, offline).
+- ``infra.k8s.region``: ``region_objects`` (everything, in apply order), the Workload Identity bindings and
+  the operator commands (above the three builders, which never import it).
+- ``infra.k8s.manifest``: ``to_manifest``, ``write_manifests`` and ``validate_manifests`` (strict, offline;
+  its validators are dev-only and imported when it validates).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""A region's manifests: all of them in apply order, back from Pulumi's mocks, written out, validated.
+"""A region's manifests as files: back from Pulumi's mocks (``to_manifest``), written out
+(``write_manifests``) and validated offline (``validate_manifests``: the Kubernetes API's schemas with
+``kubernetes_validate``, GMP's custom kinds against their CRD schemas in ``schemas/``, both strict).
 
-- ``region_objects(workload)``: every object of the region (``infra.k8s.workload``,
-  ``infra.k8s.metrics_adapter``, ``infra.k8s.monitoring``), Namespaces, ServiceAccounts, Secrets,
-  ConfigMaps and RBAC first.
-- ``to_manifest``: the inputs Pulumi's mocks captured for a pulumi-kubernetes resource, as the manifest
-  ``kubectl apply`` would take: secret wrappers removed, ``None`` values and Pulumi-only keys dropped, and
-  integral floats back to ints (the mocks carry every number as a float: ``containerPort: 80.0``).
-- ``write_manifests``: one multi-document YAML file.
-- ``validate_manifests``: every built-in kind against the Kubernetes API's OpenAPI schemas with
-  ``kubernetes_validate`` in strict mode (unknown fields are errors), offline; GMP's ``PodMonitoring`` and
-  ``ClusterRules`` against their CRDs' schemas kept in ``schemas/`` (``CRD_SCHEMAS``), made strict the same
-  way. Unknown kinds raise ``UnknownKindError``.
+The validators (``jsonschema``, ``kubernetes_validate``) are in the ``dev`` extra: they are imported only
+when ``validate_manifests`` runs, so ``pulumi up`` never needs them. README, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -20,23 +13,18 @@ import re
 from collections.abc import Iterable, Mapping
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
-import kubernetes_validate
-
-from infra.k8s.metrics_adapter import adapter_objects
-from infra.k8s.monitoring import monitoring_objects
-from infra.k8s.workload import RegionWorkload, runtime_objects
 from infra.yaml_text import dump_yaml_all
 
+if TYPE_CHECKING:
+    import jsonschema
+
 __all__ = [
-    "APPLY_FIRST",
     "CRD_SCHEMAS",
     "KUBERNETES_VERSION",
     "UnknownKindError",
     "assert_valid",
-    "region_objects",
     "to_manifest",
     "validate_manifests",
     "write_manifests",
@@ -45,17 +33,6 @@ __all__ = [
 KUBERNETES_VERSION = "1.33"
 """The Kubernetes minor version whose API schemas validate the manifests by default (kubernetes-validate
 1.37 ships the schemas of every version up to 1.37); pass the clusters' version where it differs."""
-
-APPLY_FIRST = (
-    "Namespace",
-    "ServiceAccount",
-    "Secret",
-    "ConfigMap",
-    "ClusterRole",
-    "ClusterRoleBinding",
-    "RoleBinding",
-)
-"""Kinds applied before all others, in this order (everything else keeps the builders' order)."""
 
 SCHEMAS_DIR = Path(__file__).with_name("schemas")
 CRD_SCHEMAS: dict[tuple[str, str], str] = {
@@ -75,31 +52,6 @@ _DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z
 
 class UnknownKindError(ValueError):
     """A manifest of a kind that neither the Kubernetes schemas nor ``CRD_SCHEMAS`` know."""
-
-
-def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """Every Kubernetes object of one region, in apply order: the runtime's
-    (``infra.k8s.workload.runtime_objects``), the Custom Metrics Stackdriver Adapter's
-    (``infra.k8s.metrics_adapter.adapter_objects``) and the monitoring ones
-    (``infra.k8s.monitoring.monitoring_objects``), stably sorted so that the kinds of ``APPLY_FIRST`` come
-    first, in that order.
-
-    Raises:
-        ValueError: two objects with the same kind, namespace and name.
-    """
-    objects = [*runtime_objects(workload), *adapter_objects(workload), *monitoring_objects(workload)]
-    seen: set[tuple[str, str, str]] = set()
-    for obj in objects:
-        key = _key(obj)
-        if key in seen:
-            raise ValueError(f"region_objects: two objects {'/'.join(key)}")
-        seen.add(key)
-
-    def rank(obj: dict[str, Any]) -> int:
-        kind = obj["kind"]
-        return APPLY_FIRST.index(kind) if kind in APPLY_FIRST else len(APPLY_FIRST)
-
-    return sorted(objects, key=rank)
 
 
 def _key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -195,6 +147,8 @@ def _strict(schema: Any) -> Any:
 
 @cache
 def _crd_validator(schema_file: str) -> jsonschema.Draft202012Validator:
+    import jsonschema  # dev extra: only the validation needs it
+
     schema = json.loads((SCHEMAS_DIR / schema_file).read_text())
     return jsonschema.Draft202012Validator(_strict(schema))
 
@@ -250,6 +204,8 @@ def validate_manifests(
         UnknownKindError: a kind neither the Kubernetes schemas of that version nor ``CRD_SCHEMAS`` know
             (names the kind, its apiVersion and the custom kinds known).
     """
+    import kubernetes_validate  # dev extra: only the validation needs it
+
     problems: list[str] = []
     seen: set[tuple[str, str, str]] = set()
     for index, obj in enumerate(objects):

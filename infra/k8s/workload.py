@@ -62,13 +62,10 @@ __all__ = [
     "WEIGHTS_JOB",
     "WEIGHTS_MARKER",
     "WEIGHTS_SERVICE_ACCOUNT",
-    "WORKLOAD_IDENTITY_BINDINGS",
     "RegionWorkload",
     "cluster_ip_service",
     "container_security",
     "drain_seconds",
-    "grafana_password_command",
-    "grafana_port_forward",
     "hpa_target_average",
     "horizontal_pod_autoscaler",
     "lift",
@@ -82,7 +79,6 @@ __all__ = [
     "redis_address",
     "redis_ca_configmap",
     "redis_url",
-    "region_objects",
     "runtime_deployment",
     "runtime_env",
     "runtime_objects",
@@ -94,11 +90,9 @@ __all__ = [
     "standard_labels",
     "startup_budget_s",
     "termination_grace_s",
-    "token_keys_command",
     "weights_dir",
     "weights_job",
     "weights_service_account",
-    "workload_identity_bindings",
 ]
 
 DEFAULT_NAMESPACE = "duplex"
@@ -456,48 +450,6 @@ def weights_dir(workload: RegionWorkload) -> str:
     """The model's directory on the mounted bucket: ``/models/<Hugging Face repo id>``
     (``/models/nvidia/personaplex-7b-v1``): ``DUPLEX_WEIGHTS`` of the runtime."""
     return f"{MODELS_MOUNT}/{workload.weights_repo}"
-
-
-def workload_identity_bindings(namespace: str = DEFAULT_NAMESPACE) -> tuple[tuple[str, str, str], ...]:
-    """The Kubernetes service accounts that act as the region's Google service accounts under Workload
-    Identity, as ``(role, namespace, Kubernetes service account)``, role = the Google account
-    (``runtime``, ``weights``, ``monitoring``; ``infra.components.gke_region.GkeRegion``). Two share
-    ``monitoring``: the GMP query frontend (in ``namespace``) and the Custom Metrics Stackdriver Adapter
-    (in ``custom-metrics``)."""
-    from infra.k8s.metrics_adapter import ADAPTER_NAME, ADAPTER_NAMESPACE
-    from infra.k8s.monitoring import FRONTEND_NAME
-
-    return (
-        ("runtime", namespace, RUNTIME_SERVICE_ACCOUNT),
-        ("weights", namespace, WEIGHTS_SERVICE_ACCOUNT),
-        ("monitoring", namespace, FRONTEND_NAME),
-        ("monitoring", ADAPTER_NAMESPACE, ADAPTER_NAME),
-    )
-
-
-def grafana_port_forward(workload: RegionWorkload) -> str:
-    """The command that opens the region's Grafana on http://localhost:3000 (after ``gcloud container
-    clusters get-credentials``): ``kubectl -n <ns> port-forward svc/grafana 3000:<port>``."""
-    from infra.k8s.monitoring import GRAFANA_NAME
-
-    port = workload.profile.ports.grafana
-    return f"kubectl -n {workload.namespace} port-forward svc/{GRAFANA_NAME} 3000:{port}"
-
-
-def grafana_password_command(namespace: str = DEFAULT_NAMESPACE) -> str:
-    """The command that prints Grafana's admin password from its Secret (user ``admin``)."""
-    from infra.k8s.monitoring import GRAFANA_SECRET, GRAFANA_SECRET_KEY
-
-    return (
-        f"kubectl -n {namespace} get secret {GRAFANA_SECRET} "
-        f"-o jsonpath='{{.data.{GRAFANA_SECRET_KEY}}}' | base64 -d"
-    )
-
-
-def token_keys_command(namespace: str = DEFAULT_NAMESPACE) -> str:
-    """The command that prints the session-token signing keys (JSON) from the runtime's Secret."""
-    key = SECRET_KEYS["token_keys"].replace(".", "\\.")
-    return f"kubectl -n {namespace} get secret {SECRET_NAME} -o jsonpath='{{.data.{key}}}' | base64 -d"
 
 
 # --- objects ---------------------------------------------------------------------------------------------
@@ -1025,19 +977,3 @@ def runtime_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         pod_disruption_budget(workload),
         horizontal_pod_autoscaler(workload),
     ]
-
-
-def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """Every object of the region in apply order (``infra.k8s.manifest.region_objects``, re-exported here)."""
-    from infra.k8s.manifest import region_objects as build
-
-    return build(workload)
-
-
-WORKLOAD_IDENTITY_BINDINGS: tuple[tuple[str, str, str], ...] = (
-    ("runtime", DEFAULT_NAMESPACE, RUNTIME_SERVICE_ACCOUNT),
-    ("weights", DEFAULT_NAMESPACE, WEIGHTS_SERVICE_ACCOUNT),
-    ("monitoring", DEFAULT_NAMESPACE, "gmp-frontend"),
-    ("monitoring", "custom-metrics", "custom-metrics-stackdriver-adapter"),
-)
-"""``workload_identity_bindings()`` for the default namespace, as a constant (a test keeps them equal)."""
