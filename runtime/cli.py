@@ -1,11 +1,7 @@
-"""``duplex``: the project's command line (Typer + Rich).
-
-Commands: ``serve`` (run a node's runtime), ``demo`` (the main job on this machine: a local node with the
-tiny model serving 5 concurrent sessions of synthesised speech), ``loadgen`` (sessions against any
-node), ``bench`` (batched vs stock tick times), ``capacity`` (the capacity planner), ``token`` (mint session
-tokens, make signing keys), ``node`` (node bundles and the local node).
-Heavy imports (torch, moshi) happen inside the commands that need them, so ``--help`` and ``capacity``
-start fast and work without the runtime extra.
+"""The runtime's commands of ``duplex`` (Typer + Rich): ``serve``, ``demo``, ``loadgen``, ``bench``,
+``token``. ``runtime_app()`` builds a Typer app of them: ``app`` here is the runtime image's entrypoint
+(``duplex-runtime``); ``infra.cli`` adds the node's and the capacity planner's commands for the full
+``duplex``. Heavy imports (torch, moshi) happen inside the commands that need them. README, "The runtime".
 """
 
 from __future__ import annotations
@@ -23,30 +19,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-try:
-    from infra.capacity.cli import app as capacity_app
-    from infra.node.cli import app as node_app
-except ModuleNotFoundError as missing:
-    # The runtime image carries runtime/ only (images/runtime/Dockerfile): a change to the deployment
-    # tools must not make a new image digest. Only the absence of the infra package itself is tolerated.
-    if missing.name != "infra":
-        raise
-    capacity_app = node_app = None
+__all__ = ["RUNTIME_HELP", "app", "main", "runtime_app", "token_app"]
 
-app = typer.Typer(
-    name="duplex",
-    help="Batched full-duplex speech-to-speech runtime (Moshi / PersonaPlex) and its deployment tools.",
-    no_args_is_help=True,
-    add_completion=False,
-)
-if capacity_app is not None and node_app is not None:
-    app.add_typer(capacity_app, name="capacity")
-    app.add_typer(node_app, name="node")
+RUNTIME_HELP = "Batched full-duplex speech-to-speech runtime (Moshi / PersonaPlex)."
+"""The runtime's ``--help`` line (``infra.cli`` writes its own for the full ``duplex``)."""
+
 token_app = typer.Typer(
     help="Session tokens: mint one (what an application backend does per conversation), make a signing key.",
     no_args_is_help=True,
 )
-app.add_typer(token_app, name="token")
 console = Console()
 
 
@@ -65,7 +46,6 @@ def _config(**overrides: Any):
         raise typer.Exit(2) from None
 
 
-@app.command()
 def serve(
     model: Annotated[str | None, typer.Option(help="Model preset: tiny, moshi-7b, personaplex-7b")] = None,
     weights: Annotated[str | None, typer.Option(help="Checkpoint directory or Hugging Face repo id")] = None,
@@ -131,7 +111,6 @@ def _sessions_table(title: str, results: list) -> Table:
     return table
 
 
-@app.command()
 def demo(
     sessions: Annotated[int, typer.Option(help="Concurrent sessions to stream")] = 5,
     max_sessions: Annotated[int, typer.Option(help="Slots on the local node")] = 5,
@@ -233,41 +212,6 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
-def load_table(title: str, report: Any) -> Table:
-    """A table of a ``runtime.loadgen.LoadReport``: one row per session, then the totals."""
-    table = Table(title=title)
-    # Times in ms; frames "in" were sent to the node, "out" came back. Fits an 80-column terminal.
-    for column in ("#", "conn", "1st audio", "gap p99", "in", "out", "lost"):
-        table.add_column(column, justify="right", no_wrap=True)
-    table.add_column("text / refusal", max_width=24, no_wrap=True, overflow="ellipsis")
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.0f}"
-
-    for row in report.session_rows():
-        table.add_row(
-            str(row["session"]),
-            ms(row["connect_ms"]),
-            ms(row["first_audio_ms"]),
-            ms(row["inter_frame_gap_ms_p99"]),
-            str(row["frames_sent"]),
-            str(row["frames_received"]),
-            str(row["frames_lost"]),
-            (row["text"].strip() or "-") if row["handshake"] else str(row["refusal_reason"]),
-        )
-    total = report.summary()
-    table.caption = (
-        f"served {total['served']}/{total['sessions']}, refused {total['refused']}, "
-        f"failed {total['failed']}; "
-        f"first audio p50/p95/p99 {ms(total['first_audio_ms_p50'])}/{ms(total['first_audio_ms_p95'])}/"
-        f"{ms(total['first_audio_ms_p99'])} ms; gap p99 {ms(total['inter_frame_gap_ms_p99'])} ms; "
-        f"frames lost {total['frames_lost']}; {total['bytes_sent'] / 1e6:.2f} MB sent, "
-        f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms)"
-    )
-    return table
-
-
-@app.command()
 def loadgen(
     url: Annotated[
         str, typer.Option(help="Node base URL: ws://host:port or wss://host[:port]")
@@ -313,6 +257,7 @@ def loadgen(
 
     from runtime.loadgen import (
         load_speech,
+        load_table,
         run_load,
         session_url,
         trusting_context,
@@ -363,7 +308,6 @@ def loadgen(
     raise typer.Exit(0 if len(report.served) == sessions else 1)
 
 
-@app.command()
 def bench(
     model: Annotated[str, typer.Option(help="Model preset")] = "tiny",
     device: Annotated[str, typer.Option(help="cpu or cuda")] = "cpu",
@@ -498,6 +442,20 @@ def token_keygen(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
     print(json.dumps({key.kid: key.secret.decode()}))
+
+
+def runtime_app(help: str = RUNTIME_HELP) -> typer.Typer:
+    """A new ``duplex`` Typer app holding the runtime's commands (``serve``, ``demo``, ``loadgen``,
+    ``bench``) and the ``token`` group; the caller may add more groups to it (``infra.cli``)."""
+    runtime = typer.Typer(name="duplex", help=help, no_args_is_help=True, add_completion=False)
+    for command in (serve, demo, loadgen, bench):
+        runtime.command()(command)
+    runtime.add_typer(token_app, name="token")
+    return runtime
+
+
+app = runtime_app()
+"""The runtime's commands alone: the image's entrypoint (``duplex-runtime``, ``python -m runtime.cli``)."""
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -20,6 +20,7 @@ from typing import Literal
 from urllib.parse import urlencode, urlsplit
 
 import numpy as np
+from rich.table import Table
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
@@ -459,3 +460,38 @@ async def run_load(
 def trusting_context(certificate: Path) -> ssl.SSLContext:
     """An SSL context that trusts ``certificate`` (a node's self-signed PEM) and verifies host names."""
     return ssl.create_default_context(cafile=str(certificate))
+
+
+def load_table(title: str, report: LoadReport) -> Table:
+    """A Rich table of ``report``: one row per session (times in ms), then the totals as its caption
+    (``duplex loadgen``, ``duplex node up``)."""
+    table = Table(title=title)
+    # Times in ms; frames "in" were sent to the node, "out" came back. Fits an 80-column terminal.
+    for column in ("#", "conn", "1st audio", "gap p99", "in", "out", "lost"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_column("text / refusal", max_width=24, no_wrap=True, overflow="ellipsis")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for row in report.session_rows():
+        table.add_row(
+            str(row["session"]),
+            ms(row["connect_ms"]),
+            ms(row["first_audio_ms"]),
+            ms(row["inter_frame_gap_ms_p99"]),
+            str(row["frames_sent"]),
+            str(row["frames_received"]),
+            str(row["frames_lost"]),
+            (row["text"].strip() or "-") if row["handshake"] else str(row["refusal_reason"]),
+        )
+    total = report.summary()
+    table.caption = (
+        f"served {total['served']}/{total['sessions']}, refused {total['refused']}, "
+        f"failed {total['failed']}; "
+        f"first audio p50/p95/p99 {ms(total['first_audio_ms_p50'])}/{ms(total['first_audio_ms_p95'])}/"
+        f"{ms(total['first_audio_ms_p99'])} ms; gap p99 {ms(total['inter_frame_gap_ms_p99'])} ms; "
+        f"frames lost {total['frames_lost']}; {total['bytes_sent'] / 1e6:.2f} MB sent, "
+        f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms)"
+    )
+    return table

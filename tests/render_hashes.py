@@ -81,7 +81,10 @@ def stacks() -> dict[str, dict[str, Any]]:
         with tempfile.TemporaryDirectory() as tmp:
             build = Path(tmp) / "build"
             run = run_stack(stack, build_dir=build)
-            text = lambda v: json.loads(json.dumps(v, default=_jsonable).replace(str(build), "<build>"))  # noqa: E731
+
+            def text(value: Any, build: Path = build) -> Any:
+                return json.loads(json.dumps(value, default=_jsonable).replace(str(build), "<build>"))
+
             inputs, tree, regions = {}, {}, {}
             for r in run.resources:
                 key = f"{r.type}::{r.name}"

@@ -6,7 +6,8 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from runtime.cli import app
+from infra.cli import app
+from runtime.cli import app as runtime_app
 from runtime.config import RuntimeConfig
 
 
@@ -46,9 +47,24 @@ def test_serve_with_a_bad_env_value_exits_2_naming_it(monkeypatch: pytest.Monkey
     assert "max_sessions" in result.output
 
 
+RUNTIME_COMMANDS = ("serve", "demo", "loadgen", "bench", "token", "token mint", "token keygen")
+DEPLOYMENT_COMMANDS = ("capacity", "node", "node profiles", "node render", "node up")
+
+
 def test_every_command_has_help() -> None:
     runner = CliRunner()
-    for command in ("serve", "demo", "loadgen", "bench", "capacity", "token", "token mint", "token keygen"):
+    for command in (*RUNTIME_COMMANDS, *DEPLOYMENT_COMMANDS):
         result = runner.invoke(app, [*command.split(), "--help"])
         assert result.exit_code == 0, (command, result.output)
         assert "Usage" in result.output
+
+
+def test_the_runtimes_commands_alone_make_the_images_cli() -> None:
+    """``runtime.cli.app`` (the image's ``duplex-runtime``) has the runtime's commands and none of infra's;
+    building the whole ``duplex`` (``infra.cli``) leaves it so."""
+    runner = CliRunner()
+    for command in RUNTIME_COMMANDS:
+        assert runner.invoke(runtime_app, [*command.split(), "--help"]).exit_code == 0, command
+    for command in ("capacity", "node"):
+        result = runner.invoke(runtime_app, [command, "--help"])
+        assert result.exit_code == 2 and "No such command" in result.output, result.output

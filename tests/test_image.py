@@ -109,7 +109,8 @@ print(result.output)
 
 
 def test_duplex_serves_without_the_deployment_tools() -> None:
-    """In the image (no infra package) ``duplex`` loads, with ``serve`` and without ``node``/``capacity``."""
+    """In the image (no infra package) ``duplex-runtime`` loads, with ``serve`` and without ``node`` or
+    ``capacity``."""
     result = subprocess.run(
         [sys.executable, "-c", _WITHOUT_INFRA], capture_output=True, text=True, timeout=120
     )

@@ -756,7 +756,7 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
 
 def prestop_command(port: int, pid: int = 1) -> list[str]:
     """The runtime's preStop hook: SIGTERM to the runtime (``pid`` 1: the image's exec-form ``ENTRYPOINT
-    ["duplex"]``), which starts its drain, then wait while ``/healthz`` still answers (polled every
+    ["duplex-runtime"]``), which starts its drain, then wait while ``/healthz`` still answers (polled every
     ``PRESTOP_POLL_S`` s): the runtime stops listening once the drain is over (``ChatServer.drain`` ->
     ``close``: the listener is closed first), then exits 0. The kubelet sends its own SIGTERM after the
     hook; the runtime is exiting by then."""

@@ -57,7 +57,7 @@ def render_command(
 
 
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
-    from runtime.cli import load_table
+    from runtime.loadgen import load_table
 
     if check.load is not None:
         console.print(load_table(f"sessions through {node.wss_url}/api/chat", check.load))
