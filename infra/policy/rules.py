@@ -912,7 +912,8 @@ def apis_enabled_for_features(resources: Sequence[StackResource]) -> list[str]:
     may see the request first and answer SERVICE_DISABLED).
 
     Applies to stacks that enable APIs themselves (at least one Service declared); a stack built with
-    ``enableApis: false`` relies on APIs enabled outside it. Dependencies are checked where known."""
+    ``enableApis: false`` relies on APIs enabled outside it. Dependencies are checked where known, directly
+    or through other resources (a binding that waits for a cluster that waits for the API is fine)."""
     services = {
         str(r.props.get("service")): r.name
         for r in resources
@@ -920,6 +921,23 @@ def apis_enabled_for_features(resources: Sequence[StackResource]) -> list[str]:
     }
     if not services:
         return []
+    by_name = {r.name: r for r in resources}
+
+    def waits_for(resource: StackResource, target: str) -> bool:
+        """Whether ``resource`` depends on ``target`` directly or through other resources."""
+        seen: set[str] = set()
+        todo = list(resource.dependencies or ())
+        while todo:
+            dep = todo.pop()
+            name = dep.rsplit("::", 1)[-1]
+            if name == target:
+                return True
+            if name in seen or name not in by_name:
+                continue
+            seen.add(name)
+            todo.extend(by_name[name].dependencies or ())
+        return False
+
     problems = []
     for r in resources:
         if r.type == SERVICE_TYPE:
@@ -930,9 +948,7 @@ def apis_enabled_for_features(resources: Sequence[StackResource]) -> list[str]:
                     f"{r.type} {r.name} needs {api} ({why}), which the stack does not enable: add it to the "
                     "APIs the program enables."
                 )
-            elif r.dependencies is not None and not any(
-                d == services[api] or d.endswith(f"::{services[api]}") for d in r.dependencies
-            ):
+            elif r.dependencies is not None and not waits_for(r, services[api]):
                 problems.append(
                     f"{r.type} {r.name} needs {api} ({why}) but does not depend on its enablement "
                     f"({services[api]}): pass the APIs' ResourceOptions (depends_on)."
@@ -1064,19 +1080,26 @@ def check_resources(
         | tuple[str, Mapping[str, Any], str, Sequence[str] | None]
     ],
 ) -> list[str]:
-    """Apply every rule to every resource; the violations, each prefixed ``[policy] type name:``.
+    """Apply every rule to every resource, then every stack rule to all of them; the violations, each
+    prefixed ``[policy] type name:`` (stack rules: ``[policy]``).
 
-    ``resources`` are ``(resource_type, props)`` pairs, or ``(resource_type, props, name)`` triples, e.g.
-    ``(args.typ, args.inputs, args.name)`` collected by a ``pulumi.runtime.Mocks.new_resource``. An empty
-    result means the stack passes the pack (as far as values known in the mocks go).
+    ``resources`` are ``(resource_type, props)`` pairs, ``(resource_type, props, name)`` triples, e.g.
+    ``(args.typ, args.inputs, args.name)`` collected by a ``pulumi.runtime.Mocks.new_resource``, or
+    quadruples adding the names/URNs the resource depends on (the stack rules check them; None or absent:
+    not known). An empty result means the stack passes the pack (as far as values known in the mocks go).
     """
     violations = []
+    stack: list[StackResource] = []
     for index, item in enumerate(resources):
         resource_type, props = item[0], item[1]
         name = item[2] if len(item) > 2 else f"#{index}"  # type: ignore[misc]
+        deps = item[3] if len(item) > 3 else None  # type: ignore[misc]
+        stack.append(StackResource(resource_type, props, name, None if deps is None else tuple(deps)))
         for rule in RULES:
             if resource_type not in rule.resource_types:
                 continue
             for message in rule.check(resource_type, props):
                 violations.append(f"[{rule.name}] {resource_type} {name}: {message}")
+    for stack_rule in STACK_RULES:
+        violations.extend(f"[{stack_rule.name}] {message}" for message in stack_rule.check(stack))
     return violations
