@@ -607,7 +607,9 @@ def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings |
                 "CIDR of /29 or larger, e.g. 10.64.0.0/24"
             )
     enable_apis = reader.boolean("enableApis", default=True)
-    provisioning = reader.choice("provisioningModel", tuple(gcp_catalog.PROVISIONING_MODELS), default="standard")
+    provisioning = reader.choice(
+        "provisioningModel", tuple(gcp_catalog.PROVISIONING_MODELS), default="standard"
+    )
     if provisioning is not None and mt is not None:
         why_not = gcp_catalog.provisioning_problem(mt.name, provisioning)
         if why_not:

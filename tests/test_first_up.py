@@ -78,8 +78,9 @@ def test_the_pack_fails_a_stack_that_forgets_an_api(stack: str, monkeypatch: pyt
 def test_api_rule_cases() -> None:
     streaming_pool = {"nodeConfig": {"gcfsConfig": {"enabled": True}}}
     container = StackResource(SERVICE, {"service": "container.googleapis.com"}, "api-container")
-    gcfs = StackResource(SERVICE, {"service": "containerfilesystem.googleapis.com"}, "api-containerfilesystem")
-    pool_waits = StackResource(NODE_POOL, streaming_pool, "pool", ("api-container", "api-containerfilesystem"))
+    gcfs_api = "api-containerfilesystem"
+    gcfs = StackResource(SERVICE, {"service": "containerfilesystem.googleapis.com"}, gcfs_api)
+    pool_waits = StackResource(NODE_POOL, streaming_pool, "pool", ("api-container", gcfs_api))
     assert apis_enabled_for_features([container, gcfs, pool_waits]) == []
     [missing] = apis_enabled_for_features([container, pool_waits])
     assert "containerfilesystem.googleapis.com" in missing and "image streaming" in missing
@@ -180,9 +181,12 @@ def test_graceful_shutdown_rule_and_limit() -> None:
 
 
 def test_affinity_rule() -> None:
-    assert session_affinity_needs_hash_policy(
-        BACKEND_SERVICE, {"sessionAffinity": "CLIENT_IP", "localityLbPolicy": "RING_HASH"}
-    ) == []
+    assert (
+        session_affinity_needs_hash_policy(
+            BACKEND_SERVICE, {"sessionAffinity": "CLIENT_IP", "localityLbPolicy": "RING_HASH"}
+        )
+        == []
+    )
     [message] = session_affinity_needs_hash_policy(
         BACKEND_SERVICE, {"sessionAffinity": "CLIENT_IP", "localityLbPolicy": "LEAST_REQUEST"}
     )
@@ -270,10 +274,15 @@ def test_flex_start_scheduling_passes_the_pack() -> None:
 @pytest.mark.parametrize(
     ("model", "expected"),
     [
-        ("flex-start", "'flex-start' for machine type 'n1-standard-8': n1-standard-8 is sold only as "
-         "standard or spot, not flex-start; allowed: standard, spot"),
-        ("preemptible", "duplexops:provisioningModel: unknown value 'preemptible'; allowed: standard, spot, "
-         "flex-start"),
+        (
+            "flex-start",
+            "'flex-start' for machine type 'n1-standard-8': n1-standard-8 is sold only as "
+            "standard or spot, not flex-start; allowed: standard, spot",
+        ),
+        (
+            "preemptible",
+            "duplexops:provisioningModel: unknown value 'preemptible'; allowed: standard, spot, flex-start",
+        ),
     ],
 )
 def test_provisioning_model_config_errors(model: str, expected: str) -> None:
@@ -290,3 +299,32 @@ def test_clusters_have_no_cluster_level_node_config(multi_region: StackRun) -> N
     assert len(clusters) == 2
     for cluster in clusters:
         assert "nodeConfig" not in cluster.plain and cluster.plain["removeDefaultNodePool"] is True
+
+
+# --- 6, GKE: GPU node maintenance and upgrades drain through the PDB and the grace period ---------------
+
+
+def test_gpu_node_disruption_drains_one_pod_at_a_time_within_its_grace(multi_region: StackRun) -> None:
+    """What the cluster does on GPU host maintenance or a node upgrade (README "multi-region"): GKE cordons
+    the node and evicts its pods through the eviction API, which honours the PodDisruptionBudget; each
+    pod's preStop drains (no new sessions, running ones finish) within terminationGracePeriodSeconds.
+    Surge upgrades add a node before removing one (maxUnavailable 0)."""
+    from infra.k8s.workload import drain_seconds
+    from infra.node.profile import get_profile as profile_of
+
+    pdbs = multi_region.of_type("kubernetes:policy/v1:PodDisruptionBudget")
+    assert len(pdbs) == 2 and all(p.plain["spec"]["maxUnavailable"] == 1 for p in pdbs)
+    pdb = pdbs[0]  # the same object in every region
+    for deployment in multi_region.of_type("kubernetes:apps/v1:Deployment"):
+        spec = deployment.plain["spec"]["template"]["spec"]
+        if not any(c["name"] == "runtime" for c in spec["containers"]):
+            continue
+        [runtime] = [c for c in spec["containers"] if c["name"] == "runtime"]
+        assert runtime["lifecycle"]["preStop"]["exec"]["command"]
+        assert spec["terminationGracePeriodSeconds"] > drain_seconds(profile_of("a100-80gb"))
+        assert pdb.plain["spec"]["selector"]["matchLabels"].items() <= (
+            deployment.plain["spec"]["template"]["metadata"]["labels"].items()
+        )
+    for pool in multi_region.of_type(NODE_POOL):
+        if pool.plain["name"] == "gpu":
+            assert pool.plain["upgradeSettings"] == {"strategy": "SURGE", "maxSurge": 1, "maxUnavailable": 0}

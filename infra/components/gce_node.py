@@ -35,9 +35,13 @@ import pulumi_gcp.projects as projects
 import pulumi_gcp.secretmanager as secretmanager
 import pulumi_gcp.serviceaccount as serviceaccount
 
-from infra.capacity.gcp import IAP_SOURCE_RANGE  # the only source of SSH
+from infra.capacity.gcp import (
+    FLEX_START_MAX_RUN_S,
+    IAP_SOURCE_RANGE,  # the only source of SSH
+    PROVISIONING_MODELS,
+    STOP_TIMEOUT_METADATA_KEY,
+)
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
-from infra.capacity.gcp import FLEX_START_MAX_RUN_S, PROVISIONING_MODELS, STOP_TIMEOUT_METADATA_KEY
 from infra.node.bundle import render_bundle
 from infra.node.cloud_init import (
     DLVM_IMAGE_FAMILY,

@@ -837,7 +837,8 @@ def provisioning_model_sold(resource_type: str, props: Mapping[str, Any]) -> lis
     key = _MODEL_KEYS.get(str(model).upper())
     if key is None:
         problems.append(
-            f"scheduling.provisioningModel {_q(model)} is not one of {', '.join(PROVISIONING_MODELS.values())}"
+            f"scheduling.provisioningModel {_q(model)} is not one of "
+            f"{', '.join(PROVISIONING_MODELS.values())}"
         )
     elif entry is not None and key not in entry.sold_as:
         sold = " or ".join(PROVISIONING_MODELS[m] for m in entry.sold_as)
@@ -1039,7 +1040,8 @@ RULES: tuple[Rule, ...] = (
         "A VM's provisioning model must be one GCE sells for its machine type, with the settings it needs.",
         (INSTANCE,),
         provisioning_model_sold,
-        "Set duplexops:provisioningModel to one the machine type is sold as (a3-highgpu-1g: spot or flex-start).",
+        "Set duplexops:provisioningModel to one the machine type is sold as (a3-highgpu-1g: spot or "
+        "flex-start).",
     ),
     Rule(
         "session-affinity-needs-hash-policy",
@@ -1065,7 +1067,8 @@ class StackRule:
 STACK_RULES: tuple[StackRule, ...] = (
     StackRule(
         "apis-enabled-for-features",
-        "Every Google API a resource or feature needs is enabled by the stack, and the resource waits for it.",
+        "Every Google API a resource or feature needs is enabled by the stack, and the resource waits for "
+        "it.",
         apis_enabled_for_features,
         "Add the API to the program's list (infra/program.py) and create the resource after it.",
     ),
