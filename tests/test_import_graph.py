@@ -22,8 +22,8 @@ PACKAGES = ("runtime", "infra")
 LAYERS: tuple[tuple[str, ...], ...] = (
     # The batched runtime: knows nothing of the deployment.
     ("runtime",),
-    # The capacity planner; which Google API each resource needs; YAML text helpers for the renderers.
-    ("infra.capacity", "infra.gcp_apis", "infra.yaml_text"),
+    # The capacity planner; which Google API each resource needs; GCP naming rules; YAML text helpers.
+    ("infra.capacity", "infra.gcp_apis", "infra.names", "infra.yaml_text"),
     # The node: profiles and the renderers of its bundle, the local node.
     ("infra.node",),
     # One region's Kubernetes objects.

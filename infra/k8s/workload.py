@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import quote
 
 from infra.capacity.gcp import ACCELERATOR_TYPES
+from infra.names import PROJECT_ID_RE, REGION_RE
 from infra.node.profile import NodeProfile
 from infra.node.services import runtime_settings
 from runtime.model_presets import get_preset
@@ -174,9 +175,7 @@ is never evicted for it). The whole checkpoint fits twice (personaplex-7b: 15.6 
 tokenizer)."""
 
 _ACCELERATORS = frozenset(ACCELERATOR_TYPES.values())
-_REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 _CLUSTER_RE = re.compile(r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$")
-_PROJECT_RE = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _GCE_NAME_RE = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
@@ -319,9 +318,9 @@ class RegionWorkload:
         if not isinstance(self.profile, NodeProfile):
             raise bad("profile", self.profile, "a NodeProfile (infra.node.profile)")
         checks: list[tuple[str, re.Pattern[str], str]] = [
-            ("region", _REGION_RE, "a GCP region such as 'us-central1'"),
+            ("region", REGION_RE, "a GCP region such as 'us-central1'"),
             ("cluster_name", _CLUSTER_RE, "a GKE cluster name: 1-40 lower-case letters, digits, '-'"),
-            ("project", _PROJECT_RE, "a GCP project id: 6-30 lower-case letters, digits, '-'"),
+            ("project", PROJECT_ID_RE, "a GCP project id: 6-30 lower-case letters, digits, '-'"),
             ("namespace", _DNS_LABEL_RE, "a DNS label (lower case, digits, '-', at most 63)"),
             ("neg_name", _GCE_NAME_RE, "a GCE resource name: a letter, then letters, digits, '-' (<= 63)"),
         ]

@@ -1,0 +1,647 @@
+"""The stack's configuration keys, declared once: one pydantic model per topology (``GceNodeKeys``,
+``OnPremNodeKeys``, ``MultiRegionKeys`` with its ``RegionKeys``) whose aliases are Pulumi's keys
+(``duplexops:<camelCase>``, ``gcp:project``...), with the constraints of each key and validators that apply
+the GCP rules through the capacity planner (``infra.capacity.gcp``: machine type vs GPU, provisioning
+model, zones) and the node profile (sessions vs capacity). A valid model holds the ``StackConfig`` it
+built. README, "Stack configuration".
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from infra.capacity import gcp as gcp_catalog
+from infra.names import PROJECT_ID_RE, REGION_RE, ZONE_RE
+from infra.node.profile import PROFILES, NodeProfile, get_profile
+from infra.node.services import NodeSecrets
+from infra.stack_config.settings import (
+    NAMESPACE,
+    PLACEHOLDER_IMAGE,
+    GceSettings,
+    MultiRegionSettings,
+    OnPremSettings,
+    RegionSettings,
+    StackConfig,
+    StackSecretsConfig,
+    Topology,
+)
+from infra.stack_config.values import (
+    CIDRS,
+    Boolean,
+    CidrList,
+    Secret,
+    allowed,
+    json_value,
+    problem,
+    problems,
+    pulumi_key,
+    secret_matching,
+)
+from runtime.tokens import keys_from_mapping
+
+__all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
+
+# --- the keys --------------------------------------------------------------------------------------------
+
+
+def _compose_profiles() -> tuple[str, ...]:
+    """Profiles a stack can deploy: GPU nodes run by Compose (the local CPU node is not one)."""
+    return tuple(name for name, p in PROFILES.items() if p.deployment == "compose" and p.gpu is not None)
+
+
+def _gcp_profiles() -> list[str]:
+    return [p for p in _compose_profiles() if PROFILES[p].gpu in gcp_catalog.GCP_GPUS]
+
+
+_NAME_PREFIX_RE = r"^[a-z][a-z0-9-]{1,19}[a-z0-9]$"
+_SAFE_DIR_RE = r"^(/[A-Za-z0-9._-]+){2,}$"
+_FORBIDDEN_INSTALL_DIRS = frozenset({"/usr/local", "/var/lib", "/var/tmp", "/opt/local", "/home"})
+_HOST_RE = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$"
+)
+_IMAGE_RE = (
+    r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
+    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
+)
+_SSH_KEY_RE = r"^-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----\s[\s\S]+-----END [A-Z0-9 ]*PRIVATE KEY-----\s*$"
+_SSH_KEY_ALLOWED = (
+    "an SSH private key in PEM/OpenSSH form, set with "
+    "`pulumi config set --secret onpremSshPrivateKey < ~/.ssh/id_ed25519`"
+)
+_TOKEN_KEYS_ALLOWED = (
+    'a JSON object {"<kid>": "<secret of 32+ characters>", ...} (`duplex token keygen` makes a key); '
+    "or leave it unset to generate one"
+)
+
+
+class _Keys(BaseModel):
+    """Keys of one topology: each field's alias is its Pulumi key (``duplexops:<camelCase>``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=pulumi_key)
+    topology_name: ClassVar[str]
+    _result: StackConfig | None = PrivateAttr(None)
+
+    # Common to every topology (declared in the order their rules read them).
+    topology: Topology
+    profile: Literal[_compose_profiles()]  # type: ignore[valid-type]
+    gpu: str | None = None
+    max_sessions: int | None = Field(None, ge=1, le=256)
+    domain: str | None = None
+    name_prefix: str | None = Field(
+        None,
+        pattern=_NAME_PREFIX_RE,
+        **allowed("3-21 characters: lower case letters, digits and '-', starting with a letter"),
+    )
+    grafana_admin_password: Secret | None = None
+    token_signing_keys: Secret | None = Field(None, **allowed(_TOKEN_KEYS_ALLOWED))
+    hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+
+    @field_validator("grafana_admin_password", "redis_password", check_fields=False)
+    @classmethod
+    def _password(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        try:
+            text = value.get_secret_value()
+            NodeSecrets(redis_password=text, grafana_admin_password=text, token_keys={"check": "x" * 64})
+        except ValueError as exc:
+            rule = str(exc).split(" must ", 1)[-1]
+            raise problem(
+                "the value (not shown) is not valid; allowed: a password that must "
+                f"{rule}; or leave it unset to generate one"
+            ) from None
+        return value
+
+    @field_validator("token_signing_keys")
+    @classmethod
+    def _token_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        key = pulumi_key("token_signing_keys")
+        try:
+            mapping = json.loads(value.get_secret_value())
+        except ValueError:
+            raise problem(f"the value (not shown) is not JSON; allowed: {_TOKEN_KEYS_ALLOWED}") from None
+        try:
+            keys_from_mapping(mapping, source=key)
+        except ValueError as exc:
+            raise problem(f"{exc}; allowed: {_TOKEN_KEYS_ALLOWED}", where=key) from None
+        return value
+
+    # The stack's profile, built once the fields are valid.
+
+    def _overrides(self) -> dict[str, Any]:
+        overrides: dict[str, Any] = {}
+        if self.max_sessions is not None:
+            overrides["max_sessions"] = self.max_sessions
+        if self.gpu is not None:
+            overrides["gpu"] = self.gpu
+        if self.domain is not None:
+            overrides["domain"] = self.domain
+        return overrides
+
+    def _profile(self, overrides: dict[str, Any]) -> NodeProfile:
+        """The profile with the stack's overrides (the planner checks the sessions fit).
+
+        Raises:
+            PydanticCustomError: every problem, under the key that caused it.
+        """
+        try:
+            return get_profile(self.profile, **{**overrides, "runtime_image": PLACEHOLDER_IMAGE})
+        except ValidationError as exc:
+            raise problems([_profile_problem(self.profile, overrides, e) for e in exc.errors()]) from None
+        except (KeyError, ValueError) as exc:
+            raise problem(str(exc), where=pulumi_key("profile")) from None
+
+    def _secrets(self) -> StackSecretsConfig:
+        return StackSecretsConfig(
+            redis_password=getattr(self, "redis_password", None),
+            grafana_admin_password=self.grafana_admin_password,
+            token_keys=self.token_signing_keys,
+            hf_token=self.hf_token,
+        )
+
+    def _config(self, info: ValidationInfo, profile: NodeProfile, overrides: dict[str, Any], **settings: Any):
+        context = info.context or {}
+        stack = context.get("stack", "stack")
+        return StackConfig(
+            stack=stack,
+            project=context.get("project", NAMESPACE),
+            topology=self.topology,
+            name_prefix=self.name_prefix or _default_prefix(stack),
+            profile_name=self.profile,
+            profile_overrides=overrides,
+            profile=profile,
+            domain=self.domain,
+            secrets=self._secrets(),
+            **settings,
+        )
+
+
+_FIELD_KEYS = {"max_sessions": "maxSessions", "gpu": "gpu", "domain": "domain"}
+
+
+def _profile_problem(profile_name: str, overrides: dict[str, Any], error: Any) -> tuple[str, str]:
+    message = str(error.get("msg", error)).removeprefix("Value error, ")
+    loc = tuple(error.get("loc") or ())
+    field = str(loc[0]) if loc else ""
+    if not field and message.startswith("max_sessions"):
+        field = "max_sessions"
+    key = _FIELD_KEYS.get(field)
+    if key is None:
+        return (
+            pulumi_key("profile"),
+            f"{profile_name!r} is not valid with this stack's settings: {message}",
+        )
+    return (
+        f"{NAMESPACE}:{key}",
+        f"{overrides.get(field)!r} rejected for profile {profile_name!r}: {message}",
+    )
+
+
+def _default_prefix(stack: str) -> str:
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", stack.lower()).strip("-")
+    prefix = f"duplex-{cleaned}"[:21].rstrip("-")
+    return prefix if re.match(_NAME_PREFIX_RE, prefix) else "duplex"
+
+
+def _check_bundle(profile: NodeProfile) -> None:
+    """Render the node's bundle once (and the GCE user-data) so that a renderer's refusal shows here."""
+    from infra.node.bundle import render_bundle
+
+    try:
+        render_bundle(profile)
+    except ValueError as exc:
+        raise problem(f"{profile.name!r} cannot be rendered: {exc}", where=pulumi_key("profile")) from None
+
+
+def _profile_gpu(info: ValidationInfo) -> str | None:
+    """The GPU of the stack's profile (its ``gpu`` override first), from the fields validated so far."""
+    gpu = info.data.get("gpu")
+    if gpu is None and info.data.get("profile") in PROFILES:
+        gpu = PROFILES[info.data["profile"]].gpu
+    return gpu
+
+
+class _NodeKeys(_Keys):
+    """Keys of a single-node topology (``gce-node``, ``onprem-node``)."""
+
+    redis_password: Secret | None = None
+
+
+class GceNodeKeys(_NodeKeys):
+    """``gce-node``: one GPU VM on Google Compute Engine. Rules: the GCP GPUs and which machine types carry
+    them, and how they are sold, from the capacity planner's catalog (``infra.capacity.gcp``)."""
+
+    topology_name: ClassVar[str] = "gce-node"
+
+    gcp_project: str = Field(
+        alias="gcp:project",
+        pattern=PROJECT_ID_RE.pattern,
+        **allowed("a Google Cloud project id (6-30 lower case letters, digits, '-')"),
+    )
+    gcp_region: str = Field(
+        alias="gcp:region", pattern=REGION_RE.pattern, **allowed("a region such as us-central1")
+    )
+    gcp_zone: str = Field(
+        alias="gcp:zone", pattern=ZONE_RE.pattern, **allowed("a zone such as us-central1-a")
+    )
+    machine_type: str | None = None
+    boot_disk_size_gb: int = Field(200, ge=100, le=4096)
+    boot_disk_type: Literal["pd-balanced", "pd-ssd"] = "pd-balanced"
+    public_source_ranges: CidrList = Field(**allowed(CIDRS))
+    subnet_cidr: str = Field(
+        "10.64.0.0/24", **allowed("an RFC 1918 CIDR of /29 or larger, e.g. 10.64.0.0/24")
+    )
+    enable_apis: Boolean = True
+    provisioning_model: Literal[tuple(gcp_catalog.PROVISIONING_MODELS)] = "standard"  # type: ignore[valid-type]
+
+    @field_validator("gcp_zone")
+    @classmethod
+    def _zone_in_region(cls, zone: str, info: ValidationInfo) -> str:
+        region = info.data.get("gcp_region")
+        if region and not zone.startswith(region + "-"):
+            raise problem(f"{zone!r} is not in gcp:region {region!r}; allowed: {region}-a, ...")
+        return zone
+
+    @field_validator("machine_type")
+    @classmethod
+    def _machine_type(cls, name: str | None, info: ValidationInfo) -> str | None:
+        gpu = _profile_gpu(info)
+        on_gcp = gpu if gpu in gcp_catalog.GCP_GPUS else None
+        if name is None:
+            return None
+        if name not in gcp_catalog.MACHINE_TYPES:
+            known = gcp_catalog.machine_types_for(on_gcp) if on_gcp else sorted(gcp_catalog.MACHINE_TYPES)
+            raise problem(f"unknown machine type {name!r}; allowed: {', '.join(known)}")
+        if on_gcp and (why := gcp_catalog.carry_problem(name, on_gcp)):
+            raise problem(
+                f"{name!r} cannot carry the GPU of profile {info.data.get('profile', '?')!r}: {why}; "
+                f"allowed: {', '.join(gcp_catalog.machine_types_for(on_gcp))}"
+            )
+        return name
+
+    @field_validator("subnet_cidr")
+    @classmethod
+    def _private_subnet(cls, subnet: str) -> str:
+        try:
+            network = ipaddress.IPv4Network(subnet)
+            if not network.is_private or network.prefixlen > 29:
+                raise ValueError
+        except ValueError:
+            raise problem(
+                f"{subnet!r} is not a private IPv4 network; allowed: an RFC 1918 CIDR of /29 or larger, "
+                "e.g. 10.64.0.0/24"
+            ) from None
+        return subnet
+
+    @model_validator(mode="after")
+    def _settings(self, info: ValidationInfo) -> GceNodeKeys:
+        overrides = self._overrides()
+        profile = self._profile(overrides)
+        gpu = profile.gpu
+        if gpu not in gcp_catalog.GCP_GPUS:
+            raise problem(
+                f"the profile's GPU {gpu!r} is not offered on GCP (on-premises only); allowed on gce-node: "
+                f"GPUs {', '.join(sorted(gcp_catalog.GCP_GPUS))} (profiles: {', '.join(_gcp_profiles())})",
+                where=pulumi_key("profile"),
+            )
+        machine = gcp_catalog.MACHINE_TYPES[self.machine_type or gcp_catalog.DEFAULT_MACHINE_TYPE[gpu]]
+        if why := gcp_catalog.provisioning_problem(machine.name, self.provisioning_model):
+            # GCE refuses the VM at create time (a3-highgpu-1g: Spot and Flex-start only).
+            raise problem(
+                f"{self.provisioning_model!r} for machine type {machine.name!r}: {why}; "
+                f"allowed: {', '.join(machine.sold_as)}",
+                where=pulumi_key("provisioning_model"),
+            )
+        _check_bundle(profile)
+        price = machine.price
+        gce = GceSettings(
+            project=self.gcp_project,
+            region=self.gcp_region,
+            zone=self.gcp_zone,
+            machine_type=machine.name,
+            accelerator_type=None if machine.bundled else gcp_catalog.ACCELERATOR_TYPES[machine.gpu or ""],
+            accelerator_count=machine.gpu_count[0],
+            boot_disk_gb=self.boot_disk_size_gb,
+            boot_disk_type=self.boot_disk_type,
+            public_source_ranges=self.public_source_ranges,
+            subnet_cidr=self.subnet_cidr,
+            enable_apis=self.enable_apis,
+            usd_per_hour=price.usd_per_hour if price else None,
+            price_source=price.source if price else None,
+            price_read_on=price.read_on if price else None,
+            provisioning_model=self.provisioning_model,
+            bundled_local_ssd=machine.bundled_local_ssd,
+        )
+        self._result = self._config(info, profile, overrides, gce=gce)
+        return self
+
+
+class OnPremNodeKeys(_NodeKeys):
+    """``onprem-node``: an existing GPU host reached over SSH, running a digest-pinned image."""
+
+    topology_name: ClassVar[str] = "onprem-node"
+
+    onprem_host: str = Field(**allowed("a host name or an IP address, e.g. gpu01.example.internal"))
+    onprem_user: str = Field(
+        pattern=r"^[a-z_][a-z0-9_-]{0,31}$",
+        **allowed("a Unix user name (root, or a user with passwordless sudo)"),
+    )
+    onprem_port: int = Field(22, ge=1, le=65535)
+    onprem_ssh_private_key: Annotated[Secret, secret_matching(_SSH_KEY_RE, _SSH_KEY_ALLOWED)] = Field(
+        **allowed(_SSH_KEY_ALLOWED)
+    )
+    onprem_host_key: str | None = Field(
+        None,
+        pattern=r"^(ssh-|ecdsa-)[a-z0-9-]+ [A-Za-z0-9+/=]+( .*)?$",
+        **allowed("the host's public key line, e.g. 'ssh-ed25519 AAAA...'"),
+    )
+    install_dir: str = Field(
+        "/opt/duplex",
+        pattern=_SAFE_DIR_RE,
+        **allowed(
+            "an absolute path two levels deep or more of letters, digits, '.', '_', "
+            "'-' (destroy removes it), e.g. /opt/duplex"
+        ),
+    )
+    runtime_image: str = Field(
+        pattern=_IMAGE_RE,
+        **allowed(
+            "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
+        ),
+    )
+    ready_timeout_seconds: int = Field(1800, ge=60, le=7200)
+
+    @field_validator("onprem_host")
+    @classmethod
+    def _host(cls, host: str) -> str:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOST_RE.match(host):
+                raise problem(
+                    f"{host!r} is neither a host name nor an IP address; allowed: e.g. "
+                    "gpu01.example.internal or 10.0.0.12"
+                ) from None
+        return host
+
+    @field_validator("install_dir")
+    @classmethod
+    def _own_directory(cls, path: str) -> str:
+        if path.rstrip("/") in _FORBIDDEN_INSTALL_DIRS or ".." in path:
+            raise problem(
+                f"{path!r} is a shared system directory (destroy removes installDir); allowed: a directory "
+                "of its own, e.g. /opt/duplex"
+            )
+        return path.rstrip("/")
+
+    @model_validator(mode="after")
+    def _settings(self, info: ValidationInfo) -> OnPremNodeKeys:
+        overrides = self._overrides()
+        # Everything the stack installs lives under installDir (destroy removes it): the TLS pair too.
+        overrides["tls"] = {
+            "certificate_path": f"{self.install_dir}/tls/node.crt",
+            "private_key_path": f"{self.install_dir}/tls/node.key",
+        }
+        profile = self._profile(overrides)
+        _check_bundle(profile)
+        onprem = OnPremSettings(
+            host=self.onprem_host,
+            user=self.onprem_user,
+            port=self.onprem_port,
+            ssh_private_key=self.onprem_ssh_private_key,
+            host_key=self.onprem_host_key,
+            install_dir=self.install_dir,
+            runtime_image=self.runtime_image,
+            ready_timeout_s=self.ready_timeout_seconds,
+        )
+        self._result = self._config(info, profile, overrides, onprem=onprem)
+        return self
+
+
+class RegionKeys(BaseModel):
+    """One item of ``duplexops:regions`` (camelCase keys: ``region``, ``zones``, ``minNodes``...)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel)
+
+    region: str = Field(pattern=REGION_RE.pattern, **allowed("a GCP region such as us-central1"))
+    zones: tuple[str, ...] = Field(min_length=1, **allowed("a non-empty list of zones"))
+    gpu: str | None = None
+    machine_type: str | None = None
+    min_nodes: int = Field(1, ge=0, le=100)
+    max_nodes: int = Field(4, ge=1, le=100)
+    redis_memory_gb: int = Field(1, ge=1, le=300)
+    network_index: int | None = Field(None, ge=0, le=31)
+    """0-31; None: the item's position in the list."""
+    serving: bool = Field(True, strict=True)
+
+    @field_validator("zones")
+    @classmethod
+    def _zones_in_region(cls, zones: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        region = info.data.get("region")
+        if region is None:
+            return zones
+        for zone in zones:
+            if not ZONE_RE.match(zone) or not zone.startswith(region + "-"):
+                raise problem(f"{zone!r} is not a zone of {region}; allowed: {region}-a, {region}-b, ...")
+        if len(set(zones)) != len(zones):
+            raise problem(f"{list(zones)!r} names a zone twice; allowed: each zone once")
+        return zones
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RegionKeys:
+        if self.min_nodes > self.max_nodes:
+            raise problem(
+                f"{self.min_nodes} is above maxNodes {self.max_nodes}; allowed: minNodes <= maxNodes",
+                where=".minNodes",
+            )
+        return self
+
+
+def _region_settings(item: RegionKeys, position: int, profile: NodeProfile) -> RegionSettings:
+    """The region's settings for ``profile`` (already carrying the region's GPU).
+
+    Raises:
+        PydanticCustomError: the GPU is not on GCP, or the machine type cannot carry it alone.
+    """
+    at = f"[{position}]"
+    gpu = profile.gpu or ""
+    if gpu not in gcp_catalog.GCP_GPUS:
+        raise problem(
+            f"{gpu!r} is not offered on GCP (on-premises only); allowed: "
+            + ", ".join(sorted(gcp_catalog.GCP_GPUS)),
+            where=f"{at}.gpu",
+        )
+    name = item.machine_type or gcp_catalog.DEFAULT_MACHINE_TYPE[gpu]
+    if name not in gcp_catalog.MACHINE_TYPES:
+        raise problem(
+            f"unknown machine type {name!r}; allowed: " + ", ".join(gcp_catalog.machine_types_for(gpu)),
+            where=f"{at}.machineType",
+        )
+    if why := gcp_catalog.carry_problem(name, gpu):
+        raise problem(
+            f"{why}; allowed: {', '.join(gcp_catalog.machine_types_for(gpu))}", where=f"{at}.machineType"
+        )
+    machine = gcp_catalog.MACHINE_TYPES[name]
+    if machine.gpu_count[0] != 1:
+        singles = [
+            m for m in gcp_catalog.machine_types_for(gpu) if gcp_catalog.MACHINE_TYPES[m].gpu_count[0] == 1
+        ]
+        raise problem(
+            f"{name!r} has {machine.gpu_count[0]} GPUs; allowed: a one-GPU type (one runtime pod per GPU "
+            f"node): {', '.join(singles)}",
+            where=f"{at}.machineType",
+        )
+    return RegionSettings(
+        region=item.region,
+        zones=item.zones,
+        profile=profile,
+        machine_type=machine.name,
+        accelerator_type=gcp_catalog.ACCELERATOR_TYPES[gpu],
+        accelerator_count=1,
+        min_nodes=item.min_nodes,
+        max_nodes=item.max_nodes,
+        redis_memory_gb=item.redis_memory_gb,
+        network_index=position if item.network_index is None else item.network_index,
+        serving=item.serving,
+        usd_per_hour=machine.price.usd_per_hour if machine.price else None,
+        price_source=machine.price.source if machine.price else None,
+    )
+
+
+_REGIONS_EXAMPLE = (
+    '[{"region": "us-central1", "zones": ["us-central1-a"], "minNodes": 1, "maxNodes": 4}, ...]'
+)
+
+
+class MultiRegionKeys(_Keys):
+    """``multi-region``: one GKE cluster per region behind one global HTTPS load balancer. Memorystore makes
+    each region's Redis AUTH string (no ``redisPassword``); ``domain`` is required (the managed
+    certificate is for it)."""
+
+    topology_name: ClassVar[str] = "multi-region"
+
+    domain: str = Field(**allowed("the DNS name of the global endpoint (its managed certificate is for it)"))
+    gcp_project: str = Field(
+        alias="gcp:project",
+        pattern=PROJECT_ID_RE.pattern,
+        **allowed("a Google Cloud project id (6-30 lower case letters, digits, '-')"),
+    )
+    regions: Annotated[tuple[RegionKeys, ...], BeforeValidator(json_value)] = Field(
+        min_length=1, **allowed(f"a list of regions, e.g. {_REGIONS_EXAMPLE}")
+    )
+    public_source_ranges: CidrList = Field(**allowed(CIDRS))
+    admin_source_ranges: CidrList = Field(**allowed(CIDRS))
+    release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "REGULAR"
+    deletion_protection: Boolean = True
+    system_machine_type: str = Field(
+        "e2-standard-4",
+        pattern=r"^[a-z][a-z0-9]*-[a-z]+-[0-9]+$",
+        **allowed("a GCE machine type such as e2-standard-4"),
+    )
+    enable_apis: Boolean = True
+
+    @field_validator("regions")
+    @classmethod
+    def _each_once(cls, regions: tuple[RegionKeys, ...]) -> tuple[RegionKeys, ...]:
+        found: list[tuple[str, str]] = []
+        for what, values in (
+            ("region", [r.region for r in regions]),
+            (
+                "networkIndex",
+                [i if r.network_index is None else r.network_index for i, r in enumerate(regions)],
+            ),
+        ):
+            first: dict[Any, int] = {}
+            for i, value in enumerate(values):
+                if value in first:
+                    found.append(
+                        (
+                            f"[{i}].{what}",
+                            f"{value!r} is already used by regions[{first[value]}]; "
+                            f"allowed: each {what} once",
+                        )
+                    )
+                first.setdefault(value, i)
+        if found:
+            raise problems(found)
+        return regions
+
+    @model_validator(mode="after")
+    def _settings(self, info: ValidationInfo) -> MultiRegionKeys:
+        overrides = self._overrides()
+        profile = self._profile(overrides)
+        regions: list[RegionSettings] = []
+        found: list[tuple[str, str]] = []
+        for i, item in enumerate(self.regions):
+            where = f"{pulumi_key('regions')}[{i}]"
+            region_overrides = {**overrides, **({"gpu": item.gpu} if item.gpu is not None else {})}
+            try:
+                region_profile = get_profile(
+                    self.profile, **{**region_overrides, "runtime_image": PLACEHOLDER_IMAGE}
+                )
+            except ValidationError as exc:
+                for error in exc.errors():
+                    message = str(error.get("msg", error)).removeprefix("Value error, ")
+                    found.append((where, f"profile {self.profile!r} is not valid in this region: {message}"))
+                continue
+            try:
+                regions.append(_region_settings(item, i, region_profile))
+                _check_bundle(region_profile)
+            except PydanticCustomError as error:
+                found += [
+                    (p if p.startswith(f"{NAMESPACE}:") else f"{pulumi_key('regions')}{p}", m)
+                    for p, m in error.context["problems"]  # type: ignore[index]
+                ]
+        if found:
+            raise problems(found)
+        settings = MultiRegionSettings(
+            project=self.gcp_project,
+            regions=tuple(regions),
+            public_source_ranges=self.public_source_ranges,
+            admin_source_ranges=self.admin_source_ranges,
+            release_channel=self.release_channel,
+            deletion_protection=self.deletion_protection,
+            system_machine_type=self.system_machine_type,
+            enable_apis=self.enable_apis,
+        )
+        self._result = self._config(info, profile, overrides, multi_region=settings)
+        return self
+
+
+KEYS_OF: dict[str, type[_Keys]] = {k.topology_name: k for k in (GceNodeKeys, OnPremNodeKeys, MultiRegionKeys)}
+"""The keys model of each topology."""
+
+
+def _pulumi_keys(model: type[BaseModel]) -> list[str]:
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+KNOWN_KEYS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        key.partition(":")[2]
+        for model in KEYS_OF.values()
+        for key in _pulumi_keys(model)
+        if key.startswith(f"{NAMESPACE}:")
+    )
+)
+"""Every ``duplexops:`` key some topology reads."""

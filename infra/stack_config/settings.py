@@ -1,0 +1,213 @@
+"""What the program takes from the stack's configuration: ``StackConfig`` and the settings of each
+topology (``GceSettings``, ``OnPremSettings``, ``MultiRegionSettings`` with its ``RegionSettings``), the
+names of the configuration (namespaces, topologies, secret keys) and ``StackConfigError``. Built by
+``infra.stack_config.keys``; README, "Stack configuration".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, SecretStr
+
+from infra.node.profile import NodeProfile, get_profile
+
+__all__ = [
+    "BUILT_TOPOLOGIES",
+    "GCP_NAMESPACE",
+    "NAMESPACE",
+    "PLACEHOLDER_IMAGE",
+    "SECRET_KEYS",
+    "TOPOLOGIES",
+    "GceSettings",
+    "MultiRegionSettings",
+    "OnPremSettings",
+    "RegionSettings",
+    "StackConfig",
+    "StackConfigError",
+    "StackSecretsConfig",
+    "Topology",
+]
+
+NAMESPACE = "duplexops"
+"""The project's configuration namespace (the project name in Pulumi.yaml)."""
+GCP_NAMESPACE = "gcp"
+
+Topology = Literal["gce-node", "onprem-node", "multi-region"]
+TOPOLOGIES: tuple[str, ...] = get_args(Topology)
+"""Every topology name the program knows."""
+BUILT_TOPOLOGIES: tuple[str, ...] = TOPOLOGIES
+"""The topologies this program can deploy today."""
+
+PLACEHOLDER_IMAGE = "registry.invalid/duplexops/runtime@sha256:" + "0" * 64
+"""Image used to validate the profile and the bundle before the real digest is known."""
+
+SECRET_KEYS: frozenset[str] = frozenset(
+    {"redisPassword", "grafanaAdminPassword", "tokenSigningKeys", "hfToken", "onpremSshPrivateKey"}
+)
+"""Keys whose values are secrets: they must be set with ``pulumi config set --secret``."""
+
+
+class StackConfigError(ValueError):
+    """The stack's configuration is wrong; ``problems`` lists every problem, one line each (the key, the
+    bad value and what is allowed)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(
+            f"invalid stack configuration ({len(self.problems)} problem"
+            f"{'s' if len(self.problems) != 1 else ''}):\n  - " + "\n  - ".join(self.problems)
+        )
+
+
+# --- what the program takes ------------------------------------------------------------------------------
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StackSecretsConfig(_Frozen):
+    """Secrets given in the stack's configuration (None: generated, or absent for ``hf_token``)."""
+
+    redis_password: SecretStr | None = None
+    grafana_admin_password: SecretStr | None = None
+    token_keys: SecretStr | None = None
+    """JSON ``{"kid": "secret", ...}``."""
+    hf_token: SecretStr | None = None
+
+
+class GceSettings(_Frozen):
+    """Where and on what a GCE node runs."""
+
+    project: str
+    region: str
+    zone: str
+    machine_type: str
+    accelerator_type: str | None
+    """GCE accelerator type to attach (N1 types); None when the machine type comes with its GPU."""
+    accelerator_count: int
+    boot_disk_gb: int
+    boot_disk_type: str
+    public_source_ranges: tuple[str, ...]
+    subnet_cidr: str
+    enable_apis: bool
+    usd_per_hour: float | None
+    price_source: str | None
+    price_read_on: str | None
+    provisioning_model: str = "standard"
+    """``standard``, ``spot`` or ``flex-start`` (``infra.capacity.gcp.PROVISIONING_MODELS``), one the machine
+    type is sold as."""
+    bundled_local_ssd: bool = False
+    """GCE attaches Local SSDs to this machine type by itself (A2 Ultra, A3)."""
+
+
+class OnPremSettings(_Frozen):
+    """How to reach and install an existing GPU host."""
+
+    host: str
+    user: str
+    port: int
+    ssh_private_key: SecretStr
+    host_key: str | None
+    install_dir: str
+    runtime_image: str
+    ready_timeout_s: int
+
+
+class RegionSettings(_Frozen):
+    """One region of the multi-region stack: a GKE cluster, its GPU node pool and its Memorystore.
+
+    Attributes:
+        region: GCP region (``us-central1``).
+        zones: zones of the GPU node pool (inside ``region``).
+        profile: the runtime's profile in this region (its GPU; ``sessions`` = slots per pod, from the
+            capacity planner unless ``maxSessions`` is set).
+        machine_type: GPU node machine type; accelerator_type: GKE/GCE accelerator name
+            (``nvidia-a100-80gb``); accelerator_count: GPUs per node (1: one runtime pod per node).
+        min_nodes, max_nodes: autoscaling bounds of the GPU pool (= runtime pods).
+        redis_memory_gb: Memorystore capacity (GB).
+        network_index: picks the address ranges (``subnet_cidr``, ``pods_cidr``, ``services_cidr``,
+            ``master_cidr``); stable across edits.
+        serving: False when the region is drained (the global entry gives it no capacity).
+        usd_per_hour: on-demand price of one GPU node (catalog, us-central1 list price), or None.
+    """
+
+    region: str
+    zones: tuple[str, ...]
+    profile: NodeProfile
+    machine_type: str
+    accelerator_type: str
+    accelerator_count: int
+    min_nodes: int
+    max_nodes: int
+    redis_memory_gb: int
+    network_index: int
+    serving: bool
+    usd_per_hour: float | None
+    price_source: str | None
+
+    @property
+    def subnet_cidr(self) -> str:
+        """Nodes' primary range: ``10.<64+index>.0.0/20`` (4,096 addresses)."""
+        return f"10.{64 + self.network_index}.0.0/20"
+
+    @property
+    def pods_cidr(self) -> str:
+        """Pods' secondary range: ``10.<128+index>.0.0/17`` (VPC-native; NEG endpoints are pod IPs)."""
+        return f"10.{128 + self.network_index}.0.0/17"
+
+    @property
+    def services_cidr(self) -> str:
+        """Services' secondary range: ``10.<128+index>.128.0/20``."""
+        return f"10.{128 + self.network_index}.128.0/20"
+
+    @property
+    def master_cidr(self) -> str:
+        """The private control plane's /28: ``172.16.<index>.0/28``."""
+        return f"172.16.{self.network_index}.0/28"
+
+
+class MultiRegionSettings(_Frozen):
+    """The multi-region stack: one GKE cluster per region behind one global HTTPS load balancer."""
+
+    project: str
+    regions: tuple[RegionSettings, ...]
+    public_source_ranges: tuple[str, ...]
+    admin_source_ranges: tuple[str, ...]
+    release_channel: str
+    deletion_protection: bool
+    system_machine_type: str
+    enable_apis: bool
+
+
+class StackConfig(_Frozen):
+    """One stack's validated configuration.
+
+    Attributes:
+        stack: the stack name; project: the Pulumi project name.
+        topology: what to deploy (``gce-node``, ``onprem-node`` or ``multi-region``).
+        name_prefix: prefix of cloud resource names (lower case, ``-``).
+        profile_name, profile_overrides: the node profile and what the stack changes in it.
+        profile: the validated profile (with a placeholder ``runtime_image``: use ``node_profile``).
+        domain: the endpoint's DNS name, or None (the endpoint is the IP address).
+        gce, onprem, multi_region: the topology's settings (the others are None).
+        secrets: secrets from the configuration.
+    """
+
+    stack: str
+    project: str
+    topology: Topology
+    name_prefix: str
+    profile_name: str
+    profile_overrides: dict[str, Any]
+    profile: NodeProfile
+    domain: str | None
+    gce: GceSettings | None = None
+    onprem: OnPremSettings | None = None
+    multi_region: MultiRegionSettings | None = None
+    secrets: StackSecretsConfig = StackSecretsConfig()
+
+    def node_profile(self, runtime_image: str) -> NodeProfile:
+        """The node's profile running ``runtime_image`` (validated again: same overrides)."""
+        return get_profile(self.profile_name, **{**self.profile_overrides, "runtime_image": runtime_image})
