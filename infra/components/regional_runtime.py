@@ -4,8 +4,8 @@
 Outputs); this component declares each one with pulumi-kubernetes through the region's provider, typed
 where pulumi-kubernetes has the kind (``apps/v1`` ``Deployment`` -> ``kubernetes.apps.v1.Deployment``) and
 as a ``CustomResource`` otherwise (GMP's ``PodMonitoring``, ``ClusterRules``). Objects are declared in the
-renderer's order, each depending on the ones before it of the kinds that must exist first (Namespaces,
-ServiceAccounts, Secrets, ConfigMaps, CRD-backed monitoring after the workloads).
+renderer's order (``infra.k8s.region.APPLY_FIRST`` kinds first), each depending on the ones before it of
+those kinds (Namespaces, ServiceAccounts, Secrets, ConfigMaps, RBAC).
 
 Pulumi waits for a Deployment's rollout (its pods ready: model loaded, up to the startup probe's limit)
 and a Job's completion; ``CUSTOM_TIMEOUT`` lets a 7B download and load take that long.
@@ -22,17 +22,12 @@ import pulumi
 import pulumi_kubernetes as kubernetes
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.k8s.region import APPLY_FIRST, apply_rank
 
-__all__ = ["CUSTOM_TIMEOUT", "FIRST_KINDS", "RegionalRuntime", "resource_class"]
+__all__ = ["CUSTOM_TIMEOUT", "RegionalRuntime", "resource_class"]
 
 CUSTOM_TIMEOUT = "60m"
 """Create/update timeout of each object: a first rollout downloads and loads the weights."""
-
-FIRST_KINDS = ("Namespace", "ServiceAccount", "Secret", "ConfigMap", "ClusterRole", "Role")
-"""Kinds every later object depends on (declared first, in this order)."""
-
-
-_MODULES = {"": "core", "rbac.authorization.k8s.io": "rbac", "apiregistration.k8s.io": "apiregistration"}
 
 
 def resource_class(api_version: str, kind: str) -> type[pulumi.CustomResource] | None:
@@ -74,11 +69,7 @@ class RegionalRuntime(pulumi.ComponentResource):
         deps = dependencies(opts)
         self.resources = {}
         foundations: list[pulumi.Resource] = []
-        ordered = sorted(
-            objects,
-            key=lambda o: FIRST_KINDS.index(o["kind"]) if o["kind"] in FIRST_KINDS else len(FIRST_KINDS),
-        )
-        for manifest in ordered:
+        for manifest in sorted(objects, key=apply_rank):
             metadata = manifest.get("metadata") or {}
             key = f"{manifest['kind']}/{metadata.get('namespace', '')}/{metadata['name']}"
             if key in self.resources:
@@ -94,7 +85,7 @@ class RegionalRuntime(pulumi.ComponentResource):
             )
             resource = declare(logical, manifest, options)
             self.resources[key] = resource
-            if manifest["kind"] in FIRST_KINDS:
+            if manifest["kind"] in APPLY_FIRST:
                 foundations.append(resource)
         self.register_outputs({"objects": sorted(self.resources)})
 

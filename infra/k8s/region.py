@@ -28,6 +28,7 @@ from infra.k8s.workload import (
 
 __all__ = [
     "APPLY_FIRST",
+    "apply_rank",
     "grafana_password_command",
     "grafana_port_forward",
     "region_objects",
@@ -44,7 +45,15 @@ APPLY_FIRST = (
     "ClusterRoleBinding",
     "RoleBinding",
 )
-"""Kinds applied before all others, in this order (everything else keeps the builders' order)."""
+"""Kinds applied before all others, in this order (everything else keeps the builders' order): the one
+apply order, of ``region_objects`` and of ``infra.components.regional_runtime`` (where every later object
+depends on the objects of these kinds)."""
+
+
+def apply_rank(obj: Mapping[str, Any]) -> int:
+    """Sort key of the apply order: the kind's place in ``APPLY_FIRST``, after them everything else."""
+    kind = obj["kind"]
+    return APPLY_FIRST.index(kind) if kind in APPLY_FIRST else len(APPLY_FIRST)
 
 
 def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
@@ -64,12 +73,7 @@ def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         if key in seen:
             raise ValueError(f"region_objects: two objects {'/'.join(key)}")
         seen.add(key)
-
-    def rank(obj: dict[str, Any]) -> int:
-        kind = obj["kind"]
-        return APPLY_FIRST.index(kind) if kind in APPLY_FIRST else len(APPLY_FIRST)
-
-    return sorted(objects, key=rank)
+    return sorted(objects, key=apply_rank)
 
 
 def _key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
