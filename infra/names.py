@@ -1,5 +1,5 @@
 """Names Google Cloud accepts, as regular expressions: one source for the stack configuration
-(``infra.stack_config``) and the Kubernetes objects (``infra.k8s.workload``). README, "Deploying".
+(``infra.stack_config``) and the Kubernetes objects (``infra.k8s.base``). README, "Deploying".
 """
 
 from __future__ import annotations

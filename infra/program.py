@@ -372,7 +372,8 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
     from infra.components.node_secrets import StackSecrets, StackSecretsArgs
     from infra.components.regional_runtime import RegionalRuntime
     from infra.k8s import region as k8s_region
-    from infra.k8s import workload as k8s
+    from infra.k8s.base import RegionWorkload
+    from infra.k8s.workload import drain_seconds
 
     mr = config.multi_region
     assert mr is not None and config.domain is not None
@@ -430,7 +431,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             opts=after_apis,
         )
         bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
-        workload = k8s.RegionWorkload(
+        workload = RegionWorkload(
             region=region_name,
             cluster_name=gke.cluster_name,
             project=project,
@@ -493,7 +494,7 @@ def _multi_region(config: StackConfig) -> dict[str, Any]:
             runtime_port=profile.ports.runtime,
             backends=backends,
             max_session_s=profile.limits.max_session_s,
-            drain_s=k8s.drain_seconds(profile),
+            drain_s=drain_seconds(profile),
             public_source_ranges=mr.public_source_ranges,
             handshakes_per_minute=max(1, round(profile.limits.handshakes_per_second_per_client * 60)),
             page_files={path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()},

@@ -27,7 +27,7 @@ import pytest
 from runtime.local_redis import LocalRedisError, RedisServer
 
 if TYPE_CHECKING:
-    from infra.k8s.workload import RegionWorkload
+    from infra.k8s.base import RegionWorkload
 
 __all__ = ["RedisServer", "objects", "promtool", "redis_server", "workload"]
 

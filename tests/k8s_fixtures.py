@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from infra.k8s import workload as k8s
+from infra.k8s import base
 from infra.node.profile import PROFILES
 
 __all__ = ["CA", "IMAGE", "SECRETS", "make_workload", "one"]
@@ -29,7 +29,7 @@ IMAGE = "us-central1-docker.pkg.dev/my-gcp-project/duplex/runtime@sha256:" + "ab
 CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIFICATE-----\n"
 
 
-def make_workload(**overrides: Any) -> k8s.RegionWorkload:
+def make_workload(**overrides: Any) -> base.RegionWorkload:
     """A region with plain values everywhere (the stack passes Outputs for the cloud's values): us-central1,
     profile ``a100-80gb``, 1-4 replicas; ``overrides`` replace any field."""
     fields: dict[str, Any] = {
@@ -52,10 +52,10 @@ def make_workload(**overrides: Any) -> k8s.RegionWorkload:
         **SECRETS,
     }
     fields.update(overrides)
-    return k8s.RegionWorkload(**fields)
+    return base.RegionWorkload(**fields)
 
 
-def one(objects: list[dict], kind: str, name: str = k8s.APP_NAME) -> dict:
+def one(objects: list[dict], kind: str, name: str = base.APP_NAME) -> dict:
     """The one object of ``kind`` named ``name`` (the runtime's ``APP_NAME`` by default); fails unless
     there is exactly one."""
     [found] = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]

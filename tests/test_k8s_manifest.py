@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.k8s import workload as k8s
+from infra.k8s import workload as k8s_workload
 from infra.k8s.manifest import (
     UnknownKindError,
     to_manifest,
@@ -194,7 +194,7 @@ def test_prestop_hook_drains_a_real_runtime_and_returns_when_it_has_stopped(tmp_
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        hook = k8s.prestop_command(port, pid=proc.pid)
+        hook = k8s_workload.prestop_command(port, pid=proc.pid)
         result = subprocess.run(hook, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert not _healthy(port)  # the hook returned once the runtime stopped listening

@@ -13,8 +13,7 @@ import pytest
 import yaml
 from k8s_fixtures import make_workload, one
 
-from infra.k8s import metrics_adapter, monitoring, region
-from infra.k8s import workload as k8s
+from infra.k8s import base, metrics_adapter, monitoring, region
 from infra.k8s.manifest import validate_manifests
 from infra.node.profile import get_profile
 
@@ -64,7 +63,7 @@ def test_rules_select_gmp_target_labels(objects: list[dict]) -> None:
 def test_pod_monitorings_scrape_the_runtime_and_the_exporter(objects: list[dict], workload) -> None:
     runtime = one(objects, "PodMonitoring", "runtime")
     assert runtime["apiVersion"] == "monitoring.googleapis.com/v1"
-    assert runtime["spec"]["selector"]["matchLabels"] == k8s.pod_labels(workload)
+    assert runtime["spec"]["selector"]["matchLabels"] == base.pod_labels(workload)
     assert runtime["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "5s"}]
     assert "node" in runtime["spec"]["targetLabels"]["metadata"]
     exporter = one(objects, "PodMonitoring", "redis-exporter")
@@ -83,9 +82,9 @@ def test_redis_exporter_watches_memorystore_over_tls(objects: list[dict]) -> Non
     env = {e["name"]: e for e in container["env"]}
     assert env["REDIS_ADDR"]["value"] == "rediss://10.64.0.3:6378"
     assert env["REDIS_PASSWORD"]["valueFrom"] == {
-        "secretKeyRef": {"name": k8s.SECRET_NAME, "key": "redis-password"}
+        "secretKeyRef": {"name": base.SECRET_NAME, "key": "redis-password"}
     }
-    assert env["REDIS_EXPORTER_TLS_CA_CERT_FILE"]["value"] == k8s.REDIS_CA_PATH
+    assert env["REDIS_EXPORTER_TLS_CA_CERT_FILE"]["value"] == base.REDIS_CA_PATH
     assert {"name": "redis-ca", "mountPath": "/etc/duplex/redis-ca", "readOnly": True} in container[
         "volumeMounts"
     ]

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from k8s_fixtures import IMAGE, SECRETS, make_workload, one
 
-from infra.k8s import workload as k8s
+from infra.k8s import base, scaling
+from infra.k8s import workload as k8s_workload
 from infra.k8s.manifest import validate_manifests
 from infra.k8s.region import region_objects, workload_identity_bindings
 from infra.node.profile import PROFILES, get_profile
@@ -80,11 +81,11 @@ def test_deployment_runs_one_gpu_pod_per_node_and_has_no_replicas(objects: list[
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-a100-80gb"}
     assert runtime["image"] == IMAGE and runtime["args"] == ["serve"]
     assert runtime["ports"] == [{"name": "http", "containerPort": 8998, "protocol": "TCP"}]
-    assert pod["serviceAccountName"] == k8s.RUNTIME_SERVICE_ACCOUNT
+    assert pod["serviceAccountName"] == base.RUNTIME_SERVICE_ACCOUNT
     assert deployment["spec"]["template"]["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
 
 
-def test_probes_and_drain(objects: list[dict], workload: k8s.RegionWorkload) -> None:
+def test_probes_and_drain(objects: list[dict], workload: base.RegionWorkload) -> None:
     deployment = one(objects, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     runtime = _runtime_container(deployment)
@@ -97,10 +98,10 @@ def test_probes_and_drain(objects: list[dict], workload: k8s.RegionWorkload) -> 
     assert liveness["httpGet"] == {"path": "/healthz", "port": "http"}
     assert readiness["httpGet"] == {"path": "/readyz", "port": "http"}
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60  # a 7B model load
-    assert startup["periodSeconds"] * startup["failureThreshold"] == k8s.startup_budget_s() == 1800
+    assert startup["periodSeconds"] * startup["failureThreshold"] == k8s_workload.startup_budget_s() == 1800
     max_session_s = workload.profile.limits.max_session_s
     assert pod["terminationGracePeriodSeconds"] >= max_session_s
-    assert pod["terminationGracePeriodSeconds"] == max_session_s + k8s.DRAIN_MARGIN_S == 3660
+    assert pod["terminationGracePeriodSeconds"] == max_session_s + k8s_workload.DRAIN_MARGIN_S == 3660
     env = {e["name"]: e for e in runtime["env"]}
     assert env["DUPLEX_DRAIN_GRACE_S"]["value"] == str(max_session_s)  # running sessions finish
     command = runtime["lifecycle"]["preStop"]["exec"]["command"]
@@ -109,15 +110,15 @@ def test_probes_and_drain(objects: list[dict], workload: k8s.RegionWorkload) -> 
 
 
 def test_init_container_waits_for_the_weights_marker(
-    objects: list[dict], workload: k8s.RegionWorkload
+    objects: list[dict], workload: base.RegionWorkload
 ) -> None:
     deployment = one(objects, "Deployment")
     [init] = deployment["spec"]["template"]["spec"]["initContainers"]
-    marker = f"/models/nvidia/personaplex-7b-v1/{k8s.WEIGHTS_MARKER}"
+    marker = f"/models/nvidia/personaplex-7b-v1/{base.WEIGHTS_MARKER}"
     assert f'[ -f "{marker}" ]' in init["command"][2]
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in init["volumeMounts"]
     env = {e["name"]: e.get("value") for e in _runtime_container(deployment)["env"]}
-    assert env["DUPLEX_WEIGHTS"] == "/models/nvidia/personaplex-7b-v1" == k8s.weights_dir(workload)
+    assert env["DUPLEX_WEIGHTS"] == "/models/nvidia/personaplex-7b-v1" == base.weights_dir(workload)
     assert env["HF_HUB_OFFLINE"] == "1"
 
 
@@ -147,7 +148,7 @@ def test_pod_and_containers_meet_pod_security_restricted(objects: list[dict]) ->
             assert security["capabilities"] == {"drop": ["ALL"]}
             assert security["readOnlyRootFilesystem"] is True
     runtime_pod = one(objects, "Deployment")["spec"]["template"]["spec"]
-    assert runtime_pod["securityContext"]["runAsUser"] == k8s.RUNTIME_UID == 10001
+    assert runtime_pod["securityContext"]["runAsUser"] == base.RUNTIME_UID == 10001
 
 
 def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,14 +168,14 @@ def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch
             monkeypatch.setenv(var["name"], var["value"])
     config = RuntimeConfig()
     assert config.host == "0.0.0.0" and config.device == "cuda" and config.max_sessions == 5
-    assert str(config.token_keys_file) == k8s.TOKEN_KEYS_PATH
+    assert str(config.token_keys_file) == base.TOKEN_KEYS_PATH
     assert config.drain_grace_s == config.max_session_s == 3600
 
 
 # --- Service, PDB, HPA -------------------------------------------------------------------------------------
 
 
-def test_service_has_the_neg_annotation(objects: list[dict], workload: k8s.RegionWorkload) -> None:
+def test_service_has_the_neg_annotation(objects: list[dict], workload: base.RegionWorkload) -> None:
     service = one(objects, "Service")
     neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
     assert neg == {"exposed_ports": {"8998": {"name": "duplex-multi-region-runtime"}}}
@@ -183,7 +184,7 @@ def test_service_has_the_neg_annotation(objects: list[dict], workload: k8s.Regio
     container_port = _runtime_container(one(objects, "Deployment"))["ports"][0]["containerPort"]
     assert str(container_port) in neg["exposed_ports"]
     assert service["spec"]["type"] == "ClusterIP"
-    assert service["spec"]["selector"] == k8s.pod_labels(workload)
+    assert service["spec"]["selector"] == base.pod_labels(workload)
 
 
 def test_pdb_allows_one_disruption_of_the_runtime_pods(objects: list[dict]) -> None:
@@ -202,7 +203,7 @@ def test_hpa_scales_on_active_sessions_per_pod(objects: list[dict]) -> None:
     assert hpa["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "name": k8s.APP_NAME,
+        "name": base.APP_NAME,
     }
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 4)
     [metric] = hpa["spec"]["metrics"]
@@ -221,7 +222,7 @@ def test_hpa_scales_on_active_sessions_per_pod(objects: list[dict]) -> None:
 def test_hpa_target_is_slots_times_utilization(sessions: int, utilization: float, expected: str) -> None:
     profile = get_profile("a100-80gb", max_sessions=sessions)
     workload = make_workload(profile=profile, target_slot_utilization=utilization)
-    assert k8s.hpa_target_average(workload) == expected
+    assert scaling.hpa_target_average(workload) == expected
 
 
 # --- secrets and the weights Job ---------------------------------------------------------------------------
@@ -229,13 +230,13 @@ def test_hpa_target_is_slots_times_utilization(sessions: int, utilization: float
 
 def test_secret_values_appear_only_in_secrets_string_data(objects: list[dict]) -> None:
     secrets = [o for o in objects if o["kind"] == "Secret"]
-    assert {s["metadata"]["name"] for s in secrets} == {k8s.SECRET_NAME, "grafana-admin"}
+    assert {s["metadata"]["name"] for s in secrets} == {base.SECRET_NAME, "grafana-admin"}
     for obj in objects:
         shown = {k: v for k, v in obj.items() if not (obj["kind"] == "Secret" and k == "stringData")}
         text = json.dumps(shown)
         for name, value in SECRETS.items():
             assert value not in text, f"{obj['kind']} {obj['metadata']['name']} holds {name}"
-    runtime_secret = one(objects, "Secret", k8s.SECRET_NAME)
+    runtime_secret = one(objects, "Secret", base.SECRET_NAME)
     assert runtime_secret["type"] == "Opaque"
     data = runtime_secret["stringData"]
     assert data["redis-url"] == (
@@ -246,35 +247,35 @@ def test_secret_values_appear_only_in_secrets_string_data(objects: list[dict]) -
     assert data["hf-token"] == SECRETS["hf_token"]
     assert (
         "hf-token"
-        not in one(region_objects(make_workload(hf_token=None)), "Secret", k8s.SECRET_NAME)["stringData"]
+        not in one(region_objects(make_workload(hf_token=None)), "Secret", base.SECRET_NAME)["stringData"]
     )
 
 
 def test_redis_url_is_what_redis_py_reads() -> None:
     from redis.connection import parse_url
 
-    url = k8s.redis_url("10.64.0.3", 6378, "p@ss/w:rd")
+    url = base.redis_url("10.64.0.3", 6378, "p@ss/w:rd")
     parsed = parse_url(url)
     assert parsed["password"] == "p@ss/w:rd"
     assert (parsed["host"], parsed["port"], parsed["db"]) == ("10.64.0.3", 6378, 0)
-    assert parsed["ssl_ca_certs"] == k8s.REDIS_CA_PATH
+    assert parsed["ssl_ca_certs"] == base.REDIS_CA_PATH
     assert parsed["ssl_check_hostname"] is False
     assert parsed["connection_class"].__name__ == "SSLConnection"
     with pytest.raises(ValueError, match="port"):
-        k8s.redis_url("10.64.0.3", 70000, "pw")
+        base.redis_url("10.64.0.3", 70000, "pw")
 
 
 def test_given_redis_url_is_used_as_is() -> None:
     url = "rediss://:other@10.0.0.9:6378/0?ssl_ca_certs=/etc/duplex/redis-ca/ca.pem&ssl_check_hostname=false"
-    secret = one(region_objects(make_workload(redis_url=url)), "Secret", k8s.SECRET_NAME)
+    secret = one(region_objects(make_workload(redis_url=url)), "Secret", base.SECRET_NAME)
     assert secret["stringData"]["redis-url"] == url
 
 
 def test_weights_job_downloads_the_presets_repo_on_a_cpu_node(objects: list[dict]) -> None:
-    job = one(objects, "Job", k8s.WEIGHTS_JOB)
+    job = one(objects, "Job", base.WEIGHTS_JOB)
     pod = job["spec"]["template"]["spec"]
     assert "tolerations" not in pod and "nodeSelector" not in pod
-    assert pod["serviceAccountName"] == k8s.WEIGHTS_SERVICE_ACCOUNT
+    assert pod["serviceAccountName"] == base.WEIGHTS_SERVICE_ACCOUNT
     assert job["spec"]["template"]["metadata"]["annotations"]["gke-gcsfuse/volumes"] == "true"
     [container] = pod["containers"]
     assert container["command"][:2] == ["python", "-c"]
@@ -290,7 +291,7 @@ def test_weights_job_downloads_the_presets_repo_on_a_cpu_node(objects: list[dict
     assert volume["csi"]["volumeAttributes"]["bucketName"] == "duplex-models-us-central1"
     assert {
         "name": "HF_TOKEN",
-        "valueFrom": {"secretKeyRef": {"name": k8s.SECRET_NAME, "key": "hf-token"}},
+        "valueFrom": {"secretKeyRef": {"name": base.SECRET_NAME, "key": "hf-token"}},
     } in (container["env"])
     assert job["spec"]["backoffLimit"] >= 1
     runtime_models = [
@@ -300,7 +301,7 @@ def test_weights_job_downloads_the_presets_repo_on_a_cpu_node(objects: list[dict
     assert "file-cache:max-size-mb" in runtime_models[0]["csi"]["volumeAttributes"]["mountOptions"]
 
 
-def test_service_accounts_and_workload_identity(objects: list[dict], workload: k8s.RegionWorkload) -> None:
+def test_service_accounts_and_workload_identity(objects: list[dict], workload: base.RegionWorkload) -> None:
     emails = {
         "runtime": workload.runtime_service_account,
         "weights": workload.weights_service_account,
@@ -347,7 +348,7 @@ def test_bad_fields_are_refused_with_the_field_named(overrides: dict, message: s
         make_workload(**overrides)
 
 
-def test_secrets_are_hidden_from_repr(workload: k8s.RegionWorkload) -> None:
+def test_secrets_are_hidden_from_repr(workload: base.RegionWorkload) -> None:
     text = repr(workload)
     for value in SECRETS.values():
         assert value not in text
@@ -366,17 +367,17 @@ def test_outputs_are_placed_untouched() -> None:
     assert _runtime_container(deployment)["image"] is image
     [models] = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "models"]
     assert models["csi"]["volumeAttributes"]["bucketName"] is bucket
-    assert one(objects, "ConfigMap", k8s.REDIS_CA_CONFIGMAP)["data"]["ca.pem"] is ca
+    assert one(objects, "ConfigMap", base.REDIS_CA_CONFIGMAP)["data"]["ca.pem"] is ca
 
 
 def test_lift_joins_outputs_with_output_all() -> None:
     pulumi = pytest.importorskip("pulumi")
-    assert k8s.lift(k8s.redis_address, "10.0.0.3", 6378) == "rediss://10.0.0.3:6378"
+    assert base.lift(base.redis_address, "10.0.0.3", 6378) == "rediss://10.0.0.3:6378"
     # A loop of its own: an async test before this one may have closed and unset the thread's loop.
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        joined = k8s.lift(k8s.redis_address, pulumi.Output.from_input("10.0.0.3"), 6378)
+        joined = base.lift(base.redis_address, pulumi.Output.from_input("10.0.0.3"), 6378)
         assert isinstance(joined, pulumi.Output)
         assert loop.run_until_complete(joined.future()) == "rediss://10.0.0.3:6378"
     finally:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.k8s.workload import RegionWorkload
+from infra.k8s.base import RegionWorkload
 
 __all__ = [
     "ADAPTER_IMAGE",

@@ -36,7 +36,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-from infra.k8s.workload import (
+from infra.k8s.base import (
     PART_OF,
     REDIS_CA_CONFIGMAP,
     REDIS_CA_DIR,

@@ -1,6 +1,7 @@
 """One region's Kubernetes objects put together: every object in apply order (``region_objects``), the
 Workload Identity bindings they need, and the operator commands the stack prints. It sits above the
-builders (``workload``, ``metrics_adapter``, ``monitoring``), which never import it. README, "Stack
+builders (``workload``, ``prefetch``, ``scaling``, ``metrics_adapter``, ``monitoring``), which never import
+it. README, "Stack
 multi-region"."""
 
 from __future__ import annotations
@@ -8,6 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from infra.k8s.base import (
+    DEFAULT_NAMESPACE,
+    RUNTIME_SERVICE_ACCOUNT,
+    SECRET_KEYS,
+    SECRET_NAME,
+    WEIGHTS_SERVICE_ACCOUNT,
+    RegionWorkload,
+)
 from infra.k8s.metrics_adapter import ADAPTER_NAME, ADAPTER_NAMESPACE, adapter_objects
 from infra.k8s.monitoring import (
     FRONTEND_NAME,
@@ -16,14 +25,16 @@ from infra.k8s.monitoring import (
     GRAFANA_SECRET_KEY,
     monitoring_objects,
 )
+from infra.k8s.prefetch import weights_job, weights_service_account
+from infra.k8s.scaling import horizontal_pod_autoscaler
 from infra.k8s.workload import (
-    DEFAULT_NAMESPACE,
-    RUNTIME_SERVICE_ACCOUNT,
-    SECRET_KEYS,
-    SECRET_NAME,
-    WEIGHTS_SERVICE_ACCOUNT,
-    RegionWorkload,
-    runtime_objects,
+    namespace,
+    pod_disruption_budget,
+    redis_ca_configmap,
+    runtime_deployment,
+    runtime_secret,
+    runtime_service,
+    runtime_service_account,
 )
 
 __all__ = [
@@ -57,16 +68,28 @@ def apply_rank(obj: Mapping[str, Any]) -> int:
 
 
 def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """Every Kubernetes object of one region, in apply order: the runtime's
-    (``infra.k8s.workload.runtime_objects``), the Custom Metrics Stackdriver Adapter's
-    (``infra.k8s.metrics_adapter.adapter_objects``) and the monitoring ones
-    (``infra.k8s.monitoring.monitoring_objects``), stably sorted so that the kinds of ``APPLY_FIRST`` come
-    first, in that order.
+    """Every Kubernetes object of one region, in apply order: the runtime's (``workload``), the weights
+    Job's (``prefetch``), the autoscaler (``scaling``), the Custom Metrics Stackdriver Adapter's
+    (``metrics_adapter``) and the monitoring ones (``monitoring``), stably sorted so that the kinds of
+    ``APPLY_FIRST`` come first, in that order.
 
     Raises:
         ValueError: two objects with the same kind, namespace and name.
     """
-    objects = [*runtime_objects(workload), *adapter_objects(workload), *monitoring_objects(workload)]
+    objects = [
+        namespace(workload),
+        runtime_service_account(workload),
+        weights_service_account(workload),
+        runtime_secret(workload),
+        redis_ca_configmap(workload),
+        weights_job(workload),
+        runtime_deployment(workload),
+        runtime_service(workload),
+        pod_disruption_budget(workload),
+        horizontal_pod_autoscaler(workload),
+        *adapter_objects(workload),
+        *monitoring_objects(workload),
+    ]
     seen: set[tuple[str, str, str]] = set()
     for obj in objects:
         key = _key(obj)
