@@ -259,6 +259,8 @@ def test_the_build_context_is_exactly_what_the_dockerfile_copies(dockerfile: Doc
 
 def test_the_dockerignore_is_an_allowlist() -> None:
     """A new top-level file or directory stays out without anyone adding it to .dockerignore."""
+    # The provider (getIgnorePatterns) and BuildKit prefer <Dockerfile>.dockerignore: there must be none.
+    assert not (DOCKERFILE.parent / "Dockerfile.dockerignore").exists()
     patterns = dockerignore_patterns(ROOT)
     assert patterns[0] == "*"
     assert all(p.startswith("!") or p.startswith("**/") for p in patterns[1:]), patterns
