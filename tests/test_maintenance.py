@@ -308,3 +308,25 @@ async def test_a_maintenance_notice_drains_admissions_and_live_sessions_go_on(
         watcher._deliver(False)  # what a NONE read just then would do
         assert srv.draining
         await asyncio.wait_for(drain, 30)
+
+
+# --------------------------------------------------------------------------------------------------
+# Where it is on
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gke_pods_do_not_watch(objects: list[dict]) -> None:
+    """On GKE the cluster handles GPU host maintenance (cordon, drain, the pod's grace period): the runtime
+    pods keep the default, off. (GCE VMs: tests/test_node_cloud_init.py; on-premises: compose's default.)"""
+    runtimes = [
+        container
+        for o in objects
+        if o["kind"] == "Deployment"
+        for container in o["spec"]["template"]["spec"]["containers"]
+        if container["name"] == "runtime"
+    ]
+    assert runtimes
+    for container in runtimes:
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert "DUPLEX_MODEL" in env  # the runtime's settings are there
+        assert env.get("DUPLEX_MAINTENANCE_WATCH", "off") == "off"
