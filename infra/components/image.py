@@ -133,20 +133,22 @@ class RuntimeImage(pulumi.ComponentResource):
             platforms=[docker_build.Platform(args.platform)],
             tags=[f"{args.repository_path}:{args.tag}"],
             build_args={"SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)},
-            cache_from=[{"registry": {"ref": args.cache_ref}}],
+            cache_from=[
+                docker_build.CacheFromArgs(registry=docker_build.CacheFromRegistryArgs(ref=args.cache_ref))
+            ],
             # mode=max: every layer, not only the final image's. An OCI image manifest (not a manifest
             # list): the form registries accept most widely (the provider's docstring of image_manifest).
             # A failed cache export never fails the deploy: the cache only saves time.
             cache_to=[
-                {
-                    "registry": {
-                        "ref": args.cache_ref,
-                        "mode": "max",
-                        "image_manifest": True,
-                        "oci_media_types": True,
-                        "ignore_error": True,
-                    }
-                }
+                docker_build.CacheToArgs(
+                    registry=docker_build.CacheToRegistryArgs(
+                        ref=args.cache_ref,
+                        mode=docker_build.CacheMode.MAX,
+                        image_manifest=True,
+                        oci_media_types=True,
+                        ignore_error=True,
+                    )
+                )
             ],
             registries=[
                 {
