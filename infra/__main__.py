@@ -1,5 +1,6 @@
 """Pulumi program entry (``main: infra/`` in Pulumi.yaml): read and validate the stack's configuration,
-declare the topology, export its outputs. Everything else is in ``infra.program``."""
+declare the topology, export its outputs. Everything else is in ``infra.program``
+(one module per topology); README, "Deploying (Pulumi)"."""
 
 from __future__ import annotations
 

@@ -62,14 +62,14 @@ def test_image_streaming_pool_has_its_api_and_waits_for_it(multi_region: StackRu
 @pytest.mark.parametrize("stack", ["multi-region", "scale5-gcp", "dev"])
 def test_the_pack_fails_a_stack_that_forgets_an_api(stack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Today's program without the API the feature needs fails the pack with a message naming it."""
-    import infra.program as program
+    from infra.program import gce, multi_region
 
     if stack == "multi-region":
         dropped = "containerfilesystem.googleapis.com"
-        monkeypatch.setattr(program, "GKE_APIS", tuple(a for a in program.GKE_APIS if a != dropped))
+        monkeypatch.setattr(multi_region, "GKE_APIS", tuple(a for a in multi_region.GKE_APIS if a != dropped))
     else:
         dropped = "secretmanager.googleapis.com"
-        monkeypatch.setattr(program, "GCP_APIS", tuple(a for a in program.GCP_APIS if a != dropped))
+        monkeypatch.setattr(gce, "GCP_APIS", tuple(a for a in gce.GCP_APIS if a != dropped))
     violations = check_resources(_policy_inputs(run_stack(stack)))
     assert violations and all(v.startswith("[apis-enabled-for-features]") for v in violations)
     assert all(dropped in v for v in violations)

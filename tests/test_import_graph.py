@@ -32,7 +32,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra.stack_config",),
     # Pulumi components; the policy pack (a program of its own, beside them).
     ("infra.components", "infra.policy"),
-    # The program: the stack's topologies.
+    # What the topologies share.
+    ("infra.program.shared",),
+    # One module per topology, independent of each other.
+    ("infra.program.gce", "infra.program.onprem", "infra.program.multi_region"),
+    # The program: picks the stack's topology.
     ("infra.program",),
     # Entry points: Pulumi's (``infra/__main__.py``) and the whole ``duplex`` CLI.
     ("infra.__main__", "infra.cli"),

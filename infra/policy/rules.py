@@ -1070,7 +1070,8 @@ STACK_RULES: tuple[StackRule, ...] = (
         "Every Google API a resource or feature needs is enabled by the stack, and the resource waits for "
         "it.",
         apis_enabled_for_features,
-        "Add the API to the program's list (infra/program.py) and create the resource after it.",
+        "Add the API to the topology's list (infra/program/gce.py GCP_APIS, infra/program/multi_region.py "
+        "GKE_APIS) and create the resource after it.",
     ),
 )
 """The pack's stack rules (after the resource rules)."""

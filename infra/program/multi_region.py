@@ -1,0 +1,225 @@
+"""Topology ``multi-region``: the Google APIs, the runtime image (in the first region's Artifact Registry),
+the session-token keys and Grafana's password, one VPC, then per region a GKE cluster with its GPU pool,
+Memorystore and model bucket (``GkeRegion``) and the runtime's Kubernetes objects on it
+(``RegionalRuntime`` of ``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every
+region's pods (``GlobalEntry``). Stack ``multi-region``; README, "Stack multi-region".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pulumi
+
+from infra.capacity.power import HOURS_PER_MONTH
+from infra.node.services import public_origin
+from infra.node.webclient import WEB_DIR, page_headers, render_web
+from infra.program.shared import capacity_summary, enable_apis, labels, mint_command, stack_secrets
+from infra.stack_config import RegionSettings, StackConfig
+
+__all__ = ["GKE_APIS", "declare", "region_capacity"]
+
+GKE_APIS = (
+    "compute.googleapis.com",
+    "container.googleapis.com",
+    "redis.googleapis.com",
+    "artifactregistry.googleapis.com",
+    "iam.googleapis.com",
+    "monitoring.googleapis.com",
+    "logging.googleapis.com",
+    "storage.googleapis.com",
+    # Image streaming (the GPU pool's gcfs_config) needs the Container File System API.
+    "containerfilesystem.googleapis.com",
+)
+"""Google APIs the multi-region stack needs (enabled, never disabled on destroy). Which resource needs
+which API is ``infra.gcp_apis.required_apis``; the policy pack's ``apis-enabled-for-features`` checks
+this list against the declared resources."""
+
+
+def region_capacity(region: RegionSettings) -> dict[str, Any]:
+    """Slots and on-demand cost of one region at its autoscaling bounds: one runtime pod per GPU node,
+    ``profile.sessions`` slots per pod (the capacity planner's figure), the catalog's hourly price of the
+    GPU machine type x 730 h per month (system pool, Memorystore, load balancer and egress not counted)."""
+    sessions = region.profile.sessions
+    summary: dict[str, Any] = {
+        "gpu": region.profile.gpu,
+        "machineType": region.machine_type,
+        "slotsPerPod": sessions,
+        "nodes": {"min": region.min_nodes, "max": region.max_nodes},
+        "slots": {"min": sessions * region.min_nodes, "max": sessions * region.max_nodes},
+        "serving": region.serving,
+    }
+    planned = capacity_summary(
+        region.profile, machine_type=region.machine_type, nodes=max(1, region.max_nodes)
+    )
+    summary["plannerMaxSessionsPerPod"] = planned.get("planner_max_sessions")
+    if region.usd_per_hour is not None:
+        month = region.usd_per_hour * HOURS_PER_MONTH
+        summary["usdPerMonth"] = {
+            "min": round(month * region.min_nodes, 2),
+            "max": round(month * region.max_nodes, 2),
+        }
+        summary["usdPerNodeHour"] = region.usd_per_hour
+        summary["priceSource"] = region.price_source
+    return summary
+
+
+def declare(config: StackConfig) -> dict[str, Any]:
+    """Declare a ``multi-region`` stack; return its outputs."""
+    import pulumi_gcp.compute as compute
+
+    from infra.components.gke_region import GkeRegion, GkeRegionArgs
+    from infra.components.global_entry import GlobalEntry, GlobalEntryArgs, RegionBackend
+    from infra.components.image import RuntimeImage, RuntimeImageArgs
+    from infra.components.regional_runtime import RegionalRuntime
+    from infra.k8s import region as k8s_region
+    from infra.k8s.base import RegionWorkload
+    from infra.k8s.workload import drain_seconds
+
+    mr = config.multi_region
+    assert mr is not None and config.domain is not None
+    prefix, stack_labels, project = config.name_prefix, labels(config), mr.project
+    first = mr.regions[0]
+    after_apis = enable_apis(project, GKE_APIS if mr.enable_apis else ())
+    image = RuntimeImage(
+        "runtime-image",
+        RuntimeImageArgs(project=project, location=first.region, repository_id=prefix, labels=stack_labels),
+        opts=after_apis,
+    )
+    secrets = stack_secrets(config, first.profile, after_apis, node_files=False)
+    network = compute.Network(
+        "network",
+        name=prefix,
+        project=project,
+        auto_create_subnetworks=False,
+        routing_mode="GLOBAL",
+        description="duplexops multi-region: every region's GKE subnet",
+        opts=after_apis,
+    )
+
+    # One capacity plan per region, shown per region and summed for the stack.
+    capacities = {r.region: region_capacity(r) for r in mr.regions}
+    regions_out: dict[str, Any] = {}
+    backends: list[RegionBackend] = []
+    for settings in mr.regions:
+        region_name = settings.region
+        gke = GkeRegion(
+            f"region-{region_name}",
+            GkeRegionArgs(
+                name_prefix=prefix,
+                project=project,
+                settings=settings,
+                network=network.id,
+                admin_source_ranges=mr.admin_source_ranges,
+                release_channel=mr.release_channel,
+                deletion_protection=mr.deletion_protection,
+                system_machine_type=mr.system_machine_type,
+                image_repository=image.repository.name,
+                image_repository_location=first.region,
+                labels=stack_labels,
+            ),
+            opts=after_apis,
+        )
+        bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
+        workload = RegionWorkload(
+            region=region_name,
+            cluster_name=gke.cluster_name,
+            project=project,
+            profile=settings.profile,
+            image=image.image_ref,
+            accelerator=settings.accelerator_type,
+            min_replicas=settings.min_nodes,
+            max_replicas=settings.max_nodes,
+            redis_host=gke.redis.host,
+            redis_port=gke.redis.port,
+            redis_password=pulumi.Output.secret(gke.redis.auth_string),
+            redis_ca_certificate=gke.redis.server_ca_certs.apply(
+                lambda certs: certs[0]["cert"] if certs else ""
+            ),
+            token_keys_json=secrets.token_keys,
+            hf_token=secrets.hf_token,
+            weights_bucket=gke.weights_bucket.name,
+            runtime_service_account=gke.runtime_service_account.email,
+            weights_service_account=gke.weights_service_account.email,
+            monitoring_service_account=gke.monitoring_service_account.email,
+            grafana_admin_password=secrets.grafana_admin_password,
+            neg_name=f"{prefix}-runtime",
+        )
+        runtime = RegionalRuntime(
+            f"runtime-{region_name}",
+            k8s_region.region_objects(workload),
+            provider=gke.provider,
+            opts=pulumi.ResourceOptions(depends_on=[gke, *bindings]),
+        )
+        backends.append(
+            RegionBackend(
+                region=region_name,
+                zones=settings.zones,
+                neg_name=workload.neg_name,
+                sessions_per_endpoint=settings.profile.sessions,
+                serving=settings.serving,
+                ready=[runtime],
+            )
+        )
+        credentials = (
+            f"gcloud container clusters get-credentials {gke.cluster_name} --region {region_name} "
+            f"--project {project}"
+        )
+        regions_out[region_name] = {
+            "cluster": gke.cluster_name,
+            "kubectl": credentials,
+            "grafana": k8s_region.grafana_port_forward(workload),
+            "weightsBucket": gke.weights_bucket.name,
+            "capacity": capacities[region_name],
+        }
+
+    profile = first.profile
+    entry = GlobalEntry(
+        "global-entry",
+        GlobalEntryArgs(
+            name_prefix=prefix,
+            project=project,
+            network=network.id,
+            domain=config.domain,
+            runtime_port=profile.ports.runtime,
+            backends=backends,
+            max_session_s=profile.limits.max_session_s,
+            drain_s=drain_seconds(profile),
+            public_source_ranges=mr.public_source_ranges,
+            handshakes_per_minute=max(1, round(profile.limits.handshakes_per_second_per_client * 60)),
+            page_files={path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()},
+            page_headers=page_headers(public_origin(profile)),
+            page_location=first.region.upper(),
+            labels=stack_labels,
+        ),
+        opts=after_apis,
+    )
+    serving = [capacities[r.region] for r in mr.regions if r.serving]
+    return {
+        "endpoint": f"wss://{config.domain}/api/chat",
+        "page": f"https://{config.domain}/",
+        "globalIp": entry.address.address,
+        "regions": regions_out,
+        "grafana": {
+            "user": "admin",
+            "url": "http://localhost:3000",
+            "tunnel": "see regions.<region>.grafana (kubectl port-forward after `kubectl` credentials)",
+            "password": k8s_region.grafana_password_command(),
+        },
+        "tokenKeys": k8s_region.token_keys_command(),
+        "mintToken": mint_command(profile),
+        "image": image.image_ref,
+        "capacity": {
+            "regions": capacities,
+            "totalSlots": {
+                "min": sum(c["slots"]["min"] for c in serving),
+                "max": sum(c["slots"]["max"] for c in serving),
+            },
+            "usdPerMonth": {
+                "min": round(sum(c.get("usdPerMonth", {}).get("min", 0.0) for c in capacities.values()), 2),
+                "max": round(sum(c.get("usdPerMonth", {}).get("max", 0.0) for c in capacities.values()), 2),
+            },
+            "basis": f"GPU nodes only: on-demand list price x {HOURS_PER_MONTH:.0f} h per month; the system "
+            "pool, Memorystore, the load balancer and egress are not counted (re-check before quoting)",
+        },
+    }

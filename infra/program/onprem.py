@@ -1,0 +1,69 @@
+"""Topology ``onprem-node``: the node's secrets (no cloud store) and an existing GPU host brought up over
+SSH (``OnPremNode``) running the configured digest-pinned ``runtimeImage``. Stack ``scale5-onprem``;
+README, "Stack scale5-onprem".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pulumi
+
+from infra.program.shared import build_dir, capacity_summary, endpoint, mint_command, stack_secrets
+from infra.stack_config import StackConfig
+
+__all__ = ["declare"]
+
+
+def declare(config: StackConfig) -> dict[str, Any]:
+    """Declare an ``onprem-node`` stack; return its outputs."""
+    from infra.components.onprem_node import OnPremNode, OnPremNodeArgs
+
+    onprem = config.onprem
+    assert onprem is not None
+    profile = config.node_profile(onprem.runtime_image)
+    secrets = stack_secrets(config, profile)
+    node = OnPremNode(
+        "node",
+        OnPremNodeArgs(
+            host=onprem.host,
+            port=onprem.port,
+            user=onprem.user,
+            private_key=pulumi.Output.secret(onprem.ssh_private_key.get_secret_value()),
+            host_key=onprem.host_key,
+            install_dir=onprem.install_dir,
+            profile=profile,
+            secret_files=secrets.files,
+            local_bundle_dir=str(build_dir() / config.stack / "bundle"),
+            ready_timeout_s=onprem.ready_timeout_s,
+        ),
+    )
+    port = "" if onprem.port == 22 else f" -p {onprem.port}"
+    ssh = f"ssh{port} {onprem.user}@{onprem.host}"
+    sudo = "" if onprem.user == "root" else "sudo "
+    local = profile.private_address
+    return {
+        "endpoint": endpoint(config.domain or onprem.host, profile),
+        "grafana": {
+            "url": "http://localhost:3000",
+            "tunnel": f"ssh{port} -N -L 3000:{local}:{profile.ports.grafana} {onprem.user}@{onprem.host}",
+            "user": "admin",
+            "password": f"{ssh} {sudo}cat {onprem.install_dir}/secrets/grafana_admin_password",
+        },
+        "prometheus": {
+            "url": "http://localhost:9090",
+            "tunnel": f"ssh{port} -N -L 9090:{local}:{profile.ports.prometheus} {onprem.user}@{onprem.host}",
+        },
+        "tokenKeys": f"{ssh} {sudo}cat {onprem.install_dir}/secrets/token_keys.json",
+        "mintToken": mint_command(profile),
+        "ssh": ssh,
+        "capacity": capacity_summary(profile, machine_type=None),
+        "image": onprem.runtime_image,
+        "node": {
+            "topology": config.topology,
+            "profile": profile.name,
+            "host": onprem.host,
+            "installDir": onprem.install_dir,
+            "bundleSha256": node.bundle_sha256,
+        },
+    }
