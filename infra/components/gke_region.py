@@ -1,33 +1,8 @@
-"""``GkeRegion``: one region of the multi-region stack, on Google Cloud.
-
-What it declares (every child parented to the component):
-
-- the region's subnet in the stack's VPC (nodes' primary range, secondary ranges ``pods`` and
-  ``services``: VPC-native, so the load balancer's NEG endpoints are pod IPs), a Cloud Router and Cloud
-  NAT (private nodes reach Hugging Face and registries outbound only);
-- a regional GKE cluster (control plane in three zones): private nodes, a public control-plane endpoint
-  reachable only from ``admin_source_ranges``, Workload Identity, the configured release channel, Gateway
-  API (standard channel), Google Managed Prometheus with GKE's managed DCGM exporter (GPU metrics), the
-  Cloud Storage FUSE CSI driver (the model cache), the default pool removed;
-- a CPU pool for system pods (Grafana, the query frontend, the metrics adapter, redis_exporter), at least
-  one node in every GPU zone (so the NEG controller creates the load balancer's NEG in each of them);
-- the GPU pool: one GPU per node (one runtime pod per node), GKE-managed driver installation, the
-  ``nvidia.com/gpu=present:NoSchedule`` taint (only pods that tolerate it land there), autoscaling
-  ``min_nodes``-``max_nodes`` in total over the zones (location policy ANY: GPUs are scarce, take any zone
-  that has one), surge upgrades of one node at a time that never take a node away before its replacement
-  is up (``max_unavailable`` 0, within the PodDisruptionBudget's ``maxUnavailable`` 1), image streaming;
-- Memorystore for Redis (STANDARD_HA: a replica in another zone) with AUTH and in-transit encryption
-  (``SERVER_AUTHENTICATION``: TLS on port 6378, verified against the instance's CA);
-- the model cache: a Cloud Storage bucket of the region (uniform access, public access prevented) that
-  the weights-prefetch Job fills once and the runtime pods mount read-only;
-- service accounts with the least they need: the nodes' (logs, metrics, image pull from the stack's
-  repository), the runtime's (read the model bucket; Workload Identity for its Kubernetes service
-  account), the weights writer's (write the bucket), the monitoring one's (read metrics for the query
-  frontend and the custom metrics adapter);
-- a Kubernetes provider built from the cluster's outputs (``gke-gcloud-auth-plugin`` with Application
-  Default Credentials, the GCP provider's own).
-
-The Kubernetes objects themselves are ``RegionalRuntime``'s (``infra.components.regional_runtime``).
+"""``GkeRegion``: one region of the multi-region stack on Google Cloud, put together from its parts
+(``infra.components.gke_parts``): the network, the service accounts, the cluster, the node pools,
+Memorystore and the model bucket; and a Kubernetes provider built from the cluster's outputs
+(``gke-gcloud-auth-plugin`` with Application Default Credentials, the GCP provider's own). The Kubernetes
+objects themselves are ``RegionalRuntime``'s. README, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -37,21 +12,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pulumi
-import pulumi_gcp.artifactregistry as artifactregistry
-import pulumi_gcp.compute as compute
 import pulumi_gcp.container as container
-import pulumi_gcp.projects as projects
 import pulumi_gcp.redis as redis
 import pulumi_gcp.serviceaccount as serviceaccount
 import pulumi_gcp.storage as storage
 import pulumi_kubernetes as kubernetes
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.components.gke_parts import (
+    RegionAccounts,
+    RegionCluster,
+    RegionModelBucket,
+    RegionNetwork,
+    RegionNodePools,
+    RegionRedis,
+)
 from infra.stack_config import RegionSettings
 
 __all__ = [
-    "GPU_TAINT",
-    "GPU_NODE_PROJECT_ROLES",
     "GkeRegion",
     "GkeRegionArgs",
     "REDIS_TLS_PORT",
@@ -60,23 +38,8 @@ __all__ = [
     "workload_identity_member",
 ]
 
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}
-"""The GPU pool's taint (GKE's spelling of ``NoSchedule``): the runtime's pods tolerate it."""
-
-GPU_NODE_PROJECT_ROLES = (
-    "roles/logging.logWriter",
-    "roles/monitoring.metricWriter",
-    "roles/monitoring.viewer",
-    "roles/stackdriver.resourceMetadata.writer",
-    "roles/autoscaling.metricsWriter",
-)
-"""Project roles of the nodes' service account: GKE's documented minimum for a node service account
-(cloud.google.com/kubernetes-engine/docs/how-to/hardening-your-cluster, "least privilege")."""
-
 REDIS_TLS_PORT = 6378
 """Memorystore's port when in-transit encryption is on (6379 without TLS)."""
-
-SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 
 KUBECONFIG_ADC_FLAG = "--use_application_default_credentials"
 """The ``gke-gcloud-auth-plugin`` flag that makes it use Application Default Credentials (see
@@ -186,235 +149,69 @@ class GkeRegion(pulumi.ComponentResource):
     def __init__(self, name: str, args: GkeRegionArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PACKAGE}:GkeRegion", name, None, opts)
         deps = dependencies(opts)
-        s = args.settings
-        region, project = s.region, args.project
-        labels = {**args.labels, "region": region}
+        s, project = args.settings, args.project
+        labels = {**args.labels, "region": s.region}
         self.cluster_name = cluster_name(args.name_prefix, s)
         self.resource_name = name
+        named = {"prefix": name, "project": project, "settings": s}
 
-        def child(**kwargs: object) -> pulumi.ResourceOptions:
-            return child_options(self, deps, **kwargs)
-
-        # --- network ------------------------------------------------------------------------------------
-        subnet = compute.Subnetwork(
-            f"{name}-subnet",
-            name=self.cluster_name,
-            project=project,
-            region=region,
+        network = RegionNetwork(
+            f"{name}-network", self, deps, **named, resource_name=self.cluster_name, network=args.network
+        )
+        accounts = RegionAccounts(
+            f"{name}-accounts",
+            self,
+            deps,
+            **named,
+            name_prefix=args.name_prefix,
+            image_repository=args.image_repository,
+            image_repository_location=args.image_repository_location,
+        )
+        self.runtime_service_account = accounts.runtime
+        self.weights_service_account = accounts.weights
+        self.monitoring_service_account = accounts.monitoring
+        self.cluster = RegionCluster(
+            f"{name}-control-plane",
+            self,
+            deps,
+            **named,
+            resource_name=self.cluster_name,
             network=args.network,
-            ip_cidr_range=s.subnet_cidr,
-            secondary_ip_ranges=[
-                {"range_name": "pods", "ip_cidr_range": s.pods_cidr},
-                {"range_name": "services", "ip_cidr_range": s.services_cidr},
-            ],
-            private_ip_google_access=True,
-            opts=child(),
-        )
-        router = compute.Router(
-            f"{name}-router",
-            name=self.cluster_name,
-            project=project,
-            region=region,
-            network=args.network,
-            opts=child(),
-        )
-        compute.RouterNat(
-            f"{name}-nat",
-            name=self.cluster_name,
-            project=project,
-            region=region,
-            router=router.name,
-            nat_ip_allocate_option="AUTO_ONLY",
-            source_subnetwork_ip_ranges_to_nat="ALL_SUBNETWORKS_ALL_IP_RANGES",
-            log_config={"enable": True, "filter": "ERRORS_ONLY"},
-            opts=child(),
-        )
-
-        # --- service accounts ---------------------------------------------------------------------------
-        suffix = f"{s.network_index}"
-        node_sa = self._account(name, "node", f"{args.name_prefix}-node-{suffix}", project, region, deps)
-        for role in GPU_NODE_PROJECT_ROLES:
-            projects.IAMMember(
-                f"{name}-node-{role.split('/')[-1]}",
-                project=project,
-                role=role,
-                member=node_sa.member,
-                opts=child(),
-            )
-        artifactregistry.RepositoryIamMember(
-            f"{name}-node-image-reader",
-            project=project,
-            location=args.image_repository_location,
-            repository=args.image_repository,
-            role="roles/artifactregistry.reader",
-            member=node_sa.member,
-            opts=child(),
-        )
-        self.runtime_service_account = self._account(
-            name, "runtime", f"{args.name_prefix}-rt-{suffix}", project, region, deps
-        )
-        self.weights_service_account = self._account(
-            name, "weights", f"{args.name_prefix}-wt-{suffix}", project, region, deps
-        )
-        self.monitoring_service_account = self._account(
-            name, "monitoring", f"{args.name_prefix}-mon-{suffix}", project, region, deps
-        )
-        projects.IAMMember(
-            f"{name}-monitoring-viewer",
-            project=project,
-            role="roles/monitoring.viewer",
-            member=self.monitoring_service_account.member,
-            opts=child(),
-        )
-
-        # --- the cluster --------------------------------------------------------------------------------
-        self.cluster = container.Cluster(
-            f"{name}-cluster",
-            name=self.cluster_name,
-            project=project,
-            location=region,
-            network=args.network,
-            subnetwork=subnet.id,
-            remove_default_node_pool=True,
-            initial_node_count=1,
+            subnet=network.subnet.id,
+            admin_source_ranges=args.admin_source_ranges,
+            release_channel=args.release_channel,
             deletion_protection=args.deletion_protection,
-            release_channel={"channel": args.release_channel},
-            workload_identity_config={"workload_pool": f"{project}.svc.id.goog"},
-            private_cluster_config={
-                "enable_private_nodes": True,
-                "enable_private_endpoint": False,
-                "master_ipv4_cidr_block": s.master_cidr,
-                "master_global_access_config": {"enabled": False},
-            },
-            master_authorized_networks_config={
-                "cidr_blocks": [
-                    {"cidr_block": cidr, "display_name": f"admin-{i}"}
-                    for i, cidr in enumerate(args.admin_source_ranges)
-                ],
-            },
-            ip_allocation_policy={
-                "cluster_secondary_range_name": "pods",
-                "services_secondary_range_name": "services",
-            },
-            gateway_api_config={"channel": "CHANNEL_STANDARD"},
-            monitoring_config={
-                "enable_components": ["SYSTEM_COMPONENTS", "DCGM"],
-                "managed_prometheus": {"enabled": True},
-            },
-            logging_config={"enable_components": ["SYSTEM_COMPONENTS", "WORKLOADS"]},
-            addons_config={
-                "gcs_fuse_csi_driver_config": {"enabled": True},
-                "http_load_balancing": {"disabled": False},
-            },
-            # No cluster-level node_config: it manages the default pool, which the provider says not to use
-            # beside separate node pools (pulumi-gcp 10.2 Cluster.node_config docstring); the default pool
-            # is removed at once (remove_default_node_pool) and the pools below carry their own config.
-            resource_labels=labels,
-            opts=child(),
-        )
-
-        common_node_config = {
-            "service_account": node_sa.email,
-            "oauth_scopes": list(SCOPES),
-            "workload_metadata_config": {"mode": "GKE_METADATA"},
-            "shielded_instance_config": {"enable_secure_boot": True, "enable_integrity_monitoring": True},
-            "resource_labels": labels,
-        }
-        container.NodePool(
-            f"{name}-system-pool",
-            name="system",
-            project=project,
-            cluster=self.cluster.id,
-            location=region,
-            node_locations=list(s.zones),
-            autoscaling={"min_node_count": 1, "max_node_count": 3, "location_policy": "BALANCED"},
-            management={"auto_repair": True, "auto_upgrade": True},
-            upgrade_settings={"strategy": "SURGE", "max_surge": 1, "max_unavailable": 0},
-            node_config={
-                **common_node_config,
-                "machine_type": args.system_machine_type,
-                "disk_size_gb": 100,
-                "disk_type": "pd-balanced",
-                "labels": {"duplex/role": "system"},
-            },
-            opts=child(),
-        )
-        self.gpu_pool = container.NodePool(
-            f"{name}-gpu-pool",
-            name="gpu",
-            project=project,
-            cluster=self.cluster.id,
-            location=region,
-            node_locations=list(s.zones),
-            autoscaling={
-                "total_min_node_count": s.min_nodes,
-                "total_max_node_count": s.max_nodes,
-                "location_policy": "ANY",
-            },
-            management={"auto_repair": True, "auto_upgrade": True},
-            upgrade_settings={"strategy": "SURGE", "max_surge": 1, "max_unavailable": 0},
-            node_config={
-                **common_node_config,
-                "machine_type": s.machine_type,
-                "guest_accelerators": [
-                    {
-                        "type": s.accelerator_type,
-                        "count": s.accelerator_count,
-                        "gpu_driver_installation_config": {"gpu_driver_version": "LATEST"},
-                    }
-                ],
-                "taints": [GPU_TAINT],
-                "labels": {"duplex/role": "runtime"},
-                "disk_size_gb": 200,
-                "disk_type": "pd-balanced",
-                # Image streaming: the multi-GB runtime image starts before it is fully pulled.
-                "gcfs_config": {"enabled": True},
-            },
-            opts=child(),
-        )
-
-        # --- Memorystore ------------------------------------------------------------------------------
-        self.redis = redis.Instance(
-            f"{name}-redis",
-            name=self.cluster_name,
-            project=project,
-            region=region,
-            tier="STANDARD_HA",
-            memory_size_gb=s.redis_memory_gb,
-            redis_version="REDIS_7_2",
-            authorized_network=args.network,
-            connect_mode="DIRECT_PEERING",
-            auth_enabled=True,
-            transit_encryption_mode="SERVER_AUTHENTICATION",
-            redis_configs={"maxmemory-policy": "volatile-ttl"},
             labels=labels,
-            opts=child(),
-        )
-
-        # --- the model cache --------------------------------------------------------------------------
-        self.weights_bucket = storage.Bucket(
-            f"{name}-models",
-            project=project,
-            location=region.upper(),
-            uniform_bucket_level_access=True,
-            public_access_prevention="enforced",
-            force_destroy=False,
+        ).cluster
+        self.gpu_pool = RegionNodePools(
+            f"{name}-pools",
+            self,
+            deps,
+            **named,
+            cluster=self.cluster.id,
+            node_account=accounts.node.email,
+            system_machine_type=args.system_machine_type,
             labels=labels,
-            opts=child(),
-        )
-        for account, role in (
-            (self.runtime_service_account, "roles/storage.objectViewer"),
-            (self.weights_service_account, "roles/storage.objectUser"),
-        ):
-            storage.BucketIAMMember(
-                f"{name}-models-{role.split('.')[-1].lower()}",
-                bucket=self.weights_bucket.name,
-                role=role,
-                member=account.member,
-                opts=child(),
-            )
+        ).gpu_pool
+        self.redis = RegionRedis(
+            f"{name}-memorystore",
+            self,
+            deps,
+            **named,
+            resource_name=self.cluster_name,
+            network=args.network,
+            labels=labels,
+        ).instance
+        self.weights_bucket = RegionModelBucket(
+            f"{name}-model-cache",
+            self,
+            deps,
+            **named,
+            reader=accounts.runtime,
+            writer=accounts.weights,
+            labels=labels,
+        ).bucket
 
-        # --- Kubernetes access ------------------------------------------------------------------------
         config = pulumi.Output.all(
             self.cluster.name, self.cluster.endpoint, self.cluster.master_auth.cluster_ca_certificate
         ).apply(lambda v: kubeconfig(str(v[0]), str(v[1]), str(v[2])))
@@ -461,14 +258,3 @@ class GkeRegion(pulumi.ComponentResource):
                 )
             )
         return members
-
-    def _account(
-        self, name: str, role: str, account_id: str, project: str, region: str, deps: list[pulumi.Resource]
-    ) -> serviceaccount.Account:
-        return serviceaccount.Account(
-            f"{name}-{role}-sa",
-            account_id=account_id,
-            project=project,
-            display_name=f"duplexops {role} ({region})",
-            opts=child_options(self, deps),
-        )

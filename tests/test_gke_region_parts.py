@@ -1,0 +1,78 @@
+"""``GkeRegion`` built from its parts (``infra.components.gke_parts``) without replacing anything: every
+cloud resource that moved under a part carries an alias to the region component it was declared under,
+with its own name and type, so the engine finds it under the URN it had (no delete and create of a
+cluster, a Memorystore instance or a bucket on the next ``pulumi up``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pulumi.runtime import mocks
+from pulumi_harness import StackRun, run_stack
+
+PARTS = (
+    "RegionNetwork",
+    "RegionAccounts",
+    "RegionCluster",
+    "RegionNodePools",
+    "RegionRedis",
+    "RegionModelBucket",
+)
+
+
+@pytest.fixture(scope="module")
+def registered() -> tuple[StackRun, dict[tuple[str, str], Any]]:
+    """The multi-region stack's run, and each resource's registration request (its parent and aliases)."""
+    requests: dict[tuple[str, str], Any] = {}
+    original = mocks.MockMonitor.RegisterResource
+
+    def record(self: mocks.MockMonitor, request: Any) -> Any:
+        requests[(request.type, request.name)] = request
+        return original(self, request)
+
+    mocks.MockMonitor.RegisterResource = record  # type: ignore[method-assign]
+    try:
+        run = run_stack("multi-region")
+    finally:
+        mocks.MockMonitor.RegisterResource = original  # type: ignore[method-assign]
+    return run, requests
+
+
+def test_each_region_has_its_parts(registered: tuple[StackRun, dict]) -> None:
+    run, _ = registered
+    for region in ("us-central1", "europe-west4"):
+        parts = [r for r in run.resources if r.type.rsplit(":", 1)[-1] in PARTS and region in r.name]
+        assert sorted(r.type.rsplit(":", 1)[-1] for r in parts) == sorted(PARTS)
+        assert all(r.parent_types == ["duplexops:components:GkeRegion"] for r in parts)
+
+
+def test_every_moved_resource_keeps_the_urn_it_had(registered: tuple[StackRun, dict]) -> None:
+    run, requests = registered
+    regions = {r.name: r.urn for r in run.of_type("duplexops:components:GkeRegion")}
+    moved = [
+        r for r in run.resources if r.custom and r.parent_types[-1:] and r.parent_types[-1].endswith(PARTS)
+    ]
+    assert len(moved) >= 2 * 20, [r.name for r in moved]
+    for resource in moved:
+        region = next(name for name in regions if resource.name.startswith(name + "-"))
+        # pulumi-gcp adds type aliases of its own to some resources (old spellings, parentUrn unset).
+        [alias] = [a for a in requests[(resource.type, resource.name)].aliases if a.spec.parentUrn]
+        assert alias.spec.parentUrn == regions[region], resource.name
+        assert (alias.spec.name, alias.spec.type) == ("", ""), "same name and type as before"
+    kinds = {r.type for r in moved}
+    assert {
+        "gcp:container/cluster:Cluster",
+        "gcp:redis/instance:Instance",
+        "gcp:storage/bucket:Bucket",
+    } <= kinds
+
+
+def test_resources_left_under_the_region_have_no_alias(registered: tuple[StackRun, dict]) -> None:
+    run, requests = registered
+    direct = [r for r in run.resources if r.custom and r.parent_types == ["duplexops:components:GkeRegion"]]
+    assert {r.type for r in direct} == {
+        "pulumi:providers:kubernetes",
+        "gcp:serviceaccount/iAMMember:IAMMember",
+    }
+    assert all(not [a for a in requests[(r.type, r.name)].aliases if a.spec.parentUrn] for r in direct)
