@@ -1,34 +1,8 @@
-"""Monitoring of one region on Google Managed Prometheus (GMP): what is scraped, the node's rules, and the
-tools to look at it (the GMP query frontend and Grafana with the node dashboard).
-
-- ``PodMonitoring`` objects (``monitoring.googleapis.com/v1``) for the runtime (port ``http``, ``/metrics``)
-  and redis_exporter, every ``profile.scrape_interval_s``. GMP's managed collection gives every series the
-  target labels ``project_id``, ``location``, ``cluster``, ``namespace``, ``job`` (= the PodMonitoring's
-  name), ``instance`` (``<pod>:<port>``) and the pod metadata of ``targetLabels.metadata``: GMP's default
-  ``pod``, ``container``, ``top_level_controller_name`` and ``top_level_controller_type`` (the
-  PodMonitoring CRD), plus ``node`` here (``TARGET_METADATA``: the node's alert annotations name it). The
-  PodMonitorings are named ``runtime`` and ``redis-exporter``, so the node's job names hold here too.
-- GPU metrics come from GKE's managed DCGM exporter (cluster ``monitoringConfig`` component ``DCGM``):
-  a DaemonSet in namespace ``gke-managed-system`` (pods labelled
-  ``app.kubernetes.io/name=gke-managed-dcgm-exporter``) scraped by GKE's ClusterPodMonitoring
-  ``gke-managed-dcgm-exporter``, so its series carry ``namespace="gke-managed-system"`` and
-  ``job="gke-managed-dcgm-exporter"`` (``DCGM_SELECTOR``). Sources: the code index (public repositories
-  running ``kubectl get clusterpodmonitoring gke-managed-dcgm-exporter`` and ``kubectl get pods -n
-  gke-managed-system -l app.kubernetes.io/name=gke-managed-dcgm-exporter`` against GKE clusters); GKE's
-  "Collect and view DCGM metrics" page says the component installs DCGM-Exporter and a ClusterPodMonitoring.
-- redis_exporter (``oliver006/redis_exporter``, the node's pinned image) watches Memorystore over TLS
-  (``REDIS_ADDR=rediss://host:port``, the password from the runtime's Secret, Memorystore's CA from the
-  ``redis-ca`` ConfigMap), so the node's ``RedisDown`` alert works unchanged.
-- A ``ClusterRules`` object whose groups are ``infra.node.prometheus.alert_rules`` with the selectors above
-  (``alert_selectors``), each group evaluated every ``RULE_INTERVAL``; GMP's rule evaluator restricts every
-  query of a ClusterRules to its own cluster. ``alert_rules_unit_tests`` is the promtool unit-test file
-  for the same selectors.
-- The GMP query frontend (``gke.gcr.io/prometheus-engine/frontend``): a Prometheus HTTP API over Cloud
-  Monitoring for the project, as the monitoring Google service account (Workload Identity); Grafana's
-  datasource points at it.
-- Grafana: the node's provisioning files and dashboard (``infra.node.grafana``: ``datasource_yaml``,
-  ``provider_yaml``, ``node_dashboard``), every query scoped to this cluster (``dashboard_selector``), the
-  admin password from a Secret; reached with ``kubectl port-forward`` (ClusterIP only).
+"""Monitoring of one region on Google Managed Prometheus (GMP): ``PodMonitoring`` of the runtime and
+redis_exporter (which watches Memorystore over TLS), GPU series from GKE's managed DCGM exporter
+(``DCGM_SELECTOR``), the node's alert rules as a ``ClusterRules`` (``infra.node.prometheus.alert_rules``,
+each query scoped to its cluster), and the tools to look at it: the GMP query frontend and Grafana with the
+node's dashboard (reached with ``kubectl port-forward``). README, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -92,12 +66,20 @@ REDIS_EXPORTER_NAME = "redis-exporter"
 DCGM_NAMESPACE = "gke-managed-system"
 DCGM_JOB = "gke-managed-dcgm-exporter"
 DCGM_SELECTOR = f'namespace="{DCGM_NAMESPACE}", job="{DCGM_JOB}"'
-"""GKE's managed DCGM exporter's series: its namespace and its ClusterPodMonitoring's name (module
-docstring for the sources)."""
+"""GKE's managed DCGM exporter's series (cluster ``monitoringConfig`` component ``DCGM``): a DaemonSet in
+namespace ``gke-managed-system`` (pods labelled ``app.kubernetes.io/name=gke-managed-dcgm-exporter``)
+scraped by GKE's ClusterPodMonitoring ``gke-managed-dcgm-exporter``, hence that namespace and ``job``.
+Sources: the code index (public repositories running ``kubectl get clusterpodmonitoring
+gke-managed-dcgm-exporter`` and ``kubectl get pods -n gke-managed-system -l
+app.kubernetes.io/name=gke-managed-dcgm-exporter`` against GKE clusters); GKE's "Collect and view DCGM
+metrics" page says the component installs DCGM-Exporter and a ClusterPodMonitoring."""
 
 TARGET_METADATA = ("pod", "container", "node", "top_level_controller_name", "top_level_controller_type")
 """Pod metadata GMP puts on the PodMonitorings' series: its default (pod, container, top-level controller
-name and type; the PodMonitoring CRD) plus ``node``."""
+name and type; the PodMonitoring CRD) plus ``node`` (the node's alert annotations name it). GMP's managed
+collection adds the target labels ``project_id``, ``location``, ``cluster``, ``namespace``, ``job`` (= the
+PodMonitoring's name: ``runtime`` and ``redis-exporter``, the node's job names) and ``instance``
+(``<pod>:<port>``)."""
 
 RULE_INTERVAL = "30s"
 """Evaluation interval of the ClusterRules groups. Each evaluation is a set of queries against Cloud

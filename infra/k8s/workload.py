@@ -216,8 +216,9 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
       (``runtime.models.load_checkpoint``; ``infra.capacity.models``) plus torch and CUDA (~3 GiB), ~19 GiB;
       20 GiB fits the smallest GPU machine types' allocatable memory (n1-standard-8, 30 GB; g2-standard-8,
       32 GB), the limit lets a dtype conversion's second copy burst above it where the node has it.
-    - Probes: startup ``/healthz`` for ``startup_budget_s()`` (1800 s); liveness ``/healthz`` (3 failures
-      10 s apart); readiness ``/readyz`` every 5 s, 1 failure: a full or draining pod leaves the NEG at once.
+    - Probes: startup ``/readyz`` for ``startup_budget_s()`` (1800 s: ``STARTUP_PROBE_FAILURES`` says why
+      readiness, not ``/healthz``); liveness ``/healthz`` (3 failures 10 s apart); readiness ``/readyz``
+      every 5 s, 1 failure: a full or draining pod leaves the NEG at once.
     - Drain: preStop ``prestop_command``; ``terminationGracePeriodSeconds`` = ``termination_grace_s``.
     - An init container waits for the weights Job's marker on the read-only bucket mount (GKE injects the
       Cloud Storage FUSE sidecar as the first init container, so the mount is there).
