@@ -1,36 +1,6 @@
-"""``OnPremNode``: an existing GPU host (L40S, A100, ...) brought up over SSH with ``pulumi_command``.
-
-The host needs: Linux with the NVIDIA driver, Docker with the Compose plugin and the NVIDIA Container
-Toolkit, ``curl`` and ``openssl``, an SSH user that is root or has passwordless ``sudo``, and access to
-the runtime image's registry (a public image, or ``docker login`` done once on the host). The stack does
-not build images: it runs the digest-pinned ``runtimeImage`` of its configuration (pushed by CI or by the
-GCE stack's ``RuntimeImage``).
-
-Steps (``remote.Command`` unless said), each after the one before:
-
-1. ``gpu-check``: ``nvidia-smi --query-gpu=name,memory.total --format=csv,noheader`` must show the
-   profile's GPU on every line (name pattern and at least 90 % of the catalog's memory), else it fails
-   naming what it found;
-2. ``stage`` (``installDir`` and a staging directory the SSH user owns), ``bundle``
-   (``remote.CopyToRemote`` of the rendered bundle, a ``FileArchive`` written under the local build
-   directory) and ``install`` (root-owned copy into ``installDir``, old bundle files replaced; ``secrets/``
-   and ``tls/`` kept);
-3. ``secrets``: the secret files written from ``stdin`` (never on a command line) into
-   ``installDir/secrets`` (0700): 0640 for the files a container reads itself
-   (``infra.node.compose.CONTAINER_READ_SECRETS``), 0600 for the others;
-4. ``compose-up``: the preparation script of ``infra.node.cloud_init.render_prepare_script`` (host
-   directories with their owners, a self-signed certificate when none exists, the secrets checked), then
-   ``docker compose up -d``. Its ``delete`` runs ``docker compose down`` and removes ``installDir``:
-   destroy removes what the stack installed (the data directory, with the model cache, Redis, Prometheus
-   and Grafana data, stays);
-5. ``ready``: polls ``https://127.0.0.1/readyz`` (``curl -k``) until it answers 200, or fails after
-   ``ready_timeout_s`` with ``docker compose ps`` and the runtime's last log lines.
-
-Steps 1-3 and 5 carry the bundle's hash in ``triggers``: a changed profile, image or script re-runs them.
-``compose-up`` carries it in its ``environment`` instead, so a change runs it again as an update
-(``docker compose up -d`` recreates what changed) rather than a replacement, whose ``delete`` would take
-the node down and remove ``installDir`` after the new bundle was installed. Its ``triggers`` are where
-the node is (host, port, ``installDir``): moving it replaces it, deleting the old one first.
+"""``OnPremNode``: an existing GPU host (L40S, A100, ...) brought up over SSH with ``pulumi_command``: GPU
+check, the rendered bundle copied and installed, the secrets written, ``docker compose up -d``, ``/readyz``.
+What the host needs and how to use it: README, "Stack scale5-onprem".
 """
 
 from __future__ import annotations
@@ -303,7 +273,35 @@ class OnPremNodeArgs:
 
 
 class OnPremNode(pulumi.ComponentResource):
-    """The node bundle installed and started on an existing GPU host over SSH."""
+    """The node bundle installed and started on an existing GPU host over SSH. The stack builds no image:
+    the host runs the digest-pinned ``runtimeImage`` of the configuration.
+
+    Steps (``remote.Command`` unless said), each after the one before:
+
+    1. ``gpu-check``: ``nvidia-smi --query-gpu=name,memory.total --format=csv,noheader`` must show the
+       profile's GPU on every line (name pattern and at least 90 % of the catalog's memory), else it fails
+       naming what it found;
+    2. ``stage`` (``installDir`` and a staging directory the SSH user owns), ``bundle``
+       (``remote.CopyToRemote`` of the rendered bundle, a ``FileArchive`` written under the local build
+       directory) and ``install`` (root-owned copy into ``installDir``, old bundle files replaced;
+       ``secrets/`` and ``tls/`` kept);
+    3. ``secrets``: the secret files written from ``stdin`` (never on a command line) into
+       ``installDir/secrets`` (0700): 0640 for the files a container reads itself
+       (``infra.node.compose.CONTAINER_READ_SECRETS``), 0600 for the others;
+    4. ``compose-up``: the preparation script of ``infra.node.cloud_init.render_prepare_script`` (host
+       directories with their owners, a self-signed certificate when none exists, the secrets checked), then
+       ``docker compose up -d``. Its ``delete`` runs ``docker compose down`` and removes ``installDir``:
+       destroy removes what the stack installed (the data directory, with the model cache, Redis, Prometheus
+       and Grafana data, stays);
+    5. ``ready``: polls ``https://127.0.0.1/readyz`` (``curl -k``) until it answers 200, or fails after
+       ``ready_timeout_s`` with ``docker compose ps`` and the runtime's last log lines.
+
+    Steps 1-3 and 5 carry the bundle's hash in ``triggers``: a changed profile, image or script re-runs them.
+    ``compose-up`` carries it in its ``environment`` instead, so a change runs it again as an update
+    (``docker compose up -d`` recreates what changed) rather than a replacement, whose ``delete`` would take
+    the node down and remove ``installDir`` after the new bundle was installed. Its ``triggers`` are where
+    the node is (host, port, ``installDir``): moving it replaces it, deleting the old one first.
+    """
 
     bundle: dict[str, bytes]
     bundle_sha256: str
