@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlencode, urlsplit
 
 import numpy as np
@@ -462,9 +462,9 @@ def trusting_context(certificate: Path) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=str(certificate))
 
 
-def load_table(title: str, report: LoadReport) -> Table:
-    """A Rich table of ``report``: one row per session (times in ms), then the totals as its caption
-    (``duplex loadgen``, ``duplex node up``)."""
+def load_table(title: str, report: Any) -> Table:
+    """A Rich table of ``report`` (a ``LoadReport``): one row per session (times in ms), then the totals as
+    its caption (``duplex loadgen``, ``duplex node up``)."""
     table = Table(title=title)
     # Times in ms; frames "in" were sent to the node, "out" came back. Fits an 80-column terminal.
     for column in ("#", "conn", "1st audio", "gap p99", "in", "out", "lost"):

@@ -153,16 +153,23 @@ class GkeRegion(pulumi.ComponentResource):
         labels = {**args.labels, "region": s.region}
         self.cluster_name = cluster_name(args.name_prefix, s)
         self.resource_name = name
-        named = {"prefix": name, "project": project, "settings": s}
-
         network = RegionNetwork(
-            f"{name}-network", self, deps, **named, resource_name=self.cluster_name, network=args.network
+            f"{name}-network",
+            self,
+            deps,
+            prefix=name,
+            project=project,
+            settings=s,
+            resource_name=self.cluster_name,
+            network=args.network,
         )
         accounts = RegionAccounts(
             f"{name}-accounts",
             self,
             deps,
-            **named,
+            prefix=name,
+            project=project,
+            settings=s,
             name_prefix=args.name_prefix,
             image_repository=args.image_repository,
             image_repository_location=args.image_repository_location,
@@ -174,7 +181,9 @@ class GkeRegion(pulumi.ComponentResource):
             f"{name}-control-plane",
             self,
             deps,
-            **named,
+            prefix=name,
+            project=project,
+            settings=s,
             resource_name=self.cluster_name,
             network=args.network,
             subnet=network.subnet.id,
@@ -187,7 +196,9 @@ class GkeRegion(pulumi.ComponentResource):
             f"{name}-pools",
             self,
             deps,
-            **named,
+            prefix=name,
+            project=project,
+            settings=s,
             cluster=self.cluster.id,
             node_account=accounts.node.email,
             system_machine_type=args.system_machine_type,
@@ -197,7 +208,9 @@ class GkeRegion(pulumi.ComponentResource):
             f"{name}-memorystore",
             self,
             deps,
-            **named,
+            prefix=name,
+            project=project,
+            settings=s,
             resource_name=self.cluster_name,
             network=args.network,
             labels=labels,
@@ -206,7 +219,9 @@ class GkeRegion(pulumi.ComponentResource):
             f"{name}-model-cache",
             self,
             deps,
-            **named,
+            prefix=name,
+            project=project,
+            settings=s,
             reader=accounts.runtime,
             writer=accounts.weights,
             labels=labels,

@@ -108,10 +108,12 @@ class _Keys(BaseModel):
     name_prefix: str | None = Field(
         None,
         pattern=_NAME_PREFIX_RE,
-        **allowed("3-21 characters: lower case letters, digits and '-', starting with a letter"),
+        json_schema_extra=allowed(
+            "3-21 characters: lower case letters, digits and '-', starting with a letter"
+        ),
     )
     grafana_admin_password: Secret | None = None
-    token_signing_keys: Secret | None = Field(None, **allowed(_TOKEN_KEYS_ALLOWED))
+    token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
 
     @field_validator("grafana_admin_password", "redis_password", check_fields=False)
@@ -256,20 +258,22 @@ class GceNodeKeys(_NodeKeys):
     gcp_project: str = Field(
         alias="gcp:project",
         pattern=PROJECT_ID_RE.pattern,
-        **allowed("a Google Cloud project id (6-30 lower case letters, digits, '-')"),
+        json_schema_extra=allowed("a Google Cloud project id (6-30 lower case letters, digits, '-')"),
     )
     gcp_region: str = Field(
-        alias="gcp:region", pattern=REGION_RE.pattern, **allowed("a region such as us-central1")
+        alias="gcp:region",
+        pattern=REGION_RE.pattern,
+        json_schema_extra=allowed("a region such as us-central1"),
     )
     gcp_zone: str = Field(
-        alias="gcp:zone", pattern=ZONE_RE.pattern, **allowed("a zone such as us-central1-a")
+        alias="gcp:zone", pattern=ZONE_RE.pattern, json_schema_extra=allowed("a zone such as us-central1-a")
     )
     machine_type: str | None = None
     boot_disk_size_gb: int = Field(200, ge=100, le=4096)
     boot_disk_type: Literal["pd-balanced", "pd-ssd"] = "pd-balanced"
-    public_source_ranges: CidrList = Field(**allowed(CIDRS))
+    public_source_ranges: CidrList = Field(json_schema_extra=allowed(CIDRS))
     subnet_cidr: str = Field(
-        "10.64.0.0/24", **allowed("an RFC 1918 CIDR of /29 or larger, e.g. 10.64.0.0/24")
+        "10.64.0.0/24", json_schema_extra=allowed("an RFC 1918 CIDR of /29 or larger, e.g. 10.64.0.0/24")
     )
     enable_apis: Boolean = True
     provisioning_model: Literal[tuple(gcp_catalog.PROVISIONING_MODELS)] = "standard"  # type: ignore[valid-type]
@@ -361,31 +365,33 @@ class OnPremNodeKeys(_NodeKeys):
 
     topology_name: ClassVar[str] = "onprem-node"
 
-    onprem_host: str = Field(**allowed("a host name or an IP address, e.g. gpu01.example.internal"))
+    onprem_host: str = Field(
+        json_schema_extra=allowed("a host name or an IP address, e.g. gpu01.example.internal")
+    )
     onprem_user: str = Field(
         pattern=r"^[a-z_][a-z0-9_-]{0,31}$",
-        **allowed("a Unix user name (root, or a user with passwordless sudo)"),
+        json_schema_extra=allowed("a Unix user name (root, or a user with passwordless sudo)"),
     )
     onprem_port: int = Field(22, ge=1, le=65535)
     onprem_ssh_private_key: Annotated[Secret, secret_matching(_SSH_KEY_RE, _SSH_KEY_ALLOWED)] = Field(
-        **allowed(_SSH_KEY_ALLOWED)
+        json_schema_extra=allowed(_SSH_KEY_ALLOWED)
     )
     onprem_host_key: str | None = Field(
         None,
         pattern=r"^(ssh-|ecdsa-)[a-z0-9-]+ [A-Za-z0-9+/=]+( .*)?$",
-        **allowed("the host's public key line, e.g. 'ssh-ed25519 AAAA...'"),
+        json_schema_extra=allowed("the host's public key line, e.g. 'ssh-ed25519 AAAA...'"),
     )
     install_dir: str = Field(
         "/opt/duplex",
         pattern=_SAFE_DIR_RE,
-        **allowed(
+        json_schema_extra=allowed(
             "an absolute path two levels deep or more of letters, digits, '.', '_', "
             "'-' (destroy removes it), e.g. /opt/duplex"
         ),
     )
     runtime_image: str = Field(
         pattern=_IMAGE_RE,
-        **allowed(
+        json_schema_extra=allowed(
             "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
         ),
     )
@@ -443,8 +449,10 @@ class RegionKeys(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel)
 
-    region: str = Field(pattern=REGION_RE.pattern, **allowed("a GCP region such as us-central1"))
-    zones: tuple[str, ...] = Field(min_length=1, **allowed("a non-empty list of zones"))
+    region: str = Field(
+        pattern=REGION_RE.pattern, json_schema_extra=allowed("a GCP region such as us-central1")
+    )
+    zones: tuple[str, ...] = Field(min_length=1, json_schema_extra=allowed("a non-empty list of zones"))
     gpu: str | None = None
     machine_type: str | None = None
     min_nodes: int = Field(1, ge=0, le=100)
@@ -540,23 +548,25 @@ class MultiRegionKeys(_Keys):
 
     topology_name: ClassVar[str] = "multi-region"
 
-    domain: str = Field(**allowed("the DNS name of the global endpoint (its managed certificate is for it)"))
+    domain: str = Field(
+        json_schema_extra=allowed("the DNS name of the global endpoint (its managed certificate is for it)")
+    )
     gcp_project: str = Field(
         alias="gcp:project",
         pattern=PROJECT_ID_RE.pattern,
-        **allowed("a Google Cloud project id (6-30 lower case letters, digits, '-')"),
+        json_schema_extra=allowed("a Google Cloud project id (6-30 lower case letters, digits, '-')"),
     )
     regions: Annotated[tuple[RegionKeys, ...], BeforeValidator(json_value)] = Field(
-        min_length=1, **allowed(f"a list of regions, e.g. {_REGIONS_EXAMPLE}")
+        min_length=1, json_schema_extra=allowed(f"a list of regions, e.g. {_REGIONS_EXAMPLE}")
     )
-    public_source_ranges: CidrList = Field(**allowed(CIDRS))
-    admin_source_ranges: CidrList = Field(**allowed(CIDRS))
+    public_source_ranges: CidrList = Field(json_schema_extra=allowed(CIDRS))
+    admin_source_ranges: CidrList = Field(json_schema_extra=allowed(CIDRS))
     release_channel: Literal["RAPID", "REGULAR", "STABLE"] = "REGULAR"
     deletion_protection: Boolean = True
     system_machine_type: str = Field(
         "e2-standard-4",
         pattern=r"^[a-z][a-z0-9]*-[a-z]+-[0-9]+$",
-        **allowed("a GCE machine type such as e2-standard-4"),
+        json_schema_extra=allowed("a GCE machine type such as e2-standard-4"),
     )
     enable_apis: Boolean = True
 

@@ -49,8 +49,8 @@ def problems(found: list[tuple[str, str]]) -> PydanticCustomError:
 
 
 def allowed(text: str) -> dict[str, Any]:
-    """``Field`` arguments recording what a key allows, in the words of its error messages."""
-    return {"json_schema_extra": {"allowed": text}}
+    """A field's ``json_schema_extra`` recording what the key allows, in the words of its error messages."""
+    return {"allowed": text}
 
 
 # --- reusable value types --------------------------------------------------------------------------------
