@@ -1,12 +1,13 @@
-"""Names Google Cloud accepts, as regular expressions: one source for the stack configuration
-(``infra.stack_config``) and the Kubernetes objects (``infra.k8s.base``). README, "Deploying".
+"""Names of Google Cloud and GKE, one source for the stack configuration (``infra.stack_config``), the
+components, the Kubernetes objects (``infra.k8s``) and the policy pack: what a project id, a region and a
+zone look like, and the taint GKE puts on GPU nodes. README, "Deploying (Pulumi)".
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["PROJECT_ID_RE", "REGION_RE", "ZONE_RE"]
+__all__ = ["GPU_TAINT", "GPU_TAINT_KEY", "PROJECT_ID_RE", "REGION_RE", "ZONE_RE"]
 
 PROJECT_ID_RE = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 """A Google Cloud project id: 6-30 lower-case letters, digits and '-', starting with a letter, not ending
@@ -17,3 +18,10 @@ REGION_RE = re.compile(r"^[a-z]+-[a-z]+[0-9]+$")
 
 ZONE_RE = re.compile(r"^([a-z]+-[a-z]+[0-9]+)-[a-z]$")
 """A zone such as ``us-central1-a``: its region, '-', one letter (group 1 is the region)."""
+
+GPU_TAINT_KEY = "nvidia.com/gpu"
+GPU_TAINT = {"key": GPU_TAINT_KEY, "value": "present", "effect": "NO_SCHEDULE"}
+"""The taint of GKE GPU nodes (``nvidia.com/gpu=present:NoSchedule``, GKE's API spelling of the effect):
+only pods that tolerate it land there (cloud.google.com/kubernetes-engine/docs/how-to/gpus, "GKE adds
+taints to GPU nodes"). The GPU pool sets it, the runtime's pods tolerate ``GPU_TAINT_KEY``, the policy
+pack requires it."""

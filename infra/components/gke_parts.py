@@ -22,11 +22,11 @@ import pulumi_gcp.serviceaccount as serviceaccount
 import pulumi_gcp.storage as storage
 
 from infra.components._util import COMPONENT_PACKAGE, child_options
+from infra.names import GPU_TAINT
 from infra.stack_config import RegionSettings
 
 __all__ = [
     "GPU_NODE_PROJECT_ROLES",
-    "GPU_TAINT",
     "SCOPES",
     "RegionAccounts",
     "RegionCluster",
@@ -36,9 +36,6 @@ __all__ = [
     "RegionRedis",
     "moved_from",
 ]
-
-GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}
-"""The GPU pool's taint (GKE's spelling of ``NoSchedule``): the runtime's pods tolerate it."""
 
 GPU_NODE_PROJECT_ROLES = (
     "roles/logging.logWriter",

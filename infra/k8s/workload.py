@@ -36,6 +36,7 @@ from infra.k8s.base import (
     standard_labels,
     weights_dir,
 )
+from infra.names import GPU_TAINT_KEY
 from infra.node.profile import NodeProfile
 from infra.node.services import runtime_settings
 
@@ -299,7 +300,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
                     "serviceAccountName": RUNTIME_SERVICE_ACCOUNT,
                     "enableServiceLinks": False,
                     "nodeSelector": {"cloud.google.com/gke-accelerator": workload.accelerator},
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
                     "terminationGracePeriodSeconds": termination_grace_s(profile),
                     "securityContext": pod_security(RUNTIME_UID),
                     "initContainers": [wait_for_weights],

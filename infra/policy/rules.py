@@ -23,6 +23,7 @@ any source applies to 0.0.0.0/0, ...). Each rule's docstring says which values i
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from infra.capacity.gcp import (
     carry_problem,
 )
 from infra.gcp_apis import SERVICE_TYPE, required_apis
+from infra.names import GPU_TAINT, GPU_TAINT_KEY
 from infra.node.profile import NodePorts
 
 __all__ = [
@@ -658,8 +660,7 @@ def redis_requires_auth(resource_type: str, props: Mapping[str, Any]) -> list[st
 # Rule 6: GPU node pools are tainted
 # --------------------------------------------------------------------------------------------------------
 
-GPU_TAINT_KEY = "nvidia.com/gpu"
-GPU_TAINT_EFFECT = "NO_SCHEDULE"
+GPU_TAINT_EFFECT = GPU_TAINT["effect"]
 
 
 def gpu_node_pool_tainted(resource_type: str, props: Mapping[str, Any]) -> list[str]:
@@ -698,8 +699,7 @@ def gpu_node_pool_tainted(resource_type: str, props: Mapping[str, Any]) -> list[
             continue
         messages.append(
             f"GPU node pool ({prefix}{evidence}) has no {prefix}taints entry with key "
-            f'"{GPU_TAINT_KEY}" and effect "{GPU_TAINT_EFFECT}". Add '
-            f'{{"key": "{GPU_TAINT_KEY}", "value": "present", "effect": "{GPU_TAINT_EFFECT}"}} to '
+            f'"{GPU_TAINT_KEY}" and effect "{GPU_TAINT_EFFECT}". Add {json.dumps(GPU_TAINT)} to '
             f"{prefix}taints so only pods that tolerate it are scheduled on the GPU nodes."
         )
     return messages
@@ -1018,7 +1018,7 @@ RULES: tuple[Rule, ...] = (
         "GKE node pools with GPUs must carry the taint nvidia.com/gpu with effect NO_SCHEDULE.",
         (NODE_POOL, CLUSTER),
         gpu_node_pool_tainted,
-        'Add {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"} to nodeConfig.taints.',
+        f"Add {json.dumps(GPU_TAINT)} to nodeConfig.taints.",
     ),
     Rule(
         "backend-timeout-fits-websockets",
