@@ -68,12 +68,9 @@ def declare(config: StackConfig) -> dict[str, Any]:
     """Declare a ``multi-region`` stack; return its outputs."""
     import pulumi_gcp.compute as compute
 
-    from infra.components.gke_region import GkeRegion, GkeRegionArgs
-    from infra.components.global_entry import GlobalEntry, GlobalEntryArgs, RegionBackend
+    from infra.components.global_entry import GlobalEntry, GlobalEntryArgs
     from infra.components.image import RuntimeImage, RuntimeImageArgs
-    from infra.components.regional_runtime import RegionalRuntime
     from infra.k8s import region as k8s_region
-    from infra.k8s.base import RegionWorkload
     from infra.k8s.workload import drain_seconds
 
     mr = config.multi_region
@@ -100,78 +97,12 @@ def declare(config: StackConfig) -> dict[str, Any]:
     # One capacity plan per region, shown per region and summed for the stack.
     capacities = {r.region: region_capacity(r) for r in mr.regions}
     regions_out: dict[str, Any] = {}
-    backends: list[RegionBackend] = []
+    backends = []
     for settings in mr.regions:
-        region_name = settings.region
-        gke = GkeRegion(
-            f"region-{region_name}",
-            GkeRegionArgs(
-                name_prefix=prefix,
-                project=project,
-                settings=settings,
-                network=network.id,
-                admin_source_ranges=mr.admin_source_ranges,
-                release_channel=mr.release_channel,
-                deletion_protection=mr.deletion_protection,
-                system_machine_type=mr.system_machine_type,
-                image_repository=image.repository.name,
-                image_repository_location=first.region,
-                labels=stack_labels,
-            ),
-            opts=after_apis,
+        backend, regions_out[settings.region] = _region(
+            config, settings, image, secrets, network.id, after_apis, capacities[settings.region]
         )
-        bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
-        workload = RegionWorkload(
-            region=region_name,
-            cluster_name=gke.cluster_name,
-            project=project,
-            profile=settings.profile,
-            image=image.image_ref,
-            accelerator=settings.accelerator_type,
-            min_replicas=settings.min_nodes,
-            max_replicas=settings.max_nodes,
-            redis_host=gke.redis.host,
-            redis_port=gke.redis.port,
-            redis_password=pulumi.Output.secret(gke.redis.auth_string),
-            redis_ca_certificate=gke.redis.server_ca_certs.apply(
-                lambda certs: certs[0]["cert"] if certs else ""
-            ),
-            token_keys_json=secrets.token_keys,
-            hf_token=secrets.hf_token,
-            weights_bucket=gke.weights_bucket.name,
-            runtime_service_account=gke.runtime_service_account.email,
-            weights_service_account=gke.weights_service_account.email,
-            monitoring_service_account=gke.monitoring_service_account.email,
-            grafana_admin_password=secrets.grafana_admin_password,
-            neg_name=f"{prefix}-runtime",
-        )
-        runtime = RegionalRuntime(
-            f"runtime-{region_name}",
-            k8s_region.region_objects(workload),
-            provider=gke.provider,
-            opts=pulumi.ResourceOptions(depends_on=[gke, *bindings]),
-        )
-        backends.append(
-            RegionBackend(
-                region=region_name,
-                zones=settings.zones,
-                neg_name=workload.neg_name,
-                sessions_per_endpoint=settings.profile.sessions,
-                serving=settings.serving,
-                ready=[runtime],
-            )
-        )
-        credentials = (
-            f"gcloud container clusters get-credentials {gke.cluster_name} --region {region_name} "
-            f"--project {project}"
-        )
-        regions_out[region_name] = {
-            "cluster": gke.cluster_name,
-            "kubectl": credentials,
-            "grafana": k8s_region.grafana_port_forward(workload),
-            "weightsBucket": gke.weights_bucket.name,
-            "capacity": capacities[region_name],
-        }
+        backends.append(backend)
 
     profile = first.profile
     entry = GlobalEntry(
@@ -194,7 +125,6 @@ def declare(config: StackConfig) -> dict[str, Any]:
         ),
         opts=after_apis,
     )
-    serving = [capacities[r.region] for r in mr.regions if r.serving]
     return {
         "endpoint": f"wss://{config.domain}/api/chat",
         "page": f"https://{config.domain}/",
@@ -209,17 +139,113 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "tokenKeys": k8s_region.token_keys_command(),
         "mintToken": mint_command(profile),
         "image": image.image_ref,
-        "capacity": {
-            "regions": capacities,
-            "totalSlots": {
-                "min": sum(c["slots"]["min"] for c in serving),
-                "max": sum(c["slots"]["max"] for c in serving),
-            },
-            "usdPerMonth": {
-                "min": round(sum(c.get("usdPerMonth", {}).get("min", 0.0) for c in capacities.values()), 2),
-                "max": round(sum(c.get("usdPerMonth", {}).get("max", 0.0) for c in capacities.values()), 2),
-            },
-            "basis": f"GPU nodes only: on-demand list price x {HOURS_PER_MONTH:.0f} h per month; the system "
-            "pool, Memorystore, the load balancer and egress are not counted (re-check before quoting)",
+        "capacity": _capacity_total(config, capacities),
+    }
+
+
+def _region(
+    config: StackConfig,
+    settings: RegionSettings,
+    image: Any,
+    secrets: Any,
+    network: pulumi.Input[str],
+    after_apis: pulumi.ResourceOptions,
+    capacity: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """One region: its ``GkeRegion``, the Workload Identity bindings, the runtime's Kubernetes objects
+    (``RegionalRuntime``); returns the region's backend for the global entry and its outputs."""
+    from infra.components.gke_region import GkeRegion, GkeRegionArgs
+    from infra.components.global_entry import RegionBackend
+    from infra.components.regional_runtime import RegionalRuntime
+    from infra.k8s import region as k8s_region
+    from infra.k8s.base import RegionWorkload
+
+    mr = config.multi_region
+    assert mr is not None
+    prefix, project, region_name = config.name_prefix, mr.project, settings.region
+    gke = GkeRegion(
+        f"region-{region_name}",
+        GkeRegionArgs(
+            name_prefix=prefix,
+            project=project,
+            settings=settings,
+            network=network,
+            admin_source_ranges=mr.admin_source_ranges,
+            release_channel=mr.release_channel,
+            deletion_protection=mr.deletion_protection,
+            system_machine_type=mr.system_machine_type,
+            image_repository=image.repository.name,
+            image_repository_location=mr.regions[0].region,
+            labels=labels(config),
+        ),
+        opts=after_apis,
+    )
+    bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
+    workload = RegionWorkload(
+        region=region_name,
+        cluster_name=gke.cluster_name,
+        project=project,
+        profile=settings.profile,
+        image=image.image_ref,
+        accelerator=settings.accelerator_type,
+        min_replicas=settings.min_nodes,
+        max_replicas=settings.max_nodes,
+        redis_host=gke.redis.host,
+        redis_port=gke.redis.port,
+        redis_password=pulumi.Output.secret(gke.redis.auth_string),
+        redis_ca_certificate=gke.redis.server_ca_certs.apply(lambda certs: certs[0]["cert"] if certs else ""),
+        token_keys_json=secrets.token_keys,
+        hf_token=secrets.hf_token,
+        weights_bucket=gke.weights_bucket.name,
+        runtime_service_account=gke.runtime_service_account.email,
+        weights_service_account=gke.weights_service_account.email,
+        monitoring_service_account=gke.monitoring_service_account.email,
+        grafana_admin_password=secrets.grafana_admin_password,
+        neg_name=f"{prefix}-runtime",
+    )
+    runtime = RegionalRuntime(
+        f"runtime-{region_name}",
+        k8s_region.region_objects(workload),
+        provider=gke.provider,
+        opts=pulumi.ResourceOptions(depends_on=[gke, *bindings]),
+    )
+    backend = RegionBackend(
+        region=region_name,
+        zones=settings.zones,
+        neg_name=workload.neg_name,
+        sessions_per_endpoint=settings.profile.sessions,
+        serving=settings.serving,
+        ready=[runtime],
+    )
+    credentials = (
+        f"gcloud container clusters get-credentials {gke.cluster_name} --region {region_name} "
+        f"--project {project}"
+    )
+    return backend, {
+        "cluster": gke.cluster_name,
+        "kubectl": credentials,
+        "grafana": k8s_region.grafana_port_forward(workload),
+        "weightsBucket": gke.weights_bucket.name,
+        "capacity": capacity,
+    }
+
+
+def _capacity_total(config: StackConfig, capacities: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The ``capacity`` output: every region's, the slots of the serving regions summed, the monthly cost of
+    the GPU nodes at the autoscaling bounds summed."""
+    mr = config.multi_region
+    assert mr is not None
+    serving = [capacities[r.region] for r in mr.regions if r.serving]
+    return {
+        "regions": capacities,
+        "totalSlots": {
+            "min": sum(c["slots"]["min"] for c in serving),
+            "max": sum(c["slots"]["max"] for c in serving),
         },
+        "usdPerMonth": {
+            "min": round(sum(c.get("usdPerMonth", {}).get("min", 0.0) for c in capacities.values()), 2),
+            "max": round(sum(c.get("usdPerMonth", {}).get("max", 0.0) for c in capacities.values()), 2),
+        },
+        "basis": f"GPU nodes only: on-demand list price x {HOURS_PER_MONTH:.0f} h per month; the system "
+        "pool, Memorystore, the load balancer and egress are not counted (re-check before quoting)",
     }
