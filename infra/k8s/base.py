@@ -16,6 +16,7 @@ from urllib.parse import quote
 
 from infra.capacity.gcp import ACCELERATOR_TYPES
 from infra.names import PROJECT_ID_RE, REGION_RE
+from infra.node.compose import RUNTIME_UID
 from infra.node.profile import NodeProfile
 from runtime.model_presets import get_preset
 
@@ -118,10 +119,6 @@ WEIGHTS_MARKER = ".duplex-complete"
 
 WEIGHTS_JOB = "duplex-weights"
 """Name of the weights-prefetch Job."""
-
-
-RUNTIME_UID = 10001
-"""The runtime image's user and group (``images/runtime/Dockerfile``: ``useradd --uid 10001 duplex``)."""
 
 
 GCSFUSE_CACHE_LIMIT = "40Gi"

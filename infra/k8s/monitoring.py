@@ -29,7 +29,7 @@ from infra.k8s.base import (
     service_account,
     standard_labels,
 )
-from infra.node.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, IMAGES
+from infra.node.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, GRAFANA_UID, IMAGES
 from infra.node.compose import _grafana as _compose_grafana
 from infra.node.grafana import dashboard_bytes, datasource_yaml, node_dashboard, provider_yaml
 from infra.node.prometheus import alert_rules, rules_unit_tests, scrape_interval
@@ -96,7 +96,6 @@ GRAFANA_NAME = "grafana"
 GRAFANA_SECRET = "grafana-admin"
 GRAFANA_SECRET_KEY = "admin-password"
 """Grafana's Deployment/Service name and the Secret (key) with its admin password."""
-_GRAFANA_UID = 472  # the grafana/grafana image's user (infra.node.compose)
 _REDIS_EXPORTER_UID = 59000  # the redis_exporter image's user (infra.node.compose)
 _FRONTEND_UID = 1000  # examples/frontend.yaml's runAsUser
 _SECRETS_MOUNT = "/run/secrets"  # where infra.node.compose's Grafana environment reads its password file
@@ -376,7 +375,7 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             "data": {"duplex-region.json": dashboard_bytes(dashboard).decode()},
         },
         _monitoring_deployment(
-            workload, GRAFANA_NAME, uid=_GRAFANA_UID, containers=[container], volumes=volumes
+            workload, GRAFANA_NAME, uid=GRAFANA_UID, containers=[container], volumes=volumes
         ),
         cluster_ip_service(workload, GRAFANA_NAME, "monitoring", "http", port),
     ]

@@ -47,6 +47,7 @@ __all__ = [
     "CONTAINER_READ_SECRETS",
     "GRAFANA_DASHBOARDS_DIR",
     "GRAFANA_PROVISIONING_DIR",
+    "GRAFANA_UID",
     "IMAGES",
     "NETWORK",
     "NGINX_STOP_MARGIN_S",
@@ -57,6 +58,7 @@ __all__ = [
     "REDIS_AUTH_CONF",
     "REDIS_CONF",
     "RUNTIME_STOP_MARGIN_S",
+    "RUNTIME_UID",
     "HostDirectory",
     "host_directories",
     "nginx_stop_grace_s",
@@ -107,11 +109,17 @@ CONTAINER_READ_SECRETS: frozenset[str] = frozenset(
 mode 0640 on the host (the reading containers run with group 0). The others (``runtime_env``,
 ``redis_exporter_env``) are read by ``docker compose`` on the host and stay 0600."""
 
+RUNTIME_UID = 10001
+"""The runtime image's user (``images/runtime/Dockerfile``: ``useradd --uid 10001 duplex``): the Compose
+node's runtime container and the GKE pods run as it."""
+GRAFANA_UID = 472
+"""The grafana/grafana image's default user (its Compose container and its GKE pod)."""
+
 # Container users. Fixed so that host directories can be prepared with matching owners.
-_RUNTIME_USER = (10001, 0)  # images/runtime/Dockerfile: useradd --uid 10001 duplex; group 0 reads token keys
+_RUNTIME_USER = (RUNTIME_UID, 0)  # group 0 reads the token keys
 _REDIS_USER = (999, 0)  # the image's redis user, group 0 to read the 0640 secrets; skips the gosu step
 _PROMETHEUS_USER = (65534, 65534)  # the image's nobody
-_GRAFANA_USER = (472, 0)  # the image's default
+_GRAFANA_USER = (GRAFANA_UID, 0)
 _REDIS_EXPORTER_USER = (59000, 59000)  # the scratch image's user, kept on the Alpine variant
 
 RUNTIME_STOP_MARGIN_S = 30
