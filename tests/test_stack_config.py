@@ -88,6 +88,14 @@ def test_secret_values_are_never_shown() -> None:
     assert any(p.startswith("duplexops:hfToken: the value (not shown) is not valid") for p in problems)
 
 
+def test_token_keys_problems_name_the_key_once() -> None:
+    [short] = _problems("dev", secrets={"tokenSigningKeys": '{"k": "short"}'})
+    assert short.startswith(
+        "duplexops:tokenSigningKeys: signing key 'k': the secret must be at least 32 bytes"
+    )
+    assert short.count("tokenSigningKeys") == 1 and 'short"' not in short
+
+
 def test_region_items_name_their_place() -> None:
     regions = [
         {"zones": ["us-central1-a"]},

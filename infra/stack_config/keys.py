@@ -145,7 +145,8 @@ class _Keys(BaseModel):
         try:
             keys_from_mapping(mapping, source=key)
         except ValueError as exc:
-            raise problem(f"{exc}; allowed: {_TOKEN_KEYS_ALLOWED}", where=key) from None
+            reason = str(exc).removeprefix(f"{key}: ")
+            raise problem(f"{reason}; allowed: {_TOKEN_KEYS_ALLOWED}") from None
         return value
 
     # The stack's profile, built once the fields are valid.
@@ -181,7 +182,10 @@ class _Keys(BaseModel):
             hf_token=self.hf_token,
         )
 
-    def _config(self, info: ValidationInfo, profile: NodeProfile, overrides: dict[str, Any], **settings: Any):
+    def _config(
+        self, info: ValidationInfo, profile: NodeProfile, overrides: dict[str, Any], **settings: Any
+    ) -> StackConfig:
+        """The ``StackConfig`` of these keys (the stack's name and project from the validation context)."""
         context = info.context or {}
         stack = context.get("stack", "stack")
         return StackConfig(
@@ -198,23 +202,19 @@ class _Keys(BaseModel):
         )
 
 
-_FIELD_KEYS = {"max_sessions": "maxSessions", "gpu": "gpu", "domain": "domain"}
-
-
 def _profile_problem(profile_name: str, overrides: dict[str, Any], error: Any) -> tuple[str, str]:
     message = str(error.get("msg", error)).removeprefix("Value error, ")
     loc = tuple(error.get("loc") or ())
     field = str(loc[0]) if loc else ""
     if not field and message.startswith("max_sessions"):
         field = "max_sessions"
-    key = _FIELD_KEYS.get(field)
-    if key is None:
+    if field not in ("max_sessions", "gpu", "domain"):
         return (
             pulumi_key("profile"),
             f"{profile_name!r} is not valid with this stack's settings: {message}",
         )
     return (
-        f"{NAMESPACE}:{key}",
+        pulumi_key(field),
         f"{overrides.get(field)!r} rejected for profile {profile_name!r}: {message}",
     )
 
