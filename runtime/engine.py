@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,16 +172,27 @@ class BatchEngine:
         slots: B, the node's maximum concurrent sessions.
         prompt_budget_ms: after the live step, persona prompt steps run while the tick's elapsed time
             is below this (at least one prompt step per tick while any slot is prompting).
+        clock: monotonic seconds, read for the tick's timings and its spare time (default
+            ``time.perf_counter``). Tests inject a fake clock so that how much prompt work a tick does
+            depends on the budget alone, never on the machine's speed.
     Raises:
         ValueError: ``slots`` < 1.
     """
 
-    def __init__(self, bundle: ModelBundle, slots: int, *, prompt_budget_ms: float = 0.6 * FRAME_MS) -> None:
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        slots: int,
+        *,
+        prompt_budget_ms: float = 0.6 * FRAME_MS,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.bundle = bundle
         self.slots = slots
         self.prompt_budget_ms = prompt_budget_ms
+        self.clock = clock
         lm = bundle.lm
         self.device = lm.device
         self.dep_q = lm.dep_q
@@ -275,7 +287,7 @@ class BatchEngine:
         """
         if pcm_in.shape != (self.slots, FRAME_SAMPLES):
             raise ValueError(f"pcm_in must be [{self.slots}, {FRAME_SAMPLES}], got {list(pcm_in.shape)}")
-        start = time.perf_counter()
+        start = self.clock()
         timings = TickTimings()
         pcm_out = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
         audio_ready = np.zeros(self.slots, dtype=bool)
@@ -287,7 +299,7 @@ class BatchEngine:
             skipping = [i for i in live if self._slots[i].skip_next_frame]
             stepping = [i for i in live if not self._slots[i].skip_next_frame]
             mimi = self.bundle.mimi
-            t0 = time.perf_counter()
+            t0 = self.clock()
             mimi.set_exec_mask(self._mask(live))
             frames = torch.from_numpy(pcm_in).to(self.device)[:, None, :]
             codes = mimi.encode(frames)  # [B, K, 1]
@@ -297,7 +309,7 @@ class BatchEngine:
                 mimi.reset_streaming(self._mask(skipping))
                 for i in skipping:
                     self._slots[i].skip_next_frame = False
-            t1 = time.perf_counter()
+            t1 = self.clock()
             timings.encode_ms = (t1 - t0) * 1e3
             if stepping:
                 step_mask = self._mask(stepping)
@@ -307,7 +319,7 @@ class BatchEngine:
                 self.sampling.advance(step_mask)
                 assert tokens is not None
                 tokens = tokens[:, :, 0]
-                t2 = time.perf_counter()
+                t2 = self.clock()
                 timings.lm_ms = (t2 - t1) * 1e3
                 agent = tokens[:, 1:]
                 ready = step_mask & (agent >= 0).all(dim=1) & (tokens[:, 0] >= 0)
@@ -318,7 +330,7 @@ class BatchEngine:
                     decoded = mimi.decode(codes_out)  # [B, 1, 1920]
                     pcm_out[ready_cpu] = decoded[:, 0].float().cpu().numpy()[ready_cpu]
                     audio_ready = ready_cpu
-                timings.decode_ms = (time.perf_counter() - t2) * 1e3
+                timings.decode_ms = (self.clock() - t2) * 1e3
                 tokens_cpu = tokens.cpu().numpy()
                 step_rows = np.zeros(self.slots, dtype=bool)
                 step_rows[stepping] = True
@@ -326,19 +338,19 @@ class BatchEngine:
                 audio_tokens = np.where(step_rows[:, None], tokens_cpu[:, 1:], UNGENERATED_TOKEN)
 
         finished = self._run_prompt_steps(start, timings)
-        timings.total_ms = (time.perf_counter() - start) * 1e3
+        timings.total_ms = (self.clock() - start) * 1e3
         return TickResult(pcm_out, audio_ready, text_tokens, audio_tokens, finished, timings)
 
     def _run_prompt_steps(self, tick_start: float, timings: TickTimings) -> list[int]:
         """Feed persona prompts, one teacher-forced LM step for all prompting slots per call, with every
         other row frozen, while the tick has time left (always at least one step)."""
         finished: list[int] = []
-        t0 = time.perf_counter()
+        t0 = self.clock()
         while True:
             prompting = self.prompting_slots
             if not prompting:
                 break
-            elapsed_ms = (time.perf_counter() - tick_start) * 1e3
+            elapsed_ms = (self.clock() - tick_start) * 1e3
             if timings.prompt_steps > 0 and elapsed_ms >= self.prompt_budget_ms:
                 break
             user = torch.zeros(self.slots, self.user_codebooks, 1, dtype=torch.int64, device=self.device)
@@ -358,7 +370,7 @@ class BatchEngine:
             self.sampling.advance(mask)
             timings.prompt_steps += 1
         self._forcing.clear()
-        timings.prompt_ms = (time.perf_counter() - t0) * 1e3
+        timings.prompt_ms = (self.clock() - t0) * 1e3
         return finished
 
     def memory_allocated_bytes(self) -> int | None:
