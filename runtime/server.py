@@ -755,7 +755,12 @@ def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None
         torch.set_num_threads(config.torch_threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
     bundle = load_model(
-        config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed
+        config.model,
+        weights=config.weights,
+        device=config.device,
+        dtype=dtype,
+        seed=config.seed,
+        quantize=config.quantize,
     )
     metrics = metrics or RuntimeMetrics()
     store = None
