@@ -130,7 +130,10 @@ def test_idle_and_inactive_slots_produce_nothing(tiny) -> None:
     assert np.abs(result.pcm[1:]).max() == 0.0
 
 
-def test_persona_prompt_runs_before_the_conversation_without_touching_others(tiny, speech_like) -> None:
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "step-by-step"])
+def test_persona_prompt_runs_before_the_conversation_without_touching_others(
+    tiny, speech_like, prefill
+) -> None:
     engine = _engine(tiny)
     prompt = build_prompt(
         Persona(text_prompt="You are a helpful travel agent."),
@@ -142,14 +145,14 @@ def test_persona_prompt_runs_before_the_conversation_without_touching_others(tin
     assert len(prompt) > 12
     baseline = _run(tiny, speech_like, {0: 0}, {}, SamplingParams.greedy())
     with_prompting_neighbour = _run(
-        tiny, speech_like, {0: 0, 3: 2}, {}, SamplingParams.greedy(), prompts={3: prompt}
+        tiny, speech_like, {0: 0, 3: 2}, {}, SamplingParams.greedy(), prompts={3: prompt}, prefill=prefill
     )
     assert with_prompting_neighbour[0] == baseline[0]
     assert len(with_prompting_neighbour[3]) > 0  # went LIVE after its prompt and produced tokens
 
 
 def test_prompt_steps_share_the_tick_budget(tiny) -> None:
-    engine = _engine(tiny, prompt_budget_ms=0.0)
+    engine = _engine(tiny, prompt_budget_ms=0.0, prefill=False)  # the step-by-step reference
     codes = engine.silence_codes.cpu()
     voice = VoiceCatalog({"anna": codes[:, :4]})
     prompt = build_prompt(
