@@ -46,6 +46,11 @@ class RuntimeConfig(BaseSettings):
         "model loads and refused where bitsandbytes' kernels cannot run",
     )
     seed: int = Field(0, ge=0, description="Seed of the tiny preset's random weights")
+    prompt_prefill: bool = Field(
+        True,
+        description="Run a persona's fully forced prompt through the temporal transformer in parallel "
+        "chunks (false: one teacher-forced step at a time, the reference path)",
+    )
     max_sessions: int = Field(5, ge=1, le=256, description="Batch slots B = concurrent sessions")
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
     redis_url: str | None = Field(

@@ -321,22 +321,31 @@ def build_random(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     dep_q: int | None = None,
+    quantize: str = "none",
 ) -> ModelBundle:
     """Build any preset with random weights (moshi's own init), e.g. the 7B on a GPU for benchmarks.
 
     Args:
         dep_q: depformer steps to build; default the preset's. PersonaPlex's checkpoint layout has 16.
+        quantize: ``int8`` builds ``LMModel(quantize=True)`` in fp16 (moshi quantises each layer as it is
+            built, so the float model never exists whole).
+    Raises:
+        QuantizationError: ``int8`` where bitsandbytes cannot run.
     """
+    check_quantize(quantize)
     preset = get_preset(preset_name)
     lm_kwargs = dict(preset.lm_kwargs)
     if dep_q is not None:
         lm_kwargs["dep_q"] = dep_q
+    if quantize == "int8":
+        check_int8_support(device)
+        dtype = INT8_COMPUTE_DTYPE
     with torch.device(device):
-        lm = LMModel(device=device, dtype=dtype, **lm_kwargs)
+        lm = LMModel(device=device, dtype=dtype, quantize=quantize == "int8", **lm_kwargs)
     mimi = get_mimi(None, preset.mimi_config, device=device, num_codebooks=min(lm.dep_q, 8))
-    lm, mimi = _finish(lm, mimi, device, dtype)
+    lm, mimi = _finish(lm, mimi, device, None if quantize == "int8" else dtype)
     mimi.set_num_codebooks(min(lm.dep_q, 8))
-    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random({preset_name})")
+    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random({preset_name})", quantize)
 
 
 def checkpoint_depformer_steps(state: Mapping[str, torch.Tensor]) -> int:

@@ -304,7 +304,7 @@ class DuplexServer:
         self.store = store
         self.metrics = metrics or RuntimeMetrics()
         self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
-        self.engine = BatchEngine(bundle, config.max_sessions)
+        self.engine = BatchEngine(bundle, config.max_sessions, prefill=config.prompt_prefill)
         self.scheduler: SlotScheduler | None = None
         self.sessions: set[ChatSession] = set()
         self.draining = False

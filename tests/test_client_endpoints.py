@@ -226,7 +226,7 @@ async def test_personas_lists_the_nodes_voices(node):
 @pytest.mark.parametrize(
     ("text", "got"),
     [
-        ("qz " * 1000, "got 3018 tokens (2999 characters)"),  # within the characters, over the tokens
+        ("qz " * 1000, "got 3018 tokens (3000 characters)"),  # within the characters, over the tokens
         ("x" * (TEXT_PROMPT_MAX_CHARS + 1), f"got {TEXT_PROMPT_MAX_CHARS + 1} characters"),  # over both
     ],
     ids=["over-tokens", "over-characters"],
