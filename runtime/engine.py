@@ -548,9 +548,11 @@ class BatchEngine:
         transformer = self.bundle.lm.transformer
         main = transformer.get_streaming_state()
         transformer._stop_streaming()
-        transformer.streaming(1)  # never closed: the states are swapped in and out by hand
-        side = transformer.get_streaming_state()
-        transformer.set_streaming_state(main)
+        try:
+            transformer.streaming(1)  # never closed: the states are swapped in and out by hand
+            side = transformer.get_streaming_state()
+        finally:
+            transformer.set_streaming_state(main)
         for name, state in side.items():
             if isinstance(state, _MHAState) and state.kv_cache is not None:
                 ring = main[name].kv_cache  # type: ignore[attr-defined]
@@ -625,10 +627,10 @@ class BatchEngine:
             step = prefill.steps[s]
             for u in range(self.user_codebooks):
                 k = dq + 1 + u
-                cache[slot, k, (s + delays[k]) % ct] = step.user_codes[u]
+                cache[slot, k, (s + delays[k]) % ct] = int(step.user_codes[u])
             assert step.agent_codes is not None
-            cache[slot, 0, (s + 1) % ct] = step.text_token
-            cache[slot, 1 : dq + 1, (s + 1) % ct] = step.agent_codes[:dq].to(cache.device)
+            cache[slot, 0, (s + 1) % ct] = int(step.text_token)
+            cache[slot, 1 : dq + 1, (s + 1) % ct] = step.agent_codes[:dq].to(cache.device, torch.int64)
         gen.offsets[slot] += total
         self.sampling.step[slot] += total
 

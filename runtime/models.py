@@ -200,8 +200,9 @@ def quantize_lm_int8(lm: LMModel, device: torch.device | str) -> LMModel:
     its ``nn.Linear`` layers replaced by ``QLinear`` (``replace_linear_with_qlinear``, the function
     ``LMModel(quantize=True)`` calls) before the next is moved, so the device never holds more than the
     int8 result plus one layer in fp16. Peak device memory: the int8 model + the largest single layer in
-    fp16 and its int8 copy (7B: a temporal layer is 0.20 B parameters, 0.41 GB in fp16; the int8 LM is
-    7.7 GB; peak about 8.3 GB). Host memory holds the float checkpoint while it is read, as for
+    fp16 and its int8 copy (moshi-7b: a temporal layer is 0.21 B parameters, 0.41 GB in fp16 and 0.21 GB
+    in int8; the int8 LM is 8.0 GB by the capacity planner's count; peak about 8.6 GB, against 15.4 GB for
+    the bf16 LM). Host memory holds the float checkpoint while it is read, as for
     ``DUPLEX_QUANTIZE=none``.
 
     Returns:

@@ -192,3 +192,18 @@ def test_unforced_prompts_fall_back_to_step_by_step(tiny) -> None:
 def test_chunk_bounds_are_checked(tiny) -> None:
     with pytest.raises(ValueError, match="1 <= min <= max, got min 9, max 8"):
         BatchEngine(tiny, 1, prefill_min_chunk=9, prefill_max_chunk=8)
+
+
+def test_prefill_under_int8_weights_gives_the_step_by_step_tokens(noise) -> None:
+    pytest.importorskip("bitsandbytes")
+    int8 = build_tiny(seed=0, quantize="int8")
+    reference_engine = _engine(int8, prefill=False, prompt_budget_ms=1e9)
+    prompt = _prompt(int8, reference_engine, "You are a helpful travel agent.")
+    reference, ref_state = _drive(reference_engine, noise, prompt, ticks_after=15)
+    prefilled, pre_state = _drive(_engine(int8, prefill=True), noise, prompt, ticks_after=15)
+    for key, expected in ref_state.items():  # fp16 KV cache and activations: a looser tolerance
+        if expected.dtype.is_floating_point:
+            torch.testing.assert_close(pre_state[key], expected, rtol=1e-2, atol=1e-2, msg=key)
+        else:
+            assert torch.equal(pre_state[key], expected), key
+    assert len(reference[PROMPTED]) >= 10 and prefilled[PROMPTED] == reference[PROMPTED]
