@@ -465,10 +465,11 @@ def bench_persona(
         result = asyncio.run(run)
         summaries.append(result.summary())
     table = Table(title=f"persona join, tiny on cpu (torch threads {torch.get_num_threads()})")
-    for key in summaries[0]:
-        table.add_column(key.replace("_", " "))
+    table.add_column("")
     for summary in summaries:
-        table.add_row(*(str(v) for v in summary.values()))
+        table.add_column(str(summary["mode"]))
+    for key in list(summaries[0])[1:]:
+        table.add_row(key.replace("_", " "), *(str(summary[key]) for summary in summaries))
     console.print(table)
     if json_path:
         json_path.write_text(json.dumps(summaries, indent=2))

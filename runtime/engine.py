@@ -226,7 +226,8 @@ class BatchEngine:
         prefill_min_chunk: fewest steps worth a chunk; a tick's first prompt work always runs at least
             this many (progress while live slots use the whole budget).
         prefill_ms_per_step: cost of one prefilled step used to size chunks (ms); None: measured by
-            ``clock`` and averaged (starting from 1 ms).
+            ``clock`` after each chunk (starting from 1 ms; a lower measurement is taken at once, a higher
+            one a quarter at a time).
     Raises:
         ValueError: ``slots`` < 1, or chunk bounds that are not 1 <= min <= max.
     """
@@ -587,8 +588,12 @@ class BatchEngine:
             transformer.set_streaming_state(main)
         prefill.done += steps
         if not self._prefill_cost_fixed:
+            # Down at once, up slowly: a chunk preempted by the machine's other work must not shrink the
+            # next ones for many ticks, and small chunks (whose fixed cost inflates the per-step figure)
+            # must let the estimate fall as soon as a larger one shows the real cost.
             measured = (self.clock() - t0) * 1e3 / steps
-            self.prefill_ms_per_step = 0.5 * self.prefill_ms_per_step + 0.5 * measured
+            estimate = self.prefill_ms_per_step
+            self.prefill_ms_per_step = measured if measured < estimate else 0.75 * estimate + 0.25 * measured
         if prefill.done < prefill.total:
             return False
         self._finish_prefill(slot, prefill, main)
@@ -633,6 +638,19 @@ class BatchEngine:
             cache[slot, 1 : dq + 1, (s + 1) % ct] = step.agent_codes[:dq].to(cache.device, torch.int64)
         gen.offsets[slot] += total
         self.sampling.step[slot] += total
+
+    def warm_up_prompt(self, steps: int = 16) -> list[PromptStep]:
+        """A short fully forced prompt (padding text, silence as the agent, the 440 Hz tone as the user) that
+        takes the prefill path, for a server's warm-up: the first chunk's one-time costs stay out of the
+        first real session's ticks."""
+        return [
+            PromptStep(
+                self.sine_codes[:, i % self.sine_codes.shape[1]].cpu(),
+                TEXT_PADDING_IDS[1],
+                self.silence_codes[:, i % self.silence_codes.shape[1]].cpu(),
+            )
+            for i in range(steps)
+        ]
 
     def memory_allocated_bytes(self) -> int | None:
         """GPU memory held by torch's allocator on the engine's device, or None on a CPU."""

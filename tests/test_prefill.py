@@ -187,6 +187,12 @@ def test_unforced_prompts_fall_back_to_step_by_step(tiny) -> None:
     engine.join(0, SamplingParams.greedy(), [PromptStep(user, 10), PromptStep(user, 11)])  # audio not forced
     result = engine.tick(np.zeros((SLOTS, 1920), dtype=np.float32))
     assert (result.timings.prompt_steps, result.timings.prefill_steps) == (1, 0)
+    engine.join(1, SamplingParams.greedy(), engine.warm_up_prompt(16))  # the server's warm-up: prefilled
+    result = engine.tick(np.zeros((SLOTS, 1920), dtype=np.float32))
+    # No spare time (budget 0): one step-by-step step, and the minimum chunk of 8 prefill steps.
+    assert (result.timings.prompt_steps, result.timings.prefill_steps, result.prompt_finished) == (1, 8, [0])
+    result = engine.tick(np.zeros((SLOTS, 1920), dtype=np.float32))
+    assert (result.timings.prompt_steps, result.timings.prefill_steps, result.prompt_finished) == (0, 8, [1])
 
 
 def test_chunk_bounds_are_checked(tiny) -> None:
