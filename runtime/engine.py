@@ -225,6 +225,9 @@ class BatchEngine:
             ``context + prefill_max_chunk`` positions and the chunk's activations).
         prefill_min_chunk: fewest steps worth a chunk; a tick's first prompt work always runs at least
             this many (progress while live slots use the whole budget).
+        prefill_floor_ms: time (by the cost estimate) a tick's first prompt round may give a prefill even
+            when the live step has used the budget up: 8 ms = a tenth of the frame, so a busy node still
+            makes progress (a 1000-step prompt of the tiny preset needs about 50 ms in all on 2 cores).
         prefill_ms_per_step: cost of one prefilled step used to size chunks (ms); None: measured by
             ``clock`` after each chunk (starting from 1 ms; a lower measurement is taken at once, a higher
             one a quarter at a time).
@@ -242,6 +245,7 @@ class BatchEngine:
         prefill: bool = True,
         prefill_max_chunk: int = 256,
         prefill_min_chunk: int = 8,
+        prefill_floor_ms: float = 0.1 * FRAME_MS,
         prefill_ms_per_step: float | None = None,
     ) -> None:
         if slots < 1:
@@ -258,6 +262,7 @@ class BatchEngine:
         self.prefill = prefill
         self.prefill_max_chunk = prefill_max_chunk
         self.prefill_min_chunk = prefill_min_chunk
+        self.prefill_floor_ms = prefill_floor_ms
         self._prefill_cost_fixed = prefill_ms_per_step is not None
         self.prefill_ms_per_step = prefill_ms_per_step if prefill_ms_per_step is not None else 1.0
         self._prefill_queue: deque[int] = deque()
@@ -446,6 +451,8 @@ class BatchEngine:
             if self._prefill_queue:
                 slot = self._prefill_queue[0]
                 spare_ms = self.prompt_budget_ms - used_ms()
+                if first:
+                    spare_ms = max(spare_ms, self.prefill_floor_ms)
                 steps = self._chunk_steps(self._slots[slot].prefill, spare_ms, at_least_min=first)
                 if steps > 0:
                     planned_ms += steps * self.prefill_ms_per_step
@@ -529,15 +536,16 @@ class BatchEngine:
 
     def _chunk_steps(self, prefill: _Prefill | None, spare_ms: float, *, at_least_min: bool) -> int:
         """Steps of the next chunk: what ``spare_ms`` pays for at the cost per step, within
-        [``prefill_min_chunk``, ``prefill_max_chunk``] and the steps left; 0 when less than the minimum
-        fits (unless ``at_least_min``)."""
+        [``prefill_min_chunk``, ``prefill_max_chunk``] and the steps left, rounded down to a power of two
+        (a handful of shapes, each warmed once by :meth:`warm_up_prefill`; kernels and their caches are
+        chosen per shape); 0 when less than the minimum fits (unless ``at_least_min``)."""
         assert prefill is not None
         left = prefill.total - prefill.done
         fits = int(max(spare_ms, 0.0) / max(self.prefill_ms_per_step, 1e-6))
         steps = min(fits, self.prefill_max_chunk, left)
         if steps < min(self.prefill_min_chunk, left):
             steps = min(self.prefill_min_chunk, left) if at_least_min else 0
-        return steps
+        return 1 << (steps.bit_length() - 1) if steps > 0 else 0
 
     def _new_side_state(self, total: int) -> dict[str, State]:
         """Fresh batch-1 streaming states of ``lm.transformer``, the engine's own states left in place.
@@ -639,18 +647,33 @@ class BatchEngine:
         gen.offsets[slot] += total
         self.sampling.step[slot] += total
 
-    def warm_up_prompt(self, steps: int = 16) -> list[PromptStep]:
-        """A short fully forced prompt (padding text, silence as the agent, the 440 Hz tone as the user) that
-        takes the prefill path, for a server's warm-up: the first chunk's one-time costs stay out of the
-        first real session's ticks."""
-        return [
-            PromptStep(
-                self.sine_codes[:, i % self.sine_codes.shape[1]].cpu(),
-                TEXT_PADDING_IDS[1],
-                self.silence_codes[:, i % self.silence_codes.shape[1]].cpu(),
-            )
-            for i in range(steps)
+    @torch.no_grad()
+    def warm_up_prefill(self) -> list[int]:
+        """Run one prefill chunk of every size :meth:`_chunk_steps` can choose (powers of two up to
+        ``prefill_max_chunk``) through a throwaway batch-1 side state, so that a server's first persona
+        does not pay the first-call costs of those shapes during a live tick. No slot is touched.
+
+        Returns:
+            The chunk sizes run.
+        """
+        sizes = [
+            1 << i for i in range(self.prefill_max_chunk.bit_length()) if 1 << i <= self.prefill_max_chunk
         ]
+        total = sum(sizes)
+        lm = self.bundle.lm
+        sequence = lm._get_initial_token().expand(1, -1, total).contiguous()  # [1, K, total]
+        transformer = lm.transformer
+        side = self._new_side_state(total)
+        main = transformer.get_streaming_state()
+        transformer.set_streaming_state(side)
+        try:
+            done = 0
+            for size in sizes:
+                lm.forward_text(sequence[:, :, done : done + size])
+                done += size
+        finally:
+            transformer.set_streaming_state(main)
+        return sizes
 
     def memory_allocated_bytes(self) -> int | None:
         """GPU memory held by torch's allocator on the engine's device, or None on a CPU."""

@@ -73,8 +73,8 @@ class JoinResult:
             closing the session, when ``handshake`` is False: the server's prompt timeout).
         live_at_handshake: the other sessions still live when the handshake came.
         prompt_ticks_ms: total time of each tick that ran prompt work.
-        other_ticks_ms: total time of the ticks that ran none (live slots only).
-        ticks_over_budget: ticks over 80 ms while the prompt ran.
+        other_ticks_ms: total time of the ticks from the connection on that ran none (live slots only,
+            ``after_s`` after the handshake included): the machine's baseline meanwhile.
     """
 
     prefill: bool
@@ -105,6 +105,8 @@ class JoinResult:
             "tick_max_ms_during_prompt": _round(max(self.prompt_ticks_ms, default=None)),
             "tick_p99_ms_other": _round(self._p(self.other_ticks_ms, 99)),
             "ticks_over_80ms_during_prompt": sum(t > FRAME_MS for t in self.prompt_ticks_ms),
+            "ticks_other": len(self.other_ticks_ms),
+            "ticks_over_80ms_other": sum(t > FRAME_MS for t in self.other_ticks_ms),
             "live_at_handshake": self.live_at_handshake,
         }
 
@@ -120,6 +122,7 @@ async def measure_join(
     live: int = 4,
     prompt_tokens: int = 1000,
     settle_s: float = 2.0,
+    after_s: float = 3.0,
     handshake_timeout_s: float = 300.0,
 ) -> JoinResult:
     """Connect-to-handshake time of a ``prompt_tokens`` text prompt with ``live`` sessions talking.
@@ -128,6 +131,7 @@ async def measure_join(
         bundle: the model (copied: the server gets its own streaming state).
         prefill: ``DUPLEX_PROMPT_PREFILL``.
         settle_s: how long the live sessions talk before the prompted client connects.
+        after_s: how long they go on after the handshake (live-only ticks, for comparison).
     """
     config = RuntimeConfig(
         host="127.0.0.1", port=0, max_sessions=live + 1, auth_mode="off", prompt_prefill=prefill
@@ -168,6 +172,7 @@ async def measure_join(
                 pass
             elapsed_ms = (time.perf_counter() - start) * 1e3
             live_now = len(server.engine.live_slots) - (1 if handshake else 0)
+        await asyncio.sleep(after_s)  # live-only ticks to compare with
         window = ticks[mark:]
         for task in sessions:
             task.cancel()

@@ -322,9 +322,10 @@ class DuplexServer:
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def warm_up(self, frames: int = 4) -> None:
-        """Run ``frames`` silent ticks through slot 0 (after a short prompt, so that the prefill path is warm
-        too), then free it: first-call costs leave the hot path."""
-        self.engine.join(0, SamplingParams(), self.engine.warm_up_prompt())
+        """Run ``frames`` silent ticks through slot 0, then free it, and every prefill chunk size once:
+        first-call costs leave the hot path."""
+        self.engine.warm_up_prefill()
+        self.engine.join(0, SamplingParams())
         silence = np.zeros((self.engine.slots, 1920), dtype=np.float32)
         for _ in range(frames + 1):
             self.engine.tick(silence)

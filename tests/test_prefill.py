@@ -187,12 +187,21 @@ def test_unforced_prompts_fall_back_to_step_by_step(tiny) -> None:
     engine.join(0, SamplingParams.greedy(), [PromptStep(user, 10), PromptStep(user, 11)])  # audio not forced
     result = engine.tick(np.zeros((SLOTS, 1920), dtype=np.float32))
     assert (result.timings.prompt_steps, result.timings.prefill_steps) == (1, 0)
-    engine.join(1, SamplingParams.greedy(), engine.warm_up_prompt(16))  # the server's warm-up: prefilled
+    forced = [PromptStep(user, 3, engine.silence_codes[:, 0].cpu()) for _ in range(16)]
+    engine.join(1, SamplingParams.greedy(), forced)  # text and audio forced: prefilled
     result = engine.tick(np.zeros((SLOTS, 1920), dtype=np.float32))
     # No spare time (budget 0): one step-by-step step, and the minimum chunk of 8 prefill steps.
     assert (result.timings.prompt_steps, result.timings.prefill_steps, result.prompt_finished) == (1, 8, [0])
     result = engine.tick(np.zeros((SLOTS, 1920), dtype=np.float32))
     assert (result.timings.prompt_steps, result.timings.prefill_steps, result.prompt_finished) == (0, 8, [1])
+
+
+def test_warm_up_runs_every_chunk_size_without_touching_a_slot(tiny) -> None:
+    engine = _engine(tiny, prefill_max_chunk=64)
+    before = {k: v.clone() for k, v in _snapshot(engine).items()}
+    assert engine.warm_up_prefill() == [1, 2, 4, 8, 16, 32, 64]
+    after = _snapshot(engine)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_chunk_bounds_are_checked(tiny) -> None:
