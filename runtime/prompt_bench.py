@@ -92,6 +92,7 @@ class JoinResult:
         return float(np.percentile(values, q)) if values else None
 
     def summary(self) -> dict[str, object]:
+        """The figures as one flat dict (times in ms, rounded to 0.1; None where there were no ticks)."""
         return {
             "mode": "prefill" if self.prefill else "step-by-step",
             "prompt_tokens": self.prompt_tokens,
