@@ -95,6 +95,19 @@ class RuntimeConfig(BaseSettings):
         'JSON; "*" for any); requests without an Origin header are not affected',
     )
 
+    # GCE host maintenance (runtime/maintenance.py): on a GCE VM's maintenance notice, stop admitting.
+    maintenance_watch: Literal["gce", "off"] = Field(
+        "off",
+        description="gce: watch the GCE metadata server's instance/maintenance-event and stop admitting "
+        "new sessions while host maintenance is pending (GCE GPU VMs); off: no watch (on-premises, GKE, "
+        "local)",
+    )
+    maintenance_metadata_url: str = Field(
+        "http://metadata.google.internal/computeMetadata/v1/instance/maintenance-event",
+        pattern=r"^https?://",
+        description="The maintenance-event key's URL (tests point it at a fake metadata server)",
+    )
+
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:

@@ -46,7 +46,21 @@ class RuntimeMetrics:
             "duplex_slots_total", "Batch slots (maximum concurrent sessions)", registry=r
         )
         self.active_sessions = Gauge("duplex_active_sessions", "Sessions holding a slot", registry=r)
-        self.draining = Gauge("duplex_draining", "1 while the process drains after SIGTERM", registry=r)
+        self.draining = Gauge(
+            "duplex_draining",
+            "1 while the process admits no new session: draining after SIGTERM, or a host maintenance notice",
+            registry=r,
+        )
+        self.maintenance_pending = Gauge(
+            "duplex_maintenance_pending",
+            "1 while a host maintenance notice is pending (GCE maintenance-event, runtime/maintenance.py)",
+            registry=r,
+        )
+        self.maintenance_watch_errors = Counter(
+            "duplex_maintenance_watch_errors_total",
+            "Failed requests to the metadata server's maintenance-event key (retried with backoff)",
+            registry=r,
+        )
         self.ready = Gauge("duplex_ready", "1 when /readyz answers 200", registry=r)
         self.loading = Gauge(
             "duplex_loading", "1 while the model loads and warms up (/readyz 503 'loading')", registry=r
