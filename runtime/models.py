@@ -423,6 +423,21 @@ def adapt_depformer_steps(state: dict[str, torch.Tensor], target_steps: int) -> 
 
 
 def _resolve_file(source: str, filename: str, revision: str | None) -> Path:
+    """``filename`` of the checkpoint at ``source`` (a directory or a repo id), or, for a name of the form
+    ``hf://<owner>/<repo>/<file>`` (how Kyutai's ``-q8`` configs point at the bf16 repo's Mimi and text
+    tokenizer, kyutai-labs/moshi ``scripts/export_quantized.py``), that file of that repo.
+
+    Raises:
+        FileNotFoundError: a directory without the file.
+        ValueError: a malformed ``hf://`` name.
+    """
+    if filename.startswith("hf://"):
+        parts = filename.removeprefix("hf://").split("/", 2)
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"checkpoint file {filename!r}: expected hf://<owner>/<repo>/<file>")
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(f"{parts[0]}/{parts[1]}", parts[2]))
     directory = Path(source)
     if directory.is_dir():
         path = directory / filename

@@ -23,6 +23,8 @@ from runtime.config import RuntimeConfig
 from runtime.engine import UNGENERATED_TOKEN, BatchEngine, SlotPhase
 from runtime.models import (
     LM_Q8_WEIGHTS_FILE,
+    MIMI_WEIGHTS_FILE,
+    TEXT_TOKENIZER_FILE,
     ModelBundle,
     QuantizationError,
     build_tiny,
@@ -143,6 +145,33 @@ def test_kyutai_q8_layout_is_written_and_loaded(tiny_int8, tmp_path) -> None:
     assert _tokens(loaded, {1: 0}, {})[1] == _tokens(tiny_int8, {1: 0}, {})[1]
     with pytest.raises(QuantizationError, match="holds INT8 weights.*DUPLEX_QUANTIZE=int8"):
         load_checkpoint(str(directory), "tiny")
+
+
+def test_q8_config_pointing_at_the_bf16_repo_for_mimi_and_tokenizer(tiny_int8, tmp_path, monkeypatch) -> None:
+    """Kyutai's -q8 config.json names Mimi and the text tokenizer as hf://<bf16 repo>/<file>."""
+    directory = write_checkpoint(tiny_int8, tmp_path / "q8")
+    bf16 = tmp_path / "bf16-repo"
+    bf16.mkdir()
+    config = json.loads((directory / "config.json").read_text())
+    for key, name in (("mimi_name", MIMI_WEIGHTS_FILE), ("tokenizer_name", TEXT_TOKENIZER_FILE)):
+        (directory / name).rename(bf16 / name)
+        config[key] = f"hf://kyutai/moshiko-pytorch-bf16/{name}"
+    (directory / "config.json").write_text(json.dumps(config))
+    asked: list[tuple[str, str]] = []
+
+    def download(repo_id: str, filename: str, **_: object) -> str:
+        asked.append((repo_id, filename))
+        return str(bf16 / filename)
+
+    monkeypatch.setattr("huggingface_hub.hf_hub_download", download)
+    loaded = load_checkpoint(str(directory), "tiny", quantize="int8")
+    assert sorted(asked) == sorted(
+        [
+            ("kyutai/moshiko-pytorch-bf16", MIMI_WEIGHTS_FILE),
+            ("kyutai/moshiko-pytorch-bf16", TEXT_TOKENIZER_FILE),
+        ]
+    )
+    assert loaded.quantize == "int8"
 
 
 def test_refusals_name_what_to_change(monkeypatch) -> None:
