@@ -47,7 +47,16 @@ def test_serve_with_a_bad_env_value_exits_2_naming_it(monkeypatch: pytest.Monkey
     assert "max_sessions" in result.output
 
 
-RUNTIME_COMMANDS = ("serve", "demo", "loadgen", "bench", "token", "token mint", "token keygen")
+RUNTIME_COMMANDS = (
+    "serve",
+    "demo",
+    "loadgen",
+    "bench",
+    "bench-persona",
+    "token",
+    "token mint",
+    "token keygen",
+)
 DEPLOYMENT_COMMANDS = ("capacity", "node", "node profiles", "node render", "node up")
 
 
