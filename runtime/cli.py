@@ -1,7 +1,8 @@
 """The runtime's commands of ``duplex`` (Typer + Rich): ``serve``, ``demo``, ``loadgen``, ``bench``,
 ``bench-persona``, ``token``. ``runtime_app()`` builds a Typer app of them: ``app`` here is the runtime
-image's entrypoint (``duplex-runtime``); ``infra.cli`` adds the node's and the capacity planner's commands for the full
-``duplex``. Heavy imports (torch, moshi) happen inside the commands that need them. README, "The runtime".
+image's entrypoint (``duplex-runtime``); ``infra.cli`` adds the node's and the capacity planner's
+commands for the full ``duplex``. Heavy imports (torch, moshi) happen inside the commands that need them.
+README, "The runtime".
 """
 
 from __future__ import annotations
