@@ -1,41 +1,6 @@
-"""``GlobalEntry``: one global external Application Load Balancer in front of every region's runtime pods.
-
-Built from the standalone zonal network endpoint groups (NEGs) that GKE's NEG controller creates from the
-runtime Service's ``cloud.google.com/neg`` annotation (one per zone, same name in every region), rather
-than from a multi-cluster Gateway: every setting the entry depends on (timeout, affinity, health check,
-Cloud Armor, per-endpoint capacity) is then a Google Cloud resource that Pulumi owns, previews and tests,
-with no fleet registration or config cluster to keep alive.
-
-What it declares:
-
-- a global static IPv4 address and a Google-managed certificate for ``domain`` (it provisions once the
-  domain's A record points at the address);
-- a Cloud Armor policy (``security_rules``): callers outside ``public_source_ranges`` get 403, and each
-  client IP is throttled to ``handshakes_per_minute`` new requests per minute (429 beyond; a session is
-  one request: the WebSocket upgrade), with adaptive layer-7 DDoS protection;
-- a health check on every pod's ``/readyz`` (the serving port of the NEG endpoint): a full or draining
-  pod turns 503 and receives no new callers;
-- the backend service: ``EXTERNAL_MANAGED`` scheme, a timeout of the longest session plus a margin (the
-  default 30 s would cut every WebSocket at 30 s), connection draining as long as the runtime's drain, one
-  backend per (region, zone) NEG balanced on ``IN_FLIGHT`` requests with at most ``sessions`` per endpoint
-  (= the pod's slots) and ``trafficDuration: LONG``: the load balancer sends a caller to the nearest
-  region with capacity and spills over to the next nearest when every pod there is full, while an open
-  WebSocket stays on its pod (hence in its region) for its whole life. No session affinity: a session's
-  state is in Redis, not in its pod, so a reconnect may land on any pod with a free slot; pods are picked
-  by ``LEAST_REQUEST`` (affinity would need a hashing locality policy, which ignores load: the policy
-  pack's ``session-affinity-needs-hash-policy``);
-- the browser client (issue "a browser client on every node"): its files in a public Cloud Storage bucket
-  behind a backend bucket that adds the page's security headers (``infra.node.webclient.page_headers``:
-  CSP, HSTS, nosniff, ...). The URL map sends only the runtime's public paths (``RUNTIME_PATHS``:
-  ``/api/chat``, ``/api/admission``, ``/api/personas``) to the pods and everything else to the page, so
-  ``/metrics``, ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach
-  the pods directly);
-- the HTTPS proxy and forwarding rule on 443, and a port-80 rule that redirects to HTTPS;
-- a firewall rule on the stack's VPC admitting Google's front ends and health checkers
-  (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime port of the pods, and nothing else.
-
-A region with ``serving: false`` keeps its backends with ``capacity_scaler`` 0: no new callers, running
-conversations go on (the drain of the README).
+"""``GlobalEntry``: one global external Application Load Balancer in front of every region's runtime pods,
+built from the standalone NEGs GKE makes from the runtime Service, with Cloud Armor, a managed certificate
+and the browser client from a bucket. README, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -146,7 +111,45 @@ class GlobalEntryArgs:
 
 
 class GlobalEntry(pulumi.ComponentResource):
-    """The global HTTPS load balancer, its certificate, Cloud Armor policy and health check."""
+    """The global HTTPS load balancer, its certificate, Cloud Armor policy and health check.
+
+    Built from the standalone zonal network endpoint groups (NEGs) that GKE's NEG controller creates from the
+    runtime Service's ``cloud.google.com/neg`` annotation (one per zone, same name in every region), rather
+    than from a multi-cluster Gateway: every setting the entry depends on (timeout, affinity, health check,
+    Cloud Armor, per-endpoint capacity) is then a Google Cloud resource that Pulumi owns, previews and tests,
+    with no fleet registration or config cluster to keep alive.
+
+    What it declares:
+
+    - a global static IPv4 address and a Google-managed certificate for ``domain`` (it provisions once the
+      domain's A record points at the address);
+    - a Cloud Armor policy (``security_rules``): callers outside ``public_source_ranges`` get 403, and each
+      client IP is throttled to ``handshakes_per_minute`` new requests per minute (429 beyond; a session is
+      one request: the WebSocket upgrade), with adaptive layer-7 DDoS protection;
+    - a health check on every pod's ``/readyz`` (the serving port of the NEG endpoint): a full or draining
+      pod turns 503 and receives no new callers;
+    - the backend service: ``EXTERNAL_MANAGED`` scheme, a timeout of the longest session plus a margin (the
+      default 30 s would cut every WebSocket at 30 s), connection draining as long as the runtime's drain, one
+      backend per (region, zone) NEG balanced on ``IN_FLIGHT`` requests with at most ``sessions`` per endpoint
+      (= the pod's slots) and ``trafficDuration: LONG``: the load balancer sends a caller to the nearest
+      region with capacity and spills over to the next nearest when every pod there is full, while an open
+      WebSocket stays on its pod (hence in its region) for its whole life. No session affinity: a session's
+      state is in Redis, not in its pod, so a reconnect may land on any pod with a free slot; pods are picked
+      by ``LEAST_REQUEST`` (affinity would need a hashing locality policy, which ignores load: the policy
+      pack's ``session-affinity-needs-hash-policy``);
+    - the browser client (issue "a browser client on every node"): its files in a public Cloud Storage bucket
+      behind a backend bucket that adds the page's security headers (``infra.node.webclient.page_headers``:
+      CSP, HSTS, nosniff, ...). The URL map sends only the runtime's public paths (``RUNTIME_PATHS``:
+      ``/api/chat``, ``/api/admission``, ``/api/personas``) to the pods and everything else to the page, so
+      ``/metrics``, ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach
+      the pods directly);
+    - the HTTPS proxy and forwarding rule on 443, and a port-80 rule that redirects to HTTPS;
+    - a firewall rule on the stack's VPC admitting Google's front ends and health checkers
+      (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime port of the pods, and nothing else.
+
+    A region with ``serving: false`` keeps its backends with ``capacity_scaler`` 0: no new callers, running
+    conversations go on (the drain of the README).
+    """
 
     address: compute.GlobalAddress
     backend_service: compute.BackendService
