@@ -93,11 +93,36 @@ class RuntimeMetrics:
         self.gpu_memory_allocated = Gauge(
             "duplex_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated on the engine's GPU", registry=r
         )
+        self.waiting_sessions = Gauge(
+            "duplex_waiting_sessions", "Callers in the waiting room (all slots taken)", registry=r
+        )
+        self.waiting_room = Counter(
+            "duplex_waiting_room_total",
+            "Waiting-room outcomes: admitted (got a slot), timeout, left (client gone), full (room full)",
+            ["outcome"],
+            registry=r,
+        )
+        self.waiting_room_wait = Histogram(
+            "duplex_waiting_room_wait_seconds",
+            "Time a caller spent in the waiting room, whatever the outcome",
+            buckets=(0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0),
+            registry=r,
+        )
+        for outcome in ("admitted", "timeout", "left", "full"):
+            self.waiting_room.labels(outcome=outcome)
         for reason in ("late_input", "input_overflow", "slow_client"):
             self.frames_dropped.labels(reason=reason)
         # After the upgrade: node_full, draining, bad_request; before it, the access check's reasons
         # (runtime/tokens.py REFUSAL_STATUS: missing, malformed, expired, ..., origin_not_allowed).
-        for reason in ("node_full", "draining", "bad_request", *ACCESS_REFUSAL_REASONS):
+        for reason in (
+            "node_full",
+            "waiting_room_full",
+            "wait_timeout",
+            "rate_limited",
+            "draining",
+            "bad_request",
+            *ACCESS_REFUSAL_REASONS,
+        ):
             self.admissions_refused.labels(reason=reason)
 
     def render(self) -> bytes:
