@@ -103,6 +103,18 @@ class RuntimeConfig(BaseSettings):
         0.0, ge=0, le=3600, description="How long a caller may wait for a slot when all are taken (0: refuse)"
     )
     waiting_room_size: int = Field(0, ge=0, le=4096, description="Callers that may wait at once (0: none)")
+    sim_step_ms: str = Field(
+        "30",
+        description='model=sim only: step time, ms ("30") or batch:ms pairs ("1:28,8:32.6,16:45,32:70.2")',
+    )
+
+    @field_validator("sim_step_ms")
+    @classmethod
+    def _sim_step(cls, value: str) -> str:
+        from runtime.sim_timing import parse_step_time
+
+        parse_step_time(value)
+        return value
 
     @field_validator("trusted_proxies", mode="before")
     @classmethod

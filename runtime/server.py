@@ -322,7 +322,7 @@ class DuplexServer:
         self.store = store
         self.metrics = metrics or RuntimeMetrics()
         self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
-        self.engine = BatchEngine(bundle, config.max_sessions)
+        self.engine = make_engine(config, bundle)
         self.scheduler: SlotScheduler | None = None
         self.slot_admission: SlotAdmission | None = None
         self.sessions: set[ChatSession] = set()
@@ -819,6 +819,24 @@ async def _unless_left(awaitable: Awaitable[T], left: asyncio.Task[None]) -> T:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     raise _ClientLeft()
+
+
+def make_engine(config: RuntimeConfig, bundle: ModelBundle) -> BatchEngine:
+    """The node's engine: a :class:`BatchEngine` over ``bundle``, or for ``model=sim`` a
+    :class:`runtime.sim.SimEngine` with the same surface, stepping in ``config.sim_step_ms``."""
+    if config.model != "sim":
+        return BatchEngine(bundle, config.max_sessions)
+    from runtime.sim import SimEngine, parse_step_time
+
+    step = parse_step_time(config.sim_step_ms)
+    log.warning("model=sim: a SIMULATED model (step time %s ms, a tone as audio); not for serving", step)
+    engine = SimEngine(
+        config.max_sessions,
+        step,
+        text_vocab=bundle.text_tokenizer.vocab_size(),
+        user_codebooks=bundle.lm.num_codebooks - bundle.lm.dep_q - 1,
+    )
+    return engine  # type: ignore[return-value]  # the same surface (duck-typed)
 
 
 def _token_of(request: Request) -> str | None:
