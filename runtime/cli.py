@@ -262,7 +262,8 @@ def load_table(title: str, report: Any) -> Table:
         f"first audio p50/p95/p99 {ms(total['first_audio_ms_p50'])}/{ms(total['first_audio_ms_p95'])}/"
         f"{ms(total['first_audio_ms_p99'])} ms; gap p99 {ms(total['inter_frame_gap_ms_p99'])} ms; "
         f"frames lost {total['frames_lost']}; {total['bytes_sent'] / 1e6:.2f} MB sent, "
-        f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms)"
+        f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms); "
+        f"load generator CPU {total.get('loadgen_cpu_percent')} % of a core"
     )
     return table
 
@@ -303,6 +304,14 @@ def loadgen(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print per-session rows and totals as JSON")
     ] = False,
+    pre_encode: Annotated[
+        bool,
+        typer.Option(
+            "--pre-encode/--encode-live",
+            help="Encode each clip once and replay it (measures the node), or encode per session as a "
+            "live client does",
+        ),
+    ] = True,
 ) -> None:
     """Drive SESSIONS concurrent sessions of speech at real-time pace against a node (this one, a GCP
     node, a GKE endpoint) and report per session and in total: connect time, first-audio latency
@@ -354,6 +363,7 @@ def loadgen(
                 on_frame=lambda: progress.advance(task),
                 audio_format=fmt,
                 token=tokens,
+                pre_encode=pre_encode,
             )
         )
     if json_out:
