@@ -75,6 +75,13 @@ def serve(
     max_sessions: Annotated[int | None, typer.Option(help="Batch slots = concurrent sessions")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Session store, redis://...")] = None,
     voices_dir: Annotated[Path | None, typer.Option(help="Directory of voice prompts")] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Front-end worker processes beside the engine process (one port, SO_REUSEPORT); 0: one "
+            "process; -1: from the host's cores (DUPLEX_WORKERS)"
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Python log level")] = "INFO",
 ) -> None:
     """Run the batched runtime until SIGTERM/SIGINT, then drain. Settings also come from DUPLEX_* env vars."""
@@ -88,12 +95,23 @@ def serve(
         max_sessions=max_sessions,
         redis_url=redis_url,
         voices_dir=voices_dir,
+        workers=workers,
     )
     try:
         config.check_access_control()
     except ValueError as exc:
         console.print(f"[red]invalid access control settings[/red]: {exc}")
         raise typer.Exit(2) from None
+    if config.workers != 0:
+        from runtime.multiproc import Supervisor, default_workers
+
+        count = default_workers() if config.workers == -1 else config.workers
+        try:
+            supervisor = Supervisor(config, count)
+        except ValueError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from None
+        raise typer.Exit(supervisor.run())
     from runtime.metrics import RuntimeMetrics
     from runtime.server import build_server, loading_status
 

@@ -103,6 +103,13 @@ class RuntimeConfig(BaseSettings):
         0.0, ge=0, le=3600, description="How long a caller may wait for a slot when all are taken (0: refuse)"
     )
     waiting_room_size: int = Field(0, ge=0, le=4096, description="Callers that may wait at once (0: none)")
+    workers: int = Field(
+        0,
+        ge=-1,
+        le=64,
+        description="Front-end worker processes beside the engine process (runtime/multiproc.py): 0 runs "
+        "one process (model and front end together), -1 picks from the host's cores (cores - 1, 1..8)",
+    )
     sim_step_ms: str = Field(
         "30",
         description='model=sim only: step time, ms ("30") or batch:ms pairs ("1:28,8:32.6,16:45,32:70.2")',

@@ -61,7 +61,7 @@ from websockets.typing import Subprotocol
 
 from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
-from runtime.engine import BatchEngine, PromptStep
+from runtime.engine import PromptStep
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
 from runtime.models import ModelBundle
 from runtime.persona import Persona, PersonaError, VoiceCatalog, build_prompt
@@ -84,6 +84,7 @@ from runtime.ratelimit import HandshakeLimiter, RateLimited
 from runtime.sampling import SamplingParams
 from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.session_store import SessionRecord, SessionStore
+from runtime.sim import make_engine
 from runtime.tokens import (
     REFUSAL_STATUS,
     SUBPROTOCOL_PREFIX,
@@ -155,6 +156,23 @@ ACCESS_LOG = _AccessLog(logging.getLogger("runtime.access"), {})
 def node_full_message(slots: int) -> str:
     """The 0x05 reason sent to a session refused because all ``slots`` are in use."""
     return f"node full: all {slots} slots in use (max_sessions={slots}); try again later"
+
+
+class AdmissionRefused(Exception):
+    """A session refused by the slots' owner for a reason other than a full node (the engine process of
+    ``--workers N`` refusing a bad persona, or draining, or not answering).
+
+    Attributes:
+        reason: the metric label and the admission reason (``bad_request``, ``draining``, ``not_ready``).
+        message: the 0x05 error's sentence.
+        close_code: 1008 for a bad request, 1013 otherwise.
+    """
+
+    def __init__(self, reason: str, message: str, close_code: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.close_code = close_code
 
 
 @dataclass(frozen=True)
@@ -317,14 +335,20 @@ class DuplexServer:
         store: SessionStore | None = None,
         metrics: RuntimeMetrics | None = None,
     ) -> None:
-        self.config = config
         self.bundle = bundle
-        self.store = store
-        self.metrics = metrics or RuntimeMetrics()
         self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
-        self.engine = make_engine(config, bundle)
+        self.engine = make_engine(config.model, bundle, config.max_sessions, config.sim_step_ms)
         self.scheduler: SlotScheduler | None = None
         self.slot_admission: SlotAdmission | None = None
+        self._init_front_end(config, store, metrics)
+
+    def _init_front_end(
+        self, config: RuntimeConfig, store: SessionStore | None, metrics: RuntimeMetrics | None
+    ) -> None:
+        """What every front end holds, with or without the model in its process."""
+        self.config = config
+        self.store = store
+        self.metrics = metrics or RuntimeMetrics()
         self.sessions: set[ChatSession] = set()
         self.draining = False
         self.warm = False
@@ -383,7 +407,7 @@ class DuplexServer:
             logger=ACCESS_LOG,
         )
         self.metrics.ready.set(1)
-        log.info("listening on %s:%d with %d slots", self.config.host, self.port, self.engine.slots)
+        log.info("listening on %s:%d with %d slots", self.config.host, self.port, self.slots)
 
     @property
     def port(self) -> int:
@@ -433,17 +457,70 @@ class DuplexServer:
 
     # --- HTTP -----------------------------------------------------------------------------------------
 
+    # --- what the front end asks of the slots' owner (runtime.worker overrides these) ---------------------
+
+    @property
+    def slots(self) -> int:
+        """B, the node's slots."""
+        return self.engine.slots
+
+    @property
+    def free_slots(self) -> int:
+        """Slots free now (0 before the tick loop starts)."""
+        return self.scheduler.free_slots if self.scheduler is not None else 0
+
+    @property
+    def tick_alive(self) -> bool:
+        """The tick loop runs."""
+        return self.scheduler is not None and self.scheduler.alive
+
+    @property
+    def voice_names(self) -> list[str]:
+        return self.voices.names
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, text): what ``/healthz`` answers (200 or 500)."""
+        return (True, "ok") if self.tick_alive else (False, "tick loop stopped")
+
+    def _slot_session(
+        self, session: ChatSession, prompt: list[PromptStep] | None, sampling: SamplingParams
+    ) -> SlotSession:
+        """The scheduler's view of ``session``."""
+        return SlotSession(
+            session.session_id,
+            sampling,
+            prompt or [],
+            on_output=session.on_output,
+            on_prompt_done=session.on_prompt_done,
+            max_inbox_frames=self.config.max_inbox_frames,
+        )
+
+    async def _admit(self, slot_session: SlotSession) -> int:
+        """A slot for ``slot_session`` (see ``SlotAdmission.admit``, its errors included)."""
+        assert self.slot_admission is not None
+        return await self.slot_admission.admit(slot_session)
+
+    def _release(self, slot_session: SlotSession) -> None:
+        assert self.scheduler is not None
+        self.scheduler.release(slot_session)
+
+    def readiness_json(self) -> dict[str, object]:
+        """``/readyz``'s JSON body: ``{"ready", "reason"}``."""
+        ready, reason = self.readiness()
+        return {"ready": ready, "reason": reason}
+
     def readiness(self) -> tuple[bool, str]:
         """(ready, reason): what ``/readyz`` answers."""
         if self.draining:
             return False, "draining"
-        if not self.warm or self.scheduler is None:
+        if not self.warm:
             return False, "warming up"
-        if not self.scheduler.alive:
+        if not self.tick_alive:
             return False, "tick loop stopped"
-        if self.scheduler.free_slots == 0:
-            return False, f"node full: {self.engine.slots} of {self.engine.slots} slots in use"
-        return True, f"{self.scheduler.free_slots} of {self.engine.slots} slots free"
+        free = self.free_slots
+        if free == 0:
+            return False, f"node full: {self.slots} of {self.slots} slots in use"
+        return True, f"{free} of {self.slots} slots free"
 
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = urlsplit(request.path).path
@@ -471,12 +548,12 @@ class DuplexServer:
         if path == PERSONAS_PATH:
             return _response(200, self.personas_json(), "application/json", cache_control="no-cache")
         if path == "/healthz":
-            alive = self.scheduler is not None and self.scheduler.alive
-            return connection.respond(200 if alive else 500, "ok\n" if alive else "tick loop stopped\n")
+            healthy, text = self.health()
+            return connection.respond(200 if healthy else 500, text + "\n")
         if path == "/readyz":
-            ready, reason = self.readiness()
-            body = json.dumps({"ready": ready, "reason": reason}) + "\n"
-            return _response(200 if ready else 503, body.encode(), "application/json")
+            body_json = self.readiness_json()
+            body = json.dumps(body_json) + "\n"
+            return _response(200 if body_json["ready"] else 503, body.encode(), "application/json")
         assert path == "/metrics"
         return _response(200, self.render_metrics(), PROMETHEUS_CONTENT_TYPE)
 
@@ -536,7 +613,7 @@ class DuplexServer:
         """``GET /api/personas``: ``{"voices": [names], "voice_prompt_max_chars", "text_prompt_max_chars"}``.
         A session may also name no voice (the model's own) and any text prompt within the limit."""
         body = {
-            "voices": self.voices.names,
+            "voices": self.voice_names,
             "voice_prompt_max_chars": VOICE_PROMPT_MAX_CHARS,
             "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
         }
@@ -573,12 +650,12 @@ class DuplexServer:
             return Admission(False, 400, "bad_request", f"bad request: {exc}")
         if self.draining:
             return Admission(False, 503, "draining", DRAINING_MESSAGE)
-        if not self.warm or self.scheduler is None or not self.scheduler.alive:
+        if not self.warm or not self.tick_alive:
             return Admission(False, 503, "not_ready", f"node not ready: {self.readiness()[1]}")
-        free = self.scheduler.free_slots
+        free = self.free_slots
         if free == 0:
-            return Admission(False, 503, "node_full", node_full_message(self.engine.slots))
-        slots = self.engine.slots
+            return Admission(False, 503, "node_full", node_full_message(self.slots))
+        slots = self.slots
         return Admission(True, 200, "ok", f"a session would be admitted: {free} of {slots} slots free")
 
     # --- access ---------------------------------------------------------------------------------------
@@ -661,7 +738,6 @@ class DuplexServer:
         return request, persona, prompt, sampling_from_request(request)
 
     async def _handle(self, connection: ServerConnection) -> None:
-        assert self.scheduler is not None and self.slot_admission is not None
         query = urlsplit(connection.request.path).query if connection.request else ""
         try:
             request, persona, prompt, sampling = self._plan_session(query)
@@ -675,20 +751,13 @@ class DuplexServer:
             return
         session = ChatSession(self, connection, request, persona)
         session.claims = self._claims.pop(connection, None)
-        session.slot_session = SlotSession(
-            session.session_id,
-            sampling,
-            prompt,
-            on_output=session.on_output,
-            on_prompt_done=session.on_prompt_done,
-            max_inbox_frames=self.config.max_inbox_frames,
-        )
+        session.slot_session = self._slot_session(session, prompt, sampling)
         # Until its handshake the client is read and its messages dropped (Kyutai's client sends audio
         # before it): so a client leaving while it waits for a slot or while its persona prompt runs is
         # seen at once and gives its place back, instead of holding a slot until the prompt ends.
         left = asyncio.create_task(_read_until_closed(connection), name=f"pre-handshake {session.session_id}")
         try:
-            slot = await _unless_left(self.slot_admission.admit(session.slot_session), left)
+            slot = await _unless_left(self._admit(session.slot_session), left)
         except _ClientLeft:
             return
         except WaitingRoomFull as exc:
@@ -701,9 +770,11 @@ class DuplexServer:
             return
         except NodeFull:
             left.cancel()
-            await self._refuse(
-                connection, "node_full", node_full_message(self.engine.slots), CLOSE_TRY_AGAIN_LATER
-            )
+            await self._refuse(connection, "node_full", node_full_message(self.slots), CLOSE_TRY_AGAIN_LATER)
+            return
+        except AdmissionRefused as exc:
+            left.cancel()
+            await self._refuse(connection, exc.reason, exc.message, exc.close_code)
             return
         self.sessions.add(session)
         outcome = SessionOutcome("client_closed")
@@ -751,7 +822,7 @@ class DuplexServer:
             outcome = SessionOutcome("prompt_timeout", CLOSE_TRY_AGAIN_LATER)
         finally:
             left.cancel()
-            self.scheduler.release(session.slot_session)
+            self._release(session.slot_session)
             if sender is not None:
                 sender.cancel()
             self.sessions.discard(session)
@@ -819,24 +890,6 @@ async def _unless_left(awaitable: Awaitable[T], left: asyncio.Task[None]) -> T:
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
     raise _ClientLeft()
-
-
-def make_engine(config: RuntimeConfig, bundle: ModelBundle) -> BatchEngine:
-    """The node's engine: a :class:`BatchEngine` over ``bundle``, or for ``model=sim`` a
-    :class:`runtime.sim.SimEngine` with the same surface, stepping in ``config.sim_step_ms``."""
-    if config.model != "sim":
-        return BatchEngine(bundle, config.max_sessions)
-    from runtime.sim import SimEngine, parse_step_time
-
-    step = parse_step_time(config.sim_step_ms)
-    log.warning("model=sim: a SIMULATED model (step time %s ms, a tone as audio); not for serving", step)
-    engine = SimEngine(
-        config.max_sessions,
-        step,
-        text_vocab=bundle.text_tokenizer.vocab_size(),
-        user_codebooks=bundle.lm.num_codebooks - bundle.lm.dep_q - 1,
-    )
-    return engine  # type: ignore[return-value]  # the same surface (duck-typed)
 
 
 def _token_of(request: Request) -> str | None:
@@ -957,14 +1010,18 @@ def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None
         config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed
     )
     metrics = metrics or RuntimeMetrics()
-    store = None
-    if config.redis_url:
-        store = SessionStore(
-            config.redis_url,
-            config.node_id,
-            session_ttl_s=config.transcript_ttl_s,
-            transcript_ttl_s=config.transcript_ttl_s,
-            on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
-            on_backlog=metrics.redis_backlog.set,
-        )
-    return DuplexServer(config, bundle, store=store, metrics=metrics)
+    return DuplexServer(config, bundle, store=build_store(config, metrics), metrics=metrics)
+
+
+def build_store(config: RuntimeConfig, metrics: RuntimeMetrics) -> SessionStore | None:
+    """The Redis session store of ``config.redis_url`` (not started), or None without one."""
+    if not config.redis_url:
+        return None
+    return SessionStore(
+        config.redis_url,
+        config.node_id,
+        session_ttl_s=config.transcript_ttl_s,
+        transcript_ttl_s=config.transcript_ttl_s,
+        on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
+        on_backlog=metrics.redis_backlog.set,
+    )

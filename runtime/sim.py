@@ -20,6 +20,7 @@ It is never a default: ``DUPLEX_MODEL=sim`` must be asked for, and the server lo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,16 +32,20 @@ import torch
 from runtime.engine import (
     NOT_FORCED,
     UNGENERATED_TOKEN,
+    BatchEngine,
     PromptStep,
     SlotPhase,
     TickResult,
     TickTimings,
 )
 from runtime.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.models import ModelBundle
 from runtime.sampling import SamplingParams
 from runtime.sim_timing import StepTime, parse_step_time
 
-__all__ = ["SimEngine", "StepTime", "parse_step_time"]  # the last two from runtime.sim_timing
+log = logging.getLogger(__name__)
+
+__all__ = ["make_engine", "SimEngine", "StepTime", "parse_step_time"]  # the last two from runtime.sim_timing
 
 _TEXT_EVERY_TICKS = 4
 _TEXT_PADDING = 3
@@ -182,3 +187,20 @@ class SimEngine:
     def memory_allocated_bytes(self) -> int | None:
         """None: a simulator holds no GPU memory."""
         return None
+
+
+def make_engine(model: str, bundle: ModelBundle, slots: int, sim_step_ms: str = "30") -> BatchEngine:
+    """The node's engine: a :class:`BatchEngine` over ``bundle`` with ``slots`` slots, or for
+    ``model == "sim"`` a :class:`SimEngine` with the same surface stepping in ``sim_step_ms``
+    (:func:`runtime.sim_timing.parse_step_time`; ValueError when malformed)."""
+    if model != "sim":
+        return BatchEngine(bundle, slots)
+    step = parse_step_time(sim_step_ms)
+    log.warning("model=sim: a SIMULATED model (step time %s ms, a tone as audio); not for serving", step)
+    engine = SimEngine(
+        slots,
+        step,
+        text_vocab=bundle.text_tokenizer.vocab_size(),
+        user_codebooks=bundle.lm.num_codebooks - bundle.lm.dep_q - 1,
+    )
+    return engine  # type: ignore[return-value]  # the same surface (duck-typed)
