@@ -58,6 +58,8 @@ class _Remote:
     worker: bytes
     slot_session: SlotSession
     admit_task: asyncio.Task[None] | None = None
+    token_id: str = ""
+    token_expires_at: float = 0.0
 
 
 @dataclass
@@ -92,6 +94,7 @@ class EngineCore:
         self.sessions: dict[str, _Remote] = {}
         self.workers: dict[bytes, _Worker] = {}
         self.draining = False
+        self._spent_tokens: dict[str, float] = {}  # token id -> expiry (Unix s), for replay_check=memory
         self._flush_scheduled = False
         self._stop = asyncio.Event()
         self._socket: zmq.asyncio.Socket | None = None
@@ -206,7 +209,7 @@ class EngineCore:
             on_prompt_done=lambda: self._send(worker, ipc.PromptDone(sid)),
             max_inbox_frames=message.max_inbox_frames,
         )
-        remote = _Remote(worker, slot_session)
+        remote = _Remote(worker, slot_session, None, message.token_id, message.token_expires_at)
         self.sessions[sid] = remote
         remote.admit_task = asyncio.create_task(self._wait_for_slot(remote))
 
@@ -224,10 +227,30 @@ class EngineCore:
             message = f"node full: all {slots} slots in use (max_sessions={slots}); try again later"
             refusal = ipc.Refused(sid, "node_full", message)
         else:
+            if not self._spend_token(remote):
+                self.sessions.pop(sid, None)
+                assert self.scheduler is not None
+                self.scheduler.release(remote.slot_session)
+                message = f"token {remote.token_id} was already used; tokens are single-use"
+                self._send(remote.worker, ipc.Refused(sid, "replayed", message))
+                return
             self._send(remote.worker, ipc.Admitted(sid, slot))
             return
         self.sessions.pop(sid, None)
         self._send(remote.worker, refusal)
+
+    def _spend_token(self, remote: _Remote) -> bool:
+        """Record the session's token id (``replay_check=memory``); False when it was used already."""
+        if not remote.token_id:
+            return True
+        now = time.time()
+        if len(self._spent_tokens) > 1024:
+            self._spent_tokens = {t: until for t, until in self._spent_tokens.items() if until > now}
+        until = self._spent_tokens.get(remote.token_id)
+        if until is not None and until > now:
+            return False
+        self._spent_tokens[remote.token_id] = remote.token_expires_at + self.config.token_leeway_s
+        return True
 
     def _release(self, session_id: str) -> None:
         remote = self.sessions.pop(session_id, None)

@@ -50,6 +50,9 @@ class Admit(msgspec.Struct, tag=True):
         voice_prompt, text_prompt: the persona ("" for none).
         sampling: ``(audio_temperature, audio_top_k, text_temperature, text_top_k, seed)``.
         max_inbox_frames: the session's input bound in the engine.
+        token_id, token_expires_at: with ``DUPLEX_TOKEN_REPLAY_CHECK=memory``, the session token's id and
+            expiry (Unix s): the engine spends it when the slot is taken, so that a token is single-use
+            across every worker ("" when the workers spend tokens in Redis themselves).
     """
 
     session_id: str
@@ -57,6 +60,8 @@ class Admit(msgspec.Struct, tag=True):
     text_prompt: str
     sampling: tuple[float, int, float, int, int]
     max_inbox_frames: int
+    token_id: str = ""
+    token_expires_at: float = 0.0
 
 
 class Admitted(msgspec.Struct, tag=True):

@@ -45,9 +45,12 @@ MAX_RESTARTS_PER_MINUTE = 10
 
 
 def default_workers(cpu_count: int | None = None) -> int:
-    """Front-end workers for a host with ``cpu_count`` cores (default ``os.cpu_count()``): one core is
+    """Front-end workers for a host with ``cpu_count`` cores (default: this process's CPU affinity; a
+    Kubernetes CPU limit is a quota, not a cpuset, so the Deployment sets ``DUPLEX_WORKERS``): one core is
     left to the engine's tick; between 1 and 8 workers (about 40 Opus sessions per worker, issue 16)."""
-    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 2)
+    if cpu_count is None:  # the cores this process may run on (a cpuset), not the host's
+        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpu_count or 2
     return max(1, min(8, cores - 1))
 
 

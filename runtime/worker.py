@@ -101,6 +101,7 @@ class EngineClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.on_engine_lost: list = []  # callables, called once when the engine goes silent
+        self.on_first_status: list = []  # callables, called when the engine is first heard (model loaded)
 
     def start(self) -> None:
         context = zmq.asyncio.Context.instance()
@@ -141,7 +142,14 @@ class EngineClient:
             return False
         return True
 
-    async def admit(self, remote: RemoteSlotSession, voice: str, text: str, max_inbox_frames: int) -> int:
+    async def admit(
+        self,
+        remote: RemoteSlotSession,
+        voice: str,
+        text: str,
+        max_inbox_frames: int,
+        token: tuple[str, float] = ("", 0.0),
+    ) -> int:
         """Ask the engine for a slot and wait for the answer (it may wait in the engine's waiting room).
 
         Raises:
@@ -157,7 +165,7 @@ class EngineClient:
         s = remote.sampling
         sampling = (s.audio_temperature, s.audio_top_k, s.text_temperature, s.text_top_k, s.seed)
         try:
-            if not self.send(ipc.Admit(sid, voice, text, sampling, max_inbox_frames)):
+            if not self.send(ipc.Admit(sid, voice, text, sampling, max_inbox_frames, *token)):
                 raise AdmissionRefused("not_ready", "node not ready: the engine's queue is full", 1013)
             remote.slot = await future
             return remote.slot
@@ -201,8 +209,12 @@ class EngineClient:
                         frame = np.frombuffer(pcm, dtype="<f4") if pcm else None
                         remote.session.on_output(frame, piece or None)
             elif isinstance(message, ipc.Status):
+                first = self.status is None
                 self.status = message
                 self.status_at = self._clock()
+                if first:
+                    for callback in self.on_first_status:
+                        callback()
             elif isinstance(message, ipc.PromptDone):
                 remote = self.sessions.get(message.session_id)
                 if remote is not None:
@@ -228,7 +240,7 @@ def _refusal(message: ipc.Refused) -> Exception:
         return WaitTimeout(message.message.removeprefix("node full: "))
     if message.reason == "node_full":
         return NodeFull(message.message)
-    code = 1008 if message.reason == "bad_request" else 1013
+    code = 1008 if message.reason in ("bad_request", "replayed") else 1013
     return AdmissionRefused(message.reason, message.message, code)
 
 
@@ -255,6 +267,8 @@ class WorkerServer(DuplexServer):
         self._init_front_end(config, store, metrics)
         self.client = EngineClient(address, worker_id)
         self.client.on_engine_lost.append(self._engine_lost)
+        self.client.on_first_status.append(lambda: self.metrics.loading.set(0))
+        self.metrics.loading.set(1)  # until the engine has loaded the model and answers
 
     # --- the slots, from the engine's Status ----------------------------------------------------------
 
@@ -329,7 +343,22 @@ class WorkerServer(DuplexServer):
 
     async def _admit(self, slot_session) -> int:  # type: ignore[no-untyped-def, override]
         voice, text = slot_session.session.remote_query
-        return await self.client.admit(slot_session, voice, text, self.config.max_inbox_frames)
+        claims = slot_session.session.claims
+        token = ("", 0.0)
+        if claims is not None and self._engine_spends_tokens:
+            token = (claims.token_id, claims.expires_at)
+        return await self.client.admit(slot_session, voice, text, self.config.max_inbox_frames, token)
+
+    @property
+    def _engine_spends_tokens(self) -> bool:
+        """``replay_check=memory``: one memory for every worker, the engine's (a worker's own would let a
+        token be used once per worker)."""
+        return self.config.token_replay_check == "memory"
+
+    async def _spend_token(self, claims):  # type: ignore[no-untyped-def, override]
+        if self._engine_spends_tokens:
+            return None  # spent by the engine when it gave the slot (Refused "replayed" otherwise)
+        return await super()._spend_token(claims)
 
     def _release(self, slot_session) -> None:  # type: ignore[no-untyped-def, override]
         self.client.release(slot_session)

@@ -31,8 +31,10 @@ from test_server_e2e import (  # noqa: F401 (speech: fixture)
 )
 from websockets.asyncio.client import connect
 
-from runtime.loadgen import session_url
+from infra.node.bringup import runtime_health_problem
+from runtime.loadgen import run_session, session_url
 from runtime.local_redis import free_loopback_port
+from runtime.tokens import generate_signing_key, mint_token
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -242,6 +244,9 @@ async def test_a_killed_engine_makes_every_worker_unhealthy(node_dir, speech):  
             assert (status, text.strip()) == (500, "engine unreachable")
         refused = await knock(node.chat_url(), speech[1])
         assert not refused.handshake
+        # `duplex node up` (infra.node.bringup) reports it.
+        problem = await asyncio.to_thread(runtime_health_problem, f"http://127.0.0.1:{node.port}")
+        assert problem == "runtime /healthz answered 500: engine unreachable"
 
 
 @pytest.mark.slow
@@ -276,3 +281,23 @@ async def test_a_split_node_answers_every_route_on_one_port(node_dir):
         async with connect(node.chat_url() + "&voice_prompt=nobody", proxy=None) as ws:
             message = await ws.recv()
             assert isinstance(message, bytes) and message[0] == 5 and b"nobody" in message
+
+
+@pytest.mark.slow
+async def test_a_token_is_single_use_across_workers(node_dir, speech):  # noqa: F811
+    key = generate_signing_key("split")
+    env = {
+        "DUPLEX_AUTH_MODE": "token",
+        "DUPLEX_TOKEN_KEYS": json.dumps({key.kid: key.secret.decode()}),
+        "DUPLEX_TOKEN_REPLAY_CHECK": "memory",
+    }
+    async with split_node(node_dir, **env) as node:
+        value = mint_token(key, ttl_s=120, personas=["*"], audience="duplex")
+        results = []
+        for _ in range(4):  # whichever worker each lands on, one engine spends the token
+            results.append(await run_session(node.chat_url(), speech[0][: 1920 * 4], tail_s=0.1, token=value))
+            await wait_until_free(node, 3)  # a refused replay held its slot until the next tick
+        assert results[0].handshake, results[0]
+        for again in results[1:]:
+            assert not again.handshake
+            assert again.http_status == 403 or "already used" in again.errors[0], again
