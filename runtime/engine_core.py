@@ -329,6 +329,9 @@ def engine_main(config, address: str) -> None:  # type: ignore[no-untyped-def]
     from runtime.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    from runtime.multiproc import die_with_parent
+
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C reaches it
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

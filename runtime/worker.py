@@ -408,7 +408,10 @@ def worker_main(config: RuntimeConfig, address: str, worker_id: str) -> None:
         level=logging.INFO, format=f"%(asctime)s %(levelname)s {worker_id} %(name)s: %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C reaches it
+    from runtime.multiproc import die_with_parent
     from runtime.server import build_store
+
+    die_with_parent()
 
     metrics = RuntimeMetrics()
     server = WorkerServer(config, address, worker_id, store=build_store(config, metrics), metrics=metrics)

@@ -301,3 +301,26 @@ async def test_a_token_is_single_use_across_workers(node_dir, speech):  # noqa: 
         for again in results[1:]:
             assert not again.handshake
             assert again.http_status == 403 or "already used" in again.errors[0], again
+
+
+@pytest.mark.slow
+async def test_a_killed_supervisor_takes_its_engine_and_workers_with_it(node_dir):
+    async with split_node(node_dir, workers=1) as node:
+        _, body = await node.readyz()
+        engine_pid = int(body["engine_pid"])
+        async with connect(node.chat_url(), proxy=None) as ws:
+            worker_pid = _pid(ws.response.headers["Server"])
+        os.kill(node.process.pid, signal.SIGKILL)
+        await asyncio.to_thread(node.process.wait, 10)
+
+        def gone(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+        deadline = time.monotonic() + 10
+        while not (gone(engine_pid) and gone(worker_pid)):
+            assert time.monotonic() < deadline, "the engine or the worker outlived the supervisor"
+            await asyncio.sleep(0.1)
