@@ -101,6 +101,8 @@ def node(workers: int, sessions: int, step_ms: str, *, env: dict[str, str] | Non
         "DUPLEX_SIM_STEP_MS": step_ms,
         "DUPLEX_MAX_SESSIONS": str(sessions),
         "DUPLEX_DRAIN_GRACE_S": "1",
+        # The load generator is one client address: the per-client handshake limit would refuse its burst.
+        "DUPLEX_HANDSHAKE_RATE_PER_CLIENT": "0",
         **(env or {}),
     }
     command = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), "--workers", str(workers)]

@@ -4,9 +4,10 @@ of everything around the model without a GPU (after llm-d's inference simulator,
 :class:`SimEngine` has :class:`runtime.engine.BatchEngine`'s surface (``slots``, ``join``, ``leave``,
 ``tick``, ``phase``, ``live_slots``, ``prompting_slots``, ``silence_codes``, ``sine_codes``,
 ``memory_allocated_bytes``). A tick costs the time a real step would, spent in ``time.sleep`` (which
-releases the GIL, as a process waiting on its GPU does), and returns cheap results: a quiet 220 Hz tone as
-every live slot's audio (after one frame of delay, as the real engine's first frame is dropped) and a text
-piece every fourth tick. Persona prompts are consumed at one step per step time within the tick's prompt
+releases the GIL, as a process waiting on its GPU does), and returns cheap results: as every live slot's
+audio, its own input at half level over a quiet 220 Hz tone (an echo, so that the Opus encoder works on
+speech as it would with a real model: a pure tone encodes several times cheaper), one frame late as the
+real engine's first frame is dropped; and a text piece every fourth tick. Persona prompts are consumed at one step per step time within the tick's prompt
 budget, as the real engine does.
 
 The step time is a :class:`StepTime`: a fixed figure (``"30"`` ms) or a table by batch size
@@ -153,7 +154,7 @@ class SimEngine:
                     state.skip_next_frame = False
                     continue
                 state.ticks += 1
-                pcm_out[i] = self._tone
+                pcm_out[i] = 0.5 * pcm_in[i] + self._tone  # an echo: speech-like audio for the codecs
                 audio_ready[i] = True
                 audio_tokens[i] = 0
                 if state.ticks % _TEXT_EVERY_TICKS == 0:
