@@ -58,8 +58,12 @@ GKE_APIS = (
     "monitoring.googleapis.com",
     "logging.googleapis.com",
     "storage.googleapis.com",
+    # Image streaming (the GPU pool's gcfs_config) needs the Container File System API.
+    "containerfilesystem.googleapis.com",
 )
-"""Google APIs the multi-region stack needs (enabled, never disabled on destroy)."""
+"""Google APIs the multi-region stack needs (enabled, never disabled on destroy). Which resource needs
+which API is ``infra.gcp_apis.required_apis``; the policy pack's ``apis-enabled-for-features`` checks
+this list against the declared resources."""
 
 GCP_APIS = (
     "compute.googleapis.com",

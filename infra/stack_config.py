@@ -124,6 +124,7 @@ _GCE_KEYS = (
     "publicSourceRanges",
     "subnetCidr",
     "enableApis",
+    "provisioningModel",
 )
 _ONPREM_KEYS = (
     "onpremHost",
@@ -214,6 +215,11 @@ class GceSettings(_Frozen):
     usd_per_hour: float | None
     price_source: str | None
     price_read_on: str | None
+    provisioning_model: str = "standard"
+    """``standard``, ``spot`` or ``flex-start`` (``infra.capacity.gcp.PROVISIONING_MODELS``), one the machine
+    type is sold as."""
+    bundled_local_ssd: bool = False
+    """GCE attaches Local SSDs to this machine type by itself (A2 Ultra, A3)."""
 
 
 class OnPremSettings(_Frozen):
@@ -601,6 +607,17 @@ def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings |
                 "CIDR of /29 or larger, e.g. 10.64.0.0/24"
             )
     enable_apis = reader.boolean("enableApis", default=True)
+    provisioning = reader.choice(
+        "provisioningModel", tuple(gcp_catalog.PROVISIONING_MODELS), default="standard"
+    )
+    if provisioning is not None and mt is not None:
+        why_not = gcp_catalog.provisioning_problem(mt.name, provisioning)
+        if why_not:
+            # GCE refuses the VM at create time (a3-highgpu-1g: Spot and Flex-start only).
+            problems.append(
+                f"{NAMESPACE}:provisioningModel: {provisioning!r} for machine type {mt.name!r}: {why_not}; "
+                f"allowed: {', '.join(mt.sold_as)}"
+            )
     if len(problems) > start or mt is None:
         return None
     assert project and region and zone and boot_disk_gb and boot_disk_type and subnet
@@ -619,6 +636,8 @@ def _gce_settings(reader: _Reader, profile: NodeProfile | None) -> GceSettings |
         usd_per_hour=mt.price.usd_per_hour if mt.price else None,
         price_source=mt.price.source if mt.price else None,
         price_read_on=mt.price.read_on if mt.price else None,
+        provisioning_model=provisioning or "standard",
+        bundled_local_ssd=mt.bundled_local_ssd,
     )
 
 

@@ -142,6 +142,19 @@ class RuntimeConfig(BaseSettings):
                 raise ValueError(f"{cidr!r} is not a CIDR (e.g. 10.0.0.0/8 or ::1/128)") from None
         return value
 
+    # GCE host maintenance (runtime/maintenance.py): on a GCE VM's maintenance notice, stop admitting.
+    maintenance_watch: Literal["gce", "off"] = Field(
+        "off",
+        description="gce: watch the GCE metadata server's instance/maintenance-event and stop admitting "
+        "new sessions while host maintenance is pending (GCE GPU VMs); off: no watch (on-premises, GKE, "
+        "local)",
+    )
+    maintenance_metadata_url: str = Field(
+        "http://metadata.google.internal/computeMetadata/v1/instance/maintenance-event",
+        pattern=r"^https?://",
+        description="The maintenance-event key's URL (tests point it at a fake metadata server)",
+    )
+
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:

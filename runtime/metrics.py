@@ -62,7 +62,7 @@ class RuntimeMetrics:
         )
         self.draining = Gauge(
             "duplex_draining",
-            "1 while the process drains after SIGTERM",
+            "1 while the process admits no new session: draining after SIGTERM, or a host maintenance notice",
             registry=r,
             multiprocess_mode="livemax",
         )
@@ -71,6 +71,17 @@ class RuntimeMetrics:
             "1 when /readyz answers 200 (several processes: all of them ready)",
             registry=r,
             multiprocess_mode="livemin",
+        )
+        self.maintenance_pending = Gauge(
+            "duplex_maintenance_pending",
+            "1 while a host maintenance notice is pending (GCE maintenance-event, runtime/maintenance.py)",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.maintenance_watch_errors = Counter(
+            "duplex_maintenance_watch_errors_total",
+            "Failed requests to the metadata server's maintenance-event key (retried with backoff)",
+            registry=r,
         )
         self.loading = Gauge(
             "duplex_loading",

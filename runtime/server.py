@@ -32,7 +32,9 @@ come back from it. One :class:`ChatSession` per connection. Endpoints:
 - ``GET /metrics``: Prometheus text format.
 
 Drain (SIGTERM): ``/readyz`` turns 503, new sessions are refused, running ones may finish until the grace
-period ends, then they are closed with 1001 (going away).
+period ends, then they are closed with 1001 (going away). A GCE host-maintenance notice
+(``DUPLEX_MAINTENANCE_WATCH=gce``, :mod:`runtime.maintenance`) does the first two without closing anything,
+and is undone when the notice clears.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from websockets.typing import Subprotocol
 from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
 from runtime.engine import PromptStep
+from runtime.maintenance import MaintenanceWatcher, start_maintenance_watch
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
 from runtime.models import ModelBundle
 from runtime.persona import Persona, PersonaError, VoiceCatalog, build_prompt
@@ -352,6 +355,7 @@ class DuplexServer:
         self.sessions: set[ChatSession] = set()
         self.draining = False
         self.warm = False
+        self.maintenance: MaintenanceWatcher | None = None
         self._server: Server | None = None
         self.verifier: TokenVerifier | None = None
         self.replay_guard: ReplayGuard | None = None
@@ -407,6 +411,7 @@ class DuplexServer:
             logger=ACCESS_LOG,
         )
         self.metrics.ready.set(1)
+        self.maintenance = start_maintenance_watch(self.config, self.metrics, self._on_maintenance_notice)
         log.info("listening on %s:%d with %d slots", self.config.host, self.port, self.slots)
 
     @property
@@ -418,6 +423,7 @@ class DuplexServer:
         """Stop admitting, let running sessions go on for ``grace_s`` (default the config's), then close
         the rest with 1001 and stop listening."""
         grace = self.config.drain_grace_s if grace_s is None else grace_s
+        self._stop_maintenance_watch()  # a SIGTERM drain is final: a cleared notice must not undo it
         self.draining = True
         self.metrics.draining.set(1)
         self.metrics.ready.set(0)
@@ -435,6 +441,7 @@ class DuplexServer:
 
     async def close(self) -> None:
         """Stop listening, stop the tick thread, flush the store."""
+        self._stop_maintenance_watch()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -445,6 +452,18 @@ class DuplexServer:
             await self.store.close()
         if self.replay_guard is not None:
             await self.replay_guard.close()
+
+    def _on_maintenance_notice(self, pending: bool) -> None:
+        """A host maintenance notice (True) stops admissions as a drain does, live sessions go on; its end
+        (False) admits again. Called on the loop by :class:`runtime.maintenance.MaintenanceWatcher`."""
+        self.draining = pending
+        self.metrics.draining.set(int(pending))
+        self.metrics.ready.set(int(not pending))
+
+    def _stop_maintenance_watch(self) -> None:
+        if self.maintenance is not None:
+            self.maintenance.stop()
+            self.maintenance = None
 
     async def serve_until_signal(self) -> None:
         """Serve until SIGTERM or SIGINT, then drain."""

@@ -6,9 +6,10 @@ of everything around the model without a GPU (after llm-d's inference simulator,
 ``memory_allocated_bytes``). A tick costs the time a real step would, spent in ``time.sleep`` (which
 releases the GIL, as a process waiting on its GPU does), and returns cheap results: as every live slot's
 audio, its own input at half level over a quiet 220 Hz tone (an echo, so that the Opus encoder works on
-speech as it would with a real model: a pure tone encodes several times cheaper), one frame late as the
-real engine's first frame is dropped; and a text piece every fourth tick. Persona prompts are consumed at one step per step time within the tick's prompt
-budget, as the real engine does.
+speech as it would with a real model: a pure tone encodes several times cheaper), nothing for a session's
+first frame (dropped, as the real engine drops its first encoded frame); and a text piece every fourth
+tick. Persona prompts are consumed at one step per step time within the tick's prompt budget, as the real
+engine does.
 
 The step time is a :class:`StepTime`: a fixed figure (``"30"`` ms) or a table by batch size
 (``"1:28,8:32.6,16:45,32:70.2"``, linearly interpolated on the number of slots stepping, flat past its

@@ -30,6 +30,7 @@ from websockets.asyncio.server import serve
 
 from runtime import ipc
 from runtime.config import RuntimeConfig
+from runtime.maintenance import start_maintenance_watch
 from runtime.metrics import RuntimeMetrics
 from runtime.persona import Persona
 from runtime.protocol import parse_session_query
@@ -388,9 +389,12 @@ class WorkerServer(DuplexServer):
             server_header=f"duplex {self.client.worker_id} pid={os.getpid()}",
         )
         self.metrics.ready.set(1)
+        # A GCE maintenance notice stops this worker's admissions as in one process (each worker watches).
+        self.maintenance = start_maintenance_watch(self.config, self.metrics, self._on_maintenance_notice)
         log.info("worker %s listening on %s:%d", self.client.worker_id, self.config.host, self.port)
 
     async def close(self) -> None:
+        self._stop_maintenance_watch()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()

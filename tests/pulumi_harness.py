@@ -123,6 +123,13 @@ class RecordedResource:
     state: dict[str, Any] = field(default_factory=dict)
     urn: str = ""
     """``urn:pulumi:<stack>::duplexops::<parent types $-joined>$<type>::<name>`` (set after the run)."""
+    dependencies: tuple[str, ...] = ()
+    """URNs of the resources it depends on (``depends_on`` and inputs from other resources), as the engine
+    would get them."""
+    ignore_changes: tuple[str, ...] = ()
+    """Its ``ignore_changes`` property paths."""
+    replace_on_changes: tuple[str, ...] = ()
+    """Its ``replace_on_changes`` property paths."""
 
     @property
     def parent_types(self) -> list[str]:
@@ -158,9 +165,13 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str | None, dict[str, Any]]:
         inputs = dict(args.inputs)
+        options = _PENDING_OPTIONS.pop((args.typ, args.name), None)
         state = dict(inputs)
         state.update(_computed(args.typ, args.name, plain(inputs)))
-        self.resources.append(RecordedResource(args.typ, args.name, inputs, bool(args.custom), state))
+        resource = RecordedResource(args.typ, args.name, inputs, bool(args.custom), state)
+        if options is not None:
+            resource.dependencies, resource.ignore_changes, resource.replace_on_changes = options
+        self.resources.append(resource)
         return f"{args.name}-id", state
 
     def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict[str, Any], list[tuple[str, str]] | None]:
@@ -174,6 +185,25 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 "id": "client-config",
             }, []
         raise NotImplementedError(f"the mocks do not answer {args.token}: add it to tests/pulumi_harness.py")
+
+
+_PENDING_OPTIONS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
+"""Resource options of the registration under way, by (type, name): what the mock monitor received."""
+
+
+def _recording_register_resource(self: Any, request: Any) -> Any:
+    """``MockMonitor.RegisterResource`` that first keeps the options the mocks' ``new_resource`` is not
+    given (dependencies, ignoreChanges, replaceOnChanges)."""
+    _PENDING_OPTIONS[(request.type, request.name)] = (
+        tuple(request.dependencies),
+        tuple(request.ignoreChanges),
+        tuple(request.replaceOnChanges),
+    )
+    return _ORIGINAL_REGISTER_RESOURCE(self, request)
+
+
+_ORIGINAL_REGISTER_RESOURCE = pulumi.runtime.mocks.MockMonitor.RegisterResource
+pulumi.runtime.mocks.MockMonitor.RegisterResource = _recording_register_resource  # type: ignore[method-assign]
 
 
 def _mock_password(name: str) -> str:

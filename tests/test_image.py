@@ -1,9 +1,23 @@
-"""The runtime image's Dockerfile, checked without a Docker engine (none runs on these machines)."""
+"""The runtime image's Dockerfile and its build context, checked without a Docker engine (none runs on these
+machines).
+
+The build context: pulumi-docker-build 0.0.22 rebuilds the image when its context hash changes, and a new
+digest replaces the GCE VM and rolls every GKE pod. :func:`provider_context_hash` is a Python port of the
+provider's ``hashBuildContext`` (provider/internal/context.go at v0.0.22): the Dockerfile's content, then for
+each file of the context not excluded by ``.dockerignore``, in the order Go's walk visits them, its content,
+its slash-separated relative path and its mode string (Go's ``FileMode.String``, which ``stat.filemode``
+matches for regular files). The exclusion rules are docker-py's port of moby's pattern matcher (the
+provider uses moby's, through BuildKit's fsutil). Not compared bit for bit with the Go provider (no provider
+binary here): what is checked is which changes reach the hash.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import tomllib
@@ -11,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from docker.utils.build import PatternMatcher
 from dockerfile_parse import DockerfileParser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +96,18 @@ def test_the_runtime_listens_where_the_image_says(dockerfile: DockerfileParser) 
     assert config.host == "0.0.0.0"
 
 
+def _copies(parser: DockerfileParser) -> list[tuple[list[str], str]]:
+    """``(sources, destination)`` of each COPY (no flags are used in this Dockerfile)."""
+    copies = []
+    for value in _instructions(parser, "COPY"):
+        *sources, destination = value.split()
+        assert not any(part.startswith("--") for part in sources), value
+        copies.append((sources, destination))
+    return copies
+
+
 def _copied_sources(parser: DockerfileParser) -> list[str]:
-    return [source for value in _instructions(parser, "COPY") for source in value.split()[:-1]]
+    return [source for sources, _ in _copies(parser) for source in sources]
 
 
 def test_the_image_carries_the_runtime_and_not_the_deployment_tools(dockerfile: DockerfileParser) -> None:
@@ -126,13 +151,17 @@ def test_duplex_serves_without_the_deployment_tools() -> None:
 def test_the_image_build_context_makes_a_wheel(dockerfile: DockerfileParser, tmp_path: Path) -> None:
     """What the Dockerfile copies is enough for ``pip install .[runtime]``: build the wheel from exactly
     those files (no build isolation: offline) and check it holds the runtime and nothing of infra."""
-    for source in _copied_sources(dockerfile):
-        target = tmp_path / "context" / source
-        if (ROOT / source).is_dir():
-            shutil.copytree(ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / source, target)
+    workdir = tmp_path / "context"  # the image's WORKDIR
+    for sources, destination in _copies(dockerfile):
+        for source in sources:
+            target = workdir / destination
+            if destination.endswith("/") or len(sources) > 1:
+                target = target / Path(source).name
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / source, target)
     result = subprocess.run(
         [
             sys.executable,
@@ -156,3 +185,193 @@ def test_the_image_build_context_makes_a_wheel(dockerfile: DockerfileParser, tmp
     names = zipfile.ZipFile(wheel).namelist()
     assert "runtime/server.py" in names
     assert not [n for n in names if n.startswith("infra/")]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The build context (.dockerignore) and its hash
+# --------------------------------------------------------------------------------------------------------
+
+
+def dockerignore_patterns(root: Path) -> list[str]:
+    """``root/.dockerignore`` as moby's ``ignorefile.ReadAll`` reads it: one pattern a line, blank lines and
+    ``#`` comments skipped, surrounding spaces trimmed."""
+    lines = (line.strip() for line in (root / ".dockerignore").read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _go_walk_order(path: str) -> list[str]:
+    return path.split("/")  # Go's walk visits a directory's entries by name: paths compare part by part
+
+
+def context_files(root: Path) -> list[str]:
+    """The files of the build context rooted at ``root`` (relative, ``/``-separated), in walk order: every
+    file the ``.dockerignore`` does not exclude."""
+    matcher = PatternMatcher(dockerignore_patterns(root))
+    # docker-py re-includes .dockerignore (the classic CLI sends it); BuildKit's fsutil, which the
+    # provider uses, does not: drop that last pattern.
+    assert matcher.patterns[-1].cleaned_pattern == ".dockerignore" and matcher.patterns[-1].exclusion
+    matcher.patterns.pop()
+    files = [p.replace(os.sep, "/") for p in matcher.walk(str(root)) if (root / p).is_file()]
+    return sorted(files, key=_go_walk_order)
+
+
+def provider_context_hash(root: Path, dockerfile: Path) -> str:
+    """pulumi-docker-build's context hash (``hashBuildContext``; module docstring)."""
+    digest = hashlib.sha256()
+    digest.update(dockerfile.read_bytes())
+    for relative in context_files(root):
+        path = root / relative
+        digest.update(path.read_bytes())
+        digest.update(relative.encode())
+        digest.update(stat.filemode(path.stat().st_mode).encode())
+    return digest.hexdigest()
+
+
+def _source_files(sources: list[str]) -> set[str]:
+    """The files under the COPY sources, without Python's generated files."""
+    files: set[str] = set()
+    for source in sources:
+        path = ROOT / source
+        if path.is_file():
+            files.add(source)
+            continue
+        for file in path.rglob("*"):
+            parts = file.relative_to(ROOT).parts
+            if file.is_file() and "__pycache__" not in parts and file.suffix not in (".pyc", ".pyo"):
+                files.add("/".join(parts))
+    return files
+
+
+def test_the_build_context_is_exactly_what_the_dockerfile_copies(dockerfile: DockerfileParser) -> None:
+    """Nothing but the COPY sources is sent to the builder or hashed by the provider, and each of them is."""
+    sources = _copied_sources(dockerfile)
+    context = set(context_files(ROOT))
+    expected = _source_files(sources)
+    assert context - expected == set(), "in the context but copied by no COPY"
+    assert expected - context == set(), "copied by a COPY but left out of the context by .dockerignore"
+    # Every COPY source is inside the allowlist, and is not empty there.
+    for source in sources:
+        assert any(f == source or f.startswith(source.rstrip("/") + "/") for f in context), source
+    # The deployment tools and the repository's own documentation are not.
+    assert not [f for f in context if f.split("/")[0] in ("infra", ".github", "stacks", "tests")]
+    assert not {"Makefile", "README.md", "Pulumi.yaml", ".dockerignore"} & context
+
+
+def test_the_dockerignore_is_an_allowlist() -> None:
+    """A new top-level file or directory stays out without anyone adding it to .dockerignore."""
+    # The provider (getIgnorePatterns) and BuildKit prefer <Dockerfile>.dockerignore: there must be none.
+    assert not (DOCKERFILE.parent / "Dockerfile.dockerignore").exists()
+    patterns = dockerignore_patterns(ROOT)
+    assert patterns[0] == "*"
+    assert all(p.startswith("!") or p.startswith("**/") for p in patterns[1:]), patterns
+
+
+_DECOYS = {
+    "infra/components/image.py": "# the Pulumi program\n",
+    ".github/workflows/pulumi-up.yml": "name: pulumi-up\n",
+    "stacks/Pulumi.dev.yaml": "config: {}\n",
+    "tests/test_image.py": "# a test\n",
+    "Makefile": "setup:\n\ttrue\n",
+    "README.md": "# duplexops\n",
+    "Pulumi.yaml": "name: duplexops\n",
+    "runtime/__pycache__/server.cpython-311.pyc": "bytecode",
+    "runtime/.server.py.swp": "editor swap file",
+}
+
+
+@pytest.fixture
+def repo_copy(dockerfile: DockerfileParser, tmp_path: Path) -> Path:
+    """A copy of what the context can hold: .dockerignore, the Dockerfile, the COPY sources, and decoys
+    that must stay out (the program, workflows, stacks, tests, Makefile, README, generated files)."""
+    root = tmp_path / "repo"
+    for relative in [".dockerignore", "images/runtime/Dockerfile", *_copied_sources(dockerfile)]:
+        source, target = ROOT / relative, root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target)
+    for relative, text in _DECOYS.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+    return root
+
+
+def _edit(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("\n# edited\n")
+
+
+@pytest.mark.parametrize("relative", [*_DECOYS, "NOTES.txt", "infra/new_module.py", ".dockerignore.bak"])
+def test_a_change_outside_the_allowlist_keeps_the_context_hash(repo_copy: Path, relative: str) -> None:
+    dockerfile = repo_copy / "images/runtime/Dockerfile"
+    before = provider_context_hash(repo_copy, dockerfile)
+    _edit(repo_copy / relative)
+    assert provider_context_hash(repo_copy, dockerfile) == before
+
+
+@pytest.mark.parametrize(
+    "relative",
+    [
+        "runtime/server.py",
+        "runtime/new_module.py",
+        "pyproject.toml",
+        "requirements.lock",
+        "images/runtime/README.md",
+        "images/runtime/Dockerfile",
+    ],
+)
+def test_a_change_inside_the_allowlist_changes_the_context_hash(repo_copy: Path, relative: str) -> None:
+    dockerfile = repo_copy / "images/runtime/Dockerfile"
+    before = provider_context_hash(repo_copy, dockerfile)
+    _edit(repo_copy / relative)
+    assert provider_context_hash(repo_copy, dockerfile) != before
+
+
+def test_a_mode_change_inside_the_allowlist_changes_the_context_hash(repo_copy: Path) -> None:
+    dockerfile = repo_copy / "images/runtime/Dockerfile"
+    before = provider_context_hash(repo_copy, dockerfile)
+    (repo_copy / "runtime/cli.py").chmod(0o755)
+    assert provider_context_hash(repo_copy, dockerfile) != before
+
+
+def test_dependencies_are_installed_before_the_runtime_is_copied(dockerfile: DockerfileParser) -> None:
+    """A change of runtime/ leaves the dependency layer (torch, gigabytes) to the build cache."""
+    steps = [(i["instruction"], i["value"]) for i in dockerfile.structure]
+    install = next(n for n, (kind, value) in enumerate(steps) if kind == "RUN" and "[runtime]" in value)
+    copy_runtime = next(
+        n for n, (kind, value) in enumerate(steps) if kind == "COPY" and value.split()[0] == "runtime"
+    )
+    assert install < copy_runtime
+
+
+def test_the_dockerfile_takes_source_date_epoch(dockerfile: DockerfileParser) -> None:
+    """Declared in the stage, so RUN steps see it too (BuildKit's docs/build-repro.md)."""
+    assert "SOURCE_DATE_EPOCH" in [value.split("=")[0] for value in _instructions(dockerfile, "ARG")]
+
+
+@pytest.fixture(scope="module")
+def dev_image() -> dict:
+    """The dev stack's docker-build Image inputs, from the whole program under Pulumi's mocks."""
+    from pulumi_harness import run_stack
+
+    return run_stack("dev").one("docker-build:index:Image").plain
+
+
+def test_the_program_builds_the_allowlisted_context(dev_image: dict) -> None:
+    """The context the program passes is the one whose hash the tests above compute."""
+    assert (Path.cwd() / dev_image["context"]["location"]).resolve() == ROOT
+    assert (Path.cwd() / dev_image["dockerfile"]["location"]).resolve() == DOCKERFILE
+    assert dockerignore_patterns(ROOT)[0] == "*"
+
+
+def test_the_build_uses_a_registry_cache_and_a_fixed_timestamp(dev_image: dict) -> None:
+    [tag] = dev_image["tags"]
+    cache_ref = tag.rsplit(":", 1)[0] + ":buildcache"
+    assert dev_image["cacheFrom"] == [{"registry": {"ref": cache_ref}}]
+    [cache_to] = dev_image["cacheTo"]
+    assert cache_to["registry"]["ref"] == cache_ref
+    assert cache_to["registry"]["mode"] == "max"
+    assert cache_to["registry"]["imageManifest"] is True and cache_to["registry"]["ociMediaTypes"] is True
+    assert dev_image["buildArgs"] == {"SOURCE_DATE_EPOCH": "0"}

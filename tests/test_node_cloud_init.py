@@ -308,6 +308,20 @@ def test_unit_runs_compose_and_covers_the_drain(name: str) -> None:
     assert DLVM_IMAGE_FAMILY in _document_text(profile) and DLVM_IMAGE_PROJECT in _document_text(profile)
 
 
+@pytest.mark.parametrize("name", GPU_PROFILES)
+def test_unit_turns_on_the_gce_maintenance_watch(name: str) -> None:
+    """cloud-init renders only GCE VMs: their unit sets DUPLEX_MAINTENANCE_WATCH=gce, which compose.yaml
+    passes to the runtime (``${DUPLEX_MAINTENANCE_WATCH:-off}``; off on on-premises hosts)."""
+    from runtime.config import RuntimeConfig
+
+    profile = PROFILES[name]
+    unit = _unit(_parse(_user_data(profile, _fake_bundle(profile))))
+    assert "Environment=DUPLEX_MAINTENANCE_WATCH=gce" in unit.splitlines()
+    runtime_env = yaml.safe_load(render_compose(profile)[COMPOSE_FILE])["services"]["runtime"]["environment"]
+    assert runtime_env["DUPLEX_MAINTENANCE_WATCH"] == "${DUPLEX_MAINTENANCE_WATCH:-off}"
+    assert RuntimeConfig(maintenance_watch="gce").maintenance_watch == "gce"
+
+
 def _document_text(profile: NodeProfile) -> str:
     return _user_data(profile, _fake_bundle(profile)).decode()
 

@@ -200,17 +200,23 @@ def test_runtime_environment_is_a_valid_runtime_config(name: str, monkeypatch: p
     env = runtime["environment"]
     assert env["HF_TOKEN"] is None  # passed through from docker compose's environment, no value here
     assert env["DUPLEX_NODE_ID"] == f"${{DUPLEX_NODE_ID:-{profile.name}}}"
-    expected = {**runtime_settings(profile), "DUPLEX_NODE_ID": env["DUPLEX_NODE_ID"], "HF_TOKEN": None}
+    # Set by the host (the GCE VM's unit), off elsewhere: on-premises hosts run no maintenance watch.
+    assert env["DUPLEX_MAINTENANCE_WATCH"] == "${DUPLEX_MAINTENANCE_WATCH:-off}"
+    host_set = {key: env[key] for key in ("DUPLEX_NODE_ID", "DUPLEX_MAINTENANCE_WATCH")}
+    expected = {**runtime_settings(profile), **host_set, "HF_TOKEN": None}
     assert env == expected  # the one source of the runtime's settings
     assert runtime["env_file"] == ["./" + SECRET_FILES["runtime_env"]]  # DUPLEX_REDIS_URL
     for key, value in env.items():
         if key.startswith("DUPLEX_"):
-            monkeypatch.setenv(key, profile.name if key == "DUPLEX_NODE_ID" else value)
+            # Compose's ${VAR:-default} with the variable unset gives the default.
+            interpolated = re.fullmatch(r"\$\{\w+:-(.*)\}", value)
+            monkeypatch.setenv(key, interpolated[1] if interpolated else value)
     config = RuntimeConfig()
     assert (config.host, config.port) == ("0.0.0.0", profile.ports.runtime)
     assert (config.model, config.device, config.dtype) == (profile.model, "cuda", profile.runtime_dtype)
     assert config.max_sessions == profile.sessions
     assert config.drain_grace_s == profile.limits.drain_grace_s
+    assert config.maintenance_watch == "off"
     assert config.max_session_s == profile.limits.max_session_s
     assert runtime["volumes"] == [f"{profile.model_cache_dir}:/models"]
     assert runtime["image"] == profile.runtime_image

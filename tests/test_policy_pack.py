@@ -49,7 +49,11 @@ def t4_instance(**overrides: Any) -> dict[str, Any]:
         "machineType": "n1-standard-8",
         "zone": "us-central1-a",
         "guestAccelerators": [{"type": "nvidia-tesla-t4", "count": 1.0}],
-        "scheduling": {"onHostMaintenance": "TERMINATE", "automaticRestart": True},
+        "scheduling": {
+            "onHostMaintenance": "TERMINATE",
+            "automaticRestart": True,
+            "gracefulShutdown": {"enabled": True, "maxDuration": {"seconds": 160.0}},
+        },
         "bootDisk": {"initializeParams": {"image": "deeplearning-platform-release/common-cu128"}},
         "networkInterfaces": [{"network": "default"}],
     }
@@ -61,7 +65,10 @@ def a100_instance(**overrides: Any) -> dict[str, Any]:
     props: dict[str, Any] = {
         "machineType": "a2-ultragpu-1g",
         "zone": "us-central1-a",
-        "scheduling": {"onHostMaintenance": "TERMINATE"},
+        "scheduling": {
+            "onHostMaintenance": "TERMINATE",
+            "gracefulShutdown": {"enabled": True, "maxDuration": {"seconds": 160.0}},
+        },
     }
     props.update(overrides)
     return props
@@ -683,7 +690,8 @@ def test_check_resources_names_policy_type_and_resource() -> None:
     assert any(v.startswith(f"[firewall-no-world-ssh] {FIREWALL} #1: ") for v in violations)
     assert sum(v.startswith(f"[firewall-no-public-monitoring] {FIREWALL} #1: ") for v in violations) == 2
     assert sum(v.startswith(f"[redis-auth-required] {REDIS} sessions: ") for v in violations) == 2
-    assert len(violations) == 6, prefixes
+    assert any(v.startswith(f"[gpu-instance-graceful-shutdown] {INSTANCE} scale5: ") for v in violations)
+    assert len(violations) == 7, prefixes
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -698,7 +706,11 @@ EXPECTED_POLICIES = [
     "redis-auth-required",
     "gpu-node-pool-tainted",
     "backend-timeout-fits-websockets",
+    "gpu-instance-graceful-shutdown",
+    "provisioning-model-sold",
+    "session-affinity-needs-hash-policy",
 ]
+EXPECTED_STACK_POLICIES = ["apis-enabled-for-features"]
 
 
 def test_pack_builds_one_mandatory_policy_per_rule() -> None:
@@ -706,8 +718,13 @@ def test_pack_builds_one_mandatory_policy_per_rule() -> None:
     from infra.policy.pack import ENFORCEMENT_LEVEL, PACK_NAME, build_policies
 
     policies = build_policies()
-    assert [p.name for p in policies] == [r.name for r in RULES] == EXPECTED_POLICIES
-    assert all(isinstance(p, policy.ResourceValidationPolicy) and p.has_validation() for p in policies)
+    resource_policies, stack_policies = policies[: len(RULES)], policies[len(RULES) :]
+    assert [p.name for p in resource_policies] == [r.name for r in RULES] == EXPECTED_POLICIES
+    assert [p.name for p in stack_policies] == EXPECTED_STACK_POLICIES
+    assert all(isinstance(p, policy.ResourceValidationPolicy) for p in resource_policies)
+    assert all(isinstance(p, policy.StackValidationPolicy) for p in stack_policies)
+    assert all(p.has_validation() for p in resource_policies)
+    assert all(callable(p.validate) for p in stack_policies)
     assert all(p.enforcement_level is None for p in policies)  # they take the pack's level
     assert PACK_NAME == "duplexops-policies" and ENFORCEMENT_LEVEL is policy.EnforcementLevel.MANDATORY
 
@@ -721,7 +738,7 @@ def test_main_constructs_the_policy_pack(monkeypatch: pytest.MonkeyPatch) -> Non
     [kwargs] = built
     assert kwargs["name"] == "duplexops-policies"
     assert kwargs["enforcement_level"] is policy.EnforcementLevel.MANDATORY
-    assert [p.name for p in kwargs["policies"]] == EXPECTED_POLICIES
+    assert [p.name for p in kwargs["policies"]] == EXPECTED_POLICIES + EXPECTED_STACK_POLICIES
 
 
 def _validate(resource_type: str, props: dict[str, Any]) -> dict[str, list[str]]:
@@ -754,7 +771,11 @@ def _validate(resource_type: str, props: dict[str, Any]) -> dict[str, list[str]]
 
 def test_adapter_reports_violations_through_the_engine_callback() -> None:
     found = _validate(INSTANCE, t4_instance(machineType="a2-ultragpu-1g", scheduling=None))
-    assert set(found) == {"gpu-instance-terminate-on-maintenance", "gpu-machine-type-match"}
+    assert set(found) == {
+        "gpu-instance-terminate-on-maintenance",
+        "gpu-machine-type-match",
+        "gpu-instance-graceful-shutdown",
+    }
     assert _validate(INSTANCE, t4_instance()) == {}
     assert set(_validate(FIREWALL, firewall(None, ["0.0.0.0/0"], protocol="all"))) == {
         "firewall-no-world-ssh",
@@ -770,7 +791,9 @@ def test_adapter_skips_only_the_unknown_values() -> None:
     assert list(found) == ["firewall-no-world-ssh"]
     found = _validate(REDIS, {"authEnabled": UNKNOWN_BOOL, "transitEncryptionMode": "DISABLED"})
     assert len(found["redis-auth-required"]) == 1
-    assert _validate(INSTANCE, t4_instance(scheduling={"onHostMaintenance": UNKNOWN_STRING})) == {}
+    graceful = {"enabled": True, "maxDuration": {"seconds": 160.0}}
+    unknown_maintenance = {"onHostMaintenance": UNKNOWN_STRING, "gracefulShutdown": graceful}
+    assert _validate(INSTANCE, t4_instance(scheduling=unknown_maintenance)) == {}
 
 
 def test_plain_unwraps_the_proxy() -> None:
@@ -826,7 +849,7 @@ def test_pack_serves_over_grpc_as_the_cli_runs_it() -> None:
             stub = analyzer_pb2_grpc.AnalyzerStub(channel)
             info = stub.GetAnalyzerInfo(empty_pb2.Empty(), timeout=30)
             assert info.name == "duplexops-policies"
-            assert [p.name for p in info.policies] == EXPECTED_POLICIES
+            assert [p.name for p in info.policies] == EXPECTED_POLICIES + EXPECTED_STACK_POLICIES
             assert {p.enforcementLevel for p in info.policies} == {proto.MANDATORY}
             props = struct_pb2.Struct()
             props.update(
@@ -835,6 +858,7 @@ def test_pack_serves_over_grpc_as_the_cli_runs_it() -> None:
             request = proto.AnalyzeRequest(type=INSTANCE, properties=props, urn="urn:vm", name="vm")
             response = stub.Analyze(request, timeout=30)
             assert sorted(d.policyName for d in response.diagnostics) == [
+                "gpu-instance-graceful-shutdown",
                 "gpu-instance-terminate-on-maintenance",
                 "gpu-machine-type-match",
             ]

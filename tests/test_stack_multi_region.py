@@ -136,7 +136,7 @@ def test_global_entry(run: StackRun) -> None:
     backend = run.one(BACKEND).plain
     assert backend["timeoutSec"] >= 3600 + 60  # the a100-80gb profile's longest session, plus a margin
     assert backend["connectionDrainingTimeoutSec"] == 3600  # the longest session, GCP's maximum
-    assert backend["sessionAffinity"] == "CLIENT_IP"
+    assert backend["sessionAffinity"] == "NONE" and backend["localityLbPolicy"] == "LEAST_REQUEST"
     assert backend["loadBalancingScheme"] == "EXTERNAL_MANAGED"
     groups = sorted(b["group"] for b in backend["backends"])
     assert groups == sorted(
@@ -297,8 +297,8 @@ def test_outputs(run: StackRun) -> None:
 # --- policy pack ----------------------------------------------------------------------------------------
 
 
-def _policy_inputs(run: StackRun) -> list[tuple[str, dict, str]]:
-    return [(r.type, r.plain, r.name) for r in run.resources if r.custom]
+def _policy_inputs(run: StackRun) -> list[tuple[str, dict, str, tuple[str, ...]]]:
+    return [(r.type, r.plain, r.name, r.dependencies) for r in run.resources if r.custom]
 
 
 def test_policy_pack_passes(run: StackRun) -> None:
@@ -308,7 +308,7 @@ def test_policy_pack_passes(run: StackRun) -> None:
 def test_policy_pack_fails_on_untainted_gpu_pool_plain_redis_and_short_timeout(run: StackRun) -> None:
     resources = _policy_inputs(run)
     broken = []
-    for typ, props, name in resources:
+    for typ, props, name, deps in resources:
         props = json.loads(json.dumps(props))
         if typ == NODE_POOL and name.endswith("gpu-pool") and name.startswith("region-us-central1"):
             props["nodeConfig"]["taints"] = []
@@ -316,7 +316,7 @@ def test_policy_pack_fails_on_untainted_gpu_pool_plain_redis_and_short_timeout(r
             props["transitEncryptionMode"] = "DISABLED"
         if typ == BACKEND:
             props.pop("timeoutSec")  # the 30 s default
-        broken.append((typ, props, name))
+        broken.append((typ, props, name, deps))
     violations = check_resources(broken)
     assert len(violations) == 3, violations
     assert any("[backend-timeout-fits-websockets]" in v and "default 30 s" in v for v in violations)

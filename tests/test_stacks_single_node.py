@@ -154,7 +154,8 @@ def test_scale5_gcp_vm_is_a2_ultragpu_with_its_builtin_a100(runs: dict[str, Stac
 def test_vm_scheduling_disk_and_shielded_vm(runs: dict[str, StackRun], stack: str) -> None:
     vm = runs[stack].one(INSTANCE).plain
     assert vm["scheduling"]["onHostMaintenance"] == "TERMINATE"
-    assert vm["scheduling"]["automaticRestart"] is True
+    # dev runs on Spot (no automatic restart), scale5-gcp on demand (restarts after a host event).
+    assert vm["scheduling"]["automaticRestart"] is (stack == "scale5-gcp")
     params = vm["bootDisk"]["initializeParams"]
     from infra.components.gce_node import BOOT_IMAGE
 
@@ -163,8 +164,9 @@ def test_vm_scheduling_disk_and_shielded_vm(runs: dict[str, StackRun], stack: st
         "projects/deeplearning-platform-release/global/images/family/common-cu128-ubuntu-2204-nvidia-570"
     )
     assert params["size"] == 200
+    # Secure Boot off: the DLVM's DKMS-built NVIDIA modules are unsigned (infra.components.gce_node).
     assert vm["shieldedInstanceConfig"] == {
-        "enableSecureBoot": True,
+        "enableSecureBoot": False,
         "enableVtpm": True,
         "enableIntegrityMonitoring": True,
     }

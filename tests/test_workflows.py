@@ -4,6 +4,7 @@ check-jsonschema ships; linted with actionlint where it is installed."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -72,25 +73,49 @@ def require_stack_files() -> list[str]:
     return stacks
 
 
-def up_chain() -> list[str]:
-    """The stacks pulumi-up.yml deploys, in order, checking that the jobs form one needs-chain."""
-    jobs = load(UP)["jobs"]
-    order: list[str] = []
-    remaining = dict(jobs)
-    previous: str | None = None
-    while remaining:
-        ready = [
-            name
-            for name, job in remaining.items()
-            if (job.get("needs") or None) == previous or job.get("needs") == [previous]
-        ]
-        assert len(ready) == 1, f"jobs after {previous!r} are not one chain: {ready}"
-        [name] = ready
-        job = remaining.pop(name)
+def up_graph() -> dict[str, str | None]:
+    """``{stack: the stack its deploy waits for}`` of pulumi-up.yml (None for the first), checking that every
+    job calls pulumi-up-stack.yml for the stack it is named after and waits for at most one job."""
+    graph: dict[str, str | None] = {}
+    for name, job in load(UP)["jobs"].items():
         assert job["uses"] == "./.github/workflows/pulumi-up-stack.yml"
-        order.append(job["with"]["stack"])
-        previous = name
-    return order
+        assert job["with"]["stack"] == name
+        needs = job.get("needs")
+        if isinstance(needs, list):
+            assert len(needs) == 1, f"{name} waits for several jobs: {needs}"
+            [needs] = needs
+        graph[name] = needs
+    return graph
+
+
+# Runner labels: a stack either names GitHub-hosted labels outright or reads a repository variable with a
+# self-hosted default, as ``${{ vars.NAME || '<JSON array>' }}``.
+HOSTED = ["ubuntu-latest"]
+RUNNER_VARIABLES = {"scale5-onprem": "ONPREM_RUNNER_LABELS", "multi-region": "GKE_RUNNER_LABELS"}
+GCE_STACKS = ("dev", "scale5-gcp")
+_VAR_OR_DEFAULT = re.compile(r"^\$\{\{ vars\.([A-Z_]+) \|\| '([^']*)' \}\}$")
+
+
+def runner_labels(expression: str, variables: dict[str, str]) -> list[str]:
+    """The labels ``fromJSON(expression)`` gives with these repository variables (GitHub's ``||`` takes the
+    variable when it is set and not empty). Only the two forms the workflows use are understood."""
+    match = _VAR_OR_DEFAULT.match(expression)
+    text = (variables.get(match[1]) or match[2]) if match else expression
+    assert "${{" not in text, f"unexpected expression {expression!r}"
+    labels = json.loads(text)
+    assert isinstance(labels, list) and labels and all(isinstance(x, str) for x in labels), labels
+    return labels
+
+
+def preview_runner_expressions() -> dict[str, str]:
+    """``{stack: its matrix entry's runner expression}`` of pulumi-preview.yml."""
+    [job] = load(PREVIEW)["jobs"].values()
+    return {entry["stack"]: entry["runner"] for entry in job["strategy"]["matrix"]["include"]}
+
+
+def up_runner_expressions() -> dict[str, str]:
+    """``{stack: the runner-labels it passes to pulumi-up-stack.yml}`` of pulumi-up.yml."""
+    return {job["with"]["stack"]: job["with"]["runner-labels"] for job in load(UP)["jobs"].values()}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -200,17 +225,82 @@ def test_up_runs_on_pushes_to_main() -> None:
     assert "pull_request" not in on
 
 
-def test_up_deploys_one_stack_after_the_other() -> None:
-    assert up_chain() == STACK_ORDER
+def test_up_deploys_dev_then_scale5_gcp_then_the_private_stacks_side_by_side() -> None:
+    """dev gates everything, scale5-gcp gates the rest; multi-region does not wait for scale5-onprem (a
+    host on a private network whose runner may be offline must not hold up GKE), nor the reverse."""
+    assert up_graph() == {
+        "dev": None,
+        "scale5-gcp": "dev",
+        "scale5-onprem": "scale5-gcp",
+        "multi-region": "scale5-gcp",
+    }
+    assert list(up_graph()) == STACK_ORDER  # the file lists them in the order the SREs asked for
     for job in load(UP)["jobs"].values():
         assert job["secrets"] == "inherit"
 
 
-def test_up_chain_equals_the_stack_files() -> None:
+def test_up_jobs_equal_the_stack_files() -> None:
     stacks = require_stack_files()
-    chain = up_chain()
-    assert sorted(chain) == stacks
-    assert chain[0] == "dev" and chain.index("scale5-gcp") < chain.index("scale5-onprem")
+    graph = up_graph()
+    assert sorted(graph) == stacks
+    assert all(needs is None or needs in graph for needs in graph.values())
+
+
+@pytest.mark.parametrize(
+    "expressions", [up_runner_expressions, preview_runner_expressions], ids=["up", "preview"]
+)
+def test_gce_stacks_run_on_github_hosted_runners(expressions) -> None:  # noqa: ANN001
+    """dev and scale5-gcp reach only GCP's APIs (SSH through IAP): hosted runners, whatever the variables."""
+    runners = expressions()
+    everything_set = {name: '["elsewhere"]' for name in RUNNER_VARIABLES.values()}
+    for stack in GCE_STACKS:
+        assert runner_labels(runners[stack], {}) == HOSTED
+        assert runner_labels(runners[stack], everything_set) == HOSTED
+
+
+@pytest.mark.parametrize(
+    "expressions", [up_runner_expressions, preview_runner_expressions], ids=["up", "preview"]
+)
+@pytest.mark.parametrize("stack", sorted(RUNNER_VARIABLES))
+def test_private_stacks_run_on_self_hosted_runners_named_by_a_variable(expressions, stack: str) -> None:  # noqa: ANN001
+    """scale5-onprem (SSH to a host on a private network) and multi-region (GKE control planes open only to
+    adminSourceRanges) cannot be reached from GitHub-hosted runners: a self-hosted label set by default,
+    replaced by the repository variable when it is set."""
+    expression = expressions()[stack]
+    variable = RUNNER_VARIABLES[stack]
+    default = runner_labels(expression, {})
+    assert default[0] == "self-hosted" and "linux" in default, default
+    assert "ubuntu-latest" not in default
+    assert runner_labels(expression, {variable: '["self-hosted", "dc-1"]'}) == ["self-hosted", "dc-1"]
+    other = next(v for v in RUNNER_VARIABLES.values() if v != variable)
+    assert runner_labels(expression, {other: '["wrong"]'}) == default  # each stack reads its own variable
+
+
+def test_the_private_stacks_use_distinct_default_runners() -> None:
+    """The on-premises network and the GKE admin ranges are different places: one runner need not reach
+    both, so the defaults differ (a label each)."""
+    for expressions in (up_runner_expressions, preview_runner_expressions):
+        runners = expressions()
+        onprem, gke = (runner_labels(runners[s], {}) for s in ("scale5-onprem", "multi-region"))
+        assert onprem != gke
+
+
+def test_up_stack_runs_on_the_labels_it_is_given() -> None:
+    workflow = load(UP_STACK)
+    labels = workflow["on"]["workflow_call"]["inputs"]["runner-labels"]
+    assert labels["type"] == "string" and labels["required"] is False
+    assert json.loads(labels["default"]) == HOSTED
+    [job] = workflow["jobs"].values()
+    assert job["runs-on"] == "${{ fromJSON(inputs.runner-labels) }}"
+
+
+def test_preview_runs_each_stack_on_its_runner_and_never_a_fork_on_a_self_hosted_one() -> None:
+    [job] = load(PREVIEW)["jobs"].values()
+    assert job["runs-on"] == "${{ fromJSON(matrix.runner) }}"
+    assert sorted(preview_runner_expressions()) == sorted(STACK_ORDER)
+    # Both deploy paths use the same runner for a stack.
+    assert preview_runner_expressions() == up_runner_expressions()
+    assert job["if"] == "github.event.pull_request.head.repo.full_name == github.repository"
 
 
 def test_up_stack_gets_an_environment_and_a_concurrency_group_per_stack() -> None:

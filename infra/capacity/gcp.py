@@ -41,6 +41,10 @@ class MachineType:
         gpu_count: GPUs bundled with the type; for N1 the counts that may be attached.
         bundled: True when the GPU comes with the type (A2, G2, A3), False when attached (N1).
         price: on-demand price of the VM with ``gpu_count[0]`` GPUs, or None when unknown.
+        sold_as: the provisioning models GCE sells the type under (``PROVISIONING_MODELS`` keys).
+        bundled_local_ssd: True when GCE attaches Local SSD disks to every VM of the type by itself
+            (A2 Ultra, A3: cloud.google.com/compute/docs/disks/add-local-ssd, "every machine type comes
+            with Local SSD storage"); the provider reads them back as ``scratch_disk``.
     """
 
     name: str
@@ -51,6 +55,8 @@ class MachineType:
     gpu_count: tuple[int, ...]
     bundled: bool
     price: Price | None
+    sold_as: tuple[str, ...] = ("standard", "spot")
+    bundled_local_ssd: bool = False
 
 
 _FN = "FIELD-NOTES 'GCP GPUs' (GCP billing catalog, us-central1)"
@@ -115,17 +121,48 @@ MACHINE_TYPES: dict[str, MachineType] = {
     # A2 Ultra (a2-ultragpu-*): A100 80 GB SXM4, 12 vCPUs and 170 GB per GPU. FIELD-NOTES asks to check the
     # price on the pricing page; the figure is the 2025 list price.
     "a2-ultragpu-1g": MachineType(
-        "a2-ultragpu-1g", "A2", 12, 170.0, "a100-80gb-sxm", (1,), True, Price(5.07, _PAGE, _PAGE_DATE)
+        "a2-ultragpu-1g",
+        "A2",
+        12,
+        170.0,
+        "a100-80gb-sxm",
+        (1,),
+        True,
+        Price(5.07, _PAGE, _PAGE_DATE),
+        bundled_local_ssd=True,
     ),
-    # A3 High (a3-highgpu-*): H100 80 GB SXM5. 1g/2g/4g are sold through Flex-start/Spot only; 8g on demand.
+    # A3 High (a3-highgpu-*): H100 80 GB SXM5. 1g/2g/4g are sold through Flex-start/Spot only; 8g on demand
+    # (cloud.google.com/compute/docs/accelerator-optimized-machines#a3-high-vms, "a3-highgpu-1g, -2g, -4g:
+    # Spot and Flex-start only"; FIELD-NOTES "GCP and providers"). The price is the 2025 on-demand list price
+    # of the type, which GCE does not sell on demand at 1g: the planner's figure for comparison only.
     "a3-highgpu-1g": MachineType(
-        "a3-highgpu-1g", "A3", 26, 234.0, "h100", (1,), True, Price(11.06, _PAGE, _PAGE_DATE)
+        "a3-highgpu-1g",
+        "A3",
+        26,
+        234.0,
+        "h100",
+        (1,),
+        True,
+        Price(11.06, _PAGE, _PAGE_DATE),
+        sold_as=("spot", "flex-start"),
+        bundled_local_ssd=True,
     ),
     "a3-highgpu-8g": MachineType(
-        "a3-highgpu-8g", "A3", 208, 1872.0, "h100", (8,), True, Price(88.49, _PAGE, _PAGE_DATE)
+        "a3-highgpu-8g",
+        "A3",
+        208,
+        1872.0,
+        "h100",
+        (8,),
+        True,
+        Price(88.49, _PAGE, _PAGE_DATE),
+        sold_as=("standard", "spot", "flex-start"),
+        bundled_local_ssd=True,
     ),
     # A3 Ultra (a3-ultragpu-8g): 8 x H200 141 GB. Price not recorded here.
-    "a3-ultragpu-8g": MachineType("a3-ultragpu-8g", "A3", 224, 2952.0, "h200", (8,), True, None),
+    "a3-ultragpu-8g": MachineType(
+        "a3-ultragpu-8g", "A3", 224, 2952.0, "h200", (8,), True, None, bundled_local_ssd=True
+    ),
 }
 """GCP machine types the planner knows, by name."""
 
@@ -153,6 +190,11 @@ GPU_LABELS: dict[str, str] = {
 }
 """How GCP names each of ``GCP_GPUS`` in its documentation (for messages)."""
 
+STOP_TIMEOUT_METADATA_KEY = "duplexops-stop-timeout-s"
+"""Instance metadata key with the seconds a GCE node needs to stop cleanly (its systemd unit's
+``TimeoutStopSec``): written by ``infra.components.gce_node``, read by the policy pack's graceful-shutdown
+rule."""
+
 IAP_SOURCE_RANGE = "35.235.240.0/20"
 """Source range of Google's Identity-Aware Proxy TCP forwarding (``gcloud compute ssh
 --tunnel-through-iap``): cloud.google.com/iap/docs/using-tcp-forwarding."""
@@ -166,6 +208,33 @@ ACCELERATOR_TYPES: dict[str, str] = {
     "h200": "nvidia-h200-141gb",
 }
 """GCE accelerator type names (``guestAccelerators[].type``) of ``GCP_GPUS``, by catalog key."""
+
+
+PROVISIONING_MODELS: dict[str, str] = {"standard": "STANDARD", "spot": "SPOT", "flex-start": "FLEX_START"}
+"""Provisioning models of a GCE VM: the stack config's spelling -> ``scheduling.provisioningModel``
+(cloud.google.com/compute/docs/instances/provisioning-models). Standard: on demand, runs until stopped.
+Spot: up to 60-91 % cheaper, GCE may preempt it at any time with a 30 s notice. Flex-start (Dynamic Workload
+Scheduler): waits for capacity, then runs for at most ``FLEX_START_MAX_RUN_S`` and is deleted."""
+
+FLEX_START_MAX_RUN_S = 7 * 24 * 3600
+"""The longest a Flex-start VM runs (7 days; cloud.google.com/compute/docs/instances/flex-start-vms):
+GCE deletes it then, and the next ``pulumi up`` creates a new one."""
+
+
+def provisioning_problem(machine_type: str, model: str) -> str | None:
+    """Why GCE does not sell ``machine_type`` under provisioning model ``model``, or None when it does.
+
+    Raises:
+        ValueError: ``machine_type`` or ``model`` is unknown (names the allowed values).
+
+    >>> provisioning_problem("a3-highgpu-1g", "standard")
+    'a3-highgpu-1g is sold only as spot or flex-start, not standard'
+    """
+    check_choice("provisioning_model", model, sorted(PROVISIONING_MODELS))
+    mt = get_machine_type(machine_type)
+    if model in mt.sold_as:
+        return None
+    return f"{machine_type} is sold only as {' or '.join(mt.sold_as)}, not {model}"
 
 
 def get_machine_type(name: str) -> MachineType:

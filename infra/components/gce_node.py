@@ -12,15 +12,15 @@ What it declares (every child parented to the component):
   ``roles/monitoring.metricWriter`` on the project, ``roles/artifactregistry.reader`` on the image's
   repository only, ``roles/secretmanager.secretAccessor`` on the node's own secrets only;
 - the VM: the machine type with its GPU (attached for N1 types, built into A2/G2/A3 types: the capacity
-  catalog's ``bundled`` says which), ``onHostMaintenance: TERMINATE`` (GPU VMs cannot live-migrate), the
-  Deep Learning VM image family of ``infra.node.cloud_init`` on the boot disk, Shielded VM (Secure Boot,
-  vTPM, integrity monitoring), OS Login, and the cloud-init ``user-data`` of
-  ``infra.node.cloud_init.render_cloud_init``: the bundle of ``infra.node.bundle.render_bundle`` for the
-  profile running the image digest, secrets named by Secret Manager id (never their values).
+  catalog's ``bundled`` says which), ``scheduling`` of :func:`scheduling` (TERMINATE on host maintenance,
+  GCE graceful shutdown covering the node's drain, the stack's provisioning model), the Deep Learning VM
+  image family of ``infra.node.cloud_init`` on the boot disk, Shielded VM with vTPM and integrity
+  monitoring (Secure Boot off: see ``SHIELDED_INSTANCE_CONFIG``), OS Login, and the cloud-init
+  ``user-data`` of ``infra.node.cloud_init.render_cloud_init``.
 
 cloud-init applies its files once per VM, so a change of the user-data (a new image digest, a profile
-change) replaces the VM (``replace_on_changes``), deleting the old one first (the static address and the
-name move to the new one). The model cache is on the boot disk: a replaced VM downloads the weights again.
+change) replaces the VM (``replace_on_changes``), deleting the old one first. Nothing else may replace it:
+the Local SSDs GCE attaches to A2 Ultra / A3 types by itself are ignored (``IGNORED_INSTANCE_CHANGES``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ import pulumi_gcp.projects as projects
 import pulumi_gcp.secretmanager as secretmanager
 import pulumi_gcp.serviceaccount as serviceaccount
 
-from infra.capacity.gcp import IAP_SOURCE_RANGE  # the only source of SSH
+from infra.capacity.gcp import (
+    FLEX_START_MAX_RUN_S,
+    IAP_SOURCE_RANGE,  # the only source of SSH
+    PROVISIONING_MODELS,
+    STOP_TIMEOUT_METADATA_KEY,
+)
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
 from infra.node.bundle import render_bundle
 from infra.node.cloud_init import (
@@ -44,16 +49,23 @@ from infra.node.cloud_init import (
     USER_DATA_FILE,
     render_cloud_init,
 )
+from infra.node.compose import node_stop_timeout_s
 from infra.node.profile import NodeProfile
 from infra.stack_config import GceSettings
 
 __all__ = [
     "BOOT_IMAGE",
+    "GRACEFUL_SHUTDOWN_MAX_S",
     "IAP_SOURCE_RANGE",
+    "IGNORED_INSTANCE_CHANGES",
     "NODE_PROJECT_ROLES",
+    "SHIELDED_INSTANCE_CONFIG",
+    "STOP_TIMEOUT_METADATA_KEY",
     "GceGpuNode",
     "GceGpuNodeArgs",
+    "graceful_shutdown_s",
     "render_user_data",
+    "scheduling",
 ]
 
 
@@ -66,6 +78,79 @@ NODE_PROJECT_ROLES = ("roles/logging.logWriter", "roles/monitoring.metricWriter"
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 """OAuth scopes of the VM: cloud-platform, so that IAM roles alone decide what the node may do."""
+
+
+GRACEFUL_SHUTDOWN_MAX_S = 3600
+"""The longest GCE graceful shutdown (``scheduling.gracefulShutdown.maxDuration.seconds``: 1 to 3600, the
+pulumi-gcp 10.2 docstring of ``InstanceSchedulingGracefulShutdownMaxDurationArgs``)."""
+
+IGNORED_INSTANCE_CHANGES = ("scratchDisks",)
+"""Instance inputs a refresh must not turn into a replacement. A2 Ultra and A3 types come with Local SSDs
+that GCE attaches by itself (cloud.google.com/compute/docs/disks/add-local-ssd); the provider reads them
+back into ``scratch_disk``, which is ForceNew, so an undeclared disk replaced the VM on every ``up``
+(terraform-provider-google #19648, the same for Z3). The node does not use them (the model cache is on the
+boot disk); GCE sizes them by machine type, so they are ignored rather than declared."""
+
+SHIELDED_INSTANCE_CONFIG = {
+    "enable_secure_boot": False,
+    "enable_vtpm": True,
+    "enable_integrity_monitoring": True,
+}
+"""Shielded VM options of the GPU VM. Secure Boot is off: the Deep Learning VM image installs the NVIDIA
+driver at first boot by building its kernel modules (DKMS), and those are not signed with a key the
+firmware trusts; under Secure Boot the kernel refuses unsigned modules and the GPU is absent
+(cloud.google.com/compute/docs/gpus/install-drivers-gpu, "Secure Boot": only drivers signed by the
+distribution load). vTPM and integrity monitoring (measured boot) stay on. Not verified on a real VM."""
+
+
+def graceful_shutdown_s(profile: NodeProfile) -> int:
+    """Seconds of GCE graceful shutdown the node needs: the systemd unit's stop timeout, in which nginx
+    and the runtime drain their sessions (``infra.node.compose.node_stop_timeout_s``).
+
+    Raises:
+        ValueError: it exceeds ``GRACEFUL_SHUTDOWN_MAX_S`` (GCE would cut the drain short)."""
+    needed = node_stop_timeout_s(profile)
+    if needed > GRACEFUL_SHUTDOWN_MAX_S:
+        raise ValueError(
+            f"profile {profile.name!r} needs {needed} s to stop (limits.drain_grace_s "
+            f"{profile.limits.drain_grace_s} s + margins); GCE graceful shutdown allows at most "
+            f"{GRACEFUL_SHUTDOWN_MAX_S} s: lower limits.drain_grace_s"
+        )
+    return needed
+
+
+def scheduling(gce: GceSettings, profile: NodeProfile) -> compute.InstanceSchedulingArgsDict:
+    """The VM's ``scheduling`` block.
+
+    - ``on_host_maintenance`` TERMINATE: GPU VMs cannot live-migrate (cloud.google.com/compute/docs/gpus,
+      "Handling host maintenance"); GCE announces the event about an hour ahead on the metadata server,
+      which the node's maintenance watcher turns into a drain.
+    - ``graceful_shutdown`` for :func:`graceful_shutdown_s`: without it a stop, delete or replace gives the
+      guest only seconds (GCE's default), which cuts every live conversation; with it systemd stops the
+      node unit, whose ``docker compose down`` drains (cloud.google.com/compute/docs/instances/
+      graceful-shutdown-overview).
+    - the provisioning model (``gce.provisioning_model``): ``standard`` restarts automatically; ``spot``
+      must set ``preemptible`` and no automatic restart, and is STOPPED on preemption (boot disk and model
+      cache kept; ``gcloud compute instances start`` brings it back); ``flex-start`` needs
+      ``max_run_duration`` and DELETE (pulumi-gcp 10.2 ``provisioning_model`` docstring). A preempted Spot
+      VM gets a 30 s notice: live sessions end with it (close 1001) whatever the drain grace.
+    """
+    block: compute.InstanceSchedulingArgsDict = {
+        "on_host_maintenance": "TERMINATE",
+        "provisioning_model": PROVISIONING_MODELS[gce.provisioning_model],
+        "graceful_shutdown": {"enabled": True, "max_duration": {"seconds": graceful_shutdown_s(profile)}},
+    }
+    if gce.provisioning_model == "standard":
+        block["automatic_restart"] = True
+    elif gce.provisioning_model == "spot":
+        block.update(preemptible=True, automatic_restart=False, instance_termination_action="STOP")
+    else:  # flex-start
+        block.update(
+            automatic_restart=False,
+            instance_termination_action="DELETE",
+            max_run_duration={"seconds": FLEX_START_MAX_RUN_S},
+        )
+    return block
 
 
 def render_user_data(
@@ -245,7 +330,7 @@ class GceGpuNode(pulumi.ComponentResource):
             zone=gce.zone,
             machine_type=gce.machine_type,
             guest_accelerators=accelerators,
-            scheduling={"on_host_maintenance": "TERMINATE", "automatic_restart": True},
+            scheduling=scheduling(gce, profile),
             boot_disk={
                 "auto_delete": True,
                 "initialize_params": {
@@ -260,16 +345,13 @@ class GceGpuNode(pulumi.ComponentResource):
                     "access_configs": [{"nat_ip": self.address.address, "network_tier": "PREMIUM"}],
                 }
             ],
-            shielded_instance_config={
-                "enable_secure_boot": True,
-                "enable_vtpm": True,
-                "enable_integrity_monitoring": True,
-            },
+            shielded_instance_config=dict(SHIELDED_INSTANCE_CONFIG),
             service_account={"email": self.service_account.email, "scopes": list(SCOPES)},
             metadata={
                 "user-data": self.user_data,
                 "enable-oslogin": "TRUE",
                 "block-project-ssh-keys": "TRUE",
+                STOP_TIMEOUT_METADATA_KEY: str(node_stop_timeout_s(profile)),
             },
             tags=[args.network_tag],
             labels={**args.labels, "profile": profile.name},
@@ -278,6 +360,7 @@ class GceGpuNode(pulumi.ComponentResource):
                 self,
                 [*deps, *grants, *args.boot_after, web, ssh],
                 replace_on_changes=['metadata["user-data"]'],
+                ignore_changes=list(IGNORED_INSTANCE_CHANGES),
                 delete_before_replace=True,
             ),
         )

@@ -24,7 +24,8 @@ What it declares (every child parented to the component):
   repository), the runtime's (read the model bucket; Workload Identity for its Kubernetes service
   account), the weights writer's (write the bucket), the monitoring one's (read metrics for the query
   frontend and the custom metrics adapter);
-- a Kubernetes provider built from the cluster's outputs (``gke-gcloud-auth-plugin`` credentials).
+- a Kubernetes provider built from the cluster's outputs (``gke-gcloud-auth-plugin`` with Application
+  Default Credentials, the GCP provider's own).
 
 The Kubernetes objects themselves are ``RegionalRuntime``'s (``infra.components.regional_runtime``).
 """
@@ -77,6 +78,10 @@ REDIS_TLS_PORT = 6378
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
 
+KUBECONFIG_ADC_FLAG = "--use_application_default_credentials"
+"""The ``gke-gcloud-auth-plugin`` flag that makes it use Application Default Credentials (see
+:func:`kubeconfig`)."""
+
 CLUSTER_NAME_LIMIT = 40
 """GKE cluster and Memorystore instance names: at most 40 characters."""
 
@@ -95,7 +100,12 @@ def workload_identity_member(project: str, namespace: str, ksa: str) -> str:
 
 def kubeconfig(name: str, endpoint: str, ca_certificate: str) -> str:
     """A kubeconfig (JSON) for cluster ``name`` at ``endpoint`` (IP) with base64 CA ``ca_certificate``,
-    authenticating with ``gke-gcloud-auth-plugin`` (the credentials Pulumi's GCP provider runs with)."""
+    authenticating with ``gke-gcloud-auth-plugin --use_application_default_credentials``: Application
+    Default Credentials, the ones Pulumi's GCP provider runs with (``gcloud auth application-default
+    login`` on a workstation, workload identity federation in CI). Without the flag the plugin shells out
+    to the gcloud CLI's own login (``gcloud auth login``), which a machine with only ADC does not have,
+    and every Kubernetes resource fails (cloud.google.com/kubernetes-engine/docs/how-to/
+    cluster-access-for-kubectl, "gke-gcloud-auth-plugin")."""
     return json.dumps(
         {
             "apiVersion": "v1",
@@ -118,6 +128,7 @@ def kubeconfig(name: str, endpoint: str, ca_certificate: str) -> str:
                         "exec": {
                             "apiVersion": "client.authentication.k8s.io/v1beta1",
                             "command": "gke-gcloud-auth-plugin",
+                            "args": [KUBECONFIG_ADC_FLAG],
                             "provideClusterInfo": True,
                             "installHint": "gcloud components install gke-gcloud-auth-plugin",
                         }
@@ -295,8 +306,9 @@ class GkeRegion(pulumi.ComponentResource):
                 "gcs_fuse_csi_driver_config": {"enabled": True},
                 "http_load_balancing": {"disabled": False},
             },
-            # The default pool is removed at once; its nodes still need a least-privilege account.
-            node_config={"service_account": node_sa.email, "oauth_scopes": list(SCOPES)},
+            # No cluster-level node_config: it manages the default pool, which the provider says not to use
+            # beside separate node pools (pulumi-gcp 10.2 Cluster.node_config docstring); the default pool
+            # is removed at once (remove_default_node_pool) and the pools below carry their own config.
             resource_labels=labels,
             opts=child(),
         )

@@ -20,8 +20,10 @@ What it declares:
   backend per (region, zone) NEG balanced on ``IN_FLIGHT`` requests with at most ``sessions`` per endpoint
   (= the pod's slots) and ``trafficDuration: LONG``: the load balancer sends a caller to the nearest
   region with capacity and spills over to the next nearest when every pod there is full, while an open
-  WebSocket stays on its pod (hence in its region) for its whole life. Session affinity ``CLIENT_IP``
-  sends a caller's reconnects to the same pod while it has room;
+  WebSocket stays on its pod (hence in its region) for its whole life. No session affinity: a session's
+  state is in Redis, not in its pod, so a reconnect may land on any pod with a free slot; pods are picked
+  by ``LEAST_REQUEST`` (affinity would need a hashing locality policy, which ignores load: the policy
+  pack's ``session-affinity-needs-hash-policy``);
 - the browser client (issue "a browser client on every node"): its files in a public Cloud Storage bucket
   behind a backend bucket that adds the page's security headers (``infra.node.webclient.page_headers``:
   CSP, HSTS, nosniff, ...). The URL map sends only the runtime's public paths (``RUNTIME_PATHS``:
@@ -66,8 +68,10 @@ check-concepts, "Probe IP ranges and firewall rules")."""
 BACKEND_TIMEOUT_MARGIN_S = 60
 """Seconds the backend timeout adds to the longest session (the runtime closes a session at its limit)."""
 
-MAX_BACKEND_TIMEOUT_S = 86400
-"""The longest backend timeout a global external Application Load Balancer takes (24 h)."""
+MAX_BACKEND_TIMEOUT_S = 2_147_483_647
+"""The longest backend timeout the API takes (pulumi-gcp 10.2 ``BackendService.timeout_sec``: "1 through
+2,147,483,647 seconds"). For a WebSocket behind the global external Application Load Balancer it is the
+longest the connection may live, so it is the longest session plus ``BACKEND_TIMEOUT_MARGIN_S``."""
 
 MAX_CONNECTION_DRAINING_S = 3600
 """The longest connection-draining timeout a backend service takes (1 h)."""
@@ -217,7 +221,8 @@ class GlobalEntry(pulumi.ComponentResource):
             port_name="http",
             timeout_sec=min(args.max_session_s + BACKEND_TIMEOUT_MARGIN_S, MAX_BACKEND_TIMEOUT_S),
             connection_draining_timeout_sec=min(args.drain_s, MAX_CONNECTION_DRAINING_S),
-            session_affinity="CLIENT_IP",
+            # NONE: with LEAST_REQUEST any other affinity would be silently off (see the module docstring).
+            session_affinity="NONE",
             locality_lb_policy="LEAST_REQUEST",
             health_checks=self.health_check.id,
             security_policy=self.security_policy.id,

@@ -1,5 +1,23 @@
-"""``RuntimeImage``: the runtime's container image, built from ``images/runtime/Dockerfile`` (context: the
-repository root) and pushed into an Artifact Registry repository of its own.
+"""``RuntimeImage``: the runtime's container image, built from ``images/runtime/Dockerfile`` and pushed into
+an Artifact Registry repository of its own.
+
+When it is rebuilt: pulumi-docker-build hashes the Dockerfile's content and every file of the build context
+that ``.dockerignore`` does not exclude (``hashBuildContext``, provider/internal/context.go at v0.0.22) and
+builds again when that hash changes. The context is the repository root, but ``.dockerignore`` is an
+allowlist of exactly what the Dockerfile copies (``pyproject.toml``, ``requirements.lock``,
+``images/runtime/README.md``, ``runtime/``): a change anywhere else (``infra/``, ``.github/``, stacks, the
+Makefile, the README) makes no new context hash, hence no new digest, no replaced VM, no rolled pod
+(``tests/test_image.py`` computes the hash as the provider does).
+
+Cache and reproducibility: every build imports and exports a registry cache (``<image>:buildcache`` in the
+same repository, ``mode=max``: every layer, so the multi-gigabyte torch layer of a fresh CI runner comes from
+the registry when only ``runtime/`` changed) and sets ``SOURCE_DATE_EPOCH`` (``SOURCE_DATE_EPOCH`` below):
+BuildKit 0.11+ then stamps the image config and history with that time instead of the build's, so a rebuild
+of unchanged inputs whose layers come from the cache gives the same digest. File timestamps inside new
+layers are not rewritten: BuildKit's ``rewrite-timestamp`` export option (0.13+) has no field in
+pulumi-docker-build 0.0.22's typed registry export (``ExportRegistryArgs``), and a raw export in place of
+``push`` is not verified offline; layers only change when their inputs do, because the provider rebuilds
+only then and the cache serves the rest.
 
 Docker pushes with the access token of the credentials Pulumi's GCP provider runs with (``gcloud auth
 application-default login`` locally, workload identity in CI): no key file. The build needs a Docker
@@ -28,6 +46,12 @@ __all__ = ["REPO_ROOT", "RuntimeImage", "RuntimeImageArgs", "build_path"]
 
 DOCKERFILE = "images/runtime/Dockerfile"
 
+SOURCE_DATE_EPOCH = 0
+"""The image's timestamp (seconds since 1970): the Dockerfile frontend takes the ``SOURCE_DATE_EPOCH`` build
+arg for the image config's and history's ``created`` since BuildKit 0.11 (moby/buildkit docs/build-repro.md;
+Docker's guide uses 0 too: docs.docker.com/build/ci/github-actions/reproducible-builds/). Fixed, not the last
+commit's time: any commit (a README edit) would then change the digest."""
+
 
 def build_path(path: Path) -> str:
     """``path`` relative to the program's working directory (the engine runs the program and the
@@ -46,6 +70,7 @@ class RuntimeImageArgs:
         repository_id: the Artifact Registry repository id.
         image_name: the image's name inside the repository.
         tag: a moving tag pushed with every build (nodes run the digest, never the tag).
+        cache_tag: the tag of the registry build cache, beside the image.
         platform: the target platform.
         labels: labels of the repository.
     """
@@ -55,6 +80,7 @@ class RuntimeImageArgs:
     repository_id: str
     image_name: str = "duplex-runtime"
     tag: str = "latest"
+    cache_tag: str = "buildcache"
     platform: str = "linux/amd64"
     labels: Mapping[str, str] = field(default_factory=dict)
 
@@ -67,6 +93,11 @@ class RuntimeImageArgs:
     def repository_path(self) -> str:
         """``<registry>/<project>/<repository>/<image>`` (no tag, no digest)."""
         return f"{self.registry}/{self.project}/{self.repository_id}/{self.image_name}"
+
+    @property
+    def cache_ref(self) -> str:
+        """``<repository_path>:<cache_tag>``: the registry build cache."""
+        return f"{self.repository_path}:{self.cache_tag}"
 
 
 class RuntimeImage(pulumi.ComponentResource):
@@ -101,6 +132,24 @@ class RuntimeImage(pulumi.ComponentResource):
             dockerfile={"location": build_path(REPO_ROOT / DOCKERFILE)},
             platforms=[docker_build.Platform(args.platform)],
             tags=[f"{args.repository_path}:{args.tag}"],
+            build_args={"SOURCE_DATE_EPOCH": str(SOURCE_DATE_EPOCH)},
+            cache_from=[
+                docker_build.CacheFromArgs(registry=docker_build.CacheFromRegistryArgs(ref=args.cache_ref))
+            ],
+            # mode=max: every layer, not only the final image's. An OCI image manifest (not a manifest
+            # list): the form registries accept most widely (the provider's docstring of image_manifest).
+            # A failed cache export never fails the deploy: the cache only saves time.
+            cache_to=[
+                docker_build.CacheToArgs(
+                    registry=docker_build.CacheToRegistryArgs(
+                        ref=args.cache_ref,
+                        mode=docker_build.CacheMode.MAX,
+                        image_manifest=True,
+                        oci_media_types=True,
+                        ignore_error=True,
+                    )
+                )
+            ],
             registries=[
                 {
                     "address": args.registry,

@@ -16,10 +16,12 @@ from pulumi_policy import (
     ResourceValidationArgs,
     ResourceValidationPolicy,
     Severity,
+    StackValidationArgs,
+    StackValidationPolicy,
 )
 from pulumi_policy.proxy import UnknownValueError
 
-from infra.policy.rules import RULES, UNKNOWN, Rule
+from infra.policy.rules import RULES, STACK_RULES, UNKNOWN, Rule, StackResource, StackRule
 
 __all__ = ["DESCRIPTION", "ENFORCEMENT_LEVEL", "PACK_NAME", "build_policies", "plain"]
 
@@ -28,7 +30,9 @@ ENFORCEMENT_LEVEL = EnforcementLevel.MANDATORY
 DESCRIPTION = (
     "Guard rails for the duplex runtime's stacks: GPU VMs terminate on maintenance, machine types match "
     "their GPUs, no SSH or monitoring ports open to the internet, Redis requires AUTH over TLS, GPU node "
-    "pools are tainted, HTTP load balancers keep WebSockets open past 30 s."
+    "pools are tainted, HTTP load balancers keep WebSockets open past 30 s, GPU VMs shut down gracefully and "
+    "use a provisioning model GCE sells, session affinity only with a hashing locality policy, every API a "
+    "resource needs enabled first."
 )
 
 _SEVERITY = {
@@ -39,6 +43,10 @@ _SEVERITY = {
     "redis-auth-required": Severity.HIGH,
     "gpu-node-pool-tainted": Severity.MEDIUM,
     "backend-timeout-fits-websockets": Severity.HIGH,
+    "gpu-instance-graceful-shutdown": Severity.HIGH,
+    "provisioning-model-sold": Severity.HIGH,
+    "session-affinity-needs-hash-policy": Severity.MEDIUM,
+    "apis-enabled-for-features": Severity.HIGH,
 }
 
 
@@ -82,6 +90,21 @@ def _validator(rule: Rule) -> Callable[[ResourceValidationArgs, ReportViolation]
     return validate
 
 
+def _stack_validator(rule: StackRule) -> Callable[[StackValidationArgs, ReportViolation], None]:
+    def validate(args: StackValidationArgs, report_violation: ReportViolation) -> None:
+        resources = [
+            StackResource(
+                r.resource_type, plain(r.props), r.name, tuple(d.urn for d in (r.dependencies or []))
+            )
+            for r in args.resources
+        ]
+        for message in rule.check(resources):
+            report_violation(message, None)
+
+    validate.__name__ = f"validate_{rule.name.replace('-', '_')}"
+    return validate
+
+
 def build_policies() -> list[Policy]:
     """One ``ResourceValidationPolicy`` per rule, in ``rules.RULES`` order. The enforcement level is the
     pack's (mandatory); ``--policy-pack-config`` can lower a single policy to advisory."""
@@ -95,4 +118,14 @@ def build_policies() -> list[Policy]:
         )
         for rule in RULES
     ]
+    policies.extend(
+        StackValidationPolicy(
+            name=rule.name,
+            description=rule.description,
+            validate=_stack_validator(rule),
+            severity=_SEVERITY[rule.name],
+            remediation_steps=rule.remediation,
+        )
+        for rule in STACK_RULES
+    )
     return policies

@@ -34,9 +34,12 @@ from infra.capacity.gcp import (
     GPU_LABELS,
     IAP_SOURCE_RANGE,
     MACHINE_TYPES,
+    PROVISIONING_MODELS,
+    STOP_TIMEOUT_METADATA_KEY,
     MachineType,
     carry_problem,
 )
+from infra.gcp_apis import SERVICE_TYPE, required_apis
 from infra.node.profile import NodePorts
 
 __all__ = [
@@ -52,9 +55,16 @@ __all__ = [
     "RULES",
     "UNKNOWN",
     "UNKNOWN_SENTINELS",
+    "STACK_RULES",
     "Rule",
+    "StackResource",
+    "StackRule",
+    "apis_enabled_for_features",
     "backend_timeout_fits_websockets",
     "check_resources",
+    "gpu_instance_graceful_shutdown",
+    "provisioning_model_sold",
+    "session_affinity_needs_hash_policy",
     "firewall_no_public_monitoring",
     "firewall_no_world_ssh",
     "gpu_instance_terminates_on_maintenance",
@@ -738,6 +748,216 @@ def backend_timeout_fits_websockets(resource_type: str, props: Mapping[str, Any]
 
 
 # --------------------------------------------------------------------------------------------------------
+# Rule 8: GPU VMs shut down gracefully for as long as the node's drain
+# --------------------------------------------------------------------------------------------------------
+
+MIN_GRACEFUL_SHUTDOWN_S = 60
+"""The shortest graceful shutdown allowed on a GPU VM without the node's own figure in its metadata."""
+
+
+def gpu_instance_graceful_shutdown(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """A GPU VM enables GCE graceful shutdown (``scheduling.gracefulShutdown.enabled``) for at least the
+    seconds its metadata key ``duplexops-stop-timeout-s`` names (else ``MIN_GRACEFUL_SHUTDOWN_S``).
+    GCE's default gives the guest only seconds on stop, delete or replace, which cuts every live
+    conversation (cloud.google.com/compute/docs/instances/graceful-shutdown-overview); the maximum is
+    3600 s (pulumi-gcp 10.2 ``InstanceSchedulingGracefulShutdownMaxDurationArgs``).
+
+    Polices instances and instance templates; passes when the GPU evidence, ``scheduling``,
+    ``gracefulShutdown`` or the duration is unknown during preview."""
+    if resource_type not in (INSTANCE, INSTANCE_TEMPLATE):
+        return []
+    p = _normalize(props)
+    evidence = _gpu_evidence(p)
+    if evidence is None or evidence is UNKNOWN:
+        return []
+    scheduling = _obj(p.get("scheduling"))
+    if isinstance(scheduling, _Unknown):
+        return []
+    graceful = _obj((scheduling or {}).get("gracefulShutdown"))
+    if isinstance(graceful, _Unknown):
+        return []
+    metadata = _obj(p.get("metadata"))
+    needed = MIN_GRACEFUL_SHUTDOWN_S
+    if isinstance(metadata, dict):
+        raw = metadata.get(STOP_TIMEOUT_METADATA_KEY)
+        if is_unknown(raw):
+            return []
+        if raw is not None and str(raw).isdigit():
+            needed = int(str(raw))
+    enabled = None if graceful is None else graceful.get("enabled")
+    duration = _obj((graceful or {}).get("maxDuration"))
+    if is_unknown(enabled) or isinstance(duration, _Unknown):
+        return []
+    seconds = None if duration is None else duration.get("seconds")
+    if is_unknown(seconds):
+        return []
+    if enabled is True and isinstance(seconds, (int, float)) and seconds >= needed:
+        return []
+    now = (
+        "is not enabled (GCE gives the guest only seconds)"
+        if enabled is not True
+        else f"lasts {_q(seconds)} s, less than the {needed} s the node needs to drain"
+    )
+    return [
+        f"GPU instance ({evidence}): scheduling.gracefulShutdown {now}. Live conversations are cut on "
+        f"stop, delete or replace; set gracefulShutdown = {{enabled: true, maxDuration: {{seconds: "
+        f"{needed}}}}} (at most 3600)."
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rule 9: the provisioning model is one GCE sells for the machine type
+# --------------------------------------------------------------------------------------------------------
+
+_MODEL_KEYS = {gce: key for key, gce in PROVISIONING_MODELS.items()}
+
+
+def provisioning_model_sold(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """A VM's ``scheduling.provisioningModel`` (STANDARD when unset) is one GCE sells its machine type as
+    (capacity catalog ``sold_as``: a3-highgpu-1g/2g/4g are Spot or Flex-start only,
+    cloud.google.com/compute/docs/accelerator-optimized-machines#a3-high-vms), with the settings the model
+    requires (pulumi-gcp 10.2 ``provisioning_model`` docstring): SPOT needs ``preemptible`` true and
+    ``automaticRestart`` false; FLEX_START needs ``automaticRestart`` false, ``instanceTerminationAction``
+    DELETE and a ``maxRunDuration``.
+
+    Polices instances; passes for machine types outside the catalog and for unknown values."""
+    if resource_type != INSTANCE:
+        return []
+    p = _normalize(props)
+    machine_type = p.get("machineType")
+    scheduling = _obj(p.get("scheduling"))
+    if is_unknown(machine_type) or isinstance(scheduling, _Unknown) or not isinstance(machine_type, str):
+        return []
+    scheduling = scheduling or {}
+    model = scheduling.get("provisioningModel") or "STANDARD"
+    if is_unknown(model):
+        return []
+    problems = []
+    entry = _catalog_entry(machine_type)
+    key = _MODEL_KEYS.get(str(model).upper())
+    if key is None:
+        problems.append(
+            f"scheduling.provisioningModel {_q(model)} is not one of "
+            f"{', '.join(PROVISIONING_MODELS.values())}"
+        )
+    elif entry is not None and key not in entry.sold_as:
+        sold = " or ".join(PROVISIONING_MODELS[m] for m in entry.sold_as)
+        problems.append(
+            f"machine type {_q(entry.name)} is sold only as {sold}, not {_q(model)}: GCE refuses to create "
+            "the VM. Set scheduling.provisioningModel accordingly (stack config duplexops:provisioningModel)."
+        )
+    if key == "spot" and (scheduling.get("preemptible") is not True or scheduling.get("automaticRestart")):
+        problems.append("SPOT needs scheduling.preemptible = true and scheduling.automaticRestart = false")
+    if key == "flex-start" and (
+        scheduling.get("automaticRestart")
+        or str(scheduling.get("instanceTerminationAction", "")).upper() != "DELETE"
+        or not scheduling.get("maxRunDuration")
+    ):
+        problems.append(
+            "FLEX_START needs scheduling.automaticRestart = false, instanceTerminationAction = DELETE and a "
+            "maxRunDuration"
+        )
+    return [p for p in problems if not any(is_unknown(v) for v in scheduling.values())]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Rule 10: session affinity only with a hashing locality policy
+# --------------------------------------------------------------------------------------------------------
+
+HASH_LOCALITY_POLICIES = ("MAGLEV", "WEIGHTED_MAGLEV", "RING_HASH")
+"""Locality policies under which a backend service's session affinity takes effect (pulumi-gcp 10.2
+``BackendService.locality_lb_policy`` docstring: "If session_affinity is not NONE, and
+locality_lb_policy is not set to MAGLEV, WEIGHTED_MAGLEV, or RING_HASH, session affinity settings will not
+take effect")."""
+
+
+def session_affinity_needs_hash_policy(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """A backend service that asks for session affinity (``sessionAffinity`` other than NONE) uses a
+    locality policy under which it works (``HASH_LOCALITY_POLICIES``); with ROUND_ROBIN or LEAST_REQUEST
+    the affinity is silently off. Passes when either value is unknown during preview."""
+    if resource_type != BACKEND_SERVICE:
+        return []
+    p = _normalize(props)
+    affinity, policy = p.get("sessionAffinity"), p.get("localityLbPolicy")
+    if is_unknown(affinity) or is_unknown(policy) or affinity in (None, "NONE"):
+        return []
+    if isinstance(policy, str) and policy.upper() in HASH_LOCALITY_POLICIES:
+        return []
+    now = "is not set (ROUND_ROBIN)" if policy is None else f"is {_q(policy)}"
+    return [
+        f"sessionAffinity {_q(affinity)} has no effect: localityLbPolicy {now}. Use "
+        f"{' or '.join(HASH_LOCALITY_POLICIES)}, or drop the affinity."
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stack rule: every API a resource needs is enabled, and the resource waits for it
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StackResource:
+    """One resource as a stack rule sees it: type token, inputs, name, and the names (or URNs) of the
+    resources it depends on (None when the caller does not know them)."""
+
+    type: str
+    props: Mapping[str, Any]
+    name: str
+    dependencies: tuple[str, ...] | None = None
+
+
+def apis_enabled_for_features(resources: Sequence[StackResource]) -> list[str]:
+    """Every API a declared resource needs (``infra.gcp_apis.required_apis``: its module's API and its
+    features', e.g. image streaming -> ``containerfilesystem.googleapis.com``) is enabled by a
+    ``gcp:projects/service:Service`` of the stack, and the resource depends on that Service (else GCE/GKE
+    may see the request first and answer SERVICE_DISABLED).
+
+    Applies to stacks that enable APIs themselves (at least one Service declared); a stack built with
+    ``enableApis: false`` relies on APIs enabled outside it. Dependencies are checked where known, directly
+    or through other resources (a binding that waits for a cluster that waits for the API is fine)."""
+    services = {
+        str(r.props.get("service")): r.name
+        for r in resources
+        if r.type == SERVICE_TYPE and isinstance(r.props.get("service"), str)
+    }
+    if not services:
+        return []
+    by_name = {r.name: r for r in resources}
+
+    def waits_for(resource: StackResource, target: str) -> bool:
+        """Whether ``resource`` depends on ``target`` directly or through other resources."""
+        seen: set[str] = set()
+        todo = list(resource.dependencies or ())
+        while todo:
+            dep = todo.pop()
+            name = dep.rsplit("::", 1)[-1]
+            if name == target:
+                return True
+            if name in seen or name not in by_name:
+                continue
+            seen.add(name)
+            todo.extend(by_name[name].dependencies or ())
+        return False
+
+    problems = []
+    for r in resources:
+        if r.type == SERVICE_TYPE:
+            continue
+        for api, why in sorted(required_apis(r.type, _normalize(r.props)).items()):
+            if api not in services:
+                problems.append(
+                    f"{r.type} {r.name} needs {api} ({why}), which the stack does not enable: add it to the "
+                    "APIs the program enables."
+                )
+            elif r.dependencies is not None and not waits_for(r, services[api]):
+                problems.append(
+                    f"{r.type} {r.name} needs {api} ({why}) but does not depend on its enablement "
+                    f"({services[api]}): pass the APIs' ResourceOptions (depends_on)."
+                )
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------------
 # The pack's rule list and a helper for the stacks' tests
 # --------------------------------------------------------------------------------------------------------
 
@@ -808,26 +1028,81 @@ RULES: tuple[Rule, ...] = (
         backend_timeout_fits_websockets,
         "Set timeoutSec past the longest session (max_session_s + 60).",
     ),
+    Rule(
+        "gpu-instance-graceful-shutdown",
+        "GPU VMs must enable GCE graceful shutdown for as long as the node needs to drain.",
+        (INSTANCE, INSTANCE_TEMPLATE),
+        gpu_instance_graceful_shutdown,
+        "Set scheduling.gracefulShutdown = {enabled: true, maxDuration: {seconds: <node stop timeout>}}.",
+    ),
+    Rule(
+        "provisioning-model-sold",
+        "A VM's provisioning model must be one GCE sells for its machine type, with the settings it needs.",
+        (INSTANCE,),
+        provisioning_model_sold,
+        "Set duplexops:provisioningModel to one the machine type is sold as (a3-highgpu-1g: spot or "
+        "flex-start).",
+    ),
+    Rule(
+        "session-affinity-needs-hash-policy",
+        "Backend services with session affinity must use localityLbPolicy MAGLEV or RING_HASH.",
+        (BACKEND_SERVICE,),
+        session_affinity_needs_hash_policy,
+        "Set localityLbPolicy to RING_HASH (or MAGLEV), or sessionAffinity to NONE.",
+    ),
 )
-"""The pack's rules, in the order the pack lists its policies."""
+"""The pack's resource rules, in the order the pack lists its policies."""
+
+
+@dataclass(frozen=True)
+class StackRule:
+    """One stack-wide policy: its name, description, check over every resource, and the fix."""
+
+    name: str
+    description: str
+    check: Callable[[Sequence[StackResource]], list[str]]
+    remediation: str
+
+
+STACK_RULES: tuple[StackRule, ...] = (
+    StackRule(
+        "apis-enabled-for-features",
+        "Every Google API a resource or feature needs is enabled by the stack, and the resource waits for "
+        "it.",
+        apis_enabled_for_features,
+        "Add the API to the program's list (infra/program.py) and create the resource after it.",
+    ),
+)
+"""The pack's stack rules (after the resource rules)."""
 
 
 def check_resources(
-    resources: Iterable[tuple[str, Mapping[str, Any]] | tuple[str, Mapping[str, Any], str]],
+    resources: Iterable[
+        tuple[str, Mapping[str, Any]]
+        | tuple[str, Mapping[str, Any], str]
+        | tuple[str, Mapping[str, Any], str, Sequence[str] | None]
+    ],
 ) -> list[str]:
-    """Apply every rule to every resource; the violations, each prefixed ``[policy] type name:``.
+    """Apply every rule to every resource, then every stack rule to all of them; the violations, each
+    prefixed ``[policy] type name:`` (stack rules: ``[policy]``).
 
-    ``resources`` are ``(resource_type, props)`` pairs, or ``(resource_type, props, name)`` triples, e.g.
-    ``(args.typ, args.inputs, args.name)`` collected by a ``pulumi.runtime.Mocks.new_resource``. An empty
-    result means the stack passes the pack (as far as values known in the mocks go).
+    ``resources`` are ``(resource_type, props)`` pairs, ``(resource_type, props, name)`` triples, e.g.
+    ``(args.typ, args.inputs, args.name)`` collected by a ``pulumi.runtime.Mocks.new_resource``, or
+    quadruples adding the names/URNs the resource depends on (the stack rules check them; None or absent:
+    not known). An empty result means the stack passes the pack (as far as values known in the mocks go).
     """
     violations = []
+    stack: list[StackResource] = []
     for index, item in enumerate(resources):
         resource_type, props = item[0], item[1]
         name = item[2] if len(item) > 2 else f"#{index}"  # type: ignore[misc]
+        deps = item[3] if len(item) > 3 else None  # type: ignore[misc]
+        stack.append(StackResource(resource_type, props, name, None if deps is None else tuple(deps)))
         for rule in RULES:
             if resource_type not in rule.resource_types:
                 continue
             for message in rule.check(resource_type, props):
                 violations.append(f"[{rule.name}] {resource_type} {name}: {message}")
+    for stack_rule in STACK_RULES:
+        violations.extend(f"[{stack_rule.name}] {message}" for message in stack_rule.check(stack))
     return violations

@@ -1,0 +1,83 @@
+"""Which Google API each resource and feature of the stacks needs (what a fresh project must enable first).
+
+A resource created before its API is enabled fails with ``SERVICE_DISABLED`` (HTTP 403) on a first
+``pulumi up``; mocks accept anything, so the policy pack's ``apis-enabled-for-features`` rule and the
+stacks' tests check every declared resource against :func:`required_apis`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["API_BY_TYPE_PREFIX", "FEATURE_APIS", "SERVICE_TYPE", "required_apis"]
+
+SERVICE_TYPE = "gcp:projects/service:Service"
+"""The resource that enables an API in a project (``pulumi_gcp.projects.Service``)."""
+
+API_BY_TYPE_PREFIX: dict[str, str] = {
+    "gcp:compute/": "compute.googleapis.com",
+    "gcp:container/": "container.googleapis.com",
+    "gcp:redis/": "redis.googleapis.com",
+    "gcp:artifactregistry/": "artifactregistry.googleapis.com",
+    "gcp:secretmanager/": "secretmanager.googleapis.com",
+    "gcp:serviceaccount/": "iam.googleapis.com",
+    "gcp:storage/": "storage.googleapis.com",
+}
+"""The API behind each provider module (the module's REST API: cloud.google.com/<product>/docs/reference).
+``gcp:projects/`` (IAM bindings, services) is Cloud Resource Manager's, which every project has."""
+
+
+def _enabled(value: Any) -> bool:
+    return isinstance(value, Mapping) and value.get("enabled") is True
+
+
+def _node_configs(props: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    config = props.get("nodeConfig")
+    return [config] if isinstance(config, Mapping) else []
+
+
+FEATURE_APIS: tuple[tuple[str, str, str], ...] = (
+    (
+        "gcp:container/nodePool:NodePool",
+        "image streaming (nodeConfig.gcfsConfig)",
+        "containerfilesystem.googleapis.com",
+    ),
+    (
+        "gcp:container/cluster:Cluster",
+        "Google Managed Prometheus (monitoringConfig.managedPrometheus)",
+        "monitoring.googleapis.com",
+    ),
+    ("gcp:container/cluster:Cluster", "GKE logging (loggingConfig)", "logging.googleapis.com"),
+)
+"""``(resource type, feature, API)``: features that need an API of their own beyond the module's.
+Image streaming needs the Container File System API (cloud.google.com/kubernetes-engine/docs/how-to/
+image-streaming, "Before you begin"); managed collection writes to Cloud Monitoring and GKE's logs to
+Cloud Logging (cloud.google.com/stackdriver/docs/managed-prometheus/setup-managed)."""
+
+
+def _has_feature(resource_type: str, feature: str, props: Mapping[str, Any]) -> bool:
+    if "gcfsConfig" in feature:
+        return any(_enabled(c.get("gcfsConfig")) for c in _node_configs(props))
+    if "managedPrometheus" in feature:
+        monitoring = props.get("monitoringConfig")
+        return isinstance(monitoring, Mapping) and _enabled(monitoring.get("managedPrometheus"))
+    if "loggingConfig" in feature:
+        return isinstance(props.get("loggingConfig"), Mapping)
+    raise AssertionError(f"no detector for feature {feature!r} of {resource_type}")
+
+
+def required_apis(resource_type: str, props: Mapping[str, Any]) -> dict[str, str]:
+    """The APIs a resource needs, ``{api: why}``, from its type token and camelCase inputs ``props``.
+
+    >>> required_apis("gcp:container/nodePool:NodePool", {"nodeConfig": {"gcfsConfig": {"enabled": True}}})
+    {'container.googleapis.com': 'gcp:container/ resources', 'containerfilesystem.googleapis.com': 'image streaming (nodeConfig.gcfsConfig)'}
+    """  # noqa: E501
+    needed: dict[str, str] = {}
+    for prefix, api in API_BY_TYPE_PREFIX.items():
+        if resource_type.startswith(prefix):
+            needed[api] = f"{prefix} resources"
+    for typ, feature, api in FEATURE_APIS:
+        if typ == resource_type and _has_feature(typ, feature, props):
+            needed.setdefault(api, feature)
+    return needed
