@@ -206,7 +206,7 @@ class EngineCore:
             sampling,
             prompt,
             on_output=lambda pcm, piece: self._output(worker, sid, pcm, piece),
-            on_prompt_done=lambda: self._send(worker, ipc.PromptDone(sid)),
+            on_prompt_done=lambda: self._send_and_forget(worker, ipc.PromptDone(sid)),
             max_inbox_frames=message.max_inbox_frames,
         )
         remote = _Remote(worker, slot_session, None, message.token_id, message.token_expires_at)
@@ -278,6 +278,9 @@ class EngineCore:
                 items, worker.outputs = worker.outputs, []
                 if not self._send(worker.identity, ipc.Outputs(items)):
                     self.metrics.frames_dropped.labels(reason="slow_worker").inc(len(items))
+
+    def _send_and_forget(self, worker: bytes, message: ipc.Message) -> None:
+        self._send(worker, message)
 
     def _send(self, worker: bytes, message: ipc.Message) -> bool:
         """Send without waiting; False when the worker's queue is full or the worker is gone."""

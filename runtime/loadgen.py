@@ -13,7 +13,7 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -202,7 +202,7 @@ async def run_session(
     on_frame: Callable[[], None] | None = None,
     token: str | None = None,
     token_via: TokenVia = "subprotocol",
-    messages: Sequence[bytes] | None = None,
+    messages: Iterable[bytes] | None = None,
 ) -> SessionResult:
     """Stream ``pcm`` (float32, 24 kHz, ``[T]``) to ``url`` frame by frame and collect what comes back.
 
@@ -225,8 +225,7 @@ async def run_session(
             ``audio_format`` (``pcm`` is then ignored).
     """
     result = SessionResult()
-    if messages is None:
-        messages = _LazyMessages(pcm, audio_format)
+    to_send: Iterable[bytes] = _LazyMessages(pcm, audio_format) if messages is None else messages
     started: float | None = None
     done = asyncio.Event()
     secure = urlsplit(url).scheme == "wss"
@@ -292,7 +291,7 @@ async def run_session(
                     await ws.send(raw)
                     result.bytes_sent += len(raw)
                 next_send = time.monotonic()
-                for message in messages:
+                for message in to_send:
                     if started is None:
                         started = time.monotonic()
                     await ws.send(message)
@@ -332,7 +331,7 @@ class _LazyMessages:
         self.pcm = pcm
         self.audio_format = audio_format
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[bytes]:
         _, encoder = make_codec(self.audio_format, max_buffered_frames=1000)
         for i in range(0, len(self.pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES):
             yield encode_audio(encoder.encode(self.pcm[i : i + FRAME_SAMPLES]))
