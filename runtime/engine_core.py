@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 STATUS_PERIOD_S = 0.1
 """How often the engine tells every worker the slots' state."""
-WORKER_TIMEOUT_S = 3.0
+WORKER_TIMEOUT_S = 5.0
 """A worker not heard from for this long is gone: its sessions' slots are freed."""
 SEND_HWM = 10_000
 """Messages queued per worker before the engine drops output (ZeroMQ's send high-water mark)."""

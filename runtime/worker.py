@@ -51,10 +51,11 @@ __all__ = ["ENGINE_TIMEOUT_S", "EngineClient", "RemoteSlotSession", "WorkerServe
 
 log = logging.getLogger(__name__)
 
-ENGINE_TIMEOUT_S = 2.0
-"""No ``Status`` from the engine for this long (it sends one every 0.1 s): the engine is gone."""
+ENGINE_TIMEOUT_S = 5.0
+"""No ``Status`` from the engine for this long (it sends one every 0.1 s): the engine is gone (5 s: a
+busy host may delay a broadcast by seconds without anything being wrong)."""
 HEARTBEAT_S = 0.5
-"""How often a worker says ``Hello`` (the engine forgets a worker silent for 3 s)."""
+"""How often a worker says ``Hello`` (the engine forgets a worker silent for 5 s)."""
 CLOSE_INTERNAL_ERROR = 1011
 
 
