@@ -399,25 +399,45 @@ def bench(
     ticks: Annotated[int, typer.Option(help="Measured ticks per configuration")] = 200,
     stock: Annotated[bool, typer.Option(help="Also measure the stock design")] = True,
     threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    quantize: Annotated[
+        str, typer.Option(help="LM weights: none or int8 (moshi's LLM.int8 path, as DUPLEX_QUANTIZE)")
+    ] = "none",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the rows to this JSON file")] = None,
 ) -> None:
-    """Tick time of the batched engine vs B stock batch-1 generators (see runtime/bench.py)."""
+    """Tick time of the batched engine vs B stock batch-1 generators (see runtime/bench.py), and the LM's
+    parameter and KV-cache bytes at the chosen weights (``--quantize int8`` against ``none``)."""
     import torch
 
     from runtime.bench import rows_as_dicts, run_benchmark, speedups
-    from runtime.models import build_random, build_tiny
+    from runtime.models import build_random, build_tiny, check_quantize
 
+    try:
+        check_quantize(quantize)
+    except ValueError as exc:
+        console.print(f"[red]--quantize: {exc}[/red]")
+        raise typer.Exit(2) from None
     if threads:
         torch.set_num_threads(threads)
     sizes = batch or [1, 2, 4, 8]
 
     def make_bundle():
         if model == "tiny":
-            return build_tiny(device=device)
-        return build_random(model, device=device)
+            return build_tiny(device=device, quantize=quantize)
+        return build_random(model, device=device, quantize=quantize)
 
+    probe = make_bundle()
+    weights_mb = probe.lm_parameter_bytes() / 1e6
+    probe.lm.transformer.streaming_forever(1)
+    states = probe.lm.transformer.get_streaming_state().values()
+    kv_mb = sum(s.kv_cache.cache.nbytes for s in states if getattr(s, "kv_cache", None) is not None) / 1e6
+    del probe
+    console.print(
+        f"{model}, quantize={quantize}: LM parameters {weights_mb:.1f} MB, temporal KV cache "
+        f"{kv_mb:.2f} MB per slot"
+    )
     rows = run_benchmark(make_bundle, sizes, ticks=ticks, stock=stock, progress=lambda m: console.log(m))
-    table = Table(title=f"tick time, {model} on {device} (torch threads {torch.get_num_threads()})")
+    title = f"tick time, {model} ({quantize}) on {device} (torch threads {torch.get_num_threads()})"
+    table = Table(title=title)
     for column in ("design", "B", "p50 ms", "p99 ms", "real-time sessions", "p99 < 80 ms"):
         table.add_column(column)
     for r in rows:
@@ -433,7 +453,54 @@ def bench(
     for b, ratio in speedups(rows).items():
         console.print(f"B={b}: batched throughput {ratio:.2f}x the stock design")
     if json_path:
-        json_path.write_text(json.dumps({"rows": rows_as_dicts(rows), "speedups": speedups(rows)}, indent=2))
+        summary = {"rows": rows_as_dicts(rows), "speedups": speedups(rows), "quantize": quantize}
+        summary.update({"lm_parameter_mb": weights_mb, "temporal_kv_mb_per_slot": kv_mb})
+        json_path.write_text(json.dumps(summary, indent=2))
+
+
+@app.command("bench-persona")
+def bench_persona(
+    live: Annotated[int, typer.Option(help="Sessions talking while the prompted one joins")] = 4,
+    prompt_tokens: Annotated[int, typer.Option(help="Text prompt tokens (wrapper included)")] = 1000,
+    mode: Annotated[
+        list[str] | None, typer.Option(help="prefill and/or step-by-step (repeat the option)")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="torch threads")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here")] = None,
+) -> None:
+    """Connect-to-handshake time of a session with a long text prompt while others talk, with the prompt
+    prefilled or fed step by step, and the tick times meanwhile (tiny preset, CPU; runtime/prompt_bench.py).
+    Needs nothing but this machine: a server on loopback, clients in this process."""
+    import asyncio
+
+    import torch
+
+    from runtime.models import build_tiny
+    from runtime.prompt_bench import measure_join
+
+    if threads:
+        torch.set_num_threads(threads)
+    modes = mode or ["prefill", "step-by-step"]
+    for m in modes:
+        if m not in ("prefill", "step-by-step"):
+            console.print(f"[red]--mode {m!r}: allowed: prefill, step-by-step[/red]")
+            raise typer.Exit(2)
+    bundle = build_tiny()
+    summaries = []
+    for m in modes:
+        console.log(f"{m}: {live} live sessions, one joining with a {prompt_tokens}-token prompt")
+        run = measure_join(bundle, prefill=m == "prefill", live=live, prompt_tokens=prompt_tokens)
+        result = asyncio.run(run)
+        summaries.append(result.summary())
+    table = Table(title=f"persona join, tiny on cpu (torch threads {torch.get_num_threads()})")
+    table.add_column("")
+    for summary in summaries:
+        table.add_column(str(summary["mode"]))
+    for key in list(summaries[0])[1:]:
+        table.add_row(key.replace("_", " "), *(str(summary[key]) for summary in summaries))
+    console.print(table)
+    if json_path:
+        json_path.write_text(json.dumps(summaries, indent=2))
 
 
 def _signing_key(key_file: Path, kid: str | None):  # noqa: ANN202 (runtime.tokens.SigningKey, lazy import)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from runtime.model_presets import PRESETS, check_preset_name
@@ -39,7 +39,18 @@ class RuntimeConfig(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="LM weight dtype; default float32 on a CPU, bfloat16 on a GPU (use float16 on a T4)"
     )
+    quantize: Literal["none", "int8"] = Field(
+        "none",
+        description="LM weights: none (at the LM dtype) or int8 (moshi's LLM.int8 path through bitsandbytes: "
+        "linear layers int8, the rest fp16; Mimi stays fp32). int8 is checked against the device when the "
+        "model loads and refused where bitsandbytes' kernels cannot run",
+    )
     seed: int = Field(0, ge=0, description="Seed of the tiny preset's random weights")
+    prompt_prefill: bool = Field(
+        True,
+        description="Run a persona's fully forced prompt through the temporal transformer in parallel "
+        "chunks (false: one teacher-forced step at a time, the reference path)",
+    )
     max_sessions: int = Field(5, ge=1, le=256, description="Batch slots B = concurrent sessions")
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
     redis_url: str | None = Field(
@@ -167,6 +178,15 @@ class RuntimeConfig(BaseSettings):
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _int8_computes_in_fp16(self) -> RuntimeConfig:
+        if self.quantize == "int8" and self.dtype not in (None, "float16"):
+            raise ValueError(
+                f"DUPLEX_QUANTIZE=int8 computes in float16 (moshi's QLinear casts its input to fp16), so "
+                f"DUPLEX_DTYPE={self.dtype} cannot apply: leave DUPLEX_DTYPE unset or set it to float16"
+            )
+        return self
 
     @field_validator("token_keys")
     @classmethod

@@ -15,6 +15,21 @@ Batching rests on moshi's streaming API (moshi 0.2.13, ``modules/streaming.py``)
 Per-slot sampling and teacher forcing (persona prompts) are done by :class:`SlotLMGen`, a subclass of
 moshi's ``LMGen`` that samples with :class:`runtime.sampling.SlotSamplingTable` and overwrites the tokens
 of forced rows in place before they are fed back.
+
+Persona prompts are fed one of two ways:
+
+- **prefill** (default, :class:`_Prefill`): every token of a fully forced prompt is known in advance, so the
+  temporal transformer runs it as a few parallel chunks in a batch-1 side state of its own (a fresh
+  streaming state of ``lm.transformer`` with a KV ring large enough that a chunk never overwrites a key
+  its own queries still need), and the result is copied into the slot's row with ``index_copy_`` (as
+  Kyutai's ``tts.py`` moves rows between states). The LMGen token cache, the offsets and the slot's
+  sampling step counter are then set to what step-by-step forcing leaves. The depformer is not run: its
+  output is overwritten by the forced codes and it keeps no state between steps.
+- **step by step** (the reference, ``prefill=False``, and any prompt with unforced steps): one
+  teacher-forced LM step per prompt step, all prompting slots together, every other row frozen.
+
+Both run in the tick's spare time after the live step; a prefill chunk is sized to what is left of the
+tick's budget (``prompt_budget_ms``) at the measured (or injected, ``prefill_ms_per_step``) cost per step.
 """
 
 from __future__ import annotations
@@ -22,11 +37,14 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from moshi.models.lm import LMGen
+from moshi.modules.streaming import State
+from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
 
 from runtime.model_presets import FRAME_MS, FRAME_SAMPLES
 from runtime.models import ModelBundle
@@ -123,13 +141,16 @@ class SlotLMGen(LMGen):
 
 @dataclass
 class TickTimings:
-    """Wall time of one tick's parts, in ms."""
+    """Wall time of one tick's parts, in ms (by the engine's clock). ``prompt_steps``: step-by-step prompt
+    steps; ``prefill_steps``: prompt steps run as prefill, in ``prefill_chunks`` chunks."""
 
     encode_ms: float = 0.0
     lm_ms: float = 0.0
     decode_ms: float = 0.0
     prompt_ms: float = 0.0
     prompt_steps: int = 0
+    prefill_steps: int = 0
+    prefill_chunks: int = 0
     total_ms: float = 0.0
 
 
@@ -159,6 +180,30 @@ class _Slot:
     phase: SlotPhase = SlotPhase.FREE
     prompt: deque[PromptStep] = field(default_factory=deque)
     skip_next_frame: bool = False
+    prefill: _Prefill | None = None
+
+
+@dataclass
+class _Prefill:
+    """A slot's prompt being prefilled.
+
+    Attributes:
+        steps: the prompt, all forced (text token and every agent codebook).
+        sequence: ``[1, K, T]`` int64, the temporal transformer's input at steps 0..T-1 exactly as
+            ``LMGen._step`` would gather it from its token cache (delays applied, initial tokens where
+            ``step <= delay``).
+        done: steps already run.
+        side: batch-1 streaming states of ``lm.transformer`` (name -> state), created at the first chunk.
+    """
+
+    steps: list[PromptStep]
+    sequence: torch.Tensor
+    done: int = 0
+    side: dict[str, State] | None = None
+
+    @property
+    def total(self) -> int:
+        return self.sequence.shape[-1]
 
 
 class BatchEngine:
@@ -171,16 +216,56 @@ class BatchEngine:
         slots: B, the node's maximum concurrent sessions.
         prompt_budget_ms: after the live step, persona prompt steps run while the tick's elapsed time
             is below this (at least one prompt step per tick while any slot is prompting).
+        clock: monotonic seconds, read for the tick's timings and its spare time (default
+            ``time.perf_counter``). Tests inject a fake clock so that how much prompt work a tick does
+            depends on the budget alone, never on the machine's speed.
+        prefill: run fully forced prompts as a parallel prefill (see the module docstring); False keeps
+            the step-by-step reference for every prompt.
+        prefill_max_chunk: most prompt steps in one prefill chunk (bounds the side KV ring at
+            ``context + prefill_max_chunk`` positions and the chunk's activations).
+        prefill_min_chunk: fewest steps worth a chunk; a tick's first prompt work always runs at least
+            this many (progress while live slots use the whole budget).
+        prefill_floor_ms: time (by the cost estimate) a tick's first prompt round may give a prefill even
+            when the live step has used the budget up: 8 ms = a tenth of the frame, so a busy node still
+            makes progress (a 1000-step prompt of the tiny preset needs about 50 ms in all on 2 cores).
+        prefill_ms_per_step: cost of one prefilled step used to size chunks (ms); None: measured by
+            ``clock`` after each chunk (starting from 1 ms; a lower measurement is taken at once, a higher
+            one a quarter at a time).
     Raises:
-        ValueError: ``slots`` < 1.
+        ValueError: ``slots`` < 1, or chunk bounds that are not 1 <= min <= max.
     """
 
-    def __init__(self, bundle: ModelBundle, slots: int, *, prompt_budget_ms: float = 0.6 * FRAME_MS) -> None:
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        slots: int,
+        *,
+        prompt_budget_ms: float = 0.6 * FRAME_MS,
+        clock: Callable[[], float] = time.perf_counter,
+        prefill: bool = True,
+        prefill_max_chunk: int = 256,
+        prefill_min_chunk: int = 8,
+        prefill_floor_ms: float = 0.1 * FRAME_MS,
+        prefill_ms_per_step: float | None = None,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        if not 1 <= prefill_min_chunk <= prefill_max_chunk:
+            raise ValueError(
+                f"prefill chunk bounds must satisfy 1 <= min <= max, got min {prefill_min_chunk}, "
+                f"max {prefill_max_chunk}"
+            )
         self.bundle = bundle
         self.slots = slots
         self.prompt_budget_ms = prompt_budget_ms
+        self.clock = clock
+        self.prefill = prefill
+        self.prefill_max_chunk = prefill_max_chunk
+        self.prefill_min_chunk = prefill_min_chunk
+        self.prefill_floor_ms = prefill_floor_ms
+        self._prefill_cost_fixed = prefill_ms_per_step is not None
+        self.prefill_ms_per_step = prefill_ms_per_step if prefill_ms_per_step is not None else 1.0
+        self._prefill_queue: deque[int] = deque()
         lm = bundle.lm
         self.device = lm.device
         self.dep_q = lm.dep_q
@@ -232,12 +317,20 @@ class BatchEngine:
         state.prompt = deque(prompt or [])
         state.phase = SlotPhase.PROMPTING if state.prompt else SlotPhase.LIVE
         state.skip_next_frame = True
+        state.prefill = None
+        if state.prompt and self.prefill and self._can_prefill(state.prompt):
+            state.prefill = _Prefill(list(state.prompt), self._prefill_sequence(state.prompt))
+            state.prompt.clear()
+            self._prefill_queue.append(slot)
 
     def leave(self, slot: int) -> None:
         """Free ``slot``; its rows are masked from the next tick on. Leaving a free slot is a no-op."""
         state = self._check_slot(slot)
         state.phase = SlotPhase.FREE
         state.prompt.clear()
+        state.prefill = None
+        if slot in self._prefill_queue:
+            self._prefill_queue.remove(slot)
 
     def _check_slot(self, slot: int) -> _Slot:
         if not 0 <= slot < self.slots:
@@ -275,7 +368,7 @@ class BatchEngine:
         """
         if pcm_in.shape != (self.slots, FRAME_SAMPLES):
             raise ValueError(f"pcm_in must be [{self.slots}, {FRAME_SAMPLES}], got {list(pcm_in.shape)}")
-        start = time.perf_counter()
+        start = self.clock()
         timings = TickTimings()
         pcm_out = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
         audio_ready = np.zeros(self.slots, dtype=bool)
@@ -287,7 +380,7 @@ class BatchEngine:
             skipping = [i for i in live if self._slots[i].skip_next_frame]
             stepping = [i for i in live if not self._slots[i].skip_next_frame]
             mimi = self.bundle.mimi
-            t0 = time.perf_counter()
+            t0 = self.clock()
             mimi.set_exec_mask(self._mask(live))
             frames = torch.from_numpy(pcm_in).to(self.device)[:, None, :]
             codes = mimi.encode(frames)  # [B, K, 1]
@@ -297,7 +390,7 @@ class BatchEngine:
                 mimi.reset_streaming(self._mask(skipping))
                 for i in skipping:
                     self._slots[i].skip_next_frame = False
-            t1 = time.perf_counter()
+            t1 = self.clock()
             timings.encode_ms = (t1 - t0) * 1e3
             if stepping:
                 step_mask = self._mask(stepping)
@@ -307,7 +400,7 @@ class BatchEngine:
                 self.sampling.advance(step_mask)
                 assert tokens is not None
                 tokens = tokens[:, :, 0]
-                t2 = time.perf_counter()
+                t2 = self.clock()
                 timings.lm_ms = (t2 - t1) * 1e3
                 agent = tokens[:, 1:]
                 ready = step_mask & (agent >= 0).all(dim=1) & (tokens[:, 0] >= 0)
@@ -318,7 +411,7 @@ class BatchEngine:
                     decoded = mimi.decode(codes_out)  # [B, 1, 1920]
                     pcm_out[ready_cpu] = decoded[:, 0].float().cpu().numpy()[ready_cpu]
                     audio_ready = ready_cpu
-                timings.decode_ms = (time.perf_counter() - t2) * 1e3
+                timings.decode_ms = (self.clock() - t2) * 1e3
                 tokens_cpu = tokens.cpu().numpy()
                 step_rows = np.zeros(self.slots, dtype=bool)
                 step_rows[stepping] = True
@@ -326,40 +419,261 @@ class BatchEngine:
                 audio_tokens = np.where(step_rows[:, None], tokens_cpu[:, 1:], UNGENERATED_TOKEN)
 
         finished = self._run_prompt_steps(start, timings)
-        timings.total_ms = (time.perf_counter() - start) * 1e3
+        timings.total_ms = (self.clock() - start) * 1e3
         return TickResult(pcm_out, audio_ready, text_tokens, audio_tokens, finished, timings)
 
     def _run_prompt_steps(self, tick_start: float, timings: TickTimings) -> list[int]:
-        """Feed persona prompts, one teacher-forced LM step for all prompting slots per call, with every
-        other row frozen, while the tick has time left (always at least one step)."""
+        """Feed persona prompts in the tick's spare time: step-by-step prompts one teacher-forced LM step
+        for all of them per round, every other row frozen; the prefill at the head of the queue one chunk
+        per round, sized to what is left of ``prompt_budget_ms``. The tick's first round always runs (at
+        least one step, or a chunk of ``prefill_min_chunk``), so prompts progress however busy the tick."""
         finished: list[int] = []
-        t0 = time.perf_counter()
+        t0 = self.clock()
+        before_ms = (t0 - tick_start) * 1e3
+        planned_ms = 0.0  # prefill chunks run this tick, at the cost per step they were sized with
+
+        def used_ms() -> float:
+            # The clock's view, or the cost model's where it says more (a clock that lags the work).
+            return max((self.clock() - tick_start) * 1e3, before_ms + planned_ms)
+
+        first = True
         while True:
-            prompting = self.prompting_slots
-            if not prompting:
+            stepping = [i for i in self.prompting_slots if self._slots[i].prefill is None]
+            if not stepping and not self._prefill_queue:
                 break
-            elapsed_ms = (time.perf_counter() - tick_start) * 1e3
-            if timings.prompt_steps > 0 and elapsed_ms >= self.prompt_budget_ms:
+            if not first and used_ms() >= self.prompt_budget_ms:
                 break
-            user = torch.zeros(self.slots, self.user_codebooks, 1, dtype=torch.int64, device=self.device)
-            self._forcing.clear()
-            for i in prompting:
-                step = self._slots[i].prompt.popleft()
-                user[i, :, 0] = step.user_codes[: self.user_codebooks]
-                self._forcing.text[i] = step.text_token
-                if step.agent_codes is not None:
-                    self._forcing.audio[i] = step.agent_codes[: self.dep_q]
-                if not self._slots[i].prompt:
-                    self._slots[i].phase = SlotPhase.LIVE
-                    finished.append(i)
-            mask = self._mask(prompting)
-            self.lm_gen.set_exec_mask(mask)
-            self.lm_gen.step(user)
-            self.sampling.advance(mask)
-            timings.prompt_steps += 1
+            worked = False
+            if stepping:
+                finished += self._prompt_step(stepping)
+                timings.prompt_steps += 1
+                worked = True
+            if self._prefill_queue:
+                slot = self._prefill_queue[0]
+                spare_ms = self.prompt_budget_ms - used_ms()
+                if first:
+                    spare_ms = max(spare_ms, self.prefill_floor_ms)
+                steps = self._chunk_steps(self._slots[slot].prefill, spare_ms, at_least_min=first)
+                if steps > 0:
+                    planned_ms += steps * self.prefill_ms_per_step
+                    if self._prefill_chunk(slot, steps):
+                        finished.append(slot)
+                    timings.prefill_steps += steps
+                    timings.prefill_chunks += 1
+                    worked = True
+            if not worked:
+                break
+            first = False
         self._forcing.clear()
-        timings.prompt_ms = (time.perf_counter() - t0) * 1e3
+        timings.prompt_ms = (self.clock() - t0) * 1e3
         return finished
+
+    def _prompt_step(self, prompting: list[int]) -> list[int]:
+        """One teacher-forced LM step for the step-by-step ``prompting`` slots; the ones that finished."""
+        finished: list[int] = []
+        user = torch.zeros(self.slots, self.user_codebooks, 1, dtype=torch.int64, device=self.device)
+        self._forcing.clear()
+        for i in prompting:
+            step = self._slots[i].prompt.popleft()
+            user[i, :, 0] = step.user_codes[: self.user_codebooks]
+            self._forcing.text[i] = step.text_token
+            if step.agent_codes is not None:
+                self._forcing.audio[i] = step.agent_codes[: self.dep_q]
+            if not self._slots[i].prompt:
+                self._slots[i].phase = SlotPhase.LIVE
+                finished.append(i)
+        mask = self._mask(prompting)
+        self.lm_gen.set_exec_mask(mask)
+        self.lm_gen.step(user)
+        self.sampling.advance(mask)
+        return finished
+
+    # --- prefill --------------------------------------------------------------------------------------
+
+    def _can_prefill(self, prompt: deque[PromptStep]) -> bool:
+        """Whether ``prompt`` is fully forced (text and every agent codebook at every step) and the
+        temporal transformer's streaming state is made of the kinds :meth:`_finish_prefill` copies."""
+        if any(
+            s.text_token == NOT_FORCED or s.agent_codes is None or s.agent_codes.shape[0] < self.dep_q
+            for s in prompt
+        ):
+            return False
+        states = self.bundle.lm.transformer.get_streaming_state()
+        known = (_TransformerState, _LayerState, _MHAState)
+        return all(
+            type(st) in known or type(st) is State for st in states.values()
+        ) and all(  # ring caches with per-row positions (moshi's respect_exec_mask), one weight set per step
+            st.kv_cache is None or st.kv_cache.respect_exec_mask
+            for st in states.values()
+            if isinstance(st, _MHAState)
+        )
+
+    def _prefill_sequence(self, prompt: deque[PromptStep]) -> torch.Tensor:
+        """``[1, K, T]``: what ``LMGen._step`` feeds the temporal transformer at steps 0..T-1 of ``prompt``
+        from a freshly reset row. Codebook k reads, at step s, the token written for position s: text and
+        agent audio are the forced tokens of step s - 1, the user's codebook k those of step s - delay_k;
+        while s <= delay_k it reads the initial token instead (moshi's ``is_init``)."""
+        lm = self.bundle.lm
+        total = len(prompt)
+        dq = self.dep_q
+        text = torch.tensor([s.text_token for s in prompt], dtype=torch.int64)  # [T]
+        agent = torch.stack([s.agent_codes[:dq] for s in prompt]).to(torch.int64)  # [T, dep_q]
+        user = torch.stack([s.user_codes[: self.user_codebooks] for s in prompt]).to(torch.int64)  # [T, U]
+        seq = torch.zeros(lm.num_codebooks, total, dtype=torch.int64)
+        seq[0, 1:] = text[:-1]
+        seq[1 : dq + 1, 1:] = agent[:-1].T
+        delays = list(lm.delays)
+        for u in range(self.user_codebooks):
+            k = dq + 1 + u
+            d = delays[k]
+            if d < total:
+                seq[k, d:] = user[: total - d, u]
+        initial = lm._get_initial_token()[0, :, 0].cpu()  # [K]
+        steps = torch.arange(total)[None, :]
+        is_init = steps <= torch.tensor(delays)[:, None]
+        seq = torch.where(is_init, initial[:, None], seq)
+        return seq[None].to(self.device)
+
+    def _chunk_steps(self, prefill: _Prefill | None, spare_ms: float, *, at_least_min: bool) -> int:
+        """Steps of the next chunk: what ``spare_ms`` pays for at the cost per step, within
+        [``prefill_min_chunk``, ``prefill_max_chunk``] and the steps left, rounded down to a power of two
+        (a handful of shapes, each warmed once by :meth:`warm_up_prefill`; kernels and their caches are
+        chosen per shape); 0 when less than the minimum fits (unless ``at_least_min``)."""
+        assert prefill is not None
+        left = prefill.total - prefill.done
+        fits = int(max(spare_ms, 0.0) / max(self.prefill_ms_per_step, 1e-6))
+        steps = min(fits, self.prefill_max_chunk, left)
+        if steps < min(self.prefill_min_chunk, left):
+            steps = min(self.prefill_min_chunk, left) if at_least_min else 0
+        return 1 << (steps.bit_length() - 1) if steps > 0 else 0
+
+    def _new_side_state(self, total: int) -> dict[str, State]:
+        """Fresh batch-1 streaming states of ``lm.transformer``, the engine's own states left in place.
+
+        Each attention layer's ring holds ``min(total, context + prefill_max_chunk)`` positions: a chunk of
+        at most ``prefill_max_chunk`` then never overwrites a key that one of its queries still attends to
+        (the attention mask keeps the window at ``context``), so the chunk computes what the steps would.
+        """
+        transformer = self.bundle.lm.transformer
+        main = transformer.get_streaming_state()
+        transformer._stop_streaming()
+        try:
+            transformer.streaming(1)  # never closed: the states are swapped in and out by hand
+            side = transformer.get_streaming_state()
+        finally:
+            transformer.set_streaming_state(main)
+        for name, state in side.items():
+            if isinstance(state, _MHAState) and state.kv_cache is not None:
+                ring = main[name].kv_cache  # type: ignore[attr-defined]
+                _, _, heads, capacity, head_dim = ring.cache.shape
+                state.kv_cache = RingKVCache(
+                    1,
+                    heads,
+                    head_dim,
+                    min(total, capacity + self.prefill_max_chunk),
+                    respect_exec_mask=True,
+                    device=ring.cache.device,
+                    dtype=ring.cache.dtype,
+                )
+        return side
+
+    def _prefill_chunk(self, slot: int, steps: int) -> bool:
+        """Run the next ``steps`` prompt steps of ``slot`` through the temporal transformer in its side
+        state; True when the prompt is complete (the slot's rows then hold its result and it is LIVE)."""
+        state = self._slots[slot]
+        prefill = state.prefill
+        assert prefill is not None
+        lm = self.bundle.lm
+        transformer = lm.transformer
+        if prefill.side is None:
+            prefill.side = self._new_side_state(prefill.total)
+        t0 = self.clock()
+        main = transformer.get_streaming_state()
+        transformer.set_streaming_state(prefill.side)
+        try:
+            lm.forward_text(prefill.sequence[:, :, prefill.done : prefill.done + steps])
+        finally:
+            transformer.set_streaming_state(main)
+        prefill.done += steps
+        if not self._prefill_cost_fixed:
+            # Down at once, up slowly: a chunk preempted by the machine's other work must not shrink the
+            # next ones for many ticks, and small chunks (whose fixed cost inflates the per-step figure)
+            # must let the estimate fall as soon as a larger one shows the real cost.
+            measured = (self.clock() - t0) * 1e3 / steps
+            estimate = self.prefill_ms_per_step
+            self.prefill_ms_per_step = measured if measured < estimate else 0.75 * estimate + 0.25 * measured
+        if prefill.done < prefill.total:
+            return False
+        self._finish_prefill(slot, prefill, main)
+        self._prefill_queue.remove(slot)
+        state.prefill = None
+        state.phase = SlotPhase.LIVE
+        return True
+
+    def _finish_prefill(self, slot: int, prefill: _Prefill, main: dict[str, State]) -> None:
+        """Copy the side state into ``slot``'s rows and set LMGen's token cache, its offset and the
+        slot's sampling counter to what step-by-step forcing of ``prefill.steps`` leaves."""
+        assert prefill.side is not None
+        total = prefill.total
+        for name, side in prefill.side.items():
+            state = main[name]
+            if isinstance(state, _TransformerState):
+                assert isinstance(side, _TransformerState)
+                state.offsets[slot] = side.offsets[0]
+            elif isinstance(state, _MHAState):
+                assert isinstance(side, _MHAState)
+                state.offset[slot] = side.offset[0]
+                if state.kv_cache is not None:
+                    assert side.kv_cache is not None
+                    ring, side_ring = state.kv_cache, side.kv_cache
+                    positions = torch.arange(max(0, total - ring.capacity), total, device=self.device)
+                    rows = side_ring.cache[:, 0].index_select(2, positions % side_ring.capacity)
+                    ring.cache[:, slot].index_copy_(2, positions % ring.capacity, rows)  # [2, H, C, D]
+                    ring.end_offset[slot] = side_ring.end_offset[0]
+        gen = self.lm_gen._streaming_state
+        assert gen is not None
+        cache = gen.cache  # [B, K, CT] ring of tokens, as LMGen._step writes it
+        ct = cache.shape[-1]
+        dq = self.dep_q
+        delays = list(self.bundle.lm.delays)
+        for s in range(max(0, total - ct), total):
+            step = prefill.steps[s]
+            for u in range(self.user_codebooks):
+                k = dq + 1 + u
+                cache[slot, k, (s + delays[k]) % ct] = int(step.user_codes[u])
+            assert step.agent_codes is not None
+            cache[slot, 0, (s + 1) % ct] = int(step.text_token)
+            cache[slot, 1 : dq + 1, (s + 1) % ct] = step.agent_codes[:dq].to(cache.device, torch.int64)
+        gen.offsets[slot] += total
+        self.sampling.step[slot] += total
+
+    @torch.no_grad()
+    def warm_up_prefill(self) -> list[int]:
+        """Run one prefill chunk of every size :meth:`_chunk_steps` can choose (powers of two up to
+        ``prefill_max_chunk``) through a throwaway batch-1 side state, so that a server's first persona
+        does not pay the first-call costs of those shapes during a live tick. No slot is touched.
+
+        Returns:
+            The chunk sizes run.
+        """
+        sizes = [
+            1 << i for i in range(self.prefill_max_chunk.bit_length()) if 1 << i <= self.prefill_max_chunk
+        ]
+        total = sum(sizes)
+        lm = self.bundle.lm
+        sequence = lm._get_initial_token().expand(1, -1, total).contiguous()  # [1, K, total]
+        transformer = lm.transformer
+        side = self._new_side_state(total)
+        main = transformer.get_streaming_state()
+        transformer.set_streaming_state(side)
+        try:
+            done = 0
+            for size in sizes:
+                lm.forward_text(sequence[:, :, done : done + size])
+                done += size
+        finally:
+            transformer.set_streaming_state(main)
+        return sizes
 
     def memory_allocated_bytes(self) -> int | None:
         """GPU memory held by torch's allocator on the engine's device, or None on a CPU."""

@@ -87,7 +87,9 @@ class EngineCore:
         self.bundle = bundle
         self.address = address
         self.metrics = metrics or RuntimeMetrics()
-        self.engine = make_engine(config.model, bundle, config.max_sessions, config.sim_step_ms)
+        self.engine = make_engine(
+            config.model, bundle, config.max_sessions, config.sim_step_ms, prefill=config.prompt_prefill
+        )
         self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
         self.scheduler: SlotScheduler | None = None
         self.admission: SlotAdmission | None = None
@@ -102,7 +104,8 @@ class EngineCore:
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def warm_up(self, frames: int = 4) -> None:
-        """As ``DuplexServer.warm_up``: a few silent ticks through slot 0."""
+        """As ``DuplexServer.warm_up``: every prefill chunk size, then a few silent ticks through slot 0."""
+        self.engine.warm_up_prefill()
         self.engine.join(0, SamplingParams())
         silence = np.zeros((self.engine.slots, 1920), dtype=np.float32)
         for _ in range(frames + 1):
@@ -340,7 +343,12 @@ def engine_main(config, address: str) -> None:  # type: ignore[no-untyped-def]
         torch.set_num_threads(config.torch_threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
     bundle = load_model(
-        config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed
+        config.model,
+        weights=config.weights,
+        device=config.device,
+        dtype=dtype,
+        seed=config.seed,
+        quantize=config.quantize,
     )
     core = EngineCore(config, bundle, address)
     core.warm_up()

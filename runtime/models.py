@@ -10,6 +10,16 @@ Three ways in, one result (:class:`ModelBundle`):
   to the number of steps the runtime builds (:func:`adapt_depformer_steps`).
 - :func:`write_checkpoint`: the inverse, used by the tests to write the tiny model in the real layout.
 
+INT8 weights (``quantize="int8"``, the runtime's ``DUPLEX_QUANTIZE``) go through moshi 0.2.13's own path,
+``moshi/utils/quantize.py``: every ``nn.Linear`` of the LM becomes a ``QLinear`` (bitsandbytes LLM.int8:
+int8 weight ``[out, in]`` + one fp32 scale per output row ``weight_scb``); embeddings and norms stay in
+fp16, activations run in fp16 (``QLinear`` casts its input with ``.half()``), and the KV cache is fp16
+(moshi's ``StreamingMultiheadAttention`` gives it fp16 for a ``QLinear`` projection). Mimi stays fp32. A
+bf16/fp16 checkpoint is quantised at load one layer at a time (:func:`quantize_lm_int8`); Kyutai's
+pre-quantised ``-q8`` layout (``model.q8.safetensors`` + ``"quantize": true`` in ``config.json``, written by
+kyutai-labs/moshi ``scripts/export_quantized.py``) is loaded as it is, into ``LMModel(quantize=True)``.
+The capacity planner counts the same split (``infra/capacity/memory.py``, ``lm_weight_bytes``).
+
 The Hugging Face token is read at run time from ``HF_TOKEN`` by ``huggingface_hub``; it is never stored.
 """
 
@@ -29,6 +39,7 @@ import torch
 from moshi.models.compression import MimiModel
 from moshi.models.lm import LMModel
 from moshi.models.loaders import get_mimi
+from moshi.utils.quantize import QLinear, replace_linear_with_qlinear
 from safetensors.torch import load_file, save_file
 
 from runtime.model_presets import TINY_TEXT_VOCAB, ModelPreset, get_preset
@@ -38,8 +49,22 @@ log = logging.getLogger(__name__)
 LM_WEIGHTS_FILE = "model.safetensors"
 MIMI_WEIGHTS_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
 TEXT_TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
+LM_Q8_WEIGHTS_FILE = "model.q8.safetensors"
+"""Kyutai's name for a pre-quantised LM (moshi ``loaders.MOSHI_Q8_NAME``)."""
 CONFIG_FILE = "config.json"
 MIMI_CONFIG_FILE = "mimi_config.json"
+QUANTIZE_CHOICES = ("none", "int8")
+"""Values of ``DUPLEX_QUANTIZE``: ``none`` (weights at the LM dtype) or ``int8`` (moshi's LLM.int8 path)."""
+INT8_COMPUTE_DTYPE = torch.float16
+"""The dtype of everything but the int8 weights under ``int8``: moshi's ``QLinear`` computes in fp16."""
+BITSANDBYTES_REQUIREMENT = "bitsandbytes>=0.45,<0.50"
+"""Within moshi 0.2.13's own pin (``bitsandbytes<0.50``); the ``int8`` extra of pyproject.toml."""
+
+
+class QuantizationError(ValueError):
+    """INT8 weights cannot be used here (no bitsandbytes, a device its kernels do not run on, a mismatched
+    checkpoint); the message says what to change."""
+
 
 # Depformer parameters that exist once per depformer step (codebook): ``<group>.<index>.``. Only keys
 # under ``depformer*`` and the output heads ``linears.`` are per step; the temporal transformer's
@@ -78,6 +103,7 @@ class ModelBundle:
         mimi: moshi ``MimiModel`` set to ``lm.dep_q`` codebooks; 24 kHz, 1920-sample frames.
         text_tokenizer: SentencePiece model; ids >= its vocabulary size are never detokenised.
         source: where the weights came from ("random(seed=N)", a directory, or a repo id).
+        quantize: ``none`` or ``int8`` (the LM's linear layers are moshi ``QLinear``).
     """
 
     preset: ModelPreset
@@ -85,6 +111,7 @@ class ModelBundle:
     mimi: MimiModel
     text_tokenizer: sentencepiece.SentencePieceProcessor
     source: str
+    quantize: str = "none"
 
     @property
     def device(self) -> torch.device:
@@ -96,6 +123,110 @@ class ModelBundle:
             "lm": sum(p.numel() for p in self.lm.parameters()),
             "mimi": sum(p.numel() for p in self.mimi.parameters()),
         }
+
+    def lm_parameter_bytes(self) -> int:
+        """Bytes of the LM's parameters as stored (int8 weights, their fp32 scales and fp16 rest under
+        ``int8``); what the capacity planner's ``lm_weight_bytes`` predicts."""
+        return sum(p.nbytes for p in self.lm.parameters())
+
+
+def check_quantize(quantize: str) -> str:
+    """Return ``quantize`` if it is one of :data:`QUANTIZE_CHOICES`.
+
+    Raises:
+        ValueError: anything else; the message lists the allowed values.
+    """
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {quantize!r}")
+    return quantize
+
+
+def check_int8_support(device: torch.device | str) -> None:
+    """Refuse, with what to do, where moshi's INT8 path cannot run on ``device``.
+
+    Checks that bitsandbytes is installed (within moshi's pin) and that its LLM.int8 kernels really run
+    there: one 64 x 64 ``QLinear`` is quantised and applied on ``device``. bitsandbytes >= 0.45 ships CPU
+    kernels, and CUDA kernels for GPUs of compute capability 7.5 and later (its installation guide); the
+    probe catches whatever else is missing (a CUDA build without the device's kernels, an old driver).
+
+    Raises:
+        QuantizationError: bitsandbytes missing or too old/new, or its kernels failed on ``device``.
+    """
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise QuantizationError(
+            f"DUPLEX_QUANTIZE=int8 needs bitsandbytes ({BITSANDBYTES_REQUIREMENT}, moshi's pin), which is "
+            "not installed: pip install 'duplexops[int8]', or set DUPLEX_QUANTIZE=none"
+        ) from None
+    version = tuple(int(x) for x in re.findall(r"\d+", bitsandbytes.__version__)[:2])
+    if not (0, 45) <= version < (0, 50):
+        raise QuantizationError(
+            f"DUPLEX_QUANTIZE=int8 needs {BITSANDBYTES_REQUIREMENT} (moshi 0.2.13's pin); "
+            f"bitsandbytes {bitsandbytes.__version__} is installed"
+        )
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise QuantizationError(f"DUPLEX_QUANTIZE=int8 on {device}: torch sees no CUDA device")
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (7, 5):
+            raise QuantizationError(
+                f"DUPLEX_QUANTIZE=int8 on {device}: compute capability {major}.{minor}; bitsandbytes' "
+                "LLM.int8 kernels need 7.5 or later (T4, A10, L4, A100, H100); use DUPLEX_QUANTIZE=none"
+            )
+    try:
+        generator = torch.Generator().manual_seed(0)
+        linear = torch.nn.Linear(64, 64, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(64, 64, generator=generator))
+        probe = QLinear(linear.to(device=device, dtype=INT8_COMPUTE_DTYPE)).to(device)
+        probe.float()  # the scale stays fp32, as moshi keeps it
+        with torch.no_grad():
+            out = probe(torch.randn(2, 64, generator=generator).to(device=device, dtype=INT8_COMPUTE_DTYPE))
+        if not torch.isfinite(out).all():
+            raise RuntimeError("non-finite output")
+    except Exception as exc:  # bitsandbytes raises RuntimeError/NotImplementedError/AssertionError
+        raise QuantizationError(
+            f"DUPLEX_QUANTIZE=int8: bitsandbytes {bitsandbytes.__version__} cannot run LLM.int8 on "
+            f"{device} ({type(exc).__name__}: {exc}); use DUPLEX_QUANTIZE=none"
+        ) from None
+
+
+def quantize_lm_int8(lm: LMModel, device: torch.device | str) -> LMModel:
+    """Quantise a float ``lm`` (on the CPU or the meta-free host) to moshi's INT8, one layer at a time.
+
+    Each transformer layer (temporal and depformer) and each other child is moved to ``device`` in fp16 and
+    its ``nn.Linear`` layers replaced by ``QLinear`` (``replace_linear_with_qlinear``, the function
+    ``LMModel(quantize=True)`` calls) before the next is moved, so the device never holds more than the
+    int8 result plus one layer in fp16. Peak device memory: the int8 model + the largest single layer in
+    fp16 and its int8 copy (moshi-7b: a temporal layer is 0.21 B parameters, 0.41 GB in fp16 and 0.21 GB
+    in int8; the int8 LM is 8.0 GB by the capacity planner's count; peak about 8.6 GB, against 15.4 GB for
+    the bf16 LM). Host memory holds the float checkpoint while it is read, as for
+    ``DUPLEX_QUANTIZE=none``.
+
+    Returns:
+        ``lm`` itself, in eval mode, on ``device``.
+    """
+    # (parent, attribute name, module): each transformer layer on its own, every other child whole.
+    units: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    for name, child in lm.named_children():
+        layers = getattr(child, "layers", None)
+        if name in ("transformer", "depformer") and isinstance(layers, torch.nn.ModuleList):
+            units.extend((layers, str(i), layer) for i, layer in enumerate(layers))
+        else:
+            units.append((lm, name, child))
+    with torch.no_grad():
+        for parent, name, module in units:
+            module.to(device=device, dtype=INT8_COMPUTE_DTYPE)
+            if isinstance(module, torch.nn.Linear):
+                setattr(parent, name, QLinear(module))
+            else:
+                replace_linear_with_qlinear(module)
+        lm.to(device=device)
+        # As moshi does after init: a second pass keeps every scale in fp32 (``QLinear.float()``).
+        replace_linear_with_qlinear(lm)
+    return lm.eval()
 
 
 def train_tiny_text_tokenizer(vocab_size: int = TINY_TEXT_VOCAB) -> sentencepiece.SentencePieceProcessor:
@@ -144,27 +275,46 @@ def _seed_parameters(module: torch.nn.Module, seed: int, codebook_std: float = 1
                 buffer.fill_(1.0)
 
 
-def _finish(lm: LMModel, mimi: MimiModel, device: torch.device | str, dtype: torch.dtype) -> tuple[Any, Any]:
-    lm = lm.to(device=device, dtype=dtype).eval()
+def _finish(
+    lm: LMModel, mimi: MimiModel, device: torch.device | str, dtype: torch.dtype | None
+) -> tuple[Any, Any]:
+    """Both models on ``device`` in eval mode; the LM cast to ``dtype`` (None: a quantised LM, left as is);
+    Mimi stays fp32."""
+    lm = (lm.to(device=device) if dtype is None else lm.to(device=device, dtype=dtype)).eval()
     mimi = mimi.to(device=device).eval()
     mimi.set_num_codebooks(lm.dep_q)
     return lm, mimi
 
 
 def build_tiny(
-    seed: int = 0, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    quantize: str = "none",
 ) -> ModelBundle:
     """Build the ``tiny`` preset with random weights drawn from ``seed``.
 
     Same seed, same weights, on any machine. Used for CPU tests, the demo and the benchmark.
+
+    Args:
+        quantize: ``int8`` quantises the seeded float weights with moshi's INT8 path (``dtype`` is then
+            fp16 for everything but the int8 weights), as a bf16 checkpoint is quantised at load.
+    Raises:
+        QuantizationError: ``int8`` where bitsandbytes cannot run (see :func:`check_int8_support`).
     """
+    check_quantize(quantize)
     preset = get_preset("tiny")
     lm = LMModel(**preset.lm_kwargs)
     _seed_parameters(lm, seed)
     mimi = get_mimi(None, preset.mimi_config, num_codebooks=preset.lm_kwargs["dep_q"])
     _seed_parameters(mimi, seed + 1)
-    lm, mimi = _finish(lm, mimi, device, dtype)
-    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random(seed={seed})")
+    if quantize == "int8":
+        check_int8_support(device)
+        lm = quantize_lm_int8(lm.eval(), device)
+        lm, mimi = _finish(lm, mimi, device, None)
+    else:
+        lm, mimi = _finish(lm, mimi, device, dtype)
+    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random(seed={seed})", quantize)
 
 
 def build_random(
@@ -172,22 +322,31 @@ def build_random(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.bfloat16,
     dep_q: int | None = None,
+    quantize: str = "none",
 ) -> ModelBundle:
     """Build any preset with random weights (moshi's own init), e.g. the 7B on a GPU for benchmarks.
 
     Args:
         dep_q: depformer steps to build; default the preset's. PersonaPlex's checkpoint layout has 16.
+        quantize: ``int8`` builds ``LMModel(quantize=True)`` in fp16 (moshi quantises each layer as it is
+            built, so the float model never exists whole).
+    Raises:
+        QuantizationError: ``int8`` where bitsandbytes cannot run.
     """
+    check_quantize(quantize)
     preset = get_preset(preset_name)
     lm_kwargs = dict(preset.lm_kwargs)
     if dep_q is not None:
         lm_kwargs["dep_q"] = dep_q
+    if quantize == "int8":
+        check_int8_support(device)
+        dtype = INT8_COMPUTE_DTYPE
     with torch.device(device):
-        lm = LMModel(device=device, dtype=dtype, **lm_kwargs)
+        lm = LMModel(device=device, dtype=dtype, quantize=quantize == "int8", **lm_kwargs)
     mimi = get_mimi(None, preset.mimi_config, device=device, num_codebooks=min(lm.dep_q, 8))
-    lm, mimi = _finish(lm, mimi, device, dtype)
+    lm, mimi = _finish(lm, mimi, device, None if quantize == "int8" else dtype)
     mimi.set_num_codebooks(min(lm.dep_q, 8))
-    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random({preset_name})")
+    return ModelBundle(preset, lm, mimi, train_tiny_text_tokenizer(), f"random({preset_name})", quantize)
 
 
 def checkpoint_depformer_steps(state: Mapping[str, torch.Tensor]) -> int:
@@ -264,6 +423,21 @@ def adapt_depformer_steps(state: dict[str, torch.Tensor], target_steps: int) -> 
 
 
 def _resolve_file(source: str, filename: str, revision: str | None) -> Path:
+    """``filename`` of the checkpoint at ``source`` (a directory or a repo id), or, for a name of the form
+    ``hf://<owner>/<repo>/<file>`` (how Kyutai's ``-q8`` configs point at the bf16 repo's Mimi and text
+    tokenizer, kyutai-labs/moshi ``scripts/export_quantized.py``), that file of that repo.
+
+    Raises:
+        FileNotFoundError: a directory without the file.
+        ValueError: a malformed ``hf://`` name.
+    """
+    if filename.startswith("hf://"):
+        parts = filename.removeprefix("hf://").split("/", 2)
+        if len(parts) != 3 or not all(parts):
+            raise ValueError(f"checkpoint file {filename!r}: expected hf://<owner>/<repo>/<file>")
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(f"{parts[0]}/{parts[1]}", parts[2]))
     directory = Path(source)
     if directory.is_dir():
         path = directory / filename
@@ -294,6 +468,7 @@ def load_checkpoint(
     dtype: torch.dtype = torch.bfloat16,
     dep_q: int | None = None,
     revision: str | None = None,
+    quantize: str = "none",
 ) -> ModelBundle:
     """Load real weights from a local directory or a Hugging Face repo id.
 
@@ -308,10 +483,16 @@ def load_checkpoint(
         preset_name: the architecture to expect when the checkpoint has no ``config.json``.
         dtype: LM weight dtype (bf16 on Ampere and later; fp16 on a T4, which has no bf16).
         dep_q: depformer steps to build; default 8 (the agent's codebooks), whatever the checkpoint holds.
+        quantize: ``int8``: a float checkpoint is quantised at load, layer by layer
+            (:func:`quantize_lm_int8`); a pre-quantised ``-q8`` one (``"quantize": true`` in its
+            ``config.json``, int8 ``weight`` + fp32 ``weight_scb`` per linear layer) is loaded into
+            ``LMModel(quantize=True)``. ``dtype`` is ignored (fp16). ``none``: float weights only.
     Raises:
         FileNotFoundError: a file is missing from the directory.
         ValueError: unknown preset, or weights that do not match the configuration (names the keys).
+        QuantizationError: a ``-q8`` checkpoint with ``quantize="none"``, or INT8 where it cannot run.
     """
+    check_quantize(quantize)
     preset = get_preset(preset_name)
     config = _read_config(source, revision)
     lm_kwargs = dict(preset.lm_kwargs)
@@ -330,20 +511,39 @@ def load_checkpoint(
             mimi_config = json.loads(_resolve_file(source, mimi_config_name, revision).read_text())
         for key in ("model_type", "lm_gen_config", "tts_config", "stt_config", "model_id", "lora_name"):
             config.pop(key, None)
+        prequantized = bool(config.pop("quantize", False))
         lm_kwargs = config
+    else:
+        prequantized = False
+    if prequantized and quantize != "int8":
+        raise QuantizationError(
+            f'{source} holds INT8 weights (a -q8 checkpoint: config.json has "quantize": true); '
+            "set DUPLEX_QUANTIZE=int8 to serve it, or use its bf16 checkpoint"
+        )
+    if quantize == "int8":
+        check_int8_support(device)
+        dtype = INT8_COMPUTE_DTYPE
     state = load_file(str(_resolve_file(source, names["moshi_name"], revision)), device="cpu")
     target_steps = dep_q if dep_q is not None else min(lm_kwargs["dep_q"], 8)
     state = adapt_depformer_steps(state, target_steps)
     lm_kwargs["dep_q"] = target_steps
     with torch.device("meta"):
-        lm = LMModel(device="meta", dtype=dtype, **lm_kwargs)
-    state = {k: (v.to(dtype) if v.dtype.is_floating_point else v) for k, v in state.items()}
+        lm = LMModel(device="meta", dtype=dtype, quantize=prequantized, **lm_kwargs)
+    state = {
+        k: (v.to(dtype) if v.dtype.is_floating_point and not k.endswith("weight_scb") else v)
+        for k, v in state.items()
+    }
     try:
         lm.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
         raise ValueError(
-            f"LM weights in {source} do not match the {preset_name} configuration: {exc}"
+            f"LM weights in {source} do not match the {preset_name} configuration"
+            f"{' (INT8)' if prequantized else ''}: {exc}"
         ) from exc
+    if quantize == "int8":
+        # -q8: already QLinear, moved whole (it is the int8 size); float: quantised layer by layer.
+        lm = lm.to(device) if prequantized else quantize_lm_int8(lm, device)
+        dtype = None
     mimi = get_mimi(
         str(_resolve_file(source, names["mimi_name"], revision)), mimi_config, num_codebooks=target_steps
     )
@@ -351,8 +551,15 @@ def load_checkpoint(
         model_file=str(_resolve_file(source, names["tokenizer_name"], revision))
     )
     lm, mimi = _finish(lm, mimi, device, dtype)
-    log.info("loaded %s from %s (depformer steps %d)", preset_name, source, target_steps)
-    return ModelBundle(preset, lm, mimi, tokenizer, source)
+    log.info(
+        "loaded %s from %s (depformer steps %d, quantize %s%s)",
+        preset_name,
+        source,
+        target_steps,
+        quantize,
+        ", pre-quantised" if prequantized else "",
+    )
+    return ModelBundle(preset, lm, mimi, tokenizer, source, quantize)
 
 
 def _stack_attention_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -375,17 +582,26 @@ def _stack_attention_projections(state: dict[str, torch.Tensor]) -> dict[str, to
 def write_checkpoint(bundle: ModelBundle, directory: Path, *, with_config: bool = True) -> Path:
     """Write ``bundle`` in the real checkpoint layout that :func:`load_checkpoint` reads.
 
-    The depformer attention projections are stored stacked, as in Kyutai's and NVIDIA's files.
+    The depformer attention projections are stored stacked, as in Kyutai's and NVIDIA's files. An INT8
+    bundle is written in Kyutai's ``-q8`` layout instead (kyutai-labs/moshi ``scripts/export_quantized.py``):
+    the quantised model's own state dict in ``model.q8.safetensors`` (per-step projections, int8
+    ``weight`` + fp32 ``weight_scb``), and ``"quantize": true`` with ``moshi_name`` in ``config.json``.
     Returns the directory.
     """
     directory.mkdir(parents=True, exist_ok=True)
     lm_state = {k: v.detach().cpu().contiguous() for k, v in bundle.lm.state_dict().items()}
-    save_file(_stack_attention_projections(lm_state), str(directory / LM_WEIGHTS_FILE))
+    quantized = bundle.quantize == "int8"
+    if quantized:
+        save_file(lm_state, str(directory / LM_Q8_WEIGHTS_FILE))
+    else:
+        save_file(_stack_attention_projections(lm_state), str(directory / LM_WEIGHTS_FILE))
     mimi_state = {k: v.detach().cpu().contiguous() for k, v in bundle.mimi.state_dict().items()}
     save_file(mimi_state, str(directory / MIMI_WEIGHTS_FILE))
     (directory / TEXT_TOKENIZER_FILE).write_bytes(bundle.text_tokenizer.serialized_model_proto())
     if with_config:
         config = {**bundle.preset.lm_kwargs, "dep_q": bundle.lm.dep_q, "mimi_config_name": MIMI_CONFIG_FILE}
+        if quantized:
+            config.update({"quantize": True, "moshi_name": LM_Q8_WEIGHTS_FILE})
         (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True))
         (directory / MIMI_CONFIG_FILE).write_text(
             json.dumps(bundle.preset.mimi_config, indent=2, sort_keys=True)
@@ -400,18 +616,23 @@ def load_model(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     seed: int = 0,
+    quantize: str = "none",
 ) -> ModelBundle:
     """The runtime's single entry: ``tiny`` builds random weights; any other preset loads ``weights``
     (a directory or repo id; default the preset's repo).
 
+    Args:
+        quantize: ``none`` or ``int8`` (``DUPLEX_QUANTIZE``; see the module docstring).
     Raises:
         ValueError: unknown preset, or ``tiny`` given weights that do not fit it.
+        QuantizationError: ``int8`` where bitsandbytes cannot run, or a ``-q8`` checkpoint without it.
     """
+    check_quantize(quantize)
     preset = get_preset(model)
     if dtype is None:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
     if weights is None:
         if preset.default_source is None:
-            return build_tiny(seed=seed, device=device, dtype=dtype)
+            return build_tiny(seed=seed, device=device, dtype=dtype, quantize=quantize)
         weights = preset.default_source
-    return load_checkpoint(weights, model, device=device, dtype=dtype)
+    return load_checkpoint(weights, model, device=device, dtype=dtype, quantize=quantize)

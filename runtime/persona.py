@@ -23,7 +23,7 @@ import torch
 
 from runtime.engine import NOT_FORCED, PromptStep
 from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.protocol import VOICE_PROMPT_RE
+from runtime.protocol import TEXT_PROMPT_LIMIT, TEXT_PROMPT_MAX_TOKENS, VOICE_PROMPT_RE
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ SILENCE_FRAMES = 6
 """Silence after the voice prompt and after the text prompt: 6 frames = 480 ms."""
 MAX_VOICE_PROMPT_FRAMES = 375
 """30 s at 12.5 Hz: longer voice prompts are cut."""
-MAX_TEXT_PROMPT_TOKENS = 1000
+MAX_TEXT_PROMPT_TOKENS = TEXT_PROMPT_MAX_TOKENS
+"""The limit stated once in ``runtime.protocol`` (``TEXT_PROMPT_LIMIT``): tokens, wrapper included."""
 
 
 class PersonaError(ValueError):
@@ -133,7 +134,8 @@ def build_prompt(
         silence_codes, sine_codes: ``[K, F]`` Mimi codes of silence and of the 440 Hz user-stream tone;
             frames are cycled.
     Raises:
-        PersonaError: unknown voice, or a text prompt over ``MAX_TEXT_PROMPT_TOKENS`` tokens.
+        PersonaError: unknown voice, or a text prompt over ``TEXT_PROMPT_MAX_TOKENS`` tokens with its
+            ``<system>`` wrapper (the message states ``runtime.protocol.TEXT_PROMPT_LIMIT``).
     """
     steps: list[PromptStep] = []
     cycle = sine_codes.shape[1]
@@ -154,7 +156,8 @@ def build_prompt(
         tokens = tokenizer.encode(f"<system> {persona.text_prompt.strip()} <system>")
         if len(tokens) > MAX_TEXT_PROMPT_TOKENS:
             raise PersonaError(
-                f"text_prompt is {len(tokens)} tokens; at most {MAX_TEXT_PROMPT_TOKENS} are allowed"
+                f"text_prompt is invalid: {TEXT_PROMPT_LIMIT}; got {len(tokens)} tokens "
+                f"({len(persona.text_prompt)} characters)"
             )
         for token in tokens:
             steps.append(PromptStep(user(len(steps)), int(token), silence(len(steps))))

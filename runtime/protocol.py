@@ -54,6 +54,7 @@ __all__ = [
     "encode_ping",
     "encode_text",
     "parse_client_message",
+    "parse_prompt_metadata",
     "parse_session_query",
 ]
 
@@ -354,7 +355,23 @@ class AudioFormat(str, enum.Enum):
 
 
 VOICE_PROMPT_MAX_CHARS = 64
-TEXT_PROMPT_MAX_CHARS = 2000
+TEXT_PROMPT_MAX_TOKENS = 1000
+"""The text prompt's limit in tokens of the model's tokenizer, the ``<system> ... <system>`` wrapper
+included: one LM step each (``runtime.persona.build_prompt``), and well inside the 7B's 3000-step context."""
+TEXT_PROMPT_MAX_CHARS = 4000
+"""The text prompt's limit in characters: about 1000 tokens of English with Kyutai's 32k tokenizer (about
+4 characters a token); a bound on what a client may send, checked before anything is tokenised."""
+TEXT_PROMPT_LIMIT = (
+    f"at most {TEXT_PROMPT_MAX_CHARS} characters and at most {TEXT_PROMPT_MAX_TOKENS} tokens of the model's "
+    "tokenizer (the <system> wrapper included)"
+)
+"""The one statement of the text prompt's limit: the query parser checks the characters, session planning
+(the ``/api/chat`` upgrade and ``/api/admission`` alike) the tokens, and both refuse with this sentence;
+``/api/personas`` and the README give the same two numbers."""
+TEXT_PROMPT_IN_METADATA = "metadata"
+"""``text_prompt_in=metadata``: the text prompt comes as the client's first WebSocket message, a 0x04
+metadata JSON object ``{"text_prompt": "..."}``, instead of in the URL (whose request line nginx and most
+servers cap at 8 KB: a long prompt, percent-encoded, does not fit)."""
 TEMPERATURE_RANGE = (0.0, 2.0)
 AUDIO_TOPK_RANGE = (1, 2048)
 TEXT_TOPK_RANGE = (1, 32000)
@@ -372,6 +389,7 @@ _KNOWN_PARAMS = (
     "audio_topk",
     "text_topk",
     "seed",
+    "text_prompt_in",
 )
 
 
@@ -383,7 +401,9 @@ class SessionRequest:
         format: wire format of audio payloads, both directions.
         voice_prompt: name of a voice preset (``[A-Za-z0-9][A-Za-z0-9_.-]*``, at most 64 characters);
             never a path.
-        text_prompt: system/role prompt, at most 2000 characters.
+        text_prompt: system/role prompt within :data:`TEXT_PROMPT_LIMIT`.
+        text_prompt_in: ``metadata`` when the text prompt follows as a 0x04 metadata message
+            (:func:`parse_prompt_metadata`) instead of in the query; None otherwise.
         audio_temperature, text_temperature: sampling temperatures in [0, 2].
         audio_topk: top-k over audio codebook entries, 1..2048.
         text_topk: top-k over text tokens, 1..32000.
@@ -400,6 +420,7 @@ class SessionRequest:
     audio_topk: int | None = None
     text_topk: int | None = None
     seed: int | None = None
+    text_prompt_in: str | None = None
     ignored_params: tuple[str, ...] = field(default=())
 
     def to_query_params(self) -> dict[str, str]:
@@ -444,9 +465,7 @@ def _parse_int(name: str, value: str, bounds: tuple[int, int]) -> int:
 
 def _parse_text_prompt(value: str) -> str:
     if len(value) > TEXT_PROMPT_MAX_CHARS:
-        raise _bad_query(
-            "text_prompt", value, f"at most {TEXT_PROMPT_MAX_CHARS} characters, got {len(value)}"
-        )
+        raise _bad_query("text_prompt", value, f"{TEXT_PROMPT_LIMIT}; got {len(value)} characters")
     for char in value:
         if char == "\x00" or unicodedata.category(char) == "Cs":
             raise _bad_query(
@@ -495,9 +514,10 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
 
     Known parameters: ``format`` (``opus`` or ``pcm``, case-insensitive; default ``opus``),
     ``voice_prompt``, ``text_prompt``, ``audio_temperature``, ``text_temperature``, ``audio_topk``,
-    ``text_topk``, ``seed`` (ranges on :class:`SessionRequest`). An empty value (``text_prompt=``) means
-    "not given", as web forms send it. Any other parameter is ignored and listed in ``ignored_params``, so
-    Kyutai's and PersonaPlex's clients (``pad_mult``, ``repetition_penalty``, ``text_seed``, ...) work.
+    ``text_topk``, ``seed``, ``text_prompt_in`` (ranges on :class:`SessionRequest`). An empty value
+    (``text_prompt=``) means "not given", as web forms send it. Any other parameter is ignored and listed
+    in ``ignored_params``, so Kyutai's and PersonaPlex's clients (``pad_mult``, ``repetition_penalty``,
+    ``text_seed``, ...) work.
 
     Raises:
         ProtocolError: reason ``bad_query``, naming the parameter, the bad value and the allowed range;
@@ -526,6 +546,15 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
     text_prompt = given.get("text_prompt")
     if text_prompt is not None:
         text_prompt = _parse_text_prompt(text_prompt)
+    text_prompt_in = given.get("text_prompt_in")
+    if text_prompt_in is not None:
+        if text_prompt_in not in ("query", TEXT_PROMPT_IN_METADATA):
+            raise _bad_query("text_prompt_in", text_prompt_in, "expected 'query' or 'metadata'")
+        if text_prompt_in == TEXT_PROMPT_IN_METADATA and text_prompt is not None:
+            raise _bad_query(
+                "text_prompt_in", text_prompt_in, "a text_prompt in the query cannot also come as metadata"
+            )
+        text_prompt_in = None if text_prompt_in == "query" else text_prompt_in
 
     def optional_float(name: str) -> float | None:
         return _parse_float(name, given[name], TEMPERATURE_RANGE) if name in given else None
@@ -542,5 +571,26 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
         audio_topk=optional_int("audio_topk", AUDIO_TOPK_RANGE),
         text_topk=optional_int("text_topk", TEXT_TOPK_RANGE),
         seed=optional_int("seed", SEED_RANGE),
+        text_prompt_in=text_prompt_in,
         ignored_params=tuple(sorted(key for key in items if key not in _KNOWN_PARAMS)),
     )
+
+
+def parse_prompt_metadata(data: Mapping[str, Any]) -> str:
+    """The text prompt of a 0x04 metadata message sent with ``text_prompt_in=metadata``: the JSON object
+    ``{"text_prompt": "<prompt>"}``, checked as the query's ``text_prompt`` is (:data:`TEXT_PROMPT_LIMIT`).
+
+    Raises:
+        ProtocolError: reason ``bad_metadata``: not an object with exactly a string ``text_prompt``, or the
+            prompt breaks the limit or holds NUL / lone surrogates.
+    """
+    if set(data) != {"text_prompt"} or not isinstance(data["text_prompt"], str):
+        raise ProtocolError(
+            "bad_metadata",
+            'with text_prompt_in=metadata the first message must be 0x04 metadata {"text_prompt": "<text>"}, '
+            f"got an object with keys {sorted(map(str, data))[:8]}",
+        )
+    try:
+        return _parse_text_prompt(data["text_prompt"])
+    except ProtocolError as exc:
+        raise ProtocolError("bad_metadata", str(exc).replace("query parameter", "metadata field")) from None

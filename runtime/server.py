@@ -21,7 +21,11 @@ come back from it. One :class:`ChatSession` per connection. Endpoints:
   as ``Authorization: Bearer <jwt>`` (or ``?token=``), the origin from the ``Origin`` header, else from an
   ``origin`` query parameter (browsers send no ``Origin`` on a same-origin GET). Advisory only: it grants
   nothing, and a slot free now may be taken before the upgrade.
-- ``GET /api/personas``: the voice prompts this node has (``voices_dir``) and the text prompt's limit, JSON.
+- ``GET /api/personas``: the voice prompts this node has (``voices_dir``) and the text prompt's limit
+  (``runtime.protocol.TEXT_PROMPT_LIMIT``: characters and tokens), JSON.
+- A long text prompt need not go in the URL: with ``text_prompt_in=metadata`` the client's first message
+  is a 0x04 metadata object ``{"text_prompt": "..."}`` (within ``METADATA_PROMPT_TIMEOUT_S``), checked
+  against the same limit; the slot is taken only once it has arrived.
 - ``GET /healthz``: 200 while the process and its tick thread are alive.
 - While the model loads (``loading_status``, minutes for a 7B model) the same address answers already:
   ``/healthz`` 200 ``loading``, ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``,
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -69,9 +74,12 @@ from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
 from runtime.models import ModelBundle
 from runtime.persona import Persona, PersonaError, VoiceCatalog, build_prompt
 from runtime.protocol import (
+    TEXT_PROMPT_IN_METADATA,
     TEXT_PROMPT_MAX_CHARS,
+    TEXT_PROMPT_MAX_TOKENS,
     VOICE_PROMPT_MAX_CHARS,
     AudioMessage,
+    MetadataMessage,
     PingMessage,
     ProtocolError,
     SessionRequest,
@@ -81,6 +89,7 @@ from runtime.protocol import (
     encode_ping,
     encode_text,
     parse_client_message,
+    parse_prompt_metadata,
     parse_session_query,
 )
 from runtime.ratelimit import HandshakeLimiter, RateLimited
@@ -112,6 +121,8 @@ CLOSE_POLICY = 1008
 CLOSE_TRY_AGAIN_LATER = 1013
 PROMPT_TIMEOUT_S = 120.0
 """Longest wait for a persona prompt to be fed before the handshake."""
+METADATA_PROMPT_TIMEOUT_S = 10.0
+"""With ``text_prompt_in=metadata``: longest wait for the 0x04 message carrying the text prompt."""
 _FATAL_PROTOCOL_REASONS = frozenset({"bad_opus"})
 """Errors after which the session's input cannot recover: the session is closed (1008)."""
 DRAINING_MESSAGE = "node is draining for shutdown; connect to another node"
@@ -340,7 +351,9 @@ class DuplexServer:
     ) -> None:
         self.bundle = bundle
         self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
-        self.engine = make_engine(config.model, bundle, config.max_sessions, config.sim_step_ms)
+        self.engine = make_engine(
+            config.model, bundle, config.max_sessions, config.sim_step_ms, prefill=config.prompt_prefill
+        )
         self.scheduler: SlotScheduler | None = None
         self.slot_admission: SlotAdmission | None = None
         self._init_front_end(config, store, metrics)
@@ -377,7 +390,9 @@ class DuplexServer:
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def warm_up(self, frames: int = 4) -> None:
-        """Run ``frames`` silent ticks through slot 0, then free it: first-call costs leave the hot path."""
+        """Run ``frames`` silent ticks through slot 0, then free it, and every prefill chunk size once:
+        first-call costs leave the hot path."""
+        self.engine.warm_up_prefill()
         self.engine.join(0, SamplingParams())
         silence = np.zeros((self.engine.slots, 1920), dtype=np.float32)
         for _ in range(frames + 1):
@@ -629,12 +644,14 @@ class DuplexServer:
         return response
 
     def personas_json(self) -> bytes:
-        """``GET /api/personas``: ``{"voices": [names], "voice_prompt_max_chars", "text_prompt_max_chars"}``.
-        A session may also name no voice (the model's own) and any text prompt within the limit."""
+        """``GET /api/personas``: ``{"voices": [names], "voice_prompt_max_chars", "text_prompt_max_chars",
+        "text_prompt_max_tokens"}``. A session may also name no voice (the model's own) and any text prompt
+        within both text limits (``TEXT_PROMPT_LIMIT``)."""
         body = {
             "voices": self.voice_names,
             "voice_prompt_max_chars": VOICE_PROMPT_MAX_CHARS,
             "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
+            "text_prompt_max_tokens": TEXT_PROMPT_MAX_TOKENS,
         }
         return (json.dumps(body) + "\n").encode()
 
@@ -736,9 +753,11 @@ class DuplexServer:
         except ConnectionClosed:
             pass
 
-    def _plan_session(self, query: str) -> tuple[SessionRequest, Persona, list[PromptStep], SamplingParams]:
+    def _plan_session(
+        self, query: str, text_prompt: str | None = None
+    ) -> tuple[SessionRequest, Persona, list[PromptStep], SamplingParams]:
         """What a ``/api/chat`` query asks for: the request, its persona, the persona's prompt steps and the
-        sampling settings.
+        sampling settings; ``text_prompt``: the prompt that came as metadata (``text_prompt_in=metadata``).
 
         Raises:
             ProtocolError: a bad query parameter.
@@ -746,6 +765,8 @@ class DuplexServer:
             ValueError: a sampling value out of range.
         """
         request = parse_session_query(query)
+        if text_prompt is not None:
+            request = dataclasses.replace(request, text_prompt=text_prompt)
         persona = Persona(request.voice_prompt, request.text_prompt)
         prompt = build_prompt(
             persona,
@@ -756,12 +777,48 @@ class DuplexServer:
         )
         return request, persona, prompt, sampling_from_request(request)
 
+    async def _metadata_prompt(self, connection: ServerConnection, query: str) -> str | None:
+        """With ``text_prompt_in=metadata``, the text prompt from the client's first message (a 0x04
+        metadata ``{"text_prompt": ...}``); None otherwise (a bad query is left to ``_plan_session``).
+
+        Raises:
+            ProtocolError: ``bad_metadata``: another kind of message first, a bad object, a prompt over the
+                limit, or nothing within ``METADATA_PROMPT_TIMEOUT_S``.
+            ConnectionClosed: the client left.
+        """
+        try:
+            wanted = parse_session_query(query).text_prompt_in == TEXT_PROMPT_IN_METADATA
+        except ProtocolError:
+            return None
+        if not wanted:
+            return None
+        try:
+            async with asyncio.timeout(METADATA_PROMPT_TIMEOUT_S):
+                message = await connection.recv()
+        except TimeoutError:
+            raise ProtocolError(
+                "bad_metadata",
+                f"text_prompt_in=metadata: no 0x04 metadata message within {METADATA_PROMPT_TIMEOUT_S:g} s",
+            ) from None
+        parsed = parse_client_message(message, max_message_bytes=self.config.max_message_bytes)
+        if not isinstance(parsed, MetadataMessage):
+            raise ProtocolError(
+                "bad_metadata",
+                f'text_prompt_in=metadata: the first message must be 0x04 metadata {{"text_prompt": ...}}, '
+                f"got {type(parsed).__name__}",
+            )
+        return parse_prompt_metadata(parsed.data)
+
     async def _handle(self, connection: ServerConnection) -> None:
         query = urlsplit(connection.request.path).query if connection.request else ""
         try:
-            request, persona, prompt, sampling = self._plan_session(query)
+            request, persona, prompt, sampling = self._plan_session(
+                query, await self._metadata_prompt(connection, query)
+            )
         except (ProtocolError, PersonaError, ValueError) as exc:
             await self._refuse(connection, "bad_request", f"bad request: {exc}", CLOSE_POLICY)
+            return
+        except ConnectionClosed:
             return
         if request.ignored_params:
             log.debug("ignored query parameters: %s", ", ".join(request.ignored_params))
@@ -1026,7 +1083,12 @@ def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None
         torch.set_num_threads(config.torch_threads)
     dtype = getattr(torch, config.dtype) if config.dtype else None
     bundle = load_model(
-        config.model, weights=config.weights, device=config.device, dtype=dtype, seed=config.seed
+        config.model,
+        weights=config.weights,
+        device=config.device,
+        dtype=dtype,
+        seed=config.seed,
+        quantize=config.quantize,
     )
     metrics = metrics or RuntimeMetrics()
     return DuplexServer(config, bundle, store=build_store(config, metrics), metrics=metrics)

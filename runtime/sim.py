@@ -186,19 +186,25 @@ class SimEngine:
         timings.prompt_ms = (time.perf_counter() - t0) * 1e3
         return finished
 
+    def warm_up_prefill(self) -> list[int]:
+        """Nothing to warm (``BatchEngine.warm_up_prefill``'s surface): no chunk sizes."""
+        return []
+
     def memory_allocated_bytes(self) -> int | None:
         """None: a simulator holds no GPU memory."""
         return None
 
 
-def make_engine(model: str, bundle: ModelBundle, slots: int, sim_step_ms: str = "30") -> BatchEngine:
-    """The node's engine: a :class:`BatchEngine` over ``bundle`` with ``slots`` slots, or for
-    ``model == "sim"`` a :class:`SimEngine` with the same surface stepping in ``sim_step_ms``
-    (:func:`runtime.sim_timing.parse_step_time`; ValueError when malformed)."""
+def make_engine(
+    model: str, bundle: ModelBundle, slots: int, sim_step_ms: str = "30", *, prefill: bool = True
+) -> BatchEngine:
+    """The node's engine: a :class:`BatchEngine` over ``bundle`` with ``slots`` slots (``prefill``: persona
+    prompts by prefill), or for ``model == "sim"`` a :class:`SimEngine` with the same surface stepping in
+    ``sim_step_ms`` (:func:`runtime.sim_timing.parse_step_time`; ValueError when malformed)."""
     if model != "sim":
-        return BatchEngine(bundle, slots)
+        return BatchEngine(bundle, slots, prefill=prefill)
     step = parse_step_time(sim_step_ms)
-    log.warning("model=sim: a SIMULATED model (step time %s ms, a tone as audio); not for serving", step)
+    log.warning("model=sim: a SIMULATED model (step time %s ms, an echo as audio); not for serving", step)
     engine = SimEngine(
         slots,
         step,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -321,14 +322,18 @@ class WorkerServer(DuplexServer):
             return False, "engine unreachable"
         return super().readiness()
 
-    def _plan_session(self, query: str):  # type: ignore[no-untyped-def]
-        """The request, persona and sampling; the prompt is built by the engine (None here).
+    def _plan_session(self, query: str, text_prompt: str | None = None):  # type: ignore[no-untyped-def]
+        """The request, persona and sampling; the prompt is built by the engine (None here), which also
+        counts the text prompt's tokens (it alone has the tokenizer). ``text_prompt``: one that came as
+        0x04 metadata (``text_prompt_in=metadata``).
 
         Raises:
             ProtocolError: a bad query parameter; ValueError: a sampling value out of range, or a voice
                 this node does not have.
         """
         request = parse_session_query(query)
+        if text_prompt is not None:
+            request = dataclasses.replace(request, text_prompt=text_prompt)
         voices = self.voice_names
         if request.voice_prompt and self.client.status is not None and request.voice_prompt not in voices:
             raise ValueError(f"unknown voice prompt {request.voice_prompt!r}; this node has: {voices}")

@@ -31,10 +31,18 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
     wait_until,
 )
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from runtime.loadgen import run_session
 from runtime.model_presets import FRAME_SAMPLES
-from runtime.protocol import MessageKind, encode_ping
+from runtime.protocol import (
+    TEXT_PROMPT_LIMIT,
+    TEXT_PROMPT_MAX_CHARS,
+    TEXT_PROMPT_MAX_TOKENS,
+    MessageKind,
+    encode_metadata,
+    encode_ping,
+)
 from runtime.server import ADMISSION_REASONS, DuplexServer
 from runtime.tokens import REFUSAL_STATUS, SUBPROTOCOL_PREFIX, SigningKey
 
@@ -206,7 +214,48 @@ async def test_draining_node_says_so(bundle, speech):  # noqa: F811
 async def test_personas_lists_the_nodes_voices(node):
     status, headers, body = await get_json(node, "/api/personas")
     assert status == 200 and headers["Content-Type"] == "application/json"
-    assert body == {"voices": [VOICE], "voice_prompt_max_chars": 64, "text_prompt_max_chars": 2000}
+    assert body == {
+        "voices": [VOICE],
+        "voice_prompt_max_chars": 64,
+        "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
+        "text_prompt_max_tokens": TEXT_PROMPT_MAX_TOKENS,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("text", "got"),
+    [
+        ("qz " * 1000, "got 3018 tokens (3000 characters)"),  # within the characters, over the tokens
+        ("x" * (TEXT_PROMPT_MAX_CHARS + 1), f"got {TEXT_PROMPT_MAX_CHARS + 1} characters"),  # over both
+    ],
+    ids=["over-tokens", "over-characters"],
+)
+async def test_the_text_prompt_limit_is_one_sentence_wherever_it_is_checked(node, text, got):
+    """The query parser (characters) and session planning (tokens) refuse with the same statement."""
+    answer = await admission(node, token(), text_prompt=text)
+    assert (answer["ok"], answer["status"], answer["reason"]) == (False, 400, "bad_request"), answer
+    assert TEXT_PROMPT_LIMIT in answer["message"] and got in answer["message"], answer["message"]
+    within = "Please tell me more about your trip. " * 60  # 2220 characters, 558 tokens
+    assert (await admission(node, token(), text_prompt=within.strip()))["ok"]
+
+
+@pytest.mark.slow
+async def test_a_long_prompt_comes_as_metadata_instead_of_in_the_url(node):
+    prompt = ("Please tell me more about your trip. " * 100).strip()  # 3699 characters, 923 tokens
+    url = chat_url(node, text_prompt_in="metadata")
+    async with connect(url, subprotocols=[SUBPROTOCOL_PREFIX + token()], open_timeout=15, proxy=None) as ws:
+        await ws.send(encode_metadata({"text_prompt": prompt}))
+        assert await asyncio.wait_for(ws.recv(), 60) == bytes([MessageKind.HANDSHAKE])
+    await wait_until(lambda: node.scheduler.free_slots == 1, what="the slot to be free")
+    async with connect(url, subprotocols=[SUBPROTOCOL_PREFIX + token()], open_timeout=15, proxy=None) as ws:
+        await ws.send(encode_ping(b"too early"))  # anything but the metadata first is refused
+        error = await asyncio.wait_for(ws.recv(), 15)
+        assert error[0] == MessageKind.ERROR and b"the first message must be 0x04 metadata" in error
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 15)
+        assert ws.close_code == 1008
+    assert node.scheduler.free_slots == 1  # no slot was taken while waiting
 
 
 @pytest.mark.slow

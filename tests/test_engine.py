@@ -16,6 +16,25 @@ SLOTS = 5
 TICKS = 40
 
 
+class FakeClock:
+    """A clock that moves ``step_ms`` forward each time it is read: how much prompt work a tick does then
+    depends on the engine's budget alone, never on this machine's speed."""
+
+    def __init__(self, step_ms: float = 1.0) -> None:
+        self.step_s = step_ms / 1e3
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+def _engine(bundle: ModelBundle, slots: int = SLOTS, **kwargs) -> BatchEngine:
+    """A fresh engine on a copy of ``bundle`` with a :class:`FakeClock` (unless given another clock)."""
+    kwargs.setdefault("clock", FakeClock())
+    return BatchEngine(copy.deepcopy(bundle), slots, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def tiny() -> ModelBundle:
     return build_tiny(seed=0)
@@ -35,9 +54,10 @@ def _run(
     leaves: dict[int, int],
     sampling: SamplingParams,
     prompts: dict[int, list] | None = None,
+    **engine_kwargs,
 ) -> dict[int, list[tuple[int, ...]]]:
     """Drive a fresh engine tick by tick; each slot's (text, audio...) tokens in order."""
-    engine = BatchEngine(copy.deepcopy(bundle), SLOTS)
+    engine = _engine(bundle, **engine_kwargs)
     tokens: dict[int, list[tuple[int, ...]]] = {s: [] for s in range(SLOTS)}
     for t in range(TICKS):
         for slot, at in joins.items():
@@ -79,7 +99,7 @@ def test_seeded_sampling_is_isolated_too(tiny, speech_like) -> None:
 def test_a_rejoined_slot_starts_fresh(tiny, speech_like) -> None:
     """A session that leaves and a new one joining the same slot: the newcomer matches a fresh start."""
     fresh = _run(tiny, speech_like, {1: 0}, {}, SamplingParams.greedy())
-    engine = BatchEngine(copy.deepcopy(tiny), SLOTS)
+    engine = _engine(tiny)
     engine.join(1, SamplingParams.greedy())
     for t in range(7):
         pcm = np.zeros((SLOTS, 1920), dtype=np.float32)
@@ -99,7 +119,7 @@ def test_a_rejoined_slot_starts_fresh(tiny, speech_like) -> None:
 
 
 def test_idle_and_inactive_slots_produce_nothing(tiny) -> None:
-    engine = BatchEngine(copy.deepcopy(tiny), SLOTS)
+    engine = _engine(tiny)
     engine.join(0, SamplingParams.greedy())
     engine.join(1, SamplingParams.greedy())
     active = np.array([True, False, False, False, False])
@@ -110,8 +130,11 @@ def test_idle_and_inactive_slots_produce_nothing(tiny) -> None:
     assert np.abs(result.pcm[1:]).max() == 0.0
 
 
-def test_persona_prompt_runs_before_the_conversation_without_touching_others(tiny, speech_like) -> None:
-    engine = BatchEngine(copy.deepcopy(tiny), SLOTS)
+@pytest.mark.parametrize("prefill", [True, False], ids=["prefill", "step-by-step"])
+def test_persona_prompt_runs_before_the_conversation_without_touching_others(
+    tiny, speech_like, prefill
+) -> None:
+    engine = _engine(tiny)
     prompt = build_prompt(
         Persona(text_prompt="You are a helpful travel agent."),
         VoiceCatalog(),
@@ -122,14 +145,14 @@ def test_persona_prompt_runs_before_the_conversation_without_touching_others(tin
     assert len(prompt) > 12
     baseline = _run(tiny, speech_like, {0: 0}, {}, SamplingParams.greedy())
     with_prompting_neighbour = _run(
-        tiny, speech_like, {0: 0, 3: 2}, {}, SamplingParams.greedy(), prompts={3: prompt}
+        tiny, speech_like, {0: 0, 3: 2}, {}, SamplingParams.greedy(), prompts={3: prompt}, prefill=prefill
     )
     assert with_prompting_neighbour[0] == baseline[0]
     assert len(with_prompting_neighbour[3]) > 0  # went LIVE after its prompt and produced tokens
 
 
 def test_prompt_steps_share_the_tick_budget(tiny) -> None:
-    engine = BatchEngine(copy.deepcopy(tiny), SLOTS, prompt_budget_ms=0.0)
+    engine = _engine(tiny, prompt_budget_ms=0.0, prefill=False)  # the step-by-step reference
     codes = engine.silence_codes.cpu()
     voice = VoiceCatalog({"anna": codes[:, :4]})
     prompt = build_prompt(
@@ -147,7 +170,7 @@ def test_prompt_steps_share_the_tick_budget(tiny) -> None:
 
 def test_teacher_forcing_writes_the_prompt_tokens(tiny) -> None:
     """Forced text tokens are what the model sees: the LMGen cache holds them after the prompt."""
-    engine = BatchEngine(copy.deepcopy(tiny), SLOTS, prompt_budget_ms=1e9)
+    engine = _engine(tiny, prompt_budget_ms=1e9)
     tokens = [10, 11, 12, 13]
     from runtime.engine import PromptStep
 
@@ -162,7 +185,7 @@ def test_teacher_forcing_writes_the_prompt_tokens(tiny) -> None:
 
 
 def test_join_errors_name_the_problem(tiny) -> None:
-    engine = BatchEngine(copy.deepcopy(tiny), 2)
+    engine = _engine(tiny, 2)
     with pytest.raises(ValueError, match=r"slot must be in \[0, 2\)"):
         engine.join(2, SamplingParams())
     engine.join(0, SamplingParams())
@@ -175,7 +198,7 @@ def test_join_errors_name_the_problem(tiny) -> None:
 
 
 def test_tick_reports_its_timings(tiny) -> None:
-    engine = BatchEngine(copy.deepcopy(tiny), 2)
+    engine = _engine(tiny, 2)
     engine.join(0, SamplingParams())
     for _ in range(3):
         result = engine.tick(np.zeros((2, 1920), dtype=np.float32))

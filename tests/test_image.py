@@ -339,7 +339,7 @@ def test_a_mode_change_inside_the_allowlist_changes_the_context_hash(repo_copy: 
 def test_dependencies_are_installed_before_the_runtime_is_copied(dockerfile: DockerfileParser) -> None:
     """A change of runtime/ leaves the dependency layer (torch, gigabytes) to the build cache."""
     steps = [(i["instruction"], i["value"]) for i in dockerfile.structure]
-    install = next(n for n, (kind, value) in enumerate(steps) if kind == "RUN" and "[runtime]" in value)
+    install = next(n for n, (kind, value) in enumerate(steps) if kind == "RUN" and ".[runtime," in value)
     copy_runtime = next(
         n for n, (kind, value) in enumerate(steps) if kind == "COPY" and value.split()[0] == "runtime"
     )

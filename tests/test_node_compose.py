@@ -214,6 +214,7 @@ def test_runtime_environment_is_a_valid_runtime_config(name: str, monkeypatch: p
     config = RuntimeConfig()
     assert (config.host, config.port) == ("0.0.0.0", profile.ports.runtime)
     assert (config.model, config.device, config.dtype) == (profile.model, "cuda", profile.runtime_dtype)
+    assert config.quantize == ("int8" if profile.precision == "int8" else "none")
     assert config.max_sessions == profile.sessions
     assert config.drain_grace_s == profile.limits.drain_grace_s
     assert config.maintenance_watch == "off"

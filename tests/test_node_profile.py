@@ -17,6 +17,8 @@ def test_builtin_profiles_are_the_four_the_stacks_use() -> None:
     assert PROFILES["local"].public_address == "127.0.0.1"
     assert PROFILES["l40s"].sessions == PROFILES["a100-80gb"].sessions == 5
     assert PROFILES["t4-int8"].precision == "int8" and PROFILES["t4-int8"].gpu == "t4"
+    assert PROFILES["t4-int8"].runtime_quantize == "int8" and PROFILES["t4-int8"].runtime_dtype == "float16"
+    assert PROFILES["a100-80gb"].runtime_quantize == "none"
 
 
 def test_t4_sessions_come_from_the_capacity_planner() -> None:

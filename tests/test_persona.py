@@ -82,7 +82,7 @@ def test_no_persona_no_prompt(bundle) -> None:
 
 def test_overlong_text_prompt_is_refused(bundle) -> None:
     codes = torch.zeros(8, 1, dtype=torch.long)
-    with pytest.raises(PersonaError, match="at most 1000 are allowed"):
+    with pytest.raises(PersonaError, match=r"at most 1000 tokens of the model.s tokenizer .*; got \d+ tok"):
         build_prompt(
             Persona(text_prompt="word " * 1500),
             VoiceCatalog(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import string
 import urllib.parse
 
@@ -18,6 +19,8 @@ from runtime.protocol import (
     MAX_ERROR_MESSAGE_BYTES,
     MAX_QUERY_PARAMS,
     PROTOCOL_ERROR_REASONS,
+    TEXT_PROMPT_LIMIT,
+    TEXT_PROMPT_MAX_CHARS,
     AudioFormat,
     AudioMessage,
     ControlAction,
@@ -34,6 +37,7 @@ from runtime.protocol import (
     encode_ping,
     encode_text,
     parse_client_message,
+    parse_prompt_metadata,
     parse_session_query,
 )
 
@@ -444,7 +448,8 @@ def test_format_is_case_insensitive() -> None:
         ("voice_prompt", ".hidden", "starting with a letter or digit"),
         ("voice_prompt", "x" * 65, "1..64"),
         ("voice_prompt", "héllo", "letters, digits"),
-        ("text_prompt", "x" * 2001, "at most 2000 characters"),
+        ("text_prompt", "x" * 4001, "at most 4000 characters and at most 1000 tokens"),
+        ("text_prompt_in", "body", "expected 'query' or 'metadata'"),
         ("text_prompt", "a\x00b", "NUL"),
         ("text_prompt", "a\ud800b", "surrogate"),
         ("audio_temperature", "-0.1", "[0, 2]"),
@@ -571,3 +576,19 @@ def test_session_request_to_query_params_is_json_friendly() -> None:
     params = SessionRequest(format=AudioFormat.PCM, seed=7, text_temperature=0.5).to_query_params()
     assert params == {"format": "pcm", "seed": "7", "text_temperature": "0.5"}
     assert json.loads(json.dumps(params)) == params
+
+
+def test_a_text_prompt_may_come_as_metadata_with_the_same_limit() -> None:
+    request = parse_session_query("text_prompt_in=metadata&format=pcm")
+    assert request.text_prompt_in == "metadata" and request.text_prompt is None
+    assert parse_session_query("text_prompt_in=query").text_prompt_in is None
+    with pytest.raises(ProtocolError, match="cannot also come as metadata"):
+        parse_session_query("text_prompt_in=metadata&text_prompt=hi")
+    assert parse_prompt_metadata({"text_prompt": "You are a pirate."}) == "You are a pirate."
+    with pytest.raises(ProtocolError, match=re.escape(TEXT_PROMPT_LIMIT)) as info:
+        parse_prompt_metadata({"text_prompt": "x" * (TEXT_PROMPT_MAX_CHARS + 1)})
+    assert info.value.reason == "bad_metadata" and "metadata field text_prompt=" in str(info.value)
+    for bad in ({}, {"text_prompt": 3}, {"text_prompt": "hi", "voice_prompt": "x"}):
+        with pytest.raises(ProtocolError, match="first message must be 0x04 metadata") as info:
+            parse_prompt_metadata(bad)
+        assert info.value.reason == "bad_metadata"

@@ -2,9 +2,12 @@
 
 Formulas (element counts in ``models.py``, checked against real tensors in the tests):
 - LM weights, shared: every parameter once. Under moshi's INT8 (``utils/quantize.py``) every ``nn.Linear``
-  becomes an int8 ``QLinear`` with one fp32 scale per output row, while embeddings stay 16-bit; the same
-  split is assumed for fp8 (per-tensor scale, negligible) and int4 (one fp16 scale and zero per group of
-  128 weights: 1/32 byte per weight).
+  becomes an int8 ``QLinear`` with one fp32 scale per output row, while embeddings and norms stay fp16 (the
+  runtime's ``DUPLEX_QUANTIZE=int8``, ``runtime/models.py``); the same split is assumed for fp8 (per-tensor
+  scale, negligible) and int4 (one fp16 scale and zero per group of 128 weights: 1/32 byte per weight).
+  Norm weights are stored at the model's dtype: moshi casts the whole LM with ``.to(dtype)``, and an
+  ``rms_norm_f32`` norm only computes in fp32 (checked against the tiny preset's real tensors,
+  tests/test_int8.py).
 - Mimi weights, shared: fp32 parameters + codebook buffers, with each codebook held twice at inference
   (``embedding_sum`` and the derived ``_embedding``, quantization/core_vq.py).
 - Temporal KV cache per slot: 2 x layers x context x dim x bytes (the ring is allocated whole at
@@ -90,11 +93,10 @@ class MemoryPlan(BaseModel):
 def lm_weight_bytes(model: ModelSpec, precision: str) -> int:
     """Bytes of the LM's weights stored at ``precision`` (see the module docstring for the INT8 split)."""
     t = model.lm_tally
-    other_b = 4 if model.lm.get("norm", "").endswith("_f32") else BYTES_PER_ELEMENT[precision]
     if precision in ("fp32", "bf16", "fp16"):
         w = BYTES_PER_ELEMENT[precision]
-        return int(t.linear * w + t.embedding * w + t.other * other_b)
-    emb_b = 2  # embeddings stay in the model's 16-bit dtype
+        return int(t.linear * w + t.embedding * w + t.other * w)
+    emb_b = 2  # embeddings and norms stay in the model's 16-bit dtype (fp16 under moshi's INT8)
     if precision == "int8":
         lin = t.linear * 1 + t.linear_rows * 4
     elif precision == "fp8":
@@ -103,7 +105,7 @@ def lm_weight_bytes(model: ModelSpec, precision: str) -> int:
         lin = t.linear * 0.5 + t.linear / 128 * 4
     else:
         raise ValueError(f"precision: unknown value {precision!r}")
-    return int(lin + t.embedding * emb_b + t.other * max(other_b, 2))
+    return int(lin + t.embedding * emb_b + t.other * emb_b)
 
 
 def mimi_weight_bytes(model: ModelSpec) -> int:

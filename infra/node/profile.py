@@ -43,7 +43,8 @@ Deployment = Literal["compose", "processes"]
 ``processes`` (host processes on loopback: the local node, ``infra.node.local``)."""
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
-"""Weight precision of the LM. ``int8`` needs a CUDA GPU (bitsandbytes), ``fp32`` is the CPU default."""
+"""Weight precision of the LM. ``int8`` needs a CUDA GPU here (bitsandbytes; the runtime's
+``DUPLEX_QUANTIZE=int8``), ``fp32`` is the CPU default."""
 
 GRAFANA_VERSION = "11.6.16"
 """The Grafana release the dashboards and the Compose file target (grafana-foundation-sdk is pinned to it)."""
@@ -297,6 +298,12 @@ class NodeProfile(_Strict):
     def runtime_dtype(self) -> str | None:
         """``DUPLEX_DTYPE`` for this precision (None where the runtime picks: int8 quantises fp16 compute)."""
         return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "int8": "float16"}[self.precision]
+
+    @property
+    def runtime_quantize(self) -> str:
+        """``DUPLEX_QUANTIZE`` for this precision: ``int8`` builds the LM through moshi's INT8 path (linear
+        layers int8, the rest fp16: what the capacity planner counts for ``int8``), else ``none``."""
+        return "int8" if self.precision == "int8" else "none"
 
 
 _BUILTIN_PROFILES: dict[str, dict[str, Any]] = {

@@ -139,6 +139,7 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
     }
     if profile.runtime_dtype is not None:
         settings["DUPLEX_DTYPE"] = profile.runtime_dtype
+    settings["DUPLEX_QUANTIZE"] = profile.runtime_quantize
     return settings
 
 
