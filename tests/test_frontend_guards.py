@@ -135,8 +135,8 @@ def long_prompts(server: DuplexServer, factor: int = 2000) -> None:
     """Make every persona prompt ``factor`` times longer (minutes of teacher-forced steps)."""
     plan = server._plan_session
 
-    def longer(query: str):  # type: ignore[no-untyped-def]
-        request, persona, prompt, sampling = plan(query)
+    def longer(query: str, *args):  # type: ignore[no-untyped-def]
+        request, persona, prompt, sampling = plan(query, *args)
         return request, persona, prompt * factor, sampling
 
     server._plan_session = longer  # type: ignore[method-assign]
@@ -148,7 +148,8 @@ def long_prompts(server: DuplexServer, factor: int = 2000) -> None:
 
 
 async def test_leaving_during_the_persona_prompt_frees_the_slot(bundle, speech):  # noqa: F811
-    async with running_server(bundle, max_sessions=1) as server:
+    # Step by step (no prefill), so that the prompt runs for minutes.
+    async with running_server(bundle, max_sessions=1, prompt_prefill=False) as server:
         long_prompts(server)
         url = chat_url(server, text_prompt="You are a helpful travel agent.")
         async with kyutai_client(url, speech[0]) as leaving:
