@@ -34,6 +34,7 @@ from websockets.asyncio.client import connect
 from infra.node.bringup import runtime_health_problem
 from runtime.loadgen import run_session, session_url
 from runtime.local_redis import free_loopback_port
+from runtime.protocol import encode_metadata
 from runtime.tokens import generate_signing_key, mint_token
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -286,6 +287,11 @@ async def test_a_split_node_answers_every_route_on_one_port(node_dir):
         async with connect(node.chat_url() + "&voice_prompt=nobody", proxy=None) as ws:
             message = await ws.recv()
             assert isinstance(message, bytes) and message[0] == 5 and b"nobody" in message
+        # A text prompt sent as 0x04 metadata: the worker reads it, the engine builds the prompt.
+        async with connect(node.chat_url() + "&text_prompt_in=metadata", proxy=None) as ws:
+            await ws.send(encode_metadata({"text_prompt": "You are a kind travel agent."}))
+            message = await asyncio.wait_for(ws.recv(), 30)
+            assert message == b"\x00", message
 
 
 @pytest.mark.slow
