@@ -39,6 +39,14 @@ Drain (SIGTERM): ``/readyz`` turns 503, new sessions are refused, running ones m
 period ends, then they are closed with 1001 (going away). A GCE host-maintenance notice
 (``DUPLEX_MAINTENANCE_WATCH=gce``, :mod:`runtime.maintenance`) does the first two without closing anything,
 and is undone when the notice clears.
+
+Guards (issue 16): every route answers GET only (405 with ``Allow`` otherwise); upgrades and admission checks
+pass per-client and global handshake rate limits first (429, ``runtime.ratelimit``); ``/metrics`` is
+rendered at most once per ``metrics_cache_s``; websockets' access lines are at DEBUG (``runtime.access``).
+A caller is read (and its audio dropped) until its handshake, so one that leaves while it waits for a slot
+(the waiting room, ``runtime.waiting_room``) or while its persona prompt runs gives its place back at once;
+its token is spent only when it gets its slot. :class:`DuplexServer` holds the model in its process; with
+``--workers N`` the same front end runs in worker processes without it (``runtime.worker``).
 """
 
 from __future__ import annotations
