@@ -40,6 +40,7 @@ __all__ = [
     "PcmFrameAssembler",
     "PcmFrameEncoder",
     "make_codec",
+    "split_ogg_pages",
 ]
 
 _PCM_SCALE = 32768.0
@@ -149,7 +150,10 @@ class PcmFrameAssembler:
 class OpusFrameAssembler:
     """Ogg/Opus pages (24000 Hz mono, as Kyutai's clients send them) -> [1920] float32 frames in [-1, 1].
 
-    Decodes with ``sphn.OpusStreamReader(24000)``; a page or a frame may span several messages.
+    Decodes with ``sphn.OpusStreamReader(24000)``, one Ogg page per call (:func:`split_ogg_pages`): sphn
+    0.2.1 fails with ``opus_decode_float: invalid argument`` when one call holds more than about 4 s of
+    audio (tried: 16 KB of 24 kbit/s Opus decode, 30 KB fail), which made one long but valid message look
+    like a broken stream. A page or a frame may span several messages.
 
     Args:
         max_buffered_frames: most frames (80 ms each) one :meth:`push` may complete (>= 1).
@@ -159,6 +163,7 @@ class OpusFrameAssembler:
         self.max_buffered_frames = _check_max_buffered_frames(max_buffered_frames)
         self._reader = sphn.OpusStreamReader(SAMPLE_RATE_HZ)
         self._pending = np.zeros(0, dtype=np.float32)
+        self._partial_page = b""
         self._failure: str | None = None
 
     @property
@@ -186,18 +191,21 @@ class OpusFrameAssembler:
             raise ProtocolError(
                 "bad_opus", f"the Ogg/Opus stream already failed earlier and cannot resume ({self._failure})"
             )
-        try:
-            decoded = self._reader.append_bytes(bytes(payload))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # ValueError from sphn; BaseException also covers a Rust panic
-            self._failure = str(exc)[:200]
-            raise ProtocolError(
-                "bad_opus",
-                f"audio payload is not a valid Ogg/Opus stream (24000 Hz mono Opus in Ogg pages, first "
-                f"pages OpusHead and OpusTags): {self._failure}",
-            ) from None
-        decoded = np.asarray(decoded, dtype=np.float32).reshape(-1)
+        pages, self._partial_page = split_ogg_pages(self._partial_page + bytes(payload))
+        chunks: list[np.ndarray] = []
+        for page in pages:
+            try:
+                chunks.append(np.asarray(self._reader.append_bytes(page), dtype=np.float32).reshape(-1))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # ValueError from sphn; BaseException also covers a Rust panic
+                self._failure = str(exc)[:200]
+                raise ProtocolError(
+                    "bad_opus",
+                    f"audio payload is not a valid Ogg/Opus stream (24000 Hz mono Opus in Ogg pages, first "
+                    f"pages OpusHead and OpusTags): {self._failure}",
+                ) from None
+        decoded = np.concatenate(chunks) if len(chunks) > 1 else (chunks[0] if chunks else _NO_SAMPLES)
         if not decoded.size:
             return []
         samples = np.concatenate([self._pending, decoded]) if self._pending.size else decoded
@@ -206,6 +214,48 @@ class OpusFrameAssembler:
             raise _too_fast(frame_count, self.max_buffered_frames)
         frames, self._pending = _split_frames(samples)
         return [np.clip(np.nan_to_num(frame, nan=0.0), -1.0, 1.0) for frame in frames]
+
+
+_NO_SAMPLES = np.zeros(0, dtype=np.float32)
+_OGG_CAPTURE = b"OggS"
+_OGG_HEADER_BYTES = 27
+"""Fixed part of an Ogg page header (RFC 3533, 6): capture pattern to segment count."""
+
+
+def split_ogg_pages(data: bytes) -> tuple[list[bytes], bytes]:
+    """Cut ``data`` into whole Ogg pages (RFC 3533, section 6) and the incomplete rest.
+
+    A page is a 27-byte header whose last byte is the segment count n, an n-byte segment table, then the
+    sum of the segment table's bytes (at most 65,307 bytes in all). Bytes that do not start with the
+    ``OggS`` capture pattern and version 0 are not cut: they come back as one last "page" so that the
+    decoder refuses them with its own error.
+
+    Returns:
+        (pages, rest): the complete pages in order, and the bytes of a page not complete yet (to prepend
+        to the next message's bytes).
+    """
+    pages: list[bytes] = []
+    pos = 0
+    size = len(data)
+    while pos < size:
+        if data[pos : pos + 4] != _OGG_CAPTURE[: min(4, size - pos)]:
+            pages.append(data[pos:])  # not Ogg: let the decoder name the problem
+            return pages, b""
+        if size - pos > 4 and data[pos + 4] != 0:  # stream_structure_version: 0 is the only one
+            pages.append(data[pos:])
+            return pages, b""
+        if size - pos < _OGG_HEADER_BYTES:
+            break
+        segments = data[pos + _OGG_HEADER_BYTES - 1]
+        table_end = pos + _OGG_HEADER_BYTES + segments
+        if table_end > size:
+            break
+        end = table_end + sum(data[pos + _OGG_HEADER_BYTES : table_end])
+        if end > size:
+            break
+        pages.append(data[pos:end])
+        pos = end
+    return pages, data[pos:]
 
 
 class PcmFrameEncoder:

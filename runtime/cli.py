@@ -56,6 +56,13 @@ def serve(
     max_sessions: Annotated[int | None, typer.Option(help="Batch slots = concurrent sessions")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Session store, redis://...")] = None,
     voices_dir: Annotated[Path | None, typer.Option(help="Directory of voice prompts")] = None,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Front-end worker processes beside the engine process (one port, SO_REUSEPORT); 0: one "
+            "process; -1: from the host's cores (DUPLEX_WORKERS)"
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Python log level")] = "INFO",
 ) -> None:
     """Run the batched runtime until SIGTERM/SIGINT, then drain. Settings also come from DUPLEX_* env vars."""
@@ -69,12 +76,23 @@ def serve(
         max_sessions=max_sessions,
         redis_url=redis_url,
         voices_dir=voices_dir,
+        workers=workers,
     )
     try:
         config.check_access_control()
     except ValueError as exc:
         console.print(f"[red]invalid access control settings[/red]: {exc}")
         raise typer.Exit(2) from None
+    if config.workers != 0:
+        from runtime.multiproc import Supervisor, default_workers
+
+        count = default_workers() if config.workers == -1 else config.workers
+        try:
+            supervisor = Supervisor(config, count)
+        except ValueError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from None
+        raise typer.Exit(supervisor.run())
     from runtime.metrics import RuntimeMetrics
     from runtime.server import build_server, loading_status
 
@@ -248,6 +266,14 @@ def loadgen(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print per-session rows and totals as JSON")
     ] = False,
+    pre_encode: Annotated[
+        bool,
+        typer.Option(
+            "--pre-encode/--encode-live",
+            help="Encode each clip once and replay it (measures the node), or encode per session as a "
+            "live client does",
+        ),
+    ] = True,
 ) -> None:
     """Drive SESSIONS concurrent sessions of speech at real-time pace against a node (this one, a GCP
     node, a GKE endpoint) and report per session and in total: connect time, first-audio latency
@@ -300,6 +326,7 @@ def loadgen(
                 on_frame=lambda: progress.advance(task),
                 audio_format=fmt,
                 token=tokens,
+                pre_encode=pre_encode,
             )
         )
     if json_out:

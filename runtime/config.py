@@ -94,6 +94,64 @@ class RuntimeConfig(BaseSettings):
         description="Browser origins allowed to open sessions (scheme://host[:port], comma-separated or "
         'JSON; "*" for any); requests without an Origin header are not affected',
     )
+    # The front end's own protections (runtime/ratelimit.py, runtime/server.py; issue 16).
+    handshake_rate_per_client: float = Field(
+        20.0, ge=0, description="WebSocket upgrades per second per client address (0: no limit); 429 past it"
+    )
+    handshake_burst_per_client: int = Field(60, ge=1, description="Per-client bucket size (upgrades at once)")
+    handshake_rate_global: float = Field(
+        200.0, ge=0, description="WebSocket upgrades per second for the whole node (0: no limit); 429 past it"
+    )
+    handshake_burst_global: int = Field(400, ge=1, description="Global bucket size (upgrades at once)")
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"],
+        description="CIDRs whose X-Real-IP / X-Forwarded-For name the client (comma-separated)",
+    )
+    metrics_cache_s: float = Field(
+        1.0, ge=0, le=60, description="/metrics reuses its last rendering for this long (0: render each time)"
+    )
+    waiting_room_s: float = Field(
+        0.0, ge=0, le=3600, description="How long a caller may wait for a slot when all are taken (0: refuse)"
+    )
+    waiting_room_size: int = Field(0, ge=0, le=4096, description="Callers that may wait at once (0: none)")
+    workers: int = Field(
+        0,
+        ge=-1,
+        le=64,
+        description="Front-end worker processes beside the engine process (runtime/multiproc.py): 0 runs "
+        "one process (model and front end together), -1 picks from the host's cores (cores - 1, 1..8)",
+    )
+    sim_step_ms: str = Field(
+        "30",
+        description='model=sim only: step time, ms ("30") or batch:ms pairs ("1:28,8:32.6,16:45,32:70.2")',
+    )
+
+    @field_validator("sim_step_ms")
+    @classmethod
+    def _sim_step(cls, value: str) -> str:
+        from runtime.sim_timing import parse_step_time
+
+        parse_step_time(value)
+        return value
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _cidr_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not a CIDR (e.g. 10.0.0.0/8 or ::1/128)") from None
+        return value
 
     # GCE host maintenance (runtime/maintenance.py): on a GCE VM's maintenance notice, stop admitting.
     maintenance_watch: Literal["gce", "off"] = Field(

@@ -13,7 +13,7 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -203,8 +203,13 @@ async def run_session(
     on_frame: Callable[[], None] | None = None,
     token: str | None = None,
     token_via: TokenVia = "subprotocol",
+    messages: Iterable[bytes] | None = None,
 ) -> SessionResult:
     """Stream ``pcm`` (float32, 24 kHz, ``[T]``) to ``url`` frame by frame and collect what comes back.
+
+    Received audio is counted, never decoded; with ``messages`` (:func:`encode_messages`, made once and
+    shared by every session that streams the same clip) nothing is encoded either, so a load run measures
+    the server, not its own codec.
 
     A refused upgrade (HTTP status instead of 101) or an unreachable node is recorded in the result
     (``http_status``/``http_body``, ``connect_error``), not raised.
@@ -217,10 +222,11 @@ async def run_session(
         on_frame: called after each frame sent (progress bars).
         token: the session token (``runtime.tokens.mint_token``; single-use), or None to send none.
         token_via: how to present it (``TokenVia``).
+        messages: the 0x01 audio messages to send, one per 80 ms frame, already encoded in
+            ``audio_format`` (``pcm`` is then ignored).
     """
     result = SessionResult()
-    assembler, encoder = make_codec(audio_format, max_buffered_frames=1000)
-    frames = [pcm[i : i + FRAME_SAMPLES] for i in range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES)]
+    to_send: Iterable[bytes] = _LazyMessages(pcm, audio_format) if messages is None else messages
     started: float | None = None
     done = asyncio.Event()
     secure = urlsplit(url).scheme == "wss"
@@ -286,10 +292,9 @@ async def run_session(
                     await ws.send(raw)
                     result.bytes_sent += len(raw)
                 next_send = time.monotonic()
-                for frame in frames:
+                for message in to_send:
                     if started is None:
                         started = time.monotonic()
-                    message = encode_audio(encoder.encode(frame))
                     await ws.send(message)
                     result.frames_sent += 1
                     result.bytes_sent += len(message)
@@ -307,8 +312,30 @@ async def run_session(
             receiver.cancel()
         result.close_code = ws.close_code
         result.close_reason = ws.close_reason or ""
-    del assembler
     return result
+
+
+def encode_messages(pcm: np.ndarray, audio_format: AudioFormat = AudioFormat.OPUS) -> list[bytes]:
+    """``pcm`` (float32, 24 kHz, ``[T]``) as the 0x01 audio messages a session sends, one per whole 80 ms
+    frame, in ``audio_format`` (Ogg/Opus: the first message carries the OpusHead/OpusTags pages, so the list
+    replays as a whole stream from its start). A frame whose Opus page is not ready yet is sent as an empty
+    audio message, as a live client would send whatever its encoder gave."""
+    _, encoder = make_codec(audio_format, max_buffered_frames=1000)
+    frames = range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES)
+    return [encode_audio(encoder.encode(pcm[i : i + FRAME_SAMPLES])) for i in frames]
+
+
+class _LazyMessages:
+    """The messages of :func:`encode_messages`, each encoded when sent (a live client's cost)."""
+
+    def __init__(self, pcm: np.ndarray, audio_format: AudioFormat) -> None:
+        self.pcm = pcm
+        self.audio_format = audio_format
+
+    def __iter__(self) -> Iterator[bytes]:
+        _, encoder = make_codec(self.audio_format, max_buffered_frames=1000)
+        for i in range(0, len(self.pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES):
+            yield encode_audio(encoder.encode(self.pcm[i : i + FRAME_SAMPLES]))
 
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
@@ -327,6 +354,8 @@ class LoadReport:
 
     sessions: list[SessionResult]
     wall_s: float
+    cpu_s: float | None = None
+    """CPU time (user + system) this load generator's process spent during the run."""
 
     @property
     def served(self) -> list[SessionResult]:
@@ -358,6 +387,10 @@ class LoadReport:
             "bytes_sent": sum(r.bytes_sent for r in self.sessions),
             "bytes_received": sum(r.bytes_received for r in self.sessions),
             "wall_s": round(self.wall_s, 3),
+            "loadgen_cpu_s": None if self.cpu_s is None else round(self.cpu_s, 3),
+            "loadgen_cpu_percent": (
+                None if self.cpu_s is None or not self.wall_s else round(100 * self.cpu_s / self.wall_s, 1)
+            ),
         }
 
     def session_rows(self) -> list[dict[str, object]]:
@@ -402,6 +435,7 @@ async def run_load(
     audio_format: AudioFormat = AudioFormat.PCM,
     token: str | Callable[[], str] | None = None,
     token_via: TokenVia = "subprotocol",
+    pre_encode: bool = True,
 ) -> LoadReport:
     """Drive ``sessions`` concurrent sessions against ``url`` (a full ``.../api/chat?...`` URL), session
     ``i`` streaming ``speech[i % len(speech)]`` at real-time pace.
@@ -412,6 +446,10 @@ async def run_load(
         token: a token factory called once per session, just before it connects (tokens are single-use);
             a plain token for a single session; None for a node without access control.
         token_via: how each session presents its token (``TokenVia``).
+        pre_encode: encode each clip once before the run and replay its messages in every session
+            (:func:`encode_messages`), so the generator's CPU goes to the sockets; False: every session
+            encodes its own audio as a live client does. The report's ``loadgen_cpu_percent`` says what
+            the generator itself cost (100 = one core).
 
     Raises:
         ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, no speech, a non-positive duration, or one
@@ -425,13 +463,18 @@ async def run_load(
         raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
     if isinstance(token, str) and sessions > 1:
         raise ValueError("a session token opens one session: pass a token factory for several sessions")
+    encoded: list[list[bytes]] | None = None
+    if pre_encode:
+        encoded = [encode_messages(clip, audio_format) for clip in speech[: min(len(speech), sessions)]]
     started = time.monotonic()
+    cpu_started = time.process_time()
 
     async def one(i: int) -> SessionResult:
         await asyncio.sleep(i * stagger_s)
         return await run_session(
             url,
             speech[i % len(speech)],
+            messages=None if encoded is None else encoded[i % len(encoded)],
             ssl_context=ssl_context,
             on_frame=on_frame,
             audio_format=audio_format,
@@ -454,7 +497,7 @@ async def run_load(
                 f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
             )
             results.append(failed)
-    return LoadReport(results, time.monotonic() - started)
+    return LoadReport(results, time.monotonic() - started, time.process_time() - cpu_started)
 
 
 def trusting_context(certificate: Path) -> ssl.SSLContext:
@@ -492,6 +535,7 @@ def load_table(title: str, report: Any) -> Table:
         f"first audio p50/p95/p99 {ms(total['first_audio_ms_p50'])}/{ms(total['first_audio_ms_p95'])}/"
         f"{ms(total['first_audio_ms_p99'])} ms; gap p99 {ms(total['inter_frame_gap_ms_p99'])} ms; "
         f"frames lost {total['frames_lost']}; {total['bytes_sent'] / 1e6:.2f} MB sent, "
-        f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms)"
+        f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms); "
+        f"load generator CPU {total.get('loadgen_cpu_percent')} % of a core"
     )
     return table

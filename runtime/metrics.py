@@ -1,4 +1,11 @@
-"""Prometheus metrics of one runtime process (``prometheus_client``), on a registry of its own.
+"""Prometheus metrics of the runtime (``prometheus_client``), on a registry of their own.
+
+With ``duplex serve --workers N`` the node is several processes (the engine and N front-end workers):
+each has its own :class:`RuntimeMetrics`, and prometheus_client's multiprocess mode
+(``PROMETHEUS_MULTIPROC_DIR``, set by ``runtime.multiproc`` before any child starts) keeps their values in
+files that any worker's ``/metrics`` adds up: counters and histograms are summed over the processes,
+each gauge combined as its ``multiprocess_mode`` says (``livesum``, ``livemax``, ``livemin``: over the
+processes still alive).
 
 Every name starts with ``duplex_``. Alert rules and dashboards (the node issue) read these names: change
 one and change them too.
@@ -6,7 +13,9 @@ one and change them too.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -43,27 +52,42 @@ class RuntimeMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.slots_total = Gauge(
-            "duplex_slots_total", "Batch slots (maximum concurrent sessions)", registry=r
+            "duplex_slots_total",
+            "Batch slots (maximum concurrent sessions)",
+            registry=r,
+            multiprocess_mode="livemax",
         )
-        self.active_sessions = Gauge("duplex_active_sessions", "Sessions holding a slot", registry=r)
+        self.active_sessions = Gauge(
+            "duplex_active_sessions", "Sessions holding a slot", registry=r, multiprocess_mode="livesum"
+        )
         self.draining = Gauge(
             "duplex_draining",
             "1 while the process admits no new session: draining after SIGTERM, or a host maintenance notice",
             registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.ready = Gauge(
+            "duplex_ready",
+            "1 when /readyz answers 200 (several processes: all of them ready)",
+            registry=r,
+            multiprocess_mode="livemin",
         )
         self.maintenance_pending = Gauge(
             "duplex_maintenance_pending",
             "1 while a host maintenance notice is pending (GCE maintenance-event, runtime/maintenance.py)",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.maintenance_watch_errors = Counter(
             "duplex_maintenance_watch_errors_total",
             "Failed requests to the metadata server's maintenance-event key (retried with backoff)",
             registry=r,
         )
-        self.ready = Gauge("duplex_ready", "1 when /readyz answers 200", registry=r)
         self.loading = Gauge(
-            "duplex_loading", "1 while the model loads and warms up (/readyz 503 'loading')", registry=r
+            "duplex_loading",
+            "1 while the model loads and warms up (/readyz 503 'loading')",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.tick_duration = Histogram(
             "duplex_tick_duration_seconds",
@@ -84,7 +108,7 @@ class RuntimeMetrics:
         self.frames_dropped = Counter(
             "duplex_frames_dropped_total",
             "Frames lost: late_input (silence fed instead), input_overflow (client faster than real time), "
-            "slow_client (output not read in time)",
+            "slow_client (output not read in time), slow_worker (engine to front-end queue full)",
             ["reason"],
             registry=r,
         )
@@ -102,18 +126,58 @@ class RuntimeMetrics:
             "duplex_redis_errors_total", "Failed Redis operations, by op", ["op"], registry=r
         )
         self.redis_backlog = Gauge(
-            "duplex_redis_backlog_ops", "Session-store writes waiting for Redis", registry=r
+            "duplex_redis_backlog_ops",
+            "Session-store writes waiting for Redis",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.gpu_memory_allocated = Gauge(
-            "duplex_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated on the engine's GPU", registry=r
+            "duplex_gpu_memory_allocated_bytes",
+            "torch.cuda.memory_allocated on the engine's GPU",
+            registry=r,
+            multiprocess_mode="livemax",
         )
-        for reason in ("late_input", "input_overflow", "slow_client"):
+        self.waiting_sessions = Gauge(
+            "duplex_waiting_sessions",
+            "Callers in the waiting room (all slots taken)",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.waiting_room = Counter(
+            "duplex_waiting_room_total",
+            "Waiting-room outcomes: admitted (got a slot), timeout, left (client gone), full (room full)",
+            ["outcome"],
+            registry=r,
+        )
+        self.waiting_room_wait = Histogram(
+            "duplex_waiting_room_wait_seconds",
+            "Time a caller spent in the waiting room, whatever the outcome",
+            buckets=(0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0),
+            registry=r,
+        )
+        for outcome in ("admitted", "timeout", "left", "full"):
+            self.waiting_room.labels(outcome=outcome)
+        for reason in ("late_input", "input_overflow", "slow_client", "slow_worker"):
             self.frames_dropped.labels(reason=reason)
         # After the upgrade: node_full, draining, bad_request; before it, the access check's reasons
         # (runtime/tokens.py REFUSAL_STATUS: missing, malformed, expired, ..., origin_not_allowed).
-        for reason in ("node_full", "draining", "bad_request", *ACCESS_REFUSAL_REASONS):
+        for reason in (
+            "node_full",
+            "waiting_room_full",
+            "wait_timeout",
+            "rate_limited",
+            "draining",
+            "bad_request",
+            *ACCESS_REFUSAL_REASONS,
+        ):
             self.admissions_refused.labels(reason=reason)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of the registry."""
+        """The Prometheus text exposition of the registry; with ``PROMETHEUS_MULTIPROC_DIR`` set, of every
+        process of the node (prometheus_client's ``MultiProcessCollector``)."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=directory)
+            return generate_latest(registry)
         return generate_latest(self.registry)

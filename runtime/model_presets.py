@@ -176,6 +176,17 @@ PRESETS: dict[str, ModelPreset] = {
         8,
         "random weights, seeded; 7B codebook structure with small dims; runs on a CPU",
     ),
+    # A simulator for load tests (runtime/sim.py): tiny's models for the tokenizer and voice prompts, and a
+    # SimEngine that sleeps the step time (DUPLEX_SIM_STEP_MS) instead of running them. Never a default.
+    "sim": ModelPreset(
+        "sim",
+        TINY_LM,
+        TINY_MIMI,
+        None,
+        8,
+        "SIMULATED model for load tests: step time from DUPLEX_SIM_STEP_MS, a tone as audio; not for serving",
+        extra={"simulated": True},
+    ),
     "moshi-7b": ModelPreset(
         "moshi-7b", MOSHI_7B_LM, MIMI, "kyutai/moshiko-pytorch-bf16", 8, "Kyutai Moshi 7B (Moshiko voice)"
     ),

@@ -115,6 +115,8 @@ class SlotScheduler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tick-loop", daemon=True)
+        self.on_slot_freed: Callable[[], None] | None = None
+        """Called on the tick thread after a slot was freed (``runtime.waiting_room`` sets it)."""
         metrics.slots_total.set(self.slots)
 
     # --- event-loop side ------------------------------------------------------------------------------
@@ -179,6 +181,8 @@ class SlotScheduler:
                     self._free.append(slot)
                     self._free.sort()
                 self.metrics.active_sessions.set(self.slots - len(self._free))
+                if self.on_slot_freed is not None:
+                    self.on_slot_freed()
 
     def _text_piece(self, token: int) -> str | None:
         if token < 0 or token in TEXT_PADDING_IDS or token >= self._vocab_size:

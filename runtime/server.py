@@ -39,6 +39,14 @@ Drain (SIGTERM): ``/readyz`` turns 503, new sessions are refused, running ones m
 period ends, then they are closed with 1001 (going away). A GCE host-maintenance notice
 (``DUPLEX_MAINTENANCE_WATCH=gce``, :mod:`runtime.maintenance`) does the first two without closing anything,
 and is undone when the notice clears.
+
+Guards (issue 16): every route answers GET only (405 with ``Allow`` otherwise); upgrades and admission checks
+pass per-client and global handshake rate limits first (429, ``runtime.ratelimit``); ``/metrics`` is
+rendered at most once per ``metrics_cache_s``; websockets' access lines are at DEBUG (``runtime.access``).
+A caller is read (and its audio dropped) until its handshake, so one that leaves while it waits for a slot
+(the waiting room, ``runtime.waiting_room``) or while its persona prompt runs gives its place back at once;
+its token is spent only when it gets its slot. :class:`DuplexServer` holds the model in its process; with
+``--workers N`` the same front end runs in worker processes without it (``runtime.worker``).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import logging
 import secrets
@@ -53,8 +62,9 @@ import signal
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
@@ -66,7 +76,7 @@ from websockets.typing import Subprotocol
 
 from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
-from runtime.engine import BatchEngine, PromptStep
+from runtime.engine import PromptStep
 from runtime.maintenance import MaintenanceWatcher, start_maintenance_watch
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
 from runtime.models import ModelBundle
@@ -90,9 +100,11 @@ from runtime.protocol import (
     parse_prompt_metadata,
     parse_session_query,
 )
+from runtime.ratelimit import HandshakeLimiter, RateLimited
 from runtime.sampling import SamplingParams
 from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.session_store import SessionRecord, SessionStore
+from runtime.sim import make_engine
 from runtime.tokens import (
     REFUSAL_STATUS,
     SUBPROTOCOL_PREFIX,
@@ -103,8 +115,10 @@ from runtime.tokens import (
     TokenRejected,
     TokenVerifier,
 )
+from runtime.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CHAT_PATH = "/api/chat"
 ADMISSION_PATH = "/api/admission"
@@ -128,6 +142,7 @@ ADMISSION_REASONS: tuple[str, ...] = (
     "draining",
     "not_ready",
     "node_full",
+    "rate_limited",
 )
 """Every ``reason`` :class:`Admission` can carry: ``ok``, the token and origin refusals of
 ``runtime.tokens.REFUSAL_STATUS``, and the refusals made after the upgrade."""
@@ -135,11 +150,51 @@ ADMISSION_REASONS: tuple[str, ...] = (
 
 LOADING_MESSAGE = "node is loading the model; try again in a few minutes"
 """What every request but the probes gets while the model loads."""
+ROUTES: dict[str, tuple[str, ...]] = {
+    CHAT_PATH: ("GET",),
+    ADMISSION_PATH: ("GET",),
+    PERSONAS_PATH: ("GET",),
+    "/healthz": ("GET",),
+    "/readyz": ("GET",),
+    "/metrics": ("GET",),
+}
+"""Every HTTP route and its methods: another method gets 405 with ``Allow`` (RFC 9110, 15.5.6)."""
+
+
+class _AccessLog(logging.LoggerAdapter):
+    """websockets' per-connection logger with its INFO lines ("connection rejected (200 OK)", "connection
+    open", "connection closed") moved to DEBUG: one line per HTTP request wrote 8 MB in 22 minutes under
+    test (issue 16). Warnings and errors pass unchanged."""
+
+    def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
+        level = logging.DEBUG if level == logging.INFO else level
+        super().log(level, msg, *args, **kwargs)  # type: ignore[arg-type]
+
+
+ACCESS_LOG = _AccessLog(logging.getLogger("runtime.access"), {})
+"""The logger given to ``websockets.serve``: enable DEBUG on ``runtime.access`` to see every request."""
 
 
 def node_full_message(slots: int) -> str:
     """The 0x05 reason sent to a session refused because all ``slots`` are in use."""
     return f"node full: all {slots} slots in use (max_sessions={slots}); try again later"
+
+
+class AdmissionRefused(Exception):
+    """A session refused by the slots' owner for a reason other than a full node (the engine process of
+    ``--workers N`` refusing a bad persona, or draining, or not answering).
+
+    Attributes:
+        reason: the metric label and the admission reason (``bad_request``, ``draining``, ``not_ready``).
+        message: the 0x05 error's sentence.
+        close_code: 1008 for a bad request, 1013 otherwise.
+    """
+
+    def __init__(self, reason: str, message: str, close_code: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.close_code = close_code
 
 
 @dataclass(frozen=True)
@@ -302,13 +357,22 @@ class DuplexServer:
         store: SessionStore | None = None,
         metrics: RuntimeMetrics | None = None,
     ) -> None:
-        self.config = config
         self.bundle = bundle
+        self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
+        self.engine = make_engine(
+            config.model, bundle, config.max_sessions, config.sim_step_ms, prefill=config.prompt_prefill
+        )
+        self.scheduler: SlotScheduler | None = None
+        self.slot_admission: SlotAdmission | None = None
+        self._init_front_end(config, store, metrics)
+
+    def _init_front_end(
+        self, config: RuntimeConfig, store: SessionStore | None, metrics: RuntimeMetrics | None
+    ) -> None:
+        """What every front end holds, with or without the model in its process."""
+        self.config = config
         self.store = store
         self.metrics = metrics or RuntimeMetrics()
-        self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
-        self.engine = BatchEngine(bundle, config.max_sessions, prefill=config.prompt_prefill)
-        self.scheduler: SlotScheduler | None = None
         self.sessions: set[ChatSession] = set()
         self.draining = False
         self.warm = False
@@ -322,6 +386,14 @@ class DuplexServer:
             self.replay_guard = _replay_guard(config, self.metrics)
         # The claims of each admitted handshake, from process_request to the session's handler.
         self._claims: weakref.WeakKeyDictionary[ServerConnection, TokenClaims] = weakref.WeakKeyDictionary()
+        self.limiter = HandshakeLimiter(
+            per_client_rate=config.handshake_rate_per_client,
+            per_client_burst=config.handshake_burst_per_client,
+            global_rate=config.handshake_rate_global,
+            global_burst=config.handshake_burst_global,
+        )
+        self._trusted_proxies = [ipaddress.ip_network(c, strict=False) for c in config.trusted_proxies]
+        self._metrics_cache: tuple[float, bytes] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -342,6 +414,12 @@ class DuplexServer:
             await asyncio.to_thread(self.warm_up)
         loop = asyncio.get_running_loop()
         self.scheduler = SlotScheduler(self.engine, self.bundle.text_tokenizer, self.metrics, loop)
+        self.slot_admission = SlotAdmission(
+            self.scheduler,
+            wait_s=self.config.waiting_room_s,
+            max_waiting=self.config.waiting_room_size,
+            metrics=self.metrics,
+        )
         self.scheduler.start()
         if self.store is not None:
             await self.store.start()
@@ -353,10 +431,11 @@ class DuplexServer:
             select_subprotocol=_select_token_subprotocol,
             max_size=self.config.max_message_bytes,
             compression=None,
+            logger=ACCESS_LOG,
         )
         self.metrics.ready.set(1)
         self.maintenance = start_maintenance_watch(self.config, self.metrics, self._on_maintenance_notice)
-        log.info("listening on %s:%d with %d slots", self.config.host, self.port, self.engine.slots)
+        log.info("listening on %s:%d with %d slots", self.config.host, self.port, self.slots)
 
     @property
     def port(self) -> int:
@@ -420,20 +499,85 @@ class DuplexServer:
 
     # --- HTTP -----------------------------------------------------------------------------------------
 
+    # --- what the front end asks of the slots' owner (runtime.worker overrides these) ---------------------
+
+    @property
+    def slots(self) -> int:
+        """B, the node's slots."""
+        return self.engine.slots
+
+    @property
+    def free_slots(self) -> int:
+        """Slots free now (0 before the tick loop starts)."""
+        return self.scheduler.free_slots if self.scheduler is not None else 0
+
+    @property
+    def tick_alive(self) -> bool:
+        """The tick loop runs."""
+        return self.scheduler is not None and self.scheduler.alive
+
+    @property
+    def voice_names(self) -> list[str]:
+        return self.voices.names
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, text): what ``/healthz`` answers (200 or 500)."""
+        return (True, "ok") if self.tick_alive else (False, "tick loop stopped")
+
+    def _slot_session(
+        self, session: ChatSession, prompt: list[PromptStep] | None, sampling: SamplingParams
+    ) -> SlotSession:
+        """The scheduler's view of ``session``."""
+        return SlotSession(
+            session.session_id,
+            sampling,
+            prompt or [],
+            on_output=session.on_output,
+            on_prompt_done=session.on_prompt_done,
+            max_inbox_frames=self.config.max_inbox_frames,
+        )
+
+    async def _admit(self, slot_session: SlotSession) -> int:
+        """A slot for ``slot_session`` (see ``SlotAdmission.admit``, its errors included)."""
+        assert self.slot_admission is not None
+        return await self.slot_admission.admit(slot_session)
+
+    def _release(self, slot_session: SlotSession) -> None:
+        assert self.scheduler is not None
+        self.scheduler.release(slot_session)
+
+    def readiness_json(self) -> dict[str, object]:
+        """``/readyz``'s JSON body: ``{"ready", "reason"}``."""
+        ready, reason = self.readiness()
+        return {"ready": ready, "reason": reason}
+
     def readiness(self) -> tuple[bool, str]:
         """(ready, reason): what ``/readyz`` answers."""
         if self.draining:
             return False, "draining"
-        if not self.warm or self.scheduler is None:
+        if not self.warm:
             return False, "warming up"
-        if not self.scheduler.alive:
+        if not self.tick_alive:
             return False, "tick loop stopped"
-        if self.scheduler.free_slots == 0:
-            return False, f"node full: {self.engine.slots} of {self.engine.slots} slots in use"
-        return True, f"{self.scheduler.free_slots} of {self.engine.slots} slots free"
+        free = self.free_slots
+        if free == 0:
+            return False, f"node full: {self.slots} of {self.slots} slots in use"
+        return True, f"{free} of {self.slots} slots free"
 
     async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         path = urlsplit(request.path).path
+        methods = ROUTES.get(path)
+        if methods is None:
+            return connection.respond(404, f"no route {path}; try {', '.join(ROUTES)}\n")
+        if request.method not in methods:
+            response = connection.respond(405, f"{request.method} is not allowed on {path}\n")
+            response.headers["Allow"] = ", ".join(methods)
+            return response
+        if path in (CHAT_PATH, ADMISSION_PATH):
+            # First, before any work (token verify, Redis, persona): the handshake rate limits.
+            limited = self.limiter.check(self.client_address(connection))
+            if limited is not None:
+                return self._refuse_rate_limited(connection, limited, as_admission=path == ADMISSION_PATH)
         if path == CHAT_PATH:
             try:
                 await self._check_access(connection, request)
@@ -446,25 +590,73 @@ class DuplexServer:
         if path == PERSONAS_PATH:
             return _response(200, self.personas_json(), "application/json", cache_control="no-cache")
         if path == "/healthz":
-            alive = self.scheduler is not None and self.scheduler.alive
-            return connection.respond(200 if alive else 500, "ok\n" if alive else "tick loop stopped\n")
+            healthy, text = self.health()
+            return connection.respond(200 if healthy else 500, text + "\n")
         if path == "/readyz":
-            ready, reason = self.readiness()
-            body = json.dumps({"ready": ready, "reason": reason}) + "\n"
-            return _response(200 if ready else 503, body.encode(), "application/json")
-        if path == "/metrics":
-            if self.store is not None:
-                self.metrics.redis_backlog.set(self.store.backlog)
-            return _response(200, self.metrics.render(), PROMETHEUS_CONTENT_TYPE)
-        routes = ", ".join((CHAT_PATH, ADMISSION_PATH, PERSONAS_PATH, "/healthz", "/readyz", "/metrics"))
-        return connection.respond(404, f"no route {path}; try {routes}\n")
+            body_json = self.readiness_json()
+            body = json.dumps(body_json) + "\n"
+            return _response(200 if body_json["ready"] else 503, body.encode(), "application/json")
+        assert path == "/metrics"
+        return _response(200, self.render_metrics(), PROMETHEUS_CONTENT_TYPE)
+
+    def render_metrics(self, now: float | None = None) -> bytes:
+        """``GET /metrics``: the registry's text, rendered at most once per ``config.metrics_cache_s``
+        (a scrape flood costs one rendering per period, not one per request)."""
+        now = time.monotonic() if now is None else now
+        cached = self._metrics_cache
+        if cached is not None and now - cached[0] < self.config.metrics_cache_s:
+            return cached[1]
+        if self.store is not None:
+            self.metrics.redis_backlog.set(self.store.backlog)
+        body = self.metrics.render()
+        self._metrics_cache = (now, body)
+        return body
+
+    def client_address(self, connection: ServerConnection) -> str:
+        """The caller's address for rate limits and logs: the socket's peer, or, when that peer is a
+        trusted proxy (``config.trusted_proxies``: nginx on the node, a load balancer), the ``X-Real-IP``
+        it set, else the right-most address of ``X-Forwarded-For`` that is not itself a trusted proxy."""
+        address = connection.remote_address
+        peer = str(address[0]) if address else "?"
+        if not self._trusted(peer) or connection.request is None:
+            return peer
+        headers = connection.request.headers
+        real_ip = headers.get("X-Real-IP")
+        if real_ip:
+            return real_ip.strip()
+        forwarded = [a.strip() for h in headers.get_all("X-Forwarded-For") for a in h.split(",")]
+        for hop in reversed(forwarded):
+            if hop and not self._trusted(hop):
+                return hop
+        return peer
+
+    def _trusted(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self._trusted_proxies)
+
+    def _refuse_rate_limited(
+        self, connection: ServerConnection, limited: RateLimited, *, as_admission: bool
+    ) -> Response:
+        """429 with ``Retry-After`` (``/api/admission``: its usual JSON, status 200, reason rate_limited)."""
+        self.metrics.admissions_refused.labels(reason="rate_limited").inc()
+        message = f"too many handshakes ({limited.scope} limit); retry after {limited.retry_after_header} s"
+        if as_admission:
+            admission = Admission(False, 429, "rate_limited", message)
+            response = _response(200, admission.as_json(), "application/json", cache_control="no-store")
+        else:
+            response = connection.respond(429, f"rate_limited: {message}\n")
+        response.headers["Retry-After"] = limited.retry_after_header
+        return response
 
     def personas_json(self) -> bytes:
         """``GET /api/personas``: ``{"voices": [names], "voice_prompt_max_chars", "text_prompt_max_chars",
         "text_prompt_max_tokens"}``. A session may also name no voice (the model's own) and any text prompt
         within both text limits (``TEXT_PROMPT_LIMIT``)."""
         body = {
-            "voices": self.voices.names,
+            "voices": self.voice_names,
             "voice_prompt_max_chars": VOICE_PROMPT_MAX_CHARS,
             "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
             "text_prompt_max_tokens": TEXT_PROMPT_MAX_TOKENS,
@@ -502,12 +694,12 @@ class DuplexServer:
             return Admission(False, 400, "bad_request", f"bad request: {exc}")
         if self.draining:
             return Admission(False, 503, "draining", DRAINING_MESSAGE)
-        if not self.warm or self.scheduler is None or not self.scheduler.alive:
+        if not self.warm or not self.tick_alive:
             return Admission(False, 503, "not_ready", f"node not ready: {self.readiness()[1]}")
-        free = self.scheduler.free_slots
+        free = self.free_slots
         if free == 0:
-            return Admission(False, 503, "node_full", node_full_message(self.engine.slots))
-        slots = self.engine.slots
+            return Admission(False, 503, "node_full", node_full_message(self.slots))
+        slots = self.slots
         return Admission(True, 200, "ok", f"a session would be admitted: {free} of {slots} slots free")
 
     # --- access ---------------------------------------------------------------------------------------
@@ -528,8 +720,12 @@ class DuplexServer:
         except ProtocolError:
             return  # refused after the upgrade with 1008, naming the parameter; the token is not spent
         self.verifier.check_persona(claims, voice_prompt)
-        if self.replay_guard is not None:
-            await self.replay_guard.spend(claims)
+        # Only checked here: the token is spent when the session takes its slot (``_spend_token``), so
+        # a refused upgrade (426, 400) or a full node does not spend it.
+        if self.replay_guard is not None and await self.replay_guard.seen(claims):
+            raise TokenRejected(
+                "replayed", f"token {claims.token_id} was already used; tokens are single-use"
+            )
         self._claims[connection] = claims
 
     def _check_origin(self, origin: str | None) -> None:
@@ -547,7 +743,7 @@ class DuplexServer:
 
     def _refuse_handshake(self, connection: ServerConnection, exc: TokenRejected) -> Response:
         self.metrics.admissions_refused.labels(reason=exc.reason).inc()
-        log.info("refused handshake from %s: %s", _peer(connection), exc)
+        log.debug("refused handshake from %s: %s", self.client_address(connection), exc)
         response = connection.respond(exc.status, f"{exc.reason}: {exc.detail}\n")
         if exc.status == 401:  # RFC 6750, 3
             error = "" if exc.reason == "missing" else ', error="invalid_token"'
@@ -622,7 +818,6 @@ class DuplexServer:
         return parse_prompt_metadata(parsed.data)
 
     async def _handle(self, connection: ServerConnection) -> None:
-        assert self.scheduler is not None
         query = urlsplit(connection.request.path).query if connection.request else ""
         try:
             request, persona, prompt, sampling = self._plan_session(
@@ -640,38 +835,61 @@ class DuplexServer:
             return
         session = ChatSession(self, connection, request, persona)
         session.claims = self._claims.pop(connection, None)
-        session.slot_session = SlotSession(
-            session.session_id,
-            sampling,
-            prompt,
-            on_output=session.on_output,
-            on_prompt_done=session.on_prompt_done,
-            max_inbox_frames=self.config.max_inbox_frames,
-        )
+        session.slot_session = self._slot_session(session, prompt, sampling)
+        # Until its handshake the client is read and its messages dropped (Kyutai's client sends audio
+        # before it): so a client leaving while it waits for a slot or while its persona prompt runs is
+        # seen at once and gives its place back, instead of holding a slot until the prompt ends.
+        left = asyncio.create_task(_read_until_closed(connection), name=f"pre-handshake {session.session_id}")
         try:
-            slot = self.scheduler.admit(session.slot_session)
+            slot = await _unless_left(self._admit(session.slot_session), left)
+        except _ClientLeft:
+            return
+        except WaitingRoomFull as exc:
+            left.cancel()
+            await self._refuse(connection, "waiting_room_full", f"node full: {exc}", CLOSE_TRY_AGAIN_LATER)
+            return
+        except WaitTimeout as exc:
+            left.cancel()
+            await self._refuse(connection, "wait_timeout", f"node full: {exc}", CLOSE_TRY_AGAIN_LATER)
+            return
         except NodeFull:
-            await self._refuse(
-                connection, "node_full", node_full_message(self.engine.slots), CLOSE_TRY_AGAIN_LATER
-            )
+            left.cancel()
+            await self._refuse(connection, "node_full", node_full_message(self.slots), CLOSE_TRY_AGAIN_LATER)
+            return
+        except AdmissionRefused as exc:
+            left.cancel()
+            await self._refuse(connection, exc.reason, exc.message, exc.close_code)
             return
         self.sessions.add(session)
-        self.metrics.sessions_started.inc()
-        if self.store is not None:
-            self.store.register_session(
-                SessionRecord(
-                    session.session_id,
-                    self.config.node_id,
-                    slot,
-                    time.time(),
-                    persona.label,
-                    request.format.value,
-                )
-            )
         outcome = SessionOutcome("client_closed")
         sender: asyncio.Task[None] | None = None
+        started = False
         try:
-            await asyncio.wait_for(session.ready.wait(), PROMPT_TIMEOUT_S)
+            # The token is spent now that the session holds a slot, and not before: a refused upgrade
+            # or a full node leaves it unspent (issue 16).
+            rejection = await self._spend_token(session.claims)
+            if rejection is not None:
+                left.cancel()
+                outcome = SessionOutcome(f"token_{rejection.reason}", rejection.close_code)
+                await self._refuse(connection, rejection.reason, str(rejection.exc), rejection.close_code)
+                return
+            started = True
+            self.metrics.sessions_started.inc()
+            if self.store is not None:
+                self.store.register_session(
+                    SessionRecord(
+                        session.session_id,
+                        self.config.node_id,
+                        slot,
+                        time.time(),
+                        persona.label,
+                        request.format.value,
+                    )
+                )
+            await _unless_left(asyncio.wait_for(session.ready.wait(), PROMPT_TIMEOUT_S), left)
+            left.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await left
             await connection.send(encode_handshake())
             sender = asyncio.create_task(session.send_loop())
             limit = session.max_session_s
@@ -682,29 +900,80 @@ class DuplexServer:
                 outcome = SessionOutcome("max_session_length")
                 source = "" if limit == self.config.max_session_s else " (the token's limit)"
                 await connection.send(encode_error(f"session reached max_session_s={limit:g}{source}"))
-        except ConnectionClosed:
+        except (ConnectionClosed, _ClientLeft):
             outcome = SessionOutcome("client_closed")
         except TimeoutError:
             outcome = SessionOutcome("prompt_timeout", CLOSE_TRY_AGAIN_LATER)
         finally:
-            self.scheduler.release(session.slot_session)
+            left.cancel()
+            self._release(session.slot_session)
             if sender is not None:
                 sender.cancel()
             self.sessions.discard(session)
-            if self.draining and connection.close_code == CLOSE_GOING_AWAY:
-                outcome = SessionOutcome("drained", CLOSE_GOING_AWAY)
-            self.metrics.sessions_ended.labels(reason=outcome.reason).inc()
-            if self.store is not None:
-                self.store.end_session(session.session_id, outcome.reason)
-            log.info(
-                "session %s ended (%s): %d frames in, %d out",
-                session.session_id,
-                outcome.reason,
-                session.frames_in,
-                session.frames_out,
-            )
+            if started:
+                if self.draining and connection.close_code == CLOSE_GOING_AWAY:
+                    outcome = SessionOutcome("drained", CLOSE_GOING_AWAY)
+                self.metrics.sessions_ended.labels(reason=outcome.reason).inc()
+                if self.store is not None:
+                    self.store.end_session(session.session_id, outcome.reason)
+                log.info(
+                    "session %s ended (%s): %d frames in, %d out",
+                    session.session_id,
+                    outcome.reason,
+                    session.frames_in,
+                    session.frames_out,
+                )
         with contextlib.suppress(ConnectionClosed):
             await connection.close(outcome.close_code, outcome.reason)
+
+    async def _spend_token(self, claims: TokenClaims | None) -> _SpendRefused | None:
+        """Spend the session's token (single use); None when spent or when there is nothing to spend."""
+        if claims is None or self.replay_guard is None:
+            return None
+        try:
+            await self.replay_guard.spend(claims)
+        except TokenRejected as exc:
+            code = CLOSE_TRY_AGAIN_LATER if exc.status == 503 else CLOSE_POLICY
+            return _SpendRefused(exc.reason, exc, code)
+        return None
+
+
+@dataclass(frozen=True)
+class _SpendRefused:
+    reason: str
+    exc: TokenRejected
+    close_code: int
+
+
+class _ClientLeft(Exception):
+    """The client closed its connection before its handshake."""
+
+
+async def _read_until_closed(connection: ServerConnection) -> None:
+    """Read and drop messages until the connection closes (returns then)."""
+    with contextlib.suppress(ConnectionClosed):
+        while True:
+            await connection.recv()
+
+
+async def _unless_left(awaitable: Awaitable[T], left: asyncio.Task[None]) -> T:
+    """Await ``awaitable`` unless the ``left`` task (:func:`_read_until_closed`) ends first.
+
+    Raises:
+        _ClientLeft: the client left first (``awaitable`` is cancelled).
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise _ClientLeft()
 
 
 def _token_of(request: Request) -> str | None:
@@ -751,13 +1020,6 @@ def _replay_guard(config: RuntimeConfig, metrics: RuntimeMetrics) -> ReplayGuard
         fallback=MemoryReplayGuard(config.token_leeway_s) if mode == "redis-or-memory" else None,
         on_error=lambda: metrics.redis_errors.labels(op="token_replay_check").inc(),
     )
-
-
-def _peer(connection: ServerConnection) -> str:
-    """The caller's address for logs: nginx's ``X-Real-IP`` when proxied, else the socket's peer."""
-    real_ip = connection.request.headers.get("X-Real-IP") if connection.request else None
-    address = connection.remote_address
-    return real_ip or (str(address[0]) if address else "?")
 
 
 def _response(status: int, body: bytes, content_type: str, *, cache_control: str | None = None) -> Response:
@@ -837,14 +1099,18 @@ def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None
         quantize=config.quantize,
     )
     metrics = metrics or RuntimeMetrics()
-    store = None
-    if config.redis_url:
-        store = SessionStore(
-            config.redis_url,
-            config.node_id,
-            session_ttl_s=config.transcript_ttl_s,
-            transcript_ttl_s=config.transcript_ttl_s,
-            on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
-            on_backlog=metrics.redis_backlog.set,
-        )
-    return DuplexServer(config, bundle, store=store, metrics=metrics)
+    return DuplexServer(config, bundle, store=build_store(config, metrics), metrics=metrics)
+
+
+def build_store(config: RuntimeConfig, metrics: RuntimeMetrics) -> SessionStore | None:
+    """The Redis session store of ``config.redis_url`` (not started), or None without one."""
+    if not config.redis_url:
+        return None
+    return SessionStore(
+        config.redis_url,
+        config.node_id,
+        session_ttl_s=config.transcript_ttl_s,
+        transcript_ttl_s=config.transcript_ttl_s,
+        on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
+        on_backlog=metrics.redis_backlog.set,
+    )

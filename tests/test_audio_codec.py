@@ -12,6 +12,7 @@ from runtime.audio_codec import (
     PcmFrameAssembler,
     PcmFrameEncoder,
     make_codec,
+    split_ogg_pages,
 )
 from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.protocol import AudioFormat, ProtocolError
@@ -224,3 +225,35 @@ def test_make_codec_picks_the_pair_for_the_format() -> None:
     assert isinstance(assembler, OpusFrameAssembler) and isinstance(encoder, OpusFrameEncoder)
     with pytest.raises(ValueError):
         make_codec("wav", max_buffered_frames=5)
+
+
+def test_one_long_valid_opus_message_is_too_fast_not_bad_opus() -> None:
+    """60 KB of valid Ogg/Opus in one message (about 30 s of speech-rate Opus; here 14 s of a loud sine):
+    sphn alone fails on it (``invalid argument``); the assembler decodes page by page, refuses the message
+    as ``too_fast`` and the stream goes on."""
+    encoder = OpusFrameEncoder()
+    tone = sine(40.0)
+    stream = b"".join(encoder.encode(tone[i : i + FRAME_SAMPLES]) for i in range(0, tone.size, FRAME_SAMPLES))
+    long_message, rest = stream[:60_000], stream[60_000:]
+    with pytest.raises(ValueError):
+        sphn.OpusStreamReader(SAMPLE_RATE_HZ).append_bytes(long_message)
+    assembler = OpusFrameAssembler(max_buffered_frames=8)
+    with pytest.raises(ProtocolError) as info:
+        assembler.push(long_message)
+    assert info.value.reason == "too_fast", info.value
+    assert not assembler.failed
+    frames = []
+    for i in range(0, len(rest), 400):
+        frames += assembler.push(rest[i : i + 400])
+    assert len(frames) > 100
+    assert all(frame.shape == (FRAME_SAMPLES,) for frame in frames)
+
+
+def test_split_ogg_pages_keeps_an_incomplete_page_for_later() -> None:
+    stream = OpusFrameEncoder().encode(sine(0.08)) + OpusFrameEncoder().encode(sine(0.08))
+    pages, rest = split_ogg_pages(stream)
+    assert rest == b"" and b"".join(pages) == stream and len(pages) >= 2
+    pages, rest = split_ogg_pages(stream[:-5])
+    assert b"".join(pages) + rest == stream[:-5] and rest
+    assert split_ogg_pages(b"Og") == ([], b"Og")
+    assert split_ogg_pages(b"not ogg") == ([b"not ogg"], b"")

@@ -22,7 +22,7 @@ def test_environment_sets_fields(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("model", "gpt-4", "allowed: moshi-7b, personaplex-7b, tiny"),
+        ("model", "gpt-4", "allowed: moshi-7b, personaplex-7b, sim, tiny"),
         ("device", "tpu", "device must be 'cpu', 'cuda' or 'cuda:N'"),
         ("max_sessions", 0, "greater than or equal to 1"),
         ("port", 70000, "less than or equal to 65535"),

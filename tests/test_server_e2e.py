@@ -98,6 +98,7 @@ def make_server(
     """A DuplexServer on a free port with its own copy of the model, wired like ``build_server``.
     Access control is off unless ``auth_mode`` is given (tests/test_access_control.py covers it)."""
     config.setdefault("auth_mode", "off")
+    config.setdefault("metrics_cache_s", 0)  # each scrape sees the counters of the moment
     settings = RuntimeConfig(
         host="127.0.0.1",
         port=0,

@@ -21,8 +21,8 @@ from runtime.model_presets import FRAME_MS, PRESETS, get_preset
 
 from .units import check_choice
 
-MODEL_NAMES: tuple[str, ...] = tuple(PRESETS)
-"""Model names the planner accepts (the runtime's presets)."""
+MODEL_NAMES: tuple[str, ...] = tuple(n for n, p in PRESETS.items() if not p.extra.get("simulated"))
+"""Model names the planner accepts: the runtime's presets but ``sim`` (a simulator, runtime/sim.py)."""
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -376,3 +376,23 @@ def latency_budget(
         low_ms=sum(r.low_ms for r in rows),
         high_ms=sum(r.high_ms for r in rows),
     )
+
+
+def sim_step_table(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    precision: str = "bf16",
+    kv_precision: str = "bf16",
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    *,
+    tick_model: TickModel | None = None,
+) -> str:
+    """The planner's tick time at each of ``batches`` as ``"B:ms,..."``: the value of the runtime's
+    ``DUPLEX_SIM_STEP_MS`` for a ``sim`` node that steps as ``model`` would on ``gpu``
+    (``runtime/sim_timing.py``; the runtime does not import the planner, so the figure is passed this way).
+
+    Example: ``sim_step_table(get_model("personaplex-7b"), get_gpu("h100"))``.
+    """
+    return ",".join(
+        f"{b}:{tick_ms(model, gpu, precision, kv_precision, b, tick_model=tick_model):.1f}" for b in batches
+    )

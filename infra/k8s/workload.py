@@ -41,6 +41,8 @@ from infra.node.profile import NodeProfile
 from infra.node.services import runtime_settings
 
 __all__ = [
+    "RUNTIME_CPU_REQUEST",
+    "RUNTIME_FRONTEND_WORKERS",
     "DRAIN_MARGIN_S",
     "PRESTOP_POLL_S",
     "STARTUP_PROBE_FAILURES",
@@ -157,11 +159,19 @@ def redis_ca_configmap(workload: RegionWorkload) -> dict[str, Any]:
     }
 
 
+RUNTIME_CPU_REQUEST = 4
+"""Cores requested for the runtime container: one for the engine's tick, the rest for its front-end workers
+(issue 16: about 40 Opus sessions per worker, since sphn's encoder holds the GIL)."""
+RUNTIME_FRONTEND_WORKERS = RUNTIME_CPU_REQUEST - 1
+"""``DUPLEX_WORKERS`` of the runtime container (``runtime/multiproc.py``)."""
+
+
 def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     """The runtime container's environment: ``runtime_settings(profile)`` (``infra.node.services``) adapted to
     Kubernetes: ``DUPLEX_HOST=0.0.0.0``; ``DUPLEX_NODE_ID`` = the pod's name (fieldRef);
     ``DUPLEX_DRAIN_GRACE_S`` = ``drain_seconds(profile)`` (the longest session, so that a drain never cuts
     one); ``DUPLEX_TOKEN_KEYS_FILE`` = ``TOKEN_KEYS_PATH``; ``DUPLEX_WEIGHTS`` = ``weights_dir``;
+    ``DUPLEX_WORKERS`` = ``RUNTIME_FRONTEND_WORKERS``;
     ``DUPLEX_REDIS_URL`` from the Secret; then ``HF_HUB_OFFLINE=1`` (the weights are local) and the caches
     (``HF_HOME``, ``XDG_CACHE_HOME``, ``TRITON_CACHE_DIR``) on an emptyDir (the root filesystem is
     read-only)."""
@@ -172,6 +182,8 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             "DUPLEX_DRAIN_GRACE_S": str(drain_seconds(workload.profile)),
             "DUPLEX_TOKEN_KEYS_FILE": TOKEN_KEYS_PATH,
             "DUPLEX_WEIGHTS": weights_dir(workload),
+            # A CPU request is a quota, not a cpuset: the runtime cannot see it, so the worker count is set.
+            "DUPLEX_WORKERS": str(RUNTIME_FRONTEND_WORKERS),
         }
     )
     env: list[dict[str, Any]] = []
@@ -247,7 +259,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": runtime_env(workload),
         "resources": {
-            "requests": {"cpu": "4", "memory": "20Gi", "nvidia.com/gpu": "1"},
+            "requests": {"cpu": str(RUNTIME_CPU_REQUEST), "memory": "20Gi", "nvidia.com/gpu": "1"},
             "limits": {"memory": "28Gi", "nvidia.com/gpu": "1"},
         },
         "startupProbe": {

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -95,6 +97,21 @@ class NodeCheck:
         }
 
 
+def runtime_health_problem(runtime_url: str, *, timeout_s: float = 5.0) -> str | None:
+    """None when ``GET <runtime_url>/healthz`` answers 200, else the problem in words: the status and
+    body (``500 engine unreachable`` when the runtime's engine process died, ``runtime/worker.py``), or
+    that nothing answered."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{runtime_url}/healthz", timeout=timeout_s) as response:
+            return None if response.status == 200 else f"runtime /healthz answered {response.status}"
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode("utf-8", errors="replace").strip()[:200]
+        return f"runtime /healthz answered {exc.code}: {body}"
+    except OSError as exc:
+        return f"runtime /healthz did not answer: {exc}"
+
+
 def _check_load(check: NodeCheck, sessions: int) -> None:
     assert check.load is not None
     for i, r in enumerate(check.load.sessions):
@@ -148,6 +165,9 @@ def bring_up_and_check(
     say(f"streaming {sessions} sessions through {node.wss_url}")
     check.load, check.extra_caller = asyncio.run(drive())
     _check_load(check, sessions)
+    health = runtime_health_problem(node.runtime_url)
+    if health is not None:
+        check.problems.append(health)
     check.dead_processes = node.dead_processes()
     for name, code in check.dead_processes.items():
         check.problems.append(

@@ -167,6 +167,8 @@ class NodeProfile(_Strict):
         model_cache_dir: host directory for downloaded weights (mounted at /models).
         data_dir: host directory for Redis, Prometheus and Grafana data.
         scrape_interval_s: Prometheus's scrape and rule-evaluation interval (s); Grafana's minimum step.
+        frontend_workers: the runtime's front-end processes (``runtime/multiproc.py``; about 40 Opus
+            sessions per worker, issue 16).
     """
 
     name: str
@@ -182,6 +184,13 @@ class NodeProfile(_Strict):
     model_cache_dir: str = "/var/lib/duplex/models"
     data_dir: str = "/var/lib/duplex"
     scrape_interval_s: int = Field(5, ge=1, le=60, description="Prometheus scrape/evaluation interval (s)")
+    frontend_workers: int = Field(
+        -1,
+        ge=-1,
+        le=64,
+        description="The runtime's front-end worker processes beside its engine process (DUPLEX_WORKERS): "
+        "-1 from the host's cores (cores - 1, 1..8), 0 one process",
+    )
     ports: NodePorts = NodePorts()
     tls: TlsSettings = TlsSettings()
     limits: NodeLimits = NodeLimits()

@@ -134,6 +134,8 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
         "DUPLEX_TOKEN_AUDIENCE": token_audience(profile),
         "DUPLEX_TOKEN_REPLAY_CHECK": "redis",
         "DUPLEX_ALLOWED_ORIGINS": public_origin(profile),
+        # Engine process + front-end workers on the one port (runtime/multiproc.py).
+        "DUPLEX_WORKERS": str(profile.frontend_workers),
     }
     if profile.runtime_dtype is not None:
         settings["DUPLEX_DTYPE"] = profile.runtime_dtype

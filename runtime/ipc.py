@@ -1,0 +1,138 @@
+"""Messages between the engine process and the front-end worker processes (``duplex serve --workers N``).
+
+After vLLM v1's engine-core / API-server split (``vllm/v1/engine/core_client.py``, ``core.py``): one
+engine process owns the model, the slots, the waiting room and the 80 ms tick, and no socket to a caller;
+N front-end workers own the WebSockets, the codecs, tokens, Redis and HTTP. They talk over ZeroMQ
+(pyzmq): the engine binds one ROUTER socket, each worker connects one DEALER (its identity is its worker
+id). Every message is one frame, a msgspec-msgpack encoding of the tagged union :data:`Message`.
+
+Bounds (nothing here may block the tick): the tick thread never touches a socket; the engine's event loop
+sends with ``zmq.NOBLOCK`` under a high-water mark and counts what it had to drop (``slow_worker``); a
+session's input is bounded by its inbox in the engine (``max_inbox_frames``), as in one process.
+
+This module imports neither side: both import it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "Admit",
+    "Admitted",
+    "Frame",
+    "Hello",
+    "Message",
+    "Outputs",
+    "PromptDone",
+    "Refused",
+    "Release",
+    "Status",
+    "decode",
+    "encode",
+]
+
+
+class Hello(msgspec.Struct, tag=True):
+    """Worker -> engine, first message and every heartbeat: ``worker`` is its id, ``pid`` its process."""
+
+    worker: str
+    pid: int
+
+
+class Admit(msgspec.Struct, tag=True):
+    """Worker -> engine: a session asks for a slot (it may wait in the waiting room).
+
+    The worker has parsed and checked the query; the engine builds the persona prompt (it alone holds the
+    tokenizer and the voice prompts) and refuses with ``bad_request`` what it cannot build.
+
+    Attributes:
+        voice_prompt, text_prompt: the persona ("" for none).
+        sampling: ``(audio_temperature, audio_top_k, text_temperature, text_top_k, seed)``.
+        max_inbox_frames: the session's input bound in the engine.
+        token_id, token_expires_at: with ``DUPLEX_TOKEN_REPLAY_CHECK=memory``, the session token's id and
+            expiry (Unix s): the engine spends it when the slot is taken, so that a token is single-use
+            across every worker ("" when the workers spend tokens in Redis themselves).
+    """
+
+    session_id: str
+    voice_prompt: str
+    text_prompt: str
+    sampling: tuple[float, int, float, int, int]
+    max_inbox_frames: int
+    token_id: str = ""
+    token_expires_at: float = 0.0
+
+
+class Admitted(msgspec.Struct, tag=True):
+    """Engine -> worker: the session holds ``slot``; its prompt runs, ``PromptDone`` follows."""
+
+    session_id: str
+    slot: int
+
+
+class Refused(msgspec.Struct, tag=True):
+    """Engine -> worker: no slot. ``reason``: node_full, waiting_room_full, wait_timeout, bad_request,
+    draining; ``message``: the sentence for the caller's 0x05 error."""
+
+    session_id: str
+    reason: str
+    message: str
+
+
+class PromptDone(msgspec.Struct, tag=True):
+    """Engine -> worker: the session's slot is LIVE: send the handshake."""
+
+    session_id: str
+
+
+class Frame(msgspec.Struct, tag=True):
+    """Worker -> engine: one input frame, 1920 float32 little-endian samples (7680 bytes)."""
+
+    session_id: str
+    pcm: bytes
+
+
+class Release(msgspec.Struct, tag=True):
+    """Worker -> engine: the session ended (or its caller left while waiting): free its slot or place."""
+
+    session_id: str
+
+
+class Outputs(msgspec.Struct, tag=True):
+    """Engine -> worker: one tick's output for that worker's sessions, as ``(session_id, pcm, piece)``
+    with ``pcm`` 1920 float32 LE samples or empty (no audio this tick) and ``piece`` text or ``""``."""
+
+    items: list[tuple[str, bytes, str]]
+
+
+class Status(msgspec.Struct, tag=True):
+    """Engine -> every worker, about every 100 ms: the slots' state, for readiness, metrics and health."""
+
+    slots: int
+    free_slots: int
+    waiting: int
+    tick_alive: bool
+    draining: bool
+    voices: list[str]
+    engine_pid: int = 0
+
+
+Message = Hello | Admit | Admitted | Refused | PromptDone | Frame | Release | Outputs | Status
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """One message as msgpack bytes."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """The message ``data`` holds.
+
+    Raises:
+        msgspec.DecodeError: not a message of this module (a version mismatch between processes).
+    """
+    return _decoder.decode(data)

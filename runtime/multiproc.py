@@ -1,0 +1,210 @@
+"""``duplex serve`` with the process split: one engine process and N front-end worker processes on one port.
+
+The supervisor (this module, the process ``duplex serve`` runs in) starts:
+
+- the engine (``runtime.engine_core.engine_main``): the model, the slots, the waiting room, the tick;
+- N workers (``runtime.worker.worker_main``): WebSockets, codecs, tokens, Redis and HTTP, all listening
+  on ``config.port`` with ``SO_REUSEPORT``;
+
+and links them with a ZeroMQ endpoint in a private temporary directory (``ipc://.../engine.sock``). It
+sets ``PROMETHEUS_MULTIPROC_DIR`` first, so every child's metrics land in one place and any worker's
+``/metrics`` reports the node (``runtime.metrics``).
+
+Failures: a worker that dies (killed, crashed) ends only its own sessions (the engine frees their slots
+when it stops hearing from it) and is started again; an engine that dies makes every worker answer
+``/healthz`` 500 ``engine unreachable`` and close its sessions; the supervisor logs it and exits with 1
+after ``ENGINE_DEAD_EXIT_S`` so that Docker, systemd or Kubernetes restart the node (the workers stay
+up until then, so probes and ``duplex node up`` see the failure rather than a refused port).
+SIGTERM drains: the workers refuse new sessions and close the rest after the grace period, the engine
+stops once its sessions are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from multiprocessing.process import BaseProcess
+
+from runtime.config import RuntimeConfig
+
+__all__ = ["ENGINE_DEAD_EXIT_S", "Supervisor", "default_workers", "die_with_parent"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_DEAD_EXIT_S = 30.0
+"""After the engine died, how long the workers stay up answering 500 before the supervisor exits (1)."""
+MAX_RESTARTS_PER_MINUTE = 10
+"""Worker restarts allowed per minute before the supervisor gives up (exit 1)."""
+
+
+def die_with_parent() -> None:
+    """Make this child process end when its parent (the supervisor) does, however the parent ends
+    (SIGKILL included): Linux's ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, and a thread watching
+    ``os.getppid()`` where prctl is missing. Without it a killed supervisor would leave its engine and
+    workers serving the port, unsupervised."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1  # <linux/prctl.h>
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def default_workers(cpu_count: int | None = None) -> int:
+    """Front-end workers for a host with ``cpu_count`` cores (default: this process's CPU affinity; a
+    Kubernetes CPU limit is a quota, not a cpuset, so the Deployment sets ``DUPLEX_WORKERS``): one core is
+    left to the engine's tick; between 1 and 8 workers (about 40 Opus sessions per worker, issue 16)."""
+    if cpu_count is None:  # the cores this process may run on (a cpuset), not the host's
+        cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cpu_count or 2
+    return max(1, min(8, cores - 1))
+
+
+class Supervisor:
+    """Starts and watches the engine and the workers (see the module docstring).
+
+    Args:
+        config: the node's settings; ``config.port`` must not be 0 (the workers share one port).
+        workers: front-end worker processes (>= 1).
+        engine_dead_exit_s: see ``ENGINE_DEAD_EXIT_S``.
+    Raises:
+        ValueError: ``workers`` < 1 or port 0.
+    """
+
+    def __init__(
+        self, config: RuntimeConfig, workers: int, *, engine_dead_exit_s: float = ENGINE_DEAD_EXIT_S
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if config.port == 0:
+            raise ValueError("the workers share one port: give a port (DUPLEX_PORT), not 0")
+        self.config = config
+        self.workers = workers
+        self.engine_dead_exit_s = engine_dead_exit_s
+        self._dir = tempfile.mkdtemp(prefix="duplex-node-")
+        self.address = f"ipc://{self._dir}/engine.sock"
+        self.metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.path.join(self._dir, "metrics")
+        os.makedirs(self.metrics_dir, exist_ok=True)
+        for name in os.listdir(self.metrics_dir):  # values of an earlier run must not be added in
+            if name.endswith(".db"):
+                os.unlink(os.path.join(self.metrics_dir, name))
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # before any child starts
+        self._context = multiprocessing.get_context("spawn")
+        self.engine: BaseProcess | None = None
+        self.worker_processes: dict[int, BaseProcess] = {}
+        self._stop = threading.Event()
+        self._restarts: list[float] = []
+
+    def _start_engine(self) -> None:
+        from runtime.engine_core import engine_main
+
+        self.engine = self._context.Process(
+            target=engine_main, args=(self.config, self.address), name="duplex-engine"
+        )
+        self.engine.start()
+
+    def _start_worker(self, index: int) -> None:
+        from runtime.worker import worker_main
+
+        process = self._context.Process(
+            target=worker_main,
+            args=(self.config, self.address, f"worker-{index}"),
+            name=f"duplex-worker-{index}",
+        )
+        process.start()
+        self.worker_processes[index] = process
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to drain and stop (thread-safe; the SIGTERM handler calls it)."""
+        self._stop.set()
+
+    def run(self) -> int:
+        """Run until :meth:`stop` (or SIGTERM/SIGINT when called on the main thread); the exit status."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        self._start_engine()
+        for index in range(self.workers):
+            self._start_worker(index)
+        log.info(
+            "node: engine pid %s, %d front-end workers on port %d",
+            self.engine.pid if self.engine else "?",
+            self.workers,
+            self.config.port,
+        )
+        status = 0
+        engine_dead_at: float | None = None
+        try:
+            while not self._stop.wait(0.2):
+                if self.engine is not None and not self.engine.is_alive():
+                    if engine_dead_at is None:
+                        engine_dead_at = time.monotonic()
+                        log.error(
+                            "node: the engine process exited (code %s); every worker now answers /healthz "
+                            "500; exiting in %.0f s",
+                            self.engine.exitcode,
+                            self.engine_dead_exit_s,
+                        )
+                        self._mark_dead(self.engine.pid)
+                    elif time.monotonic() - engine_dead_at > self.engine_dead_exit_s:
+                        status = 1
+                        break
+                for index, process in list(self.worker_processes.items()):
+                    if process.is_alive():
+                        continue
+                    log.error(
+                        "node: worker %d (pid %s) exited with %s; starting it again",
+                        *(index, process.pid, process.exitcode),
+                    )
+                    self._mark_dead(process.pid)
+                    now = time.monotonic()
+                    self._restarts = [t for t in self._restarts if now - t < 60] + [now]
+                    if len(self._restarts) > MAX_RESTARTS_PER_MINUTE:
+                        log.error("node: %d worker restarts in a minute; giving up", len(self._restarts))
+                        status = 1
+                        self._stop.set()
+                        break
+                    self._start_worker(index)
+        finally:
+            self._shutdown()
+        return status
+
+    def _mark_dead(self, pid: int | None) -> None:
+        if pid is None:
+            return
+        from prometheus_client import multiprocess
+
+        with contextlib.suppress(OSError):
+            multiprocess.mark_process_dead(pid, self.metrics_dir)
+
+    def _shutdown(self) -> None:
+        """SIGTERM to the workers (they drain) and the engine (it stops when its sessions are gone)."""
+        processes = [*self.worker_processes.values(), *([self.engine] if self.engine else [])]
+        for process in processes:
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.config.drain_grace_s + 15
+        for process in processes:
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        shutil.rmtree(self._dir, ignore_errors=True)

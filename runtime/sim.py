@@ -1,0 +1,214 @@
+"""The ``sim`` model: a stand-in for the batch engine that keeps its interface and its timing, for load tests
+of everything around the model without a GPU (after llm-d's inference simulator, ``llm-d-inference-sim``).
+
+:class:`SimEngine` has :class:`runtime.engine.BatchEngine`'s surface (``slots``, ``join``, ``leave``,
+``tick``, ``phase``, ``live_slots``, ``prompting_slots``, ``silence_codes``, ``sine_codes``,
+``memory_allocated_bytes``). A tick costs the time a real step would, spent in ``time.sleep`` (which
+releases the GIL, as a process waiting on its GPU does), and returns cheap results: as every live slot's
+audio, its own input at half level over a quiet 220 Hz tone (an echo, so that the Opus encoder works on
+speech as it would with a real model: a pure tone encodes several times cheaper), nothing for a session's
+first frame (dropped, as the real engine drops its first encoded frame); and a text piece every fourth
+tick. Persona prompts are consumed at one step per step time within the tick's prompt budget, as the real
+engine does.
+
+The step time is a :class:`StepTime`: a fixed figure (``"30"`` ms) or a table by batch size
+(``"1:28,8:32.6,16:45,32:70.2"``, linearly interpolated on the number of slots stepping, flat past its
+ends). The capacity planner computes such tables for a GPU
+(``infra.capacity.timing.sim_step_table``); the runtime never imports the planner: the figure is passed in
+(``DUPLEX_SIM_STEP_MS``).
+
+It is never a default: ``DUPLEX_MODEL=sim`` must be asked for, and the server logs a warning naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from runtime.engine import (
+    NOT_FORCED,
+    UNGENERATED_TOKEN,
+    BatchEngine,
+    PromptStep,
+    SlotPhase,
+    TickResult,
+    TickTimings,
+)
+from runtime.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.models import ModelBundle
+from runtime.sampling import SamplingParams
+from runtime.sim_timing import StepTime, parse_step_time
+
+log = logging.getLogger(__name__)
+
+__all__ = ["make_engine", "SimEngine", "StepTime", "parse_step_time"]  # the last two from runtime.sim_timing
+
+_TEXT_EVERY_TICKS = 4
+_TEXT_PADDING = 3
+
+
+@dataclass
+class _SimSlot:
+    phase: SlotPhase = SlotPhase.FREE
+    prompt: deque[PromptStep] = field(default_factory=deque)
+    skip_next_frame: bool = False
+    ticks: int = 0
+
+
+class SimEngine:
+    """A simulated batch engine (see the module docstring). Not thread-safe, like ``BatchEngine``.
+
+    Args:
+        slots: B.
+        step_time: the simulated step time.
+        text_vocab: the tokenizer's vocabulary size (text ids produced are in [4, text_vocab)).
+        user_codebooks: rows of the ``[K, F]`` reference codes that persona prompts are built from.
+        prompt_budget_ms: prompt steps run while the tick's elapsed time is below this (at least one).
+        sleep: how the step time is spent (``time.sleep``; injected in tests).
+    Raises:
+        ValueError: ``slots`` < 1.
+    """
+
+    def __init__(
+        self,
+        slots: int,
+        step_time: StepTime,
+        *,
+        text_vocab: int,
+        user_codebooks: int = 8,
+        prompt_budget_ms: float = 0.6 * FRAME_MS,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.slots = slots
+        self.step_time = step_time
+        self.text_vocab = text_vocab
+        self.prompt_budget_ms = prompt_budget_ms
+        self.dep_q = 8
+        self.user_codebooks = user_codebooks
+        self.device = torch.device("cpu")
+        self.silence_codes = torch.zeros(user_codebooks, 8, dtype=torch.int64)
+        self.sine_codes = torch.ones(user_codebooks, 8, dtype=torch.int64)
+        self._sleep = sleep
+        self._slots = [_SimSlot() for _ in range(slots)]
+        t = np.arange(FRAME_SAMPLES, dtype=np.float32) / SAMPLE_RATE_HZ
+        self._tone = (0.05 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)  # 220 Hz: 88 whole periods
+
+    def phase(self, slot: int) -> SlotPhase:
+        return self._slots[slot].phase
+
+    def join(self, slot: int, sampling: SamplingParams, prompt: list[PromptStep] | None = None) -> None:
+        """As ``BatchEngine.join``. Raises ValueError for a slot out of range or not FREE."""
+        state = self._check_slot(slot)
+        if state.phase is not SlotPhase.FREE:
+            raise ValueError(f"slot {slot} is {state.phase.value}, not free")
+        state.prompt = deque(prompt or [])
+        state.phase = SlotPhase.PROMPTING if state.prompt else SlotPhase.LIVE
+        state.skip_next_frame = True
+        state.ticks = 0
+
+    def leave(self, slot: int) -> None:
+        state = self._check_slot(slot)
+        state.phase = SlotPhase.FREE
+        state.prompt.clear()
+
+    def _check_slot(self, slot: int) -> _SimSlot:
+        if not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be in [0, {self.slots}), got {slot}")
+        return self._slots[slot]
+
+    @property
+    def live_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s.phase is SlotPhase.LIVE]
+
+    @property
+    def prompting_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s.phase is SlotPhase.PROMPTING]
+
+    def tick(self, pcm_in: np.ndarray, active: np.ndarray | None = None) -> TickResult:
+        """As ``BatchEngine.tick``: ``[B, 1920]`` float32 in -> :class:`TickResult`, after the step time.
+
+        Raises:
+            ValueError: ``pcm_in`` has the wrong shape.
+        """
+        if pcm_in.shape != (self.slots, FRAME_SAMPLES):
+            raise ValueError(f"pcm_in must be [{self.slots}, {FRAME_SAMPLES}], got {list(pcm_in.shape)}")
+        start = time.perf_counter()
+        timings = TickTimings()
+        pcm_out = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
+        audio_ready = np.zeros(self.slots, dtype=bool)
+        text_tokens = np.full(self.slots, UNGENERATED_TOKEN, dtype=np.int64)
+        audio_tokens = np.full((self.slots, self.dep_q), UNGENERATED_TOKEN, dtype=np.int64)
+        live = [i for i in self.live_slots if active is None or active[i]]
+        if live:
+            self._sleep(self.step_time.ms(len(live)) / 1e3)
+            for i in live:
+                state = self._slots[i]
+                if state.skip_next_frame:
+                    state.skip_next_frame = False
+                    continue
+                state.ticks += 1
+                pcm_out[i] = 0.5 * pcm_in[i] + self._tone  # an echo: speech-like audio for the codecs
+                audio_ready[i] = True
+                audio_tokens[i] = 0
+                if state.ticks % _TEXT_EVERY_TICKS == 0:
+                    text_tokens[i] = 4 + (state.ticks // _TEXT_EVERY_TICKS) % max(1, self.text_vocab - 4)
+                else:
+                    text_tokens[i] = _TEXT_PADDING
+            timings.lm_ms = (time.perf_counter() - start) * 1e3
+        finished = self._prompt_steps(start, timings)
+        timings.total_ms = (time.perf_counter() - start) * 1e3
+        return TickResult(pcm_out, audio_ready, text_tokens, audio_tokens, finished, timings)
+
+    def _prompt_steps(self, tick_start: float, timings: TickTimings) -> list[int]:
+        finished: list[int] = []
+        t0 = time.perf_counter()
+        while prompting := self.prompting_slots:
+            elapsed_ms = (time.perf_counter() - tick_start) * 1e3
+            if timings.prompt_steps > 0 and elapsed_ms >= self.prompt_budget_ms:
+                break
+            self._sleep(self.step_time.ms(len(prompting)) / 1e3)
+            for i in prompting:
+                state = self._slots[i]
+                step = state.prompt.popleft()
+                assert step.text_token >= NOT_FORCED
+                if not state.prompt:
+                    state.phase = SlotPhase.LIVE
+                    finished.append(i)
+            timings.prompt_steps += 1
+        timings.prompt_ms = (time.perf_counter() - t0) * 1e3
+        return finished
+
+    def warm_up_prefill(self) -> list[int]:
+        """Nothing to warm (``BatchEngine.warm_up_prefill``'s surface): no chunk sizes."""
+        return []
+
+    def memory_allocated_bytes(self) -> int | None:
+        """None: a simulator holds no GPU memory."""
+        return None
+
+
+def make_engine(
+    model: str, bundle: ModelBundle, slots: int, sim_step_ms: str = "30", *, prefill: bool = True
+) -> BatchEngine:
+    """The node's engine: a :class:`BatchEngine` over ``bundle`` with ``slots`` slots (``prefill``: persona
+    prompts by prefill), or for ``model == "sim"`` a :class:`SimEngine` with the same surface stepping in
+    ``sim_step_ms`` (:func:`runtime.sim_timing.parse_step_time`; ValueError when malformed)."""
+    if model != "sim":
+        return BatchEngine(bundle, slots, prefill=prefill)
+    step = parse_step_time(sim_step_ms)
+    log.warning("model=sim: a SIMULATED model (step time %s ms, an echo as audio); not for serving", step)
+    engine = SimEngine(
+        slots,
+        step,
+        text_vocab=bundle.text_tokenizer.vocab_size(),
+        user_codebooks=bundle.lm.num_codebooks - bundle.lm.dep_q - 1,
+    )
+    return engine  # type: ignore[return-value]  # the same surface (duck-typed)
