@@ -335,7 +335,7 @@ def engine_main(config, address: str) -> None:  # type: ignore[no-untyped-def]
     from runtime.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
-    from runtime.multiproc import die_with_parent
+    from runtime.child_process import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C reaches it

@@ -34,7 +34,7 @@ from multiprocessing.process import BaseProcess
 
 from runtime.config import RuntimeConfig
 
-__all__ = ["ENGINE_DEAD_EXIT_S", "Supervisor", "default_workers", "die_with_parent"]
+__all__ = ["ENGINE_DEAD_EXIT_S", "Supervisor", "default_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -42,29 +42,6 @@ ENGINE_DEAD_EXIT_S = 30.0
 """After the engine died, how long the workers stay up answering 500 before the supervisor exits (1)."""
 MAX_RESTARTS_PER_MINUTE = 10
 """Worker restarts allowed per minute before the supervisor gives up (exit 1)."""
-
-
-def die_with_parent() -> None:
-    """Make this child process end when its parent (the supervisor) does, however the parent ends
-    (SIGKILL included): Linux's ``prctl(PR_SET_PDEATHSIG, SIGKILL)``, and a thread watching
-    ``os.getppid()`` where prctl is missing. Without it a killed supervisor would leave its engine and
-    workers serving the port, unsupervised."""
-    parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1  # <linux/prctl.h>
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def default_workers(cpu_count: int | None = None) -> int:

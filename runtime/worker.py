@@ -418,7 +418,7 @@ def worker_main(config: RuntimeConfig, address: str, worker_id: str) -> None:
         level=logging.INFO, format=f"%(asctime)s %(levelname)s {worker_id} %(name)s: %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C reaches it
-    from runtime.multiproc import die_with_parent
+    from runtime.child_process import die_with_parent
     from runtime.server import build_store
 
     die_with_parent()
