@@ -7,18 +7,21 @@ it measures:
   defaults: VoIP, complexity 10, bitrate chosen by libopus; 40 ms packets, one Ogg page each) and
   ``OpusStreamReader(24000).append_bytes`` page by page, as :class:`~runtime.audio_codec.OpusFrameAssembler`
   does.
-- PyAV (``av``, FFmpeg's ``libopus`` wrapper; its wheels bundle libopus): raw Opus packets, 40 ms each,
-  VoIP, at about sphn's bitrate, at libopus complexity (FFmpeg's ``compression_level``) 10, 5 and 0;
-  decode of the same packets with FFmpeg's ``libopus`` decoder; and encode through FFmpeg's Ogg muxer
-  (``ogg`` format, 20 ms page duration, flushed every packet) into bytes that sphn's reader must decode.
+- PyAV (``av``, FFmpeg's ``libopus`` wrapper; its wheels bundle libopus) through the runtime's own
+  :class:`~runtime.audio_codec.PyavOpusFrameEncoder` (``DUPLEX_OPUS_ENCODER=pyav``: 40 ms packets, one
+  Ogg page each, VoIP, sphn's bitrate) at libopus complexity (FFmpeg's ``compression_level``) 10, 5 and
+  0, its stream decoded by sphn as the server does; raw packets without Ogg, and their decode by FFmpeg's
+  ``libopus`` and ``opus`` decoders (48 kHz out, so resampled to 24 kHz); and encode through FFmpeg's
+  own Ogg muxer (``ogg`` format, 20 ms page duration, flushed every packet), read back by sphn.
 - For each encoder, whether its codec call releases the GIL: the same frames encoded by one thread, then
   split over two threads (one encoder each). ``speedup`` is one-thread wall time over two-thread wall time
   (about 1.0: the GIL serialises the threads; towards 2.0: they ran on two cores) and ``cores`` the
   process's CPU seconds over the two-thread wall time. On a shared machine both read low when the other
   core is busy, so compare them between rows of one run.
-- Quality, roughly: SNR (dB) of the speech decoded by sphn's reader (every encoder's output through an
-  Ogg stream, so one decoder judges them all) against the input, after aligning the codec's delay. Opus
-  is a perceptual codec, so absolute SNR is low; the figure only ranks encoders and settings.
+- Quality, roughly: the log-spectral distance (dB, lower is closer) of the speech decoded by sphn's
+  reader (every encoder's output through an Ogg stream, so one decoder judges them all) against the
+  input, after aligning the codec's delay (:func:`log_spectral_distance_db`). Not a listening test:
+  it ranks encoders and settings, it does not say whether a difference is audible.
 
 Figures are printed as a Markdown table, never asserted: ``python -m runtime.codec_bench`` (about 30 s).
 ``sessions/core`` is 80 ms over (encode + decode) ms per frame: how many sessions' Opus one core carries
@@ -36,17 +39,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.audio_codec import split_ogg_pages
+from runtime.audio_codec import PYAV_OPUS_BITRATE_BPS, PyavOpusFrameEncoder, split_ogg_pages
 from runtime.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
 
 __all__ = [
     "CodecFigures",
     "aligned_snr_db",
+    "log_spectral_distance_db",
     "ogg_packets",
     "pyav_decode_packets",
     "pyav_encode_ogg",
     "muxer_lag_ms",
     "pyav_encode_packets",
+    "runtime_pyav_encode",
     "run",
     "speech_frames",
     "sphn_decode_pages",
@@ -57,9 +62,8 @@ __all__ = [
 PACKET_MS = 40
 """Opus packet duration used by every encoder here: sphn's (960 samples at 24 kHz, one Ogg page each)."""
 PACKET_SAMPLES = SAMPLE_RATE_HZ * PACKET_MS // 1000
-PYAV_BITRATE_BPS = 32_000
-"""Bitrate asked of PyAV's encoder: FFmpeg's libopus default is 64 kbit/s (CELT only), so ask for about
-what libopus picks by itself for sphn (about 26 kbit/s of Opus payload, hybrid mode, measured here)."""
+PYAV_BITRATE_BPS = PYAV_OPUS_BITRATE_BPS
+"""Bitrate asked of PyAV's encoder: the runtime's, chosen to match sphn's stream size (see audio_codec)."""
 
 
 def speech_frames(frame_count: int) -> np.ndarray:
@@ -247,6 +251,43 @@ def aligned_snr_db(reference: np.ndarray, decoded: np.ndarray, *, max_delay: int
     return 10.0 * float(np.log10(np.dot(head, head) / max(float(np.dot(noise, noise)), 1e-20))), delay
 
 
+def log_spectral_distance_db(
+    reference: np.ndarray, decoded: np.ndarray, *, max_delay: int = 4000, window: int = 512
+) -> float:
+    """Log-spectral distance in dB (lower is closer; 0 for identical audio) of ``decoded`` against
+    ``reference`` (both [S] float at 24 kHz), after the delay alignment of :func:`aligned_snr_db`.
+
+    Short-time power spectra (Hann window of ``window`` samples, hop ``window`` / 2); for each frame of
+    the reference within 50 dB of its loudest, the RMS over frequency bins of the difference of the two
+    spectra in dB (each floored 80 dB under the reference's peak bin), averaged over those frames. Unlike
+    the SNR it ignores phase, which Opus does not try to keep, so it ranks encoder settings by the
+    spectrum they deliver.
+
+    Raises:
+        ValueError: as :func:`aligned_snr_db`.
+    """
+    _, delay = aligned_snr_db(reference, decoded, max_delay=max_delay)
+    reference = np.asarray(reference, dtype=np.float64).reshape(-1)
+    decoded = np.asarray(decoded, dtype=np.float64).reshape(-1)[delay:]
+    length = min(reference.size, decoded.size)
+    hop = window // 2
+    starts = np.arange(0, length - window + 1, hop)
+    hann = np.hanning(window)
+
+    def power(signal: np.ndarray) -> np.ndarray:
+        frames = np.stack([signal[start : start + window] for start in starts]) * hann
+        return np.abs(np.fft.rfft(frames, axis=1)) ** 2
+
+    ref_power, dec_power = power(reference), power(decoded)
+    floor = ref_power.max() * 1e-8
+    ref_db = 10 * np.log10(np.maximum(ref_power, floor))
+    dec_db = 10 * np.log10(np.maximum(dec_power, floor))
+    frame_energy = ref_power.sum(axis=1)
+    loud = frame_energy >= frame_energy.max() * 1e-5
+    per_frame = np.sqrt(np.mean((ref_db[loud] - dec_db[loud]) ** 2, axis=1))
+    return float(per_frame.mean())
+
+
 def _wall_s(job: Callable[[], object]) -> float:
     start = time.perf_counter()
     job()
@@ -283,7 +324,7 @@ class CodecFigures:
         encode_ms, decode_ms: wall milliseconds per 80 ms frame, best of the repeats (decode None: not
             measured for this row).
         kbit_s: bytes on the wire per second of audio, Ogg overhead included where the row writes Ogg.
-        snr_db: see :func:`aligned_snr_db`.
+        lsd_db: see :func:`log_spectral_distance_db` (NaN: not measured for this row).
         speedup, cores: see the module docstring (None: not measured).
     """
 
@@ -291,7 +332,7 @@ class CodecFigures:
     encode_ms: float
     decode_ms: float | None
     kbit_s: float
-    snr_db: float
+    lsd_db: float
     speedup: float | None
     cores: float | None
 
@@ -329,37 +370,44 @@ def run(frame_count: int = 250, repeats: int = 3) -> list[CodecFigures]:
             _best_ms(lambda: sphn_encode(frames), frame_count, repeats),
             _best_ms(lambda: sphn_decode_pages(pages), frame_count, repeats),
             len(sphn_bytes) * 8 / seconds / 1e3,
-            aligned_snr_db(reference, decoded)[0],
+            log_spectral_distance_db(reference, decoded),
             speedup,
             cores,
         )
     )
 
     for complexity in (10, 5, 0):
-        packets = pyav_encode_packets(frames, complexity=complexity)
-        speedup, cores = _gil_figures(
-            lambda f, c=complexity: pyav_encode_packets(f, complexity=c), frames, repeats
-        )
+        payloads = runtime_pyav_encode(frames, complexity)
+        stream_pages, _ = split_ogg_pages(b"".join(payloads))
+        speedup, cores = _gil_figures(lambda f, c=complexity: runtime_pyav_encode(f, c), frames, repeats)
         rows.append(
             CodecFigures(
-                f"PyAV libopus, complexity {complexity} (encode: packets; SNR: via Ogg and sphn)",
-                _best_ms(
-                    lambda c=complexity: pyav_encode_packets(frames, complexity=c), frame_count, repeats
-                ),
-                _best_ms(lambda p=packets: pyav_decode_packets(p), frame_count, repeats),
-                sum(map(len, packets)) * 8 / seconds / 1e3,
-                aligned_snr_db(
-                    reference, sphn_decode_pyav_ogg(pyav_encode_ogg(frames, complexity=complexity))
-                )[0],
+                f"PyAV libopus, complexity {complexity} (runtime encoder, Ogg pages; sphn decodes)",
+                _best_ms(lambda c=complexity: runtime_pyav_encode(frames, c), frame_count, repeats),
+                _best_ms(lambda p=stream_pages: sphn_decode_pages(p), frame_count, repeats),
+                len(b"".join(payloads)) * 8 / seconds / 1e3,
+                log_spectral_distance_db(reference, sphn_decode_pages(stream_pages)),
                 speedup,
                 cores,
             )
         )
 
+    packets = pyav_encode_packets(frames)
+    rows.append(
+        CodecFigures(
+            "PyAV libopus, complexity 10, raw packets (no Ogg); decode: FFmpeg libopus + resampler",
+            _best_ms(lambda: pyav_encode_packets(frames), frame_count, repeats),
+            _best_ms(lambda: pyav_decode_packets(packets), frame_count, repeats),
+            sum(map(len, packets)) * 8 / seconds / 1e3,
+            float("nan"),
+            None,
+            None,
+        )
+    )
     sphn_packets = [packet for packet in ogg_packets(sphn_bytes) if packet[:4] != b"Opus"]
     rows.append(
         CodecFigures(
-            "PyAV, FFmpeg's own 'opus' decoder, of sphn's packets",
+            "FFmpeg's own 'opus' decoder + resampler, sphn's packets",
             float("nan"),
             _best_ms(lambda: pyav_decode_packets(sphn_packets, decoder="opus"), frame_count, repeats),
             len(sphn_bytes) * 8 / seconds / 1e3,
@@ -373,16 +421,23 @@ def run(frame_count: int = 250, repeats: int = 3) -> list[CodecFigures]:
     speedup, cores = _gil_figures(pyav_encode_ogg, frames, repeats)
     rows.append(
         CodecFigures(
-            "PyAV libopus + FFmpeg Ogg muxer, complexity 10",
+            "PyAV libopus + FFmpeg's Ogg muxer, complexity 10",
             _best_ms(lambda: pyav_encode_ogg(frames), frame_count, repeats),
             None,
             len(ogg_bytes) * 8 / seconds / 1e3,
-            aligned_snr_db(reference, sphn_decode_pyav_ogg(pyav_encode_ogg(frames)))[0],
+            log_spectral_distance_db(reference, sphn_decode_pyav_ogg(pyav_encode_ogg(frames))),
             speedup,
             cores,
         )
     )
     return rows
+
+
+def runtime_pyav_encode(frames: np.ndarray, complexity: int = 10) -> list[bytes]:
+    """Encode [N, 1920] frames with the runtime's :class:`~runtime.audio_codec.PyavOpusFrameEncoder`
+    (``DUPLEX_OPUS_ENCODER=pyav``): the Ogg bytes per frame."""
+    encoder = PyavOpusFrameEncoder(complexity)
+    return [encoder.encode(frame) for frame in frames]
 
 
 def sphn_decode_pyav_ogg(chunks: Sequence[bytes]) -> np.ndarray:
@@ -417,7 +472,7 @@ def _cell(value: float | None, digits: int) -> str:
 def format_table(rows: Sequence[CodecFigures]) -> str:
     """The rows as a Markdown table (ms per 80 ms frame; "-": not measured for that row)."""
     lines = [
-        "| binding | encode ms | decode ms | kbit/s | SNR dB | 2 threads: speedup, cores | sessions/core |",
+        "| binding | encode ms | decode ms | kbit/s | LSD dB | 2 threads: speedup, cores | sessions/core |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in rows:
@@ -426,7 +481,7 @@ def format_table(rows: Sequence[CodecFigures]) -> str:
         per_core = f"{row.sessions_per_core:.0f}" if both else "-"
         lines.append(
             f"| {row.name} | {_cell(row.encode_ms, 3)} | {_cell(row.decode_ms, 3)} | {row.kbit_s:.1f} "
-            f"| {_cell(row.snr_db, 1)} | {gil} | {per_core} |"
+            f"| {_cell(row.lsd_db, 2)} | {gil} | {per_core} |"
         )
     return "\n".join(lines)
 

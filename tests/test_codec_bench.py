@@ -10,6 +10,7 @@ from runtime.codec_bench import (
     PACKET_SAMPLES,
     aligned_snr_db,
     format_table,
+    log_spectral_distance_db,
     muxer_lag_ms,
     ogg_packets,
     pyav_decode_packets,
@@ -64,6 +65,17 @@ def test_aligned_snr_finds_the_delay_and_refuses_silence() -> None:
         aligned_snr_db(np.zeros(2000), decoded, max_delay=500)
 
 
+def test_log_spectral_distance_is_zero_for_the_same_audio_and_grows_with_damage(frames: np.ndarray) -> None:
+    speech = frames.reshape(-1)
+    assert log_spectral_distance_db(speech, speech) == 0.0
+    delayed = np.concatenate([np.zeros(300, np.float32), speech])
+    assert log_spectral_distance_db(speech, delayed) < 0.01  # the delay is aligned away
+    rng = np.random.default_rng(1)
+    slight = log_spectral_distance_db(speech, speech + 0.001 * rng.standard_normal(speech.size))
+    heavy = log_spectral_distance_db(speech, speech + 0.03 * rng.standard_normal(speech.size))
+    assert 0 < slight < heavy
+
+
 def test_sphn_reads_pyav_ogg_opus_packet_for_packet(frames: np.ndarray) -> None:
     chunks = pyav_encode_ogg(frames)
     audio_packets = [packet for packet in ogg_packets(b"".join(chunks)) if packet[:4] != b"Opus"]
@@ -90,7 +102,10 @@ def test_pyav_reads_sphn_ogg_opus(frames: np.ndarray) -> None:
 def test_run_measures_every_row_and_formats_a_table() -> None:
     rows = run(frame_count=10, repeats=1)
     names = [row.name for row in rows]
-    assert names[0].startswith("sphn") and sum("complexity" in name for name in names) == 4
+    assert names[0].startswith("sphn") and len(rows) == 7
+    assert [name for name in names if "runtime encoder" in name] == [
+        f"PyAV libopus, complexity {c} (runtime encoder, Ogg pages; sphn decodes)" for c in (10, 5, 0)
+    ]
     for row in rows:
         assert row.kbit_s > 10
         assert row.decode_ms is None or row.decode_ms > 0

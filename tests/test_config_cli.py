@@ -52,3 +52,18 @@ def test_every_command_has_help() -> None:
         result = runner.invoke(app, [*command.split(), "--help"])
         assert result.exit_code == 0, (command, result.output)
         assert "Usage" in result.output
+
+
+def test_opus_complexity_needs_the_pyav_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    fields = RuntimeConfig.model_fields
+    assert (fields["opus_encoder"].default, fields["opus_complexity"].default) == ("sphn", 10)
+    monkeypatch.setenv("DUPLEX_OPUS_ENCODER", "pyav")
+    monkeypatch.setenv("DUPLEX_OPUS_COMPLEXITY", "5")
+    config = RuntimeConfig()
+    assert (config.opus_encoder, config.opus_complexity) == ("pyav", 5)
+    with pytest.raises(ValidationError, match="DUPLEX_OPUS_ENCODER=pyav"):
+        RuntimeConfig(opus_encoder="sphn", opus_complexity=5)
+    with pytest.raises(ValidationError, match="less than or equal to 10"):
+        RuntimeConfig(opus_complexity=11)
+    with pytest.raises(ValidationError, match="'sphn' or 'pyav'"):
+        RuntimeConfig(opus_encoder="ffmpeg")
