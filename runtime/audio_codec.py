@@ -4,7 +4,9 @@ Inbound, an *assembler* turns the payloads of 0x01 audio messages (Ogg/Opus page
 ``format=pcm`` session) into frames of ``FRAME_SAMPLES`` (1920) float32 samples at ``SAMPLE_RATE_HZ``
 (24000 Hz), keeping whatever does not fill a frame yet for the next message. Outbound, an *encoder* turns
 one such frame into the payload of one 0x01 audio message. One assembler and one encoder per session:
-both are stateful and not thread-safe.
+both are stateful and not thread-safe. Opus is decoded by sphn and encoded by sphn or, with
+``DUPLEX_OPUS_ENCODER=pyav``, by PyAV's libopus at a chosen complexity into a stream of sphn's shape
+(:class:`PyavOpusFrameEncoder`; figures from ``python -m runtime.codec_bench`` in the README).
 
 Flow-control policy (``max_buffered_frames``): :meth:`push` returns every complete frame at once, so the
 assembler itself only ever keeps less than one frame. A single push whose audio would complete more than

@@ -31,11 +31,13 @@ at 12.5 frames/s each, codec work only.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -217,7 +219,7 @@ def pyav_decode_packets(packets: Sequence[bytes], *, decoder: str = "libopus") -
     """
     import av
 
-    context = av.CodecContext.create(decoder, "r")
+    context: Any = av.CodecContext.create(decoder, "r")  # an AudioCodecContext
     resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE_HZ)
     chunks: list[np.ndarray] = []
     for data in packets:
@@ -379,12 +381,13 @@ def run(frame_count: int = 250, repeats: int = 3) -> list[CodecFigures]:
     for complexity in (10, 5, 0):
         payloads = runtime_pyav_encode(frames, complexity)
         stream_pages, _ = split_ogg_pages(b"".join(payloads))
-        speedup, cores = _gil_figures(lambda f, c=complexity: runtime_pyav_encode(f, c), frames, repeats)
+        encode = functools.partial(runtime_pyav_encode, complexity=complexity)
+        speedup, cores = _gil_figures(encode, frames, repeats)
         rows.append(
             CodecFigures(
                 f"PyAV libopus, complexity {complexity} (runtime encoder, Ogg pages; sphn decodes)",
-                _best_ms(lambda c=complexity: runtime_pyav_encode(frames, c), frame_count, repeats),
-                _best_ms(lambda p=stream_pages: sphn_decode_pages(p), frame_count, repeats),
+                _best_ms(functools.partial(encode, frames), frame_count, repeats),
+                _best_ms(functools.partial(sphn_decode_pages, stream_pages), frame_count, repeats),
                 len(b"".join(payloads)) * 8 / seconds / 1e3,
                 log_spectral_distance_db(reference, sphn_decode_pages(stream_pages)),
                 speedup,
