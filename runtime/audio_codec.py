@@ -26,6 +26,7 @@ Decoded samples of a damaged but parseable stream can exceed 1.0: they are clipp
 
 from __future__ import annotations
 
+import zlib
 from typing import Protocol
 
 import numpy as np
@@ -298,27 +299,20 @@ class OpusFrameEncoder:
         return bytes(self._writer.append_pcm(_prepare_frame(frame)))
 
 
-def _ogg_crc_table() -> tuple[int, ...]:
-    table = []
-    for byte in range(256):
-        crc = byte << 24
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else (crc << 1)
-        table.append(crc & 0xFFFFFFFF)
-    return tuple(table)
-
-
-_OGG_CRC_TABLE = _ogg_crc_table()
+_BIT_REVERSED = bytes(int(f"{byte:08b}"[::-1], 2) for byte in range(256))
+"""Byte i -> byte i with its 8 bits in reverse order (a bytes.translate table)."""
 
 
 def ogg_crc(data: bytes) -> int:
     """Ogg's page checksum (RFC 3533, section 6): CRC-32, polynomial 0x04C11DB7, initial value 0, no bit
-    reflection, no final XOR, over the whole page with its checksum field zeroed. Not zlib's CRC-32."""
-    crc = 0
-    table = _OGG_CRC_TABLE
-    for byte in data:
-        crc = ((crc << 8) & 0xFFFFFFFF) ^ table[(crc >> 24) ^ byte]
-    return crc
+    reflection, no final XOR, over the whole page with its checksum field zeroed. Not zlib's CRC-32.
+
+    Computed with zlib's C code: zlib's CRC-32 is the same polynomial bit-reflected, so the Ogg checksum of
+    ``data`` is zlib's, with initial value and final XOR cancelled, of ``data`` with each byte's bits
+    reversed, read with its 32 bits reversed.
+    """
+    reflected = zlib.crc32(data.translate(_BIT_REVERSED), 0xFFFFFFFF) ^ 0xFFFFFFFF
+    return int(f"{reflected:032b}"[::-1], 2)
 
 
 _SPHN_SERIAL = 42

@@ -339,3 +339,21 @@ def test_ogg_crc_matches_the_pages_sphn_and_ffmpeg_write(speech: np.ndarray) -> 
         for page in pages:
             assert ogg_crc(page[:22] + bytes(4) + page[26:]) == int.from_bytes(page[22:26], "little")
     assert ogg_crc(b"") == 0 and ogg_crc(b"OggS") != 0
+
+
+def _bitwise_ogg_crc(data: bytes) -> int:
+    """RFC 3533's checksum one bit at a time: polynomial 0x04C11DB7, MSB first, initial 0, no final XOR."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else crc << 1
+            crc &= 0xFFFFFFFF
+    return crc
+
+
+def test_ogg_crc_is_rfc_3533s_checksum() -> None:
+    rng = np.random.default_rng(3)
+    for size in (1, 2, 3, 27, 255, 1000):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert ogg_crc(data) == _bitwise_ogg_crc(data), size
