@@ -357,3 +357,26 @@ def test_ogg_crc_is_rfc_3533s_checksum() -> None:
     for size in (1, 2, 3, 27, 255, 1000):
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         assert ogg_crc(data) == _bitwise_ogg_crc(data), size
+
+
+def _ffmpeg_samples(stream: bytes) -> int:
+    """Samples (48 kHz) FFmpeg's own Ogg demuxer and Opus decoder get from a whole stream."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(stream), format="ogg") as container:
+        (audio,) = container.streams.audio
+        assert audio.codec_context.name == "opus" and audio.channels == 1
+        return sum(frame.samples for frame in container.decode(audio))
+
+
+def test_ffmpeg_reads_the_pyav_stream_as_it_reads_sphns(speech: np.ndarray) -> None:
+    """A second, independent Ogg/Opus reader (FFmpeg's demuxer; Kyutai's web client uses libogg + libopus)
+    takes both streams alike: same header, same length after the 3840-sample pre-skip."""
+    writer = sphn.OpusStreamWriter(SAMPLE_RATE_HZ)
+    sphn_stream = b"".join(bytes(writer.append_pcm(frame)) for frame in speech)
+    encoder = PyavOpusFrameEncoder(5)
+    pyav_stream = b"".join(encoder.encode(frame) for frame in speech)
+    expected = len(speech) * FRAME_SAMPLES * 2 - 3840  # 48 kHz, less OpusHead's pre-skip
+    assert _ffmpeg_samples(sphn_stream) == _ffmpeg_samples(pyav_stream) == expected
