@@ -4,7 +4,9 @@ Inbound, an *assembler* turns the payloads of 0x01 audio messages (Ogg/Opus page
 ``format=pcm`` session) into frames of ``FRAME_SAMPLES`` (1920) float32 samples at ``SAMPLE_RATE_HZ``
 (24000 Hz), keeping whatever does not fill a frame yet for the next message. Outbound, an *encoder* turns
 one such frame into the payload of one 0x01 audio message. One assembler and one encoder per session:
-both are stateful and not thread-safe.
+both are stateful and not thread-safe. Opus is decoded by sphn and encoded by sphn or, with
+``DUPLEX_OPUS_ENCODER=pyav``, by PyAV's libopus at a chosen complexity into a stream of sphn's shape
+(:class:`PyavOpusFrameEncoder`; figures from ``python -m runtime.codec_bench`` in the README).
 
 Flow-control policy (``max_buffered_frames``): :meth:`push` returns every complete frame at once, so the
 assembler itself only ever keeps less than one frame. A single push whose audio would complete more than
@@ -24,6 +26,7 @@ Decoded samples of a damaged but parseable stream can exceed 1.0: they are clipp
 
 from __future__ import annotations
 
+import zlib
 from typing import Protocol
 
 import numpy as np
@@ -38,8 +41,11 @@ __all__ = [
     "OpusFrameAssembler",
     "OpusFrameEncoder",
     "PcmFrameAssembler",
+    "OPUS_ENCODERS",
     "PcmFrameEncoder",
+    "PyavOpusFrameEncoder",
     "make_codec",
+    "ogg_crc",
     "split_ogg_pages",
 ]
 
@@ -293,13 +299,148 @@ class OpusFrameEncoder:
         return bytes(self._writer.append_pcm(_prepare_frame(frame)))
 
 
-def make_codec(fmt: AudioFormat | str, max_buffered_frames: int) -> tuple[FrameAssembler, FrameEncoder]:
-    """A fresh (assembler, encoder) pair for one session speaking ``fmt`` ("opus" or "pcm").
+_BIT_REVERSED = bytes(int(f"{byte:08b}"[::-1], 2) for byte in range(256))
+"""Byte i -> byte i with its 8 bits in reverse order (a bytes.translate table)."""
+
+
+def ogg_crc(data: bytes) -> int:
+    """Ogg's page checksum (RFC 3533, section 6): CRC-32, polynomial 0x04C11DB7, initial value 0, no bit
+    reflection, no final XOR, over the whole page with its checksum field zeroed. Not zlib's CRC-32.
+
+    Computed with zlib's C code: zlib's CRC-32 is the same polynomial bit-reflected, so the Ogg checksum of
+    ``data`` is zlib's, with initial value and final XOR cancelled, of ``data`` with each byte's bits
+    reversed, read with its 32 bits reversed.
+    """
+    reflected = zlib.crc32(data.translate(_BIT_REVERSED), 0xFFFFFFFF) ^ 0xFFFFFFFF
+    return int(f"{reflected:032b}"[::-1], 2)
+
+
+_SPHN_SERIAL = 42
+"""Bitstream serial number sphn 0.2.1 writes (read from its pages)."""
+_SPHN_OPUS_HEAD = b"OpusHead\x01\x01\x00\x0f\x80\xbb\x00\x00\x00\x00\x00"
+"""sphn 0.2.1's OpusHead packet, byte for byte (RFC 7845, 5.1): version 1, 1 channel, pre-skip 3840,
+input rate 48000, gain 0, mapping family 0."""
+_SPHN_OPUS_TAGS = b"OpusTags\x0b\x00\x00\x00KyutaiMoshi\x00\x00\x00\x00"
+"""sphn 0.2.1's OpusTags packet, byte for byte (vendor "KyutaiMoshi", no comments)."""
+OPUS_PACKET_MS = 40
+"""Opus packet duration of both encoders: sphn encodes 960 samples (40 ms at 24 kHz) per packet and writes
+each packet on its own Ogg page, two per 80 ms frame."""
+PYAV_OPUS_BITRATE_BPS = 30_000
+"""Bitrate given to PyAV's libopus (VBR): chosen so that its stream of speech is as large as sphn's,
+which leaves libopus on its automatic bitrate (measured by ``python -m runtime.codec_bench`` on
+espeak-ng speech: 31.4 kbit/s against sphn's 31.7, Ogg included). FFmpeg would default to 64 kbit/s."""
+
+
+def _ogg_page(header_type: int, granule: int, sequence: int, packet: bytes) -> bytes:
+    """One Ogg page holding one whole packet (at most 255 * 255 - 1 bytes)."""
+    lacing = bytes([255] * (len(packet) // 255) + [len(packet) % 255])
+    header = (
+        _OGG_CAPTURE
+        + bytes([0, header_type])
+        + granule.to_bytes(8, "little")
+        + _SPHN_SERIAL.to_bytes(4, "little")
+        + sequence.to_bytes(4, "little")
+    )
+    page = header + b"\x00\x00\x00\x00" + bytes([len(lacing)]) + lacing + packet
+    return page[:22] + ogg_crc(page).to_bytes(4, "little") + page[26:]
+
+
+class PyavOpusFrameEncoder:
+    """[1920] float32 frames -> Ogg/Opus bytes (24000 Hz mono) with PyAV's libopus (``DUPLEX_OPUS_ENCODER
+    =pyav``), at a chosen libopus complexity.
+
+    The stream has sphn 0.2.1's shape: the same OpusHead and OpusTags packets and serial number, one
+    40 ms Opus packet per Ogg page (two pages per frame), granule positions in 48 kHz samples, every page
+    of a frame returned by the :meth:`encode` call that got the frame (no look-ahead delay). libopus
+    settings: VoIP application, :data:`PYAV_OPUS_BITRATE_BPS`, complexity as given (sphn leaves libopus'
+    default, 10). PyAV releases the GIL while libopus encodes; sphn does not. What lower complexity costs
+    and saves is measured by ``python -m runtime.codec_bench`` (README, "The front end under load").
+
+    Args:
+        complexity: libopus complexity, 0 (cheapest) .. 10 (libopus' default).
 
     Raises:
-        ValueError: unknown ``fmt``, or ``max_buffered_frames`` < 1.
+        ValueError: ``complexity`` outside 0..10.
+        ImportError: PyAV (``av``) is not installed.
+    """
+
+    def __init__(self, complexity: int = 10) -> None:
+        if isinstance(complexity, bool) or not isinstance(complexity, int) or not 0 <= complexity <= 10:
+            raise ValueError(f"libopus complexity must be an integer 0..10, got {complexity!r}")
+        import av
+
+        self._av = av
+        context = av.CodecContext.create("libopus", "w")
+        context.sample_rate = SAMPLE_RATE_HZ
+        context.layout = "mono"
+        context.format = "flt"
+        context.bit_rate = PYAV_OPUS_BITRATE_BPS
+        context.options = {
+            "frame_duration": str(OPUS_PACKET_MS),
+            "application": "voip",
+            "compression_level": str(complexity),
+        }
+        context.open()
+        self._context = context
+        self.complexity = complexity
+        self._frames = 0
+        self._granule = 0
+        self._sequence = 0
+
+    def _page(self, header_type: int, packet: bytes) -> bytes:
+        page = _ogg_page(header_type, self._granule, self._sequence, packet)
+        self._sequence += 1
+        return page
+
+    def encode(self, frame: np.ndarray) -> bytes:
+        """Clip ``frame`` to [-1, 1] (NaN -> 0), encode it, return its two Ogg pages (the first call's
+        bytes start with the OpusHead and OpusTags pages).
+
+        Raises:
+            ValueError: ``frame`` is not shape [1920] of numbers.
+        """
+        audio = self._av.AudioFrame.from_ndarray(
+            _prepare_frame(frame).reshape(1, -1), format="flt", layout="mono"
+        )
+        audio.sample_rate = SAMPLE_RATE_HZ
+        audio.pts = self._frames * FRAME_SAMPLES
+        pages = []
+        if self._frames == 0:
+            pages += [self._page(2, _SPHN_OPUS_HEAD), self._page(0, _SPHN_OPUS_TAGS)]  # 2: first page
+        self._frames += 1
+        for packet in self._context.encode(audio):
+            self._granule += 2 * SAMPLE_RATE_HZ * OPUS_PACKET_MS // 1000  # granules count 48 kHz samples
+            pages.append(self._page(0, bytes(packet)))
+        return b"".join(pages)
+
+
+OPUS_ENCODERS = ("sphn", "pyav")
+"""Values of ``DUPLEX_OPUS_ENCODER``: sphn (the default) or PyAV's libopus."""
+
+
+def make_codec(
+    fmt: AudioFormat | str, max_buffered_frames: int, *, opus_encoder: str = "sphn", opus_complexity: int = 10
+) -> tuple[FrameAssembler, FrameEncoder]:
+    """A fresh (assembler, encoder) pair for one session speaking ``fmt`` ("opus" or "pcm").
+
+    Opus is always decoded by sphn; it is encoded by sphn (``opus_encoder="sphn"``, libopus' default
+    complexity 10 only) or by PyAV's libopus at ``opus_complexity`` (``"pyav"``).
+
+    Raises:
+        ValueError: unknown ``fmt`` or ``opus_encoder``, ``max_buffered_frames`` < 1, or an
+            ``opus_complexity`` outside 0..10 or other than 10 with sphn (which cannot set it).
     """
     audio_format = AudioFormat(fmt)
+    if opus_encoder not in OPUS_ENCODERS:
+        raise ValueError(f"opus_encoder must be one of {', '.join(OPUS_ENCODERS)}, got {opus_encoder!r}")
+    if opus_encoder == "sphn" and opus_complexity != 10:
+        raise ValueError(
+            f"sphn cannot set libopus complexity (it encodes at 10), got {opus_complexity}: "
+            "use the pyav encoder"
+        )
     if audio_format is AudioFormat.PCM:
         return PcmFrameAssembler(max_buffered_frames), PcmFrameEncoder()
-    return OpusFrameAssembler(max_buffered_frames), OpusFrameEncoder()
+    encoder: FrameEncoder = (
+        PyavOpusFrameEncoder(opus_complexity) if opus_encoder == "pyav" else OpusFrameEncoder()
+    )
+    return OpusFrameAssembler(max_buffered_frames), encoder

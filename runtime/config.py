@@ -70,6 +70,19 @@ class RuntimeConfig(BaseSettings):
         25, ge=1, description="Output frames queued per session before drops (2 s)"
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default torch's")
+    # Opus encoding (runtime/audio_codec.py; figures: python -m runtime.codec_bench, README).
+    opus_encoder: Literal["sphn", "pyav"] = Field(
+        "sphn",
+        description="Outbound Opus encoder: sphn (libopus complexity 10, holds the GIL) or pyav (PyAV's "
+        "libopus at DUPLEX_OPUS_COMPLEXITY, releases the GIL); same Ogg/Opus stream shape, sphn decodes",
+    )
+    opus_complexity: int = Field(
+        10,
+        ge=0,
+        le=10,
+        description="libopus complexity of the pyav encoder: 10 (libopus' default) .. 0 (cheapest); "
+        "sphn supports 10 only",
+    )
     # Access control (runtime/tokens.py, README "Access control").
     auth_mode: Literal["token", "off"] = Field(
         "token",
@@ -178,6 +191,22 @@ class RuntimeConfig(BaseSettings):
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _opus_complexity_needs_pyav(self) -> RuntimeConfig:
+        if self.opus_encoder == "sphn" and self.opus_complexity != 10:
+            raise ValueError(
+                f"DUPLEX_OPUS_COMPLEXITY={self.opus_complexity} needs DUPLEX_OPUS_ENCODER=pyav: sphn cannot "
+                "set libopus complexity (it encodes at 10)"
+            )
+        if self.opus_encoder == "pyav":
+            try:
+                import av  # noqa: F401
+            except ImportError:
+                raise ValueError(
+                    "DUPLEX_OPUS_ENCODER=pyav needs PyAV (pip install av; the runtime extra carries it)"
+                ) from None
+        return self
 
     @model_validator(mode="after")
     def _int8_computes_in_fp16(self) -> RuntimeConfig:

@@ -263,7 +263,12 @@ class ChatSession:
         self.persona = persona
         self.session_id = uuid.uuid4().hex
         config = server.config
-        self.assembler, self.encoder = make_codec(request.format, config.max_inbox_frames)
+        self.assembler, self.encoder = make_codec(
+            request.format,
+            config.max_inbox_frames,
+            opus_encoder=config.opus_encoder,
+            opus_complexity=config.opus_complexity,
+        )
         self.outbox: asyncio.Queue[tuple[np.ndarray | None, str | None]] = asyncio.Queue(
             config.max_outbox_frames
         )

@@ -11,9 +11,12 @@ from runtime.audio_codec import (
     OpusFrameEncoder,
     PcmFrameAssembler,
     PcmFrameEncoder,
+    PyavOpusFrameEncoder,
     make_codec,
+    ogg_crc,
     split_ogg_pages,
 )
+from runtime.codec_bench import aligned_snr_db, pyav_encode_ogg, speech_frames
 from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.protocol import AudioFormat, ProtocolError
 
@@ -101,7 +104,9 @@ def test_pcm_encoder_clips_and_cleans() -> None:
     assert samples[:5].tolist() == [32767, -32768, 0, 32767, -32768]
 
 
-@pytest.mark.parametrize("encoder", [PcmFrameEncoder(), OpusFrameEncoder()], ids=["pcm", "opus"])
+@pytest.mark.parametrize(
+    "encoder", [PcmFrameEncoder(), OpusFrameEncoder(), PyavOpusFrameEncoder()], ids=["pcm", "opus", "pyav"]
+)
 @pytest.mark.parametrize(
     "frame",
     [
@@ -202,8 +207,9 @@ def test_sphn_behaviour_on_garbage_is_what_the_assembler_expects() -> None:
         reader.append_bytes(b"more junk than a page header needs to hold, more junk")
 
 
-def test_opus_encoder_survives_silence_clipping_and_nan() -> None:
-    encoder = OpusFrameEncoder()
+@pytest.mark.parametrize("make_encoder", [OpusFrameEncoder, PyavOpusFrameEncoder], ids=["sphn", "pyav"])
+def test_opus_encoder_survives_silence_clipping_and_nan(make_encoder: type) -> None:
+    encoder = make_encoder()
     frames = [np.zeros(FRAME_SAMPLES, np.float32), np.full(FRAME_SAMPLES, 3.0, np.float32)]
     frames.append(np.full(FRAME_SAMPLES, np.nan, np.float32))
     stream = b"".join(encoder.encode(frame) for frame in frames)
@@ -225,6 +231,17 @@ def test_make_codec_picks_the_pair_for_the_format() -> None:
     assert isinstance(assembler, OpusFrameAssembler) and isinstance(encoder, OpusFrameEncoder)
     with pytest.raises(ValueError):
         make_codec("wav", max_buffered_frames=5)
+    _, encoder = make_codec("opus", max_buffered_frames=5, opus_encoder="pyav", opus_complexity=3)
+    assert isinstance(encoder, PyavOpusFrameEncoder) and encoder.complexity == 3
+    _, encoder = make_codec("pcm", max_buffered_frames=5, opus_encoder="pyav", opus_complexity=3)
+    assert isinstance(encoder, PcmFrameEncoder)
+    with pytest.raises(ValueError, match="sphn, pyav"):
+        make_codec("opus", max_buffered_frames=5, opus_encoder="ffmpeg")
+    with pytest.raises(ValueError, match="sphn cannot set libopus complexity"):
+        make_codec("opus", max_buffered_frames=5, opus_complexity=5)
+    for complexity in (-1, 11, 5.0, True):
+        with pytest.raises(ValueError, match="0..10"):
+            PyavOpusFrameEncoder(complexity)  # type: ignore[arg-type]
 
 
 def test_one_long_valid_opus_message_is_too_fast_not_bad_opus() -> None:
@@ -257,3 +274,109 @@ def test_split_ogg_pages_keeps_an_incomplete_page_for_later() -> None:
     assert b"".join(pages) + rest == stream[:-5] and rest
     assert split_ogg_pages(b"Og") == ([], b"Og")
     assert split_ogg_pages(b"not ogg") == ([b"not ogg"], b"")
+
+
+# ------------------------------------------------------------------------------------------------
+# The PyAV encoder against sphn (Kyutai's clients decode with sphn's OpusStreamReader)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def speech() -> np.ndarray:
+    """[30, 1920] float32: 2.4 s of espeak-ng speech."""
+    return speech_frames(30)
+
+
+def _page_fields(page: bytes) -> tuple[int, int, int, int]:
+    """(header type, granule position, serial, sequence) of one Ogg page."""
+    return (
+        page[5],
+        int.from_bytes(page[6:14], "little"),
+        int.from_bytes(page[14:18], "little"),
+        int.from_bytes(page[18:22], "little"),
+    )
+
+
+@pytest.mark.parametrize("complexity", [10, 5, 0])
+def test_sphn_decodes_the_pyav_stream_frame_for_frame(speech: np.ndarray, complexity: int) -> None:
+    encoder = PyavOpusFrameEncoder(complexity)
+    payloads = [encoder.encode(frame) for frame in speech]
+    reader = sphn.OpusStreamReader(SAMPLE_RATE_HZ)  # what Kyutai's Python client decodes with
+    decoded = [np.asarray(reader.append_bytes(payload)).reshape(-1) for payload in payloads]
+    assert [chunk.size for chunk in decoded] == [FRAME_SAMPLES] * len(speech)  # no frame late, none lost
+    assert aligned_snr_db(speech.reshape(-1), np.concatenate(decoded))[0] > 5.0  # the speech, not noise
+    # our own assembler (sphn inside) gets the same frames back
+    assembler, _ = make_codec("opus", max_buffered_frames=2)
+    frames = [frame for payload in payloads for frame in assembler.push(payload)]
+    assert len(frames) == len(speech)
+
+
+def test_the_pyav_stream_has_sphns_headers_and_page_layout(speech: np.ndarray) -> None:
+    sphn_writer = sphn.OpusStreamWriter(SAMPLE_RATE_HZ)
+    sphn_payloads = [bytes(sphn_writer.append_pcm(frame)) for frame in speech]
+    encoder = PyavOpusFrameEncoder()
+    payloads = [encoder.encode(frame) for frame in speech]
+    sphn_pages = [split_ogg_pages(payload)[0] for payload in sphn_payloads]
+    pages = [split_ogg_pages(payload)[0] for payload in payloads]
+    assert [len(p) for p in pages] == [len(p) for p in sphn_pages] == [4] + [2] * (len(speech) - 1)
+    assert pages[0][:2] == sphn_pages[0][:2]  # OpusHead and OpusTags pages, byte for byte
+    flat = [page for frame_pages in pages for page in frame_pages]
+    sphn_flat = [page for frame_pages in sphn_pages for page in frame_pages]
+    assert [_page_fields(page) for page in flat] == [_page_fields(page) for page in sphn_flat]
+    for page in flat:  # one packet per page, CRC right
+        assert page[26 + page[26]] < 255
+        assert ogg_crc(page[:22] + bytes(4) + page[26:]) == int.from_bytes(page[22:26], "little")
+
+
+def test_ogg_crc_matches_the_pages_sphn_and_ffmpeg_write(speech: np.ndarray) -> None:
+    """sphn (Rust ``ogg`` crate) and FFmpeg's Ogg muxer computed these pages' checksums independently."""
+    writer = sphn.OpusStreamWriter(SAMPLE_RATE_HZ)
+    streams = [b"".join(bytes(writer.append_pcm(frame)) for frame in speech[:5])]
+    streams.append(b"".join(pyav_encode_ogg(speech[:5])))
+    for stream in streams:
+        pages, rest = split_ogg_pages(stream)
+        assert not rest and len(pages) > 5
+        for page in pages:
+            assert ogg_crc(page[:22] + bytes(4) + page[26:]) == int.from_bytes(page[22:26], "little")
+    assert ogg_crc(b"") == 0 and ogg_crc(b"OggS") != 0
+
+
+def _bitwise_ogg_crc(data: bytes) -> int:
+    """RFC 3533's checksum one bit at a time: polynomial 0x04C11DB7, MSB first, initial 0, no final XOR."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) if crc & 0x80000000 else crc << 1
+            crc &= 0xFFFFFFFF
+    return crc
+
+
+def test_ogg_crc_is_rfc_3533s_checksum() -> None:
+    rng = np.random.default_rng(3)
+    for size in (1, 2, 3, 27, 255, 1000):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        assert ogg_crc(data) == _bitwise_ogg_crc(data), size
+
+
+def _ffmpeg_samples(stream: bytes) -> int:
+    """Samples (48 kHz) FFmpeg's own Ogg demuxer and Opus decoder get from a whole stream."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(stream), format="ogg") as container:
+        (audio,) = container.streams.audio
+        assert audio.codec_context.name == "opus" and audio.channels == 1
+        return sum(frame.samples for frame in container.decode(audio))
+
+
+def test_ffmpeg_reads_the_pyav_stream_as_it_reads_sphns(speech: np.ndarray) -> None:
+    """A second, independent Ogg/Opus reader (FFmpeg's demuxer; Kyutai's web client uses libogg + libopus)
+    takes both streams alike: same header, same length after the 3840-sample pre-skip."""
+    writer = sphn.OpusStreamWriter(SAMPLE_RATE_HZ)
+    sphn_stream = b"".join(bytes(writer.append_pcm(frame)) for frame in speech)
+    encoder = PyavOpusFrameEncoder(5)
+    pyav_stream = b"".join(encoder.encode(frame) for frame in speech)
+    expected = len(speech) * FRAME_SAMPLES * 2 - 3840  # 48 kHz, less OpusHead's pre-skip
+    assert _ffmpeg_samples(sphn_stream) == _ffmpeg_samples(pyav_stream) == expected

@@ -77,3 +77,18 @@ def test_the_runtimes_commands_alone_make_the_images_cli() -> None:
     for command in ("capacity", "node"):
         result = runner.invoke(runtime_app, [command, "--help"])
         assert result.exit_code == 2 and "No such command" in result.output, result.output
+
+
+def test_opus_complexity_needs_the_pyav_encoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    fields = RuntimeConfig.model_fields
+    assert (fields["opus_encoder"].default, fields["opus_complexity"].default) == ("sphn", 10)
+    monkeypatch.setenv("DUPLEX_OPUS_ENCODER", "pyav")
+    monkeypatch.setenv("DUPLEX_OPUS_COMPLEXITY", "5")
+    config = RuntimeConfig()
+    assert (config.opus_encoder, config.opus_complexity) == ("pyav", 5)
+    with pytest.raises(ValidationError, match="DUPLEX_OPUS_ENCODER=pyav"):
+        RuntimeConfig(opus_encoder="sphn", opus_complexity=5)
+    with pytest.raises(ValidationError, match="less than or equal to 10"):
+        RuntimeConfig(opus_complexity=11)
+    with pytest.raises(ValidationError, match="'sphn' or 'pyav'"):
+        RuntimeConfig(opus_encoder="ffmpeg")

@@ -39,6 +39,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+import sphn
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
@@ -246,6 +247,7 @@ class LiveClient:
         _, self.encoder = make_codec(audio_format, max_buffered_frames=1000)
         self.result = SessionResult()
         self.sent_at: list[float] = []
+        self.audio_payloads: list[bytes] = []  # the 0x01 payloads received, in order
         self.ws: ClientConnection | None = None
         self.settled = asyncio.Event()  # handshake received, or the connection ended without one
         self.closed = asyncio.Event()
@@ -275,6 +277,7 @@ class LiveClient:
                 elif kind == MessageKind.AUDIO:
                     result.audio_messages += 1
                     result.audio_arrival_s.append(time.monotonic())
+                    self.audio_payloads.append(payload)
                 elif kind == MessageKind.TEXT:
                     result.text += payload.decode("utf-8")
                 elif kind == MessageKind.ERROR:
@@ -585,6 +588,25 @@ async def test_drain_refuses_new_sessions_and_closes_the_rest_with_1001(bundle, 
 
 
 @pytest.mark.slow
+async def test_the_pyav_opus_encoder_serves_a_stream_sphn_decodes_frame_for_frame(bundle, speech):
+    """DUPLEX_OPUS_ENCODER=pyav at complexity 5: the session runs normally and every outbound audio message
+    decodes, with sphn's reader as Kyutai's client uses it, to exactly one 80 ms frame."""
+    async with (
+        running_server(bundle, opus_encoder="pyav", opus_complexity=5) as srv,
+        live(
+            chat_url(srv, audio_format=AudioFormat.OPUS), speech[2], audio_format=AudioFormat.OPUS
+        ) as client,
+    ):
+        assert client.result.handshake
+        client.start_streaming()
+        await asyncio.sleep(2.0)
+        result = await client.finish()
+    assert_healthy(client)
+    reader = sphn.OpusStreamReader(SAMPLE_RATE_HZ)
+    sizes = [np.asarray(reader.append_bytes(payload)).size for payload in client.audio_payloads]
+    assert len(sizes) == result.audio_messages and sizes == [FRAME_SAMPLES] * len(sizes)
+
+
 async def test_drain_lets_a_session_finish_within_the_grace(bundle, speech):
     async with running_server(bundle) as srv, live(chat_url(srv), speech[0]) as client:
         assert client.result.handshake
