@@ -1,7 +1,8 @@
 """``duplex``, the project's command line: the one place that puts it together. The runtime's commands
-(``runtime.cli``: ``serve``, ``demo``, ``loadgen``, ``bench``, ``token``), the node's (``infra.node.cli``:
+(``runtime.tools.cli``: ``serve``, ``demo``, ``loadgen``, ``bench``, ``token``), the node's
+(``infra.node.cli``:
 ``duplex node``) and the capacity planner's (``infra.capacity.cli``: ``duplex capacity``). The runtime image
-has no ``infra`` package and runs ``duplex-runtime`` (``runtime.cli.app``) instead. README, "Layout".
+has no ``infra`` package and runs ``duplex-runtime`` (``runtime.tools.cli.app``) instead. README, "Layout".
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import sys
 
 from infra.capacity.cli import app as capacity_app
 from infra.node.cli import app as node_app
-from runtime.cli import runtime_app
+from runtime.tools.cli import runtime_app
 
 __all__ = ["app", "main"]
 

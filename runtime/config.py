@@ -15,10 +15,10 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime.model_presets import PRESETS, check_preset_name
+from runtime.engine.model_presets import PRESETS, check_preset_name
 
-if TYPE_CHECKING:  # runtime.tokens (PyJWT) is imported when the keys are loaded
-    from runtime.tokens import SigningKey
+if TYPE_CHECKING:  # runtime.frontend.tokens (PyJWT) is imported when the keys are loaded
+    from runtime.frontend.tokens import SigningKey
 
 
 class RuntimeConfig(BaseSettings):
@@ -70,7 +70,7 @@ class RuntimeConfig(BaseSettings):
         25, ge=1, description="Output frames queued per session before drops (2 s)"
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default torch's")
-    # Opus encoding (runtime/audio_codec.py; figures: python -m runtime.codec_bench, README).
+    # Opus encoding (runtime/frontend/audio_codec.py; figures: python -m runtime.tools.codec_bench, README).
     opus_encoder: Literal["sphn", "pyav"] = Field(
         "sphn",
         description="Outbound Opus encoder: sphn (libopus complexity 10, holds the GIL) or pyav (PyAV's "
@@ -83,7 +83,7 @@ class RuntimeConfig(BaseSettings):
         description="libopus complexity of the pyav encoder: 10 (libopus' default) .. 0 (cheapest); "
         "sphn supports 10 only",
     )
-    # Access control (runtime/tokens.py, README "Access control").
+    # Access control (runtime/frontend/tokens.py, README "Access control").
     auth_mode: Literal["token", "off"] = Field(
         "token",
         description="token: a session needs a signed session token; off: anyone reaching the port may "
@@ -107,7 +107,7 @@ class RuntimeConfig(BaseSettings):
         description="Browser origins allowed to open sessions (scheme://host[:port], comma-separated or "
         'JSON; "*" for any); requests without an Origin header are not affected',
     )
-    # The front end's own protections (runtime/ratelimit.py, runtime/server.py; issue 16).
+    # The front end's own protections (runtime/frontend/ratelimit.py, runtime/frontend/server.py; issue 16).
     handshake_rate_per_client: float = Field(
         20.0, ge=0, description="WebSocket upgrades per second per client address (0: no limit); 429 past it"
     )
@@ -142,7 +142,7 @@ class RuntimeConfig(BaseSettings):
     @field_validator("sim_step_ms")
     @classmethod
     def _sim_step(cls, value: str) -> str:
-        from runtime.sim_timing import parse_step_time
+        from runtime.engine.sim_timing import parse_step_time
 
         parse_step_time(value)
         return value
@@ -166,7 +166,8 @@ class RuntimeConfig(BaseSettings):
                 raise ValueError(f"{cidr!r} is not a CIDR (e.g. 10.0.0.0/8 or ::1/128)") from None
         return value
 
-    # GCE host maintenance (runtime/maintenance.py): on a GCE VM's maintenance notice, stop admitting.
+    # GCE host maintenance (runtime/frontend/maintenance.py): on a GCE VM's maintenance notice, stop
+    # admitting.
     maintenance_watch: Literal["gce", "off"] = Field(
         "off",
         description="gce: watch the GCE metadata server's instance/maintenance-event and stop admitting "
@@ -221,7 +222,7 @@ class RuntimeConfig(BaseSettings):
     @classmethod
     def _keys_json(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            from runtime.tokens import keys_from_mapping
+            from runtime.frontend.tokens import keys_from_mapping
 
             try:
                 mapping = json.loads(value.get_secret_value())
@@ -254,7 +255,7 @@ class RuntimeConfig(BaseSettings):
         Raises:
             ValueError: neither or both set, the file unreadable or a key invalid (names the variable).
         """
-        from runtime.tokens import keys_from_mapping, load_key_file
+        from runtime.frontend.tokens import keys_from_mapping, load_key_file
 
         if self.token_keys is not None and self.token_keys_file is not None:
             raise ValueError("set DUPLEX_TOKEN_KEYS or DUPLEX_TOKEN_KEYS_FILE, not both")

@@ -36,7 +36,8 @@ ACCESS_REFUSAL_REASONS = (
     "origin_not_allowed",
     "replay_check_unavailable",
 )
-"""Refusals of the access check (``runtime.tokens.REFUSAL_STATUS``; a test keeps the two equal). Listed here
+"""Refusals of the access check (``runtime.frontend.tokens.REFUSAL_STATUS``; a test keeps the two equal).
+Listed here
 so that metrics.py imports nothing beyond prometheus_client."""
 
 # Tick durations around the 80 ms frame budget (seconds).
@@ -74,7 +75,8 @@ class RuntimeMetrics:
         )
         self.maintenance_pending = Gauge(
             "duplex_maintenance_pending",
-            "1 while a host maintenance notice is pending (GCE maintenance-event, runtime/maintenance.py)",
+            "1 while a host maintenance notice is pending "
+            "(GCE maintenance-event, runtime/frontend/maintenance.py)",
             registry=r,
             multiprocess_mode="livemax",
         )
@@ -160,7 +162,7 @@ class RuntimeMetrics:
         for reason in ("late_input", "input_overflow", "slow_client", "slow_worker"):
             self.frames_dropped.labels(reason=reason)
         # After the upgrade: node_full, draining, bad_request; before it, the access check's reasons
-        # (runtime/tokens.py REFUSAL_STATUS: missing, malformed, expired, ..., origin_not_allowed).
+        # (runtime/frontend/tokens.py REFUSAL_STATUS: missing, malformed, expired, ..., origin_not_allowed).
         for reason in (
             "node_full",
             "waiting_room_full",

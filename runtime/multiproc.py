@@ -2,8 +2,9 @@
 
 The supervisor (this module, the process ``duplex serve`` runs in) starts:
 
-- the engine (``runtime.engine_core.engine_main``): the model, the slots, the waiting room, the tick;
-- N workers (``runtime.worker.worker_main``): WebSockets, codecs, tokens, Redis and HTTP, all listening
+- the engine (``runtime.engine.engine_core.engine_main``): the model, the slots, the waiting room, the tick;
+- N workers (``runtime.frontend.worker.worker_main``): WebSockets, codecs, tokens, Redis and HTTP, all
+listening
   on ``config.port`` with ``SO_REUSEPORT``;
 
 and links them with a ZeroMQ endpoint in a private temporary directory (``ipc://.../engine.sock``). It
@@ -90,7 +91,7 @@ class Supervisor:
         self._restarts: list[float] = []
 
     def _start_engine(self) -> None:
-        from runtime.engine_core import engine_main
+        from runtime.engine.engine_core import engine_main
 
         self.engine = self._context.Process(
             target=engine_main, args=(self.config, self.address), name="duplex-engine"
@@ -98,7 +99,7 @@ class Supervisor:
         self.engine.start()
 
     def _start_worker(self, index: int) -> None:
-        from runtime.worker import worker_main
+        from runtime.frontend.worker import worker_main
 
         process = self._context.Process(
             target=worker_main,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from runtime.local_redis import LocalRedisError, RedisServer
+from runtime.tools.local_redis import LocalRedisError, RedisServer
 
 if TYPE_CHECKING:
     from infra.k8s.base import RegionWorkload

@@ -37,11 +37,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
-from runtime.loadgen import run_load, run_session, session_url
-from runtime.local_redis import RedisServer
-from runtime.model_presets import FRAME_SAMPLES
-from runtime.server import DuplexServer
-from runtime.tokens import SUBPROTOCOL_PREFIX, SigningKey, mint_token
+from runtime.engine.model_presets import FRAME_SAMPLES
+from runtime.frontend.server import DuplexServer
+from runtime.frontend.tokens import SUBPROTOCOL_PREFIX, SigningKey, mint_token
+from runtime.tools.loadgen import run_load, run_session, session_url
+from runtime.tools.local_redis import RedisServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

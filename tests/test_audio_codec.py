@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import sphn
 
-from runtime.audio_codec import (
+from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.frontend.audio_codec import (
     OpusFrameAssembler,
     OpusFrameEncoder,
     PcmFrameAssembler,
@@ -16,9 +17,8 @@ from runtime.audio_codec import (
     ogg_crc,
     split_ogg_pages,
 )
-from runtime.codec_bench import aligned_snr_db, pyav_encode_ogg, speech_frames
-from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.protocol import AudioFormat, ProtocolError
+from runtime.frontend.protocol import AudioFormat, ProtocolError
+from runtime.tools.codec_bench import aligned_snr_db, pyav_encode_ogg, speech_frames
 
 FRAME_BYTES = 2 * FRAME_SAMPLES
 

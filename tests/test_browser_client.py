@@ -33,8 +33,8 @@ import pytest
 
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
 from infra.node.services import token_audience
-from runtime.loadgen import DEMO_SENTENCES, synthesize_speech
-from runtime.tokens import mint_token
+from runtime.frontend.tokens import mint_token
+from runtime.tools.loadgen import DEMO_SENTENCES, synthesize_speech
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -11,7 +11,7 @@ loaders = pytest.importorskip("moshi.models.loaders")
 
 from infra.capacity.memory import activation_bytes_per_slot  # noqa: E402
 from infra.capacity.models import LM_PARTS, get_model  # noqa: E402
-from runtime.model_presets import MIMI, MOSHI_7B_LM, PERSONAPLEX_7B_LM, TINY_LM, TINY_MIMI  # noqa: E402
+from runtime.engine.model_presets import MIMI, MOSHI_7B_LM, PERSONAPLEX_7B_LM, TINY_LM, TINY_MIMI  # noqa: E402
 
 
 def _state_tensors(states: dict) -> list[tuple[str, torch.Tensor]]:

@@ -33,9 +33,8 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from runtime.loadgen import run_session
-from runtime.model_presets import FRAME_SAMPLES
-from runtime.protocol import (
+from runtime.engine.model_presets import FRAME_SAMPLES
+from runtime.frontend.protocol import (
     TEXT_PROMPT_LIMIT,
     TEXT_PROMPT_MAX_CHARS,
     TEXT_PROMPT_MAX_TOKENS,
@@ -43,8 +42,9 @@ from runtime.protocol import (
     encode_metadata,
     encode_ping,
 )
-from runtime.server import ADMISSION_REASONS, DuplexServer
-from runtime.tokens import REFUSAL_STATUS, SUBPROTOCOL_PREFIX, SigningKey
+from runtime.frontend.server import ADMISSION_REASONS, DuplexServer
+from runtime.frontend.tokens import REFUSAL_STATUS, SUBPROTOCOL_PREFIX, SigningKey
+from runtime.tools.loadgen import run_session
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

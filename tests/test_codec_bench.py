@@ -1,4 +1,5 @@
-"""The Opus binding benchmark (runtime/codec_bench.py): its helpers, and the two bindings' streams read by
+"""The Opus binding benchmark (runtime/tools/codec_bench.py): its helpers, and the two bindings' streams read
+by
 each other (sphn's reader decodes PyAV's Ogg/Opus; PyAV decodes sphn's packets). No timing is asserted."""
 
 from __future__ import annotations
@@ -6,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.codec_bench import (
+from runtime.engine.model_presets import FRAME_SAMPLES
+from runtime.tools.codec_bench import (
     PACKET_SAMPLES,
     aligned_snr_db,
     format_table,
@@ -20,7 +22,6 @@ from runtime.codec_bench import (
     sphn_decode_pyav_ogg,
     sphn_encode,
 )
-from runtime.model_presets import FRAME_SAMPLES
 
 
 @pytest.fixture(scope="module")

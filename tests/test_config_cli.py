@@ -7,8 +7,8 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from infra.cli import app
-from runtime.cli import app as runtime_app
 from runtime.config import RuntimeConfig
+from runtime.tools.cli import app as runtime_app
 
 
 def test_environment_sets_fields(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,7 +69,8 @@ def test_every_command_has_help() -> None:
 
 
 def test_the_runtimes_commands_alone_make_the_images_cli() -> None:
-    """``runtime.cli.app`` (the image's ``duplex-runtime``) has the runtime's commands and none of infra's;
+    """``runtime.tools.cli.app`` (the image's ``duplex-runtime``) has the runtime's commands and none of
+    infra's;
     building the whole ``duplex`` (``infra.cli``) leaves it so."""
     runner = CliRunner()
     for command in RUNTIME_COMMANDS:

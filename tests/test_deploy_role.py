@@ -113,8 +113,8 @@ print(json.dumps({"policies": len(pack["policies"]), "violations": names}))
 
 _RUNTIME = """
 from typer.testing import CliRunner
-import runtime.engine, runtime.server, runtime.models, runtime.session_store
-from runtime.cli import app
+import runtime.engine.batch, runtime.frontend.server, runtime.engine.models, runtime.frontend.session_store
+from runtime.tools.cli import app
 result = CliRunner().invoke(app, ["serve", "--help"])
 assert result.exit_code == 0, result.output
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in BLOCKED)

@@ -7,10 +7,10 @@ import copy
 import numpy as np
 import pytest
 
-from runtime.engine import UNGENERATED_TOKEN, BatchEngine, SlotPhase
-from runtime.models import ModelBundle, build_tiny
-from runtime.persona import Persona, VoiceCatalog, build_prompt
-from runtime.sampling import SamplingParams
+from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, SlotPhase
+from runtime.engine.models import ModelBundle, build_tiny
+from runtime.engine.persona import Persona, VoiceCatalog, build_prompt
+from runtime.engine.sampling import SamplingParams
 
 SLOTS = 5
 TICKS = 40
@@ -172,7 +172,7 @@ def test_teacher_forcing_writes_the_prompt_tokens(tiny) -> None:
     """Forced text tokens are what the model sees: the LMGen cache holds them after the prompt."""
     engine = _engine(tiny, prompt_budget_ms=1e9)
     tokens = [10, 11, 12, 13]
-    from runtime.engine import PromptStep
+    from runtime.engine.batch import PromptStep
 
     user = engine.sine_codes[:, 0].cpu()
     engine.join(0, SamplingParams(), [PromptStep(user, tok) for tok in tokens])

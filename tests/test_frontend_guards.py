@@ -31,11 +31,11 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from runtime.audio_codec import OpusFrameEncoder
-from runtime.loadgen import run_session
-from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.protocol import AudioFormat, MessageKind, encode_audio
-from runtime.server import DuplexServer
+from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.frontend.audio_codec import OpusFrameEncoder
+from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.server import DuplexServer
+from runtime.tools.loadgen import run_session
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

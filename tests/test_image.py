@@ -126,7 +126,7 @@ class NoInfra(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 sys.meta_path.insert(0, NoInfra())
 from typer.testing import CliRunner
-from runtime.cli import app
+from runtime.tools.cli import app
 result = CliRunner().invoke(app, ["--help"])
 assert result.exit_code == 0, result.output
 print(result.output)
@@ -184,7 +184,7 @@ def test_the_image_build_context_makes_a_wheel(dockerfile: DockerfileParser, tmp
     assert result.returncode == 0, result.stderr
     [wheel] = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "runtime/server.py" in names
+    assert "runtime/frontend/server.py" in names
     assert not [n for n in names if n.startswith("infra/")]
 
 
@@ -315,7 +315,7 @@ def test_a_change_outside_the_allowlist_keeps_the_context_hash(repo_copy: Path, 
 @pytest.mark.parametrize(
     "relative",
     [
-        "runtime/server.py",
+        "runtime/frontend/server.py",
         "runtime/new_module.py",
         "pyproject.toml",
         "requirements.lock",
@@ -333,7 +333,7 @@ def test_a_change_inside_the_allowlist_changes_the_context_hash(repo_copy: Path,
 def test_a_mode_change_inside_the_allowlist_changes_the_context_hash(repo_copy: Path) -> None:
     dockerfile = repo_copy / "images/runtime/Dockerfile"
     before = provider_context_hash(repo_copy, dockerfile)
-    (repo_copy / "runtime/cli.py").chmod(0o755)
+    (repo_copy / "runtime/tools/cli.py").chmod(0o755)
     assert provider_context_hash(repo_copy, dockerfile) != before
 
 

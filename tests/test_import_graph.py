@@ -20,8 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runtime", "infra")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # The batched runtime: knows nothing of the deployment.
-    ("runtime",),
+    # The batched runtime, which knows nothing of the deployment. Inside it, the engine side (the model and
+    # the tick) imports nothing of the front end or the tools (README, "The runtime").
+    ("runtime.metrics", "runtime.ipc", "runtime.child_process"),
+    ("runtime.engine",),
+    ("runtime.frontend.tokens",),  # the settings read signing keys with it
+    ("runtime.config",),
+    ("runtime.frontend",),
+    ("runtime.multiproc",),  # the supervisor: starts the engine process and the workers
+    ("runtime.tools",),
     # The capacity planner; which Google API each resource needs; GCP naming rules; YAML text helpers.
     ("infra.capacity", "infra.gcp_apis", "infra.names", "infra.yaml_text"),
     # The node: profiles and the renderers of its bundle, the local node.
@@ -43,8 +50,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 """Parts of the code, bottom layer first: a module may import its own part and any part of a lower layer."""
 
-_IGNORED = frozenset({"infra"})
-"""Package roots with no code of their own (``infra/__init__.py``), in no layer."""
+_IGNORED = frozenset({"infra", "runtime"})
+"""Package roots with no code of their own (``infra/__init__.py``, ``runtime/__init__.py``), in no layer."""
 
 
 @dataclass(frozen=True)
@@ -214,8 +221,8 @@ def test_the_graph_is_read(edges: list[Import]) -> None:
     pairs = {(e.source, e.target) for e in edges}
     assert ("infra.k8s.region", "infra.k8s.workload") in pairs
     assert ("infra.capacity.cli", "infra.capacity.plan") in pairs  # from .plan import ...
-    assert ("infra.cli", "runtime.cli") in pairs
-    assert ("runtime.cli", "runtime.server") in pairs  # inside a command
+    assert ("infra.cli", "runtime.tools.cli") in pairs
+    assert ("runtime.tools.cli", "runtime.frontend.server") in pairs  # inside a command
 
 
 # --- the checks themselves can fail --------------------------------------------------------------------
@@ -266,3 +273,13 @@ def test_an_upward_or_sideways_import_is_reported(tmp_path: Path) -> None:
     [up, sideways] = layer_violations(import_graph(tmp_path, ["pkg"]), layers)
     assert up.startswith("pkg/low.py:2: pkg.low imports pkg.high: up from pkg.low (layer 0)")
     assert sideways.startswith("pkg/side.py:1: pkg.side imports pkg.mid.one: sideways")
+
+
+def test_the_engine_side_may_not_import_the_front_end() -> None:
+    """The split the runtime's folders show: an engine module importing a front-end one is refused (as the
+    persona's prompt limits once did, before they moved to ``runtime.engine.persona_limits``)."""
+    upward = Import("runtime.engine.persona", "runtime.frontend.protocol", "runtime/engine/persona.py", 1)
+    [problem] = layer_violations([upward])
+    assert "runtime.engine.persona imports runtime.frontend.protocol: up" in problem
+    downward = Import("runtime.frontend.protocol", "runtime.engine.persona_limits", "x.py", 1)
+    assert layer_violations([downward]) == []

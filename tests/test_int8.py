@@ -20,8 +20,8 @@ from infra.capacity.memory import lm_weight_bytes
 from infra.capacity.models import get_model
 from infra.capacity.units import BYTES_PER_ELEMENT
 from runtime.config import RuntimeConfig
-from runtime.engine import UNGENERATED_TOKEN, BatchEngine, SlotPhase
-from runtime.models import (
+from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, SlotPhase
+from runtime.engine.models import (
     LM_Q8_WEIGHTS_FILE,
     MIMI_WEIGHTS_FILE,
     TEXT_TOKENIZER_FILE,
@@ -33,7 +33,7 @@ from runtime.models import (
     load_model,
     write_checkpoint,
 )
-from runtime.sampling import SamplingParams
+from runtime.engine.sampling import SamplingParams
 
 pytest.importorskip("bitsandbytes")
 

@@ -27,7 +27,7 @@ from infra.k8s.manifest import (
     write_manifests,
 )
 from infra.k8s.region import APPLY_FIRST
-from runtime.local_redis import free_loopback_port
+from runtime.tools.local_redis import free_loopback_port
 
 _SECRET_SIG = {"4dabf18193072939515e22adb298388d": "1b47061264138c4ac30d75fd1eb44270"}
 
@@ -183,7 +183,7 @@ def test_prestop_hook_drains_a_real_runtime_and_returns_when_it_has_stopped(tmp_
     command = (
         [str(script), "serve"]
         if script.exists()
-        else [sys.executable, "-c", "from runtime.cli import app; app()", "serve"]
+        else [sys.executable, "-c", "from runtime.tools.cli import app; app()", "serve"]
     )
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from test_server_e2e import bundle, chat_url, running_server, speech  # noqa: F401 (fixtures)
 
-import runtime.loadgen as loadgen
-from runtime.audio_codec import OpusFrameAssembler
-from runtime.model_presets import FRAME_SAMPLES
-from runtime.protocol import AudioFormat, MessageKind
+import runtime.tools.loadgen as loadgen
+from runtime.engine.model_presets import FRAME_SAMPLES
+from runtime.frontend.audio_codec import OpusFrameAssembler
+from runtime.frontend.protocol import AudioFormat, MessageKind
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -1,5 +1,6 @@
 """While the model loads, the runtime's address already answers its probes
-(``runtime.server.loading_status``): alive but not ready, with ``duplex_loading 1`` for Prometheus; then
+(``runtime.frontend.server.loading_status``): alive but not ready, with ``duplex_loading 1`` for Prometheus;
+then
 it frees the address for the real server. And ``duplex serve`` really does this: a process started with
 the tiny model answers ``/readyz`` with ``loading the model`` before it turns 200."""
 
@@ -18,9 +19,9 @@ import urllib.request
 import pytest
 
 from runtime.config import RuntimeConfig
-from runtime.local_redis import free_loopback_port
+from runtime.frontend.server import LOADING_MESSAGE, loading_status
 from runtime.metrics import RuntimeMetrics
-from runtime.server import LOADING_MESSAGE, loading_status
+from runtime.tools.local_redis import free_loopback_port
 
 
 def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
@@ -102,7 +103,7 @@ def test_duplex_serve_reports_loading_before_ready() -> None:
         "DUPLEX_TORCH_THREADS": "1",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "runtime.cli", "serve"],
+        [sys.executable, "-m", "runtime.tools.cli", "serve"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

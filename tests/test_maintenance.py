@@ -1,4 +1,5 @@
-"""The GCE host-maintenance watcher (``runtime/maintenance.py``) against a fake metadata server on loopback,
+"""The GCE host-maintenance watcher (``runtime/frontend/maintenance.py``) against a fake metadata server on
+loopback,
 alone and inside a running server with the tiny model.
 
 :class:`FakeMetadataServer` serves the one key, ``/computeMetadata/v1/instance/maintenance-event``, as GCE's
@@ -37,7 +38,7 @@ from test_server_e2e import (
 )
 
 from runtime.config import RuntimeConfig
-from runtime.maintenance import (
+from runtime.frontend.maintenance import (
     GCE_MAINTENANCE_EVENT_URL,
     MIGRATE,
     NONE,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime.model_presets import TINY_LM, get_preset
-from runtime.models import (
+from runtime.engine.model_presets import TINY_LM, get_preset
+from runtime.engine.models import (
     LM_WEIGHTS_FILE,
     ModelBundle,
     adapt_depformer_steps,
@@ -120,7 +120,7 @@ def test_personaplex_checkpoint_is_cut_to_the_agent_codebooks(tmp_path: Path) ->
 def test_eight_step_checkpoint_grows_by_copying_steps(tiny: ModelBundle, tmp_path: Path) -> None:
     """NVIDIA's loader fills steps 8..15 from 0..7 when a checkpoint has 8; so does ours when asked."""
     state = {k: v for k, v in tiny.lm.state_dict().items()}
-    from runtime.models import _stack_attention_projections
+    from runtime.engine.models import _stack_attention_projections
 
     grown = adapt_depformer_steps(_stack_attention_projections(state), 16)
     assert checkpoint_depformer_steps(grown) == 16

@@ -25,7 +25,7 @@ from infra.node.local import (
     missing_binaries,
 )
 from infra.node.prometheus_api import prometheus_query
-from runtime.loadgen import DEMO_SENTENCES, run_load, run_session, session_url, synthesize_speech
+from runtime.tools.loadgen import DEMO_SENTENCES, run_load, run_session, session_url, synthesize_speech
 
 pytestmark = [
     pytest.mark.slow,
@@ -153,7 +153,7 @@ def test_client_vanishing_mid_session_frees_its_slot(tmp_path: Path, speech: lis
         async def vanish() -> None:
             from websockets.asyncio.client import connect
 
-            from runtime.protocol import encode_audio
+            from runtime.frontend.protocol import encode_audio
 
             ws = await connect(
                 session_url(node.wss_url, token=node.mint_token()), ssl=context, compression=None

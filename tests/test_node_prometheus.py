@@ -31,7 +31,7 @@ from infra.node.prometheus import (
     render_prometheus,
     rules_unit_tests,
 )
-from runtime.local_redis import free_loopback_port
+from runtime.tools.local_redis import free_loopback_port
 
 ALL_ALERTS = {
     "RuntimeDown",

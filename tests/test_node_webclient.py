@@ -14,7 +14,7 @@ import pytest
 from infra.node.bundle import render_bundle
 from infra.node.profile import PROFILES
 from infra.node.webclient import WEB_DIR, WEB_TYPES, render_web
-from runtime.server import ADMISSION_REASONS
+from runtime.frontend.server import ADMISSION_REASONS
 
 SOURCE = Path(__file__).resolve().parents[1] / "infra" / "node" / "web"
 REPO = SOURCE.parents[2]
@@ -90,7 +90,7 @@ def test_node_up_prints_the_page_and_a_one_conversation_link(tmp_path: Path) -> 
     from infra.node import cli
     from infra.node.local import LocalNode, free_port_profile
     from infra.node.services import token_audience
-    from runtime.tokens import TokenVerifier
+    from runtime.frontend.tokens import TokenVerifier
 
     node = LocalNode(tmp_path / "node", free_port_profile())
     recorded = Console(record=True, width=4000)

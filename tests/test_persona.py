@@ -9,8 +9,8 @@ import pytest
 import sphn
 import torch
 
-from runtime.models import build_tiny
-from runtime.persona import (
+from runtime.engine.models import build_tiny
+from runtime.engine.persona import (
     SILENCE_FRAMES,
     TEXT_PADDING_ID,
     Persona,

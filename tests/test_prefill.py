@@ -11,10 +11,10 @@ import pytest
 import torch
 from moshi.modules.transformer import _MHAState, _TransformerState
 
-from runtime.engine import UNGENERATED_TOKEN, BatchEngine, SlotPhase
-from runtime.models import ModelBundle, build_tiny
-from runtime.persona import Persona, VoiceCatalog, build_prompt
-from runtime.sampling import SamplingParams
+from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, SlotPhase
+from runtime.engine.models import ModelBundle, build_tiny
+from runtime.engine.persona import Persona, VoiceCatalog, build_prompt
+from runtime.engine.sampling import SamplingParams
 
 SLOTS = 4
 PROMPTED = 2
@@ -180,7 +180,7 @@ def test_chunks_are_sized_to_the_ticks_spare_time(tiny) -> None:
 
 
 def test_unforced_prompts_fall_back_to_step_by_step(tiny) -> None:
-    from runtime.engine import PromptStep
+    from runtime.engine.batch import PromptStep
 
     engine = _engine(tiny, prefill=True, prompt_budget_ms=0.0)
     user = engine.sine_codes[:, 0].cpu()

@@ -1,6 +1,6 @@
 """The process split (``duplex serve --workers N``): one engine process, N front-end workers on one port.
 
-Real nodes, started as ``python -m runtime.cli serve --workers 2`` with the ``sim`` model (a 5 ms step):
+Real nodes, started as ``python -m runtime.tools.cli serve --workers 2`` with the ``sim`` model (a 5 ms step):
 admission stays exact under concurrent handshakes on every worker, metrics add up over the processes, a
 killed worker ends only its own sessions, a killed engine makes every worker unhealthy, and SIGTERM
 drains across the processes.
@@ -32,10 +32,10 @@ from test_server_e2e import (  # noqa: F401 (speech: fixture)
 from websockets.asyncio.client import connect
 
 from infra.node.bringup import runtime_health_problem
-from runtime.loadgen import run_session, session_url
-from runtime.local_redis import free_loopback_port
-from runtime.protocol import encode_metadata
-from runtime.tokens import generate_signing_key, mint_token
+from runtime.frontend.protocol import encode_metadata
+from runtime.frontend.tokens import generate_signing_key, mint_token
+from runtime.tools.loadgen import run_session, session_url
+from runtime.tools.local_redis import free_loopback_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -89,7 +89,16 @@ async def split_node(tmp_path: Path, workers: int = 2, **env: str) -> AsyncItera
     environment.pop("PROMETHEUS_MULTIPROC_DIR", None)
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), "--workers", str(workers)],
+            [
+                sys.executable,
+                "-m",
+                "runtime.tools.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+            ],
             env=environment,
             stdout=out,
             stderr=subprocess.STDOUT,

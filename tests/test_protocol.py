@@ -13,9 +13,9 @@ import sphn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime.audio_codec import OpusFrameAssembler, PcmFrameAssembler
-from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.protocol import (
+from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.frontend.audio_codec import OpusFrameAssembler, PcmFrameAssembler
+from runtime.frontend.protocol import (
     MAX_ERROR_MESSAGE_BYTES,
     MAX_QUERY_PARAMS,
     PROTOCOL_ERROR_REASONS,

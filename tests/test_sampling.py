@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.sampling import SamplingParams, SlotSamplingTable, counter_uniform, sample_rows
+from runtime.engine.sampling import SamplingParams, SlotSamplingTable, counter_uniform, sample_rows
 
 
 def _rows(b: int, value: float, dtype=torch.float32) -> torch.Tensor:

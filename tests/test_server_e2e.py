@@ -1,6 +1,7 @@
 """End-to-end tests of the batched full-duplex server: real sockets, real speech, real Redis, real signals.
 
-Every test talks to a :class:`runtime.server.DuplexServer` over the wire protocol on ``/api/chat`` and over
+Every test talks to a :class:`runtime.frontend.server.DuplexServer` over the wire protocol on ``/api/chat``
+and over
 HTTP (``/healthz``, ``/readyz``, ``/metrics``), exactly as a deployed node is used. The tiny model (random
 weights, CPU) is built once per module; each server gets its own deep copy, since the engine puts the
 models in streaming mode.
@@ -44,16 +45,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
-from runtime.loadgen import SessionResult, run_session, session_url, synthesize_speech
-from runtime.local_redis import free_loopback_port
+from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.engine.models import ModelBundle, build_tiny
+from runtime.frontend.audio_codec import make_codec
+from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.server import DuplexServer
+from runtime.frontend.session_store import SessionStore
 from runtime.metrics import RuntimeMetrics
-from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.models import ModelBundle, build_tiny
-from runtime.protocol import AudioFormat, MessageKind, encode_audio
-from runtime.server import DuplexServer
-from runtime.session_store import SessionStore
+from runtime.tools.loadgen import SessionResult, run_session, session_url, synthesize_speech
+from runtime.tools.local_redis import free_loopback_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -235,7 +236,7 @@ def local_metrics(server: DuplexServer) -> Metrics:
 class LiveClient:
     """A wire-protocol client that streams speech (looped) at real-time pace until told to stop.
 
-    Unlike :func:`runtime.loadgen.run_session` it can be held open, interleaved with other clients, sent
+    Unlike :func:`runtime.tools.loadgen.run_session` it can be held open, interleaved with other clients, sent
     raw messages at any moment, aborted, and it records when each frame was sent.
     """
 
@@ -632,7 +633,7 @@ def _serve_command(port: int) -> list[str]:
     script = Path(sys.executable).with_name("duplex")
     if script.exists():
         return [str(script), *args]
-    return [sys.executable, "-c", "from runtime.cli import app; app()", *args]
+    return [sys.executable, "-c", "from runtime.tools.cli import app; app()", *args]
 
 
 @pytest.mark.slow

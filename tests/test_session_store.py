@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import redis.asyncio as redis
 
-from runtime.session_store import SessionRecord, SessionStore
+from runtime.frontend.session_store import SessionRecord, SessionStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,5 @@
-"""The ``sim`` model (runtime/sim.py): the engine's surface, the step time it spends, cheap output, and a
+"""The ``sim`` model (runtime/engine/sim.py): the engine's surface, the step time it spends, cheap output,
+and a
 whole server on it."""
 
 from __future__ import annotations
@@ -8,13 +9,13 @@ import pytest
 from test_server_e2e import bundle, chat_url, running_server, speech  # noqa: F401 (fixtures)
 
 from runtime.config import RuntimeConfig
-from runtime.engine import PromptStep, SlotPhase
-from runtime.loadgen import run_session
-from runtime.model_presets import FRAME_SAMPLES, PRESETS
-from runtime.protocol import AudioFormat
-from runtime.sampling import SamplingParams
-from runtime.sim import SimEngine
-from runtime.sim_timing import StepTime, parse_step_time
+from runtime.engine.batch import PromptStep, SlotPhase
+from runtime.engine.model_presets import FRAME_SAMPLES, PRESETS
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.sim import SimEngine
+from runtime.engine.sim_timing import StepTime, parse_step_time
+from runtime.frontend.protocol import AudioFormat
+from runtime.tools.loadgen import run_session
 
 
 def test_step_time_fixed_or_interpolated_by_batch():

@@ -16,10 +16,8 @@ from typer.testing import CliRunner
 
 from infra.node.profile import PROFILES
 from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, token_audience
-from runtime.cli import app
 from runtime.config import RuntimeConfig
-from runtime.metrics import ACCESS_REFUSAL_REASONS
-from runtime.tokens import (
+from runtime.frontend.tokens import (
     REFUSAL_STATUS,
     MemoryReplayGuard,
     SigningKey,
@@ -29,6 +27,8 @@ from runtime.tokens import (
     load_key_file,
     mint_token,
 )
+from runtime.metrics import ACCESS_REFUSAL_REASONS
+from runtime.tools.cli import app
 
 AUDIENCE = "node.example.com"
 KEY = SigningKey("k1", "a" * 32)
@@ -208,7 +208,7 @@ async def test_seen_reports_a_spent_id_without_spending_one() -> None:
 
 
 async def test_redis_seen_reads_only_and_fails_like_spend(redis_server) -> None:
-    from runtime.tokens import RedisReplayGuard
+    from runtime.frontend.tokens import RedisReplayGuard
 
     claims = verifier().verify(
         mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id="r-peek")

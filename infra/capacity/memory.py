@@ -3,7 +3,8 @@
 Formulas (element counts in ``models.py``, checked against real tensors in the tests):
 - LM weights, shared: every parameter once. Under moshi's INT8 (``utils/quantize.py``) every ``nn.Linear``
   becomes an int8 ``QLinear`` with one fp32 scale per output row, while embeddings and norms stay fp16 (the
-  runtime's ``DUPLEX_QUANTIZE=int8``, ``runtime/models.py``); the same split is assumed for fp8 (per-tensor
+  runtime's ``DUPLEX_QUANTIZE=int8``, ``runtime/engine/models.py``); the same split is assumed for fp8
+  (per-tensor
   scale, negligible) and int4 (one fp16 scale and zero per group of 128 weights: 1/32 byte per weight).
   Norm weights are stored at the model's dtype: moshi casts the whole LM with ``.to(dtype)``, and an
   ``rms_norm_f32`` norm only computes in fp32 (checked against the tiny preset's real tensors,
@@ -30,7 +31,7 @@ import math
 
 from pydantic import BaseModel, ConfigDict
 
-from runtime.model_presets import FRAME_SAMPLES
+from runtime.engine.model_presets import FRAME_SAMPLES
 
 from .gpus import GpuSpec
 from .models import ModelSpec, gating_hidden

@@ -1,6 +1,7 @@
 """Model catalog: parameter counts by part, cache and state sizes, FLOPs per frame, derived from the configs.
 
-The configs are the presets of ``runtime.model_presets`` (the keyword sets moshi 0.2.13's ``LMModel`` and
+The configs are the presets of ``runtime.engine.model_presets`` (the keyword sets moshi 0.2.13's ``LMModel``
+and
 ``get_mimi`` are built from); every count below is the arithmetic of the module constructors of moshi 0.2.13
 (``models/lm.py``, ``modules/transformer.py``, ``modules/gating.py``, ``modules/seanet.py``,
 ``modules/conv.py``, ``modules/resample.py``, ``quantization/vq.py``), written without torch. The test suite
@@ -17,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.model_presets import FRAME_MS, PRESETS, get_preset
+from runtime.engine.model_presets import FRAME_MS, PRESETS, get_preset
 
 from .units import check_choice
 
 MODEL_NAMES: tuple[str, ...] = tuple(n for n, p in PRESETS.items() if not p.extra.get("simulated"))
-"""Model names the planner accepts: the runtime's presets but ``sim`` (a simulator, runtime/sim.py)."""
+"""Model names the planner accepts: the runtime's presets but ``sim`` (a simulator, runtime/engine/sim.py)."""
 
 
 # --------------------------------------------------------------------------------------------------------

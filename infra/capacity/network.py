@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from runtime.model_presets import FRAME_MS, FRAME_RATE_HZ, SAMPLE_RATE_HZ
+from runtime.engine.model_presets import FRAME_MS, FRAME_RATE_HZ, SAMPLE_RATE_HZ
 
 Codec = Literal["pcm", "opus"]
 CODECS: tuple[str, ...] = ("pcm", "opus")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-from runtime.model_presets import FRAME_MS
+from runtime.engine.model_presets import FRAME_MS
 
 from .gpus import GpuSpec, compute_precision
 from .memory import lm_weight_bytes
@@ -389,7 +389,8 @@ def sim_step_table(
 ) -> str:
     """The planner's tick time at each of ``batches`` as ``"B:ms,..."``: the value of the runtime's
     ``DUPLEX_SIM_STEP_MS`` for a ``sim`` node that steps as ``model`` would on ``gpu``
-    (``runtime/sim_timing.py``; the runtime does not import the planner, so the figure is passed this way).
+    (``runtime/engine/sim_timing.py``; the runtime does not import the planner, so the figure is passed this
+    way).
 
     Example: ``sim_step_table(get_model("personaplex-7b"), get_gpu("h100"))``.
     """

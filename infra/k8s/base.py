@@ -18,7 +18,7 @@ from infra.capacity.gcp import ACCELERATOR_TYPES
 from infra.names import PROJECT_ID_RE, REGION_RE
 from infra.node.compose import RUNTIME_UID
 from infra.node.profile import NodeProfile
-from runtime.model_presets import get_preset
+from runtime.engine.model_presets import get_preset
 
 __all__ = [
     "APP_NAME",

@@ -74,7 +74,8 @@ STARTUP_PROBE_PERIOD_S = 10
 STARTUP_PROBE_FAILURES = 180
 """The startup probe: ``/readyz`` every 10 s, 180 failures allowed: 1800 s (30 min) from the runtime
 container's start (after the init container has seen the weights) to a loaded, warm model. ``/readyz``,
-not ``/healthz``: the runtime answers ``/healthz`` 200 while it loads (``runtime.server.loading_status``),
+not ``/healthz``: the runtime answers ``/healthz`` 200 while it loads
+(``runtime.frontend.server.loading_status``),
 so only readiness says the load finished, and a load stuck past the budget gets the container restarted
 (a fresh pod cannot be full or draining, the other reasons for a 503). A 7B load from
 the bucket is minutes (15.6 GiB of bf16 weights for personaplex-7b, ``infra.capacity.models``, through
@@ -226,7 +227,8 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
       tolerating its ``nvidia.com/gpu`` NoSchedule taint.
     - Resources: requests 4 CPU and 20 GiB, memory limit 28 GiB, no CPU limit (CFS throttling would stretch
       the 80 ms tick). Memory: loading personaplex-7b holds its 15.6 GiB bf16 state dict in host memory
-      (``runtime.models.load_checkpoint``; ``infra.capacity.models``) plus torch and CUDA (~3 GiB), ~19 GiB;
+      (``runtime.engine.models.load_checkpoint``; ``infra.capacity.models``) plus torch and CUDA (~3 GiB),
+      ~19 GiB;
       20 GiB fits the smallest GPU machine types' allocatable memory (n1-standard-8, 30 GB; g2-standard-8,
       32 GB), the limit lets a dtype conversion's second copy burst above it where the node has it.
     - Probes: startup ``/readyz`` for ``startup_budget_s()`` (1800 s: ``STARTUP_PROBE_FAILURES`` says why

@@ -2,7 +2,8 @@
 node's own figures back from Prometheus, and stop it.
 
 ``bring_up_and_check`` starts a ``LocalNode``, drives ``profile.max_sessions`` concurrent sessions of
-speech through nginx over ``wss://`` (the load generator, ``runtime.loadgen``), each with a fresh session
+speech through nginx over ``wss://`` (the load generator, ``runtime.tools.loadgen``), each with a fresh
+session
 token minted from the node's signing key (access control is on, as on every node), knocks once more while
 they all run, with a valid token too (that caller must be refused: nginx's session cap answers 503 with
 its reason), then asks
@@ -23,7 +24,7 @@ import numpy as np
 
 from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
-from runtime.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
+from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
 
 __all__ = ["NodeCheck", "bring_up_and_check", "scraped_figures"]
 
@@ -99,7 +100,8 @@ class NodeCheck:
 
 def runtime_health_problem(runtime_url: str, *, timeout_s: float = 5.0) -> str | None:
     """None when ``GET <runtime_url>/healthz`` answers 200, else the problem in words: the status and
-    body (``500 engine unreachable`` when the runtime's engine process died, ``runtime/worker.py``), or
+    body (``500 engine unreachable`` when the runtime's engine process died, ``runtime/frontend/worker.py``),
+    or
     that nothing answered."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:

@@ -57,7 +57,7 @@ def render_command(
 
 
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
-    from runtime.loadgen import load_table
+    from runtime.tools.loadgen import load_table
 
     if check.load is not None:
         console.print(load_table(f"sessions through {node.wss_url}/api/chat", check.load))
@@ -116,7 +116,7 @@ def up_command(
     logging.basicConfig(level=logging.WARNING)
     from infra.node.bringup import bring_up_and_check
     from infra.node.local import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
-    from runtime.loadgen import load_speech
+    from runtime.tools.loadgen import load_speech
 
     profile = free_port_profile() if free_ports else PROFILES["local"]
     with tempfile.TemporaryDirectory(prefix="duplex-node-") as tmp:

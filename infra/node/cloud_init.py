@@ -443,7 +443,7 @@ WorkingDirectory={NODE_ROOT}
 # The runtime's node id: this VM's host name.
 Environment=DUPLEX_NODE_ID=%H
 # A GCE VM: the runtime watches the metadata server's maintenance-event and stops admitting on a host
-# maintenance notice (GPU VMs get one an hour ahead; runtime/maintenance.py).
+# maintenance notice (GPU VMs get one an hour ahead; runtime/frontend/maintenance.py).
 Environment=DUPLEX_MAINTENANCE_WATCH=gce
 # Where the preparation script logs Docker in to a Google registry (Artifact Registry images).
 Environment=DOCKER_CONFIG={DOCKER_CONFIG_DIR}

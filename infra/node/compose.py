@@ -266,7 +266,8 @@ def _runtime(profile: NodeProfile) -> dict[str, Any]:
     environment: dict[str, str | None] = dict(runtime_settings(profile))
     # The host may name the node (the VM's systemd unit passes its host name); else the profile's name.
     environment["DUPLEX_NODE_ID"] = f"${{DUPLEX_NODE_ID:-{environment['DUPLEX_NODE_ID']}}}"
-    # The host says whether it is a GCE VM whose maintenance notices to watch (runtime/maintenance.py): the
+    # The host says whether it is a GCE VM whose maintenance notices to watch
+    # (runtime/frontend/maintenance.py): the
     # GCE VM's systemd unit sets DUPLEX_MAINTENANCE_WATCH=gce (infra/node/cloud_init.py); elsewhere
     # (on-premises hosts) it is off.
     environment["DUPLEX_MAINTENANCE_WATCH"] = "${DUPLEX_MAINTENANCE_WATCH:-off}"

@@ -41,7 +41,7 @@ from infra.capacity.gpus import GPUS
 from infra.node.profile import NodeProfile
 from infra.node.prometheus import scrape_interval
 from infra.node.services import endpoint
-from runtime.model_presets import FRAME_MS
+from runtime.engine.model_presets import FRAME_MS
 
 __all__ = [
     "DASHBOARDS_PATH",

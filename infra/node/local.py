@@ -46,8 +46,8 @@ from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
 from infra.node.redis_conf import REDIS_CONF
 from infra.node.services import NodeSecrets, endpoint, runtime_settings, token_audience
 from infra.node.tls import write_self_signed_certificate
-from runtime.local_redis import free_loopback_port
-from runtime.tokens import mint_token
+from runtime.frontend.tokens import mint_token
+from runtime.tools.local_redis import free_loopback_port
 
 __all__ = [
     "REQUIRED_BINARIES",
@@ -307,7 +307,7 @@ class LocalNode:
             ),
             ManagedProcess(
                 "runtime",
-                [sys.executable, "-m", "runtime.cli", "serve", *self.runtime_args],
+                [sys.executable, "-m", "runtime.tools.cli", "serve", *self.runtime_args],
                 lambda: _http_ok(f"{self.runtime_url}/readyz"),
                 env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url},
                 stop_timeout_s=p.limits.drain_grace_s + 10.0,

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from infra.capacity import InfeasibleConfiguration, max_sessions, require_feasible
 from infra.capacity.gpus import GPUS
-from runtime.model_presets import FRAME_MS, check_preset_name
+from runtime.engine.model_presets import FRAME_MS, check_preset_name
 
 __all__ = [
     "Deployment",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from infra.node.profile import NodeProfile
-from runtime.tokens import SigningKey, generate_signing_key
+from runtime.frontend.tokens import SigningKey, generate_signing_key
 
 __all__ = [
     "SECRETS_DIR",
@@ -76,7 +76,7 @@ SECRET_FILES = {
 ``include``; ``DUPLEX_REDIS_URL`` for the runtime; ``REDIS_PASSWORD`` for redis_exporter; Grafana's admin
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
 ``{"kid": "secret", ...}``, which the runtime reads (``DUPLEX_TOKEN_KEYS_FILE``) and the application
-backend mints with (``duplex token mint --key-file``, ``runtime.tokens.mint_token``)."""
+backend mints with (``duplex token mint --key-file``, ``runtime.frontend.tokens.mint_token``)."""
 
 TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
 """Where a ``compose`` node's runtime container reads ``secrets/token_keys.json`` (a Compose secret)."""
@@ -177,7 +177,8 @@ class NodeSecrets:
         self.signing_keys()  # kids and secret lengths
 
     def signing_keys(self) -> list[SigningKey]:
-        """``token_keys`` as ``runtime.tokens.SigningKey`` objects (the first is the one to mint with)."""
+        """``token_keys`` as ``runtime.frontend.tokens.SigningKey`` objects (the first is the one to mint
+        with)."""
         return [SigningKey(kid, secret) for kid, secret in self.token_keys.items()]
 
     @classmethod

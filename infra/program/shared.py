@@ -86,7 +86,8 @@ def labels(config: StackConfig) -> dict[str, str]:
 
 def mint_command(profile: NodeProfile) -> str:
     """How an operator mints a session token for this node, from the keys the ``tokenKeys`` output reads
-    (saved as ``token_keys.json``); application backends call ``runtime.tokens.mint_token`` instead."""
+    (saved as ``token_keys.json``); application backends call ``runtime.frontend.tokens.mint_token``
+    instead."""
     return (
         "duplex token mint --key-file token_keys.json --kid <kid in the file> "
         f"--audience {token_audience(profile)} --ttl-s 300 --persona any"

@@ -55,7 +55,7 @@ from infra.stack_config.values import (
     pulumi_key,
     secret_matching,
 )
-from runtime.tokens import keys_from_mapping
+from runtime.frontend.tokens import keys_from_mapping
 
 __all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
 

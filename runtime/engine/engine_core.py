@@ -3,10 +3,11 @@ tick, and no socket to any caller (vLLM v1's ``EngineCore``, ``vllm/v1/engine/co
 
 It binds one ZeroMQ ROUTER socket (``runtime.ipc``) that the front-end workers connect to, and runs:
 
-- the tick thread (``runtime.scheduler.SlotScheduler``), exactly as in one process: it never touches a
+- the tick thread (``runtime.engine.scheduler.SlotScheduler``), exactly as in one process: it never touches a
   socket; outputs reach the event loop with ``call_soon_threadsafe`` and leave, one ``Outputs`` message per
   worker per tick, with ``zmq.NOBLOCK`` (a full queue drops and counts ``slow_worker``; it never waits);
-- admission (``runtime.waiting_room.SlotAdmission``): global and exact, since the slots live here alone,
+- admission (``runtime.engine.waiting_room.SlotAdmission``): global and exact, since the slots live here
+alone,
   however many workers take handshakes at once;
 - a ``Status`` broadcast every ``STATUS_PERIOD_S`` (slots, free, waiting, tick alive, draining, voices) that
   the workers answer ``/readyz``, ``/healthz`` and ``/api/admission`` from;
@@ -31,13 +32,13 @@ import zmq
 import zmq.asyncio
 
 from runtime import ipc
+from runtime.engine.models import ModelBundle
+from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
+from runtime.engine.sim import make_engine
+from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout
 from runtime.metrics import RuntimeMetrics
-from runtime.models import ModelBundle
-from runtime.persona import Persona, PersonaError, VoiceCatalog, build_prompt
-from runtime.sampling import SamplingParams
-from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
-from runtime.sim import make_engine
-from runtime.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout
 
 __all__ = ["EngineCore", "STATUS_PERIOD_S", "WORKER_TIMEOUT_S"]
 
@@ -332,7 +333,7 @@ def engine_main(config, address: str) -> None:  # type: ignore[no-untyped-def]
     """Entry point of the engine process (``runtime.multiproc``): load, warm, serve; SIGTERM drains."""
     import torch
 
-    from runtime.models import load_model
+    from runtime.engine.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
     from runtime.child_process import die_with_parent

@@ -3,12 +3,14 @@
 Per 80 ms frame (1920 float32 samples at 24000 Hz mono) of espeak-ng speech (``loadgen.load_speech``),
 it measures:
 
-- ``sphn`` (what :mod:`runtime.audio_codec` uses): ``OpusStreamWriter(24000).append_pcm`` (libopus
+- ``sphn`` (what :mod:`runtime.frontend.audio_codec` uses): ``OpusStreamWriter(24000).append_pcm`` (libopus
   defaults: VoIP, complexity 10, bitrate chosen by libopus; 40 ms packets, one Ogg page each) and
-  ``OpusStreamReader(24000).append_bytes`` page by page, as :class:`~runtime.audio_codec.OpusFrameAssembler`
+  ``OpusStreamReader(24000).append_bytes`` page by page, as
+  :class:`~runtime.frontend.audio_codec.OpusFrameAssembler`
   does.
 - PyAV (``av``, FFmpeg's ``libopus`` wrapper; its wheels bundle libopus) through the runtime's own
-  :class:`~runtime.audio_codec.PyavOpusFrameEncoder` (``DUPLEX_OPUS_ENCODER=pyav``: 40 ms packets, one
+  :class:`~runtime.frontend.audio_codec.PyavOpusFrameEncoder` (``DUPLEX_OPUS_ENCODER=pyav``: 40 ms packets,
+  one
   Ogg page each, VoIP, sphn's bitrate) at libopus complexity (FFmpeg's ``compression_level``) 10, 5 and
   0, its stream decoded by sphn as the server does; raw packets without Ogg, and their decode by FFmpeg's
   ``libopus`` and ``opus`` decoders (48 kHz out, so resampled to 24 kHz); and encode through FFmpeg's
@@ -23,7 +25,7 @@ it measures:
   input, after aligning the codec's delay (:func:`log_spectral_distance_db`). Not a listening test:
   it ranks encoders and settings, it does not say whether a difference is audible.
 
-Figures are printed as a Markdown table, never asserted: ``python -m runtime.codec_bench`` (about 30 s).
+Figures are printed as a Markdown table, never asserted: ``python -m runtime.tools.codec_bench`` (about 30 s).
 ``sessions/core`` is 80 ms over (encode + decode) ms per frame: how many sessions' Opus one core carries
 at 12.5 frames/s each, codec work only.
 """
@@ -41,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from runtime.audio_codec import PYAV_OPUS_BITRATE_BPS, PyavOpusFrameEncoder, split_ogg_pages
-from runtime.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.frontend.audio_codec import PYAV_OPUS_BITRATE_BPS, PyavOpusFrameEncoder, split_ogg_pages
 
 __all__ = [
     "CodecFigures",
@@ -71,7 +73,7 @@ PYAV_BITRATE_BPS = PYAV_OPUS_BITRATE_BPS
 def speech_frames(frame_count: int) -> np.ndarray:
     """``frame_count`` consecutive 80 ms frames of espeak-ng speech, shape [frame_count, 1920] float32.
 
-    The demo sentences of :mod:`runtime.loadgen` back to back, repeated as needed.
+    The demo sentences of :mod:`runtime.tools.loadgen` back to back, repeated as needed.
 
     Raises:
         ValueError: ``frame_count`` < 1.
@@ -79,7 +81,7 @@ def speech_frames(frame_count: int) -> np.ndarray:
     """
     if frame_count < 1:
         raise ValueError(f"frame_count must be >= 1, got {frame_count}")
-    from runtime.loadgen import DEMO_SENTENCES, load_speech
+    from runtime.tools.loadgen import DEMO_SENTENCES, load_speech
 
     speech = np.concatenate(load_speech(None, len(DEMO_SENTENCES))).astype(np.float32)
     needed = frame_count * FRAME_SAMPLES
@@ -437,7 +439,7 @@ def run(frame_count: int = 250, repeats: int = 3) -> list[CodecFigures]:
 
 
 def runtime_pyav_encode(frames: np.ndarray, complexity: int = 10) -> list[bytes]:
-    """Encode [N, 1920] frames with the runtime's :class:`~runtime.audio_codec.PyavOpusFrameEncoder`
+    """Encode [N, 1920] frames with the runtime's :class:`~runtime.frontend.audio_codec.PyavOpusFrameEncoder`
     (``DUPLEX_OPUS_ENCODER=pyav``): the Ogg bytes per frame."""
     encoder = PyavOpusFrameEncoder(complexity)
     return [encoder.encode(frame) for frame in frames]
@@ -490,7 +492,7 @@ def format_table(rows: Sequence[CodecFigures]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m runtime.codec_bench [--frames N] [--repeats R]``: print the table."""
+    """``python -m runtime.tools.codec_bench [--frames N] [--repeats R]``: print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=250, help="80 ms frames of speech per run (>= 10)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the best is kept (>= 1)")

@@ -5,7 +5,8 @@ callers that way costs B batch-1 ticks per 80 ms frame. The batched engine serve
 
 Per batch size B the benchmark runs, with every slot live and fed real-time-shaped input (noise at
 speech level):
-- ``batched``: one :class:`runtime.engine.BatchEngine` with B slots; one full tick (Mimi encode, LM step,
+- ``batched``: one :class:`runtime.engine.batch.BatchEngine` with B slots; one full tick (Mimi encode, LM
+step,
   Mimi decode) per frame.
 - ``stock``: B independent batch-1 engines, each on its own model copy, stepped in turn, as B stock server
   processes would; one "tick" is the B steps together. On a GPU (real 7B size) the copies would not fit,
@@ -29,10 +30,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from runtime.engine import BatchEngine
-from runtime.model_presets import FRAME_MS, FRAME_SAMPLES
-from runtime.models import ModelBundle
-from runtime.sampling import SamplingParams
+from runtime.engine.batch import BatchEngine
+from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES
+from runtime.engine.models import ModelBundle
+from runtime.engine.sampling import SamplingParams
 
 
 @dataclass

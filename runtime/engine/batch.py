@@ -13,7 +13,8 @@ Batching rests on moshi's streaming API (moshi 0.2.13, ``modules/streaming.py``)
   neither decoded nor sent.
 
 Per-slot sampling and teacher forcing (persona prompts) are done by :class:`SlotLMGen`, a subclass of
-moshi's ``LMGen`` that samples with :class:`runtime.sampling.SlotSamplingTable` and overwrites the tokens
+moshi's ``LMGen`` that samples with :class:`runtime.engine.sampling.SlotSamplingTable` and overwrites the
+tokens
 of forced rows in place before they are fed back.
 
 Persona prompts are fed one of two ways:
@@ -46,9 +47,9 @@ from moshi.models.lm import LMGen
 from moshi.modules.streaming import State
 from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
 
-from runtime.model_presets import FRAME_MS, FRAME_SAMPLES
-from runtime.models import ModelBundle
-from runtime.sampling import SamplingParams, SlotSamplingTable
+from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES
+from runtime.engine.models import ModelBundle
+from runtime.engine.sampling import SamplingParams, SlotSamplingTable
 
 UNGENERATED_TOKEN = -2
 """What ``LMGen(support_out_of_sync=True)`` returns for rows still warming up or masked."""

@@ -24,10 +24,10 @@ from rich.table import Table
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
-from runtime.audio_codec import make_codec
-from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.protocol import AudioFormat, MessageKind, encode_audio
-from runtime.tokens import SUBPROTOCOL_PREFIX
+from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.frontend.audio_codec import make_codec
+from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
 
 TokenVia = Literal["subprotocol", "query"]
 """How a client presents its session token: the ``Sec-WebSocket-Protocol`` ``duplex.token.<jwt>`` (the
@@ -220,7 +220,7 @@ async def run_session(
         raw_messages: extra raw messages to send right after the handshake (for bad-input tests).
         ssl_context: for ``wss://`` URLs (e.g. trusting a node's self-signed certificate).
         on_frame: called after each frame sent (progress bars).
-        token: the session token (``runtime.tokens.mint_token``; single-use), or None to send none.
+        token: the session token (``runtime.frontend.tokens.mint_token``; single-use), or None to send none.
         token_via: how to present it (``TokenVia``).
         messages: the 0x01 audio messages to send, one per 80 ms frame, already encoded in
             ``audio_format`` (``pcm`` is then ignored).

@@ -63,7 +63,7 @@ PERSONAPLEX_7B_LM: dict[str, Any] = {**MOSHI_7B_LM, "dep_q": 16, "delays": list(
 
 # The tiny preset keeps the audio codebook structure of the 7B (n_q 16, dep_q 8, card 2048, the same
 # delays, weights per depformer step) and shrinks every width, depth and context. Its text vocabulary is
-# that of its own tokenizer (256 pieces, trained by runtime.models.train_tiny_text_tokenizer).
+# that of its own tokenizer (256 pieces, trained by runtime.engine.models.train_tiny_text_tokenizer).
 TINY_TEXT_VOCAB = 256
 TINY_LM: dict[str, Any] = {
     **MOSHI_7B_LM,
@@ -155,7 +155,7 @@ class ModelPreset:
         default_source: Hugging Face repo id holding the real weights, or None when the preset has
             random weights (``tiny``).
         checkpoint_dep_q: depformer steps stored in the preset's checkpoints (16 for PersonaPlex);
-            the runtime may build fewer (see ``runtime.models.adapt_depformer_steps``).
+            the runtime may build fewer (see ``runtime.engine.models.adapt_depformer_steps``).
     """
 
     name: str
@@ -176,7 +176,8 @@ PRESETS: dict[str, ModelPreset] = {
         8,
         "random weights, seeded; 7B codebook structure with small dims; runs on a CPU",
     ),
-    # A simulator for load tests (runtime/sim.py): tiny's models for the tokenizer and voice prompts, and a
+    # A simulator for load tests (runtime/engine/sim.py): tiny's models for the tokenizer and voice prompts,
+    # and a
     # SimEngine that sleeps the step time (DUPLEX_SIM_STEP_MS) instead of running them. Never a default.
     "sim": ModelPreset(
         "sim",

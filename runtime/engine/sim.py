@@ -1,7 +1,7 @@
 """The ``sim`` model: a stand-in for the batch engine that keeps its interface and its timing, for load tests
 of everything around the model without a GPU (after llm-d's inference simulator, ``llm-d-inference-sim``).
 
-:class:`SimEngine` has :class:`runtime.engine.BatchEngine`'s surface (``slots``, ``join``, ``leave``,
+:class:`SimEngine` has :class:`runtime.engine.batch.BatchEngine`'s surface (``slots``, ``join``, ``leave``,
 ``tick``, ``phase``, ``live_slots``, ``prompting_slots``, ``silence_codes``, ``sine_codes``,
 ``memory_allocated_bytes``). A tick costs the time a real step would, spent in ``time.sleep`` (which
 releases the GIL, as a process waiting on its GPU does), and returns cheap results: as every live slot's
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.engine import (
+from runtime.engine.batch import (
     NOT_FORCED,
     UNGENERATED_TOKEN,
     BatchEngine,
@@ -40,14 +40,19 @@ from runtime.engine import (
     TickResult,
     TickTimings,
 )
-from runtime.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.models import ModelBundle
-from runtime.sampling import SamplingParams
-from runtime.sim_timing import StepTime, parse_step_time
+from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.engine.models import ModelBundle
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.sim_timing import StepTime, parse_step_time
 
 log = logging.getLogger(__name__)
 
-__all__ = ["make_engine", "SimEngine", "StepTime", "parse_step_time"]  # the last two from runtime.sim_timing
+__all__ = [
+    "make_engine",
+    "SimEngine",
+    "StepTime",
+    "parse_step_time",
+]  # the last two from runtime.engine.sim_timing
 
 _TEXT_EVERY_TICKS = 4
 _TEXT_PADDING = 3
@@ -200,7 +205,7 @@ def make_engine(
 ) -> BatchEngine:
     """The node's engine: a :class:`BatchEngine` over ``bundle`` with ``slots`` slots (``prefill``: persona
     prompts by prefill), or for ``model == "sim"`` a :class:`SimEngine` with the same surface stepping in
-    ``sim_step_ms`` (:func:`runtime.sim_timing.parse_step_time`; ValueError when malformed)."""
+    ``sim_step_ms`` (:func:`runtime.engine.sim_timing.parse_step_time`; ValueError when malformed)."""
     if model != "sim":
         return BatchEngine(bundle, slots, prefill=prefill)
     step = parse_step_time(sim_step_ms)

@@ -1,7 +1,8 @@
 """Persona join benchmark: connect-to-handshake time of a session with a long text prompt while others talk.
 
-A real server (``runtime.server.DuplexServer``, auth off, on loopback) with ``live + 1`` slots: ``live``
-sessions stream noise at speech level in real time (``runtime.loadgen.run_session``); once they are all
+A real server (``runtime.frontend.server.DuplexServer``, auth off, on loopback) with ``live + 1`` slots:
+``live``
+sessions stream noise at speech level in real time (``runtime.tools.loadgen.run_session``); once they are all
 talking, one more client connects with a text prompt of ``prompt_tokens`` tokens (the ``<system>`` wrapper
 included) sent as a 0x04 metadata message (``text_prompt_in=metadata``) and the time from opening the
 connection to receiving the 0x00 handshake is measured. Every tick of the engine is recorded meanwhile:
@@ -24,12 +25,12 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from runtime.config import RuntimeConfig
-from runtime.engine import TickResult
-from runtime.loadgen import run_session, session_url
-from runtime.model_presets import FRAME_MS, SAMPLE_RATE_HZ
-from runtime.models import ModelBundle
-from runtime.protocol import TEXT_PROMPT_MAX_CHARS, MessageKind, encode_metadata
-from runtime.server import DuplexServer
+from runtime.engine.batch import TickResult
+from runtime.engine.model_presets import FRAME_MS, SAMPLE_RATE_HZ
+from runtime.engine.models import ModelBundle
+from runtime.frontend.protocol import TEXT_PROMPT_MAX_CHARS, MessageKind, encode_metadata
+from runtime.frontend.server import DuplexServer
+from runtime.tools.loadgen import run_session, session_url
 
 _SENTENCE = "Please tell me more about your trip, and the weather over the hills. "
 

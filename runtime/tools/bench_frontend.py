@@ -12,7 +12,7 @@ tokens and HTTP on one interpreter, as before the split) or ``--workers N``:
   ``metrics`` (GET /metrics), ``upgrades`` (WebSocket upgrades without a token: 401) or ``tokens``
   (upgrades with valid, fresh tokens); the session's longest audio gap is the figure.
 
-Figures are written down, not asserted: ``python -m runtime.bench_frontend sessions --workers 1``. The
+Figures are written down, not asserted: ``python -m runtime.tools.bench_frontend sessions --workers 1``. The
 machine's other load shows in them; report its core count beside them.
 """
 
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.loadgen import run_load, run_session, session_url, synthesize_speech
-from runtime.local_redis import free_loopback_port
-from runtime.protocol import AudioFormat
+from runtime.frontend.protocol import AudioFormat
+from runtime.tools.loadgen import run_load, run_session, session_url, synthesize_speech
+from runtime.tools.local_redis import free_loopback_port
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -105,7 +105,16 @@ def node(workers: int, sessions: int, step_ms: str, *, env: dict[str, str] | Non
         "DUPLEX_HANDSHAKE_RATE_PER_CLIENT": "0",
         **(env or {}),
     }
-    command = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), "--workers", str(workers)]
+    command = [
+        sys.executable,
+        "-m",
+        "runtime.tools.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
     with tempfile.NamedTemporaryFile(prefix="duplex-bench-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(
             command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -205,7 +214,7 @@ def _flood(port: int, kind: str, rate: float, seconds: float, keys_json: str | N
             return b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         path = "/api/chat?format=opus"
         if kind == "tokens":
-            from runtime.tokens import keys_from_mapping, mint_token
+            from runtime.frontend.tokens import keys_from_mapping, mint_token
 
             key = keys_from_mapping(json.loads(keys_json or "{}"))[0]
             path += "&token=" + mint_token(key, audience=audience, ttl_s=60, personas=["*"])
@@ -234,7 +243,7 @@ def _flood(port: int, kind: str, rate: float, seconds: float, keys_json: str | N
 
 def bench_flood(workers: int, kind: str, rate: float, seconds: float, step_ms: str) -> dict[str, object]:
     """One session streams ``seconds + 4`` s while the port takes ``rate``/s of ``kind`` for ``seconds``."""
-    from runtime.tokens import generate_signing_key
+    from runtime.frontend.tokens import generate_signing_key
 
     key = generate_signing_key("bench")
     keys_json = json.dumps({key.kid: key.secret.decode()})
@@ -242,7 +251,7 @@ def bench_flood(workers: int, kind: str, rate: float, seconds: float, step_ms: s
     clip = synthesize_speech("One two three four five six seven eight nine ten, and again from the start.")
     clip = np.tile(clip, int((seconds + 4) * 24000 // len(clip)) + 1)[: int((seconds + 4) * 24000)]
     with node(workers, 8, step_ms, env=env) as port:
-        from runtime.tokens import mint_token
+        from runtime.frontend.tokens import mint_token
 
         context = multiprocessing.get_context("spawn")
         flooder = context.Process(target=_flood, args=(port, kind, rate, seconds, keys_json, "duplex"))
@@ -277,7 +286,7 @@ def bench_flood(workers: int, kind: str, rate: float, seconds: float, step_ms: s
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m runtime.bench_frontend", description=__doc__.split("\n\n")[0]
+        prog="python -m runtime.tools.bench_frontend", description=__doc__.split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sessions", help="S Opus sessions; frames lost, latencies, CPU")

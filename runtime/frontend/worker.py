@@ -1,10 +1,10 @@
 """A front-end worker process of ``duplex serve --workers N``: WebSockets, codecs, tokens, Redis and HTTP on
-the node's port, with the slots in the engine process (``runtime.engine_core``) reached over ZeroMQ
+the node's port, with the slots in the engine process (``runtime.engine.engine_core``) reached over ZeroMQ
 (``runtime.ipc``). vLLM v1's API server to its ``EngineCoreClient`` (``vllm/v1/engine/core_client.py``).
 
 Every worker listens on the same port with ``SO_REUSEPORT`` (the kernel spreads new connections over the
 workers), so nginx, the GKE Service and the Compose file see one port as before. A worker is
-:class:`runtime.server.DuplexServer` with the model taken out: it asks the engine for a slot
+:class:`runtime.frontend.server.DuplexServer` with the model taken out: it asks the engine for a slot
 (``Admit``), streams a session's frames to it (``Frame``), gets one ``Outputs`` message per tick back,
 and answers ``/readyz``, ``/healthz`` and ``/api/admission`` from the engine's last ``Status``:
 
@@ -31,13 +31,13 @@ from websockets.asyncio.server import serve
 
 from runtime import ipc
 from runtime.config import RuntimeConfig
-from runtime.maintenance import start_maintenance_watch
-from runtime.metrics import RuntimeMetrics
-from runtime.persona import Persona
-from runtime.protocol import parse_session_query
-from runtime.sampling import SamplingParams
-from runtime.scheduler import NodeFull
-from runtime.server import (
+from runtime.engine.persona import Persona
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import NodeFull
+from runtime.engine.waiting_room import WaitingRoomFull, WaitTimeout
+from runtime.frontend.maintenance import start_maintenance_watch
+from runtime.frontend.protocol import parse_session_query
+from runtime.frontend.server import (
     ACCESS_LOG,
     AdmissionRefused,
     ChatSession,
@@ -45,8 +45,8 @@ from runtime.server import (
     _select_token_subprotocol,
     sampling_from_request,
 )
-from runtime.session_store import SessionStore
-from runtime.waiting_room import WaitingRoomFull, WaitTimeout
+from runtime.frontend.session_store import SessionStore
+from runtime.metrics import RuntimeMetrics
 
 __all__ = ["ENGINE_TIMEOUT_S", "EngineClient", "RemoteSlotSession", "WorkerServer", "worker_main"]
 
@@ -64,7 +64,7 @@ class RemoteSlotSession:
     """What ``ChatSession`` needs of its slot, kept in the worker: frames go to the engine.
 
     Attributes:
-        session_id, sampling: as ``runtime.scheduler.SlotSession``.
+        session_id, sampling: as ``runtime.engine.scheduler.SlotSession``.
         first_input_at: monotonic time of the first frame pushed (first-audio latency).
     """
 
@@ -419,7 +419,7 @@ def worker_main(config: RuntimeConfig, address: str, worker_id: str) -> None:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C reaches it
     from runtime.child_process import die_with_parent
-    from runtime.server import build_store
+    from runtime.frontend.server import build_store
 
     die_with_parent()
 

@@ -42,7 +42,7 @@ from moshi.models.loaders import get_mimi
 from moshi.utils.quantize import QLinear, replace_linear_with_qlinear
 from safetensors.torch import load_file, save_file
 
-from runtime.model_presets import TINY_TEXT_VOCAB, ModelPreset, get_preset
+from runtime.engine.model_presets import TINY_TEXT_VOCAB, ModelPreset, get_preset
 
 log = logging.getLogger(__name__)
 

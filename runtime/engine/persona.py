@@ -3,7 +3,7 @@
 The sequence follows PersonaPlex's conditioning (NVIDIA/personaplex, model card and ``offline.py``): the
 voice prompt's codes are teacher-forced as the agent's audio while the user stream carries a 440 Hz sine,
 then silence, then the text prompt wrapped in ``<system>`` tags, one LM step per text token, then silence.
-The engine runs these steps in the spare time of each tick (:class:`runtime.engine.BatchEngine`), so the
+The engine runs these steps in the spare time of each tick (:class:`runtime.engine.batch.BatchEngine`), so the
 other slots' audio never waits for a prompt; the handshake is sent when the prompt is done.
 
 Voices are loaded once at start-up from a directory (``<name>.wav`` audio, any rate, resampled to 24 kHz
@@ -21,9 +21,9 @@ import numpy as np
 import sentencepiece
 import torch
 
-from runtime.engine import NOT_FORCED, PromptStep
-from runtime.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.protocol import TEXT_PROMPT_LIMIT, TEXT_PROMPT_MAX_TOKENS, VOICE_PROMPT_RE
+from runtime.engine.batch import NOT_FORCED, PromptStep
+from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.engine.persona_limits import TEXT_PROMPT_LIMIT, TEXT_PROMPT_MAX_TOKENS, VOICE_PROMPT_RE
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ SILENCE_FRAMES = 6
 MAX_VOICE_PROMPT_FRAMES = 375
 """30 s at 12.5 Hz: longer voice prompts are cut."""
 MAX_TEXT_PROMPT_TOKENS = TEXT_PROMPT_MAX_TOKENS
-"""The limit stated once in ``runtime.protocol`` (``TEXT_PROMPT_LIMIT``): tokens, wrapper included."""
+"""The limit stated once in ``runtime.frontend.protocol`` (``TEXT_PROMPT_LIMIT``): tokens, wrapper
+included."""
 
 
 class PersonaError(ValueError):
@@ -135,7 +136,7 @@ def build_prompt(
             frames are cycled.
     Raises:
         PersonaError: unknown voice, or a text prompt over ``TEXT_PROMPT_MAX_TOKENS`` tokens with its
-            ``<system>`` wrapper (the message states ``runtime.protocol.TEXT_PROMPT_LIMIT``).
+            ``<system>`` wrapper (the message states ``runtime.frontend.protocol.TEXT_PROMPT_LIMIT``).
     """
     steps: list[PromptStep] = []
     cycle = sine_codes.shape[1]

@@ -4,13 +4,13 @@ It speaks the protocol and knows nothing of tensors: frames go to the slot sched
 come back from it. One :class:`ChatSession` per connection. Endpoints:
 
 - ``GET /api/chat`` (WebSocket): a conversation. Query parameters:
-  see :func:`runtime.protocol.parse_session_query`.
+  see :func:`runtime.frontend.protocol.parse_session_query`.
   Access check first, before the upgrade (``process_request``), so no WebSocket is opened, no slot is
   taken and nginx and clients see a plain HTTP status: the ``Origin`` header against
   ``DUPLEX_ALLOWED_ORIGINS`` (403), then, with ``DUPLEX_AUTH_MODE=token``, the session token from the
   ``token`` query parameter or the ``Sec-WebSocket-Protocol`` ``duplex.token.<jwt>`` (which the server then
   selects, as browsers require): 401 for a missing or invalid token, 403 for a replayed one or a voice
-  prompt it does not allow, 503 when the replay check cannot be made (``runtime.tokens``).
+  prompt it does not allow, 503 when the replay check cannot be made (``runtime.frontend.tokens``).
   Later refusals happen after the upgrade, as a 0x05 error message naming the reason, then a close code:
   1013 (try again later) when the node is full or draining, 1008 (policy) for a bad request.
   A client's 0x06 ping is echoed back unchanged (clients time the round trip with it).
@@ -22,7 +22,7 @@ come back from it. One :class:`ChatSession` per connection. Endpoints:
   ``origin`` query parameter (browsers send no ``Origin`` on a same-origin GET). Advisory only: it grants
   nothing, and a slot free now may be taken before the upgrade.
 - ``GET /api/personas``: the voice prompts this node has (``voices_dir``) and the text prompt's limit
-  (``runtime.protocol.TEXT_PROMPT_LIMIT``: characters and tokens), JSON.
+  (``runtime.frontend.protocol.TEXT_PROMPT_LIMIT``: characters and tokens), JSON.
 - A long text prompt need not go in the URL: with ``text_prompt_in=metadata`` the client's first message
   is a 0x04 metadata object ``{"text_prompt": "..."}`` (within ``METADATA_PROMPT_TIMEOUT_S``), checked
   against the same limit; the slot is taken only once it has arrived.
@@ -37,16 +37,18 @@ come back from it. One :class:`ChatSession` per connection. Endpoints:
 
 Drain (SIGTERM): ``/readyz`` turns 503, new sessions are refused, running ones may finish until the grace
 period ends, then they are closed with 1001 (going away). A GCE host-maintenance notice
-(``DUPLEX_MAINTENANCE_WATCH=gce``, :mod:`runtime.maintenance`) does the first two without closing anything,
+(``DUPLEX_MAINTENANCE_WATCH=gce``, :mod:`runtime.frontend.maintenance`) does the first two without closing
+anything,
 and is undone when the notice clears.
 
 Guards (issue 16): every route answers GET only (405 with ``Allow`` otherwise); upgrades and admission checks
-pass per-client and global handshake rate limits first (429, ``runtime.ratelimit``); ``/metrics`` is
+pass per-client and global handshake rate limits first (429, ``runtime.frontend.ratelimit``); ``/metrics`` is
 rendered at most once per ``metrics_cache_s``; websockets' access lines are at DEBUG (``runtime.access``).
 A caller is read (and its audio dropped) until its handshake, so one that leaves while it waits for a slot
-(the waiting room, ``runtime.waiting_room``) or while its persona prompt runs gives its place back at once;
+(the waiting room, ``runtime.engine.waiting_room``) or while its persona prompt runs gives its place back at
+once;
 its token is spent only when it gets its slot. :class:`DuplexServer` holds the model in its process; with
-``--workers N`` the same front end runs in worker processes without it (``runtime.worker``).
+``--workers N`` the same front end runs in worker processes without it (``runtime.frontend.worker``).
 """
 
 from __future__ import annotations
@@ -74,14 +76,17 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from runtime.audio_codec import make_codec
 from runtime.config import RuntimeConfig
-from runtime.engine import PromptStep
-from runtime.maintenance import MaintenanceWatcher, start_maintenance_watch
-from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
-from runtime.models import ModelBundle
-from runtime.persona import Persona, PersonaError, VoiceCatalog, build_prompt
-from runtime.protocol import (
+from runtime.engine.batch import PromptStep
+from runtime.engine.models import ModelBundle
+from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
+from runtime.engine.sim import make_engine
+from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout
+from runtime.frontend.audio_codec import make_codec
+from runtime.frontend.maintenance import MaintenanceWatcher, start_maintenance_watch
+from runtime.frontend.protocol import (
     TEXT_PROMPT_IN_METADATA,
     TEXT_PROMPT_MAX_CHARS,
     TEXT_PROMPT_MAX_TOKENS,
@@ -100,12 +105,9 @@ from runtime.protocol import (
     parse_prompt_metadata,
     parse_session_query,
 )
-from runtime.ratelimit import HandshakeLimiter, RateLimited
-from runtime.sampling import SamplingParams
-from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
-from runtime.session_store import SessionRecord, SessionStore
-from runtime.sim import make_engine
-from runtime.tokens import (
+from runtime.frontend.ratelimit import HandshakeLimiter, RateLimited
+from runtime.frontend.session_store import SessionRecord, SessionStore
+from runtime.frontend.tokens import (
     REFUSAL_STATUS,
     SUBPROTOCOL_PREFIX,
     MemoryReplayGuard,
@@ -115,7 +117,7 @@ from runtime.tokens import (
     TokenRejected,
     TokenVerifier,
 )
-from runtime.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout
+from runtime.metrics import PROMETHEUS_CONTENT_TYPE, RuntimeMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -145,7 +147,7 @@ ADMISSION_REASONS: tuple[str, ...] = (
     "rate_limited",
 )
 """Every ``reason`` :class:`Admission` can carry: ``ok``, the token and origin refusals of
-``runtime.tokens.REFUSAL_STATUS``, and the refusals made after the upgrade."""
+``runtime.frontend.tokens.REFUSAL_STATUS``, and the refusals made after the upgrade."""
 
 
 LOADING_MESSAGE = "node is loading the model; try again in a few minutes"
@@ -205,7 +207,8 @@ class Admission:
     Attributes:
         ok: a session would be admitted now.
         status: the HTTP status equivalent: 200 when ok; the upgrade's own 401/403/503 for a token or origin
-            refusal (``runtime.tokens.REFUSAL_STATUS``); 400 for a bad request (refused after the upgrade
+            refusal (``runtime.frontend.tokens.REFUSAL_STATUS``); 400 for a bad request (refused after the
+            upgrade
             with close code 1008); 503 for a full, draining or not-ready node (close code 1013).
         reason: one of :data:`ADMISSION_REASONS` (snake_case, stable: clients map it to their own words).
         message: the runtime's sentence.
@@ -349,7 +352,7 @@ class DuplexServer:
 
     Args:
         config: validated settings.
-        bundle: the loaded models (see :func:`runtime.models.load_model`).
+        bundle: the loaded models (see :func:`runtime.engine.models.load_model`).
         store: the Redis session store, or None to run without one.
         metrics: metrics registry; a fresh one by default.
     """
@@ -483,7 +486,8 @@ class DuplexServer:
 
     def _on_maintenance_notice(self, pending: bool) -> None:
         """A host maintenance notice (True) stops admissions as a drain does, live sessions go on; its end
-        (False) admits again. Called on the loop by :class:`runtime.maintenance.MaintenanceWatcher`."""
+        (False) admits again. Called on the loop by
+        :class:`runtime.frontend.maintenance.MaintenanceWatcher`."""
         self.draining = pending
         self.metrics.draining.set(int(pending))
         self.metrics.ready.set(int(not pending))
@@ -504,7 +508,8 @@ class DuplexServer:
 
     # --- HTTP -----------------------------------------------------------------------------------------
 
-    # --- what the front end asks of the slots' owner (runtime.worker overrides these) ---------------------
+    # --- what the front end asks of the slots' owner (runtime.frontend.worker overrides these)
+    # ---------------------
 
     @property
     def slots(self) -> int:
@@ -1089,7 +1094,7 @@ def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None
     registry to keep (the one ``loading_status`` served), a fresh one by default."""
     import torch
 
-    from runtime.models import load_model
+    from runtime.engine.models import load_model
 
     config.check_access_control()  # before the model loads: a missing key stops the process at once
     if config.torch_threads:

@@ -1,4 +1,4 @@
-"""The ``sim`` model's step time (runtime/sim.py), parsed without torch so that the configuration can
+"""The ``sim`` model's step time (runtime/engine/sim.py), parsed without torch so that the configuration can
 check ``DUPLEX_SIM_STEP_MS`` when the process starts.
 
 A fixed figure (``"30"`` ms) or a table by batch size (``"1:28,8:32.6,16:45,32:70.2"``: the batched

@@ -21,8 +21,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.metrics import RuntimeMetrics
-from runtime.scheduler import NodeFull, SlotScheduler, SlotSession
 
 __all__ = ["SlotAdmission", "WaitTimeout", "WaitingRoomFull"]
 

@@ -16,7 +16,7 @@ byte    kind        direction           payload
 0x06    ping        both                opaque bytes; the server echoes a client's ping unchanged
 ======  ==========  ==================  =============================================================
 
-Everything here is pure: no sockets, no audio decoding (see :mod:`runtime.audio_codec`), no torch.
+Everything here is pure: no sockets, no audio decoding (see :mod:`runtime.frontend.audio_codec`), no torch.
 Malformed client input raises :class:`ProtocolError`, whose ``reason`` is a stable snake_case code from
 :data:`PROTOCOL_ERROR_REASONS`, safe to use as a Prometheus label.
 """
@@ -32,6 +32,12 @@ import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from runtime.engine.persona_limits import TEXT_PROMPT_LIMIT as TEXT_PROMPT_LIMIT
+from runtime.engine.persona_limits import TEXT_PROMPT_MAX_CHARS as TEXT_PROMPT_MAX_CHARS
+from runtime.engine.persona_limits import TEXT_PROMPT_MAX_TOKENS as TEXT_PROMPT_MAX_TOKENS
+from runtime.engine.persona_limits import VOICE_PROMPT_MAX_CHARS as VOICE_PROMPT_MAX_CHARS
+from runtime.engine.persona_limits import VOICE_PROMPT_RE as VOICE_PROMPT_RE
 
 __all__ = [
     "MAX_ERROR_MESSAGE_BYTES",
@@ -97,7 +103,8 @@ PROTOCOL_ERROR_REASONS: frozenset[str] = frozenset(
         "bad_query",  # a bad /api/chat query parameter
     }
 )
-"""Every ``ProtocolError.reason`` this module and :mod:`runtime.audio_codec` raise (Prometheus labels)."""
+"""Every ``ProtocolError.reason`` this module and :mod:`runtime.frontend.audio_codec` raise (Prometheus
+labels)."""
 
 MAX_ERROR_MESSAGE_BYTES = 1023
 """Upper bound (bytes, kind byte included) of a message built by :func:`encode_error`."""
@@ -137,7 +144,7 @@ class ProtocolError(ValueError):
 class AudioMessage:
     """Kind 0x01 from the client: ``payload`` is Ogg/Opus bytes, or Int16 LE PCM for ``format=pcm``.
 
-    The payload is not decoded here; feed it to an assembler from :mod:`runtime.audio_codec`.
+    The payload is not decoded here; feed it to an assembler from :mod:`runtime.frontend.audio_codec`.
     """
 
     payload: bytes
@@ -354,20 +361,6 @@ class AudioFormat(str, enum.Enum):
     """Raw Int16 little-endian samples, 24 kHz mono, both directions."""
 
 
-VOICE_PROMPT_MAX_CHARS = 64
-TEXT_PROMPT_MAX_TOKENS = 1000
-"""The text prompt's limit in tokens of the model's tokenizer, the ``<system> ... <system>`` wrapper
-included: one LM step each (``runtime.persona.build_prompt``), and well inside the 7B's 3000-step context."""
-TEXT_PROMPT_MAX_CHARS = 4000
-"""The text prompt's limit in characters: about 1000 tokens of English with Kyutai's 32k tokenizer (about
-4 characters a token); a bound on what a client may send, checked before anything is tokenised."""
-TEXT_PROMPT_LIMIT = (
-    f"at most {TEXT_PROMPT_MAX_CHARS} characters and at most {TEXT_PROMPT_MAX_TOKENS} tokens of the model's "
-    "tokenizer (the <system> wrapper included)"
-)
-"""The one statement of the text prompt's limit: the query parser checks the characters, session planning
-(the ``/api/chat`` upgrade and ``/api/admission`` alike) the tokens, and both refuse with this sentence;
-``/api/personas`` and the README give the same two numbers."""
 TEXT_PROMPT_IN_METADATA = "metadata"
 """``text_prompt_in=metadata``: the text prompt comes as the client's first WebSocket message, a 0x04
 metadata JSON object ``{"text_prompt": "..."}``, instead of in the URL (whose request line nginx and most
@@ -377,7 +370,6 @@ AUDIO_TOPK_RANGE = (1, 2048)
 TEXT_TOPK_RANGE = (1, 32000)
 SEED_RANGE = (0, 2**31 - 1)
 
-VOICE_PROMPT_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{VOICE_PROMPT_MAX_CHARS - 1}}}")
 _INT_RE = re.compile(r"\+?[0-9]{1,12}")
 _FLOAT_RE = re.compile(r"[+-]?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
 _KNOWN_PARAMS = (

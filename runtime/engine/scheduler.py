@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import sentencepiece
 
-from runtime.engine import TEXT_PADDING_IDS, BatchEngine, PromptStep
+from runtime.engine.batch import TEXT_PADDING_IDS, BatchEngine, PromptStep
+from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES
+from runtime.engine.sampling import SamplingParams
 from runtime.metrics import RuntimeMetrics
-from runtime.model_presets import FRAME_MS, FRAME_SAMPLES
-from runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class SlotScheduler:
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tick-loop", daemon=True)
         self.on_slot_freed: Callable[[], None] | None = None
-        """Called on the tick thread after a slot was freed (``runtime.waiting_room`` sets it)."""
+        """Called on the tick thread after a slot was freed (``runtime.engine.waiting_room`` sets it)."""
         metrics.slots_total.set(self.slots)
 
     # --- event-loop side ------------------------------------------------------------------------------

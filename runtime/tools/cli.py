@@ -93,8 +93,8 @@ def serve(
             console.print(f"[red]{exc}[/red]")
             raise typer.Exit(2) from None
         raise typer.Exit(supervisor.run())
+    from runtime.frontend.server import build_server, loading_status
     from runtime.metrics import RuntimeMetrics
-    from runtime.server import build_server, loading_status
 
     def load(metrics: RuntimeMetrics):  # noqa: ANN202 - DuplexServer, imported lazily
         server = build_server(config, metrics=metrics)
@@ -140,10 +140,10 @@ def demo(
     sessions of synthesised speech (espeak-ng) at real-time pace, show what each got back, show that one
     more caller is refused, and print the node's metrics. Exits 1 if any session failed."""
     logging.basicConfig(level=logging.WARNING)
-    from runtime.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
-    from runtime.local_redis import LocalRedisError, RedisServer
-    from runtime.server import build_server
-    from runtime.tokens import generate_signing_key, mint_token
+    from runtime.frontend.server import build_server
+    from runtime.frontend.tokens import generate_signing_key, mint_token
+    from runtime.tools.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
+    from runtime.tools.local_redis import LocalRedisError, RedisServer
 
     # Access control on, as on a node: a key for this run, one fresh token per session.
     key = generate_signing_key("demo")
@@ -282,14 +282,14 @@ def loadgen(
     input."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from runtime.loadgen import (
+    from runtime.frontend.protocol import AudioFormat
+    from runtime.tools.loadgen import (
         load_speech,
         load_table,
         run_load,
         session_url,
         trusting_context,
     )
-    from runtime.protocol import AudioFormat
 
     if not url.startswith(("ws://", "wss://")):
         console.print(f"[red]--url must start with ws:// or wss://, got {url!r}[/red]")
@@ -348,12 +348,13 @@ def bench(
     ] = "none",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the rows to this JSON file")] = None,
 ) -> None:
-    """Tick time of the batched engine vs B stock batch-1 generators (see runtime/bench.py), and the LM's
+    """Tick time of the batched engine vs B stock batch-1 generators (see runtime/tools/bench.py), and the
+    LM's
     parameter and KV-cache bytes at the chosen weights (``--quantize int8`` against ``none``)."""
     import torch
 
-    from runtime.bench import rows_as_dicts, run_benchmark, speedups
-    from runtime.models import build_random, build_tiny, check_quantize
+    from runtime.engine.models import build_random, build_tiny, check_quantize
+    from runtime.tools.bench import rows_as_dicts, run_benchmark, speedups
 
     try:
         check_quantize(quantize)
@@ -412,14 +413,15 @@ def bench_persona(
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON here")] = None,
 ) -> None:
     """Connect-to-handshake time of a session with a long text prompt while others talk, with the prompt
-    prefilled or fed step by step, and the tick times meanwhile (tiny preset, CPU; runtime/prompt_bench.py).
+    prefilled or fed step by step, and the tick times meanwhile (tiny preset, CPU;
+    runtime/tools/prompt_bench.py).
     Needs nothing but this machine: a server on loopback, clients in this process."""
     import asyncio
 
     import torch
 
-    from runtime.models import build_tiny
-    from runtime.prompt_bench import measure_join
+    from runtime.engine.models import build_tiny
+    from runtime.tools.prompt_bench import measure_join
 
     if threads:
         torch.set_num_threads(threads)
@@ -446,9 +448,9 @@ def bench_persona(
         json_path.write_text(json.dumps(summaries, indent=2))
 
 
-def _signing_key(key_file: Path, kid: str | None):  # noqa: ANN202 (runtime.tokens.SigningKey, lazy import)
+def _signing_key(key_file: Path, kid: str | None):  # noqa: ANN202 (runtime.frontend.tokens.SigningKey, lazy import)
     """The key ``kid`` of ``key_file`` (its only key when ``kid`` is None); exits 2 naming the problem."""
-    from runtime.tokens import load_key_file
+    from runtime.frontend.tokens import load_key_file
 
     try:
         keys = {key.kid: key for key in load_key_file(key_file)}
@@ -477,7 +479,7 @@ def _personas(persona: list[str] | None) -> list[str]:
 def _token_factory(
     key_file: Path, kid: str | None, *, audience: str, personas: list[str] | None, ttl_s: float = 300.0
 ) -> Callable[[], str]:
-    from runtime.tokens import mint_token
+    from runtime.frontend.tokens import mint_token
 
     key = _signing_key(key_file, kid)
     claims = _personas(personas)
@@ -508,8 +510,8 @@ def token_mint(
         str, typer.Option(envvar="DUPLEX_TOKEN_AUDIENCE", help="The node's DUPLEX_TOKEN_AUDIENCE")
     ] = "duplex",
 ) -> None:
-    """Print one signed session token (single-use). From code: runtime.tokens.mint_token."""
-    from runtime.tokens import mint_token
+    """Print one signed session token (single-use). From code: runtime.frontend.tokens.mint_token."""
+    from runtime.frontend.tokens import mint_token
 
     key = _signing_key(key_file, kid)
     try:
@@ -528,7 +530,7 @@ def token_keygen(
 ) -> None:
     """Print a new random signing key as JSON {"kid": "secret"} (32 random bytes): add it to the node's
     token keys (DUPLEX_TOKEN_KEYS_FILE) and to the minting backend's."""
-    from runtime.tokens import generate_signing_key
+    from runtime.frontend.tokens import generate_signing_key
 
     try:
         key = generate_signing_key(kid)
@@ -551,12 +553,13 @@ def runtime_app(help: str = RUNTIME_HELP) -> typer.Typer:
 
 
 app = runtime_app()
-"""The runtime's commands alone: the image's entrypoint (``duplex-runtime``, ``python -m runtime.cli``)."""
+"""The runtime's commands alone: the image's entrypoint (``duplex-runtime``, ``python -m
+runtime.tools.cli``)."""
 
 
 def main() -> None:  # pragma: no cover - console entry
     sys.exit(app())
 
 
-if __name__ == "__main__":  # python -m runtime.cli
+if __name__ == "__main__":  # python -m runtime.tools.cli
     main()

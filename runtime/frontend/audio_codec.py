@@ -6,7 +6,7 @@ Inbound, an *assembler* turns the payloads of 0x01 audio messages (Ogg/Opus page
 one such frame into the payload of one 0x01 audio message. One assembler and one encoder per session:
 both are stateful and not thread-safe. Opus is decoded by sphn and encoded by sphn or, with
 ``DUPLEX_OPUS_ENCODER=pyav``, by PyAV's libopus at a chosen complexity into a stream of sphn's shape
-(:class:`PyavOpusFrameEncoder`; figures from ``python -m runtime.codec_bench`` in the README).
+(:class:`PyavOpusFrameEncoder`; figures from ``python -m runtime.tools.codec_bench`` in the README).
 
 Flow-control policy (``max_buffered_frames``): :meth:`push` returns every complete frame at once, so the
 assembler itself only ever keeps less than one frame. A single push whose audio would complete more than
@@ -32,8 +32,8 @@ from typing import Protocol
 import numpy as np
 import sphn
 
-from runtime.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.protocol import AudioFormat, ProtocolError
+from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.frontend.protocol import AudioFormat, ProtocolError
 
 __all__ = [
     "FrameAssembler",
@@ -327,7 +327,7 @@ OPUS_PACKET_MS = 40
 each packet on its own Ogg page, two per 80 ms frame."""
 PYAV_OPUS_BITRATE_BPS = 30_000
 """Bitrate given to PyAV's libopus (VBR): chosen so that its stream of speech is as large as sphn's,
-which leaves libopus on its automatic bitrate (measured by ``python -m runtime.codec_bench`` on
+which leaves libopus on its automatic bitrate (measured by ``python -m runtime.tools.codec_bench`` on
 espeak-ng speech: 31.4 kbit/s against sphn's 31.7, Ogg included). FFmpeg would default to 64 kbit/s."""
 
 
@@ -354,7 +354,7 @@ class PyavOpusFrameEncoder:
     of a frame returned by the :meth:`encode` call that got the frame (no look-ahead delay). libopus
     settings: VoIP application, :data:`PYAV_OPUS_BITRATE_BPS`, complexity as given (sphn leaves libopus'
     default, 10). PyAV releases the GIL while libopus encodes; sphn does not. What lower complexity costs
-    and saves is measured by ``python -m runtime.codec_bench`` (README, "The front end under load").
+    and saves is measured by ``python -m runtime.tools.codec_bench`` (README, "The front end under load").
 
     Args:
         complexity: libopus complexity, 0 (cheapest) .. 10 (libopus' default).
