@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from runtime.engine.model_presets import PRESETS, check_preset_name
 
 if TYPE_CHECKING:  # runtime.frontend.tokens (PyJWT) is imported when the keys are loaded
+    from runtime.engine.models import ModelBundle
     from runtime.frontend.tokens import SigningKey
 
 
@@ -272,6 +273,28 @@ class RuntimeConfig(BaseSettings):
             "DUPLEX_AUTH_MODE=token needs signing keys: set DUPLEX_TOKEN_KEYS "
             '(JSON {"<kid>": "<secret>"}) or DUPLEX_TOKEN_KEYS_FILE (`duplex token keygen` makes a key), '
             "or DUPLEX_AUTH_MODE=off to serve without access control"
+        )
+
+    def load_model_bundle(self) -> ModelBundle:
+        """The model these settings name (``model``, ``weights``, ``device``, ``dtype``, ``seed``,
+        ``quantize``), with torch's intra-op threads set first (``torch_threads``): what the single
+        process and the engine process both load. Imports torch.
+
+        Raises:
+            ValueError: a model the device cannot run (``runtime.engine.models.load_model``)."""
+        import torch
+
+        from runtime.engine.models import load_model
+
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        return load_model(
+            self.model,
+            weights=self.weights,
+            device=self.device,
+            dtype=getattr(torch, self.dtype) if self.dtype else None,
+            seed=self.seed,
+            quantize=self.quantize,
         )
 
     def check_access_control(self) -> None:

@@ -331,26 +331,13 @@ class EngineCore:
 
 def engine_main(config, address: str) -> None:  # type: ignore[no-untyped-def]
     """Entry point of the engine process (``runtime.multiproc``): load, warm, serve; SIGTERM drains."""
-    import torch
-
-    from runtime.engine.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
     from runtime.child_process import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; Ctrl-C reaches it
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    dtype = getattr(torch, config.dtype) if config.dtype else None
-    bundle = load_model(
-        config.model,
-        weights=config.weights,
-        device=config.device,
-        dtype=dtype,
-        seed=config.seed,
-        quantize=config.quantize,
-    )
+    bundle = config.load_model_bundle()
     core = EngineCore(config, bundle, address)
     core.warm_up()
 

@@ -1092,22 +1092,9 @@ async def loading_status(config: RuntimeConfig, metrics: RuntimeMetrics) -> Asyn
 def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None) -> DuplexServer:
     """Load the model named by ``config`` and build the server and its store (not started); ``metrics``: the
     registry to keep (the one ``loading_status`` served), a fresh one by default."""
-    import torch
-
-    from runtime.engine.models import load_model
 
     config.check_access_control()  # before the model loads: a missing key stops the process at once
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    dtype = getattr(torch, config.dtype) if config.dtype else None
-    bundle = load_model(
-        config.model,
-        weights=config.weights,
-        device=config.device,
-        dtype=dtype,
-        seed=config.seed,
-        quantize=config.quantize,
-    )
+    bundle = config.load_model_bundle()
     metrics = metrics or RuntimeMetrics()
     return DuplexServer(config, bundle, store=build_store(config, metrics), metrics=metrics)
 
