@@ -92,7 +92,7 @@ def test_weights_of_another_shape_are_refused_with_the_keys(tiny: ModelBundle, t
 
 
 def test_unknown_preset_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="known presets: moshi-7b, personaplex-7b, tiny"):
+    with pytest.raises(ValueError, match="known presets: moshi-7b, personaplex-7b, sim, tiny"):
         get_preset("moshi-13b")
 
 

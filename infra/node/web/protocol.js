@@ -39,6 +39,7 @@ export const REASONS = Object.freeze({
   draining: "The node is shutting down for maintenance. Try again shortly, or use another node.",
   not_ready: "The node is starting up and not ready yet. Try again in a moment.",
   too_many_attempts: "Too many connection attempts from your address. Wait a few seconds, then try again.",
+  rate_limited: "The node is taking too many new conversations right now. Wait a few seconds, then try again.",
   runtime_unavailable: "The node's speech service is down or not answering. Try again later.",
   bad_request: "The node did not accept these persona settings.",
   max_session_length: "The conversation reached its time limit.",
