@@ -7,7 +7,7 @@ stacks' tests check every declared resource against :func:`required_apis`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["API_BY_TYPE_PREFIX", "FEATURE_APIS", "SERVICE_TYPE", "required_apis"]
@@ -37,34 +37,39 @@ def _node_configs(props: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [config] if isinstance(config, Mapping) else []
 
 
-FEATURE_APIS: tuple[tuple[str, str, str], ...] = (
+def _image_streaming(props: Mapping[str, Any]) -> bool:
+    return any(_enabled(c.get("gcfsConfig")) for c in _node_configs(props))
+
+
+def _managed_prometheus(props: Mapping[str, Any]) -> bool:
+    monitoring = props.get("monitoringConfig")
+    return isinstance(monitoring, Mapping) and _enabled(monitoring.get("managedPrometheus"))
+
+
+def _gke_logging(props: Mapping[str, Any]) -> bool:
+    return isinstance(props.get("loggingConfig"), Mapping)
+
+
+FEATURE_APIS: tuple[tuple[str, str, str, Callable[[Mapping[str, Any]], bool]], ...] = (
     (
         "gcp:container/nodePool:NodePool",
         "image streaming (nodeConfig.gcfsConfig)",
         "containerfilesystem.googleapis.com",
+        _image_streaming,
     ),
     (
         "gcp:container/cluster:Cluster",
         "Google Managed Prometheus (monitoringConfig.managedPrometheus)",
         "monitoring.googleapis.com",
+        _managed_prometheus,
     ),
-    ("gcp:container/cluster:Cluster", "GKE logging (loggingConfig)", "logging.googleapis.com"),
+    ("gcp:container/cluster:Cluster", "GKE logging (loggingConfig)", "logging.googleapis.com", _gke_logging),
 )
-"""``(resource type, feature, API)``: features that need an API of their own beyond the module's.
-Image streaming needs the Container File System API (cloud.google.com/kubernetes-engine/docs/how-to/
-image-streaming, "Before you begin"); managed collection writes to Cloud Monitoring and GKE's logs to
-Cloud Logging (cloud.google.com/stackdriver/docs/managed-prometheus/setup-managed)."""
-
-
-def _has_feature(resource_type: str, feature: str, props: Mapping[str, Any]) -> bool:
-    if "gcfsConfig" in feature:
-        return any(_enabled(c.get("gcfsConfig")) for c in _node_configs(props))
-    if "managedPrometheus" in feature:
-        monitoring = props.get("monitoringConfig")
-        return isinstance(monitoring, Mapping) and _enabled(monitoring.get("managedPrometheus"))
-    if "loggingConfig" in feature:
-        return isinstance(props.get("loggingConfig"), Mapping)
-    raise AssertionError(f"no detector for feature {feature!r} of {resource_type}")
+"""``(resource type, feature, API, whether the resource's inputs use the feature)``: features that need an
+API of their own beyond the module's. Image streaming needs the Container File System API
+(cloud.google.com/kubernetes-engine/docs/how-to/image-streaming, "Before you begin"); managed collection
+writes to Cloud Monitoring and GKE's logs to Cloud Logging
+(cloud.google.com/stackdriver/docs/managed-prometheus/setup-managed)."""
 
 
 def required_apis(resource_type: str, props: Mapping[str, Any]) -> dict[str, str]:
@@ -77,7 +82,7 @@ def required_apis(resource_type: str, props: Mapping[str, Any]) -> dict[str, str
     for prefix, api in API_BY_TYPE_PREFIX.items():
         if resource_type.startswith(prefix):
             needed[api] = f"{prefix} resources"
-    for typ, feature, api in FEATURE_APIS:
-        if typ == resource_type and _has_feature(typ, feature, props):
+    for typ, feature, api, uses_feature in FEATURE_APIS:
+        if typ == resource_type and uses_feature(props):
             needed.setdefault(api, feature)
     return needed

@@ -299,6 +299,24 @@ def _gpu_evidence(
 # --------------------------------------------------------------------------------------------------------
 
 
+def _gpu_instance_scheduling(
+    resource_type: str, props: Mapping[str, Any]
+) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+    """``(GPU evidence, normalised props, scheduling block or {})`` of a GPU instance or template, or None
+    when the rules on GPU VMs do not apply: another resource type, no GPU, or the GPU evidence or
+    ``scheduling`` unknown during preview."""
+    if resource_type not in (INSTANCE, INSTANCE_TEMPLATE):
+        return None
+    p = _normalize(props)
+    evidence = _gpu_evidence(p)
+    if evidence is None or evidence is UNKNOWN:
+        return None
+    scheduling = _obj(p.get("scheduling"))
+    if isinstance(scheduling, _Unknown):
+        return None
+    return str(evidence), p, scheduling or {}
+
+
 def gpu_instance_terminates_on_maintenance(resource_type: str, props: Mapping[str, Any]) -> list[str]:
     """A GPU VM (``guestAccelerators`` non-empty, or an A2/A3/A4/G2/G4 machine type whose GPU is built in)
     must set ``scheduling.onHostMaintenance`` to ``"TERMINATE"``: VMs with GPUs cannot live-migrate, and
@@ -309,16 +327,11 @@ def gpu_instance_terminates_on_maintenance(resource_type: str, props: Mapping[st
     unknown, or whether the VM has a GPU unknown (``guestAccelerators`` and ``machineType`` both unknown or
     not GPU). A missing ``scheduling`` / ``onHostMaintenance`` is a violation (GCE's default is MIGRATE).
     """
-    if resource_type not in (INSTANCE, INSTANCE_TEMPLATE):
+    gpu = _gpu_instance_scheduling(resource_type, props)
+    if gpu is None:
         return []
-    p = _normalize(props)
-    evidence = _gpu_evidence(p)
-    if evidence is None or evidence is UNKNOWN:
-        return []
-    scheduling = _obj(p.get("scheduling"))
-    if isinstance(scheduling, _Unknown):
-        return []
-    value = None if scheduling is None else scheduling.get("onHostMaintenance")
+    evidence, _, scheduling = gpu
+    value = scheduling.get("onHostMaintenance")
     if is_unknown(value):
         return []
     if isinstance(value, str) and value.upper() == "TERMINATE":
@@ -764,16 +777,11 @@ def gpu_instance_graceful_shutdown(resource_type: str, props: Mapping[str, Any])
 
     Polices instances and instance templates; passes when the GPU evidence, ``scheduling``,
     ``gracefulShutdown`` or the duration is unknown during preview."""
-    if resource_type not in (INSTANCE, INSTANCE_TEMPLATE):
+    gpu = _gpu_instance_scheduling(resource_type, props)
+    if gpu is None:
         return []
-    p = _normalize(props)
-    evidence = _gpu_evidence(p)
-    if evidence is None or evidence is UNKNOWN:
-        return []
-    scheduling = _obj(p.get("scheduling"))
-    if isinstance(scheduling, _Unknown):
-        return []
-    graceful = _obj((scheduling or {}).get("gracefulShutdown"))
+    evidence, p, scheduling = gpu
+    graceful = _obj(scheduling.get("gracefulShutdown"))
     if isinstance(graceful, _Unknown):
         return []
     metadata = _obj(p.get("metadata"))
@@ -829,9 +837,9 @@ def provisioning_model_sold(resource_type: str, props: Mapping[str, Any]) -> lis
     if is_unknown(machine_type) or isinstance(scheduling, _Unknown) or not isinstance(machine_type, str):
         return []
     scheduling = scheduling or {}
-    model = scheduling.get("provisioningModel") or "STANDARD"
-    if is_unknown(model):
+    if any(is_unknown(v) for v in scheduling.values()):
         return []
+    model = scheduling.get("provisioningModel") or "STANDARD"
     problems = []
     entry = _catalog_entry(machine_type)
     key = _MODEL_KEYS.get(str(model).upper())
@@ -857,7 +865,7 @@ def provisioning_model_sold(resource_type: str, props: Mapping[str, Any]) -> lis
             "FLEX_START needs scheduling.automaticRestart = false, instanceTerminationAction = DELETE and a "
             "maxRunDuration"
         )
-    return [p for p in problems if not any(is_unknown(v) for v in scheduling.values())]
+    return problems
 
 
 # --------------------------------------------------------------------------------------------------------
