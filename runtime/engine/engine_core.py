@@ -37,7 +37,7 @@ from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_pr
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.engine.sim import make_engine
-from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout
+from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout, open_slots
 from runtime.metrics import RuntimeMetrics
 
 __all__ = ["EngineCore", "STATUS_PERIOD_S", "WORKER_TIMEOUT_S"]
@@ -124,14 +124,15 @@ class EngineCore:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
         self._socket = sock
-        self.scheduler = SlotScheduler(self.engine, self.bundle.text_tokenizer, self.metrics, loop)
-        self.admission = SlotAdmission(
-            self.scheduler,
+        self.admission = open_slots(
+            self.engine,
+            self.bundle.text_tokenizer,
+            self.metrics,
+            loop,
             wait_s=self.config.waiting_room_s,
             max_waiting=self.config.waiting_room_size,
-            metrics=self.metrics,
         )
-        self.scheduler.start()
+        self.scheduler = self.admission.scheduler
         self.metrics.ready.set(1)
         log.info("engine: %d slots, listening for front-end workers on %s", self.engine.slots, self.address)
         tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._broadcast())]

@@ -20,11 +20,17 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.metrics import RuntimeMetrics
 
-__all__ = ["SlotAdmission", "WaitTimeout", "WaitingRoomFull"]
+if TYPE_CHECKING:
+    import sentencepiece
+
+    from runtime.engine.batch import BatchEngine
+
+__all__ = ["SlotAdmission", "WaitTimeout", "WaitingRoomFull", "open_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +156,21 @@ class SlotAdmission:
 
     def _update_gauge(self) -> None:
         self.metrics.waiting_sessions.set(len(self._queue))
+
+
+def open_slots(
+    engine: BatchEngine,
+    tokenizer: sentencepiece.SentencePieceProcessor,
+    metrics: RuntimeMetrics,
+    loop: asyncio.AbstractEventLoop,
+    *,
+    wait_s: float,
+    max_waiting: int,
+) -> SlotAdmission:
+    """The slots of ``engine`` opened for sessions: a :class:`SlotScheduler` with its tick thread started,
+    behind a :class:`SlotAdmission` (its ``scheduler``) with the waiting room's bounds. What the single
+    process and the engine process both start with."""
+    scheduler = SlotScheduler(engine, tokenizer, metrics, loop)
+    admission = SlotAdmission(scheduler, wait_s=wait_s, max_waiting=max_waiting, metrics=metrics)
+    scheduler.start()
+    return admission

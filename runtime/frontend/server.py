@@ -83,7 +83,7 @@ from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_pr
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.engine.sim import make_engine
-from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout
+from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout, open_slots
 from runtime.frontend.audio_codec import make_codec
 from runtime.frontend.maintenance import MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.protocol import (
@@ -421,14 +421,15 @@ class DuplexServer:
         if not self.warm:
             await asyncio.to_thread(self.warm_up)
         loop = asyncio.get_running_loop()
-        self.scheduler = SlotScheduler(self.engine, self.bundle.text_tokenizer, self.metrics, loop)
-        self.slot_admission = SlotAdmission(
-            self.scheduler,
+        self.slot_admission = open_slots(
+            self.engine,
+            self.bundle.text_tokenizer,
+            self.metrics,
+            loop,
             wait_s=self.config.waiting_room_s,
             max_waiting=self.config.waiting_room_size,
-            metrics=self.metrics,
         )
-        self.scheduler.start()
+        self.scheduler = self.slot_admission.scheduler
         if self.store is not None:
             await self.store.start()
         self._server = await serve(
