@@ -128,6 +128,13 @@ class RuntimeConfig(BaseSettings):
         0.0, ge=0, le=3600, description="How long a caller may wait for a slot when all are taken (0: refuse)"
     )
     waiting_room_size: int = Field(0, ge=0, le=4096, description="Callers that may wait at once (0: none)")
+    waiting_room_per_client: int = Field(
+        2,
+        ge=0,
+        le=4096,
+        description="Callers from one client address that may wait at once (0: no cap): one address "
+        "cannot fill the waiting room",
+    )
     workers: int = Field(
         0,
         ge=-1,

@@ -49,7 +49,9 @@ class Admit(msgspec.Struct, tag=True):
     Attributes:
         voice_prompt, text_prompt: the persona ("" for none).
         sampling: ``(audio_temperature, audio_top_k, text_temperature, text_top_k, seed)``.
-        max_inbox_frames: the session's input bound in the engine.
+        max_inbox_frames: the session's input bound in the engine (the engine applies its own setting;
+            kept for the message's shape).
+        client: the caller's address (the waiting room caps waiters per address).
         token_id, token_expires_at: with ``DUPLEX_TOKEN_REPLAY_CHECK=memory``, the session token's id and
             expiry (Unix s): the engine spends it when the slot is taken, so that a token is single-use
             across every worker ("" when the workers spend tokens in Redis themselves).
@@ -62,6 +64,7 @@ class Admit(msgspec.Struct, tag=True):
     max_inbox_frames: int
     token_id: str = ""
     token_expires_at: float = 0.0
+    client: str = ""
 
 
 class Admitted(msgspec.Struct, tag=True):

@@ -14,6 +14,10 @@ alone,
 - worker liveness: a worker silent for ``WORKER_TIMEOUT_S`` (killed, hung) loses its sessions' slots and
   places; the others go on.
 
+The slots themselves (model, scheduler, waiting room, persona prompts, the token ledger) are
+:class:`LocalSlots`, the in-process implementation of ``runtime.engine.api.SlotBackend``: ``--workers 0``
+uses it directly, the engine process serves it to the workers.
+
 Engine side only: it imports no front-end module (server, protocol, codecs, tokens, session store).
 """
 
@@ -32,15 +36,26 @@ import zmq
 import zmq.asyncio
 
 from runtime import ipc
+from runtime.engine.api import (
+    AdmitRequest,
+    BackendStatus,
+    Refusal,
+    SamplingParams,
+    SessionSink,
+    SlotBackend,
+    SlotLease,
+    node_full_message,
+    replayed_message,
+)
+from runtime.engine.batch import PromptStep
 from runtime.engine.models import ModelBundle
 from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
-from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.engine.sim import make_engine
 from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout, open_slots
 from runtime.metrics import RuntimeMetrics
 
-__all__ = ["EngineCore", "STATUS_PERIOD_S", "WORKER_TIMEOUT_S"]
+__all__ = ["STATUS_PERIOD_S", "WORKER_TIMEOUT_S", "EngineCore", "LocalSlots"]
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +65,189 @@ WORKER_TIMEOUT_S = 5.0
 """A worker not heard from for this long is gone: its sessions' slots are freed."""
 SEND_HWM = 10_000
 """Messages queued per worker before the engine drops output (ZeroMQ's send high-water mark)."""
+DRAINING_MESSAGE = "node is draining for shutdown; connect to another node"
+"""The sentence of a ``draining`` refusal."""
+
+
+@dataclass(eq=False)
+class _LocalLease(SlotLease):
+    slot_session: SlotSession | None = None
+
+
+class LocalSlots(SlotBackend):
+    """The slots of one model copy in this process: ``runtime.engine.api.SlotBackend`` in-process.
+
+    Args:
+        config: the node's settings (``max_sessions``, ``model``, ``sim_step_ms``, ``prompt_prefill``,
+            ``voices_dir``, waiting room, ``max_inbox_frames``, ``token_replay_check``, ``token_leeway_s``).
+            Any object with those attributes (a ``RuntimeConfig``).
+        bundle: the loaded models.
+        metrics: where ticks, slots and the waiting room are counted.
+        spends_tokens: record tokens as spent on grant (the engine process with
+            ``DUPLEX_TOKEN_REPLAY_CHECK=memory``: one memory for every worker); in one process the front end
+            spends them.
+
+    Attributes:
+        engine, voices: the batch engine and the voice prompts.
+        scheduler, admission: the tick's scheduler and its waiting room (None before :meth:`start`).
+        draining: refuse new sessions (``draining``).
+    """
+
+    def __init__(  # type: ignore[no-untyped-def]
+        self,
+        config,
+        bundle: ModelBundle,
+        metrics: RuntimeMetrics | None = None,
+        *,
+        spends_tokens: bool = False,
+    ) -> None:
+        self.config = config
+        self.bundle = bundle
+        self.metrics = metrics or RuntimeMetrics()
+        self.engine = make_engine(
+            config.model, bundle, config.max_sessions, config.sim_step_ms, prefill=config.prompt_prefill
+        )
+        self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
+        self.scheduler: SlotScheduler | None = None
+        self.admission: SlotAdmission | None = None
+        self.draining = False
+        self.warm = False
+        self.on_lost = []
+        self.spends_tokens = spends_tokens
+        self._spent_tokens: dict[str, float] = {}  # token id -> until (Unix s)
+
+    def warm_up(self, frames: int = 4) -> None:
+        """Run every prefill chunk size once, then ``frames`` silent ticks through slot 0 (then freed):
+        first-call costs leave the hot path. Blocking (seconds for a real model)."""
+        self.engine.warm_up_prefill()
+        self.engine.join(0, SamplingParams())
+        silence = np.zeros((self.engine.slots, 1920), dtype=np.float32)
+        for _ in range(frames + 1):
+            self.engine.tick(silence)
+        self.engine.leave(0)
+        self.warm = True
+
+    async def start(self) -> None:
+        """Warm up (when not done yet) and start the tick thread behind the waiting room."""
+        if not self.warm:
+            await asyncio.to_thread(self.warm_up)
+        self.admission = open_slots(
+            self.engine,
+            self.bundle.text_tokenizer,
+            self.metrics,
+            asyncio.get_running_loop(),
+            wait_s=self.config.waiting_room_s,
+            max_waiting=self.config.waiting_room_size,
+            max_waiting_per_client=self.config.waiting_room_per_client,
+        )
+        self.scheduler = self.admission.scheduler
+
+    async def close(self) -> None:
+        if self.scheduler is not None:
+            await asyncio.to_thread(self.scheduler.stop)
+
+    def status(self) -> BackendStatus:
+        scheduler = self.scheduler
+        return BackendStatus(
+            loaded=self.warm and scheduler is not None,
+            slots=self.engine.slots,
+            free_slots=scheduler.free_slots if scheduler is not None else 0,
+            waiting=self.admission.waiting if self.admission is not None else 0,
+            tick_alive=scheduler is not None and scheduler.alive,
+            voices=tuple(self.voices.names),
+        )
+
+    def prompt(self, voice_prompt: str | None, text_prompt: str | None) -> list[PromptStep]:
+        """The persona's teacher-forced steps.
+
+        Raises:
+            PersonaError: an unknown voice, a text prompt over the token limit.
+        """
+        return build_prompt(
+            Persona(voice_prompt or None, text_prompt or None),
+            self.voices,
+            self.bundle.text_tokenizer,
+            silence_codes=self.engine.silence_codes.cpu(),
+            sine_codes=self.engine.sine_codes.cpu(),
+        )
+
+    def check_persona(self, voice_prompt: str | None, text_prompt: str | None) -> None:
+        self.prompt(voice_prompt, text_prompt)
+
+    async def admit(self, request: AdmitRequest, sink: SessionSink) -> SlotLease:
+        if self.draining:
+            raise Refusal("draining", DRAINING_MESSAGE)
+        if self.admission is None or self.scheduler is None:
+            raise Refusal("not_ready", "node not ready: the slots are not open yet")
+        try:
+            prompt = self.prompt(request.voice_prompt, request.text_prompt)
+        except PersonaError as exc:
+            raise Refusal("bad_request", f"bad request: {exc}") from None
+        slot_session = SlotSession(
+            request.session_id,
+            request.sampling,
+            prompt,
+            on_output=sink.on_output,
+            on_prompt_done=sink.on_prompt_done,
+            max_inbox_frames=self.config.max_inbox_frames,
+        )
+        try:
+            slot = await self.admission.admit(slot_session, client=request.client)
+        except (WaitingRoomFull, WaitTimeout) as exc:
+            reason = "waiting_room_full" if isinstance(exc, WaitingRoomFull) else "wait_timeout"
+            raise Refusal(reason, f"node full: {exc}") from None
+        except NodeFull:
+            raise Refusal("node_full", node_full_message(self.engine.slots)) from None
+        if request.token_id and not self._spend_token(request.token_id, request.token_expires_at):
+            self.scheduler.release(slot_session)
+            raise Refusal("replayed", replayed_message(request.token_id))
+        return _LocalLease(request.session_id, slot, slot_session=slot_session)
+
+    def _spend_token(self, token_id: str, expires_at: float) -> bool:
+        """Record ``token_id`` as spent until its expiry plus the leeway; False when it was spent already."""
+        now = time.time()
+        if len(self._spent_tokens) > 1024:
+            self._spent_tokens = {t: until for t, until in self._spent_tokens.items() if until > now}
+        until = self._spent_tokens.get(token_id)
+        if until is not None and until > now:
+            return False
+        self._spent_tokens[token_id] = expires_at + self.config.token_leeway_s
+        return True
+
+    def push_frame(self, lease: SlotLease, frame: np.ndarray) -> bool:
+        assert isinstance(lease, _LocalLease) and lease.slot_session is not None
+        if lease.first_input_at is None:
+            lease.first_input_at = time.monotonic()
+        return lease.slot_session.push_frame(frame)
+
+    def release(self, lease: SlotLease) -> None:
+        assert isinstance(lease, _LocalLease) and lease.slot_session is not None
+        if self.scheduler is not None:
+            self.scheduler.release(lease.slot_session)
+
+
+class _WorkerSink(SessionSink):
+    """A worker's session as the engine's slots see it: outputs go back to that worker."""
+
+    def __init__(self, core: EngineCore, worker: bytes, session_id: str) -> None:
+        self.core = core
+        self.worker = worker
+        self.session_id = session_id
+
+    def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:
+        self.core._output(self.worker, self.session_id, pcm, piece)
+
+    def on_prompt_done(self) -> None:
+        self.core._send(self.worker, ipc.PromptDone(self.session_id))
 
 
 @dataclass(eq=False)
 class _Remote:
-    """A session of one worker, as the engine holds it."""
+    """A session of one worker, as the engine holds it: the admission under way, then the lease."""
 
     worker: bytes
-    slot_session: SlotSession
     admit_task: asyncio.Task[None] | None = None
-    token_id: str = ""
-    token_expires_at: float = 0.0
+    lease: SlotLease | None = None
 
 
 @dataclass
@@ -72,11 +259,10 @@ class _Worker:
 
 
 class EngineCore:
-    """Serves the slots of one model copy to front-end workers over ``address``.
+    """Serves the slots of one model copy (:class:`LocalSlots`) to front-end workers over ``address``.
 
     Args:
-        config: the node's settings (``max_sessions``, ``model``, ``sim_step_ms``, waiting room, drain).
-            Any object with those attributes (a ``RuntimeConfig``).
+        config: the node's settings (as :class:`LocalSlots`, plus ``drain_grace_s``).
         bundle: the loaded models.
         address: ZeroMQ endpoint to bind, e.g. ``ipc:///tmp/duplex-xyz/engine.sock``.
         metrics: this process's metrics (shared with the workers' through prometheus_client's
@@ -85,37 +271,29 @@ class EngineCore:
 
     def __init__(self, config, bundle: ModelBundle, address: str, metrics: RuntimeMetrics | None = None):  # type: ignore[no-untyped-def]
         self.config = config
-        self.bundle = bundle
         self.address = address
         self.metrics = metrics or RuntimeMetrics()
-        self.engine = make_engine(
-            config.model, bundle, config.max_sessions, config.sim_step_ms, prefill=config.prompt_prefill
-        )
-        self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
-        self.scheduler: SlotScheduler | None = None
-        self.admission: SlotAdmission | None = None
+        # replay_check=memory: the slots' owner keeps the node's one memory of spent tokens.
+        spends = config.token_replay_check == "memory"
+        self.slots = LocalSlots(config, bundle, self.metrics, spends_tokens=spends)
         self.sessions: dict[str, _Remote] = {}
         self.workers: dict[bytes, _Worker] = {}
-        self.draining = False
-        self._spent_tokens: dict[str, float] = {}  # token id -> expiry (Unix s), for replay_check=memory
         self._flush_scheduled = False
         self._stop = asyncio.Event()
         self._socket: zmq.asyncio.Socket | None = None
 
+    @property
+    def draining(self) -> bool:
+        return self.slots.draining
+
     # --- lifecycle ------------------------------------------------------------------------------------
 
     def warm_up(self, frames: int = 4) -> None:
-        """As ``DuplexServer.warm_up``: every prefill chunk size, then a few silent ticks through slot 0."""
-        self.engine.warm_up_prefill()
-        self.engine.join(0, SamplingParams())
-        silence = np.zeros((self.engine.slots, 1920), dtype=np.float32)
-        for _ in range(frames + 1):
-            self.engine.tick(silence)
-        self.engine.leave(0)
+        """:meth:`LocalSlots.warm_up` (blocking)."""
+        self.slots.warm_up(frames)
 
     async def run(self) -> None:
         """Bind, start the tick, serve until :meth:`stop` (SIGTERM: drain first), then close."""
-        loop = asyncio.get_running_loop()
         context = zmq.asyncio.Context.instance()
         sock = context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -124,17 +302,11 @@ class EngineCore:
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self.address)
         self._socket = sock
-        self.admission = open_slots(
-            self.engine,
-            self.bundle.text_tokenizer,
-            self.metrics,
-            loop,
-            wait_s=self.config.waiting_room_s,
-            max_waiting=self.config.waiting_room_size,
-        )
-        self.scheduler = self.admission.scheduler
+        await self.slots.start()
         self.metrics.ready.set(1)
-        log.info("engine: %d slots, listening for front-end workers on %s", self.engine.slots, self.address)
+        log.info(
+            "engine: %d slots, listening for front-end workers on %s", self.slots.engine.slots, self.address
+        )
         tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._broadcast())]
         try:
             await self._stop.wait()
@@ -142,7 +314,7 @@ class EngineCore:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.to_thread(self.scheduler.stop)
+            await self.slots.close()
             sock.close(0)
 
     def stop(self) -> None:
@@ -151,7 +323,7 @@ class EngineCore:
     async def drain(self, grace_s: float) -> None:
         """Refuse new sessions; stop once every session ended or ``grace_s`` + 5 s passed (the workers
         close theirs at their own grace)."""
-        self.draining = True
+        self.slots.draining = True
         self.metrics.draining.set(1)
         self.metrics.ready.set(0)
         deadline = time.monotonic() + grace_s + 5.0
@@ -175,9 +347,9 @@ class EngineCore:
                 worker.last_seen = time.monotonic()
             if isinstance(message, ipc.Frame):
                 remote = self.sessions.get(message.session_id)
-                if remote is not None:
+                if remote is not None and remote.lease is not None:
                     frame = np.frombuffer(message.pcm, dtype="<f4")
-                    if not remote.slot_session.push_frame(frame):
+                    if not self.slots.push_frame(remote.lease, frame):
                         self.metrics.frames_dropped.labels(reason="input_overflow").inc()
             elif isinstance(message, ipc.Hello):
                 if worker is None:
@@ -190,72 +362,33 @@ class EngineCore:
 
     def _admit(self, worker: bytes, message: ipc.Admit) -> None:
         sid = message.session_id
-        if self.draining:
-            self._send(worker, ipc.Refused(sid, "draining", "node is draining for shutdown"))
-            return
         try:
-            persona = Persona(message.voice_prompt or None, message.text_prompt or None)
-            prompt = build_prompt(
-                persona,
-                self.voices,
-                self.bundle.text_tokenizer,
-                silence_codes=self.engine.silence_codes.cpu(),
-                sine_codes=self.engine.sine_codes.cpu(),
-            )
             sampling = SamplingParams(*message.sampling)
-        except (PersonaError, ValueError, TypeError) as exc:
+        except (ValueError, TypeError) as exc:
             self._send(worker, ipc.Refused(sid, "bad_request", f"bad request: {exc}"))
             return
-        slot_session = SlotSession(
+        request = AdmitRequest(
             sid,
+            message.voice_prompt or None,
+            message.text_prompt or None,
             sampling,
-            prompt,
-            on_output=lambda pcm, piece: self._output(worker, sid, pcm, piece),
-            on_prompt_done=lambda: self._send_and_forget(worker, ipc.PromptDone(sid)),
-            max_inbox_frames=message.max_inbox_frames,
+            client=message.client,
+            token_id=message.token_id,
+            token_expires_at=message.token_expires_at,
         )
-        remote = _Remote(worker, slot_session, None, message.token_id, message.token_expires_at)
+        remote = _Remote(worker)
         self.sessions[sid] = remote
-        remote.admit_task = asyncio.create_task(self._wait_for_slot(remote))
+        remote.admit_task = asyncio.create_task(self._wait_for_slot(remote, request))
 
-    async def _wait_for_slot(self, remote: _Remote) -> None:
-        assert self.admission is not None
-        sid = remote.slot_session.session_id
+    async def _wait_for_slot(self, remote: _Remote, request: AdmitRequest) -> None:
+        sid = request.session_id
         try:
-            slot = await self.admission.admit(remote.slot_session)
-        except WaitingRoomFull as exc:
-            refusal = ipc.Refused(sid, "waiting_room_full", f"node full: {exc}")
-        except WaitTimeout as exc:
-            refusal = ipc.Refused(sid, "wait_timeout", f"node full: {exc}")
-        except NodeFull:
-            slots = self.engine.slots
-            message = f"node full: all {slots} slots in use (max_sessions={slots}); try again later"
-            refusal = ipc.Refused(sid, "node_full", message)
-        else:
-            if not self._spend_token(remote):
-                self.sessions.pop(sid, None)
-                assert self.scheduler is not None
-                self.scheduler.release(remote.slot_session)
-                message = f"token {remote.token_id} was already used; tokens are single-use"
-                self._send(remote.worker, ipc.Refused(sid, "replayed", message))
-                return
-            self._send(remote.worker, ipc.Admitted(sid, slot))
+            remote.lease = await self.slots.admit(request, _WorkerSink(self, remote.worker, sid))
+        except Refusal as exc:
+            self.sessions.pop(sid, None)
+            self._send(remote.worker, ipc.Refused(sid, exc.reason, exc.message))
             return
-        self.sessions.pop(sid, None)
-        self._send(remote.worker, refusal)
-
-    def _spend_token(self, remote: _Remote) -> bool:
-        """Record the session's token id (``replay_check=memory``); False when it was used already."""
-        if not remote.token_id:
-            return True
-        now = time.time()
-        if len(self._spent_tokens) > 1024:
-            self._spent_tokens = {t: until for t, until in self._spent_tokens.items() if until > now}
-        until = self._spent_tokens.get(remote.token_id)
-        if until is not None and until > now:
-            return False
-        self._spent_tokens[remote.token_id] = remote.token_expires_at + self.config.token_leeway_s
-        return True
+        self._send(remote.worker, ipc.Admitted(sid, remote.lease.slot))
 
     def _release(self, session_id: str) -> None:
         remote = self.sessions.pop(session_id, None)
@@ -263,8 +396,8 @@ class EngineCore:
             return
         if remote.admit_task is not None and not remote.admit_task.done():
             remote.admit_task.cancel()  # leaves the waiting room (a slot granted meanwhile is given back)
-        assert self.scheduler is not None
-        self.scheduler.release(remote.slot_session)
+        if remote.lease is not None:
+            self.slots.release(remote.lease)
 
     def _output(self, worker: bytes, session_id: str, pcm: np.ndarray | None, piece: str | None) -> None:
         """On the event loop, once per session per tick: batch the outputs by worker, flush once."""
@@ -284,9 +417,6 @@ class EngineCore:
                 if not self._send(worker.identity, ipc.Outputs(items)):
                     self.metrics.frames_dropped.labels(reason="slow_worker").inc(len(items))
 
-    def _send_and_forget(self, worker: bytes, message: ipc.Message) -> None:
-        self._send(worker, message)
-
     def _send(self, worker: bytes, message: ipc.Message) -> bool:
         """Send without waiting; False when the worker's queue is full or the worker is gone."""
         assert self._socket is not None
@@ -298,23 +428,23 @@ class EngineCore:
 
     async def _broadcast(self) -> None:
         """The ``Status`` to every worker; a worker silent past ``WORKER_TIMEOUT_S`` loses its sessions."""
-        assert self.scheduler is not None and self.admission is not None
         while True:
             now = time.monotonic()
             for identity, worker in list(self.workers.items()):
                 if now - worker.last_seen > WORKER_TIMEOUT_S:
                     self._forget_worker(identity)
-            status = ipc.Status(
-                slots=self.engine.slots,
-                free_slots=self.scheduler.free_slots,
-                waiting=self.admission.waiting,
-                tick_alive=self.scheduler.alive,
+            status = self.slots.status()
+            message = ipc.Status(
+                slots=status.slots,
+                free_slots=status.free_slots,
+                waiting=status.waiting,
+                tick_alive=status.tick_alive,
                 draining=self.draining,
-                voices=self.voices.names,
+                voices=list(status.voices),
                 engine_pid=os.getpid(),
             )
             for identity in list(self.workers):
-                self._send(identity, status)
+                self._send(identity, message)
             await asyncio.sleep(STATUS_PERIOD_S)
 
     def _forget_worker(self, identity: bytes) -> None:

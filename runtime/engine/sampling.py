@@ -13,53 +13,14 @@ greedy (argmax of the logits).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+# The plain settings live with the slot backend's interface (torch-free, runtime.engine.api).
+from runtime.engine.api import DEFAULT_AUDIO_TEMPERATURE, DEFAULT_AUDIO_TOP_K, DEFAULT_TEXT_TEMPERATURE
+from runtime.engine.api import DEFAULT_TEXT_TOP_K as DEFAULT_TEXT_TOP_K
+from runtime.engine.api import SamplingParams as SamplingParams
+
 _MASK32 = 0xFFFFFFFF
-
-DEFAULT_AUDIO_TEMPERATURE = 0.8
-DEFAULT_AUDIO_TOP_K = 250
-DEFAULT_TEXT_TEMPERATURE = 0.7
-DEFAULT_TEXT_TOP_K = 25
-"""moshi's ``LMGen`` defaults (audio 0.8 / 250, text 0.7 / 25); PersonaPlex's offline script uses them too."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One session's sampling settings.
-
-    Attributes:
-        audio_temperature: >= 0; 0 is greedy.
-        audio_top_k: >= 1 candidates kept per audio codebook.
-        text_temperature: >= 0; 0 is greedy.
-        text_top_k: >= 1 candidates kept for the text token.
-        seed: 0 .. 2**31-1; the same seed and inputs give the same tokens.
-    """
-
-    audio_temperature: float = DEFAULT_AUDIO_TEMPERATURE
-    audio_top_k: int = DEFAULT_AUDIO_TOP_K
-    text_temperature: float = DEFAULT_TEXT_TEMPERATURE
-    text_top_k: int = DEFAULT_TEXT_TOP_K
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("audio_temperature", "text_temperature"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [0, 2], got {value}")
-        for name in ("audio_top_k", "text_top_k"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 0 <= self.seed < 2**31:
-            raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
-
-    @classmethod
-    def greedy(cls) -> SamplingParams:
-        """Argmax decoding for text and audio: deterministic whatever the seed."""
-        return cls(audio_temperature=0.0, text_temperature=0.0)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from runtime.engine.batch import BatchEngine
 
-__all__ = ["SlotAdmission", "WaitTimeout", "WaitingRoomFull", "open_slots"]
+__all__ = ["SlotAdmission", "TooManyWaitingFromClient", "WaitTimeout", "WaitingRoomFull", "open_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +43,15 @@ class WaitTimeout(NodeFull):
     """The caller waited ``wait_s`` seconds and no slot freed for it."""
 
 
+class TooManyWaitingFromClient(WaitingRoomFull):
+    """Every slot is taken and ``max_waiting_per_client`` callers from the same address wait already."""
+
+
 @dataclass(eq=False)
 class _Waiter:
     session: SlotSession
     future: asyncio.Future[int]
+    client: str = ""
     since: float = field(default_factory=time.monotonic)
 
 
@@ -57,16 +62,25 @@ class SlotAdmission:
         scheduler: the slot owner; its ``on_slot_freed`` is set here.
         wait_s: longest wait for a slot (s); 0 refuses at once when the node is full.
         max_waiting: callers that may wait at once; 0 refuses at once.
+        max_waiting_per_client: callers from one address that may wait at once (0: no cap), so that one
+            address cannot fill the waiting room.
         metrics: ``duplex_waiting_sessions``, ``duplex_waiting_room_total{outcome}``,
             ``duplex_waiting_room_wait_seconds``.
     """
 
     def __init__(
-        self, scheduler: SlotScheduler, *, wait_s: float, max_waiting: int, metrics: RuntimeMetrics
+        self,
+        scheduler: SlotScheduler,
+        *,
+        wait_s: float,
+        max_waiting: int,
+        metrics: RuntimeMetrics,
+        max_waiting_per_client: int = 0,
     ) -> None:
         self.scheduler = scheduler
         self.wait_s = wait_s
         self.max_waiting = max_waiting
+        self.max_waiting_per_client = max_waiting_per_client
         self.metrics = metrics
         self._queue: deque[_Waiter] = deque()
         self._loop = asyncio.get_running_loop()
@@ -84,8 +98,9 @@ class SlotAdmission:
                 return index + 1
         return None
 
-    async def admit(self, session: SlotSession) -> int:
+    async def admit(self, session: SlotSession, client: str = "") -> int:
         """A slot for ``session``: at once when one is free and nobody waits, else after waiting its turn.
+        ``client``: the caller's address ("" for unknown: not counted against a per-client cap).
 
         Cancelling the call (the caller left) takes it out of the queue; a slot granted meanwhile is
         released again.
@@ -95,6 +110,7 @@ class SlotAdmission:
         Raises:
             NodeFull: every slot is taken and the waiting room is off (``wait_s`` or ``max_waiting`` 0).
             WaitingRoomFull: every slot is taken and ``max_waiting`` callers wait already.
+            TooManyWaitingFromClient: ``max_waiting_per_client`` callers from ``client`` wait already.
             WaitTimeout: no slot freed for this caller within ``wait_s``.
         """
         if not self._queue:
@@ -109,7 +125,15 @@ class SlotAdmission:
                 f"all {self.scheduler.slots} slots are in use and {len(self._queue)} callers wait already "
                 f"(waiting room size {self.max_waiting})"
             )
-        waiter = _Waiter(session, self._loop.create_future())
+        if client and self.max_waiting_per_client > 0:
+            same = sum(1 for waiter in self._queue if waiter.client == client)
+            if same >= self.max_waiting_per_client:
+                self.metrics.waiting_room.labels(outcome="full").inc()
+                raise TooManyWaitingFromClient(
+                    f"all {self.scheduler.slots} slots are in use and {same} callers from your address wait "
+                    f"already (at most {self.max_waiting_per_client} per address)"
+                )
+        waiter = _Waiter(session, self._loop.create_future(), client)
         self._queue.append(waiter)
         self.grant()  # a slot may have freed just now, before this caller queued
         log.info("session %s waits for a slot: position %d", session.session_id, len(self._queue))
@@ -166,11 +190,18 @@ def open_slots(
     *,
     wait_s: float,
     max_waiting: int,
+    max_waiting_per_client: int = 0,
 ) -> SlotAdmission:
     """The slots of ``engine`` opened for sessions: a :class:`SlotScheduler` with its tick thread started,
     behind a :class:`SlotAdmission` (its ``scheduler``) with the waiting room's bounds. What the single
     process and the engine process both start with."""
     scheduler = SlotScheduler(engine, tokenizer, metrics, loop)
-    admission = SlotAdmission(scheduler, wait_s=wait_s, max_waiting=max_waiting, metrics=metrics)
+    admission = SlotAdmission(
+        scheduler,
+        wait_s=wait_s,
+        max_waiting=max_waiting,
+        metrics=metrics,
+        max_waiting_per_client=max_waiting_per_client,
+    )
     scheduler.start()
     return admission

@@ -1,0 +1,263 @@
+"""The slot backend: what the front end asks of whoever owns the model's slots, and nothing of tensors.
+
+After vLLM v1's ``EngineCoreClient`` (``vllm/v1/engine/core_client.py``): one interface, two
+implementations chosen at start-up, and a front end written once against the interface:
+
+- in-process (``duplex serve --workers 0``): :class:`runtime.engine.engine_core.LocalSlots`, the model, the
+  scheduler and the waiting room in the front end's own process;
+- over ZeroMQ (``--workers N``): :class:`runtime.frontend.engine_client.EngineClient` in each worker, to the
+  engine process (``runtime.engine.engine_core.EngineCore``, which serves a ``LocalSlots``).
+
+The front end (``runtime.frontend``) imports this module, never the model: it imports neither torch nor
+moshi, so a worker process starts without them. Frames are ``[1920]`` float32 numpy arrays (80 ms at
+24 kHz).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_AUDIO_TEMPERATURE",
+    "DEFAULT_AUDIO_TOP_K",
+    "DEFAULT_TEXT_TEMPERATURE",
+    "DEFAULT_TEXT_TOP_K",
+    "REFUSAL_REASONS",
+    "AdmitRequest",
+    "BackendStatus",
+    "Refusal",
+    "SamplingParams",
+    "SessionSink",
+    "SlotBackend",
+    "SlotLease",
+    "node_full_message",
+    "replayed_message",
+]
+
+DEFAULT_AUDIO_TEMPERATURE = 0.8
+DEFAULT_AUDIO_TOP_K = 250
+DEFAULT_TEXT_TEMPERATURE = 0.7
+DEFAULT_TEXT_TOP_K = 25
+"""moshi's ``LMGen`` defaults (audio 0.8 / 250, text 0.7 / 25); PersonaPlex's offline script uses them too."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One session's sampling settings (plain values: the sampler, ``runtime.engine.sampling``, reads them).
+
+    Attributes:
+        audio_temperature: >= 0; 0 is greedy.
+        audio_top_k: >= 1 candidates kept per audio codebook.
+        text_temperature: >= 0; 0 is greedy.
+        text_top_k: >= 1 candidates kept for the text token.
+        seed: 0 .. 2**31-1; the same seed and inputs give the same tokens.
+
+    Raises:
+        ValueError: a value out of range (the message names it and the allowed range).
+    """
+
+    audio_temperature: float = DEFAULT_AUDIO_TEMPERATURE
+    audio_top_k: int = DEFAULT_AUDIO_TOP_K
+    text_temperature: float = DEFAULT_TEXT_TEMPERATURE
+    text_top_k: int = DEFAULT_TEXT_TOP_K
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("audio_temperature", "text_temperature"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [0, 2], got {value}")
+        for name in ("audio_top_k", "text_top_k"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.seed < 2**31:
+            raise ValueError(f"seed must be in [0, 2**31), got {self.seed}")
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        """Argmax decoding for text and audio: deterministic whatever the seed."""
+        return cls(audio_temperature=0.0, text_temperature=0.0)
+
+    def as_tuple(self) -> tuple[float, int, float, int, int]:
+        """``(audio_temperature, audio_top_k, text_temperature, text_top_k, seed)``, the IPC form."""
+        return (self.audio_temperature, self.audio_top_k, self.text_temperature, self.text_top_k, self.seed)
+
+
+REFUSAL_REASONS: tuple[str, ...] = (
+    "node_full",
+    "waiting_room_full",
+    "wait_timeout",
+    "bad_request",
+    "draining",
+    "not_ready",
+    "engine_lost",
+    "replayed",
+)
+"""Every reason a backend refuses an admission with (the front end's refusal table maps each to an HTTP
+status, a close code and a message: ``runtime.frontend.refusals``)."""
+
+
+class Refusal(Exception):
+    """The backend gives no slot.
+
+    Attributes:
+        reason: one of :data:`REFUSAL_REASONS`.
+        message: the sentence the caller reads (the 0x05 error's text).
+
+    Raises:
+        ValueError: (on construction) a reason not in :data:`REFUSAL_REASONS`.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"unknown refusal reason {reason!r}; one of {', '.join(REFUSAL_REASONS)}")
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def node_full_message(slots: int) -> str:
+    """The sentence of a ``node_full`` refusal: all ``slots`` are in use."""
+    return f"node full: all {slots} slots in use (max_sessions={slots}); try again later"
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """The slots' state as the front end sees it now.
+
+    Attributes:
+        loaded: the model is loaded and warm (False while it loads: the front end answers ``loading``).
+        slots: B, the node's slots.
+        free_slots: slots free now (0 when the backend is not reachable).
+        waiting: callers in the waiting room.
+        tick_alive: the tick loop runs.
+        lost: the backend was reachable and is not any more (the engine process died): fatal.
+        voices: the voice prompts the node has, sorted.
+        detail: extra fields for ``/readyz`` (the engine's pid and the worker's id with ``--workers N``).
+    """
+
+    loaded: bool
+    slots: int
+    free_slots: int
+    waiting: int
+    tick_alive: bool
+    lost: bool = False
+    voices: tuple[str, ...] = ()
+    detail: dict[str, object] = field(default_factory=dict)
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, text): what ``/healthz`` answers (200 or 500)."""
+        if self.lost:
+            return False, "engine unreachable"
+        if not self.loaded:
+            return True, "loading"
+        return (True, "ok") if self.tick_alive else (False, "tick loop stopped")
+
+
+class SessionSink(abc.ABC):
+    """Where a backend delivers one session's outputs; called on the front end's event loop."""
+
+    @abc.abstractmethod
+    def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:
+        """One tick's output: ``pcm`` ``[1920]`` float32 (or None: no audio this tick), ``piece`` text."""
+
+    @abc.abstractmethod
+    def on_prompt_done(self) -> None:
+        """The persona prompt has run: the slot is live (send the handshake)."""
+
+
+@dataclass(frozen=True)
+class AdmitRequest:
+    """A session asking for a slot.
+
+    Attributes:
+        session_id: unique id.
+        voice_prompt, text_prompt: the persona (None for none); the backend builds its prompt and refuses
+            ``bad_request`` what it cannot build (an unknown voice, a text prompt over the token limit).
+        sampling: the session's sampling settings.
+        client: the caller's address (the waiting room caps waiters per address).
+        token_id, token_expires_at: the session token's id and expiry (Unix s) when the backend spends
+            tokens (``DUPLEX_TOKEN_REPLAY_CHECK=memory``: the slot owner's memory is the node's), else "".
+    """
+
+    session_id: str
+    voice_prompt: str | None
+    text_prompt: str | None
+    sampling: SamplingParams
+    client: str = ""
+    token_id: str = ""
+    token_expires_at: float = 0.0
+
+
+@dataclass(eq=False)
+class SlotLease:
+    """A session admitted to (or waiting for) a slot: the front end's handle on it.
+
+    Attributes:
+        session_id: the request's id.
+        slot: the slot index once granted (-1 before).
+        first_input_at: monotonic time (s) of the first frame pushed, for the first-audio latency.
+    """
+
+    session_id: str
+    slot: int = -1
+    first_input_at: float | None = None
+
+
+class SlotBackend(abc.ABC):
+    """The slots' owner, as the front end uses it. Methods run on the front end's event loop."""
+
+    on_lost: list[Callable[[], None]]
+    """Called once when the backend becomes unreachable (the front end closes its sessions with 1011)."""
+
+    spends_tokens: bool = False
+    """The backend records tokens as spent when it grants a slot (the front end's one spending place
+    passes them on in :class:`AdmitRequest` instead of spending them itself)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Open the slots (start the tick, or connect to the engine)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop the tick, or disconnect. Idempotent."""
+
+    @abc.abstractmethod
+    def status(self) -> BackendStatus:
+        """The slots' state now."""
+
+    @abc.abstractmethod
+    def check_persona(self, voice_prompt: str | None, text_prompt: str | None) -> None:
+        """Check a persona without taking a slot (``/api/admission`` and before the upgrade).
+
+        Raises:
+            ValueError: an unknown voice or a text prompt over the limit (the message says what is allowed).
+        """
+
+    @abc.abstractmethod
+    async def admit(self, request: AdmitRequest, sink: SessionSink) -> SlotLease:
+        """A slot for the session, at once or after the waiting room; its outputs go to ``sink``.
+        Cancelling the call (the caller left) gives its place or slot back.
+
+        Raises:
+            Refusal: no slot (the reason says why).
+        """
+
+    @abc.abstractmethod
+    def push_frame(self, lease: SlotLease, frame: np.ndarray) -> bool:
+        """Queue one ``[1920]`` float32 input frame; False when it (or an older one) was dropped."""
+
+    @abc.abstractmethod
+    def release(self, lease: SlotLease) -> None:
+        """The session ended: free its slot at the next tick. Idempotent."""
+
+
+def replayed_message(token_id: str) -> str:
+    """The sentence of a ``replayed`` refusal (written once: the front end's replay guards and the engine's
+    ledger both use it)."""
+    return f"token {token_id} was already used; tokens are single-use"
