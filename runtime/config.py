@@ -118,8 +118,9 @@ class RuntimeConfig(BaseSettings):
     )
     handshake_burst_global: int = Field(400, ge=1, description="Global bucket size (upgrades at once)")
     trusted_proxies: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"],
-        description="CIDRs whose X-Real-IP / X-Forwarded-For name the client (comma-separated)",
+        default_factory=lambda: ["127.0.0.0/8", "::1/128"],
+        description="CIDRs whose X-Real-IP / X-Forwarded-For name the client (comma-separated); default "
+        "loopback only (the node's nginx): name a load balancer's ranges to believe it",
     )
     metrics_cache_s: float = Field(
         1.0, ge=0, le=60, description="/metrics reuses its last rendering for this long (0: render each time)"

@@ -24,6 +24,7 @@ import pytest
 import pytest_asyncio
 from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
     SLOTS,
+    WORKER_MODES,
     assert_healthy,
     bundle,
     chat_url,
@@ -77,10 +78,12 @@ def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         server.stop()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def guarded(bundle, module_redis: RedisServer) -> AsyncIterator[DuplexServer]:  # noqa: F811
-    """One server with access control on (token, Redis replay check, one allowed origin)."""
-    async with running_server(bundle, **auth_settings(module_redis.url)) as server:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=WORKER_MODES)
+async def guarded(request, bundle, module_redis: RedisServer) -> AsyncIterator[DuplexServer]:  # noqa: F811
+    """One server with access control on (token, Redis replay check, one allowed origin), in each mode
+    (``--workers 0`` and ``--workers 2``)."""
+    settings = auth_settings(module_redis.url)
+    async with running_server(bundle, workers=request.param, **settings) as server:
         yield server
 
 
@@ -138,13 +141,13 @@ async def test_each_refusal_before_the_upgrade(guarded, speech, reason, make_cas
         first = await run_session(chat_url(server, token=spent), speech[2][: FRAME_SAMPLES * 3], tail_s=0.1)
         assert first.handshake, first.refusal_reason
         case["token_value"] = spent
-        await wait_until(lambda: server.scheduler.free_slots == SLOTS, what="the first use's slot")
+        await wait_until(lambda: server.backend.status().free_slots == SLOTS, what="the first use's slot")
     before = await scrape(server)
     async with neighbour(server, speech[0]) as healthy:
-        free_before = server.scheduler.free_slots
+        free_before = server.backend.status().free_slots
         mark = time.monotonic()
         got, body, headers = await attempt(url, **case)
-        assert server.scheduler.free_slots == free_before == SLOTS - 1  # no slot taken, none released
+        assert server.backend.status().free_slots == free_before == SLOTS - 1  # no slot taken, none released
         await asyncio.sleep(1.0)
         await healthy.finish()
     assert (got, body.split(":")[0]) == (status, reason), body
@@ -170,7 +173,7 @@ async def test_valid_tokens_from_an_allowed_origin_or_none_open_sessions(guarded
     assert (await attempt(chat_url(server), token_value=token()))[0] == 101  # no Origin: not a browser
     allowed = token(personas=["alice", "bob"])
     assert (await attempt(chat_url(server, voice_prompt="bob"), token_value=allowed))[0] != 403
-    await wait_until(lambda: server.scheduler.free_slots == SLOTS, what="the slots to be free")
+    await wait_until(lambda: server.backend.status().free_slots == SLOTS, what="the slots to be free")
 
 
 @pytest.mark.slow
@@ -187,7 +190,7 @@ async def test_subprotocol_token_is_selected_by_the_server(guarded, speech):  # 
     result = await run_session(chat_url(server), speech[1][: FRAME_SAMPLES * 10], token=token())
     assert result.handshake and result.audio_messages > 0, result.refusal_reason
     assert (await attempt(chat_url(server), token_value=value, via="subprotocol"))[:1] == (403,)
-    await wait_until(lambda: server.scheduler.free_slots == SLOTS, what="the slots to be free")
+    await wait_until(lambda: server.backend.status().free_slots == SLOTS, what="the slots to be free")
 
 
 @pytest.mark.slow

@@ -110,7 +110,7 @@ async def test_an_admitted_token_is_not_spent_by_the_check(node, speech):  # noq
         }
     result = await run_session(chat_url(node), speech[0][: FRAME_SAMPLES * 3], token=value, tail_s=0.1)
     assert result.handshake, result.refusal_reason  # the check did not use the token up
-    await wait_until(lambda: node.scheduler.free_slots == 1, what="the slot to be free")
+    await wait_until(lambda: node.backend.status().free_slots == 1, what="the slot to be free")
     spent = await admission(node, value)
     assert (spent["ok"], spent["status"], spent["reason"]) == (False, 403, "replayed")
     assert spent["message"].startswith("replayed: token ") and value not in spent["message"]
@@ -150,7 +150,7 @@ async def test_each_refusal_is_explained_as_the_session_would_be_refused(node, r
     # A check is not a refusal: no counter moves, no slot is taken.
     after = await scrape(node)
     assert after.total("duplex_admissions_refused_total") == before.total("duplex_admissions_refused_total")
-    assert node.scheduler.free_slots == 1
+    assert node.backend.status().free_slots == 1
 
 
 @pytest.mark.slow
@@ -192,7 +192,7 @@ async def test_node_full_then_free_again(node, speech):  # noqa: F811
             "message": "node full: all 1 slots in use (max_sessions=1); try again later",
         }
         await holder.finish()
-    await wait_until(lambda: node.scheduler.free_slots == 1, what="the slot to be free")
+    await wait_until(lambda: node.backend.status().free_slots == 1, what="the slot to be free")
     assert (await admission(node, token()))["ok"]
 
 
@@ -247,7 +247,7 @@ async def test_a_long_prompt_comes_as_metadata_instead_of_in_the_url(node):
     async with connect(url, subprotocols=[SUBPROTOCOL_PREFIX + token()], open_timeout=15, proxy=None) as ws:
         await ws.send(encode_metadata({"text_prompt": prompt}))
         assert await asyncio.wait_for(ws.recv(), 60) == bytes([MessageKind.HANDSHAKE])
-    await wait_until(lambda: node.scheduler.free_slots == 1, what="the slot to be free")
+    await wait_until(lambda: node.backend.status().free_slots == 1, what="the slot to be free")
     async with connect(url, subprotocols=[SUBPROTOCOL_PREFIX + token()], open_timeout=15, proxy=None) as ws:
         await ws.send(encode_ping(b"too early"))  # anything but the metadata first is refused
         error = await asyncio.wait_for(ws.recv(), 15)
@@ -255,7 +255,7 @@ async def test_a_long_prompt_comes_as_metadata_instead_of_in_the_url(node):
         with pytest.raises(ConnectionClosed):
             await asyncio.wait_for(ws.recv(), 15)
         assert ws.close_code == 1008
-    assert node.scheduler.free_slots == 1  # no slot was taken while waiting
+    assert node.backend.status().free_slots == 1  # no slot was taken while waiting
 
 
 @pytest.mark.slow

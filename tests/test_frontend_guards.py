@@ -133,13 +133,13 @@ async def kyutai_client(url: str, pcm: np.ndarray) -> AsyncIterator[KyutaiStyleC
 
 def long_prompts(server: DuplexServer, factor: int = 2000) -> None:
     """Make every persona prompt ``factor`` times longer (minutes of teacher-forced steps)."""
-    plan = server._plan_session
+    backend = server.backend
+    prompt = backend.prompt
 
-    def longer(query: str, *args):  # type: ignore[no-untyped-def]
-        request, persona, prompt, sampling = plan(query, *args)
-        return request, persona, prompt * factor, sampling
+    def longer(*args):  # type: ignore[no-untyped-def]
+        return prompt(*args) * factor
 
-    server._plan_session = longer  # type: ignore[method-assign]
+    backend.prompt = longer  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,15 +153,17 @@ async def test_leaving_during_the_persona_prompt_frees_the_slot(bundle, speech):
         long_prompts(server)
         url = chat_url(server, text_prompt="You are a helpful travel agent.")
         async with kyutai_client(url, speech[0]) as leaving:
-            await wait_until(lambda: server.scheduler.free_slots == 0, what="the slot to be taken")
+            await wait_until(lambda: server.backend.status().free_slots == 0, what="the slot to be taken")
             await asyncio.sleep(0.3)  # the prompt runs (minutes of steps) and the client sends audio
             assert not leaving.handshake.is_set()
-        await wait_until(lambda: server.scheduler.free_slots == 1, timeout_s=5, what="the slot to be freed")
+        await wait_until(
+            lambda: server.backend.status().free_slots == 1, timeout_s=5, what="the slot to be freed"
+        )
         assert not server.sessions
         metrics = await scrape(server)
         assert metrics.value("duplex_sessions_ended_total", reason="client_closed") == 1
         # The node takes the next caller at once (no prompt for this one).
-        server._plan_session = DuplexServer._plan_session.__get__(server)  # type: ignore[method-assign]
+        del server.backend.prompt  # the class's own again
         result = await run_session(chat_url(server), speech[1][: FRAME_SAMPLES * 5], tail_s=0.1)
         assert result.handshake and result.close_code == 1000, result
 
@@ -197,7 +199,7 @@ async def test_token_unspent_by_refused_upgrade_or_full_node(bundle, speech):  #
             assert "node full" in refused.errors[0]
         finally:
             await holder.finish(tail_s=0.1)
-        await wait_until(lambda: server.scheduler.free_slots == 1, what="the holder's slot")
+        await wait_until(lambda: server.backend.status().free_slots == 1, what="the holder's slot")
         # The same token still opens a session: nothing above spent it.
         served = await run_session(chat_url(server, token=value), speech[1][: FRAME_SAMPLES * 5], tail_s=0.1)
         assert served.handshake and served.close_code == 1000, served
@@ -299,9 +301,9 @@ async def test_kyutai_style_client_waits_for_a_slot(bundle, speech):  # noqa: F8
         holder.start_streaming()
         url = chat_url(server, audio_format=AudioFormat.OPUS)
         async with kyutai_client(url, speech[1]) as waiting:
-            await wait_until(lambda: server.slot_admission.waiting == 1, what="the caller to wait")
-            session_id = server.slot_admission._queue[0].session.session_id
-            assert server.slot_admission.position(session_id) == 1
+            await wait_until(lambda: server.backend.admission.waiting == 1, what="the caller to wait")
+            session_id = server.backend.admission._queue[0].session.session_id
+            assert server.backend.admission.position(session_id) == 1
             assert (await scrape(server)).value("duplex_waiting_sessions") == 1
             # Past the bound: the room holds one caller; the next is refused clearly, at once.
             refused = await run_session(
@@ -314,7 +316,7 @@ async def test_kyutai_style_client_waits_for_a_slot(bundle, speech):  # noqa: F8
             await holder.finish(tail_s=0.1)
             await asyncio.wait_for(waiting.handshake.wait(), 10)
             await wait_until(lambda: waiting.audio_messages >= 5, what="audio for the admitted caller")
-        await wait_until(lambda: server.scheduler.free_slots == 1, what="the slot to be free again")
+        await wait_until(lambda: server.backend.status().free_slots == 1, what="the slot to be free again")
         metrics = await scrape(server)
         assert metrics.value("duplex_waiting_room_total", outcome="admitted") == 1
         assert metrics.value("duplex_waiting_room_total", outcome="full") == 1
@@ -334,8 +336,10 @@ async def test_waiting_room_timeout_and_leaver(bundle, speech):  # noqa: F811
             assert not timed_out.handshake and timed_out.close_code == 1013, timed_out
             assert "no slot freed within" in timed_out.errors[0], timed_out.errors
             async with kyutai_client(chat_url(server, audio_format=AudioFormat.OPUS), speech[2]):
-                await wait_until(lambda: server.slot_admission.waiting == 1, what="the caller to wait")
-            await wait_until(lambda: server.slot_admission.waiting == 0, what="the leaver to leave the queue")
+                await wait_until(lambda: server.backend.admission.waiting == 1, what="the caller to wait")
+            await wait_until(
+                lambda: server.backend.admission.waiting == 0, what="the leaver to leave the queue"
+            )
         finally:
             await holder.finish(tail_s=0.1)
         metrics = await scrape(server)

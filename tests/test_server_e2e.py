@@ -41,11 +41,13 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 import sphn
+from inproc_node import InProcessNode
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from runtime.config import RuntimeConfig
+from runtime.engine.engine_core import LocalSlots
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.engine.models import ModelBundle, build_tiny
 from runtime.frontend.audio_codec import make_codec
@@ -95,9 +97,15 @@ def speech() -> list[np.ndarray]:
 
 
 def make_server(
-    bundle: ModelBundle, *, redis_url: str | None = None, max_sessions: int = SLOTS, **config: object
+    bundle: ModelBundle,
+    *,
+    redis_url: str | None = None,
+    max_sessions: int = SLOTS,
+    workers: int = 0,
+    **config: object,
 ) -> DuplexServer:
-    """A DuplexServer on a free port with its own copy of the model, wired like ``build_server``.
+    """A DuplexServer on a free port with its own copy of the model, wired like ``build_server``; with
+    ``workers`` >= 1, the same front end in that many workers over an engine (``tests/inproc_node.py``).
     Access control is off unless ``auth_mode`` is given (tests/test_access_control.py covers it)."""
     config.setdefault("auth_mode", "off")
     config.setdefault("metrics_cache_s", 0)  # each scrape sees the counters of the moment
@@ -118,7 +126,11 @@ def make_server(
             on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
             on_backlog=metrics.redis_backlog.set,
         )
-    return DuplexServer(settings, copy.deepcopy(bundle), store=store, metrics=metrics)
+    if workers:
+        node = InProcessNode(settings, copy.deepcopy(bundle), workers=workers, store=store, metrics=metrics)
+        return node  # type: ignore[return-value]  # the server surface these tests use
+    backend = LocalSlots(settings, copy.deepcopy(bundle), metrics)
+    return DuplexServer(settings, backend, store=store, metrics=metrics)
 
 
 @contextlib.asynccontextmanager
@@ -138,16 +150,33 @@ async def shared_server(bundle: ModelBundle) -> AsyncIterator[DuplexServer]:
         yield server
 
 
+WORKER_MODES = [pytest.param(0, id="workers0"), pytest.param(2, id="workers2")]
+"""``duplex serve --workers 0`` and ``--workers 2`` (issue 21: one front end over either backend)."""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=WORKER_MODES)
+async def shared_node(request: pytest.FixtureRequest, bundle: ModelBundle) -> AsyncIterator[DuplexServer]:
+    async with running_server(bundle, workers=request.param) as server:
+        yield server
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def node(shared_node: DuplexServer) -> AsyncIterator[DuplexServer]:
+    """As ``server``, in each mode (``WORKER_MODES``): the representative tests run against both."""
+    yield shared_node
+    await wait_until(
+        lambda: not shared_node.sessions and shared_node.backend.status().free_slots == SLOTS,
+        timeout_s=15,
+        what="the shared node to be idle after the test (a session was left behind)",
+    )
+
+
 @pytest_asyncio.fixture(loop_scope="module")
 async def server(shared_server: DuplexServer) -> AsyncIterator[DuplexServer]:
     """The shared server; after the test every session must have ended and every slot be free."""
     yield shared_server
     await wait_until(
-        lambda: (
-            not shared_server.sessions
-            and shared_server.scheduler is not None
-            and shared_server.scheduler.free_slots == SLOTS
-        ),
+        lambda: not shared_server.sessions and shared_server.backend.status().free_slots == SLOTS,
         timeout_s=15,
         what="the shared server to be idle after the test (a session was left behind)",
     )
@@ -421,8 +450,11 @@ async def knock(url: str, pcm: np.ndarray) -> SessionResult:
 
 
 @pytest.mark.slow
-async def test_five_concurrent_real_speech_sessions_with_redis_registry(bundle, speech, redis_server):
-    async with running_server(bundle, redis_url=redis_server.url) as srv:
+@pytest.mark.parametrize("workers", WORKER_MODES)
+async def test_five_concurrent_real_speech_sessions_with_redis_registry(
+    bundle, speech, redis_server, workers
+):
+    async with running_server(bundle, redis_url=redis_server.url, workers=workers) as srv:
         assert srv.store is not None
         results = await asyncio.gather(*[run_session(chat_url(srv), pcm) for pcm in speech])
 
@@ -438,7 +470,10 @@ async def test_five_concurrent_real_speech_sessions_with_redis_registry(bundle, 
             assert r.first_audio_ms is not None
 
         # Every session ended and the store caught up; then read the registry back from Redis.
-        await wait_until(lambda: not srv.sessions and srv.store.backlog == 0, what="the store to flush")
+        await wait_until(
+            lambda: not srv.sessions and srv.store.backlog == 0 and srv.backend.status().free_slots == SLOTS,
+            what="the store to flush and the slots to be freed (at the next tick)",
+        )
         client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
         try:
             keys = [key async for key in client.scan_iter(match="duplex:session:*")]
@@ -476,7 +511,8 @@ async def test_five_concurrent_real_speech_sessions_with_redis_registry(bundle, 
 
 
 @pytest.mark.slow
-async def test_sixth_session_refused_while_five_run(server, speech):
+async def test_sixth_session_refused_while_five_run(node, speech):
+    server = node  # both modes (WORKER_MODES)
     before = await scrape(server)
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(live(chat_url(server), pcm)) for pcm in speech]
@@ -509,7 +545,8 @@ async def test_sixth_session_refused_while_five_run(server, speech):
 
 
 @pytest.mark.slow
-async def test_abrupt_disconnect_frees_the_slot(server, speech):
+async def test_abrupt_disconnect_frees_the_slot(node, speech):
+    server = node  # both modes (WORKER_MODES)
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(live(chat_url(server), pcm)) for pcm in speech]
         for c in clients:
@@ -525,7 +562,7 @@ async def test_abrupt_disconnect_frees_the_slot(server, speech):
         vanishing, holders = clients[0], clients[1:]
         vanishing.abort()
         await asyncio.wait_for(vanishing.closed.wait(), 10)
-        await wait_until(lambda: server.scheduler.free_slots == 1, what="the aborted session's slot")
+        await wait_until(lambda: server.backend.status().free_slots == 1, what="the aborted session's slot")
         status, body = await readyz(server)
         assert status == 200, body
         assert body["ready"] is True
@@ -800,7 +837,8 @@ async def test_oversized_message_closes_only_that_session_with_1009(server, spee
 
 
 @pytest.mark.slow
-async def test_garbage_in_opus_stream_is_an_error_then_1008(server, speech):
+async def test_garbage_in_opus_stream_is_an_error_then_1008(node, speech):
+    server = node  # both modes (WORKER_MODES)
     ended_before = (await scrape(server)).value("duplex_sessions_ended_total", reason="protocol_bad_opus")
     async with (
         neighbour(server, speech[0]) as healthy,
@@ -835,7 +873,8 @@ async def test_garbage_in_opus_stream_is_an_error_then_1008(server, speech):
     ],
     ids=["audio-temperature", "unknown-voice", "voice-path"],
 )
-async def test_bad_query_is_refused_with_1008(server, speech, params, needles):
+async def test_bad_query_is_refused_with_1008(node, speech, params, needles):
+    server = node  # both modes (WORKER_MODES)
     refused_before = (await scrape(server)).value("duplex_admissions_refused_total", reason="bad_request")
     async with neighbour(server, speech[0]) as healthy:
         mark = time.monotonic()

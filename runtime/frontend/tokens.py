@@ -40,6 +40,8 @@ from typing import Any, Protocol
 
 import jwt
 
+from runtime.engine.api import replayed_message
+
 __all__ = [
     "ALGORITHM",
     "ANY_PERSONA",
@@ -459,9 +461,7 @@ class MemoryReplayGuard:
 
     async def spend(self, claims: TokenClaims) -> None:
         if not self.remember(claims):
-            raise TokenRejected(
-                "replayed", f"token {claims.token_id} was already used; tokens are single-use"
-            )
+            raise TokenRejected("replayed", replayed_message(claims.token_id))
 
     async def seen(self, claims: TokenClaims) -> bool:
         return self.was_used(claims)
@@ -528,9 +528,7 @@ class RedisReplayGuard:
             await self.fallback.spend(claims)
             return
         if not fresh:
-            raise TokenRejected(
-                "replayed", f"token {claims.token_id} was already used; tokens are single-use"
-            )
+            raise TokenRejected("replayed", replayed_message(claims.token_id))
         if self.fallback is not None:
             self.fallback.remember(claims)
 

@@ -14,11 +14,16 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from runtime.config import RuntimeConfig
+    from runtime.frontend.server import DuplexServer
+    from runtime.metrics import RuntimeMetrics
 
 __all__ = ["RUNTIME_HELP", "app", "main", "runtime_app", "token_app"]
 
@@ -45,6 +50,21 @@ def _config(**overrides: Any):
             field = ".".join(str(p) for p in error["loc"])
             console.print(f"[red]invalid setting {field}[/red] (DUPLEX_{field.upper()}): {error['msg']}")
         raise typer.Exit(2) from None
+
+
+def build_server(config: RuntimeConfig, *, metrics: RuntimeMetrics | None = None) -> DuplexServer:
+    """``--workers 0``: load the model named by ``config`` and build the front end over its slots in this
+    process (``runtime.engine.engine_core.LocalSlots``) and its store, not started; ``metrics``: the registry
+    to keep (the one ``loading_status`` served), a fresh one by default. Blocking (the model loads)."""
+    from runtime.engine.engine_core import LocalSlots
+    from runtime.frontend.server import DuplexServer, build_store
+    from runtime.metrics import RuntimeMetrics
+
+    config.check_access_control()  # before the model loads: a missing key stops the process at once
+    bundle = config.load_model_bundle()
+    metrics = metrics or RuntimeMetrics()
+    backend = LocalSlots(config, bundle, metrics)
+    return DuplexServer(config, backend, store=build_store(config, metrics), metrics=metrics)
 
 
 def serve(
@@ -87,18 +107,19 @@ def serve(
         from runtime.multiproc import Supervisor, default_workers
 
         count = default_workers() if config.workers == -1 else config.workers
+        config = config.model_copy(update={"workers": count})  # each worker takes its share of the limits
         try:
             supervisor = Supervisor(config, count)
         except ValueError as exc:
             console.print(f"[red]{exc}[/red]")
             raise typer.Exit(2) from None
         raise typer.Exit(supervisor.run())
-    from runtime.frontend.server import build_server, loading_status
+    from runtime.frontend.server import loading_status
     from runtime.metrics import RuntimeMetrics
 
     def load(metrics: RuntimeMetrics):  # noqa: ANN202 - DuplexServer, imported lazily
         server = build_server(config, metrics=metrics)
-        server.warm_up()
+        server.backend.warm_up()  # type: ignore[attr-defined]  # LocalSlots: blocking, in this thread
         return server
 
     async def main() -> None:
@@ -140,7 +161,6 @@ def demo(
     sessions of synthesised speech (espeak-ng) at real-time pace, show what each got back, show that one
     more caller is refused, and print the node's metrics. Exits 1 if any session failed."""
     logging.basicConfig(level=logging.WARNING)
-    from runtime.frontend.server import build_server
     from runtime.frontend.tokens import generate_signing_key, mint_token
     from runtime.tools.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
     from runtime.tools.local_redis import LocalRedisError, RedisServer
@@ -186,8 +206,7 @@ def demo(
                 )
                 # One more caller while the node is full: wait for the slots to be released, hold all of
                 # them open, then knock.
-                assert server.scheduler is not None
-                while server.scheduler.free_slots < max_sessions:
+                while server.backend.status().free_slots < max_sessions:
                     await asyncio.sleep(0.05)
                 holders = [
                     asyncio.create_task(run_session(session_url(base), speech[0][: 1920 * 25], token=token()))

@@ -26,6 +26,7 @@ from websockets.exceptions import ConnectionClosed
 
 from runtime.config import RuntimeConfig
 from runtime.engine.batch import TickResult
+from runtime.engine.engine_core import LocalSlots
 from runtime.engine.model_presets import FRAME_MS, SAMPLE_RATE_HZ
 from runtime.engine.models import ModelBundle
 from runtime.frontend.protocol import TEXT_PROMPT_MAX_CHARS, MessageKind, encode_metadata
@@ -138,16 +139,17 @@ async def measure_join(
     config = RuntimeConfig(
         host="127.0.0.1", port=0, max_sessions=live + 1, auth_mode="off", prompt_prefill=prefill
     )
-    server = DuplexServer(config, copy.deepcopy(bundle))
+    slots = LocalSlots(config, copy.deepcopy(bundle))
+    server = DuplexServer(config, slots)
     ticks: list[TickResult] = []
-    engine_tick = server.engine.tick
+    engine_tick = slots.engine.tick
 
     def recording_tick(*args, **kwargs) -> TickResult:
         result = engine_tick(*args, **kwargs)
         ticks.append(result)
         return result
 
-    server.engine.tick = recording_tick  # type: ignore[method-assign]
+    slots.engine.tick = recording_tick  # type: ignore[method-assign]
     text = prompt_of_tokens(bundle, prompt_tokens)
     tokens = len(bundle.text_tokenizer.encode(f"<system> {text.strip()} <system>"))
     await server.start()
@@ -173,7 +175,7 @@ async def measure_join(
             except ConnectionClosed:
                 pass
             elapsed_ms = (time.perf_counter() - start) * 1e3
-            live_now = len(server.engine.live_slots) - (1 if handshake else 0)
+            live_now = len(slots.engine.live_slots) - (1 if handshake else 0)
         await asyncio.sleep(after_s)  # live-only ticks to compare with
         window = ticks[mark:]
         for task in sessions:

@@ -1,0 +1,288 @@
+"""The slot backend over ZeroMQ (``duplex serve --workers N``): a worker's DEALER socket to the engine process
+(``runtime.engine.engine_core.EngineCore``), ``runtime.engine.api.SlotBackend`` for the front end. vLLM
+v1's multi-process ``EngineCoreClient`` (``vllm/v1/engine/core_client.py``).
+
+It asks the engine for a slot (``Admit``), streams a session's frames to it (``Frame``), gets one ``Outputs``
+message per tick back, and reports the slots from the engine's last ``Status``:
+
+- no ``Status`` yet (the model still loads): not loaded (``/healthz`` 200 ``loading``, ``/readyz`` 503);
+- the engine's socket disconnected (ZeroMQ's socket monitor sees the engine process exit at once), or no
+  ``Status`` for ``ENGINE_TIMEOUT_S`` (a hung engine): lost, and ``on_lost`` is called once (the front end
+  closes its sessions with 1011 and ``/healthz`` answers 500 ``engine unreachable``).
+
+Torch-free: a worker process imports neither torch nor the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from runtime import ipc
+from runtime.engine.api import (
+    REFUSAL_REASONS,
+    AdmitRequest,
+    BackendStatus,
+    Refusal,
+    SessionSink,
+    SlotBackend,
+    SlotLease,
+)
+
+__all__ = ["ENGINE_TIMEOUT_S", "HEARTBEAT_S", "EngineClient"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_TIMEOUT_S = 5.0
+"""No ``Status`` from the engine for this long (it sends one every 0.1 s): the engine hangs (5 s: a busy
+host may delay a broadcast by seconds without anything being wrong). An engine that exits is seen at once
+through the socket monitor instead."""
+HEARTBEAT_S = 0.5
+"""How often a worker says ``Hello`` (the engine forgets a worker silent for 5 s)."""
+NOT_ANSWERING = "node not ready: the engine is not answering"
+
+
+class EngineClient(SlotBackend):
+    """A worker's connection to the engine's slots.
+
+    Args:
+        address: the engine's ZeroMQ endpoint.
+        worker_id: this worker's identity on the engine's ROUTER.
+        slots: the node's slots (``max_sessions``), reported until the engine's first ``Status``.
+        spends_tokens: the engine spends tokens (``DUPLEX_TOKEN_REPLAY_CHECK=memory``: one memory per node).
+        max_inbox_frames: sent with each ``Admit`` (the engine bounds the session's input).
+        clock: monotonic seconds (injected in tests).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        worker_id: str,
+        *,
+        slots: int = 0,
+        spends_tokens: bool = False,
+        max_inbox_frames: int = 8,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        self.worker_id = worker_id
+        self.spends_tokens = spends_tokens
+        self.on_lost = []
+        self.on_loaded: Callable[[], None] | None = None
+        """Called once, when the engine is first heard (its model is loaded)."""
+        self._slots = slots
+        self._max_inbox_frames = max_inbox_frames
+        self._clock = clock
+        self.status_message: ipc.Status | None = None
+        self.status_at: float | None = None
+        self.disconnected = False
+        self._lost_reported = False
+        self._sinks: dict[str, SessionSink] = {}
+        self._pending: dict[str, asyncio.Future[int]] = {}
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        context = zmq.asyncio.Context.instance()
+        sock = context.socket(zmq.DEALER)
+        # The pid makes a restarted worker a new peer: the engine ends the dead one's sessions on its own.
+        sock.setsockopt(zmq.IDENTITY, f"{self.worker_id}:{os.getpid()}".encode())
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        self._socket = sock
+        self._tasks = [
+            asyncio.create_task(self._receive()),
+            asyncio.create_task(self._heartbeat()),
+            asyncio.create_task(self._monitor(monitor)),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._socket.close(0)
+            self._socket = None
+
+    # --- state ----------------------------------------------------------------------------------------
+
+    @property
+    def engine_heard(self) -> bool:
+        """A ``Status`` arrived within ``ENGINE_TIMEOUT_S`` and the socket has not disconnected since."""
+        return (
+            self.status_at is not None
+            and not self.disconnected
+            and self._clock() - self.status_at < ENGINE_TIMEOUT_S
+        )
+
+    @property
+    def engine_lost(self) -> bool:
+        """The engine was heard once and is gone since (socket disconnected, or silent)."""
+        return self.status_at is not None and not self.engine_heard
+
+    def status(self) -> BackendStatus:
+        message = self.status_message
+        heard = self.engine_heard
+        detail: dict[str, object] = {
+            "worker": self.worker_id,
+            "engine_pid": message.engine_pid if message is not None else None,
+        }
+        if message is None:
+            return BackendStatus(False, self._slots, 0, 0, False, detail=detail)
+        return BackendStatus(
+            loaded=True,
+            slots=message.slots,
+            free_slots=message.free_slots if heard else 0,
+            waiting=message.waiting,
+            tick_alive=heard and message.tick_alive,
+            lost=not heard,
+            voices=tuple(message.voices),
+            detail=detail,
+        )
+
+    def check_persona(self, voice_prompt: str | None, text_prompt: str | None) -> None:
+        """The voice against the engine's list (the engine, which alone has the tokenizer, counts the text
+        prompt's tokens at admission and refuses ``bad_request`` past the limit)."""
+        if voice_prompt and self.status_message is not None:
+            voices = self.status_message.voices
+            if voice_prompt not in voices:  # the words of runtime.engine.persona.VoiceCatalog.codes
+                known = ", ".join(sorted(voices)) or "none on this node"
+                raise ValueError(f"unknown voice_prompt {voice_prompt!r}; voices on this node: {known}")
+
+    # --- sessions -------------------------------------------------------------------------------------
+
+    def send(self, message: ipc.Message) -> bool:
+        """Queue ``message`` without waiting; False when the queue is full (the engine is not reading)."""
+        if self._socket is None:
+            return False
+        try:
+            self._socket.send(ipc.encode(message), flags=zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError):
+            return False
+        return True
+
+    async def admit(self, request: AdmitRequest, sink: SessionSink) -> SlotLease:
+        sid = request.session_id
+        if not self.engine_heard:
+            raise Refusal("not_ready", NOT_ANSWERING)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending[sid] = future
+        self._sinks[sid] = sink
+        lease = SlotLease(sid)
+        message = ipc.Admit(
+            sid,
+            request.voice_prompt or "",
+            request.text_prompt or "",
+            request.sampling.as_tuple(),
+            self._max_inbox_frames,
+            request.token_id,
+            request.token_expires_at,
+            request.client,
+        )
+        try:
+            if not self.send(message):
+                raise Refusal("not_ready", "node not ready: the engine's queue is full")
+            lease.slot = await future
+            return lease
+        except BaseException:
+            self.release(lease)
+            raise
+        finally:
+            self._pending.pop(sid, None)
+
+    def push_frame(self, lease: SlotLease, frame: np.ndarray) -> bool:
+        if lease.first_input_at is None:
+            lease.first_input_at = time.monotonic()
+        pcm = np.ascontiguousarray(frame, dtype="<f4").tobytes()
+        return self.send(ipc.Frame(lease.session_id, pcm))
+
+    def release(self, lease: SlotLease) -> None:
+        if self._sinks.pop(lease.session_id, None) is not None:
+            self.send(ipc.Release(lease.session_id))
+
+    # --- engine -> worker -----------------------------------------------------------------------------
+
+    def _report_lost(self, why: str) -> None:
+        if self._lost_reported:
+            return
+        self._lost_reported = True
+        log.error("worker %s: engine lost (%s)", self.worker_id, why)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(Refusal("engine_lost", NOT_ANSWERING))
+        for callback in self.on_lost:
+            callback()
+
+    async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        """ZeroMQ's socket monitor: the engine's socket closed (its process exited) is seen at once."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.status_at is not None:
+                    self.disconnected = True
+                    self._report_lost("its socket disconnected")
+        finally:
+            monitor.close(0)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            self.send(ipc.Hello(self.worker_id, os.getpid()))
+            if self.engine_lost:
+                self._report_lost(f"no word from it for {ENGINE_TIMEOUT_S:g} s")
+            await asyncio.sleep(HEARTBEAT_S if not self.engine_lost else 0.1)
+
+    async def _receive(self) -> None:
+        assert self._socket is not None
+        while True:
+            data = await self._socket.recv()
+            try:
+                message = ipc.decode(data)
+            except Exception:
+                log.exception("worker %s: undecodable message from the engine", self.worker_id)
+                continue
+            if isinstance(message, ipc.Outputs):
+                for sid, pcm, piece in message.items:
+                    sink = self._sinks.get(sid)
+                    if sink is not None:
+                        frame = np.frombuffer(pcm, dtype="<f4") if pcm else None
+                        sink.on_output(frame, piece or None)
+            elif isinstance(message, ipc.Status):
+                if self.status_message is None and self.on_loaded is not None:
+                    self.on_loaded()
+                self.status_message = message
+                self.status_at = self._clock()
+                if not self.disconnected:
+                    self._lost_reported = False
+            elif isinstance(message, ipc.PromptDone):
+                sink = self._sinks.get(message.session_id)
+                if sink is not None:
+                    sink.on_prompt_done()
+            elif isinstance(message, ipc.Admitted):
+                future = self._pending.get(message.session_id)
+                if future is not None and not future.done():
+                    future.set_result(message.slot)
+                elif future is None:  # it left meanwhile: give the slot back
+                    self.send(ipc.Release(message.session_id))
+            elif isinstance(message, ipc.Refused):
+                self._sinks.pop(message.session_id, None)
+                future = self._pending.get(message.session_id)
+                if future is not None and not future.done():
+                    reason = message.reason if message.reason in REFUSAL_REASONS else "not_ready"
+                    future.set_exception(Refusal(reason, message.message))

@@ -1,0 +1,327 @@
+"""One conversation, whatever the transport: admission to a slot, the token spent, the persona prompt awaited,
+frames in and out, the transcript, the release and how it ended.
+
+A transport (``runtime.frontend.ws``: Kyutai's WebSocket protocol) parses its own wire format and calls
+:meth:`ChatSession.push_audio`; the session sends through the transport's :class:`Transport` methods.
+Refusals are ``runtime.frontend.refusals.SessionRefused`` (the table gives status, close code, message).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from runtime.config import RuntimeConfig
+from runtime.engine.api import AdmitRequest, Refusal, SamplingParams, SessionSink, SlotBackend, SlotLease
+from runtime.frontend.access import Access
+from runtime.frontend.audio_codec import make_codec
+from runtime.frontend.protocol import SessionRequest, parse_session_query
+from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.session_store import SessionRecord, SessionStore
+from runtime.frontend.tokens import TokenClaims, TokenRejected
+from runtime.metrics import RuntimeMetrics
+
+__all__ = [
+    "PROMPT_TIMEOUT_S",
+    "ChatSession",
+    "FrontEnd",
+    "SessionOutcome",
+    "Transport",
+    "persona_label",
+    "plan_session",
+    "sampling_from_request",
+]
+
+log = logging.getLogger(__name__)
+
+PROMPT_TIMEOUT_S = 120.0
+"""Longest wait for a persona prompt to be fed before the handshake."""
+
+
+class FrontEnd(Protocol):
+    """What sessions, transports and routes use of the server (``runtime.frontend.server.FrontEnd``),
+    so that they need not import it."""
+
+    config: RuntimeConfig
+    backend: SlotBackend
+    access: Access
+    metrics: RuntimeMetrics
+    store: SessionStore | None
+    sessions: set[ChatSession]
+    draining: bool
+
+    def health(self) -> tuple[bool, str]: ...
+    def readiness(self) -> tuple[bool, str]: ...
+    def readiness_json(self) -> dict[str, object]: ...
+    def render_metrics(self, now: float | None = None) -> bytes: ...
+    def keep_admitted(self, connection: Any, claims: TokenClaims | None, client: str) -> None: ...
+    def take_admitted(self, connection: Any) -> tuple[TokenClaims | None, str]: ...
+
+
+def sampling_from_request(request: SessionRequest) -> SamplingParams:
+    """The session's sampling settings: its query values where given, moshi's defaults elsewhere, and a
+    random seed when the session names none.
+
+    Raises:
+        ValueError: a value out of range (the message names it).
+    """
+    defaults = SamplingParams()
+    return SamplingParams(
+        audio_temperature=defaults.audio_temperature
+        if request.audio_temperature is None
+        else request.audio_temperature,
+        audio_top_k=defaults.audio_top_k if request.audio_topk is None else request.audio_topk,
+        text_temperature=defaults.text_temperature
+        if request.text_temperature is None
+        else request.text_temperature,
+        text_top_k=defaults.text_top_k if request.text_topk is None else request.text_topk,
+        seed=secrets.randbelow(2**31) if request.seed is None else request.seed,
+    )
+
+
+def plan_session(
+    front: FrontEnd, query: str, text_prompt: str | None = None
+) -> tuple[SessionRequest, SamplingParams]:
+    """What a session's query asks for, checked: the request (``text_prompt``: one that came as metadata)
+    and its sampling settings; the persona checked by the backend.
+
+    Raises:
+        SessionRefused: ``bad_request`` (a bad parameter, an unknown voice, a text prompt over the limit, a
+            sampling value out of range), the message names it.
+    """
+    try:
+        request = parse_session_query(query)
+        if text_prompt is not None:
+            request = dataclasses.replace(request, text_prompt=text_prompt)
+        front.backend.check_persona(request.voice_prompt, request.text_prompt)
+        sampling = sampling_from_request(request)
+    except ValueError as exc:  # ProtocolError and the persona's errors are ValueErrors
+        raise SessionRefused("bad_request", f"bad request: {exc}") from None
+    return request, sampling
+
+
+def persona_label(request: SessionRequest) -> str:
+    """Short description of the persona for the session registry."""
+    parts = []
+    if request.voice_prompt:
+        parts.append(f"voice={request.voice_prompt}")
+    if request.text_prompt:
+        parts.append(f"text={request.text_prompt[:60]}")
+    return " ".join(parts)
+
+
+@dataclass
+class SessionOutcome:
+    """How a session ended, for logs, metrics and the registry."""
+
+    reason: str
+    close_code: int = CLOSE_NORMAL
+
+
+class Transport(abc.ABC):
+    """What a session sends through its connection (the transport frames it)."""
+
+    @abc.abstractmethod
+    async def send_audio(self, payload: bytes) -> None:
+        """One encoded audio payload (Ogg/Opus pages or PCM)."""
+
+    @abc.abstractmethod
+    async def send_text(self, piece: str) -> None:
+        """One text piece of the model's transcript."""
+
+    @abc.abstractmethod
+    async def close(self, code: int, reason: str) -> None:
+        """End the connection with ``code`` (WebSocket close codes: ``runtime.frontend.refusals``)."""
+
+
+class ChatSession(SessionSink):
+    """One conversation: its codecs, its slot lease, its outbound queue.
+
+    Args:
+        front: the server (config, metrics, store, backend, access).
+        transport: where outputs go.
+        request, sampling: from :func:`plan_session`.
+        claims: the session token's claims (None with ``auth_mode=off``).
+        client: the caller's address.
+    """
+
+    def __init__(
+        self,
+        front: FrontEnd,
+        transport: Transport,
+        request: SessionRequest,
+        sampling: SamplingParams,
+        claims: TokenClaims | None,
+        client: str,
+    ) -> None:
+        self.front = front
+        self.transport = transport
+        self.request = request
+        self.sampling = sampling
+        self.claims = claims
+        self.client = client
+        self.session_id = uuid.uuid4().hex
+        config = front.config
+        self.assembler, self.encoder = make_codec(
+            request.format,
+            config.max_inbox_frames,
+            opus_encoder=config.opus_encoder,
+            opus_complexity=config.opus_complexity,
+        )
+        self.outbox: asyncio.Queue[tuple[np.ndarray | None, str | None]] = asyncio.Queue(
+            config.max_outbox_frames
+        )
+        self.ready = asyncio.Event()
+        self.first_audio_sent = False
+        self.frames_in = 0
+        self.frames_out = 0
+        self.lease: SlotLease | None = None
+        self.started = False
+        self._released = False
+
+    @property
+    def max_session_s(self) -> float:
+        """The node's longest session, or the token's ``max_session_s`` when shorter."""
+        limit = self.front.config.max_session_s
+        if self.claims is not None and self.claims.max_session_s is not None:
+            limit = min(limit, self.claims.max_session_s)
+        return limit
+
+    # --- the backend's sink (on the event loop) -------------------------------------------------------
+
+    def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:
+        if self.outbox.full():
+            self.outbox.get_nowait()
+            self.front.metrics.frames_dropped.labels(reason="slow_client").inc()
+        self.outbox.put_nowait((pcm, piece))
+
+    def on_prompt_done(self) -> None:
+        self.ready.set()
+
+    # --- admission ------------------------------------------------------------------------------------
+
+    async def admit(self) -> int:
+        """A slot (at once or after the waiting room), the token spent, the session registered. Cancelling
+        it (the caller left) gives the place or the slot back.
+
+        Raises:
+            SessionRefused: no slot, or the token was spent meanwhile (the slot is given back then).
+        """
+        backend = self.front.backend
+        token_id, expires_at = "", 0.0
+        if backend.spends_tokens and self.claims is not None:
+            token_id, expires_at = self.claims.token_id, self.claims.expires_at
+        request = AdmitRequest(
+            self.session_id,
+            self.request.voice_prompt,
+            self.request.text_prompt,
+            self.sampling,
+            client=self.client,
+            token_id=token_id,
+            token_expires_at=expires_at,
+        )
+        try:
+            self.lease = await backend.admit(request, self)
+        except Refusal as exc:
+            raise SessionRefused(exc.reason, exc.message) from None
+        # The token is spent now that the session holds a slot, and not before: a refused upgrade or a
+        # full node leaves it unspent (issue 16). With backend.spends_tokens the backend did it on grant.
+        if not backend.spends_tokens:
+            try:
+                await self.front.access.spend(self.claims)
+            except TokenRejected as exc:
+                self.release()
+                raise SessionRefused(exc.reason, str(exc)) from None
+        self.started = True
+        self.front.metrics.sessions_started.inc()
+        store = self.front.store
+        if store is not None:
+            record = SessionRecord(
+                self.session_id,
+                self.front.config.node_id,
+                self.lease.slot,
+                time.time(),
+                persona_label(self.request),
+                self.request.format.value,
+            )
+            store.register_session(record)
+        return self.lease.slot
+
+    async def wait_prompt(self) -> None:
+        """Until the persona prompt has run (the slot is live).
+
+        Raises:
+            TimeoutError: not within ``PROMPT_TIMEOUT_S``.
+        """
+        await asyncio.wait_for(self.ready.wait(), PROMPT_TIMEOUT_S)
+
+    # --- frames ---------------------------------------------------------------------------------------
+
+    def push_audio(self, payload: bytes) -> None:
+        """One client audio payload: its whole frames go to the slot (dropped before the handshake).
+
+        Raises:
+            ProtocolError: the payload cannot be decoded (``bad_opus``) or comes too fast.
+        """
+        if not self.ready.is_set() or self.lease is None:
+            return  # audio before the handshake is dropped, as moshi's server does
+        metrics = self.front.metrics
+        for frame in self.assembler.push(payload):
+            self.frames_in += 1
+            if not self.front.backend.push_frame(self.lease, frame):
+                metrics.frames_dropped.labels(reason="input_overflow").inc()
+
+    async def send_loop(self) -> None:
+        """Encode and send the outputs, in order, until cancelled."""
+        metrics = self.front.metrics
+        store = self.front.store
+        while True:
+            pcm, piece = await self.outbox.get()
+            if pcm is not None:
+                payload = self.encoder.encode(pcm)
+                lease = self.lease
+                if not self.first_audio_sent and lease is not None and lease.first_input_at:
+                    self.first_audio_sent = True
+                    metrics.first_audio_latency.observe(time.monotonic() - lease.first_input_at)
+                self.frames_out += 1
+                if payload:
+                    await self.transport.send_audio(payload)
+            if piece is not None:
+                await self.transport.send_text(piece)
+                if store is not None:  # after the send: the transcript holds what the client was sent
+                    store.append_transcript(self.session_id, piece)
+
+    # --- the end --------------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Give the slot back (idempotent): as soon as the session is decided over, not when its
+        connection has finished closing."""
+        if self._released or self.lease is None:
+            return
+        self._released = True
+        self.front.backend.release(self.lease)
+
+    def finish(self, outcome: SessionOutcome) -> None:
+        """Release, and count and record how the session ended (when it had started)."""
+        self.release()
+        if not self.started:
+            return
+        self.front.metrics.sessions_ended.labels(reason=outcome.reason).inc()
+        if self.front.store is not None:
+            self.front.store.end_session(self.session_id, outcome.reason)
+        log.info(
+            "session %s ended (%s): %d frames in, %d out",
+            self.session_id,
+            outcome.reason,
+            self.frames_in,
+            self.frames_out,
+        )

@@ -1,0 +1,268 @@
+"""Kyutai's WebSocket protocol on ``/api/chat``: one transport over ``runtime.frontend.session.ChatSession``.
+
+Binary messages, first byte = kind (``runtime.frontend.protocol``): the server sends 0x00 when the slot is
+live, 0x01 audio, 0x02 text, 0x05 an error before closing; the client sends 0x01 audio, 0x04 metadata (the
+text prompt with ``text_prompt_in=metadata``), 0x06 ping (echoed unchanged). A caller is read (and its
+audio dropped) until its handshake, so one that leaves while it waits for a slot or while its persona prompt
+runs gives its place back at once. Refusals after the upgrade: a 0x05 error naming the reason, then the
+close code of ``runtime.frontend.refusals.REFUSALS``. The slot is released when the server decides to
+close, not when the closing handshake ends (a client that never answers a close frame held it 10 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+from websockets.typing import Subprotocol
+
+from runtime.frontend.protocol import (
+    TEXT_PROMPT_IN_METADATA,
+    AudioMessage,
+    MetadataMessage,
+    PingMessage,
+    ProtocolError,
+    encode_audio,
+    encode_error,
+    encode_handshake,
+    encode_ping,
+    encode_text,
+    parse_client_message,
+    parse_prompt_metadata,
+    parse_session_query,
+)
+from runtime.frontend.refusals import CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, SessionRefused
+from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport, plan_session
+from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
+
+__all__ = ["METADATA_PROMPT_TIMEOUT_S", "DuplexConnection", "handle", "select_token_subprotocol"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+METADATA_PROMPT_TIMEOUT_S = 10.0
+"""With ``text_prompt_in=metadata``: longest wait for the 0x04 message carrying the text prompt."""
+_FATAL_PROTOCOL_REASONS = frozenset({"bad_opus"})
+"""Errors after which the session's input cannot recover: the session is closed (1008)."""
+
+
+class DuplexConnection(ServerConnection):
+    """websockets' server connection, with :attr:`closing` set as soon as the closing handshake starts
+    (a close frame sent or received: e.g. websockets failing the connection on an invalid UTF-8 text
+    frame with 1007), before it ends."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.closing = asyncio.Event()
+
+    def send_data(self) -> None:
+        # Every protocol step that writes (a close frame among them, whether the server fails the
+        # connection on reading or answers the client's close) ends here.
+        super().send_data()
+        if self.protocol.state in (State.CLOSING, State.CLOSED):
+            self.closing.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self.closing.set()
+
+
+class _WsTransport(Transport):
+    def __init__(self, connection: ServerConnection) -> None:
+        self.connection = connection
+
+    async def send_audio(self, payload: bytes) -> None:
+        await self.connection.send(encode_audio(payload))
+
+    async def send_text(self, piece: str) -> None:
+        await self.connection.send(encode_text(piece))
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.connection.close(code, reason)
+
+
+def select_token_subprotocol(
+    connection: ServerConnection, subprotocols: Sequence[Subprotocol]
+) -> Subprotocol | None:
+    """Select the ``duplex.token.<jwt>`` subprotocol when the client offered one: a browser fails the
+    handshake unless the server names one of the subprotocols it offered."""
+    for offered in subprotocols:
+        if offered.startswith(SUBPROTOCOL_PREFIX):
+            return offered
+    return None
+
+
+async def refuse(front: FrontEnd, connection: ServerConnection, exc: SessionRefused) -> None:
+    """A refusal after the upgrade: counted, a 0x05 error with its sentence, then its close code."""
+    front.metrics.admissions_refused.labels(reason=exc.reason).inc()
+    log.info("refused session: %s", exc.message)
+    with contextlib.suppress(ConnectionClosed):
+        await connection.send(encode_error(exc.message))
+        await connection.close(exc.kind.close_code, exc.message[:120])
+
+
+async def handle(front: FrontEnd, connection: ServerConnection) -> None:
+    """One ``/api/chat`` connection, from the upgrade to the close."""
+    query = urlsplit(connection.request.path).query if connection.request else ""
+    try:
+        request, sampling = plan_session(front, query, await _metadata_prompt(front, connection, query))
+    except ProtocolError as exc:
+        await refuse(front, connection, SessionRefused("bad_request", f"bad request: {exc}"))
+        return
+    except SessionRefused as exc:
+        await refuse(front, connection, exc)
+        return
+    except ConnectionClosed:
+        return
+    if request.ignored_params:
+        log.debug("ignored query parameters: %s", ", ".join(request.ignored_params))
+    if front.draining:
+        await refuse(front, connection, SessionRefused("draining"))
+        return
+    claims, client = front.take_admitted(connection)
+    session = ChatSession(front, _WsTransport(connection), request, sampling, claims, client)
+    # Until its handshake the client is read and its messages dropped (Kyutai's client sends audio before
+    # it): so a client leaving while it waits for a slot or while its persona prompt runs is seen at once.
+    left = asyncio.create_task(_read_until_closed(connection), name=f"pre-handshake {session.session_id}")
+    outcome = SessionOutcome("client_closed")
+    sender: asyncio.Task[None] | None = None
+    closing = connection.closing if isinstance(connection, DuplexConnection) else None
+    if closing is not None:
+        watch = asyncio.ensure_future(closing.wait())
+        watch.add_done_callback(lambda _: session.release())
+    try:
+        try:
+            await _unless_left(session.admit(), left)
+        except SessionRefused as exc:
+            left.cancel()
+            await refuse(front, connection, exc)
+            return
+        front.sessions.add(session)
+        try:
+            await _unless_left(session.wait_prompt(), left)
+            left.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await left
+            await connection.send(encode_handshake())
+            sender = asyncio.create_task(session.send_loop())
+            limit = session.max_session_s
+            try:
+                async with asyncio.timeout(limit):
+                    outcome = await _receive_loop(front, session, connection)
+            except TimeoutError:
+                outcome = SessionOutcome("max_session_length")
+                source = "" if limit == front.config.max_session_s else " (the token's limit)"
+                await connection.send(encode_error(f"session reached max_session_s={limit:g}{source}"))
+        except (ConnectionClosed, _ClientLeft):
+            outcome = SessionOutcome("client_closed")
+        except TimeoutError:
+            outcome = SessionOutcome("prompt_timeout", CLOSE_TRY_AGAIN_LATER)
+    except _ClientLeft:
+        return
+    finally:
+        left.cancel()
+        if closing is not None:
+            watch.cancel()
+        if sender is not None:
+            sender.cancel()
+        front.sessions.discard(session)
+        if session.started and front.draining and connection.close_code == CLOSE_GOING_AWAY:
+            outcome = SessionOutcome("drained", CLOSE_GOING_AWAY)
+        session.finish(outcome)
+    with contextlib.suppress(ConnectionClosed):
+        await connection.close(outcome.close_code, outcome.reason)
+
+
+async def _receive_loop(
+    front: FrontEnd, session: ChatSession, connection: ServerConnection
+) -> SessionOutcome:
+    """Read client messages until the client leaves; audio goes to the session."""
+    metrics = front.metrics
+    async for message in connection:
+        try:
+            parsed = parse_client_message(message, max_message_bytes=front.config.max_message_bytes)
+            if isinstance(parsed, PingMessage):
+                # Echoed unchanged: the client times the round trip (the web client shows it in ms).
+                await connection.send(encode_ping(parsed.payload))
+            elif isinstance(parsed, AudioMessage):
+                session.push_audio(parsed.payload)
+            # control and metadata carry nothing the batch needs
+        except ProtocolError as exc:
+            metrics.protocol_errors.labels(reason=exc.reason).inc()
+            if exc.reason == "too_fast":
+                metrics.frames_dropped.labels(reason="input_overflow").inc()
+            await connection.send(encode_error(f"{exc.reason}: {exc}"))
+            if exc.reason in _FATAL_PROTOCOL_REASONS:
+                return SessionOutcome(f"protocol_{exc.reason}", CLOSE_POLICY)
+    return SessionOutcome("client_closed")
+
+
+async def _metadata_prompt(front: FrontEnd, connection: ServerConnection, query: str) -> str | None:
+    """With ``text_prompt_in=metadata``, the text prompt from the client's first message (a 0x04 metadata
+    ``{"text_prompt": ...}``); None otherwise (a bad query is left to ``plan_session``).
+
+    Raises:
+        ProtocolError: ``bad_metadata``: another kind of message first, a bad object, a prompt over the
+            limit, or nothing within ``METADATA_PROMPT_TIMEOUT_S``.
+        ConnectionClosed: the client left.
+    """
+    try:
+        wanted = parse_session_query(query).text_prompt_in == TEXT_PROMPT_IN_METADATA
+    except ProtocolError:
+        return None
+    if not wanted:
+        return None
+    try:
+        async with asyncio.timeout(METADATA_PROMPT_TIMEOUT_S):
+            message = await connection.recv()
+    except TimeoutError:
+        raise ProtocolError(
+            "bad_metadata",
+            f"text_prompt_in=metadata: no 0x04 metadata message within {METADATA_PROMPT_TIMEOUT_S:g} s",
+        ) from None
+    parsed = parse_client_message(message, max_message_bytes=front.config.max_message_bytes)
+    if not isinstance(parsed, MetadataMessage):
+        raise ProtocolError(
+            "bad_metadata",
+            f'text_prompt_in=metadata: the first message must be 0x04 metadata {{"text_prompt": ...}}, '
+            f"got {type(parsed).__name__}",
+        )
+    return parse_prompt_metadata(parsed.data)
+
+
+class _ClientLeft(Exception):
+    """The client closed its connection before its handshake."""
+
+
+async def _read_until_closed(connection: ServerConnection) -> None:
+    """Read and drop messages until the connection closes (returns then)."""
+    with contextlib.suppress(ConnectionClosed):
+        while True:
+            await connection.recv()
+
+
+async def _unless_left(awaitable: Awaitable[T], left: asyncio.Task[None]) -> T:
+    """Await ``awaitable`` unless the ``left`` task (:func:`_read_until_closed`) ends first.
+
+    Raises:
+        _ClientLeft: the client left first (``awaitable`` is cancelled).
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise _ClientLeft()
