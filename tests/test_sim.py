@@ -73,7 +73,7 @@ def test_sim_engine_feeds_prompts_within_the_tick_budget():
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_server_on_the_sim_model_serves_opus_sessions(bundle, speech):  # noqa: F811
     async with running_server(bundle, model="sim", sim_step_ms="5", max_sessions=2) as server:
-        assert isinstance(server.engine, SimEngine)
+        assert isinstance(server.backend.engine, SimEngine)
         url = chat_url(server, audio_format=AudioFormat.OPUS)
         result = await run_session(url, speech[0][: FRAME_SAMPLES * 15], audio_format=AudioFormat.OPUS)
         assert result.handshake and result.close_code == 1000, result

@@ -18,8 +18,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: the deploy extra reads the token sentence here without numpy
+    import numpy as np
 
 __all__ = [
     "DEFAULT_AUDIO_TEMPERATURE",
