@@ -225,6 +225,17 @@ async def readyz(server: DuplexServer) -> tuple[int, dict]:
     return status, json.loads(body)
 
 
+async def readyz_settled(server: DuplexServer, expected: int, timeout_s: float = 5.0) -> tuple[int, dict]:
+    """``/readyz`` once it answers ``expected`` (or the last answer after ``timeout_s``): with ``--workers
+    N`` a worker answers from the engine's last status, sent every 100 ms (``STATUS_PERIOD_S``)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = await readyz(server)
+        if status == expected or time.monotonic() > deadline:
+            return status, body
+        await asyncio.sleep(0.05)
+
+
 class Metrics:
     """One parsed Prometheus scrape: ``value(name, **labels)``; a name absent from the scrape raises."""
 
@@ -563,7 +574,7 @@ async def test_abrupt_disconnect_frees_the_slot(node, speech):
         vanishing.abort()
         await asyncio.wait_for(vanishing.closed.wait(), 10)
         await wait_until(lambda: server.backend.status().free_slots == 1, what="the aborted session's slot")
-        status, body = await readyz(server)
+        status, body = await readyz_settled(server, 200)
         assert status == 200, body
         assert body["ready"] is True
 
@@ -571,7 +582,7 @@ async def test_abrupt_disconnect_frees_the_slot(node, speech):
         assert newcomer.result.handshake, newcomer.result.errors
         newcomer.start_streaming()
         mark = time.monotonic()
-        status, body = await readyz(server)
+        status, body = await readyz_settled(server, 503)
         assert status == 503 and "node full" in body["reason"], body
 
         await asyncio.sleep(1.5)
@@ -581,7 +592,7 @@ async def test_abrupt_disconnect_frees_the_slot(node, speech):
             assert_healthy(c, after=mark, label=f"holder {i}")
         assert_healthy(newcomer, label="newcomer")
 
-    status, body = await readyz(server)
+    status, body = await readyz_settled(server, 200)
     assert status == 200 and body["ready"] is True, body
 
 
