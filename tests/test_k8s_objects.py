@@ -178,7 +178,10 @@ def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch
 def test_service_has_the_neg_annotation(objects: list[dict], workload: base.RegionWorkload) -> None:
     service = one(objects, "Service")
     neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
-    assert neg == {"exposed_ports": {"8998": {"name": "duplex-multi-region-runtime"}}}
+    assert neg == {
+        "exposed_ports": {"8998": {"name": "duplex-multi-region-runtime"}},
+        "zones": ["us-central1-a"],
+    }
     [port] = service["spec"]["ports"]
     assert port == {"name": "http", "port": 8998, "targetPort": "http", "protocol": "TCP"}
     container_port = _runtime_container(one(objects, "Deployment"))["ports"][0]["containerPort"]

@@ -97,7 +97,7 @@ def test_cluster_settings(run: StackRun, region: str) -> None:
 @pytest.mark.parametrize(
     ("region", "zones", "bounds"),
     [
-        ("us-central1", ["us-central1-a", "us-central1-c"], (1, 4)),
+        ("us-central1", ["us-central1-a", "us-central1-c"], (2, 4)),
         ("europe-west4", ["europe-west4-a"], (1, 3)),
     ],
 )
@@ -112,11 +112,11 @@ def test_gpu_pool(run: StackRun, region: str, zones: list[str], bounds: tuple[in
     assert pool["nodeLocations"] == zones
     autoscaling = pool["autoscaling"]
     assert (autoscaling["totalMinNodeCount"], autoscaling["totalMaxNodeCount"]) == bounds
-    # Surge upgrades never take a GPU node away before its replacement is up, and never more at once than
-    # the PodDisruptionBudget lets go.
+    # Upgrades need no GPU beyond the pool's (no surge node), and take no more nodes at once than the
+    # PodDisruptionBudget lets go.
     upgrade = pool["upgradeSettings"]
     [pdb] = [m for m in _manifests(run, region) if m["kind"] == "PodDisruptionBudget"]
-    assert upgrade["maxUnavailable"] == 0 and upgrade["maxSurge"] >= 1
+    assert upgrade["maxSurge"] == 0 and upgrade["maxUnavailable"] == 1
     assert upgrade["maxUnavailable"] <= pdb["spec"]["maxUnavailable"]
     assert config["workloadMetadataConfig"]["mode"] == "GKE_METADATA"
 
@@ -205,7 +205,7 @@ def test_drained_region_gets_no_new_callers() -> None:
     assert scalers == {"us-central1-a": 1.0, "us-central1-c": 1.0, "europe-west4-a": 0.0}
     # Its cluster keeps running: open conversations finish there.
     assert len(run.of_type(CLUSTER)) == 2
-    assert run.outputs["capacity"]["totalSlots"] == {"min": 5, "max": 20}
+    assert run.outputs["capacity"]["totalSlots"] == {"min": 10, "max": 20}
 
 
 def test_restricted_source_ranges_deny_the_rest() -> None:
@@ -249,7 +249,7 @@ def test_runtime_deployment(run: StackRun, region: str) -> None:
     assert pod["terminationGracePeriodSeconds"] >= 3600  # the longest session
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-a100-80gb"
-    assert runtime["image"].startswith("us-central1-docker.pkg.dev/my-gcp-project/duplex-multi-region/")
+    assert runtime["image"].startswith(f"{region}-docker.pkg.dev/my-gcp-project/duplex-multi-region/")
     assert "@sha256:" in runtime["image"]
     assert "replicas" not in deployment["spec"]  # the HorizontalPodAutoscaler owns it
 
@@ -257,7 +257,7 @@ def test_runtime_deployment(run: StackRun, region: str) -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     [metric] = hpa["spec"]["metrics"]
     assert "duplex_active_sessions" in json.dumps(metric)
-    bounds = {"us-central1": (1, 4), "europe-west4": (1, 3)}[region]
+    bounds = {"us-central1": (2, 4), "europe-west4": (1, 3)}[region]
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == bounds
 
 
@@ -285,9 +285,9 @@ def test_outputs(run: StackRun) -> None:
     assert us["kubectl"].startswith(
         "gcloud container clusters get-credentials duplex-multi-region-us-central1 "
     )
-    assert us["capacity"]["slots"] == {"min": 5, "max": 20}
+    assert us["capacity"]["slots"] == {"min": 10, "max": 20}
     capacity = outputs["capacity"]
-    assert capacity["totalSlots"] == {"min": 10, "max": 35}
+    assert capacity["totalSlots"] == {"min": 15, "max": 35}
     assert capacity["usdPerMonth"]["max"] > capacity["usdPerMonth"]["min"] > 0
     text = json.dumps(outputs)
     for value in run.secret_values:
@@ -376,3 +376,185 @@ def test_configuration_errors(overrides: dict, expected: str) -> None:
     with pytest.raises(StackConfigError) as error:
         run_stack(STACK, overrides=overrides)
     assert expected in str(error.value)
+
+
+# --- a fresh project's first `up` (issue 20) ------------------------------------------------------------
+
+
+def _regions(**changes: object) -> list[dict]:
+    """The stack file's regions, ``changes`` applied to each."""
+    regions = yaml.safe_load(Path("stacks/Pulumi.multi-region.yaml").read_text())["config"][
+        "duplexops:regions"
+    ]
+    return [{**r, **changes} for r in regions]
+
+
+@pytest.mark.parametrize("region", ["us-central1", "europe-west4"])
+def test_every_backend_zone_always_holds_a_runtime_pod(run: StackRun, region: str) -> None:
+    """Issue 20 item 2: GKE's NEG controller makes a zone's NEG only once a pod of the Service runs there
+    (kubernetes/ingress-gce issue 1755); a backend service naming a NEG that does not exist fails (404,
+    gke-autoneg-controller issue 50). Every zone the backend service lists must always hold a runtime pod:
+    a GPU node in each zone from the start, at least as many pods as zones, spread one per zone as a
+    scheduling rule; and the Service asks the controller for the NEG of each zone (ingress-gce PR 3152)."""
+    pool = _one_in_region(run, NODE_POOL, region, "gpu-pool").plain
+    zones = pool["nodeLocations"]
+    backends = run.one(BACKEND).plain["backends"]
+    listed = sorted(b["group"].split("/")[3] for b in backends if b["description"].startswith(region))
+    assert listed == sorted(zones)
+    assert pool["initialNodeCount"] >= 1  # per zone
+
+    manifests = _manifests(run, region)
+    [hpa] = [m for m in manifests if m["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["minReplicas"] >= len(zones)
+    [deployment] = [
+        m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "duplex-runtime"
+    ]
+    template = deployment["spec"]["template"]
+    [spread] = template["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+    assert spread["maxSkew"] == 1 and spread["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["labelSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+    [service] = [m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "duplex-runtime"]
+    neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
+    assert neg["zones"] == zones
+    assert neg["exposed_ports"]["8998"]["name"] == "duplex-multi-region-runtime"
+
+
+def test_fewer_pods_than_zones_is_refused() -> None:
+    """Issue 20 item 2: a region whose minNodes is below its number of zones would leave a zone without a
+    pod, hence without the NEG its backend names: the configuration says so before anything is declared."""
+    with pytest.raises(StackConfigError) as error:
+        run_stack(STACK, overrides={"duplexops:regions": _regions(minNodes=1)})
+    assert "duplexops:regions[0].minNodes: 1 is below the number of zones (2" in str(error.value)
+
+
+def test_node_pools_start_with_nodes(run: StackRun) -> None:
+    """Issue 20 item 3: a pool with autoscaling and no initial_node_count starts empty
+    (terraform-provider-google 8270, 11594); the default pool is removed, so the cluster would have no
+    node. Both pools start with one node per zone, and a later change of the count (ForceNew in the
+    provider) never replaces a pool: it is ignored after creation."""
+    pools = run.of_type(NODE_POOL)
+    assert len(pools) == 4
+    for pool in pools:
+        assert pool.plain["initialNodeCount"] == 1, pool.name
+        assert "initialNodeCount" in pool.ignore_changes, pool.name
+    for cluster in run.of_type(CLUSTER):
+        assert cluster.plain["removeDefaultNodePool"] is True
+
+
+def test_default_pool_runs_as_the_node_account(run: StackRun) -> None:
+    """Issue 20 item 20: the transient default pool ran as the Compute Engine default service account
+    (Editor on the project); it runs as the region's node account, its config ignored once removed."""
+    for cluster in run.of_type(CLUSTER):
+        region = cluster.plain["location"]
+        [node_account] = [
+            a
+            for a in run.of_type("gcp:serviceaccount/account:Account")
+            if a.name == f"region-{region}-node-sa"
+        ]
+        email = f"{node_account.plain['accountId']}@my-gcp-project.iam.gserviceaccount.com"
+        assert cluster.plain["nodeConfig"]["serviceAccount"] == email
+        assert cluster.plain["nodeConfig"]["workloadMetadataConfig"]["mode"] == "GKE_METADATA"
+        assert "nodeConfig" in cluster.ignore_changes
+
+
+def test_redis_ca_bundle_holds_every_ca(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20 item 20: during a CA rotation Memorystore lists two CAs; the runtime trusted only the first
+    (``server_ca_certs[0]``) and broke when the server switched. The ConfigMap holds every one."""
+    import pulumi_harness
+
+    second = "-----BEGIN CERTIFICATE-----\nTmV3IE1lbW9yeXN0b3JlIENB\n-----END CERTIFICATE-----\n"
+    computed = pulumi_harness._computed
+
+    def two_cas(typ: str, name: str, inputs: dict) -> dict:
+        out = computed(typ, name, inputs)
+        if typ == REDIS:
+            out["serverCaCerts"] = [{"cert": pulumi_harness.MOCK_REDIS_CA}, {"cert": second}]
+        return out
+
+    monkeypatch.setattr(pulumi_harness, "_computed", two_cas)
+    rotated = run_stack(STACK)
+    for region in ("us-central1", "europe-west4"):
+        [ca] = [
+            m
+            for m in _manifests(rotated, region)
+            if m["kind"] == "ConfigMap" and m["metadata"]["name"] == "redis-ca"
+        ]
+        assert ca["data"]["ca.pem"] == pulumi_harness.MOCK_REDIS_CA + second
+
+
+def test_ca_bundle_refuses_what_verifies_nothing() -> None:
+    from infra.components.gke_region import ca_bundle
+
+    with pytest.raises(ValueError, match="server_ca_certs is empty"):
+        ca_bundle([])
+    with pytest.raises(ValueError, match=r"server_ca_certs\[1\] holds no PEM certificate"):
+        ca_bundle([{"cert": "-----BEGIN CERTIFICATE-----\nQQ==\n-----END CERTIFICATE-----"}, {"cert": ""}])
+
+
+def test_maintenance_window_and_gpu_upgrades(run: StackRun) -> None:
+    """Issue 20 item 11: GPU pools auto-upgraded whenever GKE chose, by surge (one more A100 80 GB in the
+    zone, which quota or stock may not have). Every cluster has the stack's weekly window; GPU pools
+    upgrade in place, one node at a time, with no surge node."""
+    for cluster in run.of_type(CLUSTER):
+        window = cluster.plain["maintenancePolicy"]["recurringWindow"]
+        assert window == {
+            "startTime": "2025-01-06T02:00:00Z",
+            "endTime": "2025-01-06T08:00:00Z",
+            "recurrence": "FREQ=WEEKLY;BYDAY=SA,SU",
+        }
+    for pool in run.of_type(NODE_POOL):
+        if pool.name.endswith("gpu-pool"):
+            assert pool.plain["upgradeSettings"] == {"strategy": "SURGE", "maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_maintenance_window_from_the_stack_and_gke_rule() -> None:
+    """Issue 20 item 11: the window is stack configuration; one GKE refuses (under 48 h in 32 days) fails
+    with the key and the rule."""
+    run = run_stack(
+        STACK,
+        overrides={"duplexops:maintenanceWindow": {"start": "22:30", "hours": 4, "days": ["TU", "MO", "WE"]}},
+    )
+    window = run.of_type(CLUSTER)[0].plain["maintenancePolicy"]["recurringWindow"]
+    assert window["startTime"] == "2025-01-06T22:30:00Z" and window["endTime"] == "2025-01-07T02:30:00Z"
+    assert window["recurrence"] == "FREQ=WEEKLY;BYDAY=MO,TU,WE"
+    with pytest.raises(StackConfigError) as error:
+        run_stack(STACK, overrides={"duplexops:maintenanceWindow": {"hours": 4, "days": ["SU"]}})
+    assert "duplexops:maintenanceWindow.hours: 1 day(s) x 4 h gives 16 h in 32 days" in str(error.value)
+
+
+def test_each_region_pulls_from_its_own_registry(run: StackRun) -> None:
+    """Issue 20 item 12: one repository (the first region's) served every region: a pull crossed
+    continents and depended on that region. Each region has a repository of its own, its nodes read it, its
+    pods run the built digest from it; the ``registries`` output lists them for the promotion."""
+    repositories = {r.plain["location"]: r for r in run.of_type("gcp:artifactregistry/repository:Repository")}
+    assert set(repositories) == {"us-central1", "europe-west4"}
+    digests = set()
+    for region in ("us-central1", "europe-west4"):
+        registry = f"{region}-docker.pkg.dev/my-gcp-project/duplex-multi-region"
+        assert run.outputs["registries"][region] == registry
+        [deployment] = [
+            m
+            for m in _manifests(run, region)
+            if m["kind"] == "Deployment" and m["metadata"]["name"] == "duplex-runtime"
+        ]
+        image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image.startswith(f"{registry}/duplex-runtime@sha256:")
+        digests.add(image.split("@")[1])
+        [reader] = [
+            m
+            for m in run.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember")
+            if m.name == f"region-{region}-node-image-reader"
+        ]
+        assert reader.plain["location"] == region
+    assert len(digests) == 1
+
+
+def test_https_proxy_refuses_old_tls(run: StackRun) -> None:
+    """Issue 20 item 12: without an SSL policy the proxy takes TLS 1.0 (Google's default COMPATIBLE
+    profile). It has one: TLS 1.2 or later, RESTRICTED suites."""
+    policy = run.one("gcp:compute/sSLPolicy:SSLPolicy").plain
+    assert policy["minTlsVersion"] == "TLS_1_2" and policy["profile"] == "RESTRICTED"
+    proxy = run.one("gcp:compute/targetHttpsProxy:TargetHttpsProxy").plain
+    assert proxy["sslPolicy"] == "global-entry-tls-id"

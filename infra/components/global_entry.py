@@ -19,6 +19,7 @@ __all__ = [
     "MAX_BACKEND_TIMEOUT_S",
     "MAX_CONNECTION_DRAINING_S",
     "RUNTIME_PATHS",
+    "SSL_POLICY",
     "GlobalEntry",
     "GlobalEntryArgs",
     "RegionBackend",
@@ -46,6 +47,12 @@ RUNTIME_PATHS = ("/api/chat", "/api/admission", "/api/personas")
 
 ARMOR_RULES_PER_MATCH = 10
 """Cloud Armor's limit of source ranges in one basic match rule."""
+
+SSL_POLICY = {"profile": "RESTRICTED", "min_tls_version": "TLS_1_2"}
+"""The HTTPS proxy's SSL policy: TLS 1.2 or later with the ``RESTRICTED`` profile's AEAD-only suites
+(cloud.google.com/load-balancing/docs/ssl-policies-concepts). Without a policy the proxy uses Google's
+default, ``COMPATIBLE`` from TLS 1.0. Every browser that runs the client (AudioWorklet, ES modules) speaks
+TLS 1.2 with AES-GCM or ChaCha20."""
 
 
 def neg_url(project: str, zone: str, neg_name: str) -> str:
@@ -92,6 +99,8 @@ class GlobalEntryArgs:
         page_headers: response headers of every page file, in order.
         page_location: Cloud Storage location of the page's bucket (``US``, ``EU``, a region).
         labels: labels of the address and the page's bucket.
+        protect: ``protect`` the static IP (the domain's A record points at it; a new one breaks DNS and
+            the certificate until both follow).
     """
 
     name_prefix: str
@@ -108,6 +117,7 @@ class GlobalEntryArgs:
     page_headers: Mapping[str, str]
     page_location: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    protect: bool = False
 
 
 class GlobalEntry(pulumi.ComponentResource):
@@ -143,7 +153,8 @@ class GlobalEntry(pulumi.ComponentResource):
       ``/api/chat``, ``/api/admission``, ``/api/personas``) to the pods and everything else to the page, so
       ``/metrics``, ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach
       the pods directly);
-    - the HTTPS proxy and forwarding rule on 443, and a port-80 rule that redirects to HTTPS;
+    - the HTTPS proxy (SSL policy ``SSL_POLICY``: TLS 1.2 or later) and forwarding rule on 443, and a
+      port-80 rule that redirects to HTTPS;
     - a firewall rule on the stack's VPC admitting Google's front ends and health checkers
       (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime port of the pods, and nothing else.
 
@@ -156,6 +167,7 @@ class GlobalEntry(pulumi.ComponentResource):
     certificate: compute.ManagedSslCertificate
     security_policy: compute.SecurityPolicy
     health_check: compute.HealthCheck
+    ssl_policy: compute.SSLPolicy
     page: compute.BackendBucket
 
     def __init__(self, name: str, args: GlobalEntryArgs, opts: pulumi.ResourceOptions | None = None):
@@ -183,7 +195,7 @@ class GlobalEntry(pulumi.ComponentResource):
             project=project,
             ip_version="IPV4",
             labels=dict(args.labels),
-            opts=child(),
+            opts=child_options(self, deps, protect=args.protect),
         )
         self.certificate = compute.ManagedSslCertificate(
             f"{name}-certificate",
@@ -261,12 +273,21 @@ class GlobalEntry(pulumi.ComponentResource):
             ],
             opts=child(),
         )
+        self.ssl_policy = compute.SSLPolicy(
+            f"{name}-tls",
+            name=f"{prefix}-entry",
+            project=project,
+            description="duplexops global entry: TLS 1.2 or later",
+            **SSL_POLICY,
+            opts=child(),
+        )
         https_proxy = compute.TargetHttpsProxy(
             f"{name}-https-proxy",
             name=f"{prefix}-entry",
             project=project,
             url_map=url_map.id,
             ssl_certificates=[self.certificate.id],
+            ssl_policy=self.ssl_policy.id,
             opts=child(),
         )
         redirect = compute.URLMap(

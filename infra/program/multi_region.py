@@ -1,5 +1,6 @@
-"""Topology ``multi-region``: the Google APIs, the runtime image (in the first region's Artifact Registry),
-the session-token keys and Grafana's password, one VPC, then per region a GKE cluster with its GPU pool,
+"""Topology ``multi-region``: the Google APIs, the runtime image (built into the first region's Artifact
+Registry repository; every other region has a repository of its own, ``region_registry``), the
+session-token keys and Grafana's password, one VPC, then per region a GKE cluster with its GPU pool,
 Memorystore and model bucket (``GkeRegion``) and the runtime's Kubernetes objects on it
 (``RegionalRuntime`` of ``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every
 region's pods (``GlobalEntry``). Stack ``multi-region``; README, "Stack multi-region".
@@ -17,7 +18,7 @@ from infra.node.webclient import WEB_DIR, page_headers, render_web
 from infra.program.shared import capacity_summary, enable_apis, labels, mint_command, stack_secrets
 from infra.stack_config import RegionSettings, StackConfig
 
-__all__ = ["GKE_APIS", "declare", "region_capacity"]
+__all__ = ["GKE_APIS", "declare", "region_capacity", "region_image", "region_registry"]
 
 GKE_APIS = (
     "compute.googleapis.com",
@@ -34,6 +35,20 @@ GKE_APIS = (
 """Google APIs the multi-region stack needs (enabled, never disabled on destroy). Which resource needs
 which API is ``infra.gcp_apis.required_apis``; the policy pack's ``apis-enabled-for-features`` checks
 this list against the declared resources."""
+
+
+def region_registry(project: str, region: str, repository_id: str) -> str:
+    """The Docker registry path of a region's Artifact Registry repository:
+    ``<region>-docker.pkg.dev/<project>/<repository>`` (the ``registries`` output, where CI promotes the
+    image's digest)."""
+    return f"{region}-docker.pkg.dev/{project}/{repository_id}"
+
+
+def region_image(registry: str, image_name: str, digest: str) -> str:
+    """The runtime image a region's pods run: ``<registry>/<image>@<digest>``, the digest the stack built,
+    from the region's own repository (pulls stay in the region and do not depend on another region's
+    registry)."""
+    return f"{registry}/{image_name}@{digest}"
 
 
 def region_capacity(region: RegionSettings) -> dict[str, Any]:
@@ -78,11 +93,10 @@ def declare(config: StackConfig) -> dict[str, Any]:
     prefix, stack_labels, project = config.name_prefix, labels(config), mr.project
     first = mr.regions[0]
     after_apis = enable_apis(project, GKE_APIS if mr.enable_apis else ())
-    image = RuntimeImage(
-        "runtime-image",
-        RuntimeImageArgs(project=project, location=first.region, repository_id=prefix, labels=stack_labels),
-        opts=after_apis,
+    image_args = RuntimeImageArgs(
+        project=project, location=first.region, repository_id=prefix, labels=stack_labels
     )
+    image = RuntimeImage("runtime-image", image_args, opts=after_apis)
     secrets = stack_secrets(config, first.profile, after_apis, node_files=False)
     network = compute.Network(
         "network",
@@ -98,9 +112,24 @@ def declare(config: StackConfig) -> dict[str, Any]:
     capacities = {r.region: region_capacity(r) for r in mr.regions}
     regions_out: dict[str, Any] = {}
     backends = []
+    registries: dict[str, str] = {}
     for settings in mr.regions:
+        repository = image.repository if settings is first else _registry(config, settings, after_apis)
+        registries[settings.region] = region_registry(project, settings.region, prefix)
+        region_ref = image.digest.apply(
+            lambda digest, registry=registries[settings.region]: region_image(
+                registry, image_args.image_name, digest
+            )
+        )
         backend, regions_out[settings.region] = _region(
-            config, settings, image, secrets, network.id, after_apis, capacities[settings.region]
+            config,
+            settings,
+            repository,
+            region_ref,
+            secrets,
+            network.id,
+            after_apis,
+            capacities[settings.region],
         )
         backends.append(backend)
 
@@ -122,6 +151,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
             page_headers=page_headers(public_origin(profile)),
             page_location=first.region.upper(),
             labels=stack_labels,
+            protect=mr.deletion_protection,
         ),
         opts=after_apis,
     )
@@ -139,14 +169,36 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "tokenKeys": k8s_region.token_keys_command(),
         "mintToken": mint_command(profile),
         "image": image.image_ref,
+        "registries": registries,
         "capacity": _capacity_total(config, capacities),
     }
+
+
+def _registry(config: StackConfig, settings: RegionSettings, after_apis: pulumi.ResourceOptions) -> Any:
+    """A region's own Docker repository in Artifact Registry (same id as the first region's, in its
+    region), ``protect``ed with the stack's stateful resources. The build pushes into the first region's;
+    CI's promotion copies the digest into each (``registries`` output)."""
+    import pulumi_gcp.artifactregistry as artifactregistry
+
+    mr = config.multi_region
+    assert mr is not None
+    return artifactregistry.Repository(
+        f"region-{settings.region}-registry",
+        project=mr.project,
+        location=settings.region,
+        repository_id=config.name_prefix,
+        format="DOCKER",
+        description="duplexops runtime images (the digest the stack built, promoted here; nodes pull it)",
+        labels=labels(config),
+        opts=pulumi.ResourceOptions.merge(after_apis, pulumi.ResourceOptions(protect=mr.deletion_protection)),
+    )
 
 
 def _region(
     config: StackConfig,
     settings: RegionSettings,
-    image: Any,
+    repository: Any,
+    image_ref: Any,
     secrets: Any,
     network: pulumi.Input[str],
     after_apis: pulumi.ResourceOptions,
@@ -154,7 +206,7 @@ def _region(
 ) -> tuple[Any, dict[str, Any]]:
     """One region: its ``GkeRegion``, the Workload Identity bindings, the runtime's Kubernetes objects
     (``RegionalRuntime``); returns the region's backend for the global entry and its outputs."""
-    from infra.components.gke_region import GkeRegion, GkeRegionArgs
+    from infra.components.gke_region import GkeRegion, GkeRegionArgs, ca_bundle
     from infra.components.global_entry import RegionBackend
     from infra.components.regional_runtime import RegionalRuntime
     from infra.k8s import region as k8s_region
@@ -173,9 +225,10 @@ def _region(
             admin_source_ranges=mr.admin_source_ranges,
             release_channel=mr.release_channel,
             deletion_protection=mr.deletion_protection,
+            maintenance_window=mr.maintenance_window,
             system_machine_type=mr.system_machine_type,
-            image_repository=image.repository.name,
-            image_repository_location=mr.regions[0].region,
+            image_repository=repository.name,
+            image_repository_location=region_name,
             labels=labels(config),
         ),
         opts=after_apis,
@@ -183,17 +236,18 @@ def _region(
     bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
     workload = RegionWorkload(
         region=region_name,
+        zones=tuple(settings.zones),
         cluster_name=gke.cluster_name,
         project=project,
         profile=settings.profile,
-        image=image.image_ref,
+        image=image_ref,
         accelerator=settings.accelerator_type,
         min_replicas=settings.min_nodes,
         max_replicas=settings.max_nodes,
         redis_host=gke.redis.host,
         redis_port=gke.redis.port,
         redis_password=pulumi.Output.secret(gke.redis.auth_string),
-        redis_ca_certificate=gke.redis.server_ca_certs.apply(lambda certs: certs[0]["cert"] if certs else ""),
+        redis_ca_certificate=gke.redis.server_ca_certs.apply(ca_bundle),
         token_keys_json=secrets.token_keys,
         hf_token=secrets.hf_token,
         weights_bucket=gke.weights_bucket.name,
@@ -226,6 +280,7 @@ def _region(
         "kubectl": credentials,
         "grafana": k8s_region.grafana_port_forward(workload),
         "weightsBucket": gke.weights_bucket.name,
+        "image": image_ref,
         "capacity": capacity,
     }
 
