@@ -50,6 +50,7 @@ def make_workload(**overrides: Any) -> base.RegionWorkload:
         "weights_service_account": "duplex-wt-0@my-gcp-project.iam.gserviceaccount.com",
         "monitoring_service_account": "duplex-mon-0@my-gcp-project.iam.gserviceaccount.com",
         "neg_name": "duplex-multi-region-runtime",
+        "page_neg_name": "duplex-multi-region-page",
         **SECRETS,
     }
     fields.update(overrides)

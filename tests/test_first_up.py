@@ -196,7 +196,7 @@ def test_affinity_rule() -> None:
 
 
 def test_global_backend_claims_no_affinity_it_cannot_have(multi_region: StackRun) -> None:
-    [backend] = multi_region.of_type(BACKEND_SERVICE)
+    backend = multi_region.named("global-entry-backend")  # the runtime's (the other serves the page)
     assert session_affinity_needs_hash_policy(BACKEND_SERVICE, backend.plain) == []
     broken = {**backend.plain, "sessionAffinity": "CLIENT_IP"}
     assert session_affinity_needs_hash_policy(BACKEND_SERVICE, broken)

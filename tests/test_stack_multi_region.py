@@ -56,6 +56,11 @@ def _one_in_region(run: StackRun, type_token: str, region: str, suffix: str = ""
     return found[0]
 
 
+def _runtime_backend(run: StackRun) -> RecordedResource:
+    """The runtime's backend service (the other one is the page's)."""
+    return run.named("global-entry-backend")
+
+
 def _manifests(run: StackRun, region: str) -> list[dict]:
     from infra.k8s.manifest import to_manifest
 
@@ -133,7 +138,7 @@ def test_redis_auth_and_tls(run: StackRun, region: str) -> None:
 
 
 def test_global_entry(run: StackRun) -> None:
-    backend = run.one(BACKEND).plain
+    backend = _runtime_backend(run).plain
     assert backend["timeoutSec"] >= 3600 + 60  # the a100-80gb profile's longest session, plus a margin
     assert backend["connectionDrainingTimeoutSec"] == 3600  # the longest session, GCP's maximum
     assert backend["sessionAffinity"] == "NONE" and backend["localityLbPolicy"] == "LEAST_REQUEST"
@@ -147,7 +152,7 @@ def test_global_entry(run: StackRun) -> None:
     assert all(b["maxInFlightRequestsPerEndpoint"] == 5 for b in backend["backends"])  # slots per pod
     assert all(b["capacityScaler"] == 1.0 for b in backend["backends"])
 
-    health = run.one("gcp:compute/healthCheck:HealthCheck").plain
+    health = run.named("global-entry-readyz").plain
     assert health["httpHealthCheck"]["requestPath"] == "/readyz"
     assert backend["healthChecks"] == "global-entry-readyz-id"
 
@@ -181,12 +186,18 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert rule["service"] == runtime_id
     assert sorted(rule["paths"]) == ["/api/admission", "/api/chat", "/api/personas"]
 
-    objects = {o.plain["name"]: o.plain for o in run.of_type("gcp:storage/bucketObject:BucketObject")}
+    # Every region's page pods serve the shipped files.
     shipped = {path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()}
-    assert set(objects) == set(shipped)
-    assert objects["index.html"]["content"] == shipped["index.html"].decode()
-    assert objects["app.js"]["contentType"] == "text/javascript; charset=utf-8"
-    backend = run.one("gcp:compute/backendBucket:BackendBucket").plain
+    for region in ("us-central1", "europe-west4"):
+        [files] = [
+            m
+            for m in _manifests(run, region)
+            if m["kind"] == "ConfigMap" and m["metadata"]["name"] == "duplex-page"
+        ]
+        assert {k: v for k, v in files["data"].items() if k != "nginx.conf"} == {
+            name: content.decode() for name, content in shipped.items()
+        }
+    backend = run.named("global-entry-page-backend").plain
     headers = dict(h.split(": ", 1) for h in backend["customResponseHeaders"])
     assert "connect-src 'self' wss://duplex.example.com" in headers["Content-Security-Policy"]
     assert headers["X-Content-Type-Options"] == "nosniff"
@@ -200,7 +211,7 @@ def test_drained_region_gets_no_new_callers() -> None:
     regions = [dict(r) for r in regions]
     regions[1]["serving"] = False
     run = run_stack(STACK, overrides={"duplexops:regions": regions})
-    backends = run.one(BACKEND).plain["backends"]
+    backends = _runtime_backend(run).plain["backends"]
     scalers = {b["group"].split("/")[3]: b["capacityScaler"] for b in backends}
     assert scalers == {"us-central1-a": 1.0, "us-central1-c": 1.0, "europe-west4-a": 0.0}
     # Its cluster keeps running: open conversations finish there.
@@ -314,7 +325,7 @@ def test_policy_pack_fails_on_untainted_gpu_pool_plain_redis_and_short_timeout(r
             props["nodeConfig"]["taints"] = []
         if typ == REDIS and name.startswith("region-europe-west4"):
             props["transitEncryptionMode"] = "DISABLED"
-        if typ == BACKEND:
+        if typ == BACKEND and name == "global-entry-backend":
             props.pop("timeoutSec")  # the 30 s default
         broken.append((typ, props, name, deps))
     violations = check_resources(broken)
@@ -339,7 +350,7 @@ def test_third_region_adds_exactly_one_region(run: StackRun, stack_file_regions:
     before = {(r.type, r.name): r.plain for r in _in_region(run.resources, "us-central1")}
     after = {(r.type, r.name): r.plain for r in _in_region(three.resources, "us-central1")}
     assert before == after
-    backends = three.one(BACKEND).plain["backends"]
+    backends = _runtime_backend(three).plain["backends"]
     assert len(backends) == 4 and any("asia-southeast1-c" in b["group"] for b in backends)
 
 
@@ -398,7 +409,7 @@ def test_every_backend_zone_always_holds_a_runtime_pod(run: StackRun, region: st
     scheduling rule; and the Service asks the controller for the NEG of each zone (ingress-gce PR 3152)."""
     pool = _one_in_region(run, NODE_POOL, region, "gpu-pool").plain
     zones = pool["nodeLocations"]
-    backends = run.one(BACKEND).plain["backends"]
+    backends = _runtime_backend(run).plain["backends"]
     listed = sorted(b["group"].split("/")[3] for b in backends if b["description"].startswith(region))
     assert listed == sorted(zones)
     assert pool["initialNodeCount"] >= 1  # per zone
@@ -558,3 +569,44 @@ def test_https_proxy_refuses_old_tls(run: StackRun) -> None:
     assert policy["minTlsVersion"] == "TLS_1_2" and policy["profile"] == "RESTRICTED"
     proxy = run.one("gcp:compute/targetHttpsProxy:TargetHttpsProxy").plain
     assert proxy["sslPolicy"] == "global-entry-tls-id"
+
+
+def test_page_is_served_without_a_public_bucket(run: StackRun) -> None:
+    """Issue 20 item 4: the page came from a bucket granting ``allUsers``, which secure-by-default
+    organizations (created since May 2024) refuse: the first ``up`` failed there. No IAM member anywhere is
+    public, no bucket is left but the model caches; the page's backend service lists every region's page
+    NEG (one nginx pod per zone, spread like the runtime) and adds the page's headers."""
+    for resource in run.resources:
+        text = json.dumps(resource.plain)
+        assert '"allUsers"' not in text and '"allAuthenticatedUsers"' not in text, resource.name
+    assert all("models" in b.name for b in run.of_type("gcp:storage/bucket:Bucket"))
+    assert not run.of_type("gcp:compute/backendBucket:BackendBucket")
+    page = run.named("global-entry-page-backend").plain
+    assert page["loadBalancingScheme"] == "EXTERNAL_MANAGED" and page["protocol"] == "HTTP"
+    groups = sorted(b["group"] for b in page["backends"])
+    assert groups == sorted(
+        f"projects/my-gcp-project/zones/{zone}/networkEndpointGroups/duplex-multi-region-page"
+        for zone in ("us-central1-a", "us-central1-c", "europe-west4-a")
+    )
+    assert all(b["balancingMode"] == "RATE" for b in page["backends"])
+    health = run.named("global-entry-page-health").plain
+    assert page["healthChecks"] == "global-entry-page-health-id"
+    assert health["httpHealthCheck"]["requestPath"] == "/index.html"
+    for region, zones in (
+        ("us-central1", ["us-central1-a", "us-central1-c"]),
+        ("europe-west4", ["europe-west4-a"]),
+    ):
+        manifests = _manifests(run, region)
+        [deployment] = [
+            m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "duplex-page"
+        ]
+        assert deployment["spec"]["replicas"] == len(zones)
+        [spread] = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["whenUnsatisfiable"] == "DoNotSchedule" and spread["maxSkew"] == 1
+        [service] = [
+            m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "duplex-page"
+        ]
+        neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
+        assert neg == {"exposed_ports": {"8080": {"name": "duplex-multi-region-page"}}, "zones": zones}
+    firewall = run.one("gcp:compute/firewall:Firewall").plain
+    assert firewall["allows"] == [{"protocol": "tcp", "ports": ["8998", "8080"]}]

@@ -252,6 +252,7 @@ class RegionWorkload:
             Custom Metrics Stackdriver Adapter (``roles/monitoring.viewer``).
         grafana_admin_password: Grafana's admin password (secret).
         neg_name: the standalone NEG's name (the same in every zone of the region).
+        page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
         namespace: the runtime's namespace (``duplex``).
         target_slot_utilization: the HPA's target share of slots in use per pod, 0 < u <= 1 (0.8).
     """
@@ -275,6 +276,7 @@ class RegionWorkload:
     monitoring_service_account: Any
     grafana_admin_password: Any = field(repr=False)
     neg_name: str
+    page_neg_name: str
     redis_url: Any = field(default=None, repr=False)
     hf_token: Any = field(default=None, repr=False)
     weights_service_account: Any = None
@@ -293,6 +295,11 @@ class RegionWorkload:
             ("project", PROJECT_ID_RE, "a GCP project id: 6-30 lower-case letters, digits, '-'"),
             ("namespace", _DNS_LABEL_RE, "a DNS label (lower case, digits, '-', at most 63)"),
             ("neg_name", _GCE_NAME_RE, "a GCE resource name: a letter, then letters, digits, '-' (<= 63)"),
+            (
+                "page_neg_name",
+                _GCE_NAME_RE,
+                "a GCE resource name: a letter, then letters, digits, '-' (<= 63)",
+            ),
         ]
         for name, pattern, allowed in checks:
             value = getattr(self, name)

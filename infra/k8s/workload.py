@@ -7,6 +7,7 @@ the global load balancer) and PodDisruptionBudget. The weights Job is ``prefetch
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from infra.k8s.base import (
@@ -225,23 +226,24 @@ ZONE_TOPOLOGY_KEY = "topology.kubernetes.io/zone"
 """The node label of its zone (well-known Kubernetes label)."""
 
 
-def zone_spread(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """The runtime pods' ``topologySpreadConstraints``: over the zones (``ZONE_TOPOLOGY_KEY``), at most one
-    pod more in any zone than in the emptiest (``maxSkew`` 1), as a scheduling rule (``DoNotSchedule``),
-    counting only the GPU pool's nodes (the pod's node selector; Kubernetes' default
-    ``nodeAffinityPolicy: Honor``). With ``min_replicas`` >= the zones (``RegionWorkload``) and a GPU node
-    in every zone from the pool's creation (``infra.components.gke_parts.INITIAL_NODES_PER_ZONE``), every
-    zone always holds a runtime pod, so GKE's NEG controller makes the zone's NEG (it makes NEGs only where
-    the Service has pods: kubernetes/ingress-gce issue 1755) and the global backend service finds it.
+def zone_spread(selector: Mapping[str, str]) -> list[dict[str, Any]]:
+    """``topologySpreadConstraints`` of the pods labelled ``selector``: over the zones
+    (``ZONE_TOPOLOGY_KEY``), at most one pod more in any zone than in the emptiest (``maxSkew`` 1), as a
+    scheduling rule (``DoNotSchedule``), counting only the nodes the pod may run on (its node selector;
+    Kubernetes' default ``nodeAffinityPolicy: Honor``).
 
-    The cost: a zone out of GPUs caps the others at one pod more than it holds; the global load balancer
-    then spills callers to the next region."""
+    The runtime's: with ``min_replicas`` >= the zones (``RegionWorkload``) and a GPU node in every zone
+    from the pool's creation (``infra.components.gke_parts.INITIAL_NODES_PER_ZONE``), every zone always
+    holds a runtime pod, so GKE's NEG controller makes the zone's NEG (it makes NEGs only where the Service
+    has pods: kubernetes/ingress-gce issue 1755) and the global backend service finds it. The cost: a zone
+    out of GPUs caps the others at one pod more than it holds; the global load balancer then spills callers
+    to the next region."""
     return [
         {
             "maxSkew": 1,
             "topologyKey": ZONE_TOPOLOGY_KEY,
             "whenUnsatisfiable": "DoNotSchedule",
-            "labelSelector": {"matchLabels": pod_labels(workload)},
+            "labelSelector": {"matchLabels": dict(selector)},
         }
     ]
 
@@ -343,7 +345,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
                     "enableServiceLinks": False,
                     "nodeSelector": {"cloud.google.com/gke-accelerator": workload.accelerator},
                     "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
-                    "topologySpreadConstraints": zone_spread(workload),
+                    "topologySpreadConstraints": zone_spread(pod_labels(workload)),
                     "terminationGracePeriodSeconds": termination_grace_s(profile),
                     "securityContext": pod_security(RUNTIME_UID),
                     "initContainers": [wait_for_weights],

@@ -14,7 +14,7 @@ import pulumi
 
 from infra.capacity.power import HOURS_PER_MONTH
 from infra.node.services import public_origin
-from infra.node.webclient import WEB_DIR, page_headers, render_web
+from infra.node.webclient import page_headers
 from infra.program.shared import capacity_summary, enable_apis, labels, mint_command, stack_secrets
 from infra.stack_config import RegionSettings, StackConfig
 
@@ -86,6 +86,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
     from infra.components.global_entry import GlobalEntry, GlobalEntryArgs
     from infra.components.image import RuntimeImage, RuntimeImageArgs
     from infra.k8s import region as k8s_region
+    from infra.k8s.page import PAGE_HEALTH_PATH, PAGE_PORT
     from infra.k8s.workload import drain_seconds
 
     mr = config.multi_region
@@ -142,14 +143,14 @@ def declare(config: StackConfig) -> dict[str, Any]:
             network=network.id,
             domain=config.domain,
             runtime_port=profile.ports.runtime,
+            page_port=PAGE_PORT,
+            page_health_path=PAGE_HEALTH_PATH,
             backends=backends,
             max_session_s=profile.limits.max_session_s,
             drain_s=drain_seconds(profile),
             public_source_ranges=mr.public_source_ranges,
             handshakes_per_minute=max(1, round(profile.limits.handshakes_per_second_per_client * 60)),
-            page_files={path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()},
             page_headers=page_headers(public_origin(profile)),
-            page_location=first.region.upper(),
             labels=stack_labels,
             protect=mr.deletion_protection,
         ),
@@ -256,6 +257,7 @@ def _region(
         monitoring_service_account=gke.monitoring_service_account.email,
         grafana_admin_password=secrets.grafana_admin_password,
         neg_name=f"{prefix}-runtime",
+        page_neg_name=f"{prefix}-page",
     )
     runtime = RegionalRuntime(
         f"runtime-{region_name}",
@@ -267,6 +269,7 @@ def _region(
         region=region_name,
         zones=settings.zones,
         neg_name=workload.neg_name,
+        page_neg_name=workload.page_neg_name,
         sessions_per_endpoint=settings.profile.sessions,
         serving=settings.serving,
         ready=[runtime],
