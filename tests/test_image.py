@@ -376,3 +376,60 @@ def test_the_build_uses_a_registry_cache_and_a_fixed_timestamp(dev_image: dict) 
     assert cache_to["registry"]["mode"] == "max"
     assert cache_to["registry"]["imageManifest"] is True and cache_to["registry"]["ociMediaTypes"] is True
     assert dev_image["buildArgs"] == {"SOURCE_DATE_EPOCH": "0"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Built once per push, promoted to every stack (issue 20, item 15)
+# --------------------------------------------------------------------------------------------------------
+
+CI_IMAGE = "us-central1-docker.pkg.dev/ci-project/duplexops-build/duplex-runtime@sha256:" + "ab" * 32
+"""A digest-pinned reference as pulumi-up.yml's image job hands it to every stack."""
+
+
+@pytest.mark.parametrize("stack", ["dev", "scale5-gcp", "multi-region"])
+def test_a_ci_built_image_is_copied_by_digest_not_built_again(stack: str) -> None:
+    """With ``duplexops:runtimeImage`` set (CI sets it for each update), a cloud stack builds nothing: it
+    copies that digest into its own repository (``crane copy`` keeps it) and runs exactly that digest. Guards
+    against building the image once per GCP stack (three builds per push, three different digests)."""
+    from pulumi_harness import run_stack
+
+    run = run_stack(stack, overrides={"duplexops:runtimeImage": CI_IMAGE})
+    assert run.of_type("docker-build:index:Image") == []
+    [copy] = run.of_type("command:local:Command")
+    repo = run.one("gcp:artifactregistry/repository:Repository").plain
+    target = f"{repo['location']}-docker.pkg.dev/{repo['project']}/{repo['repositoryId']}/duplex-runtime"
+    assert copy.plain["environment"] == {"SOURCE": CI_IMAGE, "TARGET": f"{target}:latest"}
+    assert CI_IMAGE in copy.plain["triggers"]  # a new digest copies again
+    assert 'crane copy "$SOURCE" "$TARGET"' in copy.plain["create"]
+    assert "gcloud auth configure-docker" in copy.plain["create"]  # fresh tokens, no one-hour login
+    assert run.outputs["image"] == f"{target}@sha256:{'ab' * 32}"
+
+
+def test_without_a_ci_image_the_stack_builds_it_itself() -> None:
+    """``pulumi up`` from a workstation (no runtimeImage): the docker-build path, and no copy."""
+    from pulumi_harness import run_stack
+
+    run = run_stack("dev", overrides={"duplexops:runtimeImage": None})
+    assert len(run.of_type("docker-build:index:Image")) == 1
+    assert run.of_type("command:local:Command") == []
+
+
+@pytest.mark.parametrize("reference", ["registry.example/duplex-runtime:latest", "x@sha256:abc", ""])
+def test_a_promoted_image_must_be_digest_pinned(reference: str) -> None:
+    from infra.components.image import digest_of
+
+    with pytest.raises(ValueError, match="not digest-pinned; allowed: <repository>@sha256:<64 hex digits>"):
+        digest_of(reference)
+
+
+def test_runtime_image_is_a_stack_key_of_every_topology() -> None:
+    """The key CI sets (pulumi-up-stack.yml's config-map) is read by every topology, and a tag is refused."""
+    from pulumi_harness import stack_config
+
+    from infra.stack_config import KEYS_OF, StackConfigError, parse_stack_config
+
+    for keys in KEYS_OF.values():
+        assert "duplexops:runtimeImage" in [f.alias for f in keys.model_fields.values()], keys
+    config, secret_keys = stack_config("dev", overrides={"duplexops:runtimeImage": "repo/image:latest"})
+    with pytest.raises(StackConfigError, match="runtimeImage"):
+        parse_stack_config(config, stack="dev", secret_keys=set(secret_keys))
