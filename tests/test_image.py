@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -43,8 +44,41 @@ def _instructions(parser: DockerfileParser, name: str) -> list[str]:
     return [i["value"] for i in parser.structure if i["instruction"] == name]
 
 
-def test_builds_on_a_cuda_base(dockerfile: DockerfileParser) -> None:
-    assert dockerfile.baseimage.startswith("nvidia/cuda:")
+_PINNED = re.compile(r"^(?P<image>[a-z0-9./_-]+):(?P<tag>[A-Za-z0-9_.-]+)@sha256:[0-9a-f]{64}$")
+"""A FROM reference pinned by digest, its tag kept for the reader (``python:3.11-slim@sha256:...``)."""
+
+
+def test_every_base_is_pinned_by_digest_and_says_how_to_refresh_it(dockerfile: DockerfileParser) -> None:
+    """Issue 20, item 15: ``FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04`` was a tag, which the publisher
+    moves: two builds of one commit could differ. Every FROM names a digest, and the Dockerfile says where
+    it came from and the command that refreshes it."""
+    froms = _instructions(dockerfile, "FROM")
+    assert froms
+    for value in froms:
+        reference = value.split()[0]
+        assert _PINNED.match(reference), f"FROM {reference} is not pinned by a sha256 digest"
+    text = DOCKERFILE.read_text()
+    assert "docker buildx imagetools inspect" in text
+    assert "0" * 64 not in text, "a placeholder digest"
+
+
+def test_cuda_comes_once_from_torchs_wheels(dockerfile: DockerfileParser) -> None:
+    """Issue 20, item 15: the image carried CUDA twice (the CUDA base image's runtime and torch's NVIDIA
+    wheels, over 15 GB). The base is a slim Python image without CUDA; torch comes from PyTorch's CUDA index
+    (its wheels bring the CUDA runtime libraries bitsandbytes' INT8 kernels load too), checked at build time;
+    no CUDA package is installed with apt."""
+    base = dockerfile.baseimage.split("@")[0]
+    assert not base.startswith(("nvidia/cuda", "nvcr.io/nvidia")), base
+    assert base.startswith("python:3.11-slim"), base  # the Python of CI and of the CPU wheels here
+    assert re.search(r"download\.pytorch\.org/whl/cu1[0-9]{2}$", dockerfile.args["TORCH_INDEX_URL"])
+    runs = " ".join(_instructions(dockerfile, "RUN"))
+    assert "assert torch.version.cuda" in runs
+    apt = " ".join(r for r in _instructions(dockerfile, "RUN") if "apt-get install" in r)
+    assert not re.search(r"\b(cuda|libcudnn|libcublas|nvidia)", apt), apt
+    # The slim base does not set what the CUDA images set for the NVIDIA Container Toolkit.
+    assert dockerfile.envs["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "compute" in dockerfile.envs["NVIDIA_DRIVER_CAPABILITIES"].split(",")
+    assert "int8" in next(r for r in _instructions(dockerfile, "RUN") if ".[runtime," in r)
 
 
 def test_entrypoint_is_the_installed_console_script(dockerfile: DockerfileParser) -> None:
