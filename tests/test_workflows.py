@@ -453,8 +453,15 @@ def test_previews_run_with_the_image_main_deploys() -> None:
     resolve = next(s for s in job["steps"] if s.get("id") == "image")
     assert '"$IMAGE_REPOSITORY:main"' in resolve["run"]
     config_map = the_step(job, "pulumi/actions")["with"]["config-map"]
-    assert config_map.startswith("${{ steps.image.outputs.image && format(")
-    assert '"duplexops:runtimeImage"' in config_map
+    # ${{ steps.image.outputs.image && format('<template>', steps.image.outputs.image) || '' }}: evaluate the
+    # template as GitHub's format() does ({{ and }} are literal braces, {0} the argument).
+    output = r"steps\.image\.outputs\.image"
+    match = re.fullmatch(rf"\$\{{\{{ {output} && format\('([^']*)', {output}\) \|\| '' \}}\}}", config_map)
+    assert match, config_map
+    image = "us-central1-docker.pkg.dev/p/r/duplex-runtime@sha256:" + "c" * 64
+    text = match[1].replace("{{", "\0").replace("}}", "\1").replace("{0}", image)
+    text = text.replace("\0", "{").replace("\1", "}")
+    assert yaml.safe_load(text) == {"duplexops:runtimeImage": {"value": image, "secret": False}}
 
 
 def test_no_registry_credential_expires_within_a_job() -> None:
