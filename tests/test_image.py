@@ -468,3 +468,29 @@ def test_runtime_image_is_a_stack_key_of_every_topology() -> None:
     config, secret_keys = stack_config("dev", overrides={"duplexops:runtimeImage": "repo/image:latest"})
     with pytest.raises(StackConfigError, match="runtimeImage"):
         parse_stack_config(config, stack="dev", secret_keys=set(secret_keys))
+
+
+def test_a_promoted_image_can_be_copied_on_to_another_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``promote`` takes an Output too (a repository per region: the second copy reads the first's
+    ``image_ref``), and the digest survives both copies."""
+    import pulumi
+    from pulumi_harness import run_stack
+
+    import infra.__main__
+    from infra.components.image import promote
+
+    first_repo = "us-central1-docker.pkg.dev/p/duplex/duplex-runtime"
+    second_repo = "europe-west4-docker.pkg.dev/p/duplex/duplex-runtime"
+
+    def two_regions() -> dict[str, object]:
+        options = pulumi.ResourceOptions()
+        _, first = promote("copy-us", CI_IMAGE, first_repo, "latest", options)
+        _, second = promote("copy-eu", first, pulumi.Output.from_input(second_repo), "latest", options)
+        return {"first": first, "second": second}
+
+    monkeypatch.setattr(infra.__main__, "main", two_regions)
+    run = run_stack("dev")
+    digest = "sha256:" + "ab" * 32
+    assert run.outputs == {"first": f"{first_repo}@{digest}", "second": f"{second_repo}@{digest}"}
+    environments = {c.name: c.plain["environment"] for c in run.of_type("command:local:Command")}
+    assert environments["copy-eu"] == {"SOURCE": f"{first_repo}@{digest}", "TARGET": f"{second_repo}:latest"}

@@ -482,7 +482,11 @@ def test_no_registry_credential_expires_within_a_job() -> None:
 
     assert PROMOTE_SCRIPT.index("gcloud auth configure-docker") < PROMOTE_SCRIPT.index("crane copy")
     [job] = load(UP_STACK)["jobs"].values()
-    assert steps_using(job, "imjasonh/setup-crane"), "the promotion needs crane"
+    [crane] = [s for s in job["steps"] if s.get("name", "").startswith("crane")]
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", crane["env"]["CRANE_VERSION"]), "a pinned crane release"
+    assert "sha256sum --check" in crane["run"] and "sudo" not in crane["run"]
+    names = [s.get("name", s.get("uses", "")) for s in job["steps"]]
+    assert names.index(crane["name"]) < names.index("pulumi up"), "the promotion needs crane"
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -99,25 +99,37 @@ def digest_of(reference: str) -> str:
 
 
 def promote(
-    name: str, source: str, target_repository: str, tag: str, opts: pulumi.ResourceOptions
+    name: str,
+    source: pulumi.Input[str],
+    target_repository: pulumi.Input[str],
+    tag: str,
+    opts: pulumi.ResourceOptions,
 ) -> tuple[local.Command, pulumi.Output[str]]:
     """Copy the digest-pinned ``source`` into ``target_repository`` (``<registry>/<project>/<repo>/<image>``)
     under ``tag``, keeping its digest (``PROMOTE_SCRIPT``); runs again only when ``source`` or the target
     changes. Returns the command and the image reference nodes run, ``<target_repository>@<digest>``, which
-    resolves once the copy is done (so nothing pulls it earlier).
+    resolves once the copy is done (so nothing pulls it earlier). ``source`` may be an Output, e.g. another
+    repository's ``image_ref``, to copy one image into a repository per region.
 
     Raises:
-        ValueError: ``source`` is not digest-pinned.
+        ValueError: ``source`` is not digest-pinned (at once for a plain string, when it resolves for an
+            Output).
     """
-    digest = digest_of(source)
+    if isinstance(source, str):
+        digest_of(source)  # refuse a tag before anything is declared
+    pinned = pulumi.Output.from_input(source)
+    target = pulumi.Output.from_input(target_repository)
     copy = local.Command(
         name,
         create=PROMOTE_SCRIPT,
-        environment={"SOURCE": source, "TARGET": f"{target_repository}:{tag}"},
-        triggers=[source, target_repository],
+        environment={"SOURCE": pinned, "TARGET": target.apply(lambda repository: f"{repository}:{tag}")},
+        triggers=[pinned, target],
         opts=opts,
     )
-    return copy, copy.id.apply(lambda _: f"{target_repository}@{digest}")
+    image_ref = pulumi.Output.all(copy.id, target, pinned.apply(digest_of)).apply(
+        lambda parts: f"{parts[1]}@{parts[2]}"
+    )
+    return copy, image_ref
 
 
 def build_path(path: Path) -> str:
