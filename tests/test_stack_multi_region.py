@@ -538,7 +538,8 @@ def test_maintenance_window_from_the_stack_and_gke_rule() -> None:
 def test_each_region_pulls_from_its_own_registry(run: StackRun) -> None:
     """Issue 20 item 12: one repository (the first region's) served every region: a pull crossed
     continents and depended on that region. Each region has a repository of its own, its nodes read it, its
-    pods run the built digest from it; the ``registries`` output lists them for the promotion."""
+    pods run the stack's digest from it (copied there by the program); the ``registries`` output lists
+    them."""
     repositories = {r.plain["location"]: r for r in run.of_type("gcp:artifactregistry/repository:Repository")}
     assert set(repositories) == {"us-central1", "europe-west4"}
     digests = set()
@@ -560,6 +561,13 @@ def test_each_region_pulls_from_its_own_registry(run: StackRun) -> None:
         ]
         assert reader.plain["location"] == region
     assert len(digests) == 1
+    # The digest is copied into the second region's repository before its pods pull it.
+    [copy] = [c for c in run.of_type("command:local:Command") if c.name == "region-europe-west4-promote"]
+    first = "us-central1-docker.pkg.dev/my-gcp-project/duplex-multi-region/duplex-runtime"
+    assert copy.plain["environment"]["SOURCE"] == f"{first}@{digests.pop()}"
+    assert copy.plain["environment"]["TARGET"].startswith(
+        "europe-west4-docker.pkg.dev/my-gcp-project/duplex-multi-region/duplex-runtime:"
+    )
 
 
 def test_https_proxy_refuses_old_tls(run: StackRun) -> None:

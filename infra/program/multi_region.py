@@ -1,9 +1,10 @@
-"""Topology ``multi-region``: the Google APIs, the runtime image (built into the first region's Artifact
-Registry repository; every other region has a repository of its own, ``region_registry``), the
-session-token keys and Grafana's password, one VPC, then per region a GKE cluster with its GPU pool,
-Memorystore and model bucket (``GkeRegion``) and the runtime's Kubernetes objects on it
-(``RegionalRuntime`` of ``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every
-region's pods (``GlobalEntry``). Stack ``multi-region``; docs/deploying.md, "Stack multi-region".
+"""Topology ``multi-region``: the Google APIs, the runtime image (built, or promoted from CI's build, into
+the first region's Artifact Registry repository, then copied with its digest into a repository of each
+other region: ``region_registry``, ``infra.components.image.promote``), the session-token keys and
+Grafana's password, one VPC, then per region a GKE cluster with its GPU pool, Memorystore and model bucket
+(``GkeRegion``) and the runtime's Kubernetes objects on it (``RegionalRuntime`` of
+``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every region's pods
+(``GlobalEntry``). Stack ``multi-region``; docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from infra.node.webclient import page_headers
 from infra.program.shared import capacity_summary, enable_apis, labels, mint_command, stack_secrets
 from infra.stack_config import RegionSettings, StackConfig
 
-__all__ = ["GKE_APIS", "declare", "region_capacity", "region_image", "region_registry"]
+__all__ = ["GKE_APIS", "declare", "region_capacity", "region_registry"]
 
 GKE_APIS = (
     "compute.googleapis.com",
@@ -39,16 +40,9 @@ this list against the declared resources."""
 
 def region_registry(project: str, region: str, repository_id: str) -> str:
     """The Docker registry path of a region's Artifact Registry repository:
-    ``<region>-docker.pkg.dev/<project>/<repository>`` (the ``registries`` output, where CI promotes the
-    image's digest)."""
+    ``<region>-docker.pkg.dev/<project>/<repository>`` (the ``registries`` output: where each region's
+    nodes pull the image's digest)."""
     return f"{region}-docker.pkg.dev/{project}/{repository_id}"
-
-
-def region_image(registry: str, image_name: str, digest: str) -> str:
-    """The runtime image a region's pods run: ``<registry>/<image>@<digest>``, the digest the stack built,
-    from the region's own repository (pulls stay in the region and do not depend on another region's
-    registry)."""
-    return f"{registry}/{image_name}@{digest}"
 
 
 def region_capacity(region: RegionSettings) -> dict[str, Any]:
@@ -84,7 +78,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
     import pulumi_gcp.compute as compute
 
     from infra.components.global_entry import GlobalEntry, GlobalEntryArgs
-    from infra.components.image import RuntimeImage, RuntimeImageArgs
+    from infra.components.image import RuntimeImage, RuntimeImageArgs, promote
     from infra.k8s import region as k8s_region
     from infra.k8s.page import PAGE_HEALTH_PATH, PAGE_PORT
     from infra.k8s.workload import drain_seconds
@@ -95,7 +89,11 @@ def declare(config: StackConfig) -> dict[str, Any]:
     first = mr.regions[0]
     after_apis = enable_apis(project, GKE_APIS if mr.enable_apis else ())
     image_args = RuntimeImageArgs(
-        project=project, location=first.region, repository_id=prefix, labels=stack_labels
+        project=project,
+        location=first.region,
+        repository_id=prefix,
+        labels=stack_labels,
+        source=config.runtime_image,
     )
     image = RuntimeImage("runtime-image", image_args, opts=after_apis)
     secrets = stack_secrets(config, first.profile, after_apis, node_files=False)
@@ -115,13 +113,19 @@ def declare(config: StackConfig) -> dict[str, Any]:
     backends = []
     registries: dict[str, str] = {}
     for settings in mr.regions:
-        repository = image.repository if settings is first else _registry(config, settings, after_apis)
         registries[settings.region] = region_registry(project, settings.region, prefix)
-        region_ref = image.digest.apply(
-            lambda digest, registry=registries[settings.region]: region_image(
-                registry, image_args.image_name, digest
+        if settings is first:
+            repository, region_ref = image.repository, image.image_ref
+        else:
+            repository = _registry(config, settings, after_apis)
+            # The same digest copied into the region's repository; the reference resolves once it is there.
+            _, region_ref = promote(
+                f"region-{settings.region}-promote",
+                image.image_ref,
+                f"{registries[settings.region]}/{image_args.image_name}",
+                image_args.tag,
+                pulumi.ResourceOptions.merge(after_apis, pulumi.ResourceOptions(depends_on=[repository])),
             )
-        )
         backend, regions_out[settings.region] = _region(
             config,
             settings,
@@ -177,8 +181,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
 
 def _registry(config: StackConfig, settings: RegionSettings, after_apis: pulumi.ResourceOptions) -> Any:
     """A region's own Docker repository in Artifact Registry (same id as the first region's, in its
-    region), ``protect``ed with the stack's stateful resources. The build pushes into the first region's;
-    CI's promotion copies the digest into each (``registries`` output)."""
+    region), ``protect``ed with the stack's stateful resources; the program copies the image's digest into
+    it (``promote``), and the region's nodes pull from it."""
     import pulumi_gcp.artifactregistry as artifactregistry
 
     mr = config.multi_region
