@@ -618,3 +618,74 @@ def test_page_is_served_without_a_public_bucket(run: StackRun) -> None:
         assert neg == {"exposed_ports": {"8080": {"name": "duplex-multi-region-page"}}, "zones": zones}
     firewall = run.one("gcp:compute/firewall:Firewall").plain
     assert firewall["allows"] == [{"protocol": "tcp", "ports": ["8998", "8080"]}]
+
+
+# --- the policy pack's rules for items 11 and 12 ------------------------------------------------------------
+
+GPU_POOL = {
+    "nodeConfig": {
+        "machineType": "a2-ultragpu-1g",
+        "guestAccelerators": [{"type": "nvidia-a100-80gb", "count": 1.0}],
+        "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("upgrade", "expected"),
+    [
+        (None, "maxSurge 1 and maxUnavailable 0: each surge node is one more GPU"),  # GKE's default
+        ({"strategy": "SURGE", "maxSurge": 1.0, "maxUnavailable": 0.0}, "maxSurge 1 and maxUnavailable 0"),
+        ({"strategy": "BLUE_GREEN"}, "upgrades BLUE_GREEN: a second pool of GPUs"),
+        ({"strategy": "SURGE", "maxSurge": 0.0, "maxUnavailable": 0.0}, "GKE refuses both 0"),
+        ({"strategy": "SURGE", "maxSurge": 0.0, "maxUnavailable": 1.0}, None),
+        (
+            {"strategy": "SURGE", "maxSurge": "3eeb2bf0-c639-47a8-9e75-3b44932eb421"},
+            None,
+        ),  # unknown in preview
+    ],
+)
+def test_policy_gpu_pool_upgrades_without_an_extra_gpu(upgrade: dict | None, expected: str | None) -> None:
+    """Issue 20 item 11 as a policy rule: a GPU pool's surge (GKE's default) or blue-green upgrade needs
+    GPUs beyond the pool's; a CPU pool may surge."""
+    from infra.policy.rules import gpu_node_pool_upgrade_needs_no_extra_gpu as rule
+
+    props = {**GPU_POOL, **({"upgradeSettings": upgrade} if upgrade is not None else {})}
+    found = rule(NODE_POOL, props)
+    if expected is None:
+        assert found == []
+    else:
+        [message] = found
+        assert expected in message and "nvidia-a100-80gb" in message
+    cpu = {"nodeConfig": {"machineType": "e2-standard-4"}, "upgradeSettings": {"maxSurge": 1.0}}
+    assert rule(NODE_POOL, cpu) == []
+
+
+def test_policy_https_proxy_refuses_old_tls() -> None:
+    """Issue 20 item 12 as a policy rule: a proxy without an SSL policy, or a policy from TLS 1.0/1.1."""
+    from infra.policy.rules import https_proxy_tls_1_2 as rule
+
+    proxy = "gcp:compute/targetHttpsProxy:TargetHttpsProxy"
+    policy = "gcp:compute/sSLPolicy:SSLPolicy"
+    [message] = rule(proxy, {"urlMap": "m", "sslCertificates": ["c"]})
+    assert "without sslPolicy" in message
+    assert rule(proxy, {"sslPolicy": "projects/p/global/sslPolicies/x"}) == []
+    assert rule(proxy, {"sslPolicy": "04da6b54-80e4-46f7-96ec-b56ff0331ba9"}) == []  # unknown in preview
+    assert "is not set (TLS_1_0)" in rule(policy, {"profile": "MODERN"})[0]
+    assert "is TLS_1_1" in rule(policy, {"minTlsVersion": "TLS_1_1"})[0]
+    assert rule(policy, {"minTlsVersion": "TLS_1_2", "profile": "RESTRICTED"}) == []
+
+
+def test_policy_pack_flags_a_surging_gpu_pool_and_a_proxy_without_tls_policy(run: StackRun) -> None:
+    broken = []
+    for typ, props, name, deps in _policy_inputs(run):
+        props = json.loads(json.dumps(props))
+        if name == "region-us-central1-gpu-pool":
+            props["upgradeSettings"] = {"strategy": "SURGE", "maxSurge": 1, "maxUnavailable": 0}
+        if typ == "gcp:compute/targetHttpsProxy:TargetHttpsProxy":
+            props.pop("sslPolicy")
+        broken.append((typ, props, name, deps))
+    violations = check_resources(broken)
+    assert len(violations) == 2, violations
+    assert any("[gpu-node-pool-upgrade-needs-no-extra-gpu]" in v and "us-central1" in v for v in violations)
+    assert any("[https-proxy-tls-1-2]" in v for v in violations)
