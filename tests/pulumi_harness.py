@@ -79,6 +79,7 @@ FAKE_SECRETS: dict[str, dict[str, str]] = {
 
 MOCK_ACCESS_TOKEN = "ya29.mock-access-token-for-unit-tests"
 MOCK_IP = "203.0.113.10"
+MOCK_PROJECT_NUMBER = "123456789012"
 MOCK_GLOBAL_IP = "198.51.100.7"
 MOCK_REDIS_CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIFICATE-----\n"
 
@@ -239,7 +240,21 @@ def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"digest": digest, "ref": f"{tags[0].rsplit(':', 1)[0]}@{digest}", "contextHash": "mock"}
     if typ == "gcp:serviceaccount/account:Account":
         email = f"{inputs.get('accountId')}@{inputs.get('project')}.iam.gserviceaccount.com"
-        return {"email": email, "member": f"serviceAccount:{email}", "uniqueId": "1234567890"}
+        return {
+            "email": email,
+            "member": f"serviceAccount:{email}",
+            "uniqueId": "1234567890",
+            "name": f"projects/{inputs.get('project')}/serviceAccounts/{email}",
+        }
+    if typ == "gcp:iam/workloadIdentityPool:WorkloadIdentityPool":
+        pool = f"projects/{MOCK_PROJECT_NUMBER}/locations/global/workloadIdentityPools/"
+        return {"name": pool + str(inputs.get("workloadIdentityPoolId"))}
+    if typ == "gcp:iam/workloadIdentityPoolProvider:WorkloadIdentityPoolProvider":
+        pool = f"projects/{MOCK_PROJECT_NUMBER}/locations/global/workloadIdentityPools/"
+        return {
+            "name": f"{pool}{inputs.get('workloadIdentityPoolId')}/providers/"
+            f"{inputs.get('workloadIdentityPoolProviderId')}"
+        }
     if typ == "gcp:compute/address:Address":
         return {"address": MOCK_IP, "selfLink": f"https://compute.googleapis.com/mock/addresses/{name}"}
     if typ == "gcp:secretmanager/secret:Secret":
