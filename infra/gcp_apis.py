@@ -7,8 +7,8 @@ stacks' tests check every declared resource against :func:`required_apis`.
 Two APIs come before any program: ``projects.Service`` calls Service Usage, and it and every
 ``projects.IAMMember`` call Cloud Resource Manager, so neither can be enabled by the program that needs it
 (terraform-provider-google #6101, #11435: 403 ``SERVICE_DISABLED`` on a fresh project). They are
-:data:`STEP_0_APIS`, enabled once per project by :data:`STEP_0_COMMAND` (README/docs, "Step 0"), and a stack
-must not declare them.
+:data:`STEP_0_APIS`, enabled once per project by :data:`STEP_0_COMMAND`
+(docs/deploying.md, "Step 0 and the bootstrap project"), and a stack must not declare them.
 """
 
 from __future__ import annotations

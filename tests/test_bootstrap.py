@@ -183,7 +183,8 @@ def test_preview_identity_cannot_write_to_the_clusters() -> None:
     """Issue 20 item 6: previews do not dry-run against the clusters. The preview identity holds no
     Kubernetes write permission (a pull request's code runs with it, so write roles would let any branch
     change production past the deploy environments' reviewers); the API server refuses the server-side
-    dry-run with 403 and pulumi-kubernetes previews that object client-side (docs/deploying.md)."""
+    dry-run with 403 and pulumi-kubernetes previews that object client-side.
+    Why: docs/deploying.md, "Step 0 and the bootstrap project"."""
     roles = preview_roles()
     assert "roles/container.viewer" in roles
     assert "kubernetes:apps/v1:Deployment" in roles["roles/container.viewer"]

@@ -7,5 +7,5 @@ CI can deploy the stacks. Run by a project owner after step 0 (``infra.gcp_apis.
   Federation pool and provider for the repository's GitHub OIDC tokens, the bindings that let the
   workflows impersonate the accounts, and the variables CI reads.
 
-Deploying docs ("Step 0 and the bootstrap project") say how to run it.
+How to run it: docs/deploying.md, "Step 0 and the bootstrap project".
 """
