@@ -119,9 +119,9 @@ def _public_members(value: Any, path: str = "") -> list[str]:
     elif isinstance(value, list):
         for i, item in enumerate(value):
             found += _public_members(item, f"{path}[{i}]")
-    elif isinstance(value, str) and (value in PUBLIC_MEMBERS or (
-        path.endswith("policyData") and any(m in value for m in PUBLIC_MEMBERS)
-    )):
+    elif isinstance(value, str) and (
+        value in PUBLIC_MEMBERS or (path.endswith("policyData") and any(m in value for m in PUBLIC_MEMBERS))
+    ):
         found.append(path)
     return found
 
@@ -342,7 +342,9 @@ def global_backends_list_existing_negs(run: StackRun) -> list[str]:
     pre-provisions it (kubernetes/ingress-gce PR 3152); a backend service that names a NEG in another zone
     gets a 404 (GoogleCloudPlatform/gke-autoneg-controller #50). With fewer pods than zones, some listed
     zone has none; the model counts a zone as having endpoints only when a rolled-out Deployment's pods
-    can be nowhere else (the cluster's nodes are all in that zone)."""
+    can be nowhere else (the cluster's nodes are all in that zone). Spreading pods over zones does not
+    count: a zone without a node of the pool is no topology domain, so a spread constraint still lets every
+    pod land in one zone."""
     problems = []
     for backend_service in run.of_type(BACKEND_SERVICE):
         exists = _neg_zones(run, backend_service)

@@ -5,6 +5,7 @@ fresh project (``tests/fresh_project.py``). Issue 20, item 6 and the bootstrap."
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -189,3 +190,31 @@ def test_preview_identity_cannot_write_to_the_clusters() -> None:
     assert "roles/container.viewer" in roles
     assert "kubernetes:apps/v1:Deployment" in roles["roles/container.viewer"]
     assert not {"roles/container.admin", "roles/container.developer"} & set(roles)
+
+
+@pytest.mark.parametrize("stack", ["dev", "scale5-gcp", "multi-region"])
+def test_after_the_bootstrap_a_stack_needs_no_api_of_its_own(stack: str) -> None:
+    """The bootstrap enables every API the stacks use: a stack built with enableApis false passes the
+    fresh project's API check once step 0 and the bootstrap are done (and fails it before)."""
+    from fresh_project import apis_enabled_before_use
+
+    from infra.bootstrap.program import BOOTSTRAP_APIS
+    from infra.gcp_apis import STEP_0_APIS
+
+    run = run_stack(stack, overrides={"duplexops:enableApis": "false"})
+    assert run.of_type("gcp:projects/service:Service") == []
+    assert apis_enabled_before_use(run, enabled=(*STEP_0_APIS, *BOOTSTRAP_APIS)) == []
+    assert apis_enabled_before_use(run)  # a fresh project without the bootstrap
+
+
+def test_the_bootstrap_is_a_pulumi_project_of_its_own() -> None:
+    """``cd infra/bootstrap && pulumi up`` finds its program and the repository's virtualenv."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    project = yaml.safe_load((root / "infra" / "bootstrap" / "Pulumi.yaml").read_text())
+    assert project["name"] == "duplexops-bootstrap" and project["runtime"]["name"] == "python"
+    assert (root / "infra" / "bootstrap" / project["main"]).is_file()
+    venv = (root / "infra" / "bootstrap" / project["runtime"]["options"]["virtualenv"]).resolve()
+    main_project = yaml.safe_load((root / "Pulumi.yaml").read_text())
+    assert venv == (root / main_project["runtime"]["options"]["virtualenv"]).resolve()
