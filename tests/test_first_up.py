@@ -117,7 +117,9 @@ def test_api_rule_step_0() -> None:
     assert apis_enabled_for_features([container, iam]) == []
     crm = StackResource(SERVICE, {"service": "cloudresourcemanager.googleapis.com"}, "api-crm")
     [declared] = apis_enabled_for_features([container, crm, iam])
-    assert "step-0 API" in declared and "gcloud services enable cloudresourcemanager.googleapis.com" in declared
+    assert (
+        "step-0 API" in declared and "gcloud services enable cloudresourcemanager.googleapis.com" in declared
+    )
 
 
 # --- 2. the Kubernetes provider authenticates as the GCP provider does ------------------------------------
