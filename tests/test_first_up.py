@@ -5,7 +5,9 @@ the policy pack, with a failing case for each."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -374,12 +376,18 @@ def _res(typ: str, name: str, inputs: dict[str, Any], *deps: RecordedResource, *
 
 
 def _fake_run(*resources: RecordedResource) -> StackRun:
-    from pathlib import Path
-
     return StackRun("t", {}, list(resources), [], {}, set(), Path("."))
 
 
 FRESH_STACKS = ("dev", "scale5-gcp", "scale5-onprem", "multi-region")
+
+
+@functools.cache
+def _first_up(stack: str) -> StackRun:
+    """One run of ``stack`` shared by its fresh-project checks."""
+    return run_stack(stack)
+
+
 FIXED_ELSEWHERE = {
     ("multi-region", "no-public-members"): "issue 20 item 4 (the page bucket grants allUsers)",
     ("multi-region", "buckets-uniform-and-private"): "issue 20 item 4 (the page bucket is public)",
@@ -395,7 +403,7 @@ def test_every_stack_passes_the_fresh_project_on_its_first_up(stack: str, check:
     """Every stack's first ``up`` in a brand-new project (``tests/fresh_project.py``): APIs enabled before
     use, the secure-by-default org policies, GKE pools that start with nodes, NEGs that exist where the
     global backend lists them. Guards issue 20 items 1-4."""
-    run = _STACK_RUNS.get(stack) or _STACK_RUNS.setdefault(stack, run_stack(stack))
+    run = _first_up(stack)
     [found] = [c for c in FRESH_PROJECT_CHECKS if c.name == check]
     problems = found.check(run)
     why = FIXED_ELSEWHERE.get((stack, check))
@@ -405,9 +413,6 @@ def test_every_stack_passes_the_fresh_project_on_its_first_up(stack: str, check:
         + ":\n"
         + "\n".join(problems)
     )
-
-
-_STACK_RUNS: dict[str, StackRun] = {}
 
 
 def test_fresh_project_apis_need_a_service_created_first() -> None:
