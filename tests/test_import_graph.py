@@ -30,7 +30,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtime.multiproc",),  # the supervisor: starts the engine process and the workers
     ("runtime.tools",),
     # The capacity planner; which Google API each resource needs; GCP naming rules; YAML text helpers.
-    ("infra.capacity", "infra.gcp_apis", "infra.names", "infra.yaml_text"),
+    (
+        "infra.capacity",
+        "infra.deploy_timeouts",
+        "infra.gcp_apis",
+        "infra.images",
+        "infra.names",
+        "infra.yaml_text",
+    ),
     # The node: profiles and the renderers of its bundle, the local node.
     ("infra.node",),
     # One region's Kubernetes objects.

@@ -82,6 +82,7 @@ _IMAGE_RE = (
     r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
 )
+_IMAGE_ALLOWED = "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
 _SSH_KEY_RE = r"^-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----\s[\s\S]+-----END [A-Z0-9 ]*PRIVATE KEY-----\s*$"
 _SSH_KEY_ALLOWED = (
     "an SSH private key in PEM/OpenSSH form, set with "
@@ -116,6 +117,10 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+    # The runtime image CI built once for this push (.github/workflows/pulumi-up.yml sets it for the update),
+    # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
+    # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
+    runtime_image: str | None = Field(None, pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
 
     @field_validator("grafana_admin_password", "redis_password", check_fields=False)
     @classmethod
@@ -203,6 +208,7 @@ class _Keys(BaseModel):
             profile_overrides=overrides,
             profile=profile,
             domain=self.domain,
+            runtime_image=self.runtime_image,
             secrets=self._secrets(),
             **settings,
         )
@@ -413,12 +419,7 @@ class OnPremNodeKeys(_NodeKeys):
             "'-' (destroy removes it), e.g. /opt/duplex"
         ),
     )
-    runtime_image: str = Field(
-        pattern=_IMAGE_RE,
-        json_schema_extra=allowed(
-            "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
-        ),
-    )
+    runtime_image: str = Field(pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
     ready_timeout_seconds: int = Field(1800, ge=60, le=7200)
 
     @field_validator("onprem_host")
