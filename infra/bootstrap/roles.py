@@ -235,7 +235,8 @@ def deployer_roles(types: Iterable[str] = STACK_RESOURCE_TYPES) -> dict[str, lis
 
 def preview_roles(types: Iterable[str] = STACK_RESOURCE_TYPES) -> dict[str, list[str]]:
     """``{role: [resource types]}`` the preview identity needs to read resources of ``types`` (read-only
-    roles: a preview changes nothing; secret payloads are not readable).
+    roles: a preview changes nothing). Secret payloads stay unreadable, so a refresh of a Secret Manager
+    version or a Kubernetes Secret is refused (docs/deploying.md, "Step 0 and the bootstrap project").
 
     Raises:
         ValueError: a type that no rule covers.
