@@ -52,8 +52,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra.program.gce", "infra.program.onprem", "infra.program.multi_region"),
     # The program: picks the stack's topology.
     ("infra.program",),
-    # Entry points: Pulumi's (``infra/__main__.py``) and the whole ``duplex`` CLI.
-    ("infra.__main__", "infra.cli"),
+    # Entry points: Pulumi's (``infra/__main__.py``), the whole ``duplex`` CLI, the bootstrap project.
+    ("infra.__main__", "infra.cli", "infra.bootstrap"),
 )
 """Parts of the code, bottom layer first: a module may import its own part and any part of a lower layer."""
 

@@ -56,6 +56,7 @@ from infra.stack_config.values import (
     pulumi_key,
     secret_matching,
 )
+from runtime.engine.model_presets import get_preset
 from runtime.frontend.tokens import keys_from_mapping
 
 __all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
@@ -191,7 +192,12 @@ class _Keys(BaseModel):
     def _config(
         self, info: ValidationInfo, profile: NodeProfile, overrides: dict[str, Any], **settings: Any
     ) -> StackConfig:
-        """The ``StackConfig`` of these keys (the stack's name and project from the validation context)."""
+        """The ``StackConfig`` of these keys (the stack's name and project from the validation context).
+
+        Raises:
+            PydanticCustomError: the profile's model is gated and ``hfToken`` is not set.
+        """
+        _require_hf_token(profile, self.hf_token)
         context = info.context or {}
         stack = context.get("stack", "stack")
         return StackConfig(
@@ -206,6 +212,24 @@ class _Keys(BaseModel):
             runtime_image=self.runtime_image,
             secrets=self._secrets(),
             **settings,
+        )
+
+
+def _require_hf_token(profile: NodeProfile, token: SecretStr | None) -> None:
+    """A profile whose model's weights are gated on the Hugging Face Hub needs ``hfToken``: without it the
+    weights download gets 401 and the node never turns ready (a GCE VM, the multi-region weights Job, an
+    on-premises host alike). Gated-ness is the model preset's (``runtime.engine.model_presets``).
+
+    Raises:
+        PydanticCustomError: the key, the model and the command that sets it.
+    """
+    preset = get_preset(profile.model)
+    if preset.gated and token is None:
+        raise problem(
+            f"required: profile {profile.name!r} serves {preset.default_source}, which is gated on the "
+            "Hugging Face Hub; accept its licence there with your account, then set a token of that account "
+            "with `pulumi config set --secret hfToken hf_...`",
+            where=pulumi_key("hf_token"),
         )
 
 
