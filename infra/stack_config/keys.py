@@ -645,7 +645,7 @@ class MultiRegionKeys(_Keys):
     )
     enable_apis: Boolean = True
     maintenance_window: Annotated[MaintenanceWindowKeys, BeforeValidator(json_value)] = (
-        MaintenanceWindowKeys()
+        MaintenanceWindowKeys.model_validate({})  # the defaults: Saturday and Sunday, 02:00-08:00 UTC
     )
 
     @field_validator("regions")
