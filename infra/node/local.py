@@ -281,7 +281,15 @@ class LocalNode:
             raise NodeStartError(
                 f"ports in use on this machine: {', '.join(busy)}; stop what holds them, or pass --free-ports"
             )
-        for sub in ("logs", "run", "redis/data", "prometheus/data", "alertmanager/data", "tls"):
+        for sub in (
+            "logs",
+            "run",
+            "redis/data",
+            "prometheus/data",
+            "alertmanager/data",
+            "tls",
+            "acme/webroot",
+        ):
             (self.node_dir / sub).mkdir(parents=True, exist_ok=True)
         write_bundle(render_bundle(p), self.node_dir)
         write_secrets(p, self.secrets, self.node_dir)
