@@ -17,7 +17,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	pebble:pebble pebble-challtestsrv:pebble
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps demo test lint bench lock clean
+.PHONY: setup system-deps deploy-deps demo test lint bench lock clean
 
 setup: system-deps $(STAMP)
 
@@ -40,10 +40,23 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
 	# moshi pins torch<2.10 in its metadata but works with current torch: install it without its
-	# dependencies; the runtime extra lists the ones it needs (README, "Packaging").
+	# dependencies; the runtime extra lists the ones it needs (docs/packaging.md).
 	$(BIN)/pip install -q --no-deps "moshi==$(MOSHI_VERSION)"
 	$(BIN)/pip install -q -c requirements.lock -e ".[runtime,deploy,dev]"
 	touch $(STAMP)
+
+# What a deploy job needs and nothing else (.github/workflows/pulumi-*.yml): the Pulumi program's
+# virtualenv with the deploy extra (pulumi, its providers, the node renderers). No system packages (a deploy
+# runner must not install or start nginx, Redis or Prometheus), no torch, no dev tools. Its own stamp, so
+# that a later `make setup` still installs the rest.
+DEPLOY_STAMP := $(VENV)/.deploy-installed
+deploy-deps: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -e ".[deploy]"
+	touch $(DEPLOY_STAMP)
 
 # The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
 # tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then stopped.
