@@ -49,17 +49,13 @@ def _problems(stack: str, **overrides: object) -> list[str]:
 
 def test_keys_give_the_profile_acme_and_receivers() -> None:
     values, secret_keys = stack_config(
-        "scale5-onprem",
+        "dev",
         overrides={K + "domain": DOMAIN, K + "acmeEmail": "ops@example.com", **ALERT_KEYS},
-        secrets={**FAKE_SECRETS["onprem-node"], **ALERT_SECRETS},
+        secrets={**FAKE_SECRETS["gce-node"], **ALERT_SECRETS},
     )
-    config = parse_stack_config(values, stack="scale5-onprem", secret_keys=set(secret_keys))
+    config = parse_stack_config(values, stack="dev", secret_keys=set(secret_keys))
     tls = config.profile.tls
-    assert (tls.mode, tls.acme_email, tls.certificate_path) == (
-        "acme",
-        "ops@example.com",
-        "/opt/duplex/tls/node.crt",
-    )
+    assert (tls.mode, tls.acme_email, config.profile.domain) == ("acme", "ops@example.com", DOMAIN)
     alerting = config.profile.alerting
     assert (
         alerting.email_password
@@ -82,6 +78,8 @@ def test_bad_certificate_and_receiver_keys_are_refused() -> None:
     assert email.startswith("duplexops:acmeEmail: 'ops' is not valid; allowed: the ACME account's contact")
     [partial] = _problems("dev", **{K + "alertEmailTo": "a@example.com"})
     assert partial.startswith("duplexops:alertEmailTo: alert receivers rejected: e-mail alerts need")
+    [onprem] = _problems("scale5-onprem", **{K + "acmeEmail": "ops@example.com", K + "domain": DOMAIN})
+    assert onprem.startswith("duplexops:acmeEmail: ACME certificates are installed by the GCE node's")
     [plain] = _problems("dev", **{K + "alertPagerdutyRoutingKey": "R" * 32})
     assert plain.startswith("duplexops:alertPagerdutyRoutingKey: set in plain text")
 
@@ -137,3 +135,23 @@ def test_onprem_node_writes_the_receivers_secrets(tmp_path) -> None:  # noqa: AN
     assert run.named("node-secrets").is_secret("stdin")
     script = secrets_script("/opt/duplex")
     assert all(path in script for path in OPTIONAL_SECRET_FILES.values())
+
+
+def test_without_a_domain_up_warns_and_says_how_to_read_the_fingerprint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Guards item 7's fallback: without a domain ``up`` says the certificate is self-signed (a warning and
+    the ``certificate`` output, with the command that reads the fingerprint the VM publishes)."""
+    import pulumi
+
+    warnings: list[str] = []
+    monkeypatch.setattr(pulumi.log, "warn", lambda message, *args, **kwargs: warnings.append(message))
+    run = run_stack("dev")
+    [warning] = [w for w in warnings if "self-signed certificate" in w]
+    assert "get-guest-attributes" in warning and "duplex/tls-sha256" in warning
+    assert run.outputs["certificate"].startswith("self-signed; its SHA-256 fingerprint: gcloud compute")
+    assert run.one(INSTANCE).plain["metadata"]["enable-guest-attributes"] == "TRUE"
+    warnings.clear()
+    acme = run_stack("dev", overrides={K + "domain": DOMAIN, K + "acmeEmail": "ops@example.com"})
+    assert not [w for w in warnings if "self-signed certificate" in w]
+    assert acme.outputs["certificate"].endswith(f"for {DOMAIN}, renewed on the VM")

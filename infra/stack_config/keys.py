@@ -518,6 +518,14 @@ class OnPremNodeKeys(_NodeKeys):
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo) -> OnPremNodeKeys:
+        if self.acme_email is not None:
+            # The on-premises deploy installs the bundle and Compose only: nothing there runs certbot
+            # (infra.node.acme.render_acme_host_files is what it would install).
+            raise problem(
+                "ACME certificates are installed by the GCE node's cloud-init only; the onprem-node deploy "
+                "does not install certbot yet; allowed: leave acmeEmail unset (a self-signed certificate)",
+                where=pulumi_key("acme_email"),
+            )
         # Everything the stack installs lives under installDir (destroy removes it): the TLS pair too.
         overrides = self._node_overrides(
             {
