@@ -343,3 +343,23 @@ def test_certbot_gets_a_pebble_certificate_through_the_rendered_nginx(
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
     def redirect_request(self, *args: object, **kwargs: object) -> None:
         return None
+
+
+def test_cloud_init_schema_accepts_the_acme_and_alerting_user_data(tmp_path: Path) -> None:
+    """The user-data with certbot's files, the alert receivers' secrets and the Ops Agent passes the real
+    ``cloud-init schema``."""
+    from infra.node.cloud_init import render_cloud_init
+    from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES
+
+    profile = _acme_profile(alerting={"webhook_url": "https://hooks.example.com/x", "pagerduty": True})
+    ids = {role: role.replace("_", "-") for role in [*SECRET_FILES, "alert_pagerduty_routing_key"]}
+    assert "alert_pagerduty_routing_key" in OPTIONAL_SECRET_FILES
+    user_data = render_cloud_init(profile, render_bundle(profile), secret_manager_secrets=ids)[USER_DATA_FILE]
+    path = tmp_path / "user-data.yaml"
+    path.write_bytes(user_data)
+    result = subprocess.run(
+        ["cloud-init", "schema", "--config-file", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    commands = [" ".join(c) for c in yaml.safe_load(user_data)["runcmd"]]
+    assert any("add-google-cloud-ops-agent-repo.sh --also-install" in c for c in commands)
