@@ -196,7 +196,9 @@ echo "duplex-certbot-deploy: installed $(openssl x509 -noout -serial -in {crt}) 
 def _renew_script(profile: NodeProfile, dirs: AcmeDirs) -> str:
     q = shlex.quote
     argv = " ".join(q(arg) for arg in certbot_command(profile, dirs, deploy_hook=DEPLOY_HOOK))
-    probe = f"http://127.0.0.1:{profile.ports.http}{ACME_CHALLENGE_PREFIX}duplex-probe"
+    # nginx's plain HTTP port where Compose publishes it (every address: probe loopback).
+    host = "127.0.0.1" if profile.public_address in ("0.0.0.0", "::") else profile.public_address
+    probe = f"http://{host}:{profile.ports.http}{ACME_CHALLENGE_PREFIX}duplex-probe"
     webroot_challenges = q(posixpath.join(dirs.webroot, ACME_CHALLENGE_PREFIX.strip("/")))
     return f"""#!/bin/sh
 # Rendered by infra.node.acme for node profile {profile.name!r}: obtains the node's certificate for

@@ -297,6 +297,8 @@ class NodeProfile(_Strict):
         model_cache_dir: host directory for downloaded weights (mounted at /models).
         data_dir: host directory for Redis, Prometheus and Grafana data.
         scrape_interval_s: Prometheus's scrape and rule-evaluation interval (s); Grafana's minimum step.
+        tls: where nginx's certificate comes from (``TlsSettings``: self-signed, files, or ACME).
+        alerting: where the node's Alertmanager sends alerts (``AlertReceivers``).
         frontend_workers: the runtime's front-end processes (``runtime/multiproc.py``; about 40 Opus
             sessions per worker, issue 16).
     """
