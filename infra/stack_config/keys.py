@@ -333,14 +333,14 @@ class _NodeKeys(_Keys):
                 tls["acme_directory"] = self.acme_directory
         if tls:
             overrides["tls"] = tls
-        alerting = {
+        receivers = {
             "webhook_url": self.alert_webhook_url,
             "email_to": self.alert_email_to,
             "email_from": self.alert_email_from,
             "email_smarthost": self.alert_email_smarthost,
             "email_username": self.alert_email_username,
         }
-        alerting = {key: value for key, value in alerting.items() if value is not None}
+        alerting: dict[str, Any] = {key: value for key, value in receivers.items() if value is not None}
         if self.alert_email_password is not None:
             alerting["email_password"] = True
         if self.alert_pagerduty_routing_key is not None:
