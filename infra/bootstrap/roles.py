@@ -44,7 +44,7 @@ ROLE_RULES: tuple[RoleRule, ...] = (
     RoleRule("pulumi:", (), (), "the stack and the providers: no Google API"),
     RoleRule("duplexops:", (), (), "this project's components: no Google API of their own"),
     RoleRule("random:", (), (), "generated values, local"),
-    RoleRule("command:", (), (), "commands over SSH on an on-premises host"),
+    RoleRule("command:", (), (), "commands over SSH on an on-premises host, crane copies between registries"),
     # Google Cloud, one rule per provider module.
     RoleRule(
         "gcp:projects/service:Service",
@@ -132,6 +132,7 @@ pool); it gives no power the deployer lacks, since ``roles/iam.serviceAccountAdm
 any account's IAM policy."""
 
 STACK_RESOURCE_TYPES: tuple[str, ...] = (
+    "command:local:Command",
     "command:remote:Command",
     "command:remote:CopyToRemote",
     "docker-build:index:Image",
@@ -151,7 +152,6 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:artifactregistry/repository:Repository",
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember",
     "gcp:compute/address:Address",
-    "gcp:compute/backendBucket:BackendBucket",
     "gcp:compute/backendService:BackendService",
     "gcp:compute/firewall:Firewall",
     "gcp:compute/globalAddress:GlobalAddress",
@@ -162,6 +162,7 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:compute/network:Network",
     "gcp:compute/router:Router",
     "gcp:compute/routerNat:RouterNat",
+    "gcp:compute/sSLPolicy:SSLPolicy",
     "gcp:compute/securityPolicy:SecurityPolicy",
     "gcp:compute/subnetwork:Subnetwork",
     "gcp:compute/targetHttpProxy:TargetHttpProxy",
@@ -179,7 +180,6 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:serviceaccount/iAMMember:IAMMember",
     "gcp:storage/bucket:Bucket",
     "gcp:storage/bucketIAMMember:BucketIAMMember",
-    "gcp:storage/bucketObject:BucketObject",
     "kubernetes:apiregistration.k8s.io/v1:APIService",
     "kubernetes:apps/v1:Deployment",
     "kubernetes:autoscaling/v2:HorizontalPodAutoscaler",
