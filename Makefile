@@ -12,7 +12,9 @@ TORCH_PIP_ARGS ?=
 # The system programs the main job and the tests run for real, as binary:Debian package.
 SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-light prometheus:prometheus \
 	promtool:prometheus prometheus-node-exporter:prometheus-node-exporter \
-	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium
+	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium \
+	prometheus-alertmanager:prometheus-alertmanager amtool:prometheus-alertmanager certbot:certbot \
+	pebble:pebble pebble-challtestsrv:pebble
 STAMP := $(VENV)/.installed
 
 .PHONY: setup system-deps deploy-deps demo test lint bench lock clean
@@ -20,7 +22,8 @@ STAMP := $(VENV)/.installed
 setup: system-deps $(STAMP)
 
 # Debian/Ubuntu packages the main job and the tests run for real: Redis, nginx, Prometheus (with promtool)
-# and its exporters, cloud-init (its schema check), a speech synthesiser. Installed only where missing.
+# and its exporters, Alertmanager (with amtool), certbot and Pebble (Let's Encrypt's test ACME server, with
+# its DNS stub pebble-challtestsrv), cloud-init (its schema check), a speech synthesiser. Installed only where missing.
 system-deps:
 	@missing=""; \
 	for pair in $(SYSTEM_PACKAGES); do \

@@ -118,6 +118,12 @@ NODE_IMAGES: dict[str, ThirdPartyImage] = {
         "sha256:d00a542e409ee618a4edc67da14dd48c5da66726bbd5537ab2af9c1dfc442c8a",
         f"{_PUBLIC} (several repositories agree)",
     ),
+    "alertmanager": ThirdPartyImage(
+        "prom/alertmanager",
+        "v0.28.1",
+        "sha256:27c475db5fb156cab31d5c18a4251ac7ed567746a2483ff264516437a39b15ba",
+        f"{_PUBLIC} (many repositories agree)",
+    ),
     "redis-exporter": ThirdPartyImage(
         "oliver006/redis_exporter", "v1.74.0-alpine", None, "no published digest found: pin it"
     ),

@@ -350,6 +350,8 @@ class GceGpuNode(pulumi.ComponentResource):
             metadata={
                 "user-data": self.user_data,
                 "enable-oslogin": "TRUE",
+                # The node publishes its certificate's fingerprint there (infra.node.cloud_init).
+                "enable-guest-attributes": "TRUE",
                 "block-project-ssh-keys": "TRUE",
                 STOP_TIMEOUT_METADATA_KEY: str(node_stop_timeout_s(profile)),
             },

@@ -20,7 +20,7 @@ from infra.node.bundle import render_bundle, write_bundle
 from infra.node.cloud_init import USER_DATA_FILE, render_prepare_script
 from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS
 from infra.node.profile import NodeProfile
-from infra.node.services import SECRET_FILES, SECRETS_DIR
+from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR
 
 __all__ = [
     "GPU_NAME_PATTERNS",
@@ -147,7 +147,9 @@ chmod 0755 {q(PREPARE_SCRIPT)}
 def secrets_script(install_dir: str) -> str:
     """Writes the secret files read from stdin (``secret_stdin``) into ``install_dir/secrets``."""
     q = shlex.quote
-    allowed = " | ".join(sorted({*SECRET_FILES.values(), f"{SECRETS_DIR}/hf-token.env"}))
+    allowed = " | ".join(
+        sorted({*SECRET_FILES.values(), *OPTIONAL_SECRET_FILES.values(), f"{SECRETS_DIR}/hf-token.env"})
+    )
     return f"""set -eu
 umask 077
 root={q(install_dir)}
@@ -177,7 +179,8 @@ def secret_stdin(files: dict[str, str]) -> str:
     lines = []
     for path in sorted(files):
         role = next((r for r, p in SECRET_FILES.items() if p == path), None)
-        mode = "0640" if role in CONTAINER_READ_SECRETS else "0600"
+        read_by_a_container = role in CONTAINER_READ_SECRETS or path in OPTIONAL_SECRET_FILES.values()
+        mode = "0640" if read_by_a_container else "0600"
         lines.append(f"{path} {mode} {base64.b64encode(files[path].encode()).decode()}")
     return "\n".join(lines) + "\n"
 

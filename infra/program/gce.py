@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pulumi
+
+from infra.node.cloud_init import GUEST_ATTRIBUTE_TLS_SHA256
 from infra.program.shared import capacity_summary, enable_apis, endpoint, labels, mint_command, stack_secrets
 from infra.stack_config import StackConfig
 
@@ -61,6 +64,17 @@ def declare(config: StackConfig) -> dict[str, Any]:
         ),
         opts=after_apis,
     )
+    # Certificates (docs/deploying.md, "Certificates on a single node"): say so when the node cannot have
+    # a real one, and how to read the self-signed one's fingerprint (published by the VM at each start).
+    fingerprint = (
+        f"gcloud compute instances get-guest-attributes {node.instance_name} --project {gce.project} "
+        f"--zone {gce.zone} --query-path={GUEST_ATTRIBUTE_TLS_SHA256} --format='value(value)'"
+    )
+    if profile.tls.mode != "acme":
+        pulumi.log.warn(
+            "no duplexops:domain and duplexops:acmeEmail: the node serves a self-signed certificate, which "
+            f"browsers refuse for wss://; read its SHA-256 fingerprint with: {fingerprint}"
+        )
     local = profile.private_address
     password_id = secrets.secret_ids["grafana_admin_password"]
     read_password = f"gcloud secrets versions access latest --secret={password_id} --project={gce.project}"
@@ -84,6 +98,11 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "ssh": node.ssh_command(),
         "capacity": capacity_summary(profile, machine_type=gce.machine_type),
         "image": image.image_ref,
+        "certificate": (
+            f"ACME ({profile.tls.acme_directory}) for {profile.domain}, renewed on the VM"
+            if profile.tls.mode == "acme"
+            else f"self-signed; its SHA-256 fingerprint: {fingerprint}"
+        ),
         "node": {
             "topology": config.topology,
             "profile": profile.name,

@@ -187,6 +187,8 @@ class _Keys(BaseModel):
             grafana_admin_password=self.grafana_admin_password,
             token_keys=self.token_signing_keys,
             hf_token=self.hf_token,
+            alert_email_password=getattr(self, "alert_email_password", None),
+            alert_pagerduty_routing_key=getattr(self, "alert_pagerduty_routing_key", None),
         )
 
     def _config(
@@ -239,6 +241,11 @@ def _profile_problem(profile_name: str, overrides: dict[str, Any], error: Any) -
     field = str(loc[0]) if loc else ""
     if not field and message.startswith("max_sessions"):
         field = "max_sessions"
+    if field == "tls":  # the ACME keys (see _NodeKeys._node_overrides)
+        return (pulumi_key("acme_email"), f"rejected for profile {profile_name!r}: {message}")
+    if field == "alerting":
+        key = "alert_webhook_url" if "webhook" in message else "alert_email_to"
+        return (pulumi_key(key), f"alert receivers rejected: {message}")
     if field not in ("max_sessions", "gpu", "domain"):
         return (
             pulumi_key("profile"),
@@ -275,9 +282,73 @@ def _profile_gpu(info: ValidationInfo) -> str | None:
 
 
 class _NodeKeys(_Keys):
-    """Keys of a single-node topology (``gce-node``, ``onprem-node``)."""
+    """Keys of a single-node topology (``gce-node``, ``onprem-node``).
+
+    Certificates (``infra.node.acme``): with ``domain`` and ``acmeEmail`` the node gets its certificate
+    from ``acmeDirectory`` (Let's Encrypt) by HTTP-01; without a domain it serves a self-signed one.
+    Alerts (``infra.node.alertmanager``): the node's Alertmanager sends to the receivers configured here.
+    """
 
     redis_password: Secret | None = None
+    # --- certificates and alert receivers (issue 20, items 7 and 8) ---
+    acme_email: str | None = Field(
+        None,
+        pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,63}$",
+        json_schema_extra=allowed("the ACME account's contact e-mail address, e.g. ops@example.com"),
+    )
+    acme_directory: str | None = Field(
+        None,
+        pattern=r"^https://\S+$",
+        json_schema_extra=allowed(
+            "an ACME directory URL (Let's Encrypt's by default; its staging for trials)"
+        ),
+    )
+    alert_webhook_url: str | None = None
+    alert_email_to: str | None = None
+    alert_email_from: str | None = None
+    alert_email_smarthost: str | None = None
+    alert_email_username: str | None = None
+    alert_email_password: Secret | None = None
+    alert_pagerduty_routing_key: (
+        Annotated[Secret, secret_matching(r"^[A-Za-z0-9]{32}$", "32 letters or digits")] | None
+    ) = None
+
+    @model_validator(mode="after")
+    def _acme_needs_a_domain(self) -> _NodeKeys:
+        if (self.acme_email is not None or self.acme_directory is not None) and self.domain is None:
+            raise problem(
+                "an ACME certificate is for the node's DNS name; allowed: set duplexops:domain too (its A "
+                "record pointing at the node), or leave acmeEmail unset for a self-signed certificate",
+                where=pulumi_key("acme_email"),
+            )
+        return self
+
+    def _node_overrides(self, tls: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The profile overrides of the single-node keys: ``tls`` (ACME when a domain is set) and
+        ``alerting`` (the receivers)."""
+        overrides = self._overrides()
+        tls = dict(tls or {})
+        if self.acme_email is not None:
+            tls.update(mode="acme", acme_email=self.acme_email)
+            if self.acme_directory is not None:
+                tls["acme_directory"] = self.acme_directory
+        if tls:
+            overrides["tls"] = tls
+        receivers = {
+            "webhook_url": self.alert_webhook_url,
+            "email_to": self.alert_email_to,
+            "email_from": self.alert_email_from,
+            "email_smarthost": self.alert_email_smarthost,
+            "email_username": self.alert_email_username,
+        }
+        alerting: dict[str, Any] = {key: value for key, value in receivers.items() if value is not None}
+        if self.alert_email_password is not None:
+            alerting["email_password"] = True
+        if self.alert_pagerduty_routing_key is not None:
+            alerting["pagerduty"] = True
+        if alerting:
+            overrides["alerting"] = alerting
+        return overrides
 
 
 class GceNodeKeys(_NodeKeys):
@@ -350,7 +421,7 @@ class GceNodeKeys(_NodeKeys):
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo) -> GceNodeKeys:
-        overrides = self._overrides()
+        overrides = self._node_overrides()
         profile = self._profile(overrides)
         gpu = profile.gpu
         if gpu not in gcp_catalog.GCP_GPUS:
@@ -448,12 +519,21 @@ class OnPremNodeKeys(_NodeKeys):
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo) -> OnPremNodeKeys:
-        overrides = self._overrides()
+        if self.acme_email is not None:
+            # The on-premises deploy installs the bundle and Compose only: nothing there runs certbot
+            # (infra.node.acme.render_acme_host_files is what it would install).
+            raise problem(
+                "ACME certificates are installed by the GCE node's cloud-init only; the onprem-node deploy "
+                "does not install certbot yet; allowed: leave acmeEmail unset (a self-signed certificate)",
+                where=pulumi_key("acme_email"),
+            )
         # Everything the stack installs lives under installDir (destroy removes it): the TLS pair too.
-        overrides["tls"] = {
-            "certificate_path": f"{self.install_dir}/tls/node.crt",
-            "private_key_path": f"{self.install_dir}/tls/node.key",
-        }
+        overrides = self._node_overrides(
+            {
+                "certificate_path": f"{self.install_dir}/tls/node.crt",
+                "private_key_path": f"{self.install_dir}/tls/node.key",
+            }
+        )
         profile = self._profile(overrides)
         _check_bundle(profile)
         onprem = OnPremSettings(

@@ -45,7 +45,15 @@ PLACEHOLDER_IMAGE = "registry.invalid/duplexops/runtime@sha256:" + "0" * 64
 """Image used to validate the profile and the bundle before the real digest is known."""
 
 SECRET_KEYS: frozenset[str] = frozenset(
-    {"redisPassword", "grafanaAdminPassword", "tokenSigningKeys", "hfToken", "onpremSshPrivateKey"}
+    {
+        "redisPassword",
+        "grafanaAdminPassword",
+        "tokenSigningKeys",
+        "hfToken",
+        "onpremSshPrivateKey",
+        "alertEmailPassword",
+        "alertPagerdutyRoutingKey",
+    }
 )
 """Keys whose values are secrets: they must be set with ``pulumi config set --secret``."""
 
@@ -77,6 +85,10 @@ class StackSecretsConfig(_Frozen):
     token_keys: SecretStr | None = None
     """JSON ``{"kid": "secret", ...}``."""
     hf_token: SecretStr | None = None
+    alert_email_password: SecretStr | None = None
+    """The SMTP password of the e-mail alert receiver (``alertEmailPassword``)."""
+    alert_pagerduty_routing_key: SecretStr | None = None
+    """The PagerDuty Events API v2 routing key (``alertPagerdutyRoutingKey``)."""
 
 
 class GceSettings(_Frozen):
