@@ -38,6 +38,7 @@ import yaml
 from pulumi.runtime import rpc
 
 __all__ = [
+    "FAKE_PROMOTED",
     "FAKE_SECRETS",
     "LAST_MOCKS",
     "REPO_ROOT",
@@ -75,6 +76,11 @@ FAKE_SECRETS: dict[str, dict[str, str]] = {
     },
 }
 """Secret config each topology's tests inject (the stack files hold none: they are set with the CLI)."""
+
+FAKE_PROMOTED: dict[str, dict[str, str]] = {
+    "onprem-node": {"duplexops:imageDigest": "sha256:" + "5" * 64},
+}
+"""Plain config CI writes before ``up`` and no stack file holds (the promoted image digest)."""
 
 MOCK_ACCESS_TOKEN = "ya29.mock-access-token-for-unit-tests"
 MOCK_IP = "203.0.113.10"
@@ -290,6 +296,9 @@ def stack_config(
         else:
             raw[key] = value
     topology = str(raw.get(f"{PROJECT}:topology", ""))
+    for key, value in FAKE_PROMOTED.get(topology, {}).items():
+        if key not in (overrides or {}):
+            raw[key] = value
     chosen = dict(FAKE_SECRETS.get(topology, {}) if secrets is None else secrets)
     secret_keys = []
     for key, value in chosen.items():

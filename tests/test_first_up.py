@@ -25,6 +25,7 @@ from infra.policy.rules import (
     session_affinity_needs_hash_policy,
 )
 from infra.stack_config import StackConfigError
+from infra.stack_config.keys import NODE_DRAIN_GRACE_S
 
 SERVICE = "gcp:projects/service:Service"
 NODE_POOL = "gcp:container/nodePool:NodePool"
@@ -148,7 +149,8 @@ def test_graceful_shutdown_covers_the_nodes_stop(stack: str, profile: str) -> No
     run = run_stack(stack)
     [vm] = run.of_type(INSTANCE)
     graceful = vm.plain["scheduling"]["gracefulShutdown"]
-    needed = node_stop_timeout_s(get_profile(profile))
+    limits = {**get_profile(profile).limits.model_dump(), "drain_grace_s": NODE_DRAIN_GRACE_S}  # the stacks'
+    needed = node_stop_timeout_s(get_profile(profile, limits=limits))
     assert graceful["enabled"] is True and graceful["maxDuration"]["seconds"] == needed
     assert vm.plain["metadata"][gcp_catalog.STOP_TIMEOUT_METADATA_KEY] == str(needed)
 

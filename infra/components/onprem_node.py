@@ -251,7 +251,9 @@ class OnPremNodeArgs:
     Attributes:
         host, port, user: SSH coordinates (``user``: root, or passwordless sudo).
         private_key: the SSH private key (a secret Output).
-        host_key: the host's public key (pins it), or None.
+        host_key: the host's public key line (``ssh-ed25519 AAAA...``): required, every connection of every
+            step checks it (``remote.ConnectionArgs.host_key``: without it pulumi-command 1.2 ignores the
+            host key, and the secrets would go to whoever answers on the address).
         install_dir: where the bundle goes (removed on destroy).
         profile: the node profile, with the image the host runs in ``runtime_image``.
         secret_files: ``{bundle path: content}`` of the node's secrets (a secret Output).
@@ -268,8 +270,15 @@ class OnPremNodeArgs:
     profile: NodeProfile
     secret_files: pulumi.Input[dict[str, str]]
     local_bundle_dir: str
-    host_key: str | None = None
+    host_key: str
     ready_timeout_s: int = 1800
+
+    def __post_init__(self) -> None:
+        if not self.host_key or len(self.host_key.split()) < 2:
+            raise ValueError(
+                f"host_key: {self.host_key!r} is not a public key line; allowed: the host's key, e.g. from "
+                "`ssh-keyscan -t ed25519 <host>` ('ssh-ed25519 AAAA...'): secrets travel over this session"
+            )
 
 
 class OnPremNode(pulumi.ComponentResource):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pulumi
+
 from infra.program.shared import capacity_summary, enable_apis, endpoint, labels, mint_command, stack_secrets
 from infra.stack_config import StackConfig
 
@@ -21,6 +23,9 @@ GCP_APIS = (
 )
 """Google APIs a GCE node needs (enabled, never disabled on destroy: other stacks may use them)."""
 
+SPOT_APIS = ("cloudscheduler.googleapis.com",)
+"""More APIs a Spot node needs: Cloud Scheduler starts it again after a preemption."""
+
 
 def declare(config: StackConfig) -> dict[str, Any]:
     """Declare a ``gce-node`` stack; return its outputs."""
@@ -30,7 +35,13 @@ def declare(config: StackConfig) -> dict[str, Any]:
     gce = config.gce
     assert gce is not None
     prefix, profile, stack_labels = config.name_prefix, config.profile, labels(config)
-    after_apis = enable_apis(gce.project, GCP_APIS if gce.enable_apis else ())
+    apis = GCP_APIS + (SPOT_APIS if gce.provisioning_model == "spot" else ())
+    after_apis = enable_apis(gce.project, apis if gce.enable_apis else ())
+    if gce.provisioning_model == "flex-start":
+        pulumi.log.warn(
+            "flex-start: GCE deletes the VM after 7 days (its data disk stays); Pulumi notices only on a "
+            "refresh: deploy with `pulumi up --refresh` so that the next up creates it again"
+        )
 
     image = RuntimeImage(
         "runtime-image",
