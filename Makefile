@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
 	# moshi pins torch<2.10 in its metadata but works with current torch: install it without its
-	# dependencies; the runtime extra lists the ones it needs (README, "Packaging").
+	# dependencies; the runtime extra lists the ones it needs (docs/packaging.md).
 	$(BIN)/pip install -q --no-deps "moshi==$(MOSHI_VERSION)"
 	$(BIN)/pip install -q -c requirements.lock -e ".[runtime,deploy,dev]"
 	touch $(STAMP)

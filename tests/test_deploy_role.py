@@ -7,7 +7,7 @@ closure is blocked (importing one of its modules raises ``ModuleNotFoundError``,
 where it was never installed): for the program, the closure of the project's base dependencies and the
 ``deploy`` extra (``pyproject.toml``); for the policy pack, that of ``infra/policy/requirements.txt`` (the
 virtualenv the Pulumi CLI makes for it); for the runtime, the base and the ``runtime`` extra plus moshi
-(installed without its dependencies). README, "Packaging".
+(installed without its dependencies). docs/packaging.md.
 """
 
 from __future__ import annotations

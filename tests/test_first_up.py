@@ -307,10 +307,10 @@ def test_clusters_have_no_cluster_level_node_config(multi_region: StackRun) -> N
 
 
 def test_gpu_node_disruption_drains_one_pod_at_a_time_within_its_grace(multi_region: StackRun) -> None:
-    """What the cluster does on GPU host maintenance or a node upgrade (README "multi-region"): GKE cordons
-    the node and evicts its pods through the eviction API, which honours the PodDisruptionBudget; each
-    pod's preStop drains (no new sessions, running ones finish) within terminationGracePeriodSeconds.
-    Surge upgrades add a node before removing one (maxUnavailable 0)."""
+    """What the cluster does on GPU host maintenance or a node upgrade (docs/deploying.md, "Stack
+    multi-region"): GKE cordons the node and evicts its pods through the eviction API, which honours the
+    PodDisruptionBudget; each pod's preStop drains (no new sessions, running ones finish) within
+    terminationGracePeriodSeconds. Surge upgrades add a node before removing one (maxUnavailable 0)."""
     from infra.k8s.workload import drain_seconds
     from infra.node.profile import get_profile as profile_of
 

@@ -254,7 +254,7 @@ def test_the_build_context_is_exactly_what_the_dockerfile_copies(dockerfile: Doc
     for source in sources:
         assert any(f == source or f.startswith(source.rstrip("/") + "/") for f in context), source
     # The deployment tools and the repository's own documentation are not.
-    assert not [f for f in context if f.split("/")[0] in ("infra", ".github", "stacks", "tests")]
+    assert not [f for f in context if f.split("/")[0] in ("infra", ".github", "stacks", "tests", "docs")]
     assert not {"Makefile", "README.md", "Pulumi.yaml", ".dockerignore"} & context
 
 
@@ -274,6 +274,7 @@ _DECOYS = {
     "tests/test_image.py": "# a test\n",
     "Makefile": "setup:\n\ttrue\n",
     "README.md": "# duplexops\n",
+    "docs/runtime.md": "# The runtime\n",
     "Pulumi.yaml": "name: duplexops\n",
     "runtime/__pycache__/server.cpython-311.pyc": "bytecode",
     "runtime/.server.py.swp": "editor swap file",
@@ -283,7 +284,7 @@ _DECOYS = {
 @pytest.fixture
 def repo_copy(dockerfile: DockerfileParser, tmp_path: Path) -> Path:
     """A copy of what the context can hold: .dockerignore, the Dockerfile, the COPY sources, and decoys
-    that must stay out (the program, workflows, stacks, tests, Makefile, README, generated files)."""
+    that must stay out (the program, workflows, stacks, tests, Makefile, README, docs, generated files)."""
     root = tmp_path / "repo"
     for relative in [".dockerignore", "images/runtime/Dockerfile", *_copied_sources(dockerfile)]:
         source, target = ROOT / relative, root / relative

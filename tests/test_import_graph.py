@@ -21,7 +21,7 @@ PACKAGES = ("runtime", "infra")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # The batched runtime, which knows nothing of the deployment. Inside it, the engine side (the model and
-    # the tick) imports nothing of the front end or the tools (README, "The runtime").
+    # the tick) imports nothing of the front end or the tools (docs/runtime.md).
     ("runtime.metrics", "runtime.ipc", "runtime.child_process"),
     ("runtime.engine",),
     ("runtime.frontend.tokens",),  # the settings read signing keys with it

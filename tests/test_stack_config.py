@@ -1,7 +1,8 @@
 """``infra.stack_config``: the keys declared as pydantic models (aliases are Pulumi's keys), pydantic's
 collected errors turned into one line per problem (key, bad value, what is allowed; secrets never shown),
-and the README's table naming every key. The stacks' own error tests run the whole program
-(``tests/test_stacks_single_node.py``, ``tests/test_stack_multi_region.py``, ``tests/test_first_up.py``)."""
+and the table of docs/stack-configuration.md naming every key. The stacks' own error tests run the whole
+program (``tests/test_stacks_single_node.py``, ``tests/test_stack_multi_region.py``,
+``tests/test_first_up.py``)."""
 
 from __future__ import annotations
 
@@ -119,9 +120,9 @@ def test_region_items_name_their_place() -> None:
     assert bounds == "duplexops:regions[0].minNodes: 5 is above maxNodes 2; allowed: minNodes <= maxNodes"
 
 
-def test_the_readme_names_every_key() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Stack configuration", 1)[1].split("\n### ", 1)[0]
+def test_the_docs_name_every_key() -> None:
+    doc = (ROOT / "docs" / "stack-configuration.md").read_text()
+    section = doc.split("# Stack configuration\n", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`([a-zA-Z]+)`", section))
     assert set(KNOWN_KEYS) <= documented, set(KNOWN_KEYS) - documented
     assert set(RegionKeys.model_fields[n].alias for n in RegionKeys.model_fields) <= documented

@@ -1,6 +1,6 @@
 """The weights-prefetch Job of one region: the runtime image downloads the profile's Hugging Face
 repository once into the region's model bucket (``scripts/prefetch_weights.py``) and marks it complete;
-the runtime pods wait for the marker and mount the bucket read-only. README, "Stack multi-region".
+the runtime pods wait for the marker and mount the bucket read-only. docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 the session-token keys and Grafana's password, one VPC, then per region a GKE cluster with its GPU pool,
 Memorystore and model bucket (``GkeRegion``) and the runtime's Kubernetes objects on it
 (``RegionalRuntime`` of ``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every
-region's pods (``GlobalEntry``). Stack ``multi-region``; README, "Stack multi-region".
+region's pods (``GlobalEntry``). Stack ``multi-region``; docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

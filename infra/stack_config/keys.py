@@ -3,7 +3,7 @@
 (``duplexops:<camelCase>``, ``gcp:project``...), with the constraints of each key and validators that apply
 the GCP rules through the capacity planner (``infra.capacity.gcp``: machine type vs GPU, provisioning
 model, zones) and the node profile (sessions vs capacity). A valid model holds the ``StackConfig`` it
-built. README, "Stack configuration".
+built. docs/stack-configuration.md.
 """
 
 from __future__ import annotations
