@@ -83,6 +83,7 @@ FAKE_PROMOTED: dict[str, dict[str, str]] = {
 """Plain config CI writes before ``up`` and no stack file holds (the promoted image digest)."""
 
 MOCK_ACCESS_TOKEN = "ya29.mock-access-token-for-unit-tests"
+MOCK_DEPLOYER = "deployer@my-gcp-project.iam.gserviceaccount.com"
 MOCK_IP = "203.0.113.10"
 MOCK_GLOBAL_IP = "198.51.100.7"
 MOCK_REDIS_CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIFICATE-----\n"
@@ -190,6 +191,10 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 "zone": "us-central1-a",
                 "id": "client-config",
             }, []
+        if args.token == "gcp:organizations/getClientOpenIdUserInfo:getClientOpenIdUserInfo":
+            return {"email": MOCK_DEPLOYER, "id": "open-id"}, []
+        if args.token == "gcp:serviceaccount/getAccountAccessToken:getAccountAccessToken":
+            return {"accessToken": MOCK_ACCESS_TOKEN, "id": "token", **dict(args.args)}, []
         raise NotImplementedError(f"the mocks do not answer {args.token}: add it to tests/pulumi_harness.py")
 
 

@@ -80,8 +80,12 @@ ONPREM_INVENTORY = {
     "duplexops:components:StackSecrets": 1,
     "random:index/randomPassword:RandomPassword": 3,
     "duplexops:components:OnPremNode": 1,
-    "command:remote:Command": 6,
+    "command:remote:Command": 7,
     "command:remote:CopyToRemote": 1,
+    "duplexops:components:RegistryPuller": 1,
+    "gcp:serviceaccount/account:Account": 1,
+    "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
+    "gcp:serviceaccount/iAMMember:IAMMember": 1,
 }
 
 
@@ -441,7 +445,15 @@ def _commands(run: StackRun) -> dict[str, dict]:
 def test_onprem_steps_and_their_order(runs: dict[str, StackRun]) -> None:
     run = runs["scale5-onprem"]
     commands = _commands(run)
-    assert set(commands) == {"gpu-check", "stage", "install", "secrets", "compose-up", "ready"}
+    assert set(commands) == {
+        "gpu-check",
+        "stage",
+        "install",
+        "secrets",
+        "registry-login",
+        "compose-up",
+        "ready",
+    }
     assert "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader" in commands["gpu-check"]["create"]
     assert "L40S" in commands["gpu-check"]["create"]
     up = commands["compose-up"]
@@ -463,6 +475,7 @@ def test_onprem_steps_and_their_order(runs: dict[str, StackRun]) -> None:
         "node-bundle",
         "node-install",
         "node-secrets",
+        "node-registry-login",
         "node-compose-up",
         "node-ready",
     ]
@@ -851,7 +864,7 @@ def test_every_ssh_connection_checks_the_host_key(runs: dict[str, StackRun]) -> 
     run = runs["scale5-onprem"]
     key = load_stack_file("scale5-onprem")["duplexops:onpremHostKey"]
     steps = [*run.of_type(COMMAND), *run.of_type("command:remote:CopyToRemote")]
-    assert len(steps) == 7
+    assert len(steps) == 8
     for step in steps:
         assert step.plain["connection"]["hostKey"] == key, step.name
 
@@ -880,3 +893,79 @@ def test_drain_grace_is_configurable_and_fits_graceful_shutdown(tmp_path: Path) 
     assert vm["scheduling"]["gracefulShutdown"]["maxDuration"]["seconds"] >= 2 * 600
     message = _config_error("dev", overrides={"duplexops:drainGraceSeconds": 2000})
     assert "duplexops:drainGraceSeconds" in message and "1700" in message
+
+
+def test_the_policy_pack_passes_flex_start_and_holds_its_rules(tmp_path: Path) -> None:
+    """Guards item 16 in the policy pack: the graceful-shutdown rule demanded graceful shutdown of a
+    Flex-start VM (GCE excludes it for a limited run time) and the provisioning rule did not ask for
+    ``reservationAffinity`` NO_RESERVATION. The Flex-start stack passes the whole pack; each mistake is
+    named."""
+    import copy
+
+    from infra.policy.rules import check_resources, gpu_instance_graceful_shutdown, provisioning_model_sold
+
+    run = run_stack("scale5-gcp", overrides={"duplexops:provisioningModel": "flex-start"}, build_dir=tmp_path)
+    assert check_resources([(r.type, r.plain, r.name) for r in run.resources if r.custom]) == []
+    vm = run.one(INSTANCE).plain
+    graceful = copy.deepcopy(vm)
+    graceful["scheduling"]["gracefulShutdown"] = {"enabled": True, "maxDuration": {"seconds": 3600}}
+    [problem] = gpu_instance_graceful_shutdown(INSTANCE, graceful)
+    assert "limited run time" in problem and "remove scheduling.gracefulShutdown" in problem
+    reserved = copy.deepcopy(vm)
+    reserved["reservationAffinity"] = {"type": "ANY_RESERVATION"}
+    [problem] = provisioning_model_sold(INSTANCE, reserved)
+    assert "NO_RESERVATION" in problem
+    del reserved["reservationAffinity"]
+    assert any("NO_RESERVATION" in p for p in provisioning_model_sold(INSTANCE, reserved))
+
+
+def test_onprem_pulls_with_a_token_of_the_deploy(runs: dict[str, StackRun]) -> None:
+    """Guards item 18: the host pulled with a one-off ``docker login`` that expires after 1 h. Each deploy
+    now mints a 1-hour token of a read-only puller account (no key: the org policy refuses keys) and logs
+    root's Docker in over the pinned SSH session (stdin, secret) right before compose-up pulls."""
+    run = runs["scale5-onprem"]
+    account = run.one("gcp:serviceaccount/account:Account").plain
+    assert account["project"] == "my-gcp-project" and account["accountId"] == "duplex-scale5-onprem-pull"
+    email = f"{account['accountId']}@my-gcp-project.iam.gserviceaccount.com"
+    reader = run.one("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember").plain
+    assert reader == {
+        "project": "my-gcp-project",
+        "location": "us-central1",
+        "repository": "duplex-scale5-gcp",
+        "role": "roles/artifactregistry.reader",
+        "member": f"serviceAccount:{email}",
+    }
+    minter = run.one("gcp:serviceaccount/iAMMember:IAMMember").plain
+    assert minter["role"] == "roles/iam.serviceAccountTokenCreator"
+    assert minter["member"] == f"serviceAccount:{pulumi_harness.MOCK_DEPLOYER}"
+    [call] = [c for c in run.calls if c.token.endswith("getAccountAccessToken")]
+    assert call.args["targetServiceAccount"] == email and call.args["lifetime"] == "3600s"
+    login = run.named("node-registry-login")
+    assert login.is_secret("stdin") and login.plain["stdin"] == pulumi_harness.MOCK_ACCESS_TOKEN
+    assert pulumi_harness.MOCK_ACCESS_TOKEN not in login.plain["create"]
+    assert "docker login --username oauth2accesstoken --password-stdin" in login.plain["create"]
+    assert "https://us-central1-docker.pkg.dev" in login.plain["create"]
+    up = run.named("node-compose-up")
+    assert any(d.endswith("::node-registry-login") for d in up.dependencies)
+    assert "export DOCKER_CONFIG=/root/.docker" in up.plain["create"]
+
+
+def test_registry_login_script_logs_docker_in_from_stdin(tmp_path: Path) -> None:
+    """The login step, run here with a fake ``docker`` that records its arguments and stdin."""
+    log = tmp_path / "docker.log"
+    bin_dir = _fake_bin(tmp_path, "docker", f'echo "$*" >{log}; cat >>{log}\n')
+    script = _onprem().registry_login_script("us-central1-docker.pkg.dev")
+    script = script.replace("install -d -m 0700 -o root -g root /root/.docker", f"mkdir -p {tmp_path}/d")
+    done = subprocess.run(
+        ["sh", "-c", script],
+        input="ya29.token",
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines() == [
+        "login --username oauth2accesstoken --password-stdin https://us-central1-docker.pkg.dev",
+        "ya29.token",
+    ]

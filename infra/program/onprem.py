@@ -17,12 +17,22 @@ __all__ = ["declare"]
 
 def declare(config: StackConfig) -> dict[str, Any]:
     """Declare an ``onprem-node`` stack; return its outputs."""
-    from infra.components.onprem_node import OnPremNode, OnPremNodeArgs
+    from infra.components.onprem_node import (
+        OnPremNode,
+        OnPremNodeArgs,
+        RegistryPuller,
+        artifact_registry_repository,
+    )
 
     onprem = config.onprem
     assert onprem is not None
     profile = config.node_profile(onprem.runtime_image)
     secrets = stack_secrets(config, profile)
+    # An Artifact Registry image (the GCE stacks' repository, where CI promotes the digest) is pulled with a
+    # token of this deploy; any other registry with what the host has (docs/deploying.md).
+    puller = None
+    if artifact_registry_repository(onprem.runtime_image) is not None:
+        puller = RegistryPuller("image-puller", onprem.runtime_image, account_id=f"{config.name_prefix}-pull")
     node = OnPremNode(
         "node",
         OnPremNodeArgs(
@@ -36,6 +46,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
             secret_files=secrets.files,
             local_bundle_dir=str(build_dir() / config.stack / "bundle"),
             ready_timeout_s=onprem.ready_timeout_s,
+            registry=None if puller is None else puller.registry,
+            registry_token=None if puller is None else puller.token,
         ),
     )
     port = "" if onprem.port == 22 else f" -p {onprem.port}"
