@@ -86,6 +86,7 @@ ONPREM_INVENTORY = {
     "gcp:serviceaccount/account:Account": 1,
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
     "gcp:serviceaccount/iAMMember:IAMMember": 1,
+    "gcp:projects/service:Service": 3,  # artifactregistry, iam, iamcredentials (the puller's token)
 }
 
 

@@ -9,10 +9,21 @@ from typing import Any
 
 import pulumi
 
-from infra.program.shared import build_dir, capacity_summary, endpoint, mint_command, stack_secrets
+from infra.program.shared import (
+    build_dir,
+    capacity_summary,
+    enable_apis,
+    endpoint,
+    mint_command,
+    stack_secrets,
+)
 from infra.stack_config import StackConfig
 
-__all__ = ["declare"]
+__all__ = ["PULLER_APIS", "declare"]
+
+PULLER_APIS = ("artifactregistry.googleapis.com", "iam.googleapis.com", "iamcredentials.googleapis.com")
+"""APIs the image puller needs in the registry's project: the repository's IAM, its service account, and
+the short-lived token (``iamcredentials generateAccessToken``)."""
 
 
 def declare(config: StackConfig) -> dict[str, Any]:
@@ -32,7 +43,13 @@ def declare(config: StackConfig) -> dict[str, Any]:
     # token of this deploy; any other registry with what the host has (docs/deploying.md).
     puller = None
     if artifact_registry_repository(onprem.runtime_image) is not None:
-        puller = RegistryPuller("image-puller", onprem.runtime_image, account_id=f"{config.name_prefix}-pull")
+        project = onprem.runtime_image.split("/")[1]
+        puller = RegistryPuller(
+            "image-puller",
+            onprem.runtime_image,
+            account_id=f"{config.name_prefix}-pull",
+            opts=enable_apis(project, PULLER_APIS),
+        )
     node = OnPremNode(
         "node",
         OnPremNodeArgs(
