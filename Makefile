@@ -15,7 +15,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps demo test lint bench lock clean
+.PHONY: setup system-deps deploy-deps demo test lint bench lock clean
 
 setup: system-deps $(STAMP)
 
@@ -41,6 +41,19 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/pip install -q --no-deps "moshi==$(MOSHI_VERSION)"
 	$(BIN)/pip install -q -c requirements.lock -e ".[runtime,deploy,dev]"
 	touch $(STAMP)
+
+# What a deploy job needs and nothing else (.github/workflows/pulumi-*.yml): the Pulumi program's
+# virtualenv with the deploy extra (pulumi, its providers, the node renderers). No system packages (a deploy
+# runner must not install or start nginx, Redis or Prometheus), no torch, no dev tools. Its own stamp, so
+# that a later `make setup` still installs the rest.
+DEPLOY_STAMP := $(VENV)/.deploy-installed
+deploy-deps: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -e ".[deploy]"
+	touch $(DEPLOY_STAMP)
 
 # The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
 # tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then stopped.

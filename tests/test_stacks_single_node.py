@@ -541,8 +541,7 @@ def test_onprem_outputs(runs: dict[str, StackRun]) -> None:
     assert out["endpoint"] == "wss://gpu01.example.internal/api/chat"
     assert out["ssh"] == "ssh deploy@gpu01.example.internal"
     assert out["grafana"]["tunnel"] == "ssh -N -L 3000:127.0.0.1:3000 deploy@gpu01.example.internal"
-    promoted = pulumi_harness.FAKE_PROMOTED["onprem-node"]["duplexops:imageDigest"]
-    assert out["image"] == f"{load_stack_file('scale5-onprem')['duplexops:runtimeImage']}@{promoted}"
+    assert out["image"] == pulumi_harness.FAKE_PROMOTED["onprem-node"]["duplexops:runtimeImage"]
     assert out["capacity"]["electricity_usd_month"] > 0 and "usd_per_month" not in out["capacity"]
 
 
@@ -688,8 +687,9 @@ def test_missing_public_source_ranges_and_typos_are_reported_together() -> None:
 
 
 def test_onprem_keys_are_refused_on_gce() -> None:
-    message = _config_error("dev", overrides={"duplexops:runtimeImage": "ghcr.io/x/y@sha256:" + "a" * 64})
-    assert "duplexops:runtimeImage: does not apply to topology 'gce-node'" in message
+    # Not runtimeImage: every topology reads it (the image CI built for the update, tests/test_image.py).
+    message = _config_error("dev", overrides={"duplexops:onpremHost": "gpu01.example.internal"})
+    assert "duplexops:onpremHost: does not apply to topology 'gce-node'" in message
 
 
 def test_runtime_image_must_be_pinned() -> None:
@@ -697,7 +697,7 @@ def test_runtime_image_must_be_pinned() -> None:
         "scale5-onprem", overrides={"duplexops:runtimeImage": "ghcr.io/org/runtime:latest"}
     )
     assert "duplexops:runtimeImage" in message and "'ghcr.io/org/runtime:latest'" in message
-    assert "without tag or digest (the digest is duplexops:imageDigest)" in message
+    assert "digest-pinned" in message
 
 
 # --- issue 20: deploys a user does not notice, Spot, Flex-start, on-prem host key and digest -----------
@@ -872,15 +872,17 @@ def test_every_ssh_connection_checks_the_host_key(runs: dict[str, StackRun]) -> 
 
 def test_onprem_runs_the_promoted_digest() -> None:
     """Guards item 18: the committed on-prem digest was all zeros (every CI deploy failed) and nothing
-    promoted the digest CI built. The stack file names the repository only; the digest is
-    ``duplexops:imageDigest``, which CI sets: missing or zeros stop the program with what to run."""
+    promoted the digest CI built. The stack file holds no image; ``duplexops:runtimeImage`` is what CI
+    promotes to each update (pulumi-up.yml): missing or a zeros placeholder stop the program saying so."""
     text = (REPO / "stacks" / "Pulumi.scale5-onprem.yaml").read_text()
-    assert "0" * 64 not in text and "duplexops:imageDigest" not in load_stack_file("scale5-onprem")
-    message = _config_error("scale5-onprem", overrides={"duplexops:imageDigest": None})
-    assert "duplexops:imageDigest: missing" in message
-    assert "pulumi config set --stack <stack> duplexops:imageDigest sha256:" in message
-    message = _config_error("scale5-onprem", overrides={"duplexops:imageDigest": "sha256:" + "0" * 64})
-    assert "placeholder of zeros" in message
+    assert "0" * 64 not in text and "duplexops:runtimeImage" not in load_stack_file("scale5-onprem")
+    message = _config_error("scale5-onprem", overrides={"duplexops:runtimeImage": None})
+    assert "duplexops:runtimeImage: missing" in message
+    assert "the image CI built and promoted" in message
+    assert "pulumi config set --stack <stack> duplexops:runtimeImage <repository>@sha256:" in message
+    zeros = "ghcr.io/org/duplexops-runtime@sha256:" + "0" * 64
+    message = _config_error("scale5-onprem", overrides={"duplexops:runtimeImage": zeros})
+    assert "placeholder digest of zeros" in message
 
 
 def test_drain_grace_is_configurable_and_fits_graceful_shutdown(tmp_path: Path) -> None:
@@ -932,7 +934,7 @@ def test_onprem_pulls_with_a_token_of_the_deploy(runs: dict[str, StackRun]) -> N
     assert reader == {
         "project": "my-gcp-project",
         "location": "us-central1",
-        "repository": "duplex-scale5-gcp",
+        "repository": "duplex-build",
         "role": "roles/artifactregistry.reader",
         "member": f"serviceAccount:{email}",
     }

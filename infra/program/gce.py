@@ -45,7 +45,13 @@ def declare(config: StackConfig) -> dict[str, Any]:
 
     image = RuntimeImage(
         "runtime-image",
-        RuntimeImageArgs(project=gce.project, location=gce.region, repository_id=prefix, labels=stack_labels),
+        RuntimeImageArgs(
+            project=gce.project,
+            location=gce.region,
+            repository_id=prefix,
+            labels=stack_labels,
+            source=config.runtime_image,
+        ),
         opts=after_apis,
     )
     secrets = stack_secrets(

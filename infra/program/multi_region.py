@@ -80,7 +80,13 @@ def declare(config: StackConfig) -> dict[str, Any]:
     after_apis = enable_apis(project, GKE_APIS if mr.enable_apis else ())
     image = RuntimeImage(
         "runtime-image",
-        RuntimeImageArgs(project=project, location=first.region, repository_id=prefix, labels=stack_labels),
+        RuntimeImageArgs(
+            project=project,
+            location=first.region,
+            repository_id=prefix,
+            labels=stack_labels,
+            source=config.runtime_image,
+        ),
         opts=after_apis,
     )
     secrets = stack_secrets(config, first.profile, after_apis, node_files=False)

@@ -55,6 +55,7 @@ from infra.stack_config.values import (
     pulumi_key,
     secret_matching,
 )
+from runtime.engine.model_presets import get_preset
 from runtime.frontend.tokens import keys_from_mapping
 
 __all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
@@ -87,22 +88,17 @@ _IMAGE_RE = (
     r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
 )
-_IMAGE_REPOSITORY_RE = r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+$"
-_IMAGE_REPOSITORY_ALLOWED = (
-    "the image's repository without tag or digest (the digest is duplexops:imageDigest), e.g. "
-    "us-central1-docker.pkg.dev/my-gcp-project/duplex-scale5-gcp/runtime"
-)
-_DIGEST_RE = r"^sha256:[0-9a-f]{64}$"
-_DIGEST_ALLOWED = (
-    "the digest CI built and promoted, sha256:<64 hex digits> (not all zeros); CI sets it with "
-    "`pulumi config set --stack <stack> duplexops:imageDigest sha256:...` from the image job's output (by "
-    "hand: the `image` output of a GCE stack)"
-)
 _HOST_KEY_RE = r"^(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa) [A-Za-z0-9+/]+={0,2}( .*)?$"
 _HOST_KEY_ALLOWED = (
     "the host's public SSH key line, required: every SSH session (secrets travel over it) checks it; get "
     "it from the host itself (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` there to compare) or with "
     "`ssh-keyscan -t ed25519 <host>`, e.g. 'ssh-ed25519 AAAA...'"
+)
+_IMAGE_ALLOWED = "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
+_PROMOTED_IMAGE_ALLOWED = (
+    f"{_IMAGE_ALLOWED}: the image CI built and promoted for this update (.github/workflows/pulumi-up.yml "
+    "sets it; by hand: `pulumi config set --stack <stack> duplexops:runtimeImage <repository>@sha256:...`, "
+    "e.g. the `image` output of a GCE stack); never committed in the stack file"
 )
 _SSH_KEY_RE = r"^-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----\s[\s\S]+-----END [A-Z0-9 ]*PRIVATE KEY-----\s*$"
 _SSH_KEY_ALLOWED = (
@@ -138,6 +134,10 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+    # The runtime image CI built once for this push (.github/workflows/pulumi-up.yml sets it for the update),
+    # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
+    # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
+    runtime_image: str | None = Field(None, pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
 
     @field_validator("grafana_admin_password", "redis_password", check_fields=False)
     @classmethod
@@ -208,7 +208,12 @@ class _Keys(BaseModel):
     def _config(
         self, info: ValidationInfo, profile: NodeProfile, overrides: dict[str, Any], **settings: Any
     ) -> StackConfig:
-        """The ``StackConfig`` of these keys (the stack's name and project from the validation context)."""
+        """The ``StackConfig`` of these keys (the stack's name and project from the validation context).
+
+        Raises:
+            PydanticCustomError: the profile's model is gated and ``hfToken`` is not set.
+        """
+        _require_hf_token(profile, self.hf_token)
         context = info.context or {}
         stack = context.get("stack", "stack")
         return StackConfig(
@@ -220,8 +225,27 @@ class _Keys(BaseModel):
             profile_overrides=overrides,
             profile=profile,
             domain=self.domain,
+            runtime_image=self.runtime_image,
             secrets=self._secrets(),
             **settings,
+        )
+
+
+def _require_hf_token(profile: NodeProfile, token: SecretStr | None) -> None:
+    """A profile whose model's weights are gated on the Hugging Face Hub needs ``hfToken``: without it the
+    weights download gets 401 and the node never turns ready (a GCE VM, the multi-region weights Job, an
+    on-premises host alike). Gated-ness is the model preset's (``runtime.engine.model_presets``).
+
+    Raises:
+        PydanticCustomError: the key, the model and the command that sets it.
+    """
+    preset = get_preset(profile.model)
+    if preset.gated and token is None:
+        raise problem(
+            f"required: profile {profile.name!r} serves {preset.default_source}, which is gated on the "
+            "Hugging Face Hub; accept its licence there with your account, then set a token of that account "
+            "with `pulumi config set --secret hfToken hf_...`",
+            where=pulumi_key("hf_token"),
         )
 
 
@@ -425,11 +449,7 @@ class OnPremNodeKeys(_NodeKeys):
             "'-' (destroy removes it), e.g. /opt/duplex"
         ),
     )
-    runtime_image: str = Field(
-        pattern=_IMAGE_REPOSITORY_RE,
-        json_schema_extra=allowed(_IMAGE_REPOSITORY_ALLOWED),
-    )
-    image_digest: str = Field(pattern=_DIGEST_RE, json_schema_extra=allowed(_DIGEST_ALLOWED))
+    runtime_image: str = Field(pattern=_IMAGE_RE, json_schema_extra=allowed(_PROMOTED_IMAGE_ALLOWED))
     ready_timeout_seconds: int = Field(1800, ge=60, le=7200)
 
     @field_validator("onprem_host")
@@ -445,12 +465,14 @@ class OnPremNodeKeys(_NodeKeys):
                 ) from None
         return host
 
-    @field_validator("image_digest")
+    @field_validator("runtime_image")
     @classmethod
-    def _promoted(cls, digest: str) -> str:
-        if digest == "sha256:" + "0" * 64:
-            raise problem(f"{digest!r} is the placeholder of zeros, no image; allowed: {_DIGEST_ALLOWED}")
-        return digest
+    def _promoted(cls, image: str) -> str:
+        if image.endswith("@sha256:" + "0" * 64):
+            raise problem(
+                f"{image!r} has a placeholder digest of zeros, no image; allowed: {_PROMOTED_IMAGE_ALLOWED}"
+            )
+        return image
 
     @field_validator("onprem_host_key")
     @classmethod
@@ -495,7 +517,7 @@ class OnPremNodeKeys(_NodeKeys):
             ssh_private_key=self.onprem_ssh_private_key,
             host_key=self.onprem_host_key,
             install_dir=self.install_dir,
-            runtime_image=f"{self.runtime_image}@{self.image_digest}",
+            runtime_image=self.runtime_image,
             ready_timeout_s=self.ready_timeout_seconds,
         )
         self._result = self._config(info, profile, overrides, onprem=onprem)

@@ -115,7 +115,7 @@ class OnPremSettings(_Frozen):
     host_key: str | None
     install_dir: str
     runtime_image: str
-    """The digest-pinned image the host runs: ``runtimeImage`` (a repository) at ``imageDigest``."""
+    """The digest-pinned image the host runs (``runtimeImage``, promoted by CI)."""
     ready_timeout_s: int
 
 
@@ -195,6 +195,8 @@ class StackConfig(_Frozen):
         profile_name, profile_overrides: the node profile and what the stack changes in it.
         profile: the validated profile (with a placeholder ``runtime_image``: use ``node_profile``).
         domain: the endpoint's DNS name, or None (the endpoint is the IP address).
+        runtime_image: the digest-pinned runtime image CI built for this update (``duplexops:runtimeImage``),
+            or None (a cloud topology then builds it).
         gce, onprem, multi_region: the topology's settings (the others are None).
         secrets: secrets from the configuration.
     """
@@ -207,6 +209,7 @@ class StackConfig(_Frozen):
     profile_overrides: dict[str, Any]
     profile: NodeProfile
     domain: str | None
+    runtime_image: str | None = None
     gce: GceSettings | None = None
     onprem: OnPremSettings | None = None
     multi_region: MultiRegionSettings | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from infra.gcp_apis import SERVICE_TYPE, required_apis
+from infra.gcp_apis import SERVICE_TYPE, STEP_0_APIS, required_apis, step_0_command
 from infra.policy.rules._common import (
     StackResource,
     _normalize,
@@ -20,7 +20,10 @@ def apis_enabled_for_features(resources: Sequence[StackResource]) -> list[str]:
     """Every API a declared resource needs (``infra.gcp_apis.required_apis``: its module's API and its
     features', e.g. image streaming -> ``containerfilesystem.googleapis.com``) is enabled by a
     ``gcp:projects/service:Service`` of the stack, and the resource depends on that Service (else GCE/GKE
-    may see the request first and answer SERVICE_DISABLED).
+    may see the request first and answer SERVICE_DISABLED). The step-0 APIs (``infra.gcp_apis.STEP_0_APIS``:
+    Cloud Resource Manager and Service Usage, which ``projects.Service`` and ``projects.IAMMember`` call) are
+    enabled by hand before any program (terraform-provider-google #6101, #11435): declaring one is a
+    violation, needing one is not.
 
     Applies to stacks that enable APIs themselves (at least one Service declared); a stack built with
     ``enableApis: false`` relies on APIs enabled outside it. Dependencies are checked where known, directly
@@ -49,11 +52,16 @@ def apis_enabled_for_features(resources: Sequence[StackResource]) -> list[str]:
             todo.extend(by_name[name].dependencies or ())
         return False
 
-    problems = []
+    problems = [
+        f"{SERVICE_TYPE} {name} enables {api}, a step-0 API that no program can enable (enabling an API "
+        f"needs it): remove it and run `{step_0_command()}` once per project (step 0)."
+        for api, name in sorted(services.items())
+        if api in STEP_0_APIS
+    ]
     for r in resources:
-        if r.type == SERVICE_TYPE:
-            continue
         for api, why in sorted(required_apis(r.type, _normalize(r.props)).items()):
+            if api in STEP_0_APIS:
+                continue  # enabled at step 0, before any program runs
             if api not in services:
                 problems.append(
                     f"{r.type} {r.name} needs {api} ({why}), which the stack does not enable: add it to the "
