@@ -972,3 +972,14 @@ def test_registry_login_script_logs_docker_in_from_stdin(tmp_path: Path) -> None
         "login --username oauth2accesstoken --password-stdin https://us-central1-docker.pkg.dev",
         "ya29.token",
     ]
+
+
+def test_the_pack_asks_a_spot_node_for_cloud_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API rule knows the restart job's API: dev without ``cloudscheduler.googleapis.com`` fails the
+    pack naming it (a fresh project has it off)."""
+    from infra.policy.rules import check_resources
+    from infra.program import gce
+
+    monkeypatch.setattr(gce, "SPOT_APIS", ())
+    violations = check_resources([(r.type, r.plain, r.name) for r in run_stack("dev").resources if r.custom])
+    assert violations and all("cloudscheduler.googleapis.com" in v for v in violations)
