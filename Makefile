@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 # The system programs the main job and the tests run for real, as binary:Debian package.
 SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-light prometheus:prometheus \
 	promtool:prometheus prometheus-node-exporter:prometheus-node-exporter \
-	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium
+	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium curl:curl
 STAMP := $(VENV)/.installed
 
 .PHONY: setup system-deps deploy-deps demo test lint bench lock clean
