@@ -450,3 +450,15 @@ async def test_a_preemption_closes_live_sessions_with_1001_within_the_notice(
             assert result.close_code == 1001, (result.close_code, result.close_reason)
         finally:
             watcher.stop()
+
+
+async def test_a_metadata_url_of_another_shape_watches_maintenance_only(metadata: FakeMetadataServer) -> None:
+    """``DUPLEX_MAINTENANCE_METADATA_URL`` pointing at another path still starts the maintenance watch (the
+    preemption key cannot be placed beside it): nothing raises into the runtime."""
+    config = RuntimeConfig(maintenance_watch="gce", maintenance_metadata_url=metadata.url + "-other")
+    watcher = start_maintenance_watch(config, RuntimeMetrics(), Recorder())
+    assert watcher is not None
+    try:
+        assert watcher.companions == [] and watcher.alive
+    finally:
+        watcher.stop()

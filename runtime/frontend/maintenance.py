@@ -290,8 +290,8 @@ def start_maintenance_watch(
     """The watcher ``config.maintenance_watch`` asks for, started on the running loop; None when ``off``.
     With ``gce`` it also watches ``instance/preempted`` (:func:`preempted_url`): on ``TRUE`` it calls
     ``on_preempted()`` once on the loop (the server: ``drain(PREEMPTION_GRACE_S)``), or, without one,
-    ``on_change(True)``. The preemption watch stops with the returned watcher. Call from a coroutine (the
-    server's ``start``)."""
+    ``on_change(True)``. The preemption watch stops with the returned watcher; a metadata URL that does not
+    end in ``/maintenance-event`` gets none (logged). Call from a coroutine (the server's ``start``)."""
     if config.maintenance_watch == "off":
         return None
     loop = asyncio.get_running_loop()
@@ -309,14 +309,13 @@ def start_maintenance_watch(
         else:
             on_preempted()
 
-    preemption = MaintenanceWatcher(
-        preempted_url(config.maintenance_metadata_url),
-        preempted,
-        metrics,
-        classify=is_preempted,
-        track_metrics=False,
-    )
-    watcher.companions.append(preemption)
     watcher.start(loop)
+    try:
+        url = preempted_url(config.maintenance_metadata_url)
+    except ValueError as exc:  # a URL of another shape: the maintenance watch alone
+        log.warning("no preemption watch: %s", exc)
+        return watcher
+    preemption = MaintenanceWatcher(url, preempted, metrics, classify=is_preempted, track_metrics=False)
+    watcher.companions.append(preemption)
     preemption.start(loop)
     return watcher
