@@ -259,6 +259,9 @@ def test_user_data_carries_the_agent_and_the_data_disk() -> None:
     assert runcmd[-1] == ["systemctl", "start", "--no-block", "duplex-rollout.service"]
     with pytest.raises(ValueError, match="#cloud-config"):
         add_rollout("runcmd: []\n", PROFILE)
+    padded = user_data.replace("#cloud-config\n", "#cloud-config\n# " + "x" * 256 * 1024 + "\n", 1)
+    with pytest.raises(ValueError, match="over GCE's 262144-byte limit"):
+        add_rollout(padded, PROFILE)
 
 
 def test_pending_image_needs_a_digest() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from infra.node.cloud_init import NODE_ROOT, PREPARE_SCRIPT, UNIT_NAME
+from infra.node.cloud_init import GCE_METADATA_VALUE_LIMIT, NODE_ROOT, PREPARE_SCRIPT, UNIT_NAME
 from infra.node.compose import COMPOSE_FILE
 from infra.node.profile import NodeProfile
 from infra.yaml_text import dump_yaml
@@ -256,7 +256,8 @@ def add_rollout(user_data: str, profile: NodeProfile) -> str:
     drop-in and the data disk's file system and mount added; its comment header is kept.
 
     Raises:
-        ValueError: ``user_data`` is not a ``#cloud-config`` mapping with ``write_files`` and ``runcmd``.
+        ValueError: ``user_data`` is not a ``#cloud-config`` mapping with ``write_files`` and ``runcmd``, or
+            the result exceeds GCE's ``GCE_METADATA_VALUE_LIMIT`` on one metadata value.
     """
     header_lines = []
     for line in user_data.splitlines():
@@ -295,4 +296,10 @@ def add_rollout(user_data: str, profile: NodeProfile) -> str:
         f"# Runtime image: metadata key {ROLLOUT_METADATA_KEY} (infra.node.rollout); data disk {device} at "
         f"{profile.data_dir}."
     )
-    return "\n".join(header_lines) + "\n" + dump_yaml(document, literal_blocks=True)
+    merged = "\n".join(header_lines) + "\n" + dump_yaml(document, literal_blocks=True)
+    if len(merged.encode()) > GCE_METADATA_VALUE_LIMIT:
+        raise ValueError(
+            f"the user-data with the rollout agent is {len(merged.encode())} bytes, over GCE's "
+            f"{GCE_METADATA_VALUE_LIMIT}-byte limit on one metadata value"
+        )
+    return merged
