@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
+from test_server_e2e import speech  # noqa: F401 - a fixture
 
 from infra.node.bundle import render_bundle
 from infra.node.profile import get_profile
@@ -268,3 +269,82 @@ def test_pending_image_needs_a_digest() -> None:
     assert pending_image(IMAGE_B) == f"{REPO}@sha256:" + "0" * 64
     with pytest.raises(ValueError, match="digest-pinned"):
         pending_image("ghcr.io/org/runtime:latest")
+
+
+# --- the whole sequence with a real runtime process -------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_rollout_drains_a_live_session_and_the_node_comes_back(
+    tmp_path: Path,
+    metadata: FakeMetadata,
+    speech,  # noqa: ANN001, F811 - the fixture of test_server_e2e
+) -> None:
+    """Item 9 end to end on this machine: the rendered agent rolls a new digest out to a node whose
+    ``systemctl restart`` stops a real ``duplex serve`` process (SIGTERM, its drain) and starts it again,
+    as the node unit's ExecStop/ExecStart do. The live session is closed with 1001 after the drain grace
+    (not cut), the new process becomes ready, and the gap is printed (no timing asserted)."""
+    import asyncio
+    import sys
+    import time
+
+    from test_server_e2e import http_get, live
+
+    from runtime.tools.local_redis import free_loopback_port
+
+    port = free_loopback_port()
+    node = Node(tmp_path, metadata.root)
+    assert node.run("sync").returncode == 0
+    script = Path(sys.executable).with_name("duplex")
+    serve = f"{script} serve --port {port} --max-sessions 2 --log-level WARNING"
+    pidfile, times = tmp_path / "runtime.pid", tmp_path / "times.log"
+    env = (
+        "env DUPLEX_DRAIN_GRACE_S=2 DUPLEX_AUTH_MODE=off DUPLEX_NODE_ID=rollout "
+        f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}"
+    )
+    start = f"nohup {env} {serve} >>{tmp_path}/serve.log 2>&1 & echo $! >{pidfile}"
+    (tmp_path / "bin" / "systemctl").write_text(
+        "#!/bin/sh\n"
+        f'echo "systemctl $* $(date +%s.%N)" >>{times}\n'
+        f'pid=$(cat {pidfile}); kill -TERM "$pid"\n'
+        f'while kill -0 "$pid" 2>/dev/null; do sleep 0.05; done\n'
+        f'echo "stopped $(date +%s.%N)" >>{times}\n'
+        f"{start}\n"
+    )
+    subprocess.run(["sh", "-c", start], check=True, env={**os.environ, **node.env})
+
+    async def ready(timeout_s: float) -> float:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if (await http_get(port, "/readyz"))[0] == 200:
+                    return time.monotonic()
+            except OSError:
+                pass
+            await asyncio.sleep(0.1)
+        raise AssertionError((tmp_path / "serve.log").read_text())
+
+    try:
+        await ready(240)
+        async with live(f"ws://127.0.0.1:{port}/api/chat?format=pcm", speech[0]) as client:
+            assert client.result.handshake, client.result.errors
+            client.start_streaming()
+            await asyncio.sleep(0.5)
+            metadata.set(IMAGE_B)
+            rolled = time.monotonic()
+            agent = await asyncio.create_subprocess_exec(
+                "sh", str(node.agent), "watch", "--once", env=node.env, stderr=asyncio.subprocess.PIPE
+            )
+            result = await client.wait_closed(timeout_s=60)
+            closed_after = time.monotonic() - rolled
+            _, stderr = await asyncio.wait_for(agent.communicate(), 120)
+        assert agent.returncode == 0, stderr.decode()
+        assert result.close_code == 1001, (result.close_code, result.close_reason)
+        back = await ready(240) - rolled
+        assert node.runtime_image() == IMAGE_B
+        print(
+            f"rollout: session closed 1001 {closed_after:.1f} s after the new digest; ready in {back:.1f} s"
+        )
+    finally:
+        pid = pidfile.read_text().strip()
+        subprocess.run(["kill", "-TERM", pid], check=False)
