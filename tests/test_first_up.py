@@ -229,7 +229,7 @@ def test_affinity_rule() -> None:
 
 
 def test_global_backend_claims_no_affinity_it_cannot_have(multi_region: StackRun) -> None:
-    [backend] = multi_region.of_type(BACKEND_SERVICE)
+    backend = multi_region.named("global-entry-backend")  # the runtime's (the other serves the page)
     assert session_affinity_needs_hash_policy(BACKEND_SERVICE, backend.plain) == []
     broken = {**backend.plain, "sessionAffinity": "CLIENT_IP"}
     assert session_affinity_needs_hash_policy(BACKEND_SERVICE, broken)
@@ -332,10 +332,14 @@ def test_provisioning_model_config_errors(model: str, expected: str) -> None:
 
 
 def test_clusters_have_no_cluster_level_node_config(multi_region: StackRun) -> None:
+    """The cluster-level node_config shapes only the transient default pool (removed at once): its service
+    account and nothing the pools need; ignored after creation (issue 20 item 20)."""
     clusters = multi_region.of_type(CLUSTER)
     assert len(clusters) == 2
     for cluster in clusters:
-        assert "nodeConfig" not in cluster.plain and cluster.plain["removeDefaultNodePool"] is True
+        assert cluster.plain["removeDefaultNodePool"] is True
+        assert "nodeConfig" in cluster.ignore_changes
+        assert "machineType" not in cluster.plain["nodeConfig"]
 
 
 # --- 6, GKE: GPU node maintenance and upgrades drain through the PDB and the grace period ---------------
@@ -345,7 +349,8 @@ def test_gpu_node_disruption_drains_one_pod_at_a_time_within_its_grace(multi_reg
     """What the cluster does on GPU host maintenance or a node upgrade (docs/deploying.md, "Stack
     multi-region"): GKE cordons the node and evicts its pods through the eviction API, which honours the
     PodDisruptionBudget; each pod's preStop drains (no new sessions, running ones finish) within
-    terminationGracePeriodSeconds. Surge upgrades add a node before removing one (maxUnavailable 0)."""
+    terminationGracePeriodSeconds. GPU pools upgrade one node at a time in place (no surge node: it would
+    need one more GPU; issue 20 item 11)."""
     from infra.k8s.workload import drain_seconds
     from infra.node.profile import get_profile as profile_of
 
@@ -364,7 +369,7 @@ def test_gpu_node_disruption_drains_one_pod_at_a_time_within_its_grace(multi_reg
         )
     for pool in multi_region.of_type(NODE_POOL):
         if pool.plain["name"] == "gpu":
-            assert pool.plain["upgradeSettings"] == {"strategy": "SURGE", "maxSurge": 1, "maxUnavailable": 0}
+            assert pool.plain["upgradeSettings"] == {"strategy": "SURGE", "maxSurge": 0, "maxUnavailable": 1}
 
 
 # --- the fresh-project model: every stack's first `up` ---------------------------------------------------
@@ -394,15 +399,6 @@ def _first_up(stack: str) -> StackRun:
     return run_stack(stack)
 
 
-FIXED_ELSEWHERE = {
-    ("multi-region", "no-public-members"): "issue 20 item 4 (the page bucket grants allUsers)",
-    ("multi-region", "buckets-uniform-and-private"): "issue 20 item 4 (the page bucket is public)",
-    ("multi-region", "node-pools-start-with-nodes"): "issue 20 item 3 (the pools set no initial_node_count)",
-    ("multi-region", "global-backends-list-existing-negs"): "issue 20 item 2 (NEGs only in zones with pods)",
-}
-"""Checks today's multi-region code fails, and the issue item whose fix (the GKE part) makes it pass."""
-
-
 @pytest.mark.parametrize("check", [c.name for c in FRESH_PROJECT_CHECKS])
 @pytest.mark.parametrize("stack", FRESH_STACKS)
 def test_every_stack_passes_the_fresh_project_on_its_first_up(stack: str, check: str) -> None:
@@ -412,13 +408,7 @@ def test_every_stack_passes_the_fresh_project_on_its_first_up(stack: str, check:
     run = _first_up(stack)
     [found] = [c for c in FRESH_PROJECT_CHECKS if c.name == check]
     problems = found.check(run)
-    why = FIXED_ELSEWHERE.get((stack, check))
-    assert problems == [], (
-        f"{stack} fails the fresh-project check {check}"
-        + (f" (expected until {why} is fixed)" if why else "")
-        + ":\n"
-        + "\n".join(problems)
-    )
+    assert problems == [], f"{stack} fails the fresh-project check {check}:\n" + "\n".join(problems)
 
 
 def test_fresh_project_apis_need_a_service_created_first() -> None:

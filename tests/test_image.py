@@ -430,8 +430,10 @@ def test_a_ci_built_image_is_copied_by_digest_not_built_again(stack: str) -> Non
 
     run = run_stack(stack, overrides={"duplexops:runtimeImage": CI_IMAGE})
     assert run.of_type("docker-build:index:Image") == []
-    [copy] = run.of_type("command:local:Command")
-    repo = run.one("gcp:artifactregistry/repository:Repository").plain
+    # The stack's own repository gets the CI digest; multi-region copies it on to each further region's
+    # repository (test_stack_multi_region.py::test_each_region_pulls_from_its_own_registry).
+    [copy] = [c for c in run.of_type("command:local:Command") if c.plain["environment"]["SOURCE"] == CI_IMAGE]
+    repo = run.named("runtime-image-repository").plain
     target = f"{repo['location']}-docker.pkg.dev/{repo['project']}/{repo['repositoryId']}/duplex-runtime"
     assert copy.plain["environment"] == {"SOURCE": CI_IMAGE, "TARGET": f"{target}:latest"}
     assert CI_IMAGE in copy.plain["triggers"]  # a new digest copies again

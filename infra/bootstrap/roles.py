@@ -44,7 +44,7 @@ ROLE_RULES: tuple[RoleRule, ...] = (
     RoleRule("pulumi:", (), (), "the stack and the providers: no Google API"),
     RoleRule("duplexops:", (), (), "this project's components: no Google API of their own"),
     RoleRule("random:", (), (), "generated values, local"),
-    RoleRule("command:", (), (), "commands over SSH on an on-premises host"),
+    RoleRule("command:", (), (), "commands over SSH on an on-premises host, crane copies between registries"),
     # Google Cloud, one rule per provider module.
     RoleRule(
         "gcp:projects/service:Service",
@@ -138,6 +138,7 @@ pool); it gives no power the deployer lacks, since ``roles/iam.serviceAccountAdm
 any account's IAM policy."""
 
 STACK_RESOURCE_TYPES: tuple[str, ...] = (
+    "command:local:Command",
     "command:remote:Command",
     "command:remote:CopyToRemote",
     "docker-build:index:Image",
@@ -159,7 +160,6 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember",
     "gcp:cloudscheduler/job:Job",
     "gcp:compute/address:Address",
-    "gcp:compute/backendBucket:BackendBucket",
     "gcp:compute/backendService:BackendService",
     "gcp:compute/disk:Disk",
     "gcp:compute/firewall:Firewall",
@@ -172,6 +172,7 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:compute/network:Network",
     "gcp:compute/router:Router",
     "gcp:compute/routerNat:RouterNat",
+    "gcp:compute/sSLPolicy:SSLPolicy",
     "gcp:compute/securityPolicy:SecurityPolicy",
     "gcp:compute/subnetwork:Subnetwork",
     "gcp:compute/targetHttpProxy:TargetHttpProxy",
@@ -189,7 +190,6 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:serviceaccount/iAMMember:IAMMember",
     "gcp:storage/bucket:Bucket",
     "gcp:storage/bucketIAMMember:BucketIAMMember",
-    "gcp:storage/bucketObject:BucketObject",
     "kubernetes:apiregistration.k8s.io/v1:APIService",
     "kubernetes:apps/v1:Deployment",
     "kubernetes:autoscaling/v2:HorizontalPodAutoscaler",

@@ -36,6 +36,7 @@ from infra.stack_config.settings import (
     NAMESPACE,
     PLACEHOLDER_IMAGE,
     GceSettings,
+    MaintenanceWindow,
     MultiRegionSettings,
     OnPremSettings,
     RegionSettings,
@@ -535,7 +536,7 @@ class RegionKeys(BaseModel):
     zones: tuple[str, ...] = Field(min_length=1, json_schema_extra=allowed("a non-empty list of zones"))
     gpu: str | None = None
     machine_type: str | None = None
-    min_nodes: int = Field(1, ge=0, le=100)
+    min_nodes: int = Field(1, ge=1, le=100)
     max_nodes: int = Field(4, ge=1, le=100)
     redis_memory_gb: int = Field(1, ge=1, le=300)
     network_index: int | None = Field(None, ge=0, le=31)
@@ -562,7 +563,56 @@ class RegionKeys(BaseModel):
                 f"{self.min_nodes} is above maxNodes {self.max_nodes}; allowed: minNodes <= maxNodes",
                 where=".minNodes",
             )
+        # GKE's NEG controller makes a zone's NEG only once a runtime pod runs there (kubernetes/ingress-gce
+        # issue 1755, PR 3152), and the global backend service lists one NEG per zone: every zone listed
+        # must always hold a pod (the runtime spreads over the zones: infra.k8s.workload).
+        if self.min_nodes < len(self.zones):
+            raise problem(
+                f"{self.min_nodes} is below the number of zones ({len(self.zones)}: "
+                f"{', '.join(self.zones)}); allowed: minNodes >= the number of zones (one runtime pod in "
+                "every zone, so that GKE creates the load balancer's NEG there), or fewer zones",
+                where=".minNodes",
+            )
         return self
+
+
+WEEKDAYS = ("MO", "TU", "WE", "TH", "FR", "SA", "SU")
+"""RFC 5545 weekdays (the maintenance window's ``days``)."""
+MIN_WINDOW_HOURS_PER_32_DAYS = 48
+"""GKE's rule for a maintenance window: at least 48 h available in any rolling 32 days, each occurrence 4 h
+or more (cloud.google.com/kubernetes-engine/docs/concepts/maintenance-windows-and-exclusions)."""
+
+
+class MaintenanceWindowKeys(BaseModel):
+    """``duplexops:maintenanceWindow``: ``start`` (``HH:MM``, UTC), ``hours`` (4-24), ``days`` (weekdays
+    ``MO``..``SU``); weekly. Default: Saturday and Sunday, 02:00-08:00 UTC (54 h or more in 32 days)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: str = Field(
+        "02:00", pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]$", json_schema_extra=allowed("HH:MM, UTC")
+    )
+    hours: int = Field(6, ge=4, le=24)
+    days: tuple[Literal["MO", "TU", "WE", "TH", "FR", "SA", "SU"], ...] = Field(("SA", "SU"), min_length=1)
+
+    @model_validator(mode="after")
+    def _enough(self) -> MaintenanceWindowKeys:
+        if len(set(self.days)) != len(self.days):
+            raise problem(f"{list(self.days)!r} names a day twice; allowed: each day once", where=".days")
+        # A weekday recurs at least 4 times in any 32 days.
+        least = 4 * len(self.days) * self.hours
+        if least < MIN_WINDOW_HOURS_PER_32_DAYS:
+            raise problem(
+                f"{len(self.days)} day(s) x {self.hours} h gives {least} h in 32 days; allowed: at least "
+                f"{MIN_WINDOW_HOURS_PER_32_DAYS} h (GKE's rule): more days or more hours",
+                where=".hours",
+            )
+        return self
+
+    def settings(self) -> MaintenanceWindow:
+        """The validated window."""
+        days = tuple(sorted(self.days, key=WEEKDAYS.index))
+        return MaintenanceWindow(start=self.start, hours=self.hours, days=days)
 
 
 def _region_settings(item: RegionKeys, position: int, profile: NodeProfile) -> RegionSettings:
@@ -649,6 +699,9 @@ class MultiRegionKeys(_Keys):
         json_schema_extra=allowed("a GCE machine type such as e2-standard-4"),
     )
     enable_apis: Boolean = True
+    maintenance_window: Annotated[MaintenanceWindowKeys, BeforeValidator(json_value)] = (
+        MaintenanceWindowKeys.model_validate({})  # the defaults: Saturday and Sunday, 02:00-08:00 UTC
+    )
 
     @field_validator("regions")
     @classmethod
@@ -713,6 +766,7 @@ class MultiRegionKeys(_Keys):
             deletion_protection=self.deletion_protection,
             system_machine_type=self.system_machine_type,
             enable_apis=self.enable_apis,
+            maintenance_window=self.maintenance_window.settings(),
         )
         self._result = self._config(info, profile, overrides, multi_region=settings)
         return self

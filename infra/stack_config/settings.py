@@ -6,7 +6,8 @@ names of the configuration (namespaces, topologies, secret keys) and ``StackConf
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from datetime import datetime, timedelta
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
@@ -20,6 +21,7 @@ __all__ = [
     "SECRET_KEYS",
     "TOPOLOGIES",
     "GceSettings",
+    "MaintenanceWindow",
     "MultiRegionSettings",
     "OnPremSettings",
     "RegionSettings",
@@ -172,6 +174,32 @@ class RegionSettings(_Frozen):
         return f"172.16.{self.network_index}.0/28"
 
 
+class MaintenanceWindow(_Frozen):
+    """When GKE may upgrade and repair the clusters and their node pools: ``hours`` from ``start`` (UTC,
+    ``HH:MM``) on each of ``days`` (RFC 5545 weekdays ``MO``..``SU``), every week. Outside it GKE does no
+    non-emergency maintenance (cloud.google.com/kubernetes-engine/docs/concepts/maintenance-windows-and-
+    exclusions). The keys check GKE's rule: at least 48 h of window in any 32 days, 4 h or more at a time."""
+
+    start: str
+    hours: int
+    days: tuple[str, ...]
+
+    ANCHOR_DATE: ClassVar[str] = "2025-01-06"
+    """A fixed Monday: the window's first occurrence (only its time of day and length matter to GKE; a fixed
+    date keeps the cluster's inputs the same at every ``pulumi up``)."""
+
+    def recurring_window(self) -> dict[str, str]:
+        """The cluster's ``maintenance_policy.recurring_window``: ``start_time`` and ``end_time`` (RFC 3339,
+        UTC) of the first occurrence and ``recurrence`` (``FREQ=WEEKLY;BYDAY=SA,SU``)."""
+        start = datetime.fromisoformat(f"{self.ANCHOR_DATE}T{self.start}:00+00:00")
+        end = start + timedelta(hours=self.hours)
+        return {
+            "start_time": start.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "end_time": end.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "recurrence": f"FREQ=WEEKLY;BYDAY={','.join(self.days)}",
+        }
+
+
 class MultiRegionSettings(_Frozen):
     """The multi-region stack: one GKE cluster per region behind one global HTTPS load balancer."""
 
@@ -183,6 +211,7 @@ class MultiRegionSettings(_Frozen):
     deletion_protection: bool
     system_machine_type: str
     enable_apis: bool
+    maintenance_window: MaintenanceWindow
 
 
 class StackConfig(_Frozen):

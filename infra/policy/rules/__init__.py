@@ -29,9 +29,10 @@ puts them together in :data:`RULES` and :data:`STACK_RULES` and re-exports their
 - ``compute_instance``: GPU VMs terminate on maintenance and shut down gracefully; provisioning models.
 - ``firewall``: no SSH to the world, no public monitoring ports.
 - ``machine_types``: attached GPUs are ones the machine type can carry (VMs and GKE node configs).
-- ``gke``: GPU node pools are tainted.
+- ``gke``: GPU node pools are tainted and upgrade without an extra GPU.
 - ``memorystore``: Redis requires AUTH and TLS.
-- ``load_balancing``: backend timeouts fit WebSockets; session affinity needs a hashing policy.
+- ``load_balancing``: backend timeouts fit WebSockets; session affinity needs a hashing policy; HTTPS
+  proxies refuse TLS before 1.2.
 - ``project_apis`` (stack rule): every API a resource needs is enabled first.
 """
 
@@ -52,6 +53,8 @@ from infra.policy.rules._common import (
     INSTANCE_TEMPLATE,
     NODE_POOL,
     REDIS,
+    SSL_POLICY,
+    TARGET_HTTPS_PROXY,
     UNKNOWN,
     UNKNOWN_SENTINELS,
     StackResource,
@@ -73,11 +76,12 @@ from infra.policy.rules.firewall import (
 )
 from infra.policy.rules.firewall import PRIVATE_SOURCE_RANGES as PRIVATE_SOURCE_RANGES
 from infra.policy.rules.gke import GPU_TAINT_EFFECT as GPU_TAINT_EFFECT
-from infra.policy.rules.gke import gpu_node_pool_tainted
+from infra.policy.rules.gke import gpu_node_pool_tainted, gpu_node_pool_upgrade_needs_no_extra_gpu
 from infra.policy.rules.load_balancing import HASH_LOCALITY_POLICIES as HASH_LOCALITY_POLICIES
 from infra.policy.rules.load_balancing import (
     MIN_WEBSOCKET_BACKEND_TIMEOUT_S,
     backend_timeout_fits_websockets,
+    https_proxy_tls_1_2,
     session_affinity_needs_hash_policy,
 )
 from infra.policy.rules.machine_types import machine_type_carries_gpu
@@ -111,6 +115,8 @@ __all__ = [
     "firewall_no_world_ssh",
     "gpu_instance_terminates_on_maintenance",
     "gpu_node_pool_tainted",
+    "gpu_node_pool_upgrade_needs_no_extra_gpu",
+    "https_proxy_tls_1_2",
     "is_unknown",
     "machine_type_carries_gpu",
     "redis_requires_auth",
@@ -209,6 +215,20 @@ RULES: tuple[Rule, ...] = (
         (BACKEND_SERVICE,),
         session_affinity_needs_hash_policy,
         "Set localityLbPolicy to RING_HASH (or MAGLEV), or sessionAffinity to NONE.",
+    ),
+    Rule(
+        "https-proxy-tls-1-2",
+        "HTTPS proxies name an SSL policy, and SSL policies refuse TLS before 1.2.",
+        (TARGET_HTTPS_PROXY, SSL_POLICY),
+        https_proxy_tls_1_2,
+        'Set the proxy\'s sslPolicy to a compute.SSLPolicy with min_tls_version "TLS_1_2".',
+    ),
+    Rule(
+        "gpu-node-pool-upgrade-needs-no-extra-gpu",
+        "GKE GPU node pools upgrade in place (maxSurge 0, maxUnavailable >= 1): no extra GPU per upgrade.",
+        (NODE_POOL,),
+        gpu_node_pool_upgrade_needs_no_extra_gpu,
+        'Set upgradeSettings = {"strategy": "SURGE", "maxSurge": 0, "maxUnavailable": 1}.',
     ),
 )
 """The pack's resource rules, in the order the pack lists its policies."""

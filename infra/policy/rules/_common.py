@@ -15,6 +15,8 @@ NODE_POOL = "gcp:container/nodePool:NodePool"
 CLUSTER = "gcp:container/cluster:Cluster"
 REDIS = "gcp:redis/instance:Instance"
 BACKEND_SERVICE = "gcp:compute/backendService:BackendService"
+TARGET_HTTPS_PROXY = "gcp:compute/targetHttpsProxy:TargetHttpsProxy"
+SSL_POLICY = "gcp:compute/sSLPolicy:SSLPolicy"
 
 # --------------------------------------------------------------------------------------------------------
 # Unknown values

@@ -1,5 +1,6 @@
-"""Rules on ``gcp:compute/backendService:BackendService``: the backend timeout keeps WebSockets open,
-session affinity only with a hashing locality policy."""
+"""Rules on the load balancer: backend services (``gcp:compute/backendService:BackendService``) keep
+WebSockets open past their timeout and use session affinity only with a hashing locality policy; HTTPS
+proxies and their SSL policies refuse TLS before 1.2."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 
 from infra.policy.rules._common import (
     BACKEND_SERVICE,
+    SSL_POLICY,
+    TARGET_HTTPS_PROXY,
     _normalize,
     _q,
     is_unknown,
@@ -83,3 +86,40 @@ def session_affinity_needs_hash_policy(resource_type: str, props: Mapping[str, A
         f"sessionAffinity {_q(affinity)} has no effect: localityLbPolicy {now}. Use "
         f"{' or '.join(HASH_LOCALITY_POLICIES)}, or drop the affinity."
     ]
+
+
+# --------------------------------------------------------------------------------------------------------
+# HTTPS proxies refuse TLS before 1.2
+# --------------------------------------------------------------------------------------------------------
+
+OLD_TLS_VERSIONS = ("TLS_1_0", "TLS_1_1")
+"""``minTlsVersion`` values that let a client in with TLS 1.0 or 1.1 (an SSL policy's default is TLS_1_0)."""
+
+
+def https_proxy_tls_1_2(resource_type: str, props: Mapping[str, Any]) -> list[str]:
+    """A target HTTPS proxy (``gcp:compute/targetHttpsProxy:TargetHttpsProxy``) names an ``sslPolicy``, and
+    an SSL policy (``gcp:compute/sSLPolicy:SSLPolicy``) sets ``minTlsVersion`` TLS_1_2 or later. Without a
+    policy the proxy uses Google's default, profile COMPATIBLE from TLS 1.0; a policy without
+    ``minTlsVersion`` starts at TLS 1.0 too (cloud.google.com/load-balancing/docs/ssl-policies-concepts).
+
+    Passes when ``sslPolicy`` or ``minTlsVersion`` is unknown during preview.
+    """
+    p = _normalize(props)
+    if resource_type == TARGET_HTTPS_PROXY:
+        policy = p.get("sslPolicy")
+        if policy is None or policy == "":
+            return [
+                "target HTTPS proxy without sslPolicy: Google's default policy accepts TLS 1.0 and 1.1. Set "
+                'sslPolicy to a compute.SSLPolicy with min_tls_version "TLS_1_2".'
+            ]
+        return []
+    if resource_type == SSL_POLICY:
+        version = p.get("minTlsVersion")
+        if is_unknown(version):
+            return []
+        if version is None or version in OLD_TLS_VERSIONS:
+            now = "is not set (TLS_1_0)" if version is None else f"is {version}"
+            return [
+                f'SSL policy minTlsVersion {now}: clients may use TLS 1.0/1.1. Set min_tls_version "TLS_1_2".'
+            ]
+    return []
