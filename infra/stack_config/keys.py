@@ -349,6 +349,7 @@ class _NodeKeys(_Keys):
         overrides = super()._overrides()
         limits = PROFILES[self.profile].limits.model_dump()
         overrides["limits"] = {**limits, "drain_grace_s": self.drain_grace_seconds}
+        return overrides
 
     def _node_overrides(self, tls: dict[str, Any] | None = None) -> dict[str, Any]:
         """The profile overrides of the single-node keys: ``tls`` (ACME when a domain is set) and
