@@ -16,12 +16,14 @@ MIRROR = "us-central1-docker.pkg.dev/my-gcp-project/dockerhub"
 PINNED = re.compile(r"^[a-z0-9./_-]+:[A-Za-z0-9_.-]+@sha256:[0-9a-f]{64}$")
 
 
-def test_every_node_image_is_listed_with_the_tag_the_node_runs() -> None:
-    """Until the Compose renderer takes its references from here, the two lists name the same images and
-    tags (a tag bumped in one place only would pin the wrong digest)."""
+def test_the_node_runs_every_image_by_its_digest() -> None:
+    """The Compose renderer (and the GKE regions' Grafana and page nginx) take their references from here:
+    a pinned image runs by digest, not by a tag that moves (issue 20, item 15; was ``nginx:1.28.0``)."""
     assert set(NODE_IMAGES) == set(IMAGES)
     for name, image in NODE_IMAGES.items():
-        assert IMAGES[name] == f"{image.repository}:{image.tag}", name
+        assert IMAGES[name] == image.reference(), name
+        if name not in UNPINNED:
+            assert PINNED.match(IMAGES[name]), IMAGES[name]
     assert NODE_IMAGES["grafana"].tag == GRAFANA_VERSION
 
 

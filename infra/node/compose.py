@@ -37,9 +37,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from infra.images import NODE_IMAGES
 from infra.node.acme import WEBROOT_CONTAINER, acme_dirs
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
-from infra.node.profile import GRAFANA_VERSION, NodeProfile
+from infra.node.profile import NodeProfile
 from infra.node.prometheus import prometheus_args
 from infra.node.services import (
     OPTIONAL_SECRET_FILES,
@@ -88,18 +89,11 @@ PROJECT_NAME = "duplex"
 NETWORK = "duplex"
 """The node's one bridge network (also its Docker name)."""
 
-IMAGES: dict[str, str] = {
-    "nginx": "nginx:1.28.0",
-    "redis": "redis:7.4.6",
-    "prometheus": "prom/prometheus:v3.5.0",
-    "grafana": f"grafana/grafana:{GRAFANA_VERSION}",
-    "node-exporter": "prom/node-exporter:v1.9.1",
-    "redis-exporter": "oliver006/redis_exporter:v1.74.0-alpine",
-    "dcgm-exporter": "nvcr.io/nvidia/k8s/dcgm-exporter:4.4.2-4.7.1-ubuntu22.04",
-    "alertmanager": "prom/alertmanager:v0.28.1",
-}
-"""Pinned images of every service but the runtime (``profile.runtime_image``). The redis_exporter image
-is the Alpine variant: the default one is ``FROM scratch`` and has nothing to run a healthcheck with."""
+IMAGES: dict[str, str] = {name: image.reference() for name, image in NODE_IMAGES.items()}
+"""Every service's image but the runtime's (``profile.runtime_image``), as ``<repository>:<tag>@<digest>``
+from ``infra.images.NODE_IMAGES`` (where each digest came from and how to refresh it; the two still unpinned
+go by tag). The redis_exporter image is the Alpine variant: the default one is ``FROM scratch`` and has
+nothing to run a healthcheck with."""
 
 # Paths inside the containers. redis/redis.conf (infra.node.redis_conf) includes REDIS_AUTH_CONF;
 # prometheus.yml's rule_files (rules/*.yml, relative to it) are under PROMETHEUS_RULES_DIR; Grafana's
