@@ -84,12 +84,12 @@ def serve(
         console.print(f"[red]invalid access control settings[/red]: {exc}")
         raise typer.Exit(2) from None
     if config.workers != 0:
-        from runtime.multiproc import Supervisor, default_workers
+        from runtime.multiproc import PortTaken, Supervisor, default_workers
 
         count = default_workers() if config.workers == -1 else config.workers
         try:
             supervisor = Supervisor(config, count)
-        except ValueError as exc:
+        except (ValueError, PortTaken) as exc:
             console.print(f"[red]{exc}[/red]")
             raise typer.Exit(2) from None
         raise typer.Exit(supervisor.run())
