@@ -93,7 +93,10 @@ async def test_a_cut_session_is_a_failure_and_its_missing_frames_are_lost(how: s
         assert result.audio_messages == 6 and result.ended_early
         assert result.close_code == (1006 if how == "abort" else 1011)
         assert result.frames_lost() == FRAMES - STARTUP_FRAMES - 6  # the frames that never came
-        assert result.failure.startswith("cut after 6 of 20 frames"), result.failure
+        # The client may have sent a frame or two more before it saw the cut.
+        assert 6 <= result.frames_sent < FRAMES
+        expected = f"cut after {result.frames_sent} of {FRAMES} frames (close {result.close_code}"
+        assert result.failure.startswith(expected), result.failure
     assert summary["frames_lost"] == 2 * (FRAMES - STARTUP_FRAMES - 6)
     assert not report.ok and len(report.failures()) == 2
     assert all(row["failure"] for row in report.session_rows())
@@ -127,3 +130,14 @@ def test_duplex_loadgen_exits_1_when_the_node_cuts_a_session(tmp_path: Path) -> 
     with fake_node() as base:
         whole = runner.invoke(runtime_app, ["loadgen", "--url", base, "--sessions", "1", "--wav", str(wav)])
     assert whole.exit_code == 0, whole.output
+
+
+def test_frames_lost_never_exceed_the_frames_planned() -> None:
+    """On a starved machine audio comes in bursts after long gaps: the gaps count as lost and the burst
+    adds messages, but a session cannot lose more frames than it planned (a bench run reported 16,015
+    lost of 16,000)."""
+    from runtime.tools.loadgen import SessionResult
+
+    result = SessionResult(handshake=True, frames_planned=10, frames_sent=10, audio_messages=10)
+    result.audio_arrival_s = [0.0, 2.0, *(2.0 + 0.001 * i for i in range(1, 9))]  # a 2 s gap, then a burst
+    assert result.frames_lost() == 10

@@ -209,11 +209,13 @@ class SessionResult:
         and after its last message: the session planned ``frames_planned`` frames, and whatever the
         stream (messages plus the gaps' frames) falls short of that by more than ``STARTUP_FRAMES`` is
         lost too, so a session cut by the node, or whose audio stopped early, counts the frames it never
-        got."""
+        got. Never more than ``frames_planned`` (when known): frames that arrive late in a burst after a
+        gap leave the gap counted and add messages, which must not count past the whole session."""
         frame_s = FRAME_SAMPLES / SAMPLE_RATE_HZ
         in_gaps = sum(max(0, round(g / frame_s) - 1) for g in self.audio_gaps_s())
         never_came = self.frames_planned - STARTUP_FRAMES - (self.audio_messages + in_gaps)
-        return in_gaps + max(0, never_came)
+        lost = in_gaps + max(0, never_came)
+        return min(lost, self.frames_planned) if self.frames_planned else lost
 
 
 def session_url(base: str, *, audio_format: AudioFormat = AudioFormat.PCM, **params: object) -> str:
