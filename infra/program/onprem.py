@@ -23,6 +23,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
     assert onprem is not None
     profile = config.node_profile(onprem.runtime_image)
     secrets = stack_secrets(config, profile)
+    files = secrets.files
+    assert files is not None, "stack_secrets makes the node's secret files unless told node_files=False"
     node = OnPremNode(
         "node",
         OnPremNodeArgs(
@@ -33,7 +35,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
             host_key=onprem.host_key,
             install_dir=onprem.install_dir,
             profile=profile,
-            secret_files=secrets.files,
+            secret_files=files,
             local_bundle_dir=str(build_dir() / config.stack / "bundle"),
             ready_timeout_s=onprem.ready_timeout_s,
         ),

@@ -556,7 +556,10 @@ class BatchEngine:
         total = len(prompt)
         dq = self.dep_q
         text = torch.tensor([s.text_token for s in prompt], dtype=torch.int64)  # [T]
-        agent = torch.stack([s.agent_codes[:dq] for s in prompt]).to(torch.int64)  # [T, dep_q]
+        forced = [s.agent_codes for s in prompt if s.agent_codes is not None]
+        if len(forced) != total:  # _can_prefill admits only fully forced prompts
+            raise ValueError("a prefilled prompt needs forced agent codes at every step")
+        agent = torch.stack([codes[:dq] for codes in forced]).to(torch.int64)  # [T, dep_q]
         user = torch.stack([s.user_codes[: self.user_codebooks] for s in prompt]).to(torch.int64)  # [T, U]
         seq = torch.zeros(lm.num_codebooks, total, dtype=torch.int64)
         seq[0, 1:] = text[:-1]

@@ -456,7 +456,7 @@ class LoadReport:
 
     def session_rows(self) -> list[dict[str, object]]:
         """One JSON-ready dict per session (no raw arrival times)."""
-        rows = []
+        rows: list[dict[str, object]] = []
         for i, r in enumerate(self.sessions):
             gaps_ms = [g * 1e3 for g in r.audio_gaps_s()]
             rows.append(
