@@ -54,14 +54,38 @@ MAX_RESTARTS_PER_MINUTE = 10
 """Worker restarts allowed per minute before the supervisor gives up (exit 1)."""
 
 
+MAX_DEFAULT_WORKERS = 8
+"""Most workers ``--workers -1`` picks (each holds dozens of Opus sessions; a node has at most 256 slots)."""
+
+
 def default_workers(cpu_count: int | None = None) -> int:
-    """Front-end workers for a host with ``cpu_count`` cores (default: this process's CPU affinity; a
-    Kubernetes CPU limit is a quota, not a cpuset, so the Deployment sets ``DUPLEX_WORKERS``): one core is
-    left to the engine's tick; between 1 and 8 workers (about 40 Opus sessions per worker, issue 16)."""
+    """Front-end workers ``duplex serve --workers -1`` starts on a host with ``cpu_count`` cores (default:
+    this process's CPU affinity; a Kubernetes CPU limit is a quota, not a cpuset, so the Deployment sets
+    ``DUPLEX_WORKERS``): one per core, between 1 and ``MAX_DEFAULT_WORKERS``.
+
+    Why one per core and not cores - 1 (the rule before, which left a core to the engine): the workers
+    (Opus, WebSockets, HTTP) are where a node's CPU goes, while the engine's tick mostly waits (on the GPU;
+    the sim model sleeps). 64 Opus sessions of speech, sim model at 30 ms,
+    ``python -m runtime.tools.bench_frontend sessions --workers W --sessions 64 --seconds 20`` on 2 cores:
+
+    ===================================  ===============  ============  ============
+    frames lost of 16,000                one process (0)  1 worker      2 workers
+    ===================================  ===============  ============  ============
+    2 cores to itself (issue 16)         0                7.5 %         0.0 %
+    2 cores shared, load 8.5-11 (i. 21)  93 %             100 %         95 %
+    2 cores shared, load 4-6 (issue 21)  99 %             85 %          87 %
+    ===================================  ===============  ============  ============
+
+    The first row decides: on 2 cores 1 worker (cores - 1) was the worst setting and 2 (one per core) as
+    good as one process, with the tick in its own process. The two later runs (one each, November 2026)
+    were taken while about eight other jobs shared the same 2 cores: node and load generator starved
+    alike (first audio p99 0.3-1 s, gaps over 1 s), so they rank nothing. Above 2 cores the rule is not
+    measured; set ``DUPLEX_WORKERS`` where a measurement says otherwise.
+    """
     if cpu_count is None:  # the cores this process may run on (a cpuset), not the host's
         cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cpu_count or 2
-    return max(1, min(8, cores - 1))
+    return max(1, min(MAX_DEFAULT_WORKERS, cores))
 
 
 class PortTaken(OSError):
