@@ -15,7 +15,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps pip-check demo test lint bench lock clean
+.PHONY: setup system-deps pip-check deploy-deps demo test lint bench lock clean
 
 setup: system-deps $(STAMP)
 
@@ -35,7 +35,7 @@ system-deps:
 # The locked set exactly as pinned: torch (with what it needs), then every line of requirements.lock and
 # the project itself with --no-deps, so pip resolves nothing against what is installed and prints no
 # "dependency resolver" conflict. moshi comes last, also --no-deps: its metadata pins torch<2.10 and
-# lists its desktop client's packages, while its classes work with current torch (README, "Packaging");
+# lists its desktop client's packages, while its classes work with current torch (docs/packaging.md);
 # the runtime extra lists what it really needs. pip-check then proves the set whole.
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,19 @@ pip-check:
 	if [ -n "$$rest" ]; then \
 	  printf '%s\n' "$$rest"; echo "pip check: the installed set is broken (above)"; exit 1; \
 	fi
+
+# What a deploy job needs and nothing else (.github/workflows/pulumi-*.yml): the Pulumi program's
+# virtualenv with the deploy extra (pulumi, its providers, the node renderers). No system packages (a deploy
+# runner must not install or start nginx, Redis or Prometheus), no torch, no dev tools. Its own stamp, so
+# that a later `make setup` still installs the rest.
+DEPLOY_STAMP := $(VENV)/.deploy-installed
+deploy-deps: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -e ".[deploy]"
+	touch $(DEPLOY_STAMP)
 
 # The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
 # tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then stopped.

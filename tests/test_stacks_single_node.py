@@ -656,8 +656,9 @@ def test_missing_public_source_ranges_and_typos_are_reported_together() -> None:
 
 
 def test_onprem_keys_are_refused_on_gce() -> None:
-    message = _config_error("dev", overrides={"duplexops:runtimeImage": "ghcr.io/x/y@sha256:" + "a" * 64})
-    assert "duplexops:runtimeImage: does not apply to topology 'gce-node'" in message
+    # Not runtimeImage: every topology reads it (the image CI built for the update, tests/test_image.py).
+    message = _config_error("dev", overrides={"duplexops:onpremHost": "gpu01.example.internal"})
+    assert "duplexops:onpremHost: does not apply to topology 'gce-node'" in message
 
 
 def test_runtime_image_must_be_pinned() -> None:

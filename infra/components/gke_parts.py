@@ -4,7 +4,7 @@ its service accounts (``RegionAccounts``), the cluster (``RegionCluster``), the 
 
 Their resources were declared straight under ``GkeRegion`` before these parts existed: each carries an
 alias to that parent (``moved_from``), so an existing stack keeps every cloud resource (same URN as
-before, no replacement). README, "Stack multi-region".
+before, no replacement). docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

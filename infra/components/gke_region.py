@@ -2,7 +2,7 @@
 (``infra.components.gke_parts``): the network, the service accounts, the cluster, the node pools,
 Memorystore and the model bucket; and a Kubernetes provider built from the cluster's outputs
 (``gke-gcloud-auth-plugin`` with Application Default Credentials, the GCP provider's own). The Kubernetes
-objects themselves are ``RegionalRuntime``'s. README, "Stack multi-region".
+objects themselves are ``RegionalRuntime``'s. docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``GlobalEntry``: one global external Application Load Balancer in front of every region's runtime pods,
 built from the standalone NEGs GKE makes from the runtime Service, with Cloud Armor, a managed certificate
-and the browser client from a bucket. README, "Stack multi-region".
+and the browser client from a bucket. docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ class GlobalEntry(pulumi.ComponentResource):
       (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime port of the pods, and nothing else.
 
     A region with ``serving: false`` keeps its backends with ``capacity_scaler`` 0: no new callers, running
-    conversations go on (the drain of the README).
+    conversations go on (a region's drain: docs/deploying.md, "Stack multi-region").
     """
 
     address: compute.GlobalAddress

@@ -1,6 +1,6 @@
 """``OnPremNode``: an existing GPU host (L40S, A100, ...) brought up over SSH with ``pulumi_command``: GPU
 check, the rendered bundle copied and installed, the secrets written, ``docker compose up -d``, ``/readyz``.
-What the host needs and how to use it: README, "Stack scale5-onprem".
+What the host needs and how to use it: docs/deploying.md, "Stack scale5-onprem".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 validated), the names the objects share (namespace, app, service accounts, Secret, mounts), the joins of
 values that may be Pulumi Outputs (``lift``, ``redis_url``), labels, metadata, Pod Security ``restricted``
 contexts, Workload Identity service accounts and the model bucket's Cloud Storage FUSE volume.
-README, "Stack multi-region".
+docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

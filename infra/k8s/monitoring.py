@@ -2,7 +2,7 @@
 redis_exporter (which watches Memorystore over TLS), GPU series from GKE's managed DCGM exporter
 (``DCGM_SELECTOR``), the node's alert rules as a ``ClusterRules`` (``infra.node.prometheus.alert_rules``,
 each query scoped to its cluster), and the tools to look at it: the GMP query frontend and Grafana with the
-node's dashboard (reached with ``kubectl port-forward``). README, "Stack multi-region".
+node's dashboard (reached with ``kubectl port-forward``). docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

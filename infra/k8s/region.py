@@ -1,8 +1,7 @@
 """One region's Kubernetes objects put together: every object in apply order (``region_objects``), the
 Workload Identity bindings they need, and the operator commands the stack prints. It sits above the
 builders (``workload``, ``prefetch``, ``scaling``, ``metrics_adapter``, ``monitoring``), which never import
-it. README, "Stack
-multi-region"."""
+it. docs/deploying.md, "Stack multi-region"."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The runtime of one region on GKE: its Namespace (Pod Security ``restricted``), ServiceAccount, Secret,
 Memorystore CA, Deployment (one pod per GPU node, probes, the drain on preStop), Service (standalone NEG for
 the global load balancer) and PodDisruptionBudget. The weights Job is ``prefetch``'s, the autoscaler
-``scaling``'s. README, "Stack multi-region" (draining: "Drain").
+``scaling``'s. docs/deploying.md, "Stack multi-region" (draining: docs/operations.md, "Drain").
 """
 
 from __future__ import annotations

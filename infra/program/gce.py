@@ -1,6 +1,6 @@
 """Topology ``gce-node``: the Google APIs, the runtime image built and pushed to Artifact Registry
 (``RuntimeImage``), the node's secrets in Secret Manager, one GPU VM (``GceGpuNode``). Stacks ``dev`` and
-``scale5-gcp``; README, "Stack dev" and "Stack scale5-gcp".
+``scale5-gcp``; docs/deploying.md, "Stack dev" and "Stack scale5-gcp".
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ def declare(config: StackConfig) -> dict[str, Any]:
 
     image = RuntimeImage(
         "runtime-image",
-        RuntimeImageArgs(project=gce.project, location=gce.region, repository_id=prefix, labels=stack_labels),
+        RuntimeImageArgs(
+            project=gce.project,
+            location=gce.region,
+            repository_id=prefix,
+            labels=stack_labels,
+            source=config.runtime_image,
+        ),
         opts=after_apis,
     )
     secrets = stack_secrets(

@@ -2,7 +2,7 @@
 the session-token keys and Grafana's password, one VPC, then per region a GKE cluster with its GPU pool,
 Memorystore and model bucket (``GkeRegion``) and the runtime's Kubernetes objects on it
 (``RegionalRuntime`` of ``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every
-region's pods (``GlobalEntry``). Stack ``multi-region``; README, "Stack multi-region".
+region's pods (``GlobalEntry``). Stack ``multi-region``; docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -80,7 +80,13 @@ def declare(config: StackConfig) -> dict[str, Any]:
     after_apis = enable_apis(project, GKE_APIS if mr.enable_apis else ())
     image = RuntimeImage(
         "runtime-image",
-        RuntimeImageArgs(project=project, location=first.region, repository_id=prefix, labels=stack_labels),
+        RuntimeImageArgs(
+            project=project,
+            location=first.region,
+            repository_id=prefix,
+            labels=stack_labels,
+            source=config.runtime_image,
+        ),
         opts=after_apis,
     )
     secrets = stack_secrets(config, first.profile, after_apis, node_files=False)

@@ -1,6 +1,6 @@
 """Topology ``onprem-node``: the node's secrets (no cloud store) and an existing GPU host brought up over
 SSH (``OnPremNode``) running the configured digest-pinned ``runtimeImage``. Stack ``scale5-onprem``;
-README, "Stack scale5-onprem".
+docs/deploying.md, "Stack scale5-onprem".
 """
 
 from __future__ import annotations

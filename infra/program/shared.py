@@ -1,6 +1,6 @@
 """What the topologies of the program share: capacity figures for the outputs, resource labels, the
 stack's secrets (``stack_secrets``), the endpoint and token commands, enabling Google APIs and the build
-directory. README, "Deploying (Pulumi)".
+directory. docs/deploying.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 (``duplexops:<camelCase>``, ``gcp:project``...), with the constraints of each key and validators that apply
 the GCP rules through the capacity planner (``infra.capacity.gcp``: machine type vs GPU, provisioning
 model, zones) and the node profile (sessions vs capacity). A valid model holds the ``StackConfig`` it
-built. README, "Stack configuration".
+built. docs/stack-configuration.md.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from infra.stack_config.values import (
     pulumi_key,
     secret_matching,
 )
+from runtime.engine.model_presets import get_preset
 from runtime.frontend.tokens import keys_from_mapping
 
 __all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
@@ -81,6 +82,7 @@ _IMAGE_RE = (
     r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
 )
+_IMAGE_ALLOWED = "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
 _SSH_KEY_RE = r"^-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----\s[\s\S]+-----END [A-Z0-9 ]*PRIVATE KEY-----\s*$"
 _SSH_KEY_ALLOWED = (
     "an SSH private key in PEM/OpenSSH form, set with "
@@ -115,6 +117,10 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+    # The runtime image CI built once for this push (.github/workflows/pulumi-up.yml sets it for the update),
+    # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
+    # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
+    runtime_image: str | None = Field(None, pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
 
     @field_validator("grafana_admin_password", "redis_password", check_fields=False)
     @classmethod
@@ -185,7 +191,12 @@ class _Keys(BaseModel):
     def _config(
         self, info: ValidationInfo, profile: NodeProfile, overrides: dict[str, Any], **settings: Any
     ) -> StackConfig:
-        """The ``StackConfig`` of these keys (the stack's name and project from the validation context)."""
+        """The ``StackConfig`` of these keys (the stack's name and project from the validation context).
+
+        Raises:
+            PydanticCustomError: the profile's model is gated and ``hfToken`` is not set.
+        """
+        _require_hf_token(profile, self.hf_token)
         context = info.context or {}
         stack = context.get("stack", "stack")
         return StackConfig(
@@ -197,8 +208,27 @@ class _Keys(BaseModel):
             profile_overrides=overrides,
             profile=profile,
             domain=self.domain,
+            runtime_image=self.runtime_image,
             secrets=self._secrets(),
             **settings,
+        )
+
+
+def _require_hf_token(profile: NodeProfile, token: SecretStr | None) -> None:
+    """A profile whose model's weights are gated on the Hugging Face Hub needs ``hfToken``: without it the
+    weights download gets 401 and the node never turns ready (a GCE VM, the multi-region weights Job, an
+    on-premises host alike). Gated-ness is the model preset's (``runtime.engine.model_presets``).
+
+    Raises:
+        PydanticCustomError: the key, the model and the command that sets it.
+    """
+    preset = get_preset(profile.model)
+    if preset.gated and token is None:
+        raise problem(
+            f"required: profile {profile.name!r} serves {preset.default_source}, which is gated on the "
+            "Hugging Face Hub; accept its licence there with your account, then set a token of that account "
+            "with `pulumi config set --secret hfToken hf_...`",
+            where=pulumi_key("hf_token"),
         )
 
 
@@ -389,12 +419,7 @@ class OnPremNodeKeys(_NodeKeys):
             "'-' (destroy removes it), e.g. /opt/duplex"
         ),
     )
-    runtime_image: str = Field(
-        pattern=_IMAGE_RE,
-        json_schema_extra=allowed(
-            "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
-        ),
-    )
+    runtime_image: str = Field(pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
     ready_timeout_seconds: int = Field(1800, ge=60, le=7200)
 
     @field_validator("onprem_host")

@@ -1,7 +1,7 @@
 """What the program takes from the stack's configuration: ``StackConfig`` and the settings of each
 topology (``GceSettings``, ``OnPremSettings``, ``MultiRegionSettings`` with its ``RegionSettings``), the
 names of the configuration (namespaces, topologies, secret keys) and ``StackConfigError``. Built by
-``infra.stack_config.keys``; README, "Stack configuration".
+``infra.stack_config.keys``; docs/stack-configuration.md.
 """
 
 from __future__ import annotations
@@ -191,6 +191,8 @@ class StackConfig(_Frozen):
         profile_name, profile_overrides: the node profile and what the stack changes in it.
         profile: the validated profile (with a placeholder ``runtime_image``: use ``node_profile``).
         domain: the endpoint's DNS name, or None (the endpoint is the IP address).
+        runtime_image: the digest-pinned runtime image CI built for this update (``duplexops:runtimeImage``),
+            or None (a cloud topology then builds it).
         gce, onprem, multi_region: the topology's settings (the others are None).
         secrets: secrets from the configuration.
     """
@@ -203,6 +205,7 @@ class StackConfig(_Frozen):
     profile_overrides: dict[str, Any]
     profile: NodeProfile
     domain: str | None
+    runtime_image: str | None = None
     gce: GceSettings | None = None
     onprem: OnPremSettings | None = None
     multi_region: MultiRegionSettings | None = None

@@ -12,7 +12,7 @@ notices", https://cloud.google.com/compute/docs/metadata/getting-live-migration-
 changes or after ``timeout_sec``), every request with the header ``Metadata-Flavor: Google`` ("View and
 query VM metadata", "Wait for change", https://cloud.google.com/compute/docs/metadata/querying-metadata).
 
-What a value does (decided here; README "Drain"):
+What a value does (decided here; docs/operations.md, "Drain"):
 
 - ``TERMINATE_ON_HOST_MAINTENANCE`` (and any value this module does not know: missing a real notice cuts
   conversations, a false one only sends new callers elsewhere for a while): *pending*. The runtime stops

@@ -2,7 +2,7 @@
 ``bench-persona``, ``token``. ``runtime_app()`` builds a Typer app of them: ``app`` here is the runtime
 image's entrypoint (``duplex-runtime``); ``infra.cli`` adds the node's and the capacity planner's
 commands for the full ``duplex``. Heavy imports (torch, moshi) happen inside the commands that need them.
-README, "The runtime".
+docs/runtime.md.
 """
 
 from __future__ import annotations
