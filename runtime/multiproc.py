@@ -68,19 +68,20 @@ def default_workers(cpu_count: int | None = None) -> int:
     the sim model sleeps). 64 Opus sessions of speech, sim model at 30 ms,
     ``python -m runtime.tools.bench_frontend sessions --workers W --sessions 64 --seconds 20`` on 2 cores:
 
-    ===================================  ===============  ============  ============
-    frames lost of 16,000                one process (0)  1 worker      2 workers
-    ===================================  ===============  ============  ============
-    2 cores to itself (issue 16)         0                7.5 %         0.0 %
-    2 cores shared, load 8.5-11 (i. 21)  93 %             100 %         95 %
-    2 cores shared, load 4-6 (issue 21)  99 %             85 %          87 %
-    ===================================  ===============  ============  ============
+    ====================================  ===============  ============  ============
+    frames lost of 16,000                 one process (0)  1 worker      2 workers
+    ====================================  ===============  ============  ============
+    issue 21's run                        0                7.5 %         0.0 %
+    issue 16's run (load about 3)         38 %             56 %          6 %
+    shared, load 8.5-11 (Nov 2026)        93 %             100 %         95 %
+    shared, load 4-6 (Nov 2026)           99 %             85 %          87 %
+    ====================================  ===============  ============  ============
 
-    The first row decides: on 2 cores 1 worker (cores - 1) was the worst setting and 2 (one per core) as
-    good as one process, with the tick in its own process. The two later runs (one each, November 2026)
-    were taken while about eight other jobs shared the same 2 cores: node and load generator starved
-    alike (first audio p99 0.3-1 s, gaps over 1 s), so they rank nothing. Above 2 cores the rule is not
-    measured; set ``DUPLEX_WORKERS`` where a measurement says otherwise.
+    The first two rows decide (the second is docs/benchmarks.md, "The front end under load (issue 16)"):
+    on 2 cores 1 worker (cores - 1) was the worst setting and 2 (one per core) the best. The last two
+    (one run each, November 2026) were taken while about eight other jobs shared the same 2 cores: node
+    and load generator starved alike (first audio p99 0.3-1 s, gaps over 1 s), so they rank nothing.
+    Above 2 cores the rule is not measured; set ``DUPLEX_WORKERS`` where a measurement says otherwise.
     """
     if cpu_count is None:  # the cores this process may run on (a cpuset), not the host's
         cpu_count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
