@@ -134,7 +134,7 @@ class RuntimeConfig(BaseSettings):
         ge=-1,
         le=64,
         description="Front-end worker processes beside the engine process (runtime/multiproc.py): 0 runs "
-        "one process (model and front end together), -1 picks from the host's cores (cores - 1, 1..8)",
+        "one process (model and front end together), -1 picks from the host's cores (one per core, 1..8)",
     )
     sim_step_ms: str = Field(
         "30",

@@ -140,9 +140,7 @@ def declare(config: BootstrapConfig) -> dict[str, Any]:
                 f"{who}-wif-{i}",
                 service_account_id=accounts[who].name,
                 role="roles/iam.workloadIdentityUser",
-                member=pool.name.apply(
-                    lambda name, s=sub: f"principal://iam.googleapis.com/{name}/subject/{s}"
-                ),
+                member=pulumi.Output.concat("principal://iam.googleapis.com/", pool.name, "/subject/", sub),
             )
     deployer, preview = accounts["deployer"].email, accounts["preview"].email
     return {

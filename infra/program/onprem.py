@@ -50,6 +50,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
             account_id=f"{config.name_prefix}-pull",
             opts=enable_apis(project, PULLER_APIS),
         )
+    files = secrets.files
+    assert files is not None, "stack_secrets makes the node's secret files unless told node_files=False"
     node = OnPremNode(
         "node",
         OnPremNodeArgs(
@@ -60,7 +62,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
             host_key=onprem.host_key,
             install_dir=onprem.install_dir,
             profile=profile,
-            secret_files=secrets.files,
+            secret_files=files,
             local_bundle_dir=str(build_dir() / config.stack / "bundle"),
             ready_timeout_s=onprem.ready_timeout_s,
             registry=None if puller is None else puller.registry,
