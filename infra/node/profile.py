@@ -321,7 +321,7 @@ class NodeProfile(_Strict):
         ge=-1,
         le=64,
         description="The runtime's front-end worker processes beside its engine process (DUPLEX_WORKERS): "
-        "-1 from the host's cores (cores - 1, 1..8), 0 one process",
+        "-1 from the host's cores (one per core, 1..8), 0 one process",
     )
     ports: NodePorts = NodePorts()
     tls: TlsSettings = TlsSettings()
