@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 # The system programs the main job and the tests run for real, as binary:Debian package.
 SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-light prometheus:prometheus \
 	promtool:prometheus prometheus-node-exporter:prometheus-node-exporter \
-	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium \
+	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium curl:curl \
 	prometheus-alertmanager:prometheus-alertmanager amtool:prometheus-alertmanager certbot:certbot \
 	pebble:pebble pebble-challtestsrv:pebble
 STAMP := $(VENV)/.installed

@@ -38,6 +38,7 @@ import yaml
 from pulumi.runtime import rpc
 
 __all__ = [
+    "FAKE_PROMOTED",
     "FAKE_SECRETS",
     "LAST_MOCKS",
     "REPO_ROOT",
@@ -77,7 +78,14 @@ FAKE_SECRETS: dict[str, dict[str, str]] = {
 }
 """Secret config each topology's tests inject (the stack files hold none: they are set with the CLI)."""
 
+_PROMOTED_REPOSITORY = "us-central1-docker.pkg.dev/my-gcp-project/duplex-build/duplex-runtime"
+FAKE_PROMOTED: dict[str, dict[str, str]] = {
+    "onprem-node": {"duplexops:runtimeImage": f"{_PROMOTED_REPOSITORY}@sha256:" + "5" * 64},
+}
+"""Plain config CI gives each update and no stack file holds (the promoted image, pulumi-up.yml)."""
+
 MOCK_ACCESS_TOKEN = "ya29.mock-access-token-for-unit-tests"
+MOCK_DEPLOYER = "deployer@my-gcp-project.iam.gserviceaccount.com"
 MOCK_IP = "203.0.113.10"
 MOCK_PROJECT_NUMBER = "123456789012"
 MOCK_GLOBAL_IP = "198.51.100.7"
@@ -196,6 +204,10 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 "zone": "us-central1-a",
                 "id": "client-config",
             }, []
+        if args.token == "gcp:organizations/getClientOpenIdUserInfo:getClientOpenIdUserInfo":
+            return {"email": MOCK_DEPLOYER, "id": "open-id"}, []
+        if args.token == "gcp:serviceaccount/getAccountAccessToken:getAccountAccessToken":
+            return {"accessToken": MOCK_ACCESS_TOKEN, "id": "token", **dict(args.args)}, []
         raise NotImplementedError(f"the mocks do not answer {args.token}: add it to tests/pulumi_harness.py")
 
 
@@ -320,6 +332,9 @@ def stack_config(
         else:
             raw[key] = value
     topology = str(raw.get(f"{PROJECT}:topology", ""))
+    for key, value in FAKE_PROMOTED.get(topology, {}).items():
+        if key not in (overrides or {}):
+            raw[key] = value
     chosen = dict(FAKE_SECRETS.get(topology, {}) if secrets is None else secrets)
     secret_keys = []
     for key, value in chosen.items():

@@ -65,6 +65,7 @@ def test_deployer_roles_are_derived_from_the_types() -> None:
     assert set(roles) == {
         "roles/artifactregistry.admin",
         "roles/artifactregistry.writer",
+        "roles/cloudscheduler.admin",  # the Spot node's restart job (single-node stacks)
         "roles/compute.admin",
         "roles/container.admin",
         "roles/iam.serviceAccountAdmin",
@@ -76,6 +77,7 @@ def test_deployer_roles_are_derived_from_the_types() -> None:
         "roles/storage.admin",
     }
     assert roles["roles/iam.serviceAccountUser"] == [
+        "gcp:cloudscheduler/job:Job",
         "gcp:compute/instance:Instance",
         "gcp:container/cluster:Cluster",
         "gcp:container/nodePool:NodePool",

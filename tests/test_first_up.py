@@ -36,6 +36,7 @@ from infra.policy.rules import (
     session_affinity_needs_hash_policy,
 )
 from infra.stack_config import StackConfigError
+from infra.stack_config.keys import NODE_DRAIN_GRACE_S
 
 SERVICE = "gcp:projects/service:Service"
 NODE_POOL = "gcp:container/nodePool:NodePool"
@@ -179,7 +180,8 @@ def test_graceful_shutdown_covers_the_nodes_stop(stack: str, profile: str) -> No
     run = run_stack(stack)
     [vm] = run.of_type(INSTANCE)
     graceful = vm.plain["scheduling"]["gracefulShutdown"]
-    needed = node_stop_timeout_s(get_profile(profile))
+    limits = {**get_profile(profile).limits.model_dump(), "drain_grace_s": NODE_DRAIN_GRACE_S}  # the stacks'
+    needed = node_stop_timeout_s(get_profile(profile, limits=limits))
     assert graceful["enabled"] is True and graceful["maxDuration"]["seconds"] == needed
     assert vm.plain["metadata"][gcp_catalog.STOP_TIMEOUT_METADATA_KEY] == str(needed)
 
@@ -260,8 +262,8 @@ def test_provisioning_rule() -> None:
     [needs] = provisioning_model_sold(INSTANCE, half_spot)
     assert "SPOT needs" in needs
     flex = {"machineType": "a3-highgpu-1g", "scheduling": {"provisioningModel": "FLEX_START"}}
-    [flex_needs] = provisioning_model_sold(INSTANCE, flex)
-    assert "maxRunDuration" in flex_needs
+    flex_needs = provisioning_model_sold(INSTANCE, flex)  # and NO_RESERVATION (test_stacks_single_node)
+    assert any("maxRunDuration" in p for p in flex_needs)
 
 
 def test_dev_runs_on_spot_and_scale5_on_demand(scale5: StackRun) -> None:
@@ -275,7 +277,7 @@ def test_dev_runs_on_spot_and_scale5_on_demand(scale5: StackRun) -> None:
 
 
 def test_flex_start_scheduling_passes_the_pack() -> None:
-    from infra.components.gce_node import scheduling
+    from infra.components.gce_node import reservation_affinity, scheduling
     from infra.stack_config import GceSettings
 
     settings = GceSettings(
@@ -298,7 +300,11 @@ def test_flex_start_scheduling_passes_the_pack() -> None:
     block = scheduling(settings, get_profile("a100-80gb"))
     assert block["provisioning_model"] == "FLEX_START"
     assert block["max_run_duration"] == {"seconds": gcp_catalog.FLEX_START_MAX_RUN_S}
-    props = {"machineType": "a3-highgpu-1g", "scheduling": block}
+    props = {
+        "machineType": "a3-highgpu-1g",
+        "scheduling": block,
+        "reservationAffinity": reservation_affinity(settings),
+    }
     assert provisioning_model_sold(INSTANCE, props) == []
 
 

@@ -18,8 +18,9 @@ import pulumi
 
 from infra.bootstrap.config import BootstrapConfig
 from infra.bootstrap.roles import deployer_roles, preview_roles
-from infra.program.gce import GCP_APIS
+from infra.program.gce import GCP_APIS, SPOT_APIS
 from infra.program.multi_region import GKE_APIS
+from infra.program.onprem import PULLER_APIS
 
 __all__ = [
     "BOOTSTRAP_APIS",
@@ -34,8 +35,9 @@ __all__ = [
 GITHUB_ISSUER = "https://token.actions.githubusercontent.com"
 """GitHub Actions' OIDC issuer."""
 
-STACK_APIS: tuple[str, ...] = tuple(sorted(set(GCP_APIS) | set(GKE_APIS)))
-"""The APIs the stacks enable (``infra.program.gce.GCP_APIS`` and ``multi_region.GKE_APIS``)."""
+STACK_APIS: tuple[str, ...] = tuple(sorted(set(GCP_APIS) | set(SPOT_APIS) | set(GKE_APIS) | set(PULLER_APIS)))
+"""The APIs the stacks enable (``infra.program.gce.GCP_APIS`` and ``SPOT_APIS``, ``multi_region.GKE_APIS``,
+``onprem.PULLER_APIS``)."""
 
 BOOTSTRAP_APIS: tuple[str, ...] = tuple(
     sorted({*STACK_APIS, "iam.googleapis.com", "iamcredentials.googleapis.com", "sts.googleapis.com"})

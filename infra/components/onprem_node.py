@@ -1,6 +1,8 @@
 """``OnPremNode``: an existing GPU host (L40S, A100, ...) brought up over SSH with ``pulumi_command``: GPU
-check, the rendered bundle copied and installed, the secrets written, ``docker compose up -d``, ``/readyz``.
-What the host needs and how to use it: docs/deploying.md, "Stack scale5-onprem".
+check, the rendered bundle copied and installed, the secrets written, a registry login, ``docker compose up
+-d``, ``/readyz``. ``RegistryPuller``: the read-only identity whose short-lived token the host pulls an
+Artifact Registry image with. What the host needs and how to use it: docs/deploying.md, "Stack
+scale5-onprem".
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from pathlib import Path
 
 import pulumi
 import pulumi_command.remote as remote
+import pulumi_gcp.artifactregistry as artifactregistry
+import pulumi_gcp.organizations as organizations
+import pulumi_gcp.serviceaccount as serviceaccount
 
 from infra.capacity.gpus import GPUS
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
 from infra.node.bundle import render_bundle, write_bundle
-from infra.node.cloud_init import USER_DATA_FILE, render_prepare_script
+from infra.node.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
 from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS
 from infra.node.profile import NodeProfile
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR
@@ -27,12 +32,15 @@ __all__ = [
     "PREPARE_SCRIPT",
     "OnPremNode",
     "OnPremNodeArgs",
+    "RegistryPuller",
+    "artifact_registry_repository",
     "bundle_digest",
     "compose_up_script",
     "gpu_check_script",
     "install_script",
     "onprem_bundle",
     "ready_script",
+    "registry_login_script",
     "secret_stdin",
     "secrets_script",
     "stage_script",
@@ -197,11 +205,25 @@ def _hf_env(install_dir: str) -> str:
     return f"if [ -f {env_file} ]; then set -a; . {env_file}; set +a; fi"
 
 
+def registry_login_script(registry: str) -> str:
+    """Logs root's Docker (``DOCKER_CONFIG_DIR``, which ``compose_up_script`` uses) in to ``registry`` with
+    the access token read from stdin (user ``oauth2accesstoken``: Artifact Registry's form for a token)."""
+    q = shlex.quote
+    return f"""set -eu
+umask 077
+install -d -m 0700 -o root -g root {q(DOCKER_CONFIG_DIR)}
+DOCKER_CONFIG={q(DOCKER_CONFIG_DIR)} {_DOCKER} login --username oauth2accesstoken --password-stdin \\
+    {q("https://" + registry)} >/dev/null
+echo "registry-login: {registry} (a token of this deploy, valid 1 h: the pulls of this deploy use it)"
+"""
+
+
 def compose_up_script(install_dir: str) -> str:
     """Prepares the host and starts the node (``docker compose up -d``)."""
     q = shlex.quote
     compose = _compose(install_dir)
     return f"""set -eu
+export DOCKER_CONFIG={q(DOCKER_CONFIG_DIR)}
 sh {q(install_dir + "/" + PREPARE_SCRIPT)}
 cd {q(install_dir)}
 export DUPLEX_NODE_ID="$(hostname)"
@@ -254,13 +276,17 @@ class OnPremNodeArgs:
     Attributes:
         host, port, user: SSH coordinates (``user``: root, or passwordless sudo).
         private_key: the SSH private key (a secret Output).
-        host_key: the host's public key (pins it), or None.
+        host_key: the host's public key line (``ssh-ed25519 AAAA...``): required, every connection of every
+            step checks it (``remote.ConnectionArgs.host_key``: without it pulumi-command 1.2 ignores the
+            host key, and the secrets would go to whoever answers on the address).
         install_dir: where the bundle goes (removed on destroy).
         profile: the node profile, with the image the host runs in ``runtime_image``.
         secret_files: ``{bundle path: content}`` of the node's secrets (a secret Output).
         ready_timeout_s: how long ``ready`` waits for ``/readyz``.
         local_bundle_dir: where the bundle is written locally for ``CopyToRemote`` (emptied first). An
             absolute path: the engine reads the archive from its own working directory.
+        registry, registry_token: the registry to log Docker in to before the pull, and a short-lived
+            token for it (a secret Output; ``RegistryPuller``); None: the host pulls with what it has.
     """
 
     host: str
@@ -271,8 +297,17 @@ class OnPremNodeArgs:
     profile: NodeProfile
     secret_files: pulumi.Input[dict[str, str]]
     local_bundle_dir: str
-    host_key: str | None = None
+    host_key: str
     ready_timeout_s: int = 1800
+    registry: str | None = None
+    registry_token: pulumi.Input[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.host_key or len(self.host_key.split()) < 2:
+            raise ValueError(
+                f"host_key: {self.host_key!r} is not a public key line; allowed: the host's key, e.g. from "
+                "`ssh-keyscan -t ed25519 <host>` ('ssh-ed25519 AAAA...'): secrets travel over this session"
+            )
 
 
 class OnPremNode(pulumi.ComponentResource):
@@ -372,6 +407,18 @@ class OnPremNode(pulumi.ComponentResource):
             create=_as_root(secrets_script(install_dir), user),
             stdin=pulumi.Output.secret(pulumi.Output.from_input(args.secret_files).apply(stdin_of)),
         )
+        before_up: list[pulumi.Resource] = [install, secrets]
+        if args.registry is not None and args.registry_token is not None:
+            # Runs at every deploy (a new token each time), before compose-up pulls the new image.
+            before_up.append(
+                remote.Command(
+                    f"{name}-registry-login",
+                    connection=conn,
+                    create=_as_root(registry_login_script(args.registry), user),
+                    stdin=pulumi.Output.secret(args.registry_token),
+                    opts=child_options(self, [*deps, secrets]),
+                )
+            )
         self.compose_up = remote.Command(
             f"{name}-compose-up",
             connection=conn,
@@ -381,7 +428,7 @@ class OnPremNode(pulumi.ComponentResource):
             # variable itself, which nothing reads).
             environment={"DUPLEX_BUNDLE_SHA256": digest},
             triggers=[args.host, str(args.port), install_dir],
-            opts=child_options(self, [*deps, install, secrets], delete_before_replace=True),
+            opts=child_options(self, [*deps, *before_up], delete_before_replace=True),
         )
         self.ready = step(
             "ready",
@@ -389,3 +436,90 @@ class OnPremNode(pulumi.ComponentResource):
             create=_as_root(ready_script(profile, install_dir, args.ready_timeout_s), user),
         )
         self.register_outputs({"bundle_sha256": digest, "ready": self.ready.stdout})
+
+
+def artifact_registry_repository(image: str) -> tuple[str, str, str, str] | None:
+    """``(registry host, project, location, repository id)`` of an Artifact Registry image reference
+    (``LOCATION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE@sha256:...``), or None for another registry.
+
+    >>> artifact_registry_repository("us-central1-docker.pkg.dev/p-1/repo/runtime@sha256:" + "a" * 64)
+    ('us-central1-docker.pkg.dev', 'p-1', 'us-central1', 'repo')
+    """
+    host, _, path = image.partition("/")
+    if not host.endswith("-docker.pkg.dev") or path.count("/") < 2:
+        return None
+    project, repository = path.split("/")[:2]
+    return host, project, host.removesuffix("-docker.pkg.dev"), repository
+
+
+class RegistryPuller(pulumi.ComponentResource):
+    """A service account that may only read one Artifact Registry repository, and a 1-hour access token of
+    it minted at each deploy by the deploying identity (``iamcredentials generateAccessToken``; the
+    deployer gets ``roles/iam.serviceAccountTokenCreator`` on this account only). The token travels to the
+    host over the pinned SSH session and is used by the same deploy's pull; the host keeps no standing
+    credential (a service account key is refused by the secure-by-default organization policy
+    ``iam.disableServiceAccountKeyCreation``). A restart or reboot of the host runs the image already
+    pulled; only a deploy pulls, and each deploy brings a fresh token.
+
+    Attributes:
+        registry: the registry host (``us-central1-docker.pkg.dev``).
+        token: the access token (secret Output).
+        account: the read-only service account.
+    """
+
+    registry: str
+    token: pulumi.Output[str]
+    account: serviceaccount.Account
+
+    def __init__(
+        self, name: str, image: str, account_id: str, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        """Raises: ValueError: ``image`` is not in Artifact Registry (``artifact_registry_repository``)."""
+        super().__init__(f"{COMPONENT_PACKAGE}:RegistryPuller", name, None, opts)
+        found = artifact_registry_repository(image)
+        if found is None:
+            raise ValueError(
+                f"image {image!r} is not in Artifact Registry (LOCATION-docker.pkg.dev/PROJECT/REPO/...)"
+            )
+        self.registry, project, location, repository = found
+        deps = dependencies(opts)
+        self.account = serviceaccount.Account(
+            f"{name}-account",
+            project=project,
+            account_id=account_id,
+            display_name=f"duplexops image puller {account_id}",
+            description="Reads the runtime image for an on-premises node (short-lived tokens, no key)",
+            opts=child_options(self, deps),
+        )
+        member = self.account.email.apply(lambda email: f"serviceAccount:{email}")
+        reader = artifactregistry.RepositoryIamMember(
+            f"{name}-reads-repository",
+            project=project,
+            location=location,
+            repository=repository,
+            role="roles/artifactregistry.reader",
+            member=member,
+            opts=child_options(self, deps),
+        )
+        deployer = organizations.get_client_open_id_user_info_output().email.apply(_member_of)
+        minter = serviceaccount.IAMMember(
+            f"{name}-deployer-mints",
+            service_account_id=self.account.name,
+            role="roles/iam.serviceAccountTokenCreator",
+            member=deployer,
+            opts=child_options(self, deps),
+        )
+        result = serviceaccount.get_account_access_token_output(
+            target_service_account=self.account.email,
+            scopes=["https://www.googleapis.com/auth/cloud-platform"],
+            lifetime="3600s",
+            opts=pulumi.InvokeOutputOptions(depends_on=[reader, minter]),
+        )
+        self.token = pulumi.Output.secret(result.access_token)
+        self.register_outputs({"account": self.account.email, "registry": self.registry})
+
+
+def _member_of(email: str) -> str:
+    """The IAM member of the deploying identity: a service account (CI) or a user (a person's gcloud)."""
+    kind = "serviceAccount" if email.endswith(".gserviceaccount.com") else "user"
+    return f"{kind}:{email}"

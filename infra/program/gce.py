@@ -24,6 +24,9 @@ GCP_APIS = (
 )
 """Google APIs a GCE node needs (enabled, never disabled on destroy: other stacks may use them)."""
 
+SPOT_APIS = ("cloudscheduler.googleapis.com",)
+"""More APIs a Spot node needs: Cloud Scheduler starts it again after a preemption."""
+
 
 def declare(config: StackConfig) -> dict[str, Any]:
     """Declare a ``gce-node`` stack; return its outputs."""
@@ -33,7 +36,13 @@ def declare(config: StackConfig) -> dict[str, Any]:
     gce = config.gce
     assert gce is not None
     prefix, profile, stack_labels = config.name_prefix, config.profile, labels(config)
-    after_apis = enable_apis(gce.project, GCP_APIS if gce.enable_apis else ())
+    apis = GCP_APIS + (SPOT_APIS if gce.provisioning_model == "spot" else ())
+    after_apis = enable_apis(gce.project, apis if gce.enable_apis else ())
+    if gce.provisioning_model == "flex-start":
+        pulumi.log.warn(
+            "flex-start: GCE deletes the VM after 7 days (its data disk stays); Pulumi notices only on a "
+            "refresh: deploy with `pulumi up --refresh` so that the next up creates it again"
+        )
 
     image = RuntimeImage(
         "runtime-image",

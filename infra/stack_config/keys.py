@@ -73,6 +73,12 @@ def _gcp_profiles() -> list[str]:
     return [p for p in _compose_profiles() if PROFILES[p].gpu in gcp_catalog.GCP_GPUS]
 
 
+NODE_DRAIN_GRACE_S = 300
+"""Default drain grace of a single node (s): a conversation of up to 5 minutes finishes through a rollout."""
+MAX_NODE_DRAIN_GRACE_S = 1700
+"""Largest drain grace of a single node (s): nginx's and the runtime's grace periods plus margins and a
+minute (``infra.node.compose.node_stop_timeout_s``) must stay within GCE graceful shutdown's 3600 s."""
+
 _NAME_PREFIX_RE = r"^[a-z][a-z0-9-]{1,19}[a-z0-9]$"
 _SAFE_DIR_RE = r"^(/[A-Za-z0-9._-]+){2,}$"
 _FORBIDDEN_INSTALL_DIRS = frozenset({"/usr/local", "/var/lib", "/var/tmp", "/opt/local", "/home"})
@@ -83,7 +89,18 @@ _IMAGE_RE = (
     r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
 )
+_HOST_KEY_RE = r"^(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa) [A-Za-z0-9+/]+={0,2}( .*)?$"
+_HOST_KEY_ALLOWED = (
+    "the host's public SSH key line, required: every SSH session (secrets travel over it) checks it; get "
+    "it from the host itself (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` there to compare) or with "
+    "`ssh-keyscan -t ed25519 <host>`, e.g. 'ssh-ed25519 AAAA...'"
+)
 _IMAGE_ALLOWED = "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
+_PROMOTED_IMAGE_ALLOWED = (
+    f"{_IMAGE_ALLOWED}: the image CI built and promoted for this update (.github/workflows/pulumi-up.yml "
+    "sets it; by hand: `pulumi config set --stack <stack> duplexops:runtimeImage <repository>@sha256:...`, "
+    "e.g. the `image` output of a GCE stack); never committed in the stack file"
+)
 _SSH_KEY_RE = r"^-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----\s[\s\S]+-----END [A-Z0-9 ]*PRIVATE KEY-----\s*$"
 _SSH_KEY_ALLOWED = (
     "an SSH private key in PEM/OpenSSH form, set with "
@@ -312,9 +329,14 @@ class _NodeKeys(_Keys):
     Certificates (``infra.node.acme``): with ``domain`` and ``acmeEmail`` the node gets its certificate
     from ``acmeDirectory`` (Let's Encrypt) by HTTP-01; without a domain it serves a self-signed one.
     Alerts: the node's Alertmanager (``infra.node.alertmanager``) sends to the receivers of ``_Keys``.
-    """
+
+    ``drainGraceSeconds``: how long live sessions may go on when the node restarts (a rollout, a stop, a
+    replacement) before they are closed with 1001 (the profile's ``limits.drain_grace_s``). Long enough
+    for a conversation; at most ``MAX_NODE_DRAIN_GRACE_S`` so that the node's whole stop (nginx and the
+    runtime each draining, plus a minute) fits GCE graceful shutdown's 3600 s."""
 
     redis_password: Secret | None = None
+    drain_grace_seconds: int = Field(NODE_DRAIN_GRACE_S, ge=0, le=MAX_NODE_DRAIN_GRACE_S)
     # --- certificates (issue 20, item 7) ---
     acme_email: str | None = Field(
         None,
@@ -338,6 +360,12 @@ class _NodeKeys(_Keys):
                 where=pulumi_key("acme_email"),
             )
         return self
+
+    def _overrides(self) -> dict[str, Any]:
+        overrides = super()._overrides()
+        limits = PROFILES[self.profile].limits.model_dump()
+        overrides["limits"] = {**limits, "drain_grace_s": self.drain_grace_seconds}
+        return overrides
 
     def _node_overrides(self, tls: dict[str, Any] | None = None) -> dict[str, Any]:
         """The profile overrides of the single-node keys: the common ones (``_overrides``: the alert
@@ -375,6 +403,7 @@ class GceNodeKeys(_NodeKeys):
     machine_type: str | None = None
     boot_disk_size_gb: int = Field(200, ge=100, le=4096)
     boot_disk_type: Literal["pd-balanced", "pd-ssd"] = "pd-balanced"
+    data_disk_size_gb: int = Field(100, ge=50, le=4096)
     public_source_ranges: CidrList = Field(json_schema_extra=allowed(CIDRS))
     subnet_cidr: str = Field(
         "10.64.0.0/24", json_schema_extra=allowed("an RFC 1918 CIDR of /29 or larger, e.g. 10.64.0.0/24")
@@ -451,6 +480,7 @@ class GceNodeKeys(_NodeKeys):
             accelerator_count=machine.gpu_count[0],
             boot_disk_gb=self.boot_disk_size_gb,
             boot_disk_type=self.boot_disk_type,
+            data_disk_gb=self.data_disk_size_gb,
             public_source_ranges=self.public_source_ranges,
             subnet_cidr=self.subnet_cidr,
             enable_apis=self.enable_apis,
@@ -480,10 +510,9 @@ class OnPremNodeKeys(_NodeKeys):
     onprem_ssh_private_key: Annotated[Secret, secret_matching(_SSH_KEY_RE, _SSH_KEY_ALLOWED)] = Field(
         json_schema_extra=allowed(_SSH_KEY_ALLOWED)
     )
-    onprem_host_key: str | None = Field(
-        None,
-        pattern=r"^(ssh-|ecdsa-)[a-z0-9-]+ [A-Za-z0-9+/=]+( .*)?$",
-        json_schema_extra=allowed("the host's public key line, e.g. 'ssh-ed25519 AAAA...'"),
+    onprem_host_key: str = Field(
+        pattern=_HOST_KEY_RE,
+        json_schema_extra=allowed(_HOST_KEY_ALLOWED),
     )
     install_dir: str = Field(
         "/opt/duplex",
@@ -493,7 +522,7 @@ class OnPremNodeKeys(_NodeKeys):
             "'-' (destroy removes it), e.g. /opt/duplex"
         ),
     )
-    runtime_image: str = Field(pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
+    runtime_image: str = Field(pattern=_IMAGE_RE, json_schema_extra=allowed(_PROMOTED_IMAGE_ALLOWED))
     ready_timeout_seconds: int = Field(1800, ge=60, le=7200)
 
     @field_validator("onprem_host")
@@ -508,6 +537,31 @@ class OnPremNodeKeys(_NodeKeys):
                     "gpu01.example.internal or 10.0.0.12"
                 ) from None
         return host
+
+    @field_validator("runtime_image")
+    @classmethod
+    def _promoted(cls, image: str) -> str:
+        if image.endswith("@sha256:" + "0" * 64):
+            raise problem(
+                f"{image!r} has a placeholder digest of zeros, no image; allowed: {_PROMOTED_IMAGE_ALLOWED}"
+            )
+        return image
+
+    @field_validator("onprem_host_key")
+    @classmethod
+    def _host_key(cls, line: str) -> str:
+        import base64
+        import binascii
+
+        kind, blob = line.split()[:2]
+        try:
+            decoded = base64.b64decode(blob, validate=True)
+        except (binascii.Error, ValueError):
+            decoded = b""
+        # The blob starts with its own key type (RFC 4253 section 6.6: string "ssh-ed25519", ...).
+        if decoded[4 : 4 + len(kind)] != kind.encode():
+            raise problem(f"{line[:40]!r}... is not a public key line; allowed: {_HOST_KEY_ALLOWED}")
+        return " ".join(line.split()[:2])
 
     @field_validator("install_dir")
     @classmethod

@@ -103,6 +103,9 @@ class GceSettings(_Frozen):
     accelerator_count: int
     boot_disk_gb: int
     boot_disk_type: str
+    data_disk_gb: int = 100
+    """Size of the node's persistent data disk (GB; model cache, Redis, Prometheus, Grafana), kept across
+    VM replacements (``infra.node.rollout``)."""
     public_source_ranges: tuple[str, ...]
     subnet_cidr: str
     enable_apis: bool
@@ -126,6 +129,7 @@ class OnPremSettings(_Frozen):
     host_key: str | None
     install_dir: str
     runtime_image: str
+    """The digest-pinned image the host runs (``runtimeImage``, promoted by CI)."""
     ready_timeout_s: int
 
 

@@ -89,7 +89,9 @@ def gpu_instance_graceful_shutdown(resource_type: str, props: Mapping[str, Any])
     seconds its metadata key ``duplexops-stop-timeout-s`` names (else ``MIN_GRACEFUL_SHUTDOWN_S``).
     GCE's default gives the guest only seconds on stop, delete or replace, which cuts every live
     conversation (cloud.google.com/compute/docs/instances/graceful-shutdown-overview); the maximum is
-    3600 s (pulumi-gcp 10.2 ``InstanceSchedulingGracefulShutdownMaxDurationArgs``).
+    3600 s (pulumi-gcp 10.2 ``InstanceSchedulingGracefulShutdownMaxDurationArgs``). A VM with a limited run
+    time (``maxRunDuration`` or ``terminationTime``: Flex-start) must *not* enable it: GCE excludes graceful
+    shutdown for such VMs (graceful-shutdown-overview, limitations; FIELD-NOTES third round).
 
     Polices instances and instance templates; passes when the GPU evidence, ``scheduling``,
     ``gracefulShutdown`` or the duration is unknown during preview."""
@@ -99,6 +101,15 @@ def gpu_instance_graceful_shutdown(resource_type: str, props: Mapping[str, Any])
     evidence, p, scheduling = gpu
     graceful = _obj(scheduling.get("gracefulShutdown"))
     if isinstance(graceful, _Unknown):
+        return []
+    limited = [k for k in ("maxRunDuration", "terminationTime") if scheduling.get(k)]
+    if str(scheduling.get("provisioningModel", "")).upper() == "FLEX_START" or limited:
+        if isinstance(graceful, dict) and graceful.get("enabled") is True:
+            why = ", ".join(f"scheduling.{k}" for k in limited) or "FLEX_START"
+            return [
+                f"GPU instance ({evidence}) has a limited run time ({why}): GCE excludes graceful shutdown "
+                "for it; remove scheduling.gracefulShutdown."
+            ]
         return []
     metadata = _obj(p.get("metadata"))
     needed = MIN_GRACEFUL_SHUTDOWN_S
@@ -142,7 +153,9 @@ def provisioning_model_sold(resource_type: str, props: Mapping[str, Any]) -> lis
     cloud.google.com/compute/docs/accelerator-optimized-machines#a3-high-vms), with the settings the model
     requires (pulumi-gcp 10.2 ``provisioning_model`` docstring): SPOT needs ``preemptible`` true and
     ``automaticRestart`` false; FLEX_START needs ``automaticRestart`` false, ``instanceTerminationAction``
-    DELETE and a ``maxRunDuration``.
+    DELETE, a ``maxRunDuration`` and ``reservationAffinity.type`` NO_RESERVATION (Flex-start never consumes
+    a reservation: ``--reservation-affinity=none`` in cloud.google.com/compute/docs/instances/
+    create-flex-start-vm).
 
     Polices instances; passes for machine types outside the catalog and for unknown values."""
     if resource_type != INSTANCE:
@@ -181,4 +194,12 @@ def provisioning_model_sold(resource_type: str, props: Mapping[str, Any]) -> lis
             "FLEX_START needs scheduling.automaticRestart = false, instanceTerminationAction = DELETE and a "
             "maxRunDuration"
         )
+    affinity = _obj(p.get("reservationAffinity"))
+    if key == "flex-start" and not isinstance(affinity, _Unknown):
+        kind = (affinity or {}).get("type")
+        if not is_unknown(kind) and str(kind).upper() != "NO_RESERVATION":
+            problems.append(
+                f"FLEX_START needs reservationAffinity = {{type: NO_RESERVATION}} (now {_q(kind)}): a "
+                "Flex-start VM does not consume reservations"
+            )
     return problems
