@@ -575,15 +575,9 @@ class OnPremNodeKeys(_NodeKeys):
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo) -> OnPremNodeKeys:
-        if self.acme_email is not None:
-            # The on-premises deploy installs the bundle and Compose only: nothing there runs certbot
-            # (infra.node.acme.render_acme_host_files is what it would install).
-            raise problem(
-                "ACME certificates are installed by the GCE node's cloud-init only; the onprem-node deploy "
-                "does not install certbot yet; allowed: leave acmeEmail unset (a self-signed certificate)",
-                where=pulumi_key("acme_email"),
-            )
-        # Everything the stack installs lives under installDir (destroy removes it): the TLS pair too.
+        # With acmeEmail the deploy installs certbot's renewal on the host, which must have certbot
+        # (infra.components.onprem_node.acme_install_script checks it). Everything the stack installs
+        # lives under installDir (destroy removes it): the TLS pair too.
         overrides = self._node_overrides(
             {
                 "certificate_path": f"{self.install_dir}/tls/node.crt",
