@@ -8,12 +8,15 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import re
+import shlex
+import subprocess
 
 import pytest
 import yaml
 from pulumi_harness import FAKE_SECRETS, run_stack, stack_config
 
-from infra.node.acme import DEPLOY_HOOK, RENEW_SCRIPT, TIMER
+from infra.node.acme import DEPLOY_HOOK, RENEW_SCRIPT, SERVICE, TIMER
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, PAGE_RECEIVER
 from infra.node.services import OPTIONAL_SECRET_FILES
 from infra.stack_config import StackConfigError, parse_stack_config
@@ -78,8 +81,6 @@ def test_bad_certificate_and_receiver_keys_are_refused() -> None:
     assert email.startswith("duplexops:acmeEmail: 'ops' is not valid; allowed: the ACME account's contact")
     [partial] = _problems("dev", **{K + "alertEmailTo": "a@example.com"})
     assert partial.startswith("duplexops:alertEmailTo: alert receivers rejected: e-mail alerts need")
-    [onprem] = _problems("scale5-onprem", **{K + "acmeEmail": "ops@example.com", K + "domain": DOMAIN})
-    assert onprem.startswith("duplexops:acmeEmail: ACME certificates are installed by the GCE node's")
     [plain] = _problems("dev", **{K + "alertPagerdutyRoutingKey": "R" * 32})
     assert plain.startswith("duplexops:alertPagerdutyRoutingKey: set in plain text")
 
@@ -155,3 +156,56 @@ def test_without_a_domain_up_warns_and_says_how_to_read_the_fingerprint(
     acme = run_stack("dev", overrides={K + "domain": DOMAIN, K + "acmeEmail": "ops@example.com"})
     assert not [w for w in warnings if "self-signed certificate" in w]
     assert acme.outputs["certificate"].endswith(f"for {DOMAIN}, renewed on the VM")
+
+
+def _acme_files(script: str) -> dict[str, str]:
+    """The files ``acme_install_script`` writes: ``printf '%s' <base64> | base64 -d ><path>.tmp``."""
+    found = re.findall(r"printf '%s' (\S+) \| base64 -d >(\S+)\.tmp", script)
+    return {path: base64.b64decode(data).decode() for data, path in found}
+
+
+def test_onprem_node_with_a_domain_installs_certbot_renewal(tmp_path) -> None:  # noqa: ANN001
+    """Guards item 7 on-premises (acmeEmail was refused: the deploy installed no certbot): with a domain
+    and acmeEmail the deploy has an ``acme`` step, right after the GPU check and before compose-up, that
+    requires certbot on the host (naming the package), installs infra.node.acme's renew script, deploy hook
+    (nginx reloaded in Compose with SIGHUP), service and timer, and removes them on delete."""
+    from infra.components.onprem_node import CERTBOT_PACKAGE
+
+    run = run_stack(
+        "scale5-onprem",
+        overrides={K + "domain": DOMAIN, K + "acmeEmail": "ops@example.com"},
+        build_dir=tmp_path / "build",
+    )
+    step = run.named("node-acme")
+    create, delete = (shlex.split(step.plain[key])[-1] for key in ("create", "delete"))
+    assert step.plain["create"].startswith("sudo -n sh -c ")  # onpremUser is not root
+    files = _acme_files(create)
+    assert set(files) == {
+        RENEW_SCRIPT,
+        DEPLOY_HOOK,
+        f"/etc/systemd/system/{SERVICE}",
+        f"/etc/systemd/system/{TIMER}",
+    }
+    assert f"--domain {DOMAIN}" in files[RENEW_SCRIPT] and "--email ops@example.com" in files[RENEW_SCRIPT]
+    compose = "docker compose --project-directory /opt/duplex --file /opt/duplex/compose.yaml"
+    assert f"{compose} kill --signal HUP nginx" in files[DEPLOY_HOOK]
+    assert "/opt/duplex/tls/node.crt" in files[DEPLOY_HOOK]  # where the on-premises nginx reads it
+    assert f"systemctl enable --now {TIMER}" in create and f"systemctl start --no-block {SERVICE}" in create
+    assert all(path in delete for path in files) and f"systemctl disable --now {TIMER}" in delete
+    # Ordered: after the GPU check, before compose-up.
+    assert run.named("node-gpu-check").urn in run.ordered_after(step)
+    assert step.urn in run.ordered_after(run.named("node-compose-up"))
+    assert run.outputs["endpoint"] == f"wss://{DOMAIN}/api/chat"
+
+    # A host without certbot: the step fails before writing anything, naming the package.
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    result = subprocess.run(
+        ["/bin/sh", "-c", create], env={"PATH": str(empty)}, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1
+    assert f"apt-get install {CERTBOT_PACKAGE}" in result.stderr and "certbot not found" in result.stderr
+
+    # Without acmeEmail: no certbot needed, no step.
+    plain = run_stack("scale5-onprem", build_dir=tmp_path / "plain")
+    assert not [r for r in plain.resources if r.name == "node-acme"]

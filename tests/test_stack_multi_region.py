@@ -689,3 +689,104 @@ def test_policy_pack_flags_a_surging_gpu_pool_and_a_proxy_without_tls_policy(run
     assert len(violations) == 2, violations
     assert any("[gpu-node-pool-upgrade-needs-no-extra-gpu]" in v and "us-central1" in v for v in violations)
     assert any("[https-proxy-tls-1-2]" in v for v in violations)
+
+
+# --- alerts that reach someone (issue 20, item 8) ----------------------------------------------------------
+
+ALERT_SECRETS = {"alertEmailPassword": "SmtpPasswordForTests-123", "alertPagerdutyRoutingKey": "R" * 32}
+ALERT_KEYS = {
+    "duplexops:alertWebhookUrl": "https://hooks.example.com/duplex",
+    "duplexops:alertEmailTo": "oncall@example.com",
+    "duplexops:alertEmailFrom": "duplex@example.com",
+    "duplexops:alertEmailSmarthost": "smtp.example.com:587",
+}
+AM_SECRET = "kubernetes:core/v1:Secret"
+
+
+def _alertmanager_secrets(run: StackRun) -> list[RecordedResource]:
+    return [
+        s
+        for s in run.of_type(AM_SECRET)
+        if s.plain["metadata"]["namespace"] == "gmp-public" and s.plain["metadata"]["name"] == "alertmanager"
+    ]
+
+
+def test_receivers_reach_gmp_managed_alertmanager(tmp_path: Path) -> None:
+    """Guards item 8 on GKE: with receivers configured, every region's cluster gets Secret
+    gmp-public/alertmanager (GMP's managed Alertmanager reads only its key alertmanager.yaml), holding the
+    node's receivers with their secrets inline; amtool accepts it; the value is a Pulumi secret."""
+    import shutil
+    import subprocess
+
+    from infra.node.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
+
+    run = run_stack(
+        STACK,
+        overrides=ALERT_KEYS,
+        secrets={"hfToken": "hf_FakeTokenForUnitTests0123456789", **ALERT_SECRETS},
+    )
+    found = _alertmanager_secrets(run)
+    assert sorted(s.name.split("-secret-")[0] for s in found) == [
+        "runtime-europe-west4",
+        "runtime-us-central1",
+    ]
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool missing: make system-deps (prometheus-alertmanager)"
+    for secret in found:
+        assert secret.is_secret("stringData")
+        text = secret.plain["stringData"]["alertmanager.yaml"]
+        path = tmp_path / f"{secret.name}.yaml"
+        path.write_text(text)
+        result = subprocess.run([amtool, "check-config", str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        config = yaml.safe_load(text)
+        receivers = {r["name"]: r for r in config["receivers"]}
+        page, ticket = receivers[PAGE_RECEIVER], receivers[TICKET_RECEIVER]
+        assert page["pagerduty_configs"][0]["routing_key"] == ALERT_SECRETS["alertPagerdutyRoutingKey"]
+        assert "pagerduty_configs" not in ticket  # a ticket never pages
+        assert page["email_configs"][0]["auth_password"] == ALERT_SECRETS["alertEmailPassword"]
+        assert ticket["webhook_configs"][0]["url"] == ALERT_KEYS["duplexops:alertWebhookUrl"]
+        assert "_file" not in text  # nothing read from a file: GMP mounts only this key
+    assert check_resources(_policy_inputs(run)) == []
+    for value in ALERT_SECRETS.values():
+        assert value not in json.dumps(run.outputs)
+        for resource in run.resources:
+            if resource.type != AM_SECRET:
+                assert value not in json.dumps(resource.plain), resource.name
+
+
+def test_webhook_only_config_is_still_secret() -> None:
+    """The webhook URL may carry a token: the Secret's text is a Pulumi secret without any secret key."""
+    run = run_stack(STACK, overrides={"duplexops:alertWebhookUrl": "https://hooks.example.com/T0K3N"})
+    found = _alertmanager_secrets(run)
+    assert len(found) == 2
+    for secret in found:
+        assert secret.is_secret("stringData")
+        assert "https://hooks.example.com/T0K3N" in secret.plain["stringData"]["alertmanager.yaml"]
+
+
+def test_without_receivers_no_alertmanager_secret_and_a_warning(
+    monkeypatch: pytest.MonkeyPatch, run: StackRun
+) -> None:
+    """Without receivers the stack declares no managed-Alertmanager Secret and ``up`` warns that alerts
+    reach nobody."""
+    import pulumi
+
+    from infra.program.multi_region import NO_RECEIVER_WARNING
+
+    assert _alertmanager_secrets(run) == []
+    warnings: list[str] = []
+    monkeypatch.setattr(pulumi.log, "warn", lambda message, *args, **kwargs: warnings.append(message))
+    run_stack(STACK)
+    assert NO_RECEIVER_WARNING in warnings and "reach nobody" in NO_RECEIVER_WARNING
+    warnings.clear()
+    run_stack(STACK, overrides={"duplexops:alertWebhookUrl": "https://hooks.example.com/duplex"})
+    assert NO_RECEIVER_WARNING not in warnings
+
+
+def test_bad_receiver_keys_are_refused_on_multi_region() -> None:
+    """The receiver keys are checked on multi-region exactly as on a node."""
+    with pytest.raises(StackConfigError) as caught:
+        run_stack(STACK, overrides={"duplexops:alertEmailTo": "oncall@example.com"})
+    [problem] = caught.value.problems
+    assert problem.startswith("duplexops:alertEmailTo: alert receivers rejected: e-mail alerts need")

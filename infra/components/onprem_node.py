@@ -1,13 +1,14 @@
 """``OnPremNode``: an existing GPU host (L40S, A100, ...) brought up over SSH with ``pulumi_command``: GPU
-check, the rendered bundle copied and installed, the secrets written, a registry login, ``docker compose up
--d``, ``/readyz``. ``RegistryPuller``: the read-only identity whose short-lived token the host pulls an
-Artifact Registry image with. What the host needs and how to use it: docs/deploying.md, "Stack
-scale5-onprem".
+check, the rendered bundle copied and installed, the secrets written, a registry login, certbot's renewal
+(``tls.mode: acme``), ``docker compose up -d``, ``/readyz``. ``RegistryPuller``: the read-only identity
+whose short-lived token the host pulls an Artifact Registry image with. What the host needs and how to use
+it: docs/deploying.md, "Stack scale5-onprem".
 """
 
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import shlex
 import shutil
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ import pulumi_gcp.serviceaccount as serviceaccount
 
 from infra.capacity.gpus import GPUS
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.node.acme import SERVICE as ACME_SERVICE
+from infra.node.acme import TIMER as ACME_TIMER
+from infra.node.acme import render_acme_host_files
 from infra.node.bundle import render_bundle, write_bundle
 from infra.node.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
 from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS
@@ -32,7 +36,10 @@ __all__ = [
     "PREPARE_SCRIPT",
     "OnPremNode",
     "OnPremNodeArgs",
+    "CERTBOT_PACKAGE",
     "RegistryPuller",
+    "acme_install_script",
+    "acme_remove_script",
     "artifact_registry_repository",
     "bundle_digest",
     "compose_up_script",
@@ -218,6 +225,68 @@ echo "registry-login: {registry} (a token of this deploy, valid 1 h: the pulls o
 """
 
 
+CERTBOT_PACKAGE = "certbot"
+"""The Debian/Ubuntu package an on-premises host needs for ``tls.mode: acme`` (the deploy does not install
+packages on a host it does not own: it checks, and names the package)."""
+
+
+def _acme_files(profile: NodeProfile, install_dir: str) -> dict[str, tuple[str, str]]:
+    """``render_acme_host_files`` for this host: nginx reloaded in Compose with SIGHUP (open sessions go
+    on), as the GCE node's cloud-init does."""
+    return render_acme_host_files(profile, reload_command=f"{_compose(install_dir)} kill --signal HUP nginx")
+
+
+def acme_install_script(profile: NodeProfile, install_dir: str) -> str:
+    """Installs certbot's renewal for ``profile.domain`` on the host (as root): fails first, naming the
+    package, unless ``certbot`` (Debian/Ubuntu package ``certbot``) and ``systemctl`` are there; then writes
+    the files of ``infra.node.acme.render_acme_host_files`` (renew script, deploy hook, service, timer; each
+    through a temporary file and a rename), enables the timer (twice a day) and starts the service once
+    without waiting (it waits for nginx on port 80 itself, then obtains or renews the certificate).
+
+    Raises:
+        ValueError: ``tls.mode`` is not ``acme`` (``render_acme_host_files``).
+    """
+    import base64
+
+    q = shlex.quote
+    lines = [
+        "set -eu",
+        'fail() { echo "acme: $*" >&2; exit 1; }',
+        'command -v certbot >/dev/null 2>&1 || fail "certbot not found on this host: tls.mode acme '
+        f"(duplexops:acmeEmail) needs the {CERTBOT_PACKAGE} package: sudo apt-get install {CERTBOT_PACKAGE} "
+        '(or leave acmeEmail unset for a self-signed certificate)"',
+        'command -v systemctl >/dev/null 2>&1 || fail "systemctl not found: the renewal timer needs systemd"',
+    ]
+    for path, (mode, content) in _acme_files(profile, install_dir).items():
+        data = base64.b64encode(content.encode()).decode()
+        lines += [
+            f"install -d -m 0755 {q(posixpath.dirname(path))}",
+            f"printf '%s' {q(data)} | base64 -d >{q(path + '.tmp')}",
+            f"chmod {mode} {q(path + '.tmp')} && mv -f {q(path + '.tmp')} {q(path)}",
+        ]
+    lines += [
+        "systemctl daemon-reload",
+        f"systemctl enable --now {ACME_TIMER}",
+        f"systemctl start --no-block {ACME_SERVICE}",
+        f'echo "acme: certbot renews the certificate of {profile.domain} ({ACME_TIMER})"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def acme_remove_script(profile: NodeProfile, install_dir: str) -> str:
+    """Undoes ``acme_install_script`` (as root): stops and disables the timer and the service, removes
+    their files. certbot's state (account, certificates, under the data directory) stays, as the data
+    does."""
+    q = shlex.quote
+    paths = " ".join(q(path) for path in _acme_files(profile, install_dir))
+    return f"""set -eu
+systemctl disable --now {ACME_TIMER} 2>/dev/null || true
+systemctl stop {ACME_SERVICE} 2>/dev/null || true
+rm -f {paths}
+systemctl daemon-reload 2>/dev/null || true
+"""
+
+
 def compose_up_script(install_dir: str) -> str:
     """Prepares the host and starts the node (``docker compose up -d``)."""
     q = shlex.quote
@@ -326,6 +395,10 @@ class OnPremNode(pulumi.ComponentResource):
     3. ``secrets``: the secret files written from ``stdin`` (never on a command line) into
        ``installDir/secrets`` (0700): 0640 for the files a container reads itself
        (``infra.node.compose.CONTAINER_READ_SECRETS``), 0600 for the others;
+    3b. ``acme`` (``tls.mode: acme`` only, right after ``gpu-check``): ``acme_install_script``: certbot
+       required on the host (else it fails naming the package), the renew script, deploy hook (nginx
+       reloaded with ``docker compose kill --signal HUP nginx``), service and timer of ``infra.node.acme``;
+       its ``delete`` removes them. Like ``compose-up``, a change is an update;
     4. ``compose-up``: the preparation script of ``infra.node.cloud_init.render_prepare_script`` (host
        directories with their owners, a self-signed certificate when none exists, the secrets checked), then
        ``docker compose up -d``. Its ``delete`` runs ``docker compose down`` and removes ``installDir``:
@@ -345,6 +418,8 @@ class OnPremNode(pulumi.ComponentResource):
     bundle_sha256: str
     gpu_check: remote.Command
     copy: remote.CopyToRemote
+    acme: remote.Command | None = None
+    """certbot's renewal on the host (``acme_install_script``), with ``tls.mode: acme`` only."""
     compose_up: remote.Command
     ready: remote.Command
 
@@ -408,6 +483,21 @@ class OnPremNode(pulumi.ComponentResource):
             stdin=pulumi.Output.secret(pulumi.Output.from_input(args.secret_files).apply(stdin_of)),
         )
         before_up: list[pulumi.Resource] = [install, secrets]
+        if profile.tls.mode == "acme":
+            # Right after the GPU check: a host without certbot fails before anything changes on it. The
+            # files' hash in `environment`: a change is an update (create runs again), never a replacement
+            # whose delete would remove the new files.
+            acme_sha256 = hashlib.sha256(acme_install_script(profile, install_dir).encode()).hexdigest()
+            self.acme = remote.Command(
+                f"{name}-acme",
+                connection=conn,
+                create=_as_root(acme_install_script(profile, install_dir), user),
+                delete=_as_root(acme_remove_script(profile, install_dir), user),
+                environment={"DUPLEX_ACME_SHA256": acme_sha256},
+                triggers=[args.host, str(args.port), install_dir],
+                opts=child_options(self, [*deps, self.gpu_check], delete_before_replace=True),
+            )
+            before_up.append(self.acme)
         if args.registry is not None and args.registry_token is not None:
             # Runs at every deploy (a new token each time), before compose-up pulls the new image.
             before_up.append(

@@ -251,6 +251,9 @@ class RegionWorkload:
         monitoring_service_account: Google service account (email) of the GMP query frontend and the
             Custom Metrics Stackdriver Adapter (``roles/monitoring.viewer``).
         grafana_admin_password: Grafana's admin password (secret).
+        alert_secrets: the alert receivers' secrets for ``profile.alerting``, ``{role of
+            infra.node.services.OPTIONAL_SECRET_FILES: value}``: a plain mapping, or a Pulumi Output of one
+            (secret); None: none (``infra.k8s.alerting``).
         neg_name: the standalone NEG's name (the same in every zone of the region).
         page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
         namespace: the runtime's namespace (``duplex``).
@@ -279,6 +282,7 @@ class RegionWorkload:
     page_neg_name: str
     redis_url: Any = field(default=None, repr=False)
     hf_token: Any = field(default=None, repr=False)
+    alert_secrets: Any = field(default=None, repr=False)
     weights_service_account: Any = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8

@@ -27,6 +27,7 @@ check-config`` and by a real Alertmanager delivering a firing alert to a webhook
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from infra.node.profile import NodeProfile
@@ -72,7 +73,8 @@ def secret_file_path(profile: NodeProfile, role: str) -> str:
     return OPTIONAL_SECRET_FILES[role]
 
 
-def _integrations(profile: NodeProfile, *, page: bool) -> dict[str, Any]:
+def _integrations(profile: NodeProfile, *, page: bool, inline: Mapping[str, str] | None) -> dict[str, Any]:
+    """The receiver's integrations; the secrets as files (``inline`` None) or as values from ``inline``."""
     alerting = profile.alerting
     receiver: dict[str, Any] = {}
     if alerting.webhook_url is not None:
@@ -87,21 +89,46 @@ def _integrations(profile: NodeProfile, *, page: bool) -> dict[str, Any]:
         }
         if alerting.email_password:
             email["auth_username"] = alerting.email_username or alerting.email_from
-            email["auth_password_file"] = secret_file_path(profile, "alert_email_password")
+            if inline is None:
+                email["auth_password_file"] = secret_file_path(profile, "alert_email_password")
+            else:
+                email["auth_password"] = _inline_secret(inline, "alert_email_password")
         receiver["email_configs"] = [email]
     if page and alerting.pagerduty:
-        receiver["pagerduty_configs"] = [
-            {
-                "routing_key_file": secret_file_path(profile, "alert_pagerduty_routing_key"),
-                "send_resolved": True,
-                "severity": "critical",
-            }
-        ]
+        key = "alert_pagerduty_routing_key"
+        pagerduty = (
+            {"routing_key_file": secret_file_path(profile, key)}
+            if inline is None
+            else {"routing_key": _inline_secret(inline, key)}
+        )
+        receiver["pagerduty_configs"] = [{**pagerduty, "send_resolved": True, "severity": "critical"}]
     return receiver
 
 
-def alertmanager_config(profile: NodeProfile) -> dict[str, Any]:
-    """The configuration as a dict (see the module docstring for the routing)."""
+def _inline_secret(inline: Mapping[str, str], role: str) -> str:
+    value = inline.get(role)
+    if not value:
+        raise ValueError(
+            f"inline_secrets: the receivers need {role!r} (a non-empty value); given: {sorted(inline)}"
+        )
+    return value
+
+
+def alertmanager_config(
+    profile: NodeProfile, inline_secrets: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The configuration as a dict (see the module docstring for the routing).
+
+    Args:
+        inline_secrets: None (a node): the receivers' secrets are files (``auth_password_file``,
+            ``routing_key_file``: ``secret_file_path``). Else ``{role of OPTIONAL_SECRET_FILES: value}``
+            and the values go into the configuration itself (``auth_password``, ``routing_key``), for an
+            Alertmanager that reads nothing but its configuration (GMP's managed Alertmanager:
+            ``infra.k8s.alerting``); the result is then a secret.
+
+    Raises:
+        ValueError: ``inline_secrets`` lacks a secret the receivers use.
+    """
     group_wait = f"{profile.alerting.group_wait_s}s"
     return {
         "route": {
@@ -119,8 +146,8 @@ def alertmanager_config(profile: NodeProfile) -> dict[str, Any]:
             ],
         },
         "receivers": [
-            {"name": PAGE_RECEIVER, **_integrations(profile, page=True)},
-            {"name": TICKET_RECEIVER, **_integrations(profile, page=False)},
+            {"name": PAGE_RECEIVER, **_integrations(profile, page=True, inline=inline_secrets)},
+            {"name": TICKET_RECEIVER, **_integrations(profile, page=False, inline=inline_secrets)},
         ],
     }
 

@@ -3,7 +3,8 @@ the first region's Artifact Registry repository, then copied with its digest int
 other region: ``region_registry``, ``infra.components.image.promote``), the session-token keys and
 Grafana's password, one VPC, then per region a GKE cluster with its GPU pool, Memorystore and model bucket
 (``GkeRegion``) and the runtime's Kubernetes objects on it (``RegionalRuntime`` of
-``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every region's pods
+``infra.k8s.region.region_objects``, GMP's managed Alertmanager configured with the stack's alert receivers
+among them: ``infra.k8s.alerting``), and one global HTTPS load balancer over every region's pods
 (``GlobalEntry``). Stack ``multi-region``; docs/deploying.md, "Stack multi-region".
 """
 
@@ -16,10 +17,24 @@ import pulumi
 from infra.capacity.power import HOURS_PER_MONTH
 from infra.node.services import public_origin
 from infra.node.webclient import page_headers
-from infra.program.shared import capacity_summary, enable_apis, labels, mint_command, stack_secrets
+from infra.program.shared import (
+    capacity_summary,
+    enable_apis,
+    labels,
+    mint_command,
+    secret,
+    stack_secrets,
+)
 from infra.stack_config import RegionSettings, StackConfig
 
-__all__ = ["GKE_APIS", "declare", "region_capacity", "region_registry"]
+__all__ = [
+    "GKE_APIS",
+    "NO_RECEIVER_WARNING",
+    "alert_secrets",
+    "declare",
+    "region_capacity",
+    "region_registry",
+]
 
 GKE_APIS = (
     "compute.googleapis.com",
@@ -36,6 +51,28 @@ GKE_APIS = (
 """Google APIs the multi-region stack needs (enabled, never disabled on destroy). Which resource needs
 which API is ``infra.gcp_apis.required_apis``; the policy pack's ``apis-enabled-for-features`` checks
 this list against the declared resources."""
+
+
+NO_RECEIVER_WARNING = (
+    "no alert receiver configured (duplexops:alertWebhookUrl, alertEmailTo/From/Smarthost, "
+    "alertPagerdutyRoutingKey): the clusters' alerts (ClusterRules on Managed Prometheus) reach nobody; "
+    "GMP's managed Alertmanager keeps its no-op configuration"
+)
+"""What ``up`` warns when the stack configures no alert receiver (``infra.k8s.alerting``)."""
+
+
+def alert_secrets(config: StackConfig) -> pulumi.Output[dict[str, str]]:
+    """The alert receivers' secrets of the stack's configuration, ``{role of OPTIONAL_SECRET_FILES:
+    value}`` (only those set), as one secret Output: GMP's managed Alertmanager reads its configuration
+    only, so they go into it (``infra.k8s.alerting``), and that text, webhook URL included, stays secret
+    even when no secret is set."""
+    given = config.secrets
+    values = {
+        role: value
+        for role in ("alert_email_password", "alert_pagerduty_routing_key")
+        if (value := secret(getattr(given, role))) is not None
+    }
+    return pulumi.Output.secret(pulumi.Output.all(**values))
 
 
 def region_registry(project: str, region: str, repository_id: str) -> str:
@@ -97,6 +134,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
     )
     image = RuntimeImage("runtime-image", image_args, opts=after_apis)
     secrets = stack_secrets(config, first.profile, after_apis, node_files=False)
+    if not first.profile.alerting.any:
+        pulumi.log.warn(NO_RECEIVER_WARNING)
     network = compute.Network(
         "network",
         name=prefix,
@@ -260,6 +299,7 @@ def _region(
         weights_service_account=gke.weights_service_account.email,
         monitoring_service_account=gke.monitoring_service_account.email,
         grafana_admin_password=secrets.grafana_admin_password,
+        alert_secrets=alert_secrets(config),
         neg_name=f"{prefix}-runtime",
         page_neg_name=f"{prefix}-page",
     )

@@ -139,6 +139,17 @@ class _Keys(BaseModel):
     # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
     # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
     runtime_image: str | None = Field(None, pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
+    # Alert receivers (issue 20, item 8), every topology alike: a node's Alertmanager
+    # (infra.node.alertmanager), GMP's managed Alertmanager on multi-region (infra.k8s.alerting).
+    alert_webhook_url: str | None = None
+    alert_email_to: str | None = None
+    alert_email_from: str | None = None
+    alert_email_smarthost: str | None = None
+    alert_email_username: str | None = None
+    alert_email_password: Secret | None = None
+    alert_pagerduty_routing_key: (
+        Annotated[Secret, secret_matching(r"^[A-Za-z0-9]{32}$", "32 letters or digits")] | None
+    ) = None
 
     @field_validator("grafana_admin_password", "redis_password", check_fields=False)
     @classmethod
@@ -183,6 +194,20 @@ class _Keys(BaseModel):
             overrides["gpu"] = self.gpu
         if self.domain is not None:
             overrides["domain"] = self.domain
+        receivers = {
+            "webhook_url": self.alert_webhook_url,
+            "email_to": self.alert_email_to,
+            "email_from": self.alert_email_from,
+            "email_smarthost": self.alert_email_smarthost,
+            "email_username": self.alert_email_username,
+        }
+        alerting: dict[str, Any] = {key: value for key, value in receivers.items() if value is not None}
+        if self.alert_email_password is not None:
+            alerting["email_password"] = True
+        if self.alert_pagerduty_routing_key is not None:
+            alerting["pagerduty"] = True
+        if alerting:
+            overrides["alerting"] = alerting
         return overrides
 
     def _profile(self, overrides: dict[str, Any]) -> NodeProfile:
@@ -204,8 +229,8 @@ class _Keys(BaseModel):
             grafana_admin_password=self.grafana_admin_password,
             token_keys=self.token_signing_keys,
             hf_token=self.hf_token,
-            alert_email_password=getattr(self, "alert_email_password", None),
-            alert_pagerduty_routing_key=getattr(self, "alert_pagerduty_routing_key", None),
+            alert_email_password=self.alert_email_password,
+            alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
         )
 
     def _config(
@@ -303,7 +328,7 @@ class _NodeKeys(_Keys):
 
     Certificates (``infra.node.acme``): with ``domain`` and ``acmeEmail`` the node gets its certificate
     from ``acmeDirectory`` (Let's Encrypt) by HTTP-01; without a domain it serves a self-signed one.
-    Alerts (``infra.node.alertmanager``): the node's Alertmanager sends to the receivers configured here.
+    Alerts: the node's Alertmanager (``infra.node.alertmanager``) sends to the receivers of ``_Keys``.
 
     ``drainGraceSeconds``: how long live sessions may go on when the node restarts (a rollout, a stop, a
     replacement) before they are closed with 1001 (the profile's ``limits.drain_grace_s``). Long enough
@@ -312,7 +337,7 @@ class _NodeKeys(_Keys):
 
     redis_password: Secret | None = None
     drain_grace_seconds: int = Field(NODE_DRAIN_GRACE_S, ge=0, le=MAX_NODE_DRAIN_GRACE_S)
-    # --- certificates and alert receivers (issue 20, items 7 and 8) ---
+    # --- certificates (issue 20, item 7) ---
     acme_email: str | None = Field(
         None,
         pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,63}$",
@@ -325,15 +350,6 @@ class _NodeKeys(_Keys):
             "an ACME directory URL (Let's Encrypt's by default; its staging for trials)"
         ),
     )
-    alert_webhook_url: str | None = None
-    alert_email_to: str | None = None
-    alert_email_from: str | None = None
-    alert_email_smarthost: str | None = None
-    alert_email_username: str | None = None
-    alert_email_password: Secret | None = None
-    alert_pagerduty_routing_key: (
-        Annotated[Secret, secret_matching(r"^[A-Za-z0-9]{32}$", "32 letters or digits")] | None
-    ) = None
 
     @model_validator(mode="after")
     def _acme_needs_a_domain(self) -> _NodeKeys:
@@ -352,8 +368,8 @@ class _NodeKeys(_Keys):
         return overrides
 
     def _node_overrides(self, tls: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The profile overrides of the single-node keys: ``tls`` (ACME when a domain is set) and
-        ``alerting`` (the receivers)."""
+        """The profile overrides of the single-node keys: the common ones (``_overrides``: the alert
+        receivers among them) and ``tls`` (ACME when a domain is set)."""
         overrides = self._overrides()
         tls = dict(tls or {})
         if self.acme_email is not None:
@@ -362,20 +378,6 @@ class _NodeKeys(_Keys):
                 tls["acme_directory"] = self.acme_directory
         if tls:
             overrides["tls"] = tls
-        receivers = {
-            "webhook_url": self.alert_webhook_url,
-            "email_to": self.alert_email_to,
-            "email_from": self.alert_email_from,
-            "email_smarthost": self.alert_email_smarthost,
-            "email_username": self.alert_email_username,
-        }
-        alerting: dict[str, Any] = {key: value for key, value in receivers.items() if value is not None}
-        if self.alert_email_password is not None:
-            alerting["email_password"] = True
-        if self.alert_pagerduty_routing_key is not None:
-            alerting["pagerduty"] = True
-        if alerting:
-            overrides["alerting"] = alerting
         return overrides
 
 
@@ -573,15 +575,9 @@ class OnPremNodeKeys(_NodeKeys):
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo) -> OnPremNodeKeys:
-        if self.acme_email is not None:
-            # The on-premises deploy installs the bundle and Compose only: nothing there runs certbot
-            # (infra.node.acme.render_acme_host_files is what it would install).
-            raise problem(
-                "ACME certificates are installed by the GCE node's cloud-init only; the onprem-node deploy "
-                "does not install certbot yet; allowed: leave acmeEmail unset (a self-signed certificate)",
-                where=pulumi_key("acme_email"),
-            )
-        # Everything the stack installs lives under installDir (destroy removes it): the TLS pair too.
+        # With acmeEmail the deploy installs certbot's renewal on the host, which must have certbot
+        # (infra.components.onprem_node.acme_install_script checks it). Everything the stack installs
+        # lives under installDir (destroy removes it): the TLS pair too.
         overrides = self._node_overrides(
             {
                 "certificate_path": f"{self.install_dir}/tls/node.crt",
