@@ -122,7 +122,7 @@ back into ``scratch_disk``, which is ForceNew, so an undeclared disk replaced th
 (terraform-provider-google #19648, the same for Z3). The node does not use them (the model cache is on the
 data disk); GCE sizes them by machine type, so they are ignored rather than declared."""
 
-SHIELDED_INSTANCE_CONFIG = {
+SHIELDED_INSTANCE_CONFIG: compute.InstanceShieldedInstanceConfigArgsDict = {
     "enable_secure_boot": False,
     "enable_vtpm": True,
     "enable_integrity_monitoring": True,
@@ -181,18 +181,14 @@ def scheduling(gce: GceSettings, profile: NodeProfile) -> compute.InstanceSchedu
     if gce.provisioning_model == "standard":
         block["automatic_restart"] = True
     elif gce.provisioning_model == "spot":
-        block.update(
-            preemptible=True,
-            automatic_restart=False,
-            instance_termination_action="STOP",
-            preemption_notice_duration={"seconds": SPOT_PREEMPTION_NOTICE_S},
-        )
+        block["preemptible"] = True
+        block["automatic_restart"] = False
+        block["instance_termination_action"] = "STOP"
+        block["preemption_notice_duration"] = {"seconds": SPOT_PREEMPTION_NOTICE_S}
     else:  # flex-start
-        block.update(
-            automatic_restart=False,
-            instance_termination_action="DELETE",
-            max_run_duration={"seconds": FLEX_START_MAX_RUN_S},
-        )
+        block["automatic_restart"] = False
+        block["instance_termination_action"] = "DELETE"
+        block["max_run_duration"] = {"seconds": FLEX_START_MAX_RUN_S}
     return block
 
 
@@ -415,7 +411,7 @@ class GceGpuNode(pulumi.ComponentResource):
                     "access_configs": [{"nat_ip": self.address.address, "network_tier": "PREMIUM"}],
                 }
             ],
-            shielded_instance_config=dict(SHIELDED_INSTANCE_CONFIG),
+            shielded_instance_config={**SHIELDED_INSTANCE_CONFIG},
             service_account={"email": self.service_account.email, "scopes": list(SCOPES)},
             metadata={
                 "user-data": self.user_data,

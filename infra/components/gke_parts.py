@@ -60,7 +60,9 @@ count changes (ForceNew): it is a constant, and ignored after creation (``ignore
 owns the count from then on."""
 
 
-def node_config_base(node_account: pulumi.Input[str], labels: Mapping[str, str]) -> dict[str, Any]:
+def node_config_base(
+    node_account: pulumi.Input[str], labels: Mapping[str, str]
+) -> container.ClusterNodeConfigArgsDict:
     """What every node of the region runs with, the cluster's transient default pool included: the
     region's node service account (never the Compute Engine default one, which has Editor on the project),
     the cloud-platform scope (IAM decides), the GKE metadata server (Workload Identity), Shielded VM with
@@ -248,6 +250,12 @@ class RegionCluster(_Part):
         labels: Mapping[str, str],
     ):
         super().__init__("RegionCluster", name, region, deps)
+        window = maintenance_window.recurring_window()
+        recurring_window: container.ClusterMaintenancePolicyRecurringWindowArgsDict = {
+            "start_time": window["start_time"],
+            "end_time": window["end_time"],
+            "recurrence": window["recurrence"],
+        }
         self.cluster = container.Cluster(
             f"{prefix}-cluster",
             name=resource_name,
@@ -259,7 +267,7 @@ class RegionCluster(_Part):
             initial_node_count=1,
             deletion_protection=deletion_protection,
             release_channel={"channel": release_channel},
-            maintenance_policy={"recurring_window": maintenance_window.recurring_window()},
+            maintenance_policy={"recurring_window": recurring_window},
             workload_identity_config={"workload_pool": f"{project}.svc.id.goog"},
             private_cluster_config={
                 "enable_private_nodes": True,
@@ -329,6 +337,18 @@ class RegionNodePools(_Part):
         super().__init__("RegionNodePools", name, region, deps)
         s = settings
         common_node_config = node_config_base(node_account, labels)
+        gpu_taint: container.NodePoolNodeConfigTaintArgsDict = {
+            "key": GPU_TAINT["key"],
+            "value": GPU_TAINT["value"],
+            "effect": GPU_TAINT["effect"],
+        }
+        system_node_config: container.NodePoolNodeConfigArgsDict = {
+            **common_node_config,
+            "machine_type": system_machine_type,
+            "disk_size_gb": 100,
+            "disk_type": "pd-balanced",
+            "labels": {"duplex/role": "system"},
+        }
         container.NodePool(
             f"{prefix}-system-pool",
             name="system",
@@ -340,13 +360,7 @@ class RegionNodePools(_Part):
             autoscaling={"min_node_count": 1, "max_node_count": 3, "location_policy": "BALANCED"},
             management={"auto_repair": True, "auto_upgrade": True},
             upgrade_settings={"strategy": "SURGE", "max_surge": 1, "max_unavailable": 0},
-            node_config={
-                **common_node_config,
-                "machine_type": system_machine_type,
-                "disk_size_gb": 100,
-                "disk_type": "pd-balanced",
-                "labels": {"duplex/role": "system"},
-            },
+            node_config=system_node_config,
             opts=self.child(ignore_changes=["initialNodeCount"]),
         )
         self.gpu_pool = container.NodePool(
@@ -375,7 +389,7 @@ class RegionNodePools(_Part):
                         "gpu_driver_installation_config": {"gpu_driver_version": "LATEST"},
                     }
                 ],
-                "taints": [GPU_TAINT],
+                "taints": [gpu_taint],
                 "labels": {"duplex/role": "runtime"},
                 "disk_size_gb": 200,
                 "disk_type": "pd-balanced",

@@ -260,9 +260,11 @@ class GkeRegion(pulumi.ComponentResource):
         config = pulumi.Output.all(
             self.cluster.name, self.cluster.endpoint, self.cluster.master_auth.cluster_ca_certificate
         ).apply(lambda v: kubeconfig(str(v[0]), str(v[1]), str(v[2])))
+        # Annotated: without the target type mypy solves Output.secret's type variable to Never.
+        secret_config: pulumi.Output[str] = pulumi.Output.secret(config)
         self.provider = kubernetes.Provider(
             f"{name}-k8s",
-            kubeconfig=pulumi.Output.secret(config),
+            kubeconfig=secret_config,
             enable_server_side_apply=True,
             delete_unreachable=False,
             opts=child_options(self, [self.cluster, self.gpu_pool, *deps]),

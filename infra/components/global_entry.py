@@ -381,7 +381,7 @@ class GlobalEntry(pulumi.ComponentResource):
 
 def security_rules(
     public_source_ranges: Sequence[str], handshakes_per_minute: int
-) -> list[dict[str, object]]:
+) -> list[compute.SecurityPolicyRuleArgsDict]:
     """Cloud Armor rules, first match wins: callers from ``public_source_ranges`` (10 ranges per rule,
     Cloud Armor's limit) are allowed up to ``handshakes_per_minute`` requests per minute per client IP and
     get 429 beyond; the default rule denies everyone else with 403 (``0.0.0.0/0``: the throttle rule
@@ -395,7 +395,7 @@ def security_rules(
             for i in range(0, len(public_source_ranges), ARMOR_RULES_PER_MATCH)
         ]
     )
-    rules: list[dict[str, object]] = [
+    rules: list[compute.SecurityPolicyRuleArgsDict] = [
         {
             "priority": 1000 + n,
             "action": "throttle",

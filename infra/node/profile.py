@@ -403,16 +403,17 @@ class NodeProfile(_Strict):
                     f"max_sessions is required for model {self.model!r} (not in the capacity planner)"
                 )
             return self
-        if self.max_sessions is None:
-            fits = max_sessions(capacity_model, self.gpu, self.precision)
-            if fits < 1:
+        sessions = self.max_sessions
+        if sessions is None:
+            sessions = max_sessions(capacity_model, self.gpu, self.precision)
+            if sessions < 1:
                 raise ValueError(
                     f"{capacity_model} at {self.precision} does not fit one session on the {self.gpu} "
                     "(duplex capacity plan for the reasons)"
                 )
-            object.__setattr__(self, "max_sessions", fits)
+            object.__setattr__(self, "max_sessions", sessions)
         try:
-            require_feasible(capacity_model, self.gpu, self.precision, sessions=self.max_sessions)
+            require_feasible(capacity_model, self.gpu, self.precision, sessions=sessions)
         except InfeasibleConfiguration as exc:
             fits = max_sessions(capacity_model, self.gpu, self.precision)
             raise ValueError(

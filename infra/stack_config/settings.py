@@ -126,7 +126,7 @@ class OnPremSettings(_Frozen):
     user: str
     port: int
     ssh_private_key: SecretStr
-    host_key: str | None
+    host_key: str
     install_dir: str
     runtime_image: str
     """The digest-pinned image the host runs (``runtimeImage``, promoted by CI)."""
