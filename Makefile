@@ -12,15 +12,18 @@ TORCH_PIP_ARGS ?=
 # The system programs the main job and the tests run for real, as binary:Debian package.
 SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-light prometheus:prometheus \
 	promtool:prometheus prometheus-node-exporter:prometheus-node-exporter \
-	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium
+	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium curl:curl \
+	prometheus-alertmanager:prometheus-alertmanager amtool:prometheus-alertmanager certbot:certbot \
+	pebble:pebble pebble-challtestsrv:pebble
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps demo test lint bench lock clean
+.PHONY: setup system-deps pip-check deploy-deps demo test lint bench lock clean
 
 setup: system-deps $(STAMP)
 
 # Debian/Ubuntu packages the main job and the tests run for real: Redis, nginx, Prometheus (with promtool)
-# and its exporters, cloud-init (its schema check), a speech synthesiser. Installed only where missing.
+# and its exporters, Alertmanager (with amtool), certbot and Pebble (Let's Encrypt's test ACME server, with
+# its DNS stub pebble-challtestsrv), cloud-init (its schema check), a speech synthesiser. Installed only where missing.
 system-deps:
 	@missing=""; \
 	for pair in $(SYSTEM_PACKAGES); do \
@@ -32,15 +35,45 @@ system-deps:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
 	fi
 
+# The locked set exactly as pinned: torch (with what it needs), then every line of requirements.lock and
+# the project itself with --no-deps, so pip resolves nothing against what is installed and prints no
+# "dependency resolver" conflict. moshi comes last, also --no-deps: its metadata pins torch<2.10 and
+# lists its desktop client's packages, while its classes work with current torch (docs/packaging.md);
+# the runtime extra lists what it really needs. pip-check then proves the set whole.
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
-	# moshi pins torch<2.10 in its metadata but works with current torch: install it without its
-	# dependencies; the runtime extra lists the ones it needs (README, "Packaging").
+	$(BIN)/pip install -q --no-deps -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e ".[runtime,deploy,dev]"
 	$(BIN)/pip install -q --no-deps "moshi==$(MOSHI_VERSION)"
-	$(BIN)/pip install -q -c requirements.lock -e ".[runtime,deploy,dev]"
+	$(MAKE) --no-print-directory pip-check
 	touch $(STAMP)
+
+# `pip check` on the virtualenv, failing on anything but moshi's own metadata, which is known and
+# harmless: moshi (installed --no-deps above) pins torch<2.10 and requires aiohttp and sounddevice (its
+# desktop client: PortAudio, a microphone), none of which the runtime imports. Any other line (a
+# package missing from requirements.lock, two pins that disagree) fails the setup.
+MOSHI_KNOWN := ^moshi $(subst .,\.,$(MOSHI_VERSION)) (has requirement torch<|requires (aiohttp|sounddevice), which is not installed)
+pip-check:
+	@out="$$($(BIN)/pip check 2>&1)"; \
+	rest="$$(printf '%s\n' "$$out" | grep -v -E -e '$(MOSHI_KNOWN)' -e '^No broken requirements found' || true)"; \
+	if [ -n "$$rest" ]; then \
+	  printf '%s\n' "$$rest"; echo "pip check: the installed set is broken (above)"; exit 1; \
+	fi
+
+# What a deploy job needs and nothing else (.github/workflows/pulumi-*.yml): the Pulumi program's
+# virtualenv with the deploy extra (pulumi, its providers, the node renderers). No system packages (a deploy
+# runner must not install or start nginx, Redis or Prometheus), no torch, no dev tools. Its own stamp, so
+# that a later `make setup` still installs the rest.
+DEPLOY_STAMP := $(VENV)/.deploy-installed
+deploy-deps: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -e ".[deploy]"
+	touch $(DEPLOY_STAMP)
 
 # The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
 # tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then stopped.
@@ -50,9 +83,12 @@ demo: setup
 test: setup
 	$(BIN)/pytest
 
-lint: setup
+# Lint and types: ruff's rules and format, and mypy (with pydantic's plugin, pyproject.toml [tool.mypy]) on
+# the project's code.
+lint: $(STAMP)
 	$(BIN)/ruff check runtime infra tests
 	$(BIN)/ruff format --check runtime infra tests
+	$(BIN)/mypy runtime infra
 
 bench: setup
 	$(BIN)/duplex bench --threads 2 --json artifacts/bench-cpu.json

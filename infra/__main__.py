@@ -1,6 +1,6 @@
 """Pulumi program entry (``main: infra/`` in Pulumi.yaml): read and validate the stack's configuration,
 declare the topology, export its outputs. Everything else is in ``infra.program``
-(one module per topology); README, "Deploying (Pulumi)"."""
+(one module per topology); docs/deploying.md."""
 
 from __future__ import annotations
 

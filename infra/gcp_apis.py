@@ -3,6 +3,12 @@
 A resource created before its API is enabled fails with ``SERVICE_DISABLED`` (HTTP 403) on a first
 ``pulumi up``; mocks accept anything, so the policy pack's ``apis-enabled-for-features`` rule and the
 stacks' tests check every declared resource against :func:`required_apis`.
+
+Two APIs come before any program: ``projects.Service`` calls Service Usage, and it and every
+``projects.IAMMember`` call Cloud Resource Manager, so neither can be enabled by the program that needs it
+(terraform-provider-google #6101, #11435: 403 ``SERVICE_DISABLED`` on a fresh project). They are
+:data:`STEP_0_APIS`, enabled once per project by :data:`STEP_0_COMMAND`
+(docs/deploying.md, "Step 0 and the bootstrap project"), and a stack must not declare them.
 """
 
 from __future__ import annotations
@@ -10,7 +16,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["API_BY_TYPE_PREFIX", "FEATURE_APIS", "SERVICE_TYPE", "required_apis"]
+__all__ = [
+    "API_BY_TYPE",
+    "API_BY_TYPE_PREFIX",
+    "FEATURE_APIS",
+    "SERVICE_TYPE",
+    "STEP_0_APIS",
+    "STEP_0_COMMAND",
+    "required_apis",
+    "step_0_command",
+]
 
 SERVICE_TYPE = "gcp:projects/service:Service"
 """The resource that enables an API in a project (``pulumi_gcp.projects.Service``)."""
@@ -23,9 +38,33 @@ API_BY_TYPE_PREFIX: dict[str, str] = {
     "gcp:secretmanager/": "secretmanager.googleapis.com",
     "gcp:serviceaccount/": "iam.googleapis.com",
     "gcp:storage/": "storage.googleapis.com",
+    "gcp:projects/": "cloudresourcemanager.googleapis.com",
+    "gcp:iam/": "iam.googleapis.com",
+    "gcp:cloudscheduler/": "cloudscheduler.googleapis.com",
 }
 """The API behind each provider module (the module's REST API: cloud.google.com/<product>/docs/reference).
-``gcp:projects/`` (IAM bindings, services) is Cloud Resource Manager's, which every project has."""
+``gcp:projects/`` (project IAM bindings, services) reads and writes the project's IAM policy through Cloud
+Resource Manager (``projects.getIamPolicy``/``setIamPolicy``), a step-0 API; ``gcp:iam/`` (workload
+identity pools and providers) is the IAM API's."""
+
+API_BY_TYPE: dict[str, str] = {
+    SERVICE_TYPE: "serviceusage.googleapis.com",
+}
+"""APIs of single resource types beyond their module's: enabling a service is a Service Usage call
+(``services.enable``, cloud.google.com/service-usage/docs/reference/rest)."""
+
+STEP_0_APIS: tuple[str, ...] = ("cloudresourcemanager.googleapis.com", "serviceusage.googleapis.com")
+"""APIs no program can enable for itself (the calls that enable APIs need them): enabled by hand once per
+project (:data:`STEP_0_COMMAND`), never declared as a ``projects.Service``."""
+
+STEP_0_COMMAND = "gcloud services enable " + " ".join(STEP_0_APIS) + " --project {project}"
+"""The step-0 command (``{project}``: the project id), run once by a project owner (``gcloud`` needs no
+API of the project enabled to make this call)."""
+
+
+def step_0_command(project: str = "<project>") -> str:
+    """The step-0 command for ``project`` (a project id)."""
+    return STEP_0_COMMAND.format(project=project)
 
 
 def _enabled(value: Any) -> bool:
@@ -73,7 +112,8 @@ writes to Cloud Monitoring and GKE's logs to Cloud Logging
 
 
 def required_apis(resource_type: str, props: Mapping[str, Any]) -> dict[str, str]:
-    """The APIs a resource needs, ``{api: why}``, from its type token and camelCase inputs ``props``.
+    """The APIs a resource needs, ``{api: why}``, from its type token and camelCase inputs ``props``
+    (step-0 APIs included: :data:`STEP_0_APIS` says which of them no program enables).
 
     >>> required_apis("gcp:container/nodePool:NodePool", {"nodeConfig": {"gcfsConfig": {"enabled": True}}})
     {'container.googleapis.com': 'gcp:container/ resources', 'containerfilesystem.googleapis.com': 'image streaming (nodeConfig.gcfsConfig)'}
@@ -82,6 +122,8 @@ def required_apis(resource_type: str, props: Mapping[str, Any]) -> dict[str, str
     for prefix, api in API_BY_TYPE_PREFIX.items():
         if resource_type.startswith(prefix):
             needed[api] = f"{prefix} resources"
+    if resource_type in API_BY_TYPE:
+        needed.setdefault(API_BY_TYPE[resource_type], resource_type)
     for typ, feature, api, uses_feature in FEATURE_APIS:
         if typ == resource_type and uses_feature(props):
             needed.setdefault(api, feature)

@@ -1,6 +1,6 @@
 """Names of Google Cloud and GKE, one source for the stack configuration (``infra.stack_config``), the
 components, the Kubernetes objects (``infra.k8s``) and the policy pack: what a project id, a region and a
-zone look like, and the taint GKE puts on GPU nodes. README, "Deploying (Pulumi)".
+zone look like, and the taint GKE puts on GPU nodes. docs/deploying.md.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class RuntimeConfig(BaseSettings):
         25, ge=1, description="Output frames queued per session before drops (2 s)"
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default torch's")
-    # Opus encoding (runtime/frontend/audio_codec.py; figures: python -m runtime.tools.codec_bench, README).
+    # Opus encoding (runtime/frontend/audio_codec.py; figures: python -m runtime.tools.codec_bench,
+    # docs/benchmarks.md).
     opus_encoder: Literal["sphn", "pyav"] = Field(
         "sphn",
         description="Outbound Opus encoder: sphn (libopus complexity 10, holds the GIL) or pyav (PyAV's "
@@ -84,7 +85,7 @@ class RuntimeConfig(BaseSettings):
         description="libopus complexity of the pyav encoder: 10 (libopus' default) .. 0 (cheapest); "
         "sphn supports 10 only",
     )
-    # Access control (runtime/frontend/tokens.py, README "Access control").
+    # Access control (runtime/frontend/tokens.py, docs/protocol.md, "Access control").
     auth_mode: Literal["token", "off"] = Field(
         "token",
         description="token: a session needs a signed session token; off: anyone reaching the port may "
@@ -141,7 +142,7 @@ class RuntimeConfig(BaseSettings):
         ge=-1,
         le=64,
         description="Front-end worker processes beside the engine process (runtime/multiproc.py): 0 runs "
-        "one process (model and front end together), -1 picks from the host's cores (cores - 1, 1..8)",
+        "one process (model and front end together), -1 picks from the host's cores (one per core, 1..8)",
     )
     sim_step_ms: str = Field(
         "30",

@@ -31,9 +31,10 @@ CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIF
 
 def make_workload(**overrides: Any) -> base.RegionWorkload:
     """A region with plain values everywhere (the stack passes Outputs for the cloud's values): us-central1,
-    profile ``a100-80gb``, 1-4 replicas; ``overrides`` replace any field."""
+    one zone, profile ``a100-80gb``, 1-4 replicas; ``overrides`` replace any field."""
     fields: dict[str, Any] = {
         "region": "us-central1",
+        "zones": ("us-central1-a",),
         "cluster_name": "duplex-multi-region-us-central1",
         "project": "my-gcp-project",
         "profile": PROFILES["a100-80gb"],
@@ -49,6 +50,7 @@ def make_workload(**overrides: Any) -> base.RegionWorkload:
         "weights_service_account": "duplex-wt-0@my-gcp-project.iam.gserviceaccount.com",
         "monitoring_service_account": "duplex-mon-0@my-gcp-project.iam.gserviceaccount.com",
         "neg_name": "duplex-multi-region-runtime",
+        "page_neg_name": "duplex-multi-region-page",
         **SECRETS,
     }
     fields.update(overrides)

@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import yaml
 from pulumi.runtime import rpc
 
 __all__ = [
+    "FAKE_PROMOTED",
     "FAKE_SECRETS",
     "LAST_MOCKS",
     "REPO_ROOT",
@@ -48,6 +49,7 @@ __all__ = [
     "StackRun",
     "load_stack_file",
     "plain",
+    "run_program",
     "run_stack",
     "secret_paths",
     "stack_config",
@@ -76,8 +78,16 @@ FAKE_SECRETS: dict[str, dict[str, str]] = {
 }
 """Secret config each topology's tests inject (the stack files hold none: they are set with the CLI)."""
 
+_PROMOTED_REPOSITORY = "us-central1-docker.pkg.dev/my-gcp-project/duplex-build/duplex-runtime"
+FAKE_PROMOTED: dict[str, dict[str, str]] = {
+    "onprem-node": {"duplexops:runtimeImage": f"{_PROMOTED_REPOSITORY}@sha256:" + "5" * 64},
+}
+"""Plain config CI gives each update and no stack file holds (the promoted image, pulumi-up.yml)."""
+
 MOCK_ACCESS_TOKEN = "ya29.mock-access-token-for-unit-tests"
+MOCK_DEPLOYER = "deployer@my-gcp-project.iam.gserviceaccount.com"
 MOCK_IP = "203.0.113.10"
+MOCK_PROJECT_NUMBER = "123456789012"
 MOCK_GLOBAL_IP = "198.51.100.7"
 MOCK_REDIS_CA = "-----BEGIN CERTIFICATE-----\nTW9jayBNZW1vcnlzdG9yZSBDQQ==\n-----END CERTIFICATE-----\n"
 
@@ -130,6 +140,10 @@ class RecordedResource:
     """Its ``ignore_changes`` property paths."""
     replace_on_changes: tuple[str, ...] = ()
     """Its ``replace_on_changes`` property paths."""
+    parent: str = ""
+    """URN of its parent (the stack's for a top-level resource)."""
+    provider: str = ""
+    """Its explicit provider reference, ``<provider URN>::<id>`` ("" for the default provider)."""
 
     @property
     def parent_types(self) -> list[str]:
@@ -170,7 +184,13 @@ class RecordingMocks(pulumi.runtime.Mocks):
         state.update(_computed(args.typ, args.name, plain(inputs)))
         resource = RecordedResource(args.typ, args.name, inputs, bool(args.custom), state)
         if options is not None:
-            resource.dependencies, resource.ignore_changes, resource.replace_on_changes = options
+            (
+                resource.dependencies,
+                resource.ignore_changes,
+                resource.replace_on_changes,
+                resource.parent,
+                resource.provider,
+            ) = options
         self.resources.append(resource)
         return f"{args.name}-id", state
 
@@ -184,20 +204,28 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 "zone": "us-central1-a",
                 "id": "client-config",
             }, []
+        if args.token == "gcp:organizations/getClientOpenIdUserInfo:getClientOpenIdUserInfo":
+            return {"email": MOCK_DEPLOYER, "id": "open-id"}, []
+        if args.token == "gcp:serviceaccount/getAccountAccessToken:getAccountAccessToken":
+            return {"accessToken": MOCK_ACCESS_TOKEN, "id": "token", **dict(args.args)}, []
         raise NotImplementedError(f"the mocks do not answer {args.token}: add it to tests/pulumi_harness.py")
 
 
-_PENDING_OPTIONS: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {}
+_PENDING_OPTIONS: dict[
+    tuple[str, str], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str, str]
+] = {}
 """Resource options of the registration under way, by (type, name): what the mock monitor received."""
 
 
 def _recording_register_resource(self: Any, request: Any) -> Any:
     """``MockMonitor.RegisterResource`` that first keeps the options the mocks' ``new_resource`` is not
-    given (dependencies, ignoreChanges, replaceOnChanges)."""
+    given (dependencies, ignoreChanges, replaceOnChanges, parent, provider)."""
     _PENDING_OPTIONS[(request.type, request.name)] = (
         tuple(request.dependencies),
         tuple(request.ignoreChanges),
         tuple(request.replaceOnChanges),
+        request.parent,
+        request.provider,
     )
     return _ORIGINAL_REGISTER_RESOURCE(self, request)
 
@@ -224,7 +252,21 @@ def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         return {"digest": digest, "ref": f"{tags[0].rsplit(':', 1)[0]}@{digest}", "contextHash": "mock"}
     if typ == "gcp:serviceaccount/account:Account":
         email = f"{inputs.get('accountId')}@{inputs.get('project')}.iam.gserviceaccount.com"
-        return {"email": email, "member": f"serviceAccount:{email}", "uniqueId": "1234567890"}
+        return {
+            "email": email,
+            "member": f"serviceAccount:{email}",
+            "uniqueId": "1234567890",
+            "name": f"projects/{inputs.get('project')}/serviceAccounts/{email}",
+        }
+    if typ == "gcp:iam/workloadIdentityPool:WorkloadIdentityPool":
+        pool = f"projects/{MOCK_PROJECT_NUMBER}/locations/global/workloadIdentityPools/"
+        return {"name": pool + str(inputs.get("workloadIdentityPoolId"))}
+    if typ == "gcp:iam/workloadIdentityPoolProvider:WorkloadIdentityPoolProvider":
+        pool = f"projects/{MOCK_PROJECT_NUMBER}/locations/global/workloadIdentityPools/"
+        return {
+            "name": f"{pool}{inputs.get('workloadIdentityPoolId')}/providers/"
+            f"{inputs.get('workloadIdentityPoolProviderId')}"
+        }
     if typ == "gcp:compute/address:Address":
         return {"address": MOCK_IP, "selfLink": f"https://compute.googleapis.com/mock/addresses/{name}"}
     if typ == "gcp:secretmanager/secret:Secret":
@@ -290,6 +332,9 @@ def stack_config(
         else:
             raw[key] = value
     topology = str(raw.get(f"{PROJECT}:topology", ""))
+    for key, value in FAKE_PROMOTED.get(topology, {}).items():
+        if key not in (overrides or {}):
+            raw[key] = value
     chosen = dict(FAKE_SECRETS.get(topology, {}) if secrets is None else secrets)
     secret_keys = []
     for key, value in chosen.items():
@@ -333,6 +378,29 @@ class StackRun:
         assert len(found) == 1, f"{len(found)} resources named {name}"
         return found[0]
 
+    def by_urn(self) -> dict[str, RecordedResource]:
+        """``{URN: resource}`` of every resource registered."""
+        return {r.urn: r for r in self.resources if r.urn}
+
+    def ordered_after(self, resource: RecordedResource) -> set[str]:
+        """URNs of every resource that the engine creates before ``resource``: its dependencies
+        (``depends_on``, inputs from other resources), its parent and its explicit provider, and theirs,
+        transitively. The SDK awaits each of these URNs before it registers ``resource``
+        (``pulumi.runtime.resource.prepare_resource``), and a URN resolves when its registration is done,
+        i.e. after the resource is created; a component's children thus wait for the component's own
+        ``depends_on``."""
+        by_urn = self.by_urn()
+        found: set[str] = set()
+        todo = _direct_predecessors(resource)
+        while todo:
+            urn = todo.pop()
+            if urn in found:
+                continue
+            found.add(urn)
+            if urn in by_urn:
+                todo.extend(_direct_predecessors(by_urn[urn]))
+        return found
+
     @property
     def inventory(self) -> Counter[str]:
         """``{type token: count}`` of every resource, components included."""
@@ -347,6 +415,16 @@ class StackRun:
         for r in self.of_type("gcp:redis/instance:Instance"):
             values.add(_mock_password(r.name))
         return values
+
+
+def _direct_predecessors(resource: RecordedResource) -> list[str]:
+    """URNs ``resource`` waits for directly: dependencies, parent, provider (its reference less the id)."""
+    direct = [*resource.dependencies]
+    if resource.parent:
+        direct.append(resource.parent)
+    if resource.provider:
+        direct.append(resource.provider.rsplit("::", 1)[0])
+    return direct
 
 
 _ALL_SECRET_KEYS = {
@@ -376,8 +454,36 @@ def run_stack(
     Raises:
         infra.stack_config.StackConfigError: the configuration is wrong (nothing was declared).
     """
-    global LAST_MOCKS
     config, secret_keys = stack_config(stack, overrides=overrides, secrets=secrets, drop=drop)
+    build = build_dir or Path(tempfile.mkdtemp(prefix=f"duplexops-{stack}-"))
+    # What the CLI gives a program: the build directory, and which config keys are secrets.
+    env = {"DUPLEXOPS_BUILD_DIR": str(build), "PULUMI_CONFIG_SECRET_KEYS": json.dumps(secret_keys)}
+
+    def main() -> dict[str, Any]:
+        from infra.__main__ import main as program  # after set_mocks: the program reads the mocked runtime
+
+        return program()
+
+    return run_program(
+        main, project=PROJECT, stack=stack, config=config, secret_keys=secret_keys, env=env, build_dir=build
+    )
+
+
+def run_program(
+    main: Callable[[], Mapping[str, Any]],
+    *,
+    project: str,
+    stack: str,
+    config: Mapping[str, str],
+    secret_keys: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    build_dir: Path | None = None,
+) -> StackRun:
+    """Run the Pulumi program ``main`` (returns its outputs) of ``project`` as stack ``stack`` under the
+    recording mocks, with the config ``{"<namespace>:<key>": value}`` (``secret_keys``: which are secret) and
+    the environment variables ``env`` set for the run; return what it declared and exported.
+    ``run_stack`` runs this repository's main program with it; the bootstrap project's tests run theirs."""
+    global LAST_MOCKS
     mocks = LAST_MOCKS = RecordingMocks(stack)
     # A loop of its own: Pulumi's runtime uses the thread's current loop, which an async test before this
     # one (pytest-asyncio) may have closed and unset.
@@ -386,15 +492,11 @@ def run_stack(
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     pulumi.runtime.settings.ROOT.set(None)  # a fresh root stack resource for this stack
-    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
-    pulumi.runtime.set_all_config(config, secret_keys)
-    build = build_dir or Path(tempfile.mkdtemp(prefix=f"duplexops-{stack}-"))
-    # What the CLI gives a program: the build directory, and which config keys are secrets.
-    saved = {name: os.environ.get(name) for name in ("DUPLEXOPS_BUILD_DIR", "PULUMI_CONFIG_SECRET_KEYS")}
-    os.environ["DUPLEXOPS_BUILD_DIR"] = str(build)
-    os.environ["PULUMI_CONFIG_SECRET_KEYS"] = json.dumps(secret_keys)
-
-    from infra.__main__ import main  # after set_mocks: the program reads the mocked runtime
+    pulumi.runtime.set_mocks(mocks, project=project, stack=stack, preview=False)
+    pulumi.runtime.set_all_config(dict(config), list(secret_keys))
+    env = dict(env or {})
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
 
     outputs: dict[str, Any] = {}
     secret_outputs: set[str] = set()
@@ -426,4 +528,12 @@ def run_stack(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    return StackRun(stack, config, list(mocks.resources), list(mocks.calls), outputs, secret_outputs, build)
+    return StackRun(
+        stack,
+        dict(config),
+        list(mocks.resources),
+        list(mocks.calls),
+        outputs,
+        secret_outputs,
+        build_dir or Path(tempfile.gettempdir()),
+    )

@@ -7,7 +7,7 @@ closure is blocked (importing one of its modules raises ``ModuleNotFoundError``,
 where it was never installed): for the program, the closure of the project's base dependencies and the
 ``deploy`` extra (``pyproject.toml``); for the policy pack, that of ``infra/policy/requirements.txt`` (the
 virtualenv the Pulumi CLI makes for it); for the runtime, the base and the ``runtime`` extra plus moshi
-(installed without its dependencies). README, "Packaging".
+(installed without its dependencies). docs/packaging.md.
 """
 
 from __future__ import annotations
@@ -87,6 +87,13 @@ for stack in ("dev", "scale5-gcp", "scale5-onprem", "multi-region"):
     run = run_stack(stack)
     problems = check_resources([(r.type, r.plain) for r in run.resources if r.custom])
     print(json.dumps({"stack": stack, "resources": len(run.resources), "problems": problems}))
+from pulumi_harness import run_program
+def bootstrap():
+    from infra.bootstrap.__main__ import main
+    return main()
+config = {"gcp:project": "my-gcp-project", "duplexops-bootstrap:githubRepository": "acme/duplexops"}
+run = run_program(bootstrap, project="duplexops-bootstrap", stack="bootstrap", config=config)
+print(json.dumps({"stack": "bootstrap", "resources": len(run.resources), "problems": []}))
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in BLOCKED)
 print(json.dumps({"blocked_but_loaded": loaded}))
 """
@@ -143,11 +150,12 @@ def test_the_blocked_modules_are_the_other_roles() -> None:
 
 
 def test_the_program_and_the_rules_run_with_the_deploy_extra_alone() -> None:
+    """Every stack's program and the policy rules, and the bootstrap project's program."""
     blocked = blocked_modules(
         closure([*PROJECT["dependencies"], *PROJECT["optional-dependencies"]["deploy"]])
     )
     *runs, last = _run(_PROGRAM, blocked)
-    assert [r["stack"] for r in runs] == ["dev", "scale5-gcp", "scale5-onprem", "multi-region"]
+    assert [r["stack"] for r in runs] == ["dev", "scale5-gcp", "scale5-onprem", "multi-region", "bootstrap"]
     assert all(r["resources"] > 10 and r["problems"] == [] for r in runs), runs
     assert last == {"blocked_but_loaded": []}
 

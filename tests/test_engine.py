@@ -184,6 +184,29 @@ def test_teacher_forcing_writes_the_prompt_tokens(tiny) -> None:
     assert written[-(ct - 1) :] == tokens[-(ct - 1) :]
 
 
+def test_result_buffers_are_allocated_once_and_cleared_every_tick(tiny, speech_like) -> None:
+    """Guards issue 21 item 5: ``tick`` returns the same four arrays every tick (allocated once per engine,
+    as Kyutai's batched_asr.py), rewritten in place: a slot that stopped producing reads as silence and
+    ``UNGENERATED_TOKEN`` again, never as the previous tick's values."""
+    engine = _engine(tiny, 2)
+    engine.join(0, SamplingParams.greedy())
+    engine.join(1, SamplingParams.greedy())
+    results = []
+    for t in range(6):
+        pcm = np.stack([speech_like[0, t], speech_like[1, t]])
+        results.append(engine.tick(pcm))
+    first, last = results[0], results[-1]
+    for name in ("pcm", "audio_ready", "text_tokens", "audio_tokens"):
+        assert all(getattr(r, name) is getattr(first, name) for r in results), name
+    assert last.audio_ready.tolist() == [True, True] and np.abs(last.pcm).max() > 0
+    engine.leave(1)
+    after = engine.tick(np.zeros((2, 1920), dtype=np.float32))
+    assert after.pcm is first.pcm
+    assert after.audio_ready.tolist() == [True, False]
+    assert not after.pcm[1].any() and after.text_tokens[1] == UNGENERATED_TOKEN
+    assert (after.audio_tokens[1] == UNGENERATED_TOKEN).all()
+
+
 def test_join_errors_name_the_problem(tiny) -> None:
     engine = _engine(tiny, 2)
     with pytest.raises(ValueError, match=r"slot must be in \[0, 2\)"):

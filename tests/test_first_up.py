@@ -5,10 +5,21 @@ the policy pack, with a failing case for each."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fresh_project import (
+    FRESH_PROJECT_CHECKS,
+    apis_enabled_before_use,
+    buckets_uniform_and_private,
+    global_backends_list_existing_negs,
+    no_public_members,
+    no_service_account_keys,
+    node_pools_start_with_nodes,
+)
 from pulumi_harness import RecordedResource, StackRun, run_stack
 
 from infra.capacity import gcp as gcp_catalog
@@ -25,10 +36,12 @@ from infra.policy.rules import (
     session_affinity_needs_hash_policy,
 )
 from infra.stack_config import StackConfigError
+from infra.stack_config.keys import NODE_DRAIN_GRACE_S
 
 SERVICE = "gcp:projects/service:Service"
 NODE_POOL = "gcp:container/nodePool:NodePool"
 CLUSTER = "gcp:container/cluster:Cluster"
+NEG = "gcp:compute/networkEndpointGroup:NetworkEndpointGroup"
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +106,25 @@ def test_api_rule_cases() -> None:
     assert apis_enabled_for_features([pool_early]) == []
 
 
+def test_api_rule_step_0() -> None:
+    """Issue 20 item 1: the rule no longer skips gcp:projects/: a project IAM binding needs Cloud Resource
+    Manager, a step-0 API (passes, enabled by hand); a stack that declares a step-0 API fails with the
+    gcloud command."""
+    from infra.gcp_apis import required_apis
+
+    binding = {"role": "roles/viewer", "member": "user:a@example.org"}
+    assert "cloudresourcemanager.googleapis.com" in required_apis("gcp:projects/iAMMember:IAMMember", binding)
+    assert "serviceusage.googleapis.com" in required_apis(SERVICE, {"service": "x.googleapis.com"})
+    container = StackResource(SERVICE, {"service": "container.googleapis.com"}, "api-container")
+    iam = StackResource("gcp:projects/iAMMember:IAMMember", binding, "binding", ())
+    assert apis_enabled_for_features([container, iam]) == []
+    crm = StackResource(SERVICE, {"service": "cloudresourcemanager.googleapis.com"}, "api-crm")
+    [declared] = apis_enabled_for_features([container, crm, iam])
+    assert (
+        "step-0 API" in declared and "gcloud services enable cloudresourcemanager.googleapis.com" in declared
+    )
+
+
 # --- 2. the Kubernetes provider authenticates as the GCP provider does ------------------------------------
 
 
@@ -148,7 +180,8 @@ def test_graceful_shutdown_covers_the_nodes_stop(stack: str, profile: str) -> No
     run = run_stack(stack)
     [vm] = run.of_type(INSTANCE)
     graceful = vm.plain["scheduling"]["gracefulShutdown"]
-    needed = node_stop_timeout_s(get_profile(profile))
+    limits = {**get_profile(profile).limits.model_dump(), "drain_grace_s": NODE_DRAIN_GRACE_S}  # the stacks'
+    needed = node_stop_timeout_s(get_profile(profile, limits=limits))
     assert graceful["enabled"] is True and graceful["maxDuration"]["seconds"] == needed
     assert vm.plain["metadata"][gcp_catalog.STOP_TIMEOUT_METADATA_KEY] == str(needed)
 
@@ -196,7 +229,7 @@ def test_affinity_rule() -> None:
 
 
 def test_global_backend_claims_no_affinity_it_cannot_have(multi_region: StackRun) -> None:
-    [backend] = multi_region.of_type(BACKEND_SERVICE)
+    backend = multi_region.named("global-entry-backend")  # the runtime's (the other serves the page)
     assert session_affinity_needs_hash_policy(BACKEND_SERVICE, backend.plain) == []
     broken = {**backend.plain, "sessionAffinity": "CLIENT_IP"}
     assert session_affinity_needs_hash_policy(BACKEND_SERVICE, broken)
@@ -229,8 +262,8 @@ def test_provisioning_rule() -> None:
     [needs] = provisioning_model_sold(INSTANCE, half_spot)
     assert "SPOT needs" in needs
     flex = {"machineType": "a3-highgpu-1g", "scheduling": {"provisioningModel": "FLEX_START"}}
-    [flex_needs] = provisioning_model_sold(INSTANCE, flex)
-    assert "maxRunDuration" in flex_needs
+    flex_needs = provisioning_model_sold(INSTANCE, flex)  # and NO_RESERVATION (test_stacks_single_node)
+    assert any("maxRunDuration" in p for p in flex_needs)
 
 
 def test_dev_runs_on_spot_and_scale5_on_demand(scale5: StackRun) -> None:
@@ -244,7 +277,7 @@ def test_dev_runs_on_spot_and_scale5_on_demand(scale5: StackRun) -> None:
 
 
 def test_flex_start_scheduling_passes_the_pack() -> None:
-    from infra.components.gce_node import scheduling
+    from infra.components.gce_node import reservation_affinity, scheduling
     from infra.stack_config import GceSettings
 
     settings = GceSettings(
@@ -267,7 +300,11 @@ def test_flex_start_scheduling_passes_the_pack() -> None:
     block = scheduling(settings, get_profile("a100-80gb"))
     assert block["provisioning_model"] == "FLEX_START"
     assert block["max_run_duration"] == {"seconds": gcp_catalog.FLEX_START_MAX_RUN_S}
-    props = {"machineType": "a3-highgpu-1g", "scheduling": block}
+    props = {
+        "machineType": "a3-highgpu-1g",
+        "scheduling": block,
+        "reservationAffinity": reservation_affinity(settings),
+    }
     assert provisioning_model_sold(INSTANCE, props) == []
 
 
@@ -295,20 +332,25 @@ def test_provisioning_model_config_errors(model: str, expected: str) -> None:
 
 
 def test_clusters_have_no_cluster_level_node_config(multi_region: StackRun) -> None:
+    """The cluster-level node_config shapes only the transient default pool (removed at once): its service
+    account and nothing the pools need; ignored after creation (issue 20 item 20)."""
     clusters = multi_region.of_type(CLUSTER)
     assert len(clusters) == 2
     for cluster in clusters:
-        assert "nodeConfig" not in cluster.plain and cluster.plain["removeDefaultNodePool"] is True
+        assert cluster.plain["removeDefaultNodePool"] is True
+        assert "nodeConfig" in cluster.ignore_changes
+        assert "machineType" not in cluster.plain["nodeConfig"]
 
 
 # --- 6, GKE: GPU node maintenance and upgrades drain through the PDB and the grace period ---------------
 
 
 def test_gpu_node_disruption_drains_one_pod_at_a_time_within_its_grace(multi_region: StackRun) -> None:
-    """What the cluster does on GPU host maintenance or a node upgrade (README "multi-region"): GKE cordons
-    the node and evicts its pods through the eviction API, which honours the PodDisruptionBudget; each
-    pod's preStop drains (no new sessions, running ones finish) within terminationGracePeriodSeconds.
-    Surge upgrades add a node before removing one (maxUnavailable 0)."""
+    """What the cluster does on GPU host maintenance or a node upgrade (docs/deploying.md, "Stack
+    multi-region"): GKE cordons the node and evicts its pods through the eviction API, which honours the
+    PodDisruptionBudget; each pod's preStop drains (no new sessions, running ones finish) within
+    terminationGracePeriodSeconds. GPU pools upgrade one node at a time in place (no surge node: it would
+    need one more GPU; issue 20 item 11)."""
     from infra.k8s.workload import drain_seconds
     from infra.node.profile import get_profile as profile_of
 
@@ -327,4 +369,172 @@ def test_gpu_node_disruption_drains_one_pod_at_a_time_within_its_grace(multi_reg
         )
     for pool in multi_region.of_type(NODE_POOL):
         if pool.plain["name"] == "gpu":
-            assert pool.plain["upgradeSettings"] == {"strategy": "SURGE", "maxSurge": 1, "maxUnavailable": 0}
+            assert pool.plain["upgradeSettings"] == {"strategy": "SURGE", "maxSurge": 0, "maxUnavailable": 1}
+
+
+# --- the fresh-project model: every stack's first `up` ---------------------------------------------------
+
+
+def _urn(typ: str, name: str, parent: str = "pulumi:pulumi:Stack") -> str:
+    return f"urn:pulumi:t::duplexops::{parent}${typ}::{name}"
+
+
+def _res(typ: str, name: str, inputs: dict[str, Any], *deps: RecordedResource, **kw: Any) -> RecordedResource:
+    """A hand-built resource of a fake run, depending on ``deps``."""
+    return RecordedResource(
+        typ, name, inputs, True, urn=_urn(typ, name), dependencies=tuple(d.urn for d in deps), **kw
+    )
+
+
+def _fake_run(*resources: RecordedResource) -> StackRun:
+    return StackRun("t", {}, list(resources), [], {}, set(), Path("."))
+
+
+FRESH_STACKS = ("dev", "scale5-gcp", "scale5-onprem", "multi-region")
+
+
+@functools.cache
+def _first_up(stack: str) -> StackRun:
+    """One run of ``stack`` shared by its fresh-project checks."""
+    return run_stack(stack)
+
+
+@pytest.mark.parametrize("check", [c.name for c in FRESH_PROJECT_CHECKS])
+@pytest.mark.parametrize("stack", FRESH_STACKS)
+def test_every_stack_passes_the_fresh_project_on_its_first_up(stack: str, check: str) -> None:
+    """Every stack's first ``up`` in a brand-new project (``tests/fresh_project.py``): APIs enabled before
+    use, the secure-by-default org policies, GKE pools that start with nodes, NEGs that exist where the
+    global backend lists them. Guards issue 20 items 1-4."""
+    run = _first_up(stack)
+    [found] = [c for c in FRESH_PROJECT_CHECKS if c.name == check]
+    problems = found.check(run)
+    assert problems == [], f"{stack} fails the fresh-project check {check}:\n" + "\n".join(problems)
+
+
+def test_fresh_project_apis_need_a_service_created_first() -> None:
+    """A resource whose API is off in a new project fails unless a Service enabling it comes first (directly,
+    or through its parent); a step-0 API declared as a Service fails (the call needs it)."""
+    api = _res(SERVICE, "api-compute", {"service": "compute.googleapis.com"})
+    ok = _res("gcp:compute/network:Network", "net", {}, api)
+    assert apis_enabled_before_use(_fake_run(api, ok)) == []
+    early = _res("gcp:compute/network:Network", "net", {})
+    [message] = apis_enabled_before_use(_fake_run(api, early))
+    assert "net needs compute.googleapis.com" in message and "not ordered after" in message
+    [missing] = apis_enabled_before_use(_fake_run(early))
+    assert "does not enable" in missing
+    component = RecordedResource(
+        "x:Comp", "comp", {}, False, urn=_urn("x:Comp", "comp"), dependencies=(api.urn,)
+    )
+    child = _res("gcp:compute/network:Network", "net", {}, parent=component.urn)
+    assert apis_enabled_before_use(_fake_run(api, component, child)) == []
+    binding = _res("gcp:projects/iAMMember:IAMMember", "binding", {"role": "roles/viewer"})
+    assert apis_enabled_before_use(_fake_run(binding)) == []  # step 0: enabled by hand
+    crm = _res(SERVICE, "api-crm", {"service": "cloudresourcemanager.googleapis.com"})
+    [step0] = apis_enabled_before_use(_fake_run(crm))
+    assert "step-0 API" in step0 and "gcloud services enable cloudresourcemanager.googleapis.com" in step0
+
+
+def test_fresh_project_refuses_public_members_keys_and_open_buckets() -> None:
+    """Secure-by-default organizations: no allUsers/allAuthenticatedUsers, buckets uniform and not public,
+    no service-account keys."""
+    public = _res("gcp:storage/bucketIAMMember:BucketIAMMember", "pub", {"member": "allUsers", "bucket": "b"})
+    [message] = no_public_members(_fake_run(public))
+    assert "pub grants member" in message
+    members = _res(
+        "gcp:projects/iAMBinding:IAMBinding", "b", {"members": ["user:a@x.org", "allAuthenticatedUsers"]}
+    )
+    [binding] = no_public_members(_fake_run(members))
+    assert "members[1]" in binding
+    private = _res("gcp:storage/bucketIAMMember:BucketIAMMember", "p", {"member": "serviceAccount:a@x"})
+    assert no_public_members(_fake_run(private)) == []
+    open_bucket = _res("gcp:storage/bucket:Bucket", "open", {"uniformBucketLevelAccess": False})
+    assert len(buckets_uniform_and_private(_fake_run(open_bucket))) == 2
+    closed = _res(
+        "gcp:storage/bucket:Bucket",
+        "closed",
+        {"uniformBucketLevelAccess": True, "publicAccessPrevention": "enforced"},
+    )
+    assert buckets_uniform_and_private(_fake_run(closed)) == []
+    key = _res("gcp:serviceaccount/key:Key", "key", {"serviceAccountId": "sa"})
+    [refused] = no_service_account_keys(_fake_run(key))
+    assert "disableServiceAccountKeyCreation" in refused
+
+
+def test_fresh_project_pools_without_initial_count_have_no_node() -> None:
+    """A pool without initialNodeCount starts empty; with the default pool removed the cluster has no node."""
+    cluster = _res(
+        CLUSTER, "c", {"location": "us-central1", "removeDefaultNodePool": True, "initialNodeCount": 1}
+    )
+    autoscaled = {"totalMinNodeCount": 1, "totalMaxNodeCount": 3}
+    empty = _res(NODE_POOL, "gpu", {"nodeLocations": ["us-central1-a"], "autoscaling": autoscaled}, cluster)
+    problems = node_pools_start_with_nodes(_fake_run(cluster, empty))
+    assert len(problems) == 2
+    assert "gpu starts with 0 node(s), below its autoscaling minimum 1" in problems[0]
+    assert "c has no node at creation" in problems[1]
+    started = _res(
+        NODE_POOL,
+        "gpu",
+        {"nodeLocations": ["us-central1-a"], "autoscaling": autoscaled, "initialNodeCount": 1},
+        cluster,
+    )
+    assert node_pools_start_with_nodes(_fake_run(cluster, started)) == []
+    kept_default = _res(CLUSTER, "d", {"location": "us-central1-a", "initialNodeCount": 1})
+    assert node_pools_start_with_nodes(_fake_run(kept_default)) == []
+
+
+def test_fresh_project_negs_exist_only_where_pods_or_preprovisioning_put_them() -> None:
+    """A global backend listing a NEG in a zone where nothing creates it is a 404; the NEG annotation's
+    "zones" (ingress-gce PR 3152) or a rolled-out Deployment confined to one zone create it."""
+    cluster = _res(CLUSTER, "c", {"location": "us-central1"})
+    pool = _res(NODE_POOL, "p", {"nodeLocations": ["us-central1-a", "us-central1-b"]}, cluster)
+    provider = _res("pulumi:providers:kubernetes", "k8s", {}, cluster)
+    ref = f"{provider.urn}::k8s-id"
+
+    def service(zones: list[str] | None) -> RecordedResource:
+        neg: dict[str, Any] = {"exposed_ports": {"8998": {"name": "rt"}}}
+        if zones is not None:
+            neg["zones"] = zones
+        meta = {"annotations": {"cloud.google.com/neg": json.dumps(neg)}}
+        return _res(
+            "kubernetes:core/v1:Service",
+            "svc",
+            {"metadata": meta, "spec": {"selector": {"app": "rt"}}},
+            provider=ref,
+        )
+
+    def backend(*deps: RecordedResource) -> RecordedResource:
+        groups = [{"group": f"projects/p/zones/us-central1-{z}/networkEndpointGroups/rt"} for z in "ab"]
+        return _res("gcp:compute/backendService:BackendService", "be", {"backends": groups}, *deps)
+
+    plain = service(None)
+    assert (
+        len(global_backends_list_existing_negs(_fake_run(cluster, pool, provider, plain, backend(plain))))
+        == 2
+    )
+    everywhere = service(["*"])
+    assert (
+        global_backends_list_existing_negs(
+            _fake_run(cluster, pool, provider, everywhere, backend(everywhere))
+        )
+        == []
+    )
+    one = service(["us-central1-a", "europe-west4-a"])
+    [left] = global_backends_list_existing_negs(_fake_run(cluster, pool, provider, one, backend(one)))
+    assert "in us-central1-b" in left
+    # One zone of nodes and a rolled-out Deployment: its pod, and so the NEG, is in that zone.
+    single = _res(NODE_POOL, "p", {"nodeLocations": ["us-central1-a"]}, cluster)
+    pods = {"spec": {"replicas": 1, "template": {"metadata": {"labels": {"app": "rt"}}}}}
+    deployment = _res("kubernetes:apps/v1:Deployment", "rt", pods, provider=ref)
+    [only_b] = global_backends_list_existing_negs(
+        _fake_run(cluster, single, provider, plain, deployment, backend(plain, deployment))
+    )
+    assert "in us-central1-b" in only_b
+    declared = _res(NEG, "neg-b", {"name": "rt", "zone": "us-central1-b"})
+    assert (
+        global_backends_list_existing_negs(
+            _fake_run(
+                cluster, single, provider, plain, deployment, declared, backend(plain, deployment, declared)
+            )
+        )
+        == []
+    )

@@ -21,9 +21,9 @@ PARTS = (
 )
 
 
-@pytest.fixture(scope="module")
-def registered() -> tuple[StackRun, dict[tuple[str, str], Any]]:
-    """The multi-region stack's run, and each resource's registration request (its parent and aliases)."""
+def _run_recording(**overrides: Any) -> tuple[StackRun, dict[tuple[str, str], Any]]:
+    """The multi-region stack's run (``overrides`` of its configuration), and each resource's registration
+    request (its parent, aliases, ``protect``)."""
     requests: dict[tuple[str, str], Any] = {}
     original = mocks.MockMonitor.RegisterResource
 
@@ -33,10 +33,16 @@ def registered() -> tuple[StackRun, dict[tuple[str, str], Any]]:
 
     mocks.MockMonitor.RegisterResource = record  # type: ignore[method-assign]
     try:
-        run = run_stack("multi-region")
+        run = run_stack("multi-region", overrides=overrides)
     finally:
         mocks.MockMonitor.RegisterResource = original  # type: ignore[method-assign]
     return run, requests
+
+
+@pytest.fixture(scope="module")
+def registered() -> tuple[StackRun, dict[tuple[str, str], Any]]:
+    """The multi-region stack's run, and each resource's registration request."""
+    return _run_recording()
 
 
 def test_each_region_has_its_parts(registered: tuple[StackRun, dict]) -> None:
@@ -76,3 +82,36 @@ def test_resources_left_under_the_region_have_no_alias(registered: tuple[StackRu
         "gcp:serviceaccount/iAMMember:IAMMember",
     }
     assert all(not [a for a in requests[(r.type, r.name)].aliases if a.spec.parentUrn] for r in direct)
+
+
+PROTECTED = {
+    "gcp:redis/instance:Instance": 2,
+    "gcp:storage/bucket:Bucket": 2,
+    "gcp:artifactregistry/repository:Repository": 1,
+    "gcp:compute/globalAddress:GlobalAddress": 1,
+}
+"""Stateful or global resources ``protect``ed while ``deletionProtection`` is on (the default stack): both
+regions' Memorystore and model buckets, the second region's repository (the first is the image
+component's), the global IP the domain points at."""
+
+
+def _protected(requests: dict[tuple[str, str], Any]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for (typ, _), request in requests.items():
+        if request.protect:
+            counts[typ] = counts.get(typ, 0) + 1
+    return counts
+
+
+def test_stateful_and_global_resources_are_protected(registered: tuple[StackRun, dict]) -> None:
+    """Issue 20 item 19: nothing was ``protect``ed: a ``pulumi destroy`` or an accidental replacement
+    deleted Memorystore (sessions), the model buckets (16 GB each), the registry and the static IP (the
+    domain's A record). With ``deletionProtection`` on they are protected, and nothing else is."""
+    _, requests = registered
+    assert _protected(requests) == PROTECTED
+
+
+def test_deletion_protection_off_protects_nothing() -> None:
+    """``deletionProtection: false`` (to destroy the stack) lifts the protection too."""
+    _, requests = _run_recording(**{"duplexops:deletionProtection": False})
+    assert _protected(requests) == {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -43,8 +44,41 @@ def _instructions(parser: DockerfileParser, name: str) -> list[str]:
     return [i["value"] for i in parser.structure if i["instruction"] == name]
 
 
-def test_builds_on_a_cuda_base(dockerfile: DockerfileParser) -> None:
-    assert dockerfile.baseimage.startswith("nvidia/cuda:")
+_PINNED = re.compile(r"^(?P<image>[a-z0-9./_-]+):(?P<tag>[A-Za-z0-9_.-]+)@sha256:[0-9a-f]{64}$")
+"""A FROM reference pinned by digest, its tag kept for the reader (``python:3.11-slim@sha256:...``)."""
+
+
+def test_every_base_is_pinned_by_digest_and_says_how_to_refresh_it(dockerfile: DockerfileParser) -> None:
+    """Issue 20, item 15: ``FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04`` was a tag, which the publisher
+    moves: two builds of one commit could differ. Every FROM names a digest, and the Dockerfile says where
+    it came from and the command that refreshes it."""
+    froms = _instructions(dockerfile, "FROM")
+    assert froms
+    for value in froms:
+        reference = value.split()[0]
+        assert _PINNED.match(reference), f"FROM {reference} is not pinned by a sha256 digest"
+    text = DOCKERFILE.read_text()
+    assert "docker buildx imagetools inspect" in text
+    assert "0" * 64 not in text, "a placeholder digest"
+
+
+def test_cuda_comes_once_from_torchs_wheels(dockerfile: DockerfileParser) -> None:
+    """Issue 20, item 15: the image carried CUDA twice (the CUDA base image's runtime and torch's NVIDIA
+    wheels, over 15 GB). The base is a slim Python image without CUDA; torch comes from PyTorch's CUDA index
+    (its wheels bring the CUDA runtime libraries bitsandbytes' INT8 kernels load too), checked at build time;
+    no CUDA package is installed with apt."""
+    base = dockerfile.baseimage.split("@")[0]
+    assert not base.startswith(("nvidia/cuda", "nvcr.io/nvidia")), base
+    assert base.startswith("python:3.11-slim"), base  # the Python of CI and of the CPU wheels here
+    assert re.search(r"download\.pytorch\.org/whl/cu1[0-9]{2}$", dockerfile.args["TORCH_INDEX_URL"])
+    runs = " ".join(_instructions(dockerfile, "RUN"))
+    assert "assert torch.version.cuda" in runs
+    apt = " ".join(r for r in _instructions(dockerfile, "RUN") if "apt-get install" in r)
+    assert not re.search(r"\b(cuda|libcudnn|libcublas|nvidia)", apt), apt
+    # The slim base does not set what the CUDA images set for the NVIDIA Container Toolkit.
+    assert dockerfile.envs["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert "compute" in dockerfile.envs["NVIDIA_DRIVER_CAPABILITIES"].split(",")
+    assert "int8" in next(r for r in _instructions(dockerfile, "RUN") if ".[runtime," in r)
 
 
 def test_entrypoint_is_the_installed_console_script(dockerfile: DockerfileParser) -> None:
@@ -254,7 +288,7 @@ def test_the_build_context_is_exactly_what_the_dockerfile_copies(dockerfile: Doc
     for source in sources:
         assert any(f == source or f.startswith(source.rstrip("/") + "/") for f in context), source
     # The deployment tools and the repository's own documentation are not.
-    assert not [f for f in context if f.split("/")[0] in ("infra", ".github", "stacks", "tests")]
+    assert not [f for f in context if f.split("/")[0] in ("infra", ".github", "stacks", "tests", "docs")]
     assert not {"Makefile", "README.md", "Pulumi.yaml", ".dockerignore"} & context
 
 
@@ -274,6 +308,7 @@ _DECOYS = {
     "tests/test_image.py": "# a test\n",
     "Makefile": "setup:\n\ttrue\n",
     "README.md": "# duplexops\n",
+    "docs/runtime.md": "# The runtime\n",
     "Pulumi.yaml": "name: duplexops\n",
     "runtime/__pycache__/server.cpython-311.pyc": "bytecode",
     "runtime/.server.py.swp": "editor swap file",
@@ -283,7 +318,7 @@ _DECOYS = {
 @pytest.fixture
 def repo_copy(dockerfile: DockerfileParser, tmp_path: Path) -> Path:
     """A copy of what the context can hold: .dockerignore, the Dockerfile, the COPY sources, and decoys
-    that must stay out (the program, workflows, stacks, tests, Makefile, README, generated files)."""
+    that must stay out (the program, workflows, stacks, tests, Makefile, README, docs, generated files)."""
     root = tmp_path / "repo"
     for relative in [".dockerignore", "images/runtime/Dockerfile", *_copied_sources(dockerfile)]:
         source, target = ROOT / relative, root / relative
@@ -376,3 +411,88 @@ def test_the_build_uses_a_registry_cache_and_a_fixed_timestamp(dev_image: dict) 
     assert cache_to["registry"]["mode"] == "max"
     assert cache_to["registry"]["imageManifest"] is True and cache_to["registry"]["ociMediaTypes"] is True
     assert dev_image["buildArgs"] == {"SOURCE_DATE_EPOCH": "0"}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Built once per push, promoted to every stack (issue 20, item 15)
+# --------------------------------------------------------------------------------------------------------
+
+CI_IMAGE = "us-central1-docker.pkg.dev/ci-project/duplexops-build/duplex-runtime@sha256:" + "ab" * 32
+"""A digest-pinned reference as pulumi-up.yml's image job hands it to every stack."""
+
+
+@pytest.mark.parametrize("stack", ["dev", "scale5-gcp", "multi-region"])
+def test_a_ci_built_image_is_copied_by_digest_not_built_again(stack: str) -> None:
+    """With ``duplexops:runtimeImage`` set (CI sets it for each update), a cloud stack builds nothing: it
+    copies that digest into its own repository (``crane copy`` keeps it) and runs exactly that digest. Guards
+    against building the image once per GCP stack (three builds per push, three different digests)."""
+    from pulumi_harness import run_stack
+
+    run = run_stack(stack, overrides={"duplexops:runtimeImage": CI_IMAGE})
+    assert run.of_type("docker-build:index:Image") == []
+    # The stack's own repository gets the CI digest; multi-region copies it on to each further region's
+    # repository (test_stack_multi_region.py::test_each_region_pulls_from_its_own_registry).
+    [copy] = [c for c in run.of_type("command:local:Command") if c.plain["environment"]["SOURCE"] == CI_IMAGE]
+    repo = run.named("runtime-image-repository").plain
+    target = f"{repo['location']}-docker.pkg.dev/{repo['project']}/{repo['repositoryId']}/duplex-runtime"
+    assert copy.plain["environment"] == {"SOURCE": CI_IMAGE, "TARGET": f"{target}:latest"}
+    assert CI_IMAGE in copy.plain["triggers"]  # a new digest copies again
+    assert 'crane copy "$SOURCE" "$TARGET"' in copy.plain["create"]
+    assert "gcloud auth configure-docker" in copy.plain["create"]  # fresh tokens, no one-hour login
+    assert run.outputs["image"] == f"{target}@sha256:{'ab' * 32}"
+
+
+def test_without_a_ci_image_the_stack_builds_it_itself() -> None:
+    """``pulumi up`` from a workstation (no runtimeImage): the docker-build path, and no copy."""
+    from pulumi_harness import run_stack
+
+    run = run_stack("dev", overrides={"duplexops:runtimeImage": None})
+    assert len(run.of_type("docker-build:index:Image")) == 1
+    assert run.of_type("command:local:Command") == []
+
+
+@pytest.mark.parametrize("reference", ["registry.example/duplex-runtime:latest", "x@sha256:abc", ""])
+def test_a_promoted_image_must_be_digest_pinned(reference: str) -> None:
+    from infra.components.image import digest_of
+
+    with pytest.raises(ValueError, match="not digest-pinned; allowed: <repository>@sha256:<64 hex digits>"):
+        digest_of(reference)
+
+
+def test_runtime_image_is_a_stack_key_of_every_topology() -> None:
+    """The key CI sets (pulumi-up-stack.yml's config-map) is read by every topology, and a tag is refused."""
+    from pulumi_harness import stack_config
+
+    from infra.stack_config import KEYS_OF, StackConfigError, parse_stack_config
+
+    for keys in KEYS_OF.values():
+        assert "duplexops:runtimeImage" in [f.alias for f in keys.model_fields.values()], keys
+    config, secret_keys = stack_config("dev", overrides={"duplexops:runtimeImage": "repo/image:latest"})
+    with pytest.raises(StackConfigError, match="runtimeImage"):
+        parse_stack_config(config, stack="dev", secret_keys=set(secret_keys))
+
+
+def test_a_promoted_image_can_be_copied_on_to_another_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``promote`` takes an Output too (a repository per region: the second copy reads the first's
+    ``image_ref``), and the digest survives both copies."""
+    import pulumi
+    from pulumi_harness import run_stack
+
+    import infra.__main__
+    from infra.components.image import promote
+
+    first_repo = "us-central1-docker.pkg.dev/p/duplex/duplex-runtime"
+    second_repo = "europe-west4-docker.pkg.dev/p/duplex/duplex-runtime"
+
+    def two_regions() -> dict[str, object]:
+        options = pulumi.ResourceOptions()
+        _, first = promote("copy-us", CI_IMAGE, first_repo, "latest", options)
+        _, second = promote("copy-eu", first, pulumi.Output.from_input(second_repo), "latest", options)
+        return {"first": first, "second": second}
+
+    monkeypatch.setattr(infra.__main__, "main", two_regions)
+    run = run_stack("dev")
+    digest = "sha256:" + "ab" * 32
+    assert run.outputs == {"first": f"{first_repo}@{digest}", "second": f"{second_repo}@{digest}"}
+    environments = {c.name: c.plain["environment"] for c in run.of_type("command:local:Command")}
+    assert environments["copy-eu"] == {"SOURCE": f"{first_repo}@{digest}", "TARGET": f"{second_repo}:latest"}

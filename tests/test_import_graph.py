@@ -21,7 +21,7 @@ PACKAGES = ("runtime", "infra")
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     # The batched runtime, which knows nothing of the deployment. Inside it, the engine side (the model and
-    # the tick) imports nothing of the front end or the tools (README, "The runtime").
+    # the tick) imports nothing of the front end or the tools (docs/runtime.md).
     ("runtime.metrics", "runtime.ipc", "runtime.child_process"),
     ("runtime.engine",),
     ("runtime.frontend.tokens",),  # the settings read signing keys with it
@@ -30,7 +30,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("runtime.multiproc",),  # the supervisor: starts the engine process and the workers
     ("runtime.tools",),
     # The capacity planner; which Google API each resource needs; GCP naming rules; YAML text helpers.
-    ("infra.capacity", "infra.gcp_apis", "infra.names", "infra.yaml_text"),
+    (
+        "infra.capacity",
+        "infra.deploy_timeouts",
+        "infra.gcp_apis",
+        "infra.images",
+        "infra.names",
+        "infra.yaml_text",
+    ),
     # The node: profiles and the renderers of its bundle, the local node.
     ("infra.node",),
     # One region's Kubernetes objects.
@@ -45,8 +52,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra.program.gce", "infra.program.onprem", "infra.program.multi_region"),
     # The program: picks the stack's topology.
     ("infra.program",),
-    # Entry points: Pulumi's (``infra/__main__.py``) and the whole ``duplex`` CLI.
-    ("infra.__main__", "infra.cli"),
+    # Entry points: Pulumi's (``infra/__main__.py``), the whole ``duplex`` CLI, the bootstrap project.
+    ("infra.__main__", "infra.cli", "infra.bootstrap"),
 )
 """Parts of the code, bottom layer first: a module may import its own part and any part of a lower layer."""
 

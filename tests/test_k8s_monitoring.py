@@ -152,3 +152,54 @@ def test_adapter_objects_follow_googles_manifest(objects: list[dict], workload) 
     for spec in services.values():
         assert spec["service"] == {"name": metrics_adapter.ADAPTER_NAME, "namespace": "custom-metrics"}
     assert validate_manifests(metrics_adapter.adapter_objects(workload)) == []
+
+
+# --- GMP's managed Alertmanager (infra.k8s.alerting) ----------------------------------------------------
+
+_RECEIVERS = {
+    "webhook_url": "https://hooks.example.com/duplex",
+    "email_to": "oncall@example.com",
+    "email_from": "duplex@example.com",
+    "email_smarthost": "smtp.example.com:587",
+    "email_password": True,
+    "pagerduty": True,
+}
+_ALERT_SECRETS = {"alert_email_password": "smtp-pw-0123", "alert_pagerduty_routing_key": "R" * 32}
+
+
+def test_managed_alertmanager_gets_the_node_receivers_inline(tmp_path: Path) -> None:
+    """The region's Secret gmp-public/alertmanager (the one key GMP's operator copies) holds the node's
+    Alertmanager configuration (same routes and receivers) with the secrets inline instead of files;
+    amtool accepts it; it validates as a Kubernetes Secret."""
+    from infra.k8s import alerting
+    from infra.node.alertmanager import alertmanager_config
+
+    profile = get_profile("a100-80gb", alerting=_RECEIVERS)
+    workload = make_workload(profile=profile, alert_secrets=_ALERT_SECRETS)
+    secret = one(region.region_objects(workload), "Secret", alerting.ALERTMANAGER_SECRET)
+    assert secret["metadata"]["namespace"] == alerting.GMP_PUBLIC_NAMESPACE == "gmp-public"
+    text = secret["stringData"][alerting.ALERTMANAGER_SECRET_KEY]
+    assert alerting.ALERTMANAGER_SECRET_KEY == "alertmanager.yaml"
+    (tmp_path / "am.yml").write_text(text)
+    result = subprocess.run(
+        ["amtool", "check-config", str(tmp_path / "am.yml")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    gmp, node = yaml.safe_load(text), alertmanager_config(profile)
+    assert gmp["route"] == node["route"]
+    page = {r["name"]: r for r in gmp["receivers"]}["duplex-page"]
+    assert page["pagerduty_configs"][0]["routing_key"] == "R" * 32
+    assert page["email_configs"][0]["auth_password"] == "smtp-pw-0123"
+    assert "_file" not in text
+    assert validate_manifests([secret]) == []
+
+
+def test_managed_alertmanager_needs_receivers_and_their_secrets() -> None:
+    """No receiver: no Secret (GMP keeps its no-op configuration). A receiver whose secret is missing: a
+    clear error naming the secret."""
+    from infra.k8s import alerting
+
+    assert alerting.alertmanager_secret(make_workload()) is None
+    profile = get_profile("a100-80gb", alerting=_RECEIVERS)
+    with pytest.raises(ValueError, match="alert_email_password"):
+        alerting.alertmanager_secret(make_workload(profile=profile, alert_secrets={}))

@@ -178,7 +178,10 @@ def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch
 def test_service_has_the_neg_annotation(objects: list[dict], workload: base.RegionWorkload) -> None:
     service = one(objects, "Service")
     neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
-    assert neg == {"exposed_ports": {"8998": {"name": "duplex-multi-region-runtime"}}}
+    assert neg == {
+        "exposed_ports": {"8998": {"name": "duplex-multi-region-runtime"}},
+        "zones": ["us-central1-a"],
+    }
     [port] = service["spec"]["ports"]
     assert port == {"name": "http", "port": 8998, "targetPort": "http", "protocol": "TCP"}
     container_port = _runtime_container(one(objects, "Deployment"))["ports"][0]["containerPort"]
@@ -392,3 +395,109 @@ def test_namespace_changes_every_namespaced_object() -> None:
     ]
     assert namespaced and all(o["metadata"]["namespace"] == "voice" for o in namespaced)
     assert validate_manifests(objects) == []
+
+
+# --- the zones and the browser client's page (issue 20 items 2 and 4) ------------------------------------
+
+
+def test_runtime_pods_spread_over_every_zone() -> None:
+    """Issue 20 item 2: a zone's NEG exists only with a pod there; the Deployment spreads its pods over the
+    zones as a scheduling rule and the workload refuses fewer pods than zones."""
+    two = make_workload(zones=("us-central1-a", "us-central1-c"), min_replicas=2)
+    deployment = one(region_objects(two), "Deployment")
+    [spread] = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread == {
+        "maxSkew": 1,
+        "topologyKey": "topology.kubernetes.io/zone",
+        "whenUnsatisfiable": "DoNotSchedule",
+        "labelSelector": {"matchLabels": base.pod_labels(two)},
+    }
+    with pytest.raises(
+        ValueError, match=r"min_replicas: 1 is not allowed; must be >= the number of zones \(2\)"
+    ):
+        make_workload(zones=("us-central1-a", "us-central1-c"), min_replicas=1)
+    with pytest.raises(ValueError, match="RegionWorkload.zones"):
+        make_workload(zones=("europe-west4-a",))
+
+
+def test_page_objects_validate_and_serve_from_the_system_pool(objects: list[dict]) -> None:
+    from infra.k8s.page import PAGE_NAME, PAGE_PORT
+
+    page = [o for o in objects if o["metadata"]["name"] == PAGE_NAME]
+    assert sorted(o["kind"] for o in page) == ["ConfigMap", "Deployment", "Service"]
+    assert validate_manifests(page) == []
+    pod = one(objects, "Deployment", PAGE_NAME)["spec"]["template"]["spec"]
+    assert "tolerations" not in pod and "nodeSelector" not in pod  # never on a (tainted) GPU node
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    [nginx] = pod["containers"]
+    assert nginx["securityContext"]["readOnlyRootFilesystem"] is True
+    assert nginx["ports"][0]["containerPort"] == PAGE_PORT
+
+
+def _get(url: str, method: str = "GET") -> tuple[int, str, bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, method=method, data=b"x" if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.headers.get("Content-Type", ""), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers.get("Content-Type", ""), error.read()
+
+
+def test_page_nginx_serves_the_client(tmp_path: Any) -> None:
+    """Issue 20 item 4: the page pods' nginx configuration, run by the real nginx on loopback: ``/`` is
+    ``index.html``, each file has its type, anything else is 404, and only GET is served."""
+    import socket
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from infra.k8s.page import page_files, page_nginx_conf
+
+    # nginx's workers run as another user when the tests run as root: a root they may read (tmp_path is 0700).
+    root = Path(tempfile.mkdtemp(prefix="duplex-page-"))
+    root.chmod(0o755)
+    files = page_files()
+    for name, content in files.items():
+        (root / name).write_text(content)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conf = page_nginx_conf(root=str(root), port=port, temp_dir=str(tmp_path)).replace(
+        f"listen {port};", f"listen 127.0.0.1:{port};"
+    )
+    (tmp_path / "nginx.conf").write_text(conf)
+    server = subprocess.Popen(
+        [
+            "nginx",
+            "-p",
+            f"{tmp_path}/",
+            "-c",
+            str(tmp_path / "nginx.conf"),
+            "-e",
+            "stderr",
+            "-g",
+            "daemon off;",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        for _ in range(100):  # until it listens (not a timing assertion: at most 100 tries)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None, server.stderr.read() if server.stderr else ""
+                time.sleep(0.05)
+        status, kind, body = _get(f"http://127.0.0.1:{port}/")
+        assert (status, kind, body.decode()) == (200, "text/html", files["index.html"])
+        status, kind, _ = _get(f"http://127.0.0.1:{port}/app.js")
+        assert (status, kind) == (200, "text/javascript")
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 404
+        assert _get(f"http://127.0.0.1:{port}/index.html", method="POST")[0] == 403
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        shutil.rmtree(root)

@@ -40,25 +40,33 @@ from test_server_e2e import (
 from runtime.config import RuntimeConfig
 from runtime.frontend.maintenance import (
     GCE_MAINTENANCE_EVENT_URL,
+    GCE_PREEMPTED_URL,
     MIGRATE,
     NONE,
+    PREEMPTION_GRACE_S,
     TERMINATE,
     MaintenanceWatcher,
     backoff_delay,
     is_pending,
+    is_preempted,
+    preempted_url,
+    start_maintenance_watch,
 )
 from runtime.metrics import RuntimeMetrics
 
 KEY_PATH = "/computeMetadata/v1/instance/maintenance-event"
+PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
 
 
 class FakeMetadataServer:
-    """GCE's metadata server for the ``maintenance-event`` key, on a free loopback port (a thread)."""
+    """GCE's metadata server for the ``maintenance-event`` key (and ``preempted`` beside it, whose
+    requests are not recorded), on a free loopback port (a thread)."""
 
     def __init__(self, value: str = NONE) -> None:
         self._changed = threading.Condition()
         self._value = value
         self._version = 1
+        self._preempted = ["FALSE", 1]  # value, version of instance/preempted
         self._closing = False
         self.fail_next = 0  # answer this many next requests with 503
         self.requests: list[tuple[dict[str, list[str]], str | None]] = []  # (query, Metadata-Flavor)
@@ -69,6 +77,8 @@ class FakeMetadataServer:
                 parts = urlsplit(self.path)
                 query = parse_qs(parts.query)
                 flavor = self.headers.get("Metadata-Flavor")
+                if parts.path == PREEMPTED_PATH:
+                    return self._preempted(query, flavor)
                 with fake._changed:
                     fake.requests.append((query, flavor))
                 if parts.path != KEY_PATH:
@@ -85,6 +95,19 @@ class FakeMetadataServer:
                         fake._changed.wait_for(lambda: fake.etag != last or fake._closing, timeout_s)
                     value, etag = fake._value, fake.etag
                 return self._answer(200, value, etag)
+
+            def _preempted(self, query: dict[str, list[str]], flavor: str | None) -> None:
+                if flavor != "Google":
+                    return self._answer(403, "Missing Metadata-Flavor:Google header.")
+                with fake._changed:
+                    if query.get("wait_for_change") == ["true"]:
+                        last = query.get("last_etag", [None])[0]
+                        timeout_s = float(query.get("timeout_sec", ["60"])[0])
+                        fake._changed.wait_for(
+                            lambda: f"p{fake._preempted[1]:015x}" != last or fake._closing, timeout_s
+                        )
+                    value, etag = fake._preempted[0], f"p{fake._preempted[1]:015x}"
+                return self._answer(200, str(value), etag)
 
             def _answer(self, status: int, body: str, etag: str | None = None) -> None:
                 data = body.encode()
@@ -114,6 +137,12 @@ class FakeMetadataServer:
         with self._changed:
             self._value = value
             self._version += 1
+            self._changed.notify_all()
+
+    def preempt(self) -> None:
+        """GCE preempts the VM: ``instance/preempted`` reads TRUE."""
+        with self._changed:
+            self._preempted = ["TRUE", int(self._preempted[1]) + 1]
             self._changed.notify_all()
 
     def close(self) -> None:
@@ -331,3 +360,105 @@ def test_gke_pods_do_not_watch(objects: list[dict]) -> None:
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
         assert "DUPLEX_MODEL" in env  # the runtime's settings are there
         assert env.get("DUPLEX_MAINTENANCE_WATCH", "off") == "off"
+
+
+# --------------------------------------------------------------------------------------------------
+# Spot preemption (issue 20 item 13)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_preemption_key_sits_beside_the_maintenance_key() -> None:
+    """The preemption watch reads ``instance/preempted`` at the same metadata root (GCE's, or a fake)."""
+    assert preempted_url(GCE_MAINTENANCE_EVENT_URL) == GCE_PREEMPTED_URL
+    assert preempted_url("http://127.0.0.1:8/computeMetadata/v1/instance/maintenance-event?x=1") == (
+        "http://127.0.0.1:8/computeMetadata/v1/instance/preempted?x=1"
+    )
+    with pytest.raises(ValueError, match="must end in /maintenance-event"):
+        preempted_url("http://127.0.0.1:8/other")
+    assert is_preempted("TRUE") and is_preempted("TRUE\n") and not is_preempted("FALSE")
+    assert PREEMPTION_GRACE_S < 30, "the Spot notice is 30 s"
+
+
+async def test_a_preemption_calls_on_preempted_once(metadata: FakeMetadataServer) -> None:
+    """Guards item 13: ``instance/preempted`` was not watched, so a Spot preemption cut every live session
+    without a word. The watch started for ``gce`` calls ``on_preempted`` once on TRUE (never for FALSE),
+    and stops with the maintenance watcher."""
+    config = RuntimeConfig(maintenance_watch="gce", maintenance_metadata_url=metadata.url)
+    changes = Recorder()
+    preemptions: list[float] = []
+    watcher = start_maintenance_watch(
+        config, RuntimeMetrics(), changes, on_preempted=lambda: preemptions.append(time.monotonic())
+    )
+    assert watcher is not None
+    try:
+        await wait_until(lambda: changes.changes == [False], what="the first maintenance read")
+        [preemption] = watcher.companions
+        await wait_until(lambda: preemption.value == "FALSE", what="the first preemption read")
+        assert preemptions == []
+        metadata.preempt()
+        await wait_until(lambda: len(preemptions) == 1, what="the preemption to be delivered")
+        await asyncio.sleep(0.2)
+        assert len(preemptions) == 1 and changes.changes == [False]
+    finally:
+        watcher.stop()
+    assert preemption._stop.is_set()
+
+
+async def test_without_on_preempted_a_preemption_stops_admissions(metadata: FakeMetadataServer) -> None:
+    """A server that does not pass ``on_preempted`` still stops admitting on a preemption."""
+    config = RuntimeConfig(maintenance_watch="gce", maintenance_metadata_url=metadata.url)
+    changes = Recorder()
+    watcher = start_maintenance_watch(config, RuntimeMetrics(), changes)
+    assert watcher is not None
+    try:
+        await wait_until(lambda: changes.changes == [False], what="the first maintenance read")
+        metadata.preempt()
+        await wait_until(lambda: changes.changes == [False, True], what="the preemption as a notice")
+    finally:
+        watcher.stop()
+
+
+@pytest.mark.slow
+async def test_a_preemption_closes_live_sessions_with_1001_within_the_notice(
+    bundle,  # noqa: F811
+    speech,  # noqa: F811
+    metadata: FakeMetadataServer,
+) -> None:
+    """Guards item 13 end to end: a live session on a preempted Spot VM is closed with 1001 (going away)
+    within ``PREEMPTION_GRACE_S`` of the notice, well inside GCE's 30 s, instead of being cut by the hard
+    power-off after a drain grace the notice cannot cover. The server is wired as the lead wires it:
+    ``on_preempted`` = ``drain(PREEMPTION_GRACE_S)`` (here a 1 s grace, the budget injected)."""
+    async with running_server(bundle) as srv:
+        config = RuntimeConfig(maintenance_watch="gce", maintenance_metadata_url=metadata.url)
+        drains: list[asyncio.Task] = []
+        watcher = start_maintenance_watch(
+            config,
+            srv.metrics,
+            lambda pending: None,
+            on_preempted=lambda: drains.append(asyncio.ensure_future(srv.drain(grace_s=1.0))),
+        )
+        assert watcher is not None
+        try:
+            async with live(chat_url(srv), speech[0]) as client:
+                assert client.result.handshake
+                client.start_streaming()
+                await asyncio.sleep(0.5)
+                metadata.preempt()
+                await wait_until(lambda: bool(drains), what="the preemption to reach the server")
+                result = await client.wait_closed(timeout_s=20)
+                await asyncio.wait_for(drains[0], 20)
+            assert result.close_code == 1001, (result.close_code, result.close_reason)
+        finally:
+            watcher.stop()
+
+
+async def test_a_metadata_url_of_another_shape_watches_maintenance_only(metadata: FakeMetadataServer) -> None:
+    """``DUPLEX_MAINTENANCE_METADATA_URL`` pointing at another path still starts the maintenance watch (the
+    preemption key cannot be placed beside it): nothing raises into the runtime."""
+    config = RuntimeConfig(maintenance_watch="gce", maintenance_metadata_url=metadata.url + "-other")
+    watcher = start_maintenance_watch(config, RuntimeMetrics(), Recorder())
+    assert watcher is not None
+    try:
+        assert watcher.companions == [] and watcher.alive
+    finally:
+        watcher.stop()

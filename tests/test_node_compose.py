@@ -149,7 +149,7 @@ def test_services_are_the_nodes_services(name: str) -> None:
 def test_only_nginx_public_and_monitoring_private(profile: NodeProfile) -> None:
     services = _doc(profile)["services"]
     published = {name: spec["ports"] for name, spec in services.items() if "ports" in spec}
-    assert set(published) == {"nginx", "prometheus", "grafana"}
+    assert set(published) == {"nginx", "prometheus", "grafana", "alertmanager"}
     assert {(p["host_ip"], p["target"], p["published"]) for p in published["nginx"]} == {
         (profile.public_address, profile.ports.https, str(profile.ports.https)),
         (profile.public_address, profile.ports.http, str(profile.ports.http)),
@@ -164,6 +164,9 @@ def test_only_nginx_public_and_monitoring_private(profile: NodeProfile) -> None:
     ]
     assert [(p["host_ip"], p["target"]) for p in published["grafana"]] == [
         (profile.private_address, profile.ports.grafana)
+    ]
+    assert [(p["host_ip"], p["target"]) for p in published["alertmanager"]] == [
+        (profile.private_address, profile.ports.alertmanager)
     ]
     for name, spec in services.items():
         assert "network_mode" not in spec, f"{name} must stay on the bridge network"
@@ -287,7 +290,7 @@ def test_images_pinned() -> None:
         assert image == IMAGES[name]
         repository, _, tag = image.rpartition(":")
         assert repository and tag and tag != "latest" and re.search(r"\d", tag), image
-    assert services["grafana"]["image"] == f"grafana/grafana:{GRAFANA_VERSION}"
+    assert services["grafana"]["image"].startswith(f"grafana/grafana:{GRAFANA_VERSION}@sha256:")
     assert services["redis"]["image"].startswith("redis:7.")
     assert services["nginx"]["image"].startswith("nginx:")
 

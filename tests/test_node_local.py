@@ -68,8 +68,12 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     pids = [p.popen.pid for p in node.processes if p.popen is not None]
     try:
         check = bring_up_and_check(node, speech)
+        # The node's Prometheus sends its alerts to the node's Alertmanager (issue 20, item 8).
+        with urllib.request.urlopen(f"{node.prometheus_url}/api/v1/alertmanagers", timeout=5) as response:
+            alertmanagers = json.loads(response.read())["data"]["activeAlertmanagers"]
     finally:
         codes = node.stop()
+    assert alertmanagers == [{"url": f"{node.alertmanager_url}/api/v2/alerts"}]
     assert check.ok, check.problems
     assert len(check.load.served) == 5
     for r in check.load.served:
@@ -82,7 +86,15 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     assert check.scraped["targets_up"] == check.scraped["targets"] == 4
     assert check.scraped["tick_p99_ms"] is not None and check.scraped["first_audio_p99_ms"] is not None
     # Everything stopped: every process reaped, every port free again.
-    assert set(codes) == {"nginx", "prometheus", "runtime", "node-exporter", "redis-exporter", "redis"}
+    assert set(codes) == {
+        "nginx",
+        "prometheus",
+        "alertmanager",
+        "runtime",
+        "node-exporter",
+        "redis-exporter",
+        "redis",
+    }
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -31,6 +31,7 @@ from infra.node.prometheus import (
     render_prometheus,
     rules_unit_tests,
 )
+from infra.node.services import endpoint
 from runtime.tools.local_redis import free_loopback_port
 
 ALL_ALERTS = {
@@ -237,7 +238,10 @@ def test_scrape_jobs_targets_and_gpu_only_parts(name: str) -> None:
     timeout_s = int(config["global"]["scrape_timeout"].removesuffix("s"))
     assert 1 <= timeout_s <= profile.scrape_interval_s
     assert config["rule_files"] == ["rules/*.yml"]
-    assert "alerting" not in config
+    # Alerts go to the node's own Alertmanager (infra.node.alertmanager).
+    assert config["alerting"] == {
+        "alertmanagers": [{"static_configs": [{"targets": [endpoint(profile, "alertmanager")]}]}]
+    }
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     expected = ["runtime", "prometheus", "node-exporter", "redis-exporter"]
     if profile.gpu is not None:

@@ -671,7 +671,11 @@ def test_check_resources_passes_a_compliant_stack() -> None:
         (FIREWALL, firewall(["443", "80"], ["0.0.0.0/0"]), "https"),
         (FIREWALL, firewall(["22"], ["35.235.240.0/20"]), "iap-ssh"),
         (FIREWALL, firewall(["9090", "3000"], ["10.128.0.0/9"]), "monitoring"),
-        (NODE_POOL, gpu_node_pool(), "gpu-pool"),
+        (
+            NODE_POOL,
+            {**gpu_node_pool(), "upgradeSettings": {"maxSurge": 0.0, "maxUnavailable": 1.0}},
+            "gpu-pool",
+        ),
         (REDIS, GOOD_REDIS, "sessions"),
         ("gcp:compute/network:Network", {}, "vpc"),
     ]
@@ -709,6 +713,8 @@ EXPECTED_POLICIES = [
     "gpu-instance-graceful-shutdown",
     "provisioning-model-sold",
     "session-affinity-needs-hash-policy",
+    "https-proxy-tls-1-2",
+    "gpu-node-pool-upgrade-needs-no-extra-gpu",
 ]
 EXPECTED_STACK_POLICIES = ["apis-enabled-for-features"]
 

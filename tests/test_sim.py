@@ -89,3 +89,21 @@ def test_the_planner_writes_a_step_table_the_simulator_reads():
     table = parse_step_time(sim_step_table(spec, gpu))
     assert table.ms(16) == pytest.approx(tick_ms(spec, gpu, "bf16", "bf16", 16), abs=0.05)
     assert table.ms(1) < table.ms(64)
+
+
+def test_sim_engine_reuses_its_result_buffers_tick_after_tick():
+    """Guards issue 21 item 5: the tick's result arrays are allocated once per engine and rewritten in
+    place (Kyutai's batched_asr.py), not allocated every 80 ms."""
+    engine = SimEngine(2, StepTime(((1, 1.0),)), text_vocab=256, sleep=lambda _: None)
+    engine.join(0, SamplingParams())
+    pcm = np.full((2, FRAME_SAMPLES), 0.2, dtype=np.float32)
+    first = engine.tick(pcm)
+    ids = [id(a) for a in (first.pcm, first.audio_ready, first.text_tokens, first.audio_tokens)]
+    second = engine.tick(pcm)
+    assert [id(a) for a in (second.pcm, second.audio_ready, second.text_tokens, second.audio_tokens)] == ids
+    assert second.audio_ready.tolist() == [True, False]
+    assert np.allclose(second.pcm[0], 0.1 + engine._tone) and not second.pcm[1].any()
+    engine.leave(0)
+    third = engine.tick(pcm)  # nothing produced: the reused rows are cleared, not left from the last tick
+    assert third.pcm is first.pcm and not third.audio_ready.any() and not third.pcm.any()
+    assert (third.text_tokens == -2).all() and (third.audio_tokens == -2).all()

@@ -56,6 +56,11 @@ def _one_in_region(run: StackRun, type_token: str, region: str, suffix: str = ""
     return found[0]
 
 
+def _runtime_backend(run: StackRun) -> RecordedResource:
+    """The runtime's backend service (the other one is the page's)."""
+    return run.named("global-entry-backend")
+
+
 def _manifests(run: StackRun, region: str) -> list[dict]:
     from infra.k8s.manifest import to_manifest
 
@@ -97,7 +102,7 @@ def test_cluster_settings(run: StackRun, region: str) -> None:
 @pytest.mark.parametrize(
     ("region", "zones", "bounds"),
     [
-        ("us-central1", ["us-central1-a", "us-central1-c"], (1, 4)),
+        ("us-central1", ["us-central1-a", "us-central1-c"], (2, 4)),
         ("europe-west4", ["europe-west4-a"], (1, 3)),
     ],
 )
@@ -112,11 +117,11 @@ def test_gpu_pool(run: StackRun, region: str, zones: list[str], bounds: tuple[in
     assert pool["nodeLocations"] == zones
     autoscaling = pool["autoscaling"]
     assert (autoscaling["totalMinNodeCount"], autoscaling["totalMaxNodeCount"]) == bounds
-    # Surge upgrades never take a GPU node away before its replacement is up, and never more at once than
-    # the PodDisruptionBudget lets go.
+    # Upgrades need no GPU beyond the pool's (no surge node), and take no more nodes at once than the
+    # PodDisruptionBudget lets go.
     upgrade = pool["upgradeSettings"]
     [pdb] = [m for m in _manifests(run, region) if m["kind"] == "PodDisruptionBudget"]
-    assert upgrade["maxUnavailable"] == 0 and upgrade["maxSurge"] >= 1
+    assert upgrade["maxSurge"] == 0 and upgrade["maxUnavailable"] == 1
     assert upgrade["maxUnavailable"] <= pdb["spec"]["maxUnavailable"]
     assert config["workloadMetadataConfig"]["mode"] == "GKE_METADATA"
 
@@ -133,7 +138,7 @@ def test_redis_auth_and_tls(run: StackRun, region: str) -> None:
 
 
 def test_global_entry(run: StackRun) -> None:
-    backend = run.one(BACKEND).plain
+    backend = _runtime_backend(run).plain
     assert backend["timeoutSec"] >= 3600 + 60  # the a100-80gb profile's longest session, plus a margin
     assert backend["connectionDrainingTimeoutSec"] == 3600  # the longest session, GCP's maximum
     assert backend["sessionAffinity"] == "NONE" and backend["localityLbPolicy"] == "LEAST_REQUEST"
@@ -147,7 +152,7 @@ def test_global_entry(run: StackRun) -> None:
     assert all(b["maxInFlightRequestsPerEndpoint"] == 5 for b in backend["backends"])  # slots per pod
     assert all(b["capacityScaler"] == 1.0 for b in backend["backends"])
 
-    health = run.one("gcp:compute/healthCheck:HealthCheck").plain
+    health = run.named("global-entry-readyz").plain
     assert health["httpHealthCheck"]["requestPath"] == "/readyz"
     assert backend["healthChecks"] == "global-entry-readyz-id"
 
@@ -181,12 +186,18 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert rule["service"] == runtime_id
     assert sorted(rule["paths"]) == ["/api/admission", "/api/chat", "/api/personas"]
 
-    objects = {o.plain["name"]: o.plain for o in run.of_type("gcp:storage/bucketObject:BucketObject")}
+    # Every region's page pods serve the shipped files.
     shipped = {path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()}
-    assert set(objects) == set(shipped)
-    assert objects["index.html"]["content"] == shipped["index.html"].decode()
-    assert objects["app.js"]["contentType"] == "text/javascript; charset=utf-8"
-    backend = run.one("gcp:compute/backendBucket:BackendBucket").plain
+    for region in ("us-central1", "europe-west4"):
+        [files] = [
+            m
+            for m in _manifests(run, region)
+            if m["kind"] == "ConfigMap" and m["metadata"]["name"] == "duplex-page"
+        ]
+        assert {k: v for k, v in files["data"].items() if k != "nginx.conf"} == {
+            name: content.decode() for name, content in shipped.items()
+        }
+    backend = run.named("global-entry-page-backend").plain
     headers = dict(h.split(": ", 1) for h in backend["customResponseHeaders"])
     assert "connect-src 'self' wss://duplex.example.com" in headers["Content-Security-Policy"]
     assert headers["X-Content-Type-Options"] == "nosniff"
@@ -200,12 +211,12 @@ def test_drained_region_gets_no_new_callers() -> None:
     regions = [dict(r) for r in regions]
     regions[1]["serving"] = False
     run = run_stack(STACK, overrides={"duplexops:regions": regions})
-    backends = run.one(BACKEND).plain["backends"]
+    backends = _runtime_backend(run).plain["backends"]
     scalers = {b["group"].split("/")[3]: b["capacityScaler"] for b in backends}
     assert scalers == {"us-central1-a": 1.0, "us-central1-c": 1.0, "europe-west4-a": 0.0}
     # Its cluster keeps running: open conversations finish there.
     assert len(run.of_type(CLUSTER)) == 2
-    assert run.outputs["capacity"]["totalSlots"] == {"min": 5, "max": 20}
+    assert run.outputs["capacity"]["totalSlots"] == {"min": 10, "max": 20}
 
 
 def test_restricted_source_ranges_deny_the_rest() -> None:
@@ -249,7 +260,7 @@ def test_runtime_deployment(run: StackRun, region: str) -> None:
     assert pod["terminationGracePeriodSeconds"] >= 3600  # the longest session
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-a100-80gb"
-    assert runtime["image"].startswith("us-central1-docker.pkg.dev/my-gcp-project/duplex-multi-region/")
+    assert runtime["image"].startswith(f"{region}-docker.pkg.dev/my-gcp-project/duplex-multi-region/")
     assert "@sha256:" in runtime["image"]
     assert "replicas" not in deployment["spec"]  # the HorizontalPodAutoscaler owns it
 
@@ -257,7 +268,7 @@ def test_runtime_deployment(run: StackRun, region: str) -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     [metric] = hpa["spec"]["metrics"]
     assert "duplex_active_sessions" in json.dumps(metric)
-    bounds = {"us-central1": (1, 4), "europe-west4": (1, 3)}[region]
+    bounds = {"us-central1": (2, 4), "europe-west4": (1, 3)}[region]
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == bounds
 
 
@@ -285,9 +296,9 @@ def test_outputs(run: StackRun) -> None:
     assert us["kubectl"].startswith(
         "gcloud container clusters get-credentials duplex-multi-region-us-central1 "
     )
-    assert us["capacity"]["slots"] == {"min": 5, "max": 20}
+    assert us["capacity"]["slots"] == {"min": 10, "max": 20}
     capacity = outputs["capacity"]
-    assert capacity["totalSlots"] == {"min": 10, "max": 35}
+    assert capacity["totalSlots"] == {"min": 15, "max": 35}
     assert capacity["usdPerMonth"]["max"] > capacity["usdPerMonth"]["min"] > 0
     text = json.dumps(outputs)
     for value in run.secret_values:
@@ -314,7 +325,7 @@ def test_policy_pack_fails_on_untainted_gpu_pool_plain_redis_and_short_timeout(r
             props["nodeConfig"]["taints"] = []
         if typ == REDIS and name.startswith("region-europe-west4"):
             props["transitEncryptionMode"] = "DISABLED"
-        if typ == BACKEND:
+        if typ == BACKEND and name == "global-entry-backend":
             props.pop("timeoutSec")  # the 30 s default
         broken.append((typ, props, name, deps))
     violations = check_resources(broken)
@@ -339,7 +350,7 @@ def test_third_region_adds_exactly_one_region(run: StackRun, stack_file_regions:
     before = {(r.type, r.name): r.plain for r in _in_region(run.resources, "us-central1")}
     after = {(r.type, r.name): r.plain for r in _in_region(three.resources, "us-central1")}
     assert before == after
-    backends = three.one(BACKEND).plain["backends"]
+    backends = _runtime_backend(three).plain["backends"]
     assert len(backends) == 4 and any("asia-southeast1-c" in b["group"] for b in backends)
 
 
@@ -376,3 +387,406 @@ def test_configuration_errors(overrides: dict, expected: str) -> None:
     with pytest.raises(StackConfigError) as error:
         run_stack(STACK, overrides=overrides)
     assert expected in str(error.value)
+
+
+# --- a fresh project's first `up` (issue 20) ------------------------------------------------------------
+
+
+def _regions(**changes: object) -> list[dict]:
+    """The stack file's regions, ``changes`` applied to each."""
+    regions = yaml.safe_load(Path("stacks/Pulumi.multi-region.yaml").read_text())["config"][
+        "duplexops:regions"
+    ]
+    return [{**r, **changes} for r in regions]
+
+
+@pytest.mark.parametrize("region", ["us-central1", "europe-west4"])
+def test_every_backend_zone_always_holds_a_runtime_pod(run: StackRun, region: str) -> None:
+    """Issue 20 item 2: GKE's NEG controller makes a zone's NEG only once a pod of the Service runs there
+    (kubernetes/ingress-gce issue 1755); a backend service naming a NEG that does not exist fails (404,
+    gke-autoneg-controller issue 50). Every zone the backend service lists must always hold a runtime pod:
+    a GPU node in each zone from the start, at least as many pods as zones, spread one per zone as a
+    scheduling rule; and the Service asks the controller for the NEG of each zone (ingress-gce PR 3152)."""
+    pool = _one_in_region(run, NODE_POOL, region, "gpu-pool").plain
+    zones = pool["nodeLocations"]
+    backends = _runtime_backend(run).plain["backends"]
+    listed = sorted(b["group"].split("/")[3] for b in backends if b["description"].startswith(region))
+    assert listed == sorted(zones)
+    assert pool["initialNodeCount"] >= 1  # per zone
+
+    manifests = _manifests(run, region)
+    [hpa] = [m for m in manifests if m["kind"] == "HorizontalPodAutoscaler"]
+    assert hpa["spec"]["minReplicas"] >= len(zones)
+    [deployment] = [
+        m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "duplex-runtime"
+    ]
+    template = deployment["spec"]["template"]
+    [spread] = template["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "topology.kubernetes.io/zone"
+    assert spread["maxSkew"] == 1 and spread["whenUnsatisfiable"] == "DoNotSchedule"
+    assert spread["labelSelector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+    [service] = [m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "duplex-runtime"]
+    neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
+    assert neg["zones"] == zones
+    assert neg["exposed_ports"]["8998"]["name"] == "duplex-multi-region-runtime"
+
+
+def test_fewer_pods_than_zones_is_refused() -> None:
+    """Issue 20 item 2: a region whose minNodes is below its number of zones would leave a zone without a
+    pod, hence without the NEG its backend names: the configuration says so before anything is declared."""
+    with pytest.raises(StackConfigError) as error:
+        run_stack(STACK, overrides={"duplexops:regions": _regions(minNodes=1)})
+    assert "duplexops:regions[0].minNodes: 1 is below the number of zones (2" in str(error.value)
+
+
+def test_node_pools_start_with_nodes(run: StackRun) -> None:
+    """Issue 20 item 3: a pool with autoscaling and no initial_node_count starts empty
+    (terraform-provider-google 8270, 11594); the default pool is removed, so the cluster would have no
+    node. Both pools start with one node per zone, and a later change of the count (ForceNew in the
+    provider) never replaces a pool: it is ignored after creation."""
+    pools = run.of_type(NODE_POOL)
+    assert len(pools) == 4
+    for pool in pools:
+        assert pool.plain["initialNodeCount"] == 1, pool.name
+        assert "initialNodeCount" in pool.ignore_changes, pool.name
+    for cluster in run.of_type(CLUSTER):
+        assert cluster.plain["removeDefaultNodePool"] is True
+
+
+def test_default_pool_runs_as_the_node_account(run: StackRun) -> None:
+    """Issue 20 item 20: the transient default pool ran as the Compute Engine default service account
+    (Editor on the project); it runs as the region's node account, its config ignored once removed."""
+    for cluster in run.of_type(CLUSTER):
+        region = cluster.plain["location"]
+        [node_account] = [
+            a
+            for a in run.of_type("gcp:serviceaccount/account:Account")
+            if a.name == f"region-{region}-node-sa"
+        ]
+        email = f"{node_account.plain['accountId']}@my-gcp-project.iam.gserviceaccount.com"
+        assert cluster.plain["nodeConfig"]["serviceAccount"] == email
+        assert cluster.plain["nodeConfig"]["workloadMetadataConfig"]["mode"] == "GKE_METADATA"
+        assert "nodeConfig" in cluster.ignore_changes
+
+
+def test_redis_ca_bundle_holds_every_ca(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 20 item 20: during a CA rotation Memorystore lists two CAs; the runtime trusted only the first
+    (``server_ca_certs[0]``) and broke when the server switched. The ConfigMap holds every one."""
+    import pulumi_harness
+
+    second = "-----BEGIN CERTIFICATE-----\nTmV3IE1lbW9yeXN0b3JlIENB\n-----END CERTIFICATE-----\n"
+    computed = pulumi_harness._computed
+
+    def two_cas(typ: str, name: str, inputs: dict) -> dict:
+        out = computed(typ, name, inputs)
+        if typ == REDIS:
+            out["serverCaCerts"] = [{"cert": pulumi_harness.MOCK_REDIS_CA}, {"cert": second}]
+        return out
+
+    monkeypatch.setattr(pulumi_harness, "_computed", two_cas)
+    rotated = run_stack(STACK)
+    for region in ("us-central1", "europe-west4"):
+        [ca] = [
+            m
+            for m in _manifests(rotated, region)
+            if m["kind"] == "ConfigMap" and m["metadata"]["name"] == "redis-ca"
+        ]
+        assert ca["data"]["ca.pem"] == pulumi_harness.MOCK_REDIS_CA + second
+
+
+def test_ca_bundle_refuses_what_verifies_nothing() -> None:
+    from infra.components.gke_region import ca_bundle
+
+    with pytest.raises(ValueError, match="server_ca_certs is empty"):
+        ca_bundle([])
+    with pytest.raises(ValueError, match=r"server_ca_certs\[1\] holds no PEM certificate"):
+        ca_bundle([{"cert": "-----BEGIN CERTIFICATE-----\nQQ==\n-----END CERTIFICATE-----"}, {"cert": ""}])
+
+
+def test_maintenance_window_and_gpu_upgrades(run: StackRun) -> None:
+    """Issue 20 item 11: GPU pools auto-upgraded whenever GKE chose, by surge (one more A100 80 GB in the
+    zone, which quota or stock may not have). Every cluster has the stack's weekly window; GPU pools
+    upgrade in place, one node at a time, with no surge node."""
+    for cluster in run.of_type(CLUSTER):
+        window = cluster.plain["maintenancePolicy"]["recurringWindow"]
+        assert window == {
+            "startTime": "2025-01-06T02:00:00Z",
+            "endTime": "2025-01-06T08:00:00Z",
+            "recurrence": "FREQ=WEEKLY;BYDAY=SA,SU",
+        }
+    for pool in run.of_type(NODE_POOL):
+        if pool.name.endswith("gpu-pool"):
+            assert pool.plain["upgradeSettings"] == {"strategy": "SURGE", "maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_maintenance_window_from_the_stack_and_gke_rule() -> None:
+    """Issue 20 item 11: the window is stack configuration; one GKE refuses (under 48 h in 32 days) fails
+    with the key and the rule."""
+    run = run_stack(
+        STACK,
+        overrides={"duplexops:maintenanceWindow": {"start": "22:30", "hours": 4, "days": ["TU", "MO", "WE"]}},
+    )
+    window = run.of_type(CLUSTER)[0].plain["maintenancePolicy"]["recurringWindow"]
+    assert window["startTime"] == "2025-01-06T22:30:00Z" and window["endTime"] == "2025-01-07T02:30:00Z"
+    assert window["recurrence"] == "FREQ=WEEKLY;BYDAY=MO,TU,WE"
+    with pytest.raises(StackConfigError) as error:
+        run_stack(STACK, overrides={"duplexops:maintenanceWindow": {"hours": 4, "days": ["SU"]}})
+    assert "duplexops:maintenanceWindow.hours: 1 day(s) x 4 h gives 16 h in 32 days" in str(error.value)
+
+
+def test_each_region_pulls_from_its_own_registry(run: StackRun) -> None:
+    """Issue 20 item 12: one repository (the first region's) served every region: a pull crossed
+    continents and depended on that region. Each region has a repository of its own, its nodes read it, its
+    pods run the stack's digest from it (copied there by the program); the ``registries`` output lists
+    them."""
+    repositories = {r.plain["location"]: r for r in run.of_type("gcp:artifactregistry/repository:Repository")}
+    assert set(repositories) == {"us-central1", "europe-west4"}
+    digests = set()
+    for region in ("us-central1", "europe-west4"):
+        registry = f"{region}-docker.pkg.dev/my-gcp-project/duplex-multi-region"
+        assert run.outputs["registries"][region] == registry
+        [deployment] = [
+            m
+            for m in _manifests(run, region)
+            if m["kind"] == "Deployment" and m["metadata"]["name"] == "duplex-runtime"
+        ]
+        image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+        assert image.startswith(f"{registry}/duplex-runtime@sha256:")
+        digests.add(image.split("@")[1])
+        [reader] = [
+            m
+            for m in run.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember")
+            if m.name == f"region-{region}-node-image-reader"
+        ]
+        assert reader.plain["location"] == region
+    assert len(digests) == 1
+    # The digest is copied into the second region's repository before its pods pull it.
+    [copy] = [c for c in run.of_type("command:local:Command") if c.name == "region-europe-west4-promote"]
+    first = "us-central1-docker.pkg.dev/my-gcp-project/duplex-multi-region/duplex-runtime"
+    assert copy.plain["environment"]["SOURCE"] == f"{first}@{digests.pop()}"
+    assert copy.plain["environment"]["TARGET"].startswith(
+        "europe-west4-docker.pkg.dev/my-gcp-project/duplex-multi-region/duplex-runtime:"
+    )
+
+
+def test_https_proxy_refuses_old_tls(run: StackRun) -> None:
+    """Issue 20 item 12: without an SSL policy the proxy takes TLS 1.0 (Google's default COMPATIBLE
+    profile). It has one: TLS 1.2 or later, RESTRICTED suites."""
+    policy = run.one("gcp:compute/sSLPolicy:SSLPolicy").plain
+    assert policy["minTlsVersion"] == "TLS_1_2" and policy["profile"] == "RESTRICTED"
+    proxy = run.one("gcp:compute/targetHttpsProxy:TargetHttpsProxy").plain
+    assert proxy["sslPolicy"] == "global-entry-tls-id"
+
+
+def test_page_is_served_without_a_public_bucket(run: StackRun) -> None:
+    """Issue 20 item 4: the page came from a bucket granting ``allUsers``, which secure-by-default
+    organizations (created since May 2024) refuse: the first ``up`` failed there. No IAM member anywhere is
+    public, no bucket is left but the model caches; the page's backend service lists every region's page
+    NEG (one nginx pod per zone, spread like the runtime) and adds the page's headers."""
+    for resource in run.resources:
+        text = json.dumps(resource.plain)
+        assert '"allUsers"' not in text and '"allAuthenticatedUsers"' not in text, resource.name
+    assert all("models" in b.name for b in run.of_type("gcp:storage/bucket:Bucket"))
+    assert not run.of_type("gcp:compute/backendBucket:BackendBucket")
+    page = run.named("global-entry-page-backend").plain
+    assert page["loadBalancingScheme"] == "EXTERNAL_MANAGED" and page["protocol"] == "HTTP"
+    groups = sorted(b["group"] for b in page["backends"])
+    assert groups == sorted(
+        f"projects/my-gcp-project/zones/{zone}/networkEndpointGroups/duplex-multi-region-page"
+        for zone in ("us-central1-a", "us-central1-c", "europe-west4-a")
+    )
+    assert all(b["balancingMode"] == "RATE" for b in page["backends"])
+    health = run.named("global-entry-page-health").plain
+    assert page["healthChecks"] == "global-entry-page-health-id"
+    assert health["httpHealthCheck"]["requestPath"] == "/index.html"
+    for region, zones in (
+        ("us-central1", ["us-central1-a", "us-central1-c"]),
+        ("europe-west4", ["europe-west4-a"]),
+    ):
+        manifests = _manifests(run, region)
+        [deployment] = [
+            m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == "duplex-page"
+        ]
+        assert deployment["spec"]["replicas"] == len(zones)
+        [spread] = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["whenUnsatisfiable"] == "DoNotSchedule" and spread["maxSkew"] == 1
+        [service] = [
+            m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == "duplex-page"
+        ]
+        neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
+        assert neg == {"exposed_ports": {"8080": {"name": "duplex-multi-region-page"}}, "zones": zones}
+    firewall = run.one("gcp:compute/firewall:Firewall").plain
+    assert firewall["allows"] == [{"protocol": "tcp", "ports": ["8998", "8080"]}]
+
+
+# --- the policy pack's rules for items 11 and 12 ------------------------------------------------------------
+
+GPU_POOL = {
+    "nodeConfig": {
+        "machineType": "a2-ultragpu-1g",
+        "guestAccelerators": [{"type": "nvidia-a100-80gb", "count": 1.0}],
+        "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("upgrade", "expected"),
+    [
+        (None, "maxSurge 1 and maxUnavailable 0: each surge node is one more GPU"),  # GKE's default
+        ({"strategy": "SURGE", "maxSurge": 1.0, "maxUnavailable": 0.0}, "maxSurge 1 and maxUnavailable 0"),
+        ({"strategy": "BLUE_GREEN"}, "upgrades BLUE_GREEN: a second pool of GPUs"),
+        ({"strategy": "SURGE", "maxSurge": 0.0, "maxUnavailable": 0.0}, "GKE refuses both 0"),
+        ({"strategy": "SURGE", "maxSurge": 0.0, "maxUnavailable": 1.0}, None),
+        (
+            {"strategy": "SURGE", "maxSurge": "3eeb2bf0-c639-47a8-9e75-3b44932eb421"},
+            None,
+        ),  # unknown in preview
+    ],
+)
+def test_policy_gpu_pool_upgrades_without_an_extra_gpu(upgrade: dict | None, expected: str | None) -> None:
+    """Issue 20 item 11 as a policy rule: a GPU pool's surge (GKE's default) or blue-green upgrade needs
+    GPUs beyond the pool's; a CPU pool may surge."""
+    from infra.policy.rules import gpu_node_pool_upgrade_needs_no_extra_gpu as rule
+
+    props = {**GPU_POOL, **({"upgradeSettings": upgrade} if upgrade is not None else {})}
+    found = rule(NODE_POOL, props)
+    if expected is None:
+        assert found == []
+    else:
+        [message] = found
+        assert expected in message and "nvidia-a100-80gb" in message
+    cpu = {"nodeConfig": {"machineType": "e2-standard-4"}, "upgradeSettings": {"maxSurge": 1.0}}
+    assert rule(NODE_POOL, cpu) == []
+
+
+def test_policy_https_proxy_refuses_old_tls() -> None:
+    """Issue 20 item 12 as a policy rule: a proxy without an SSL policy, or a policy from TLS 1.0/1.1."""
+    from infra.policy.rules import https_proxy_tls_1_2 as rule
+
+    proxy = "gcp:compute/targetHttpsProxy:TargetHttpsProxy"
+    policy = "gcp:compute/sSLPolicy:SSLPolicy"
+    [message] = rule(proxy, {"urlMap": "m", "sslCertificates": ["c"]})
+    assert "without sslPolicy" in message
+    assert rule(proxy, {"sslPolicy": "projects/p/global/sslPolicies/x"}) == []
+    assert rule(proxy, {"sslPolicy": "04da6b54-80e4-46f7-96ec-b56ff0331ba9"}) == []  # unknown in preview
+    assert "is not set (TLS_1_0)" in rule(policy, {"profile": "MODERN"})[0]
+    assert "is TLS_1_1" in rule(policy, {"minTlsVersion": "TLS_1_1"})[0]
+    assert rule(policy, {"minTlsVersion": "TLS_1_2", "profile": "RESTRICTED"}) == []
+
+
+def test_policy_pack_flags_a_surging_gpu_pool_and_a_proxy_without_tls_policy(run: StackRun) -> None:
+    broken = []
+    for typ, props, name, deps in _policy_inputs(run):
+        props = json.loads(json.dumps(props))
+        if name == "region-us-central1-gpu-pool":
+            props["upgradeSettings"] = {"strategy": "SURGE", "maxSurge": 1, "maxUnavailable": 0}
+        if typ == "gcp:compute/targetHttpsProxy:TargetHttpsProxy":
+            props.pop("sslPolicy")
+        broken.append((typ, props, name, deps))
+    violations = check_resources(broken)
+    assert len(violations) == 2, violations
+    assert any("[gpu-node-pool-upgrade-needs-no-extra-gpu]" in v and "us-central1" in v for v in violations)
+    assert any("[https-proxy-tls-1-2]" in v for v in violations)
+
+
+# --- alerts that reach someone (issue 20, item 8) ----------------------------------------------------------
+
+ALERT_SECRETS = {"alertEmailPassword": "SmtpPasswordForTests-123", "alertPagerdutyRoutingKey": "R" * 32}
+ALERT_KEYS = {
+    "duplexops:alertWebhookUrl": "https://hooks.example.com/duplex",
+    "duplexops:alertEmailTo": "oncall@example.com",
+    "duplexops:alertEmailFrom": "duplex@example.com",
+    "duplexops:alertEmailSmarthost": "smtp.example.com:587",
+}
+AM_SECRET = "kubernetes:core/v1:Secret"
+
+
+def _alertmanager_secrets(run: StackRun) -> list[RecordedResource]:
+    return [
+        s
+        for s in run.of_type(AM_SECRET)
+        if s.plain["metadata"]["namespace"] == "gmp-public" and s.plain["metadata"]["name"] == "alertmanager"
+    ]
+
+
+def test_receivers_reach_gmp_managed_alertmanager(tmp_path: Path) -> None:
+    """Guards item 8 on GKE: with receivers configured, every region's cluster gets Secret
+    gmp-public/alertmanager (GMP's managed Alertmanager reads only its key alertmanager.yaml), holding the
+    node's receivers with their secrets inline; amtool accepts it; the value is a Pulumi secret."""
+    import shutil
+    import subprocess
+
+    from infra.node.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
+
+    run = run_stack(
+        STACK,
+        overrides=ALERT_KEYS,
+        secrets={"hfToken": "hf_FakeTokenForUnitTests0123456789", **ALERT_SECRETS},
+    )
+    found = _alertmanager_secrets(run)
+    assert sorted(s.name.split("-secret-")[0] for s in found) == [
+        "runtime-europe-west4",
+        "runtime-us-central1",
+    ]
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool missing: make system-deps (prometheus-alertmanager)"
+    for secret in found:
+        assert secret.is_secret("stringData")
+        text = secret.plain["stringData"]["alertmanager.yaml"]
+        path = tmp_path / f"{secret.name}.yaml"
+        path.write_text(text)
+        result = subprocess.run([amtool, "check-config", str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+        config = yaml.safe_load(text)
+        receivers = {r["name"]: r for r in config["receivers"]}
+        page, ticket = receivers[PAGE_RECEIVER], receivers[TICKET_RECEIVER]
+        assert page["pagerduty_configs"][0]["routing_key"] == ALERT_SECRETS["alertPagerdutyRoutingKey"]
+        assert "pagerduty_configs" not in ticket  # a ticket never pages
+        assert page["email_configs"][0]["auth_password"] == ALERT_SECRETS["alertEmailPassword"]
+        assert ticket["webhook_configs"][0]["url"] == ALERT_KEYS["duplexops:alertWebhookUrl"]
+        assert "_file" not in text  # nothing read from a file: GMP mounts only this key
+    assert check_resources(_policy_inputs(run)) == []
+    for value in ALERT_SECRETS.values():
+        assert value not in json.dumps(run.outputs)
+        for resource in run.resources:
+            if resource.type != AM_SECRET:
+                assert value not in json.dumps(resource.plain), resource.name
+
+
+def test_webhook_only_config_is_still_secret() -> None:
+    """The webhook URL may carry a token: the Secret's text is a Pulumi secret without any secret key."""
+    run = run_stack(STACK, overrides={"duplexops:alertWebhookUrl": "https://hooks.example.com/T0K3N"})
+    found = _alertmanager_secrets(run)
+    assert len(found) == 2
+    for secret in found:
+        assert secret.is_secret("stringData")
+        assert "https://hooks.example.com/T0K3N" in secret.plain["stringData"]["alertmanager.yaml"]
+
+
+def test_without_receivers_no_alertmanager_secret_and_a_warning(
+    monkeypatch: pytest.MonkeyPatch, run: StackRun
+) -> None:
+    """Without receivers the stack declares no managed-Alertmanager Secret and ``up`` warns that alerts
+    reach nobody."""
+    import pulumi
+
+    from infra.program.multi_region import NO_RECEIVER_WARNING
+
+    assert _alertmanager_secrets(run) == []
+    warnings: list[str] = []
+    monkeypatch.setattr(pulumi.log, "warn", lambda message, *args, **kwargs: warnings.append(message))
+    run_stack(STACK)
+    assert NO_RECEIVER_WARNING in warnings and "reach nobody" in NO_RECEIVER_WARNING
+    warnings.clear()
+    run_stack(STACK, overrides={"duplexops:alertWebhookUrl": "https://hooks.example.com/duplex"})
+    assert NO_RECEIVER_WARNING not in warnings
+
+
+def test_bad_receiver_keys_are_refused_on_multi_region() -> None:
+    """The receiver keys are checked on multi-region exactly as on a node."""
+    with pytest.raises(StackConfigError) as caught:
+        run_stack(STACK, overrides={"duplexops:alertEmailTo": "oncall@example.com"})
+    [problem] = caught.value.problems
+    assert problem.startswith("duplexops:alertEmailTo: alert receivers rejected: e-mail alerts need")

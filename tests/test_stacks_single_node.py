@@ -67,13 +67,26 @@ GCE_INVENTORY = {
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
     "gcp:secretmanager/secretIamMember:SecretIamMember": 7,
     "gcp:compute/instance:Instance": 1,
+    "gcp:compute/disk:Disk": 1,
 }
+SPOT_EXTRAS = {
+    "gcp:projects/service:Service": 1,  # cloudscheduler
+    "gcp:serviceaccount/account:Account": 1,
+    "gcp:compute/instanceIAMMember:InstanceIAMMember": 1,
+    "gcp:cloudscheduler/job:Job": 1,
+}
+"""What a Spot node (dev) has more: the job that starts it again after a preemption."""
 ONPREM_INVENTORY = {
     "duplexops:components:StackSecrets": 1,
     "random:index/randomPassword:RandomPassword": 3,
     "duplexops:components:OnPremNode": 1,
-    "command:remote:Command": 6,
+    "command:remote:Command": 7,
     "command:remote:CopyToRemote": 1,
+    "duplexops:components:RegistryPuller": 1,
+    "gcp:serviceaccount/account:Account": 1,
+    "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
+    "gcp:serviceaccount/iAMMember:IAMMember": 1,
+    "gcp:projects/service:Service": 3,  # artifactregistry, iam, iamcredentials (the puller's token)
 }
 
 
@@ -114,8 +127,10 @@ def test_stack_files_hold_no_secret(stack: str) -> None:
 
 @pytest.mark.parametrize("stack", STACKS)
 def test_inventory(runs: dict[str, StackRun], stack: str) -> None:
-    expected = ONPREM_INVENTORY if stack == "scale5-onprem" else GCE_INVENTORY
-    assert runs[stack].inventory == Counter(expected)
+    expected = Counter(ONPREM_INVENTORY if stack == "scale5-onprem" else GCE_INVENTORY)
+    if stack == "dev":
+        expected.update(SPOT_EXTRAS)
+    assert runs[stack].inventory == expected
 
 
 @pytest.mark.parametrize("stack", STACKS)
@@ -201,7 +216,7 @@ def test_firewall_opens_only_web_and_iap_ssh(runs: dict[str, StackRun], stack: s
 @pytest.mark.parametrize("stack", GCE_STACKS)
 def test_service_account_has_least_privilege(runs: dict[str, StackRun], stack: str) -> None:
     run = runs[stack]
-    account = run.one("gcp:serviceaccount/account:Account").plain
+    account = run.named("node-service-account").plain
     email = f"{account['accountId']}@my-gcp-project.iam.gserviceaccount.com"
     member = f"serviceAccount:{email}"
     vm = run.one(INSTANCE).plain
@@ -211,7 +226,9 @@ def test_service_account_has_least_privilege(runs: dict[str, StackRun], stack: s
     bindings = [
         r.plain
         for r in run.resources
-        if r.type.startswith("gcp:") and ("IamMember" in r.type or "IAMMember" in r.type)
+        if r.type.startswith("gcp:")
+        and ("IamMember" in r.type or "IAMMember" in r.type)
+        and r.name != "node-restarter-starts-vm"  # the Spot restarter's own account (test_spot_...)
     ]
     roles = Counter(b["role"] for b in bindings)
     assert roles == {
@@ -266,7 +283,11 @@ def test_user_data_installs_the_bundle_running_the_image_digest(
         r"us-central1-docker\.pkg\.dev/my-gcp-project/[a-z0-9-]+/duplex-runtime@sha256:[0-9a-f]{64}", image
     )
     compose = yaml.safe_load(files["/etc/duplex/compose.yaml"])
-    assert compose["services"]["runtime"]["image"] == image
+    # The digest is not in the user-data (a new one must not replace the VM): the repository with a
+    # digest of zeros, and the digest in the rollout metadata key the node's agent follows.
+    assert compose["services"]["runtime"]["image"] == image.split("@")[0] + "@sha256:" + "0" * 64
+    assert run.one(INSTANCE).plain["metadata"]["duplex-runtime-image"] == image
+    assert image.split("@")[1] not in user_data
     profile = load_stack_file(stack)["duplexops:profile"]
     sessions = runs[stack].outputs["capacity"]["sessions_per_node"]
     assert compose["services"]["runtime"]["environment"]["DUPLEX_MAX_SESSIONS"] == str(sessions)
@@ -425,7 +446,15 @@ def _commands(run: StackRun) -> dict[str, dict]:
 def test_onprem_steps_and_their_order(runs: dict[str, StackRun]) -> None:
     run = runs["scale5-onprem"]
     commands = _commands(run)
-    assert set(commands) == {"gpu-check", "stage", "install", "secrets", "compose-up", "ready"}
+    assert set(commands) == {
+        "gpu-check",
+        "stage",
+        "install",
+        "secrets",
+        "registry-login",
+        "compose-up",
+        "ready",
+    }
     assert "nvidia-smi --query-gpu=name,memory.total --format=csv,noheader" in commands["gpu-check"]["create"]
     assert "L40S" in commands["gpu-check"]["create"]
     up = commands["compose-up"]
@@ -447,6 +476,7 @@ def test_onprem_steps_and_their_order(runs: dict[str, StackRun]) -> None:
         "node-bundle",
         "node-install",
         "node-secrets",
+        "node-registry-login",
         "node-compose-up",
         "node-ready",
     ]
@@ -457,7 +487,8 @@ def test_onprem_steps_rerun_when_the_bundle_changes(runs: dict[str, StackRun], t
     profile = get_profile(
         "l40s",
         max_sessions=5,
-        runtime_image=load_stack_file("scale5-onprem")["duplexops:runtimeImage"],
+        runtime_image=run.outputs["image"],
+        limits={**get_profile("l40s").limits.model_dump(), "drain_grace_s": 300},
         tls={"certificate_path": "/opt/duplex/tls/node.crt", "private_key_path": "/opt/duplex/tls/node.key"},
     )
     digest = _onprem().bundle_digest(_onprem().onprem_bundle(profile, "/opt/duplex"))
@@ -510,7 +541,7 @@ def test_onprem_outputs(runs: dict[str, StackRun]) -> None:
     assert out["endpoint"] == "wss://gpu01.example.internal/api/chat"
     assert out["ssh"] == "ssh deploy@gpu01.example.internal"
     assert out["grafana"]["tunnel"] == "ssh -N -L 3000:127.0.0.1:3000 deploy@gpu01.example.internal"
-    assert out["image"] == load_stack_file("scale5-onprem")["duplexops:runtimeImage"]
+    assert out["image"] == pulumi_harness.FAKE_PROMOTED["onprem-node"]["duplexops:runtimeImage"]
     assert out["capacity"]["electricity_usd_month"] > 0 and "usd_per_month" not in out["capacity"]
 
 
@@ -656,8 +687,9 @@ def test_missing_public_source_ranges_and_typos_are_reported_together() -> None:
 
 
 def test_onprem_keys_are_refused_on_gce() -> None:
-    message = _config_error("dev", overrides={"duplexops:runtimeImage": "ghcr.io/x/y@sha256:" + "a" * 64})
-    assert "duplexops:runtimeImage: does not apply to topology 'gce-node'" in message
+    # Not runtimeImage: every topology reads it (the image CI built for the update, tests/test_image.py).
+    message = _config_error("dev", overrides={"duplexops:onpremHost": "gpu01.example.internal"})
+    assert "duplexops:onpremHost: does not apply to topology 'gce-node'" in message
 
 
 def test_runtime_image_must_be_pinned() -> None:
@@ -666,3 +698,288 @@ def test_runtime_image_must_be_pinned() -> None:
     )
     assert "duplexops:runtimeImage" in message and "'ghcr.io/org/runtime:latest'" in message
     assert "digest-pinned" in message
+
+
+# --- issue 20: deploys a user does not notice, Spot, Flex-start, on-prem host key and digest -----------
+
+
+@pytest.fixture(scope="module")
+def lifecycle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, bool]]]:
+    """``{stack: {resource name: {"protect", "deleteBeforeReplace"}}}``: the options the engine receives
+    (the harness's mocks do not keep them), from one more run of each GCE stack."""
+    import pulumi.runtime.mocks as mocks
+
+    seen: dict[tuple[str, str], dict[str, bool]] = {}
+    original = mocks.MockMonitor.RegisterResource
+
+    def register(self, request):  # noqa: ANN001, ANN202
+        seen[(request.type, request.name)] = {
+            "protect": bool(request.protect),
+            "deleteBeforeReplace": bool(request.deleteBeforeReplace),
+        }
+        return original(self, request)
+
+    result: dict[str, dict[str, dict[str, bool]]] = {}
+    mocks.MockMonitor.RegisterResource = register  # type: ignore[method-assign]
+    try:
+        for stack in GCE_STACKS:
+            seen.clear()
+            run_stack(stack, build_dir=tmp_path_factory.mktemp(f"{stack}-options"))
+            result[stack] = {name: options for (_, name), options in seen.items()}
+    finally:
+        mocks.MockMonitor.RegisterResource = original  # type: ignore[method-assign]
+    return result
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_model_cache_lives_on_a_protected_data_disk(
+    runs: dict[str, StackRun], lifecycle: dict, stack: str
+) -> None:
+    """Guards item 9 and 19: the model cache was on the boot disk, deleted with every replaced VM (16 GB of
+    gated weights downloaded again). Now a data disk of its own, protected (a destroy refuses), attached by
+    device name and mounted by cloud-init at the profile's data directory; the static IP is protected."""
+    run = runs[stack]
+    disk = run.one("gcp:compute/disk:Disk")
+    assert disk.plain["size"] == 100 and disk.plain["zone"] == "us-central1-a"
+    vm = run.one(INSTANCE).plain
+    [attached] = vm["attachedDisks"]
+    assert attached["deviceName"] == "duplex-data"
+    assert attached["source"] == disk.plain["name"]  # "the name or self_link of the disk"
+    assert vm["bootDisk"]["autoDelete"] is True and "autoDelete" not in attached
+    document = yaml.safe_load(_user_data(run))
+    assert document["mounts"][0][:2] == ["/dev/disk/by-id/google-duplex-data", "/var/lib/duplex"]
+    options = lifecycle[stack]
+    assert options["node-data"]["protect"] is True
+    assert options["node-address"]["protect"] is True
+    assert options["node-vm"]["protect"] is False
+
+
+def test_a_new_image_digest_does_not_replace_the_vm() -> None:
+    """Guards item 9: the digest was in the user-data, whose change replaces the VM (delete first). Now two
+    digests of one repository give the same user-data; the digest is a metadata key GCE updates in place
+    (not in ``replace_on_changes``), which the node's rollout agent follows (tests/test_rollout.py)."""
+    from infra.components.gce_node import render_user_data
+
+    profile = get_profile("t4-int8", runtime_image="registry.invalid/x/y@sha256:" + "0" * 64)
+    repo = "us-central1-docker.pkg.dev/my-gcp-project/duplex-dev/duplex-runtime"
+    ids = {role: f"duplex-dev-{role.replace('_', '-')}" for role in SECRET_FILES}
+    first = render_user_data(profile, f"{repo}@sha256:" + "1" * 64, ids, "my-gcp-project")
+    second = render_user_data(profile, f"{repo}@sha256:" + "2" * 64, ids, "my-gcp-project")
+    assert first == second
+    assert "1" * 64 not in first
+
+
+@pytest.mark.parametrize("stack", GCE_STACKS)
+def test_only_the_user_data_replaces_the_vm(runs: dict[str, StackRun], stack: str) -> None:
+    vm = runs[stack].one(INSTANCE)
+    assert vm.replace_on_changes == ('metadata["user-data"]',)
+    assert vm.plain["metadata"]["duplex-runtime-image"] == runs[stack].outputs["image"]
+
+
+def test_spot_node_is_started_again_after_a_preemption(runs: dict[str, StackRun]) -> None:
+    """Guards item 13: a preempted Spot VM stayed stopped until a person acted, and
+    ``preemption_notice_duration`` was unused. dev (Spot) gets a metadata notice before the soft off, and a
+    Cloud Scheduler job that starts the VM every 5 minutes as an account allowed to start this VM only."""
+    run = runs["dev"]
+    vm = run.one(INSTANCE).plain
+    scheduling = vm["scheduling"]
+    assert scheduling["provisioningModel"] == "SPOT" and scheduling["instanceTerminationAction"] == "STOP"
+    assert scheduling["preemptionNoticeDuration"] == {"seconds": 30}
+    job = run.one("gcp:cloudscheduler/job:Job").plain
+    assert job["schedule"] == "*/5 * * * *" and job["region"] == "us-central1"
+    target = job["httpTarget"]
+    assert target["httpMethod"] == "POST"
+    assert target["uri"] == (
+        "https://compute.googleapis.com/compute/v1/projects/my-gcp-project/zones/us-central1-a/instances/"
+        f"{vm['name']}/start"
+    )
+    restarter = run.named("node-restarter").plain
+    email = f"{restarter['accountId']}@my-gcp-project.iam.gserviceaccount.com"
+    assert target["oauthToken"]["serviceAccountEmail"] == email
+    grant = run.one("gcp:compute/instanceIAMMember:InstanceIAMMember").plain
+    assert grant == {
+        "project": "my-gcp-project",
+        "zone": "us-central1-a",
+        "instanceName": vm["name"],
+        "role": "roles/compute.instanceAdmin.v1",
+        "member": f"serviceAccount:{email}",
+    }
+    apis = {s.plain["service"] for s in run.of_type("gcp:projects/service:Service")}
+    assert "cloudscheduler.googleapis.com" in apis
+    # On demand (scale5-gcp): GCE restarts it itself; no job.
+    assert runs["scale5-gcp"].of_type("gcp:cloudscheduler/job:Job") == []
+
+
+def test_flex_start_is_sold_for_accelerator_optimized_types() -> None:
+    """Guards item 16: ``sold_as`` refused Flex-start for types GCE sells it for (every accelerator-optimized
+    family but A4X and G4); N1 with a T4 stays Standard and Spot."""
+    from infra.capacity.gcp import provisioning_problem
+
+    for machine_type in (
+        "a2-ultragpu-1g",
+        "a2-highgpu-1g",
+        "g2-standard-8",
+        "a3-highgpu-8g",
+        "a3-ultragpu-8g",
+    ):
+        assert provisioning_problem(machine_type, "flex-start") is None, machine_type
+    assert provisioning_problem("n1-standard-8", "flex-start") == (
+        "n1-standard-8 is sold only as standard or spot, not flex-start"
+    )
+    assert provisioning_problem("a3-highgpu-1g", "standard") is not None
+
+
+def test_flex_start_vm(tmp_path: Path) -> None:
+    """Guards item 16: a Flex-start VM asked for graceful shutdown (GCE excludes it for a limited run time)
+    and no reservation affinity; now neither, with DELETE after 7 days and the data disk kept."""
+    run = run_stack("scale5-gcp", overrides={"duplexops:provisioningModel": "flex-start"}, build_dir=tmp_path)
+    vm = run.one(INSTANCE).plain
+    scheduling = vm["scheduling"]
+    assert scheduling["provisioningModel"] == "FLEX_START"
+    assert "gracefulShutdown" not in scheduling
+    assert scheduling["instanceTerminationAction"] == "DELETE"
+    assert scheduling["maxRunDuration"] == {"seconds": 7 * 24 * 3600}
+    assert scheduling["automaticRestart"] is False
+    assert vm["reservationAffinity"] == {"type": "NO_RESERVATION"}
+    assert run.of_type("gcp:compute/disk:Disk"), "the data disk outlives the deleted VM"
+
+
+def test_onprem_host_key_is_required() -> None:
+    """Guards item 10: without ``onpremHostKey`` every SSH session (secrets travel over it) accepted any
+    host key. Now it is required, and the message says how to get it."""
+    message = _config_error("scale5-onprem", overrides={"duplexops:onpremHostKey": None})
+    assert "duplexops:onpremHostKey: missing" in message
+    assert "ssh-keyscan -t ed25519" in message
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["ssh-ed25519 AAAAnotakey", "ssh-ed25519 AAAAB3NzaC1yc2EAAAADAQABAAABAQ==", "gpu01 ssh-ed25519 AAAA"],
+)
+def test_onprem_host_key_must_be_a_key(line: str) -> None:
+    message = _config_error("scale5-onprem", overrides={"duplexops:onpremHostKey": line})
+    assert "duplexops:onpremHostKey" in message and "ssh-keyscan" in message
+
+
+def test_every_ssh_connection_checks_the_host_key(runs: dict[str, StackRun]) -> None:
+    run = runs["scale5-onprem"]
+    key = load_stack_file("scale5-onprem")["duplexops:onpremHostKey"]
+    steps = [*run.of_type(COMMAND), *run.of_type("command:remote:CopyToRemote")]
+    assert len(steps) == 8
+    for step in steps:
+        assert step.plain["connection"]["hostKey"] == key, step.name
+
+
+def test_onprem_runs_the_promoted_digest() -> None:
+    """Guards item 18: the committed on-prem digest was all zeros (every CI deploy failed) and nothing
+    promoted the digest CI built. The stack file holds no image; ``duplexops:runtimeImage`` is what CI
+    promotes to each update (pulumi-up.yml): missing or a zeros placeholder stop the program saying so."""
+    text = (REPO / "stacks" / "Pulumi.scale5-onprem.yaml").read_text()
+    assert "0" * 64 not in text and "duplexops:runtimeImage" not in load_stack_file("scale5-onprem")
+    message = _config_error("scale5-onprem", overrides={"duplexops:runtimeImage": None})
+    assert "duplexops:runtimeImage: missing" in message
+    assert "the image CI built and promoted" in message
+    assert "pulumi config set --stack <stack> duplexops:runtimeImage <repository>@sha256:" in message
+    zeros = "ghcr.io/org/duplexops-runtime@sha256:" + "0" * 64
+    message = _config_error("scale5-onprem", overrides={"duplexops:runtimeImage": zeros})
+    assert "placeholder digest of zeros" in message
+
+
+def test_drain_grace_is_configurable_and_fits_graceful_shutdown(tmp_path: Path) -> None:
+    """Item 9: the drain a rollout or replacement gives live sessions is the stack's ``drainGraceSeconds``
+    (300 s by default: a conversation of up to 5 minutes), and GCE graceful shutdown covers the node's whole
+    stop; past what 3600 s allows the configuration refuses it."""
+    run = run_stack("scale5-gcp", overrides={"duplexops:drainGraceSeconds": 600}, build_dir=tmp_path)
+    vm = run.one(INSTANCE).plain
+    compose = yaml.safe_load(_written_files(_user_data(run))["/etc/duplex/compose.yaml"])
+    assert compose["services"]["runtime"]["environment"]["DUPLEX_DRAIN_GRACE_S"] == "600"
+    assert vm["scheduling"]["gracefulShutdown"]["maxDuration"]["seconds"] >= 2 * 600
+    message = _config_error("dev", overrides={"duplexops:drainGraceSeconds": 2000})
+    assert "duplexops:drainGraceSeconds" in message and "1700" in message
+
+
+def test_the_policy_pack_passes_flex_start_and_holds_its_rules(tmp_path: Path) -> None:
+    """Guards item 16 in the policy pack: the graceful-shutdown rule demanded graceful shutdown of a
+    Flex-start VM (GCE excludes it for a limited run time) and the provisioning rule did not ask for
+    ``reservationAffinity`` NO_RESERVATION. The Flex-start stack passes the whole pack; each mistake is
+    named."""
+    import copy
+
+    from infra.policy.rules import check_resources, gpu_instance_graceful_shutdown, provisioning_model_sold
+
+    run = run_stack("scale5-gcp", overrides={"duplexops:provisioningModel": "flex-start"}, build_dir=tmp_path)
+    assert check_resources([(r.type, r.plain, r.name) for r in run.resources if r.custom]) == []
+    vm = run.one(INSTANCE).plain
+    graceful = copy.deepcopy(vm)
+    graceful["scheduling"]["gracefulShutdown"] = {"enabled": True, "maxDuration": {"seconds": 3600}}
+    [problem] = gpu_instance_graceful_shutdown(INSTANCE, graceful)
+    assert "limited run time" in problem and "remove scheduling.gracefulShutdown" in problem
+    reserved = copy.deepcopy(vm)
+    reserved["reservationAffinity"] = {"type": "ANY_RESERVATION"}
+    [problem] = provisioning_model_sold(INSTANCE, reserved)
+    assert "NO_RESERVATION" in problem
+    del reserved["reservationAffinity"]
+    assert any("NO_RESERVATION" in p for p in provisioning_model_sold(INSTANCE, reserved))
+
+
+def test_onprem_pulls_with_a_token_of_the_deploy(runs: dict[str, StackRun]) -> None:
+    """Guards item 18: the host pulled with a one-off ``docker login`` that expires after 1 h. Each deploy
+    now mints a 1-hour token of a read-only puller account (no key: the org policy refuses keys) and logs
+    root's Docker in over the pinned SSH session (stdin, secret) right before compose-up pulls."""
+    run = runs["scale5-onprem"]
+    account = run.one("gcp:serviceaccount/account:Account").plain
+    assert account["project"] == "my-gcp-project" and account["accountId"] == "duplex-scale5-onprem-pull"
+    email = f"{account['accountId']}@my-gcp-project.iam.gserviceaccount.com"
+    reader = run.one("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember").plain
+    assert reader == {
+        "project": "my-gcp-project",
+        "location": "us-central1",
+        "repository": "duplex-build",
+        "role": "roles/artifactregistry.reader",
+        "member": f"serviceAccount:{email}",
+    }
+    minter = run.one("gcp:serviceaccount/iAMMember:IAMMember").plain
+    assert minter["role"] == "roles/iam.serviceAccountTokenCreator"
+    assert minter["member"] == f"serviceAccount:{pulumi_harness.MOCK_DEPLOYER}"
+    [call] = [c for c in run.calls if c.token.endswith("getAccountAccessToken")]
+    assert call.args["targetServiceAccount"] == email and call.args["lifetime"] == "3600s"
+    login = run.named("node-registry-login")
+    assert login.is_secret("stdin") and login.plain["stdin"] == pulumi_harness.MOCK_ACCESS_TOKEN
+    assert pulumi_harness.MOCK_ACCESS_TOKEN not in login.plain["create"]
+    assert "docker login --username oauth2accesstoken --password-stdin" in login.plain["create"]
+    assert "https://us-central1-docker.pkg.dev" in login.plain["create"]
+    up = run.named("node-compose-up")
+    assert any(d.endswith("::node-registry-login") for d in up.dependencies)
+    assert "export DOCKER_CONFIG=/root/.docker" in up.plain["create"]
+
+
+def test_registry_login_script_logs_docker_in_from_stdin(tmp_path: Path) -> None:
+    """The login step, run here with a fake ``docker`` that records its arguments and stdin."""
+    log = tmp_path / "docker.log"
+    bin_dir = _fake_bin(tmp_path, "docker", f'echo "$*" >{log}; cat >>{log}\n')
+    script = _onprem().registry_login_script("us-central1-docker.pkg.dev")
+    script = script.replace("install -d -m 0700 -o root -g root /root/.docker", f"mkdir -p {tmp_path}/d")
+    done = subprocess.run(
+        ["sh", "-c", script],
+        input="ya29.token",
+        env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert log.read_text().splitlines() == [
+        "login --username oauth2accesstoken --password-stdin https://us-central1-docker.pkg.dev",
+        "ya29.token",
+    ]
+
+
+def test_the_pack_asks_a_spot_node_for_cloud_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API rule knows the restart job's API: dev without ``cloudscheduler.googleapis.com`` fails the
+    pack naming it (a fresh project has it off)."""
+    from infra.policy.rules import check_resources
+    from infra.program import gce
+
+    monkeypatch.setattr(gce, "SPOT_APIS", ())
+    violations = check_resources([(r.type, r.plain, r.name) for r in run_stack("dev").resources if r.custom])
+    assert violations and all("cloudscheduler.googleapis.com" in v for v in violations)

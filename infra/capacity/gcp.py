@@ -41,7 +41,8 @@ class MachineType:
         gpu_count: GPUs bundled with the type; for N1 the counts that may be attached.
         bundled: True when the GPU comes with the type (A2, G2, A3), False when attached (N1).
         price: on-demand price of the VM with ``gpu_count[0]`` GPUs, or None when unknown.
-        sold_as: the provisioning models GCE sells the type under (``PROVISIONING_MODELS`` keys).
+        sold_as: the provisioning models GCE sells the type under (``PROVISIONING_MODELS`` keys); by
+            default :func:`default_sold_as` of the family (Flex-start for accelerator-optimized families).
         bundled_local_ssd: True when GCE attaches Local SSD disks to every VM of the type by itself
             (A2 Ultra, A3: cloud.google.com/compute/docs/disks/add-local-ssd, "every machine type comes
             with Local SSD storage"); the provider reads them back as ``scratch_disk``.
@@ -55,8 +56,25 @@ class MachineType:
     gpu_count: tuple[int, ...]
     bundled: bool
     price: Price | None
-    sold_as: tuple[str, ...] = ("standard", "spot")
+    sold_as: tuple[str, ...] = ()
     bundled_local_ssd: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.sold_as:
+            object.__setattr__(self, "sold_as", default_sold_as(self.family))
+
+
+FLEX_START_FAMILIES = frozenset({"A2", "A3", "A4", "G2"})
+"""Machine families GCE sells as Flex-start: every accelerator-optimized family but A4X and G4 ("About
+Flex-start VMs": "Flex-start VMs support all accelerator-optimized machine types (except A4X and G4) and
+H4D machine types", cloud.google.com/compute/docs/instances/about-flex-start-vms, read November 2026). N1
+with an attached T4 is general-purpose: Standard and Spot only."""
+
+
+def default_sold_as(family: str) -> tuple[str, ...]:
+    """The provisioning models GCE sells a type of ``family`` under, unless the type says otherwise
+    (``MachineType.sold_as``): Standard and Spot, plus Flex-start for ``FLEX_START_FAMILIES``."""
+    return ("standard", "spot", "flex-start") if family in FLEX_START_FAMILIES else ("standard", "spot")
 
 
 _FN = "FIELD-NOTES 'GCP GPUs' (GCP billing catalog, us-central1)"
@@ -156,7 +174,6 @@ MACHINE_TYPES: dict[str, MachineType] = {
         (8,),
         True,
         Price(88.49, _PAGE, _PAGE_DATE),
-        sold_as=("standard", "spot", "flex-start"),
         bundled_local_ssd=True,
     ),
     # A3 Ultra (a3-ultragpu-8g): 8 x H200 141 GB. Price not recorded here.

@@ -99,7 +99,7 @@ def lm_weight_bytes(model: ModelSpec, precision: str) -> int:
         return int(t.linear * w + t.embedding * w + t.other * w)
     emb_b = 2  # embeddings and norms stay in the model's 16-bit dtype (fp16 under moshi's INT8)
     if precision == "int8":
-        lin = t.linear * 1 + t.linear_rows * 4
+        lin: float = t.linear * 1 + t.linear_rows * 4
     elif precision == "fp8":
         lin = t.linear * 1
     elif precision == "int4":

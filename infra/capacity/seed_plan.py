@@ -7,6 +7,8 @@ project's reference documents; figures are copied here verbatim with the table t
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from pydantic import BaseModel, ConfigDict
 
 from .gpus import GPUS
@@ -19,8 +21,46 @@ SEED_GPUS: tuple[str, ...] = ("l40s", "a100-80gb-pcie")
 TOLERANCE = 0.10
 """Relative difference under which a figure is marked as agreeing."""
 
+Range = tuple[float, float]
+"""A (low, high) figure of the plan."""
+
+
+class Scale5Figures(TypedDict):
+    """The Scale-5 plan's figures by name (see :data:`SCALE5` for their wording); per-GPU figures are
+    keyed by the planner's GPU names."""
+
+    weights_gb: float
+    kv_user_gb: float
+    kv_agent_gb: float
+    mimi_gb: float
+    activations_gb: float
+    audio_io_gb: float
+    per_session_gb: float
+    aggregate_gb: float
+    header_vram_gb: float
+    kv_pool_gb: float
+    l40s_max_sessions: int
+    l40s_safe_sessions: int
+    lat_mimi_enc: dict[str, Range]
+    lat_transformer: dict[str, Range]
+    lat_kv_read: dict[str, Range]
+    lat_mimi_dec: dict[str, Range]
+    lat_ws_buffer: Range
+    lat_client_buffer: Range
+    lat_p99_total: dict[str, Range]
+    chunk_interval_ms: int
+    pcm_kbps_bidirectional: float
+    node_mbps: float
+    ws_overhead_kbps: float
+    bw_gb_s: dict[str, float]
+    fp16_tflops: dict[str, float]
+    tdp_w: dict[str, float]
+    system_w: float
+    btu_h: float
+
+
 # Figures of the Scale-5 plan (GB are the plan's; it does not say decimal or binary).
-SCALE5 = {
+SCALE5: Scale5Figures = {
     "weights_gb": 7.0,  # "Model weights (INT8) 7.0 GB, 7B params x 1 byte; shared across sessions"
     "kv_user_gb": 0.8,  # "KV Cache (user stream) 0.8 GB"
     "kv_agent_gb": 0.8,  # "KV Cache (agent stream) 0.8 GB, Dual-stream: separate KV cache for agent audio"
@@ -232,23 +272,23 @@ def compare_scale5(model: str = "personaplex-7b", **plan_kwargs) -> SeedReport:
 
     for g, p in plans.items():
         ph = {x.name: x for x in p.tick.phases}
-        for key, name, ours_lo, ours_hi in (
-            ("lat_mimi_enc", "Mimi encoder", ph["Mimi encode"].roofline_ms, ph["Mimi encode"].estimate_ms),
+        for figures, name, ours_lo, ours_hi in (
+            (S["lat_mimi_enc"], "Mimi encoder", ph["Mimi encode"].roofline_ms, ph["Mimi encode"].estimate_ms),
             (
-                "lat_transformer",
+                S["lat_transformer"],
                 "Transformer forward pass",
                 ph["LM step: weights"].roofline_ms,
                 ph["LM step: weights"].estimate_ms + p.tick.overhead_ms,
             ),
             (
-                "lat_kv_read",
+                S["lat_kv_read"],
                 "KV cache read",
                 ph["LM step: KV cache read"].roofline_ms,
                 ph["LM step: KV cache read"].estimate_ms,
             ),
-            ("lat_mimi_dec", "Mimi decoder", ph["Mimi decode"].roofline_ms, ph["Mimi decode"].estimate_ms),
+            (S["lat_mimi_dec"], "Mimi decoder", ph["Mimi decode"].roofline_ms, ph["Mimi decode"].estimate_ms),
         ):
-            lo, hi = S[key][g]
+            lo, hi = figures[g]
             agrees = ours_lo <= hi * (1 + TOLERANCE) and ours_hi >= lo * (1 - TOLERANCE)
             why = "ranges overlap" if agrees else "outside our roofline-to-estimate range for the batch of 5"
             if not agrees and "Mimi" in name:
@@ -345,19 +385,19 @@ def compare_scale5(model: str = "personaplex-7b", **plan_kwargs) -> SeedReport:
 
     for g in SEED_GPUS:
         spec = GPUS[g]
-        for key, label, ours, unit in (
-            ("bw_gb_s", "Memory bandwidth", spec.bandwidth_gb_s, "GB/s"),
-            ("fp16_tflops", "FP16 TFLOPS (dense)", spec.tflops["fp16"], "TFLOPS"),
-            ("tdp_w", "TDP", spec.tdp_w, "W"),
+        for spec_figures, label, ours, unit in (
+            (S["bw_gb_s"], "Memory bandwidth", spec.bandwidth_gb_s, "GB/s"),
+            (S["fp16_tflops"], "FP16 TFLOPS (dense)", spec.tflops["fp16"], "TFLOPS"),
+            (S["tdp_w"], "TDP", spec.tdp_w, "W"),
         ):
-            theirs = S[key][g]
+            theirs = spec_figures[g]
             ok = abs(theirs - ours) <= 0.05 * ours
             why = (
                 "data sheet"
                 if ok
                 else (
                     f"{spec.name} data sheet says {ours:g} {unit}"
-                    + ("; 400 W is the SXM part's TDP" if key == "tdp_w" else "")
+                    + ("; 400 W is the SXM part's TDP" if spec_figures is S["tdp_w"] else "")
                 )
             )
             row("GPU", label, g, f"{theirs:g} {unit}", f"{ours:g} {unit}", ok, why)

@@ -18,9 +18,21 @@ What it declares (every child parented to the component):
   monitoring (Secure Boot off: see ``SHIELDED_INSTANCE_CONFIG``), OS Login, and the cloud-init
   ``user-data`` of ``infra.node.cloud_init.render_cloud_init``.
 
-cloud-init applies its files once per VM, so a change of the user-data (a new image digest, a profile
-change) replaces the VM (``replace_on_changes``), deleting the old one first. Nothing else may replace it:
-the Local SSDs GCE attaches to A2 Ultra / A3 types by itself are ignored (``IGNORED_INSTANCE_CHANGES``).
+- a persistent data disk (``compute.Disk``, ``protect``: a ``destroy`` refuses until the protection is
+  lifted) attached as ``infra.node.rollout.DATA_DISK_DEVICE`` and mounted at the profile's ``data_dir``:
+  the model cache, Redis, Prometheus and Grafana data outlive any VM replacement;
+- on Spot, a Cloud Scheduler job that starts the VM every ``SPOT_RESTART_SCHEDULE`` (a no-op while it
+  runs) with a service account allowed to start this one VM: a preempted (stopped) VM comes back without a
+  person.
+
+A new image does not replace the VM: the user-data names the image's repository only
+(``infra.node.rollout.pending_image``) and the digest is the metadata key
+``infra.node.rollout.ROLLOUT_METADATA_KEY``, updated in place; the node's rollout agent pulls it, drains and
+restarts the runtime (``infra.node.rollout``). Only a new user-data (profile, bundle) replaces the VM
+(``replace_on_changes``), deleting the old one first (the data disk attaches read-write to one VM at a
+time) after GCE graceful shutdown drained it. Nothing else may replace it: the Local SSDs GCE attaches to
+A2 Ultra / A3 types by itself are ignored (``IGNORED_INSTANCE_CHANGES``). The static address is protected
+like the data disk (the endpoint's IP survives a mistaken destroy).
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ from dataclasses import dataclass, field
 
 import pulumi
 import pulumi_gcp.artifactregistry as artifactregistry
+import pulumi_gcp.cloudscheduler as cloudscheduler
 import pulumi_gcp.compute as compute
 import pulumi_gcp.projects as projects
 import pulumi_gcp.secretmanager as secretmanager
@@ -51,6 +64,7 @@ from infra.node.cloud_init import (
 )
 from infra.node.compose import node_stop_timeout_s
 from infra.node.profile import NodeProfile
+from infra.node.rollout import DATA_DISK_DEVICE, ROLLOUT_METADATA_KEY, add_rollout, pending_image
 from infra.stack_config import GceSettings
 
 __all__ = [
@@ -60,11 +74,14 @@ __all__ = [
     "IGNORED_INSTANCE_CHANGES",
     "NODE_PROJECT_ROLES",
     "SHIELDED_INSTANCE_CONFIG",
+    "SPOT_PREEMPTION_NOTICE_S",
+    "SPOT_RESTART_SCHEDULE",
     "STOP_TIMEOUT_METADATA_KEY",
     "GceGpuNode",
     "GceGpuNodeArgs",
     "graceful_shutdown_s",
     "render_user_data",
+    "reservation_affinity",
     "scheduling",
 ]
 
@@ -84,14 +101,28 @@ GRACEFUL_SHUTDOWN_MAX_S = 3600
 """The longest GCE graceful shutdown (``scheduling.gracefulShutdown.maxDuration.seconds``: 1 to 3600, the
 pulumi-gcp 10.2 docstring of ``InstanceSchedulingGracefulShutdownMaxDurationArgs``)."""
 
+SPOT_PREEMPTION_NOTICE_S = 30
+"""``scheduling.preemption_notice_duration`` of a Spot VM, in seconds: how long the metadata server's
+``instance/preempted`` reads TRUE before GCE sends the ACPI soft off (pulumi-gcp 10.2 docstring: "If not
+specified, there will be no wait before the G2 Soft Off signal"; then 30 s to the hard off for Spot VMs,
+``skip_guest_os_shutdown`` docstring). The runtime's preemption watch (``runtime.frontend.maintenance``)
+closes live sessions with 1001 within it. The allowed maximum is not documented in the provider: not
+verified on a real VM."""
+
+SPOT_RESTART_SCHEDULE = "*/5 * * * *"
+"""Cron schedule (UTC) of the Cloud Scheduler job that starts a Spot VM: GCE stops a preempted Spot VM and
+never restarts it (``automatic_restart`` must be false); ``instances.start`` on a running VM does nothing,
+and a start refused for lack of Spot capacity is tried again at the next run. At most 5 minutes plus
+the boot and the model load from the data disk pass between capacity returning and the node serving."""
+
 IGNORED_INSTANCE_CHANGES = ("scratchDisks",)
 """Instance inputs a refresh must not turn into a replacement. A2 Ultra and A3 types come with Local SSDs
 that GCE attaches by itself (cloud.google.com/compute/docs/disks/add-local-ssd); the provider reads them
 back into ``scratch_disk``, which is ForceNew, so an undeclared disk replaced the VM on every ``up``
 (terraform-provider-google #19648, the same for Z3). The node does not use them (the model cache is on the
-boot disk); GCE sizes them by machine type, so they are ignored rather than declared."""
+data disk); GCE sizes them by machine type, so they are ignored rather than declared."""
 
-SHIELDED_INSTANCE_CONFIG = {
+SHIELDED_INSTANCE_CONFIG: compute.InstanceShieldedInstanceConfigArgsDict = {
     "enable_secure_boot": False,
     "enable_vtpm": True,
     "enable_integrity_monitoring": True,
@@ -130,38 +161,58 @@ def scheduling(gce: GceSettings, profile: NodeProfile) -> compute.InstanceSchedu
       node unit, whose ``docker compose down`` drains (cloud.google.com/compute/docs/instances/
       graceful-shutdown-overview).
     - the provisioning model (``gce.provisioning_model``): ``standard`` restarts automatically; ``spot``
-      must set ``preemptible`` and no automatic restart, and is STOPPED on preemption (boot disk and model
-      cache kept; ``gcloud compute instances start`` brings it back); ``flex-start`` needs
-      ``max_run_duration`` and DELETE (pulumi-gcp 10.2 ``provisioning_model`` docstring). A preempted Spot
-      VM gets a 30 s notice: live sessions end with it (close 1001) whatever the drain grace.
+      must set ``preemptible`` and no automatic restart, and is STOPPED on preemption (disks kept; the
+      Cloud Scheduler job of ``SPOT_RESTART_SCHEDULE`` starts it again), with a metadata notice of
+      ``SPOT_PREEMPTION_NOTICE_S`` before the soft off (``preemption_notice_duration``; GCE graceful
+      shutdown does nothing at a preemption); ``flex-start`` needs ``max_run_duration`` and DELETE
+      (pulumi-gcp 10.2 ``provisioning_model`` docstring) and gets **no** graceful shutdown: GCE excludes it
+      for VMs with a limited run time (cloud.google.com/compute/docs/instances/graceful-shutdown-overview,
+      limitations). Its ``reservation_affinity`` is ``NO_RESERVATION`` (:func:`reservation_affinity`).
     """
     block: compute.InstanceSchedulingArgsDict = {
         "on_host_maintenance": "TERMINATE",
         "provisioning_model": PROVISIONING_MODELS[gce.provisioning_model],
-        "graceful_shutdown": {"enabled": True, "max_duration": {"seconds": graceful_shutdown_s(profile)}},
     }
+    if gce.provisioning_model != "flex-start":
+        block["graceful_shutdown"] = {
+            "enabled": True,
+            "max_duration": {"seconds": graceful_shutdown_s(profile)},
+        }
     if gce.provisioning_model == "standard":
         block["automatic_restart"] = True
     elif gce.provisioning_model == "spot":
-        block.update(preemptible=True, automatic_restart=False, instance_termination_action="STOP")
+        block["preemptible"] = True
+        block["automatic_restart"] = False
+        block["instance_termination_action"] = "STOP"
+        block["preemption_notice_duration"] = {"seconds": SPOT_PREEMPTION_NOTICE_S}
     else:  # flex-start
-        block.update(
-            automatic_restart=False,
-            instance_termination_action="DELETE",
-            max_run_duration={"seconds": FLEX_START_MAX_RUN_S},
-        )
+        block["automatic_restart"] = False
+        block["instance_termination_action"] = "DELETE"
+        block["max_run_duration"] = {"seconds": FLEX_START_MAX_RUN_S}
     return block
+
+
+def reservation_affinity(gce: GceSettings) -> compute.InstanceReservationAffinityArgsDict | None:
+    """The VM's ``reservation_affinity``: ``NO_RESERVATION`` for Flex-start, which must not consume a
+    reservation (``--reservation-affinity=none`` in "Create a Flex-start VM",
+    cloud.google.com/compute/docs/instances/create-flex-start-vm); None (GCE's default) otherwise."""
+    return {"type": "NO_RESERVATION"} if gce.provisioning_model == "flex-start" else None
 
 
 def render_user_data(
     profile: NodeProfile, image_ref: str, secret_ids: Mapping[str, str], project_id: str
 ) -> str:
-    """The cloud-init user-data of ``profile`` running ``image_ref``, its secrets named by Secret Manager
-    id (``{role: id}``) in ``project_id``."""
-    node = profile.model_copy(update={"runtime_image": image_ref})
+    """The cloud-init user-data of ``profile`` running an image of ``image_ref``'s repository, its secrets
+    named by Secret Manager id (``{role: id}``) in ``project_id``, with the rollout agent and the data disk
+    of ``infra.node.rollout``. The digest is not in it (``pending_image``): a new digest changes only the
+    metadata key ``ROLLOUT_METADATA_KEY``, never the user-data.
+
+    Raises:
+        ValueError: ``image_ref`` is not digest-pinned, or a renderer refuses the profile."""
+    node = profile.model_copy(update={"runtime_image": pending_image(image_ref)})
     bundle = render_bundle(node)
     files = render_cloud_init(node, bundle, secret_manager_secrets=dict(secret_ids), project_id=project_id)
-    return files[USER_DATA_FILE].decode()
+    return add_rollout(files[USER_DATA_FILE].decode(), node)
 
 
 @dataclass(frozen=True)
@@ -205,6 +256,8 @@ class GceGpuNode(pulumi.ComponentResource):
 
     instance: compute.Instance
     address: compute.Address
+    data_disk: compute.Disk
+    restarter: cloudscheduler.Job | None
     service_account: serviceaccount.Account
     external_ip: pulumi.Output[str]
     user_data: pulumi.Output[str]
@@ -270,7 +323,18 @@ class GceGpuNode(pulumi.ComponentResource):
             address_type="EXTERNAL",
             network_tier="PREMIUM",
             labels=dict(args.labels),
-            opts=child_options(self, deps),
+            opts=child_options(self, deps, protect=True),
+        )
+        self.data_disk = compute.Disk(
+            f"{name}-data",
+            name=f"{prefix}-data",
+            project=project,
+            zone=gce.zone,
+            type=gce.boot_disk_type,
+            size=gce.data_disk_gb,
+            labels={**args.labels, "role": "data"},
+            description="duplexops node data: model cache, Redis, Prometheus, Grafana (kept across VMs)",
+            opts=child_options(self, deps, protect=True),
         )
 
         self.service_account = serviceaccount.Account(
@@ -331,6 +395,8 @@ class GceGpuNode(pulumi.ComponentResource):
             machine_type=gce.machine_type,
             guest_accelerators=accelerators,
             scheduling=scheduling(gce, profile),
+            reservation_affinity=reservation_affinity(gce),
+            attached_disks=[{"source": self.data_disk.name, "device_name": DATA_DISK_DEVICE}],
             boot_disk={
                 "auto_delete": True,
                 "initialize_params": {
@@ -345,13 +411,16 @@ class GceGpuNode(pulumi.ComponentResource):
                     "access_configs": [{"nat_ip": self.address.address, "network_tier": "PREMIUM"}],
                 }
             ],
-            shielded_instance_config=dict(SHIELDED_INSTANCE_CONFIG),
+            shielded_instance_config={**SHIELDED_INSTANCE_CONFIG},
             service_account={"email": self.service_account.email, "scopes": list(SCOPES)},
             metadata={
                 "user-data": self.user_data,
                 "enable-oslogin": "TRUE",
+                # The node publishes its certificate's fingerprint there (infra.node.cloud_init).
+                "enable-guest-attributes": "TRUE",
                 "block-project-ssh-keys": "TRUE",
                 STOP_TIMEOUT_METADATA_KEY: str(node_stop_timeout_s(profile)),
+                ROLLOUT_METADATA_KEY: args.image_ref,
             },
             tags=[args.network_tag],
             labels={**args.labels, "profile": profile.name},
@@ -364,6 +433,9 @@ class GceGpuNode(pulumi.ComponentResource):
                 delete_before_replace=True,
             ),
         )
+        self.restarter = None
+        if gce.provisioning_model == "spot":
+            self.restarter = self._spot_restarter(name, args, deps)
         self.external_ip = self.address.address
         self.register_outputs(
             {
@@ -371,6 +443,54 @@ class GceGpuNode(pulumi.ComponentResource):
                 "external_ip": self.external_ip,
                 "service_account": self.service_account.email,
             }
+        )
+
+    def _spot_restarter(
+        self, name: str, args: GceGpuNodeArgs, deps: list[pulumi.Resource]
+    ) -> cloudscheduler.Job:
+        """A Cloud Scheduler job that POSTs ``instances.start`` for the VM every ``SPOT_RESTART_SCHEDULE``,
+        as a service account holding ``roles/compute.instanceAdmin.v1`` on this VM only (the narrowest
+        predefined role with ``compute.instances.start``)."""
+        gce, prefix = args.gce, args.name_prefix
+        account = serviceaccount.Account(
+            f"{name}-restarter",
+            project=gce.project,
+            account_id=f"{prefix}-restart",
+            display_name=f"duplexops Spot restarter {prefix}",
+            description="Starts the Spot node VM again after a preemption (Cloud Scheduler)",
+            opts=child_options(self, deps),
+        )
+        grant = compute.InstanceIAMMember(
+            f"{name}-restarter-starts-vm",
+            project=gce.project,
+            zone=gce.zone,
+            instance_name=self.instance.name,
+            role="roles/compute.instanceAdmin.v1",
+            member=account.email.apply(lambda email: f"serviceAccount:{email}"),
+            opts=child_options(self, deps),
+        )
+        uri = (
+            f"https://compute.googleapis.com/compute/v1/projects/{gce.project}/zones/{gce.zone}"
+            f"/instances/{args.instance_name}/start"
+        )
+        return cloudscheduler.Job(
+            f"{name}-restart",
+            name=f"{prefix}-restart",
+            project=gce.project,
+            region=gce.region,
+            description="Start the Spot node VM after a preemption (a no-op while it runs)",
+            schedule=SPOT_RESTART_SCHEDULE,
+            time_zone="Etc/UTC",
+            attempt_deadline="60s",
+            http_target={
+                "http_method": "POST",
+                "uri": uri,
+                "oauth_token": {
+                    "service_account_email": account.email,
+                    "scope": "https://www.googleapis.com/auth/cloud-platform",
+                },
+            },
+            opts=child_options(self, [*deps, grant]),
         )
 
     def ssh_command(self) -> str:

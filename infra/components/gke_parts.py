@@ -4,7 +4,7 @@ its service accounts (``RegionAccounts``), the cluster (``RegionCluster``), the 
 
 Their resources were declared straight under ``GkeRegion`` before these parts existed: each carries an
 alias to that parent (``moved_from``), so an existing stack keeps every cloud resource (same URN as
-before, no replacement). README, "Stack multi-region".
+before, no replacement). docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import pulumi_gcp.storage as storage
 
 from infra.components._util import COMPONENT_PACKAGE, child_options
 from infra.names import GPU_TAINT
-from infra.stack_config import RegionSettings
+from infra.stack_config import MaintenanceWindow, RegionSettings
 
 __all__ = [
     "GPU_NODE_PROJECT_ROLES",
+    "INITIAL_NODES_PER_ZONE",
     "SCOPES",
     "RegionAccounts",
     "RegionCluster",
@@ -48,6 +49,31 @@ GPU_NODE_PROJECT_ROLES = (
 (cloud.google.com/kubernetes-engine/docs/how-to/hardening-your-cluster, "least privilege")."""
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+
+INITIAL_NODES_PER_ZONE = 1
+"""``initial_node_count`` of both node pools: nodes per zone of ``node_locations`` when the pool is created.
+A pool with autoscaling and no initial count starts empty (terraform-provider-google issues 8270, 11594),
+and the cluster's default pool is removed, so without it the cluster has no node: nothing schedules, the
+autoscaler never sees the GPU pods' nodes, GKE makes no NEG. One per zone also puts a GPU node in every
+zone from the start (the runtime spreads over the zones). The provider replaces a pool when its initial
+count changes (ForceNew): it is a constant, and ignored after creation (``ignore_changes``); the autoscaler
+owns the count from then on."""
+
+
+def node_config_base(
+    node_account: pulumi.Input[str], labels: Mapping[str, str]
+) -> container.ClusterNodeConfigArgsDict:
+    """What every node of the region runs with, the cluster's transient default pool included: the
+    region's node service account (never the Compute Engine default one, which has Editor on the project),
+    the cloud-platform scope (IAM decides), the GKE metadata server (Workload Identity), Shielded VM with
+    Secure Boot, ``labels`` as resource labels."""
+    return {
+        "service_account": node_account,
+        "oauth_scopes": list(SCOPES),
+        "workload_metadata_config": {"mode": "GKE_METADATA"},
+        "shielded_instance_config": {"enable_secure_boot": True, "enable_integrity_monitoring": True},
+        "resource_labels": dict(labels),
+    }
 
 
 def moved_from(region: pulumi.Resource) -> list[pulumi.Alias]:
@@ -197,7 +223,10 @@ class RegionCluster(_Part):
     """A regional GKE cluster (control plane in three zones): private nodes, a public control-plane endpoint
     reachable only from ``admin_source_ranges``, Workload Identity, the configured release channel, Gateway
     API (standard channel), Google Managed Prometheus with GKE's managed DCGM exporter (GPU metrics), the
-    Cloud Storage FUSE CSI driver (the model cache), the default pool removed."""
+    Cloud Storage FUSE CSI driver (the model cache), a weekly maintenance window (``maintenance_window``:
+    GKE upgrades the control plane and the pools only then), the default pool removed. That default pool
+    exists for the minutes of the cluster's creation and runs as the region's node service account
+    (``node_config_base``), not the Compute Engine default one; its config is ignored afterwards."""
 
     cluster: container.Cluster
 
@@ -216,9 +245,17 @@ class RegionCluster(_Part):
         admin_source_ranges: Sequence[str],
         release_channel: str,
         deletion_protection: bool,
+        maintenance_window: MaintenanceWindow,
+        node_account: pulumi.Input[str],
         labels: Mapping[str, str],
     ):
         super().__init__("RegionCluster", name, region, deps)
+        window = maintenance_window.recurring_window()
+        recurring_window: container.ClusterMaintenancePolicyRecurringWindowArgsDict = {
+            "start_time": window["start_time"],
+            "end_time": window["end_time"],
+            "recurrence": window["recurrence"],
+        }
         self.cluster = container.Cluster(
             f"{prefix}-cluster",
             name=resource_name,
@@ -230,6 +267,7 @@ class RegionCluster(_Part):
             initial_node_count=1,
             deletion_protection=deletion_protection,
             release_channel={"channel": release_channel},
+            maintenance_policy={"recurring_window": recurring_window},
             workload_identity_config={"workload_pool": f"{project}.svc.id.goog"},
             private_cluster_config={
                 "enable_private_nodes": True,
@@ -257,23 +295,28 @@ class RegionCluster(_Part):
                 "gcs_fuse_csi_driver_config": {"enabled": True},
                 "http_load_balancing": {"disabled": False},
             },
-            # No cluster-level node_config: it manages the default pool, which the provider says not to use
-            # beside separate node pools (pulumi-gcp 10.2 Cluster.node_config docstring); the default pool
-            # is removed at once (remove_default_node_pool) and the pools carry their own config.
+            # The cluster-level node_config only shapes the default pool, created with the cluster and
+            # removed at once (remove_default_node_pool): it runs as the node account. Ignored afterwards
+            # (pulumi-gcp 10.2 Cluster.node_config docstring: it manages the default pool, not the others).
+            node_config=node_config_base(node_account, labels),
             resource_labels=labels,
-            opts=self.child(),
+            opts=self.child(ignore_changes=["nodeConfig"]),
         )
         self.register_outputs({"cluster": self.cluster.name})
 
 
 class RegionNodePools(_Part):
-    """The CPU pool for system pods (Grafana, the query frontend, the metrics adapter, redis_exporter), at
-    least one node in every GPU zone (so the NEG controller creates the load balancer's NEG in each), and
+    """The CPU pool for system pods (Grafana, the query frontend, the metrics adapter, redis_exporter), and
     the GPU pool: one GPU per node (one runtime pod per node), GKE-managed driver installation, the
     ``GPU_TAINT`` (only pods that tolerate it land there), autoscaling ``min_nodes``-``max_nodes`` in total
-    over the zones (location policy ANY: GPUs are scarce, take any zone that has one), surge upgrades of
-    one node at a time that never take a node away before its replacement is up (``max_unavailable`` 0,
-    within the PodDisruptionBudget's ``maxUnavailable`` 1), image streaming."""
+    over the zones (location policy ANY: GPUs are scarce, take any zone that has one), image streaming.
+
+    Both start with ``INITIAL_NODES_PER_ZONE`` node in each zone. Upgrades: the system pool surges (one
+    extra node, ``max_unavailable`` 0); the GPU pool upgrades one node at a time in place (``max_surge`` 0,
+    ``max_unavailable`` 1): a surge node would be one more GPU (an A100 80 GB) in the zone, which quota or
+    stock may not have, and a blue-green upgrade a whole second pool of them. The node's pod drains first
+    (eviction honours the PodDisruptionBudget's ``maxUnavailable`` 1; the preStop hook waits for its
+    sessions); the region serves one pod short meanwhile, inside the cluster's maintenance window."""
 
     gpu_pool: container.NodePool
 
@@ -293,12 +336,18 @@ class RegionNodePools(_Part):
     ):
         super().__init__("RegionNodePools", name, region, deps)
         s = settings
-        common_node_config = {
-            "service_account": node_account,
-            "oauth_scopes": list(SCOPES),
-            "workload_metadata_config": {"mode": "GKE_METADATA"},
-            "shielded_instance_config": {"enable_secure_boot": True, "enable_integrity_monitoring": True},
-            "resource_labels": labels,
+        common_node_config = node_config_base(node_account, labels)
+        gpu_taint: container.NodePoolNodeConfigTaintArgsDict = {
+            "key": GPU_TAINT["key"],
+            "value": GPU_TAINT["value"],
+            "effect": GPU_TAINT["effect"],
+        }
+        system_node_config: container.NodePoolNodeConfigArgsDict = {
+            **common_node_config,
+            "machine_type": system_machine_type,
+            "disk_size_gb": 100,
+            "disk_type": "pd-balanced",
+            "labels": {"duplex/role": "system"},
         }
         container.NodePool(
             f"{prefix}-system-pool",
@@ -307,17 +356,12 @@ class RegionNodePools(_Part):
             cluster=cluster,
             location=s.region,
             node_locations=list(s.zones),
+            initial_node_count=INITIAL_NODES_PER_ZONE,
             autoscaling={"min_node_count": 1, "max_node_count": 3, "location_policy": "BALANCED"},
             management={"auto_repair": True, "auto_upgrade": True},
             upgrade_settings={"strategy": "SURGE", "max_surge": 1, "max_unavailable": 0},
-            node_config={
-                **common_node_config,
-                "machine_type": system_machine_type,
-                "disk_size_gb": 100,
-                "disk_type": "pd-balanced",
-                "labels": {"duplex/role": "system"},
-            },
-            opts=self.child(),
+            node_config=system_node_config,
+            opts=self.child(ignore_changes=["initialNodeCount"]),
         )
         self.gpu_pool = container.NodePool(
             f"{prefix}-gpu-pool",
@@ -326,13 +370,15 @@ class RegionNodePools(_Part):
             cluster=cluster,
             location=s.region,
             node_locations=list(s.zones),
+            initial_node_count=INITIAL_NODES_PER_ZONE,
             autoscaling={
                 "total_min_node_count": s.min_nodes,
                 "total_max_node_count": s.max_nodes,
                 "location_policy": "ANY",
             },
             management={"auto_repair": True, "auto_upgrade": True},
-            upgrade_settings={"strategy": "SURGE", "max_surge": 1, "max_unavailable": 0},
+            # No surge node: it would need one more GPU in the zone (see the class docstring).
+            upgrade_settings={"strategy": "SURGE", "max_surge": 0, "max_unavailable": 1},
             node_config={
                 **common_node_config,
                 "machine_type": s.machine_type,
@@ -343,21 +389,22 @@ class RegionNodePools(_Part):
                         "gpu_driver_installation_config": {"gpu_driver_version": "LATEST"},
                     }
                 ],
-                "taints": [GPU_TAINT],
+                "taints": [gpu_taint],
                 "labels": {"duplex/role": "runtime"},
                 "disk_size_gb": 200,
                 "disk_type": "pd-balanced",
                 # Image streaming: the multi-GB runtime image starts before it is fully pulled.
                 "gcfs_config": {"enabled": True},
             },
-            opts=self.child(),
+            opts=self.child(ignore_changes=["initialNodeCount"]),
         )
         self.register_outputs({"gpu_pool": self.gpu_pool.name})
 
 
 class RegionRedis(_Part):
     """Memorystore for Redis (STANDARD_HA: a replica in another zone) with AUTH and in-transit encryption
-    (``SERVER_AUTHENTICATION``: TLS on port 6378, verified against the instance's CA)."""
+    (``SERVER_AUTHENTICATION``: TLS on port 6378, verified against the instance's CAs), ``protect``ed when
+    the stack protects its stateful resources (``pulumi destroy`` and a replacement then stop)."""
 
     instance: redis.Instance
 
@@ -373,6 +420,7 @@ class RegionRedis(_Part):
         settings: RegionSettings,
         network: pulumi.Input[str],
         labels: Mapping[str, str],
+        protect: bool,
     ):
         super().__init__("RegionRedis", name, region, deps)
         self.instance = redis.Instance(
@@ -389,7 +437,7 @@ class RegionRedis(_Part):
             transit_encryption_mode="SERVER_AUTHENTICATION",
             redis_configs={"maxmemory-policy": "volatile-ttl"},
             labels=labels,
-            opts=self.child(),
+            opts=self.child(protect=protect),
         )
         self.register_outputs({"host": self.instance.host})
 
@@ -397,7 +445,7 @@ class RegionRedis(_Part):
 class RegionModelBucket(_Part):
     """The model cache: a Cloud Storage bucket of the region (uniform access, public access prevented) that
     the weights-prefetch Job fills once (``writer``: read-write) and the runtime pods mount read-only
-    (``reader``)."""
+    (``reader``); ``protect``ed with the stack's stateful resources (a lost bucket is a 16 GB download)."""
 
     bucket: storage.Bucket
 
@@ -413,6 +461,7 @@ class RegionModelBucket(_Part):
         reader: serviceaccount.Account,
         writer: serviceaccount.Account,
         labels: Mapping[str, str],
+        protect: bool,
     ):
         super().__init__("RegionModelBucket", name, region, deps)
         self.bucket = storage.Bucket(
@@ -423,7 +472,7 @@ class RegionModelBucket(_Part):
             public_access_prevention="enforced",
             force_destroy=False,
             labels=labels,
-            opts=self.child(),
+            opts=self.child(protect=protect),
         )
         for account, role in ((reader, "roles/storage.objectViewer"), (writer, "roles/storage.objectUser")):
             storage.BucketIAMMember(

@@ -2,7 +2,7 @@
 (``infra.components.gke_parts``): the network, the service accounts, the cluster, the node pools,
 Memorystore and the model bucket; and a Kubernetes provider built from the cluster's outputs
 (``gke-gcloud-auth-plugin`` with Application Default Credentials, the GCP provider's own). The Kubernetes
-objects themselves are ``RegionalRuntime``'s. README, "Stack multi-region".
+objects themselves are ``RegionalRuntime``'s. docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulumi
 import pulumi_gcp.container as container
@@ -27,12 +28,13 @@ from infra.components.gke_parts import (
     RegionNodePools,
     RegionRedis,
 )
-from infra.stack_config import RegionSettings
+from infra.stack_config import MaintenanceWindow, RegionSettings
 
 __all__ = [
     "GkeRegion",
     "GkeRegionArgs",
     "REDIS_TLS_PORT",
+    "ca_bundle",
     "cluster_name",
     "kubeconfig",
     "workload_identity_member",
@@ -54,6 +56,27 @@ def cluster_name(name_prefix: str, settings: RegionSettings) -> str:
     truncation: two long regions would collide)."""
     full = f"{name_prefix}-{settings.region}"
     return full if len(full) <= CLUSTER_NAME_LIMIT else f"{name_prefix}-r{settings.network_index}"
+
+
+def ca_bundle(server_ca_certs: Sequence[Mapping[str, Any]] | None) -> str:
+    """Every CA certificate of a Memorystore instance (its ``server_ca_certs``: ``[{"cert": PEM}, ...]``) as
+    one PEM bundle, in the order given. During a CA rotation Memorystore lists the old and the new CA
+    (cloud.google.com/memorystore/docs/redis/about-in-transit-encryption, "Certificate authority
+    rotation"): a client that trusts only the first breaks when the server switches to the new one.
+
+    Raises:
+        ValueError: no certificate, or an entry without a PEM certificate (the runtime could then verify
+            nothing).
+    """
+    pems = []
+    for i, entry in enumerate(server_ca_certs or ()):
+        pem = str((entry or {}).get("cert") or "").strip()
+        if "-----BEGIN CERTIFICATE-----" not in pem:
+            raise ValueError(f"server_ca_certs[{i}] holds no PEM certificate; allowed: {{'cert': '<PEM>'}}")
+        pems.append(pem + "\n")
+    if not pems:
+        raise ValueError("server_ca_certs is empty: Memorystore with TLS always lists at least one CA")
+    return "".join(pems)
 
 
 def workload_identity_member(project: str, namespace: str, ksa: str) -> str:
@@ -113,10 +136,12 @@ class GkeRegionArgs:
         network: the stack's VPC (self link or id).
         admin_source_ranges: IPv4 CIDRs allowed to reach the control plane.
         release_channel: RAPID, REGULAR or STABLE.
-        deletion_protection: refuse ``pulumi destroy`` of the cluster.
+        deletion_protection: refuse ``pulumi destroy`` of the cluster (GKE's flag), and ``protect`` the
+            stateful resources (Memorystore, the model bucket) in Pulumi.
+        maintenance_window: when GKE may upgrade the cluster and its pools.
         system_machine_type: machine type of the CPU pool.
-        image_repository: the Artifact Registry repository the runtime image is in (nodes may read it).
-        image_repository_location: its region.
+        image_repository: the region's Artifact Registry repository (its nodes may read it).
+        image_repository_location: its location (the region).
         labels: labels of every resource that takes them.
     """
 
@@ -127,6 +152,7 @@ class GkeRegionArgs:
     admin_source_ranges: Sequence[str]
     release_channel: str
     deletion_protection: bool
+    maintenance_window: MaintenanceWindow
     system_machine_type: str
     image_repository: pulumi.Input[str]
     image_repository_location: str
@@ -190,6 +216,8 @@ class GkeRegion(pulumi.ComponentResource):
             admin_source_ranges=args.admin_source_ranges,
             release_channel=args.release_channel,
             deletion_protection=args.deletion_protection,
+            maintenance_window=args.maintenance_window,
+            node_account=accounts.node.email,
             labels=labels,
         ).cluster
         self.gpu_pool = RegionNodePools(
@@ -214,6 +242,7 @@ class GkeRegion(pulumi.ComponentResource):
             resource_name=self.cluster_name,
             network=args.network,
             labels=labels,
+            protect=args.deletion_protection,
         ).instance
         self.weights_bucket = RegionModelBucket(
             f"{name}-model-cache",
@@ -225,14 +254,17 @@ class GkeRegion(pulumi.ComponentResource):
             reader=accounts.runtime,
             writer=accounts.weights,
             labels=labels,
+            protect=args.deletion_protection,
         ).bucket
 
         config = pulumi.Output.all(
             self.cluster.name, self.cluster.endpoint, self.cluster.master_auth.cluster_ca_certificate
         ).apply(lambda v: kubeconfig(str(v[0]), str(v[1]), str(v[2])))
+        # Annotated: without the target type mypy solves Output.secret's type variable to Never.
+        secret_config: pulumi.Output[str] = pulumi.Output.secret(config)
         self.provider = kubernetes.Provider(
             f"{name}-k8s",
-            kubeconfig=pulumi.Output.secret(config),
+            kubeconfig=secret_config,
             enable_server_side_apply=True,
             delete_unreachable=False,
             opts=child_options(self, [self.cluster, self.gpu_pool, *deps]),

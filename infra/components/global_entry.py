@@ -1,6 +1,7 @@
 """``GlobalEntry``: one global external Application Load Balancer in front of every region's runtime pods,
 built from the standalone NEGs GKE makes from the runtime Service, with Cloud Armor, a managed certificate
-and the browser client from a bucket. README, "Stack multi-region".
+and the browser client from each cluster's page pods (``infra.k8s.page``). docs/deploying.md, "Stack
+multi-region".
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ __all__ = [
     "GOOGLE_FRONT_END_RANGES",
     "MAX_BACKEND_TIMEOUT_S",
     "MAX_CONNECTION_DRAINING_S",
+    "PAGE_REQUESTS_PER_ENDPOINT_S",
     "RUNTIME_PATHS",
+    "SSL_POLICY",
     "GlobalEntry",
     "GlobalEntryArgs",
     "RegionBackend",
@@ -44,8 +47,18 @@ MAX_CONNECTION_DRAINING_S = 3600
 RUNTIME_PATHS = ("/api/chat", "/api/admission", "/api/personas")
 """The runtime's paths the global entry routes to the pods; every other path is the browser client's."""
 
+PAGE_REQUESTS_PER_ENDPOINT_S = 100
+"""Requests per second the load balancer sends one page pod (``RATE`` balancing) before it spills to the
+next zone or region: a page load is seven small files, served by nginx from memory."""
+
 ARMOR_RULES_PER_MATCH = 10
 """Cloud Armor's limit of source ranges in one basic match rule."""
+
+SSL_POLICY = {"profile": "RESTRICTED", "min_tls_version": "TLS_1_2"}
+"""The HTTPS proxy's SSL policy: TLS 1.2 or later with the ``RESTRICTED`` profile's AEAD-only suites
+(cloud.google.com/load-balancing/docs/ssl-policies-concepts). Without a policy the proxy uses Google's
+default, ``COMPATIBLE`` from TLS 1.0. Every browser that runs the client (AudioWorklet, ES modules) speaks
+TLS 1.2 with AES-GCM or ChaCha20."""
 
 
 def neg_url(project: str, zone: str, neg_name: str) -> str:
@@ -60,6 +73,7 @@ class RegionBackend:
     Attributes:
         region: GCP region; zones: the zones of its GPU pool (one NEG in each).
         neg_name: the NEG name of the runtime Service's annotation.
+        page_neg_name: the NEG name of the page Service's annotation (same zones).
         sessions_per_endpoint: slots of one pod (the most in-flight WebSockets it is sent).
         serving: False: capacity 0 (drained).
         ready: resources that must exist first (the region's Service and Deployment: their NEGs).
@@ -68,6 +82,7 @@ class RegionBackend:
     region: str
     zones: Sequence[str]
     neg_name: str
+    page_neg_name: str
     sessions_per_endpoint: int
     serving: bool = True
     ready: Sequence[pulumi.Resource] = ()
@@ -81,6 +96,7 @@ class GlobalEntryArgs:
         name_prefix: prefix of resource names; project: the GCP project; network: the stack's VPC.
         domain: the certificate's DNS name.
         runtime_port: the pods' serving port (NEG endpoints' port), for the firewall rule.
+        page_port: the page pods' serving port; page_health_path: what the page's health check asks for.
         backends: every region's NEGs.
         max_session_s: the longest session (s); the backend timeout is this plus
             ``BACKEND_TIMEOUT_MARGIN_S`` (at most ``MAX_BACKEND_TIMEOUT_S``).
@@ -88,10 +104,10 @@ class GlobalEntryArgs:
             most ``MAX_CONNECTION_DRAINING_S``: sessions longer than an hour are cut when their pod leaves).
         public_source_ranges: who may connect (``0.0.0.0/0``: everyone).
         handshakes_per_minute: new requests per client IP per minute before 429.
-        page_files: the browser client, ``{file name: content}`` (``index.html`` among them).
-        page_headers: response headers of every page file, in order.
-        page_location: Cloud Storage location of the page's bucket (``US``, ``EU``, a region).
-        labels: labels of the address and the page's bucket.
+        page_headers: response headers of every page file, in order (added by the page's backend service).
+        labels: labels of the address.
+        protect: ``protect`` the static IP (the domain's A record points at it; a new one breaks DNS and
+            the certificate until both follow).
     """
 
     name_prefix: str
@@ -99,15 +115,16 @@ class GlobalEntryArgs:
     network: pulumi.Input[str]
     domain: str
     runtime_port: int
+    page_port: int
+    page_health_path: str
     backends: Sequence[RegionBackend]
     max_session_s: int
     drain_s: int
     public_source_ranges: Sequence[str]
     handshakes_per_minute: int
-    page_files: Mapping[str, bytes]
     page_headers: Mapping[str, str]
-    page_location: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    protect: bool = False
 
 
 class GlobalEntry(pulumi.ComponentResource):
@@ -137,18 +154,23 @@ class GlobalEntry(pulumi.ComponentResource):
       state is in Redis, not in its pod, so a reconnect may land on any pod with a free slot; pods are picked
       by ``LEAST_REQUEST`` (affinity would need a hashing locality policy, which ignores load: the policy
       pack's ``session-affinity-needs-hash-policy``);
-    - the browser client (issue "a browser client on every node"): its files in a public Cloud Storage bucket
-      behind a backend bucket that adds the page's security headers (``infra.node.webclient.page_headers``:
-      CSP, HSTS, nosniff, ...). The URL map sends only the runtime's public paths (``RUNTIME_PATHS``:
-      ``/api/chat``, ``/api/admission``, ``/api/personas``) to the pods and everything else to the page, so
-      ``/metrics``, ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach
-      the pods directly);
-    - the HTTPS proxy and forwarding rule on 443, and a port-80 rule that redirects to HTTPS;
+    - the browser client (issue "a browser client on every node"): a second backend service over every
+      region's page NEGs (``infra.k8s.page``: nginx pods on the system pools, one per zone), ``RATE``
+      balancing, with its own health check, adding the page's security headers
+      (``infra.node.webclient.page_headers``: CSP, HSTS, nosniff, ...). Not a public bucket: a backend bucket
+      needs ``allUsers`` read, which secure-by-default organizations (created since May 2024) refuse. Its
+      timeout is the runtime's only because the policy pack's ``backend-timeout-fits-websockets`` applies to
+      every HTTP backend service; a file is answered in milliseconds. The URL map sends only the runtime's
+      public paths (``RUNTIME_PATHS``: ``/api/chat``, ``/api/admission``, ``/api/personas``) to the runtime
+      pods and everything else to the page, so ``/metrics``, ``/healthz`` and ``/readyz`` are not reachable
+      from the internet (the health checks reach the pods directly);
+    - the HTTPS proxy (SSL policy ``SSL_POLICY``: TLS 1.2 or later) and forwarding rule on 443, and a
+      port-80 rule that redirects to HTTPS;
     - a firewall rule on the stack's VPC admitting Google's front ends and health checkers
-      (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime port of the pods, and nothing else.
+      (``35.191.0.0/16``, ``130.211.0.0/22``) to the runtime and page ports of the pods, and nothing else.
 
     A region with ``serving: false`` keeps its backends with ``capacity_scaler`` 0: no new callers, running
-    conversations go on (the drain of the README).
+    conversations go on (a region's drain: docs/deploying.md, "Stack multi-region").
     """
 
     address: compute.GlobalAddress
@@ -156,7 +178,8 @@ class GlobalEntry(pulumi.ComponentResource):
     certificate: compute.ManagedSslCertificate
     security_policy: compute.SecurityPolicy
     health_check: compute.HealthCheck
-    page: compute.BackendBucket
+    ssl_policy: compute.SSLPolicy
+    page: compute.BackendService
 
     def __init__(self, name: str, args: GlobalEntryArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PACKAGE}:GlobalEntry", name, None, opts)
@@ -173,8 +196,8 @@ class GlobalEntry(pulumi.ComponentResource):
             network=args.network,
             direction="INGRESS",
             source_ranges=list(GOOGLE_FRONT_END_RANGES),
-            allows=[{"protocol": "tcp", "ports": [str(args.runtime_port)]}],
-            description="Google front ends and health checks to the runtime pods (NEG endpoints)",
+            allows=[{"protocol": "tcp", "ports": [str(args.runtime_port), str(args.page_port)]}],
+            description="Google front ends and health checks to the runtime and page pods (NEG endpoints)",
             opts=child(),
         )
         self.address = compute.GlobalAddress(
@@ -183,7 +206,7 @@ class GlobalEntry(pulumi.ComponentResource):
             project=project,
             ip_version="IPV4",
             labels=dict(args.labels),
-            opts=child(),
+            opts=child_options(self, deps, protect=args.protect),
         )
         self.certificate = compute.ManagedSslCertificate(
             f"{name}-certificate",
@@ -215,6 +238,7 @@ class GlobalEntry(pulumi.ComponentResource):
             opts=child(),
         )
         ready = [r for backend in args.backends for r in backend.ready]
+        timeout_s = min(args.max_session_s + BACKEND_TIMEOUT_MARGIN_S, MAX_BACKEND_TIMEOUT_S)
         self.backend_service = compute.BackendService(
             f"{name}-backend",
             name=f"{prefix}-runtime",
@@ -222,7 +246,7 @@ class GlobalEntry(pulumi.ComponentResource):
             load_balancing_scheme="EXTERNAL_MANAGED",
             protocol="HTTP",
             port_name="http",
-            timeout_sec=min(args.max_session_s + BACKEND_TIMEOUT_MARGIN_S, MAX_BACKEND_TIMEOUT_S),
+            timeout_sec=timeout_s,
             connection_draining_timeout_sec=min(args.drain_s, MAX_CONNECTION_DRAINING_S),
             # NONE: with LEAST_REQUEST any other affinity would be silently off (see the module docstring).
             session_affinity="NONE",
@@ -245,7 +269,7 @@ class GlobalEntry(pulumi.ComponentResource):
             # The NEGs exist once the regions' Services do (GKE's NEG controller makes them).
             opts=child(*ready),
         )
-        self.page = self._page(name, args, child())
+        self.page = self._page(name, args, timeout_s, child(*ready))
         url_map = compute.URLMap(
             f"{name}-url-map",
             name=f"{prefix}-entry",
@@ -261,12 +285,21 @@ class GlobalEntry(pulumi.ComponentResource):
             ],
             opts=child(),
         )
+        self.ssl_policy = compute.SSLPolicy(
+            f"{name}-tls",
+            name=f"{prefix}-entry",
+            project=project,
+            description="duplexops global entry: TLS 1.2 or later",
+            **SSL_POLICY,
+            opts=child(),
+        )
         https_proxy = compute.TargetHttpsProxy(
             f"{name}-https-proxy",
             name=f"{prefix}-entry",
             project=project,
             url_map=url_map.id,
             ssl_certificates=[self.certificate.id],
+            ssl_policy=self.ssl_policy.id,
             opts=child(),
         )
         redirect = compute.URLMap(
@@ -301,57 +334,54 @@ class GlobalEntry(pulumi.ComponentResource):
             )
         self.register_outputs({"address": self.address.address})
 
-    def _page(self, name: str, args: GlobalEntryArgs, opts: pulumi.ResourceOptions) -> compute.BackendBucket:
-        """The browser client's bucket (public read: it is a public page), its files, and the backend
-        bucket that serves them with the page's headers."""
-        import pulumi_gcp.storage as storage
-
-        from infra.node.webclient import WEB_TYPES
-
-        if "index.html" not in args.page_files:
-            raise ValueError(f"page_files has no index.html (files: {', '.join(sorted(args.page_files))})")
-        bucket = storage.Bucket(
-            f"{name}-page",
-            project=args.project,
-            location=args.page_location,
-            uniform_bucket_level_access=True,
-            website={"main_page_suffix": "index.html"},
-            force_destroy=True,  # only the page's files, re-uploaded by every `pulumi up`
-            labels=dict(args.labels),
+    def _page(
+        self, name: str, args: GlobalEntryArgs, timeout_s: int, opts: pulumi.ResourceOptions
+    ) -> compute.BackendService:
+        """The browser client's health check and backend service: every region's page NEGs, ``RATE``
+        balancing at ``PAGE_REQUESTS_PER_ENDPOINT_S`` per pod, the page's headers added to each response."""
+        project = args.project
+        health = compute.HealthCheck(
+            f"{name}-page-health",
+            name=f"{args.name_prefix}-page",
+            project=project,
+            http_health_check={
+                "port_specification": "USE_SERVING_PORT",
+                "request_path": args.page_health_path,
+            },
+            check_interval_sec=10,
+            timeout_sec=5,
             opts=opts,
         )
-        storage.BucketIAMMember(
-            f"{name}-page-public-read",
-            bucket=bucket.name,
-            role="roles/storage.objectViewer",
-            member="allUsers",
-            opts=opts,
-        )
-        for file_name, content in sorted(args.page_files.items()):
-            storage.BucketObject(
-                f"{name}-page-{file_name}",
-                bucket=bucket.name,
-                name=file_name,
-                content=content.decode("utf-8"),
-                content_type=WEB_TYPES[file_name.rsplit(".", 1)[-1]] + "; charset=utf-8",
-                cache_control="no-cache",
-                opts=opts,
-            )
-        return compute.BackendBucket(
+        return compute.BackendService(
             f"{name}-page-backend",
             name=f"{args.name_prefix}-page",
-            project=args.project,
-            bucket_name=bucket.name,
-            enable_cdn=False,
+            project=project,
+            load_balancing_scheme="EXTERNAL_MANAGED",
+            protocol="HTTP",
+            port_name="http",
+            timeout_sec=timeout_s,
+            session_affinity="NONE",
+            health_checks=health.id,
             custom_response_headers=[f"{header}: {value}" for header, value in args.page_headers.items()],
-            description="duplexops browser client",
+            description="duplexops browser client (nginx pods of every region)",
+            backends=[
+                {
+                    "group": neg_url(project, zone, backend.page_neg_name),
+                    "balancing_mode": "RATE",
+                    "max_rate_per_endpoint": PAGE_REQUESTS_PER_ENDPOINT_S,
+                    "capacity_scaler": 1.0,
+                    "description": f"{backend.region} {zone} page",
+                }
+                for backend in args.backends
+                for zone in backend.zones
+            ],
             opts=opts,
         )
 
 
 def security_rules(
     public_source_ranges: Sequence[str], handshakes_per_minute: int
-) -> list[dict[str, object]]:
+) -> list[compute.SecurityPolicyRuleArgsDict]:
     """Cloud Armor rules, first match wins: callers from ``public_source_ranges`` (10 ranges per rule,
     Cloud Armor's limit) are allowed up to ``handshakes_per_minute`` requests per minute per client IP and
     get 429 beyond; the default rule denies everyone else with 403 (``0.0.0.0/0``: the throttle rule
@@ -365,7 +395,7 @@ def security_rules(
             for i in range(0, len(public_source_ranges), ARMOR_RULES_PER_MATCH)
         ]
     )
-    rules: list[dict[str, object]] = [
+    rules: list[compute.SecurityPolicyRuleArgsDict] = [
         {
             "priority": 1000 + n,
             "action": "throttle",

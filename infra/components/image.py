@@ -24,25 +24,45 @@ application-default login`` locally, workload identity in CI): no key file. The 
 daemon with BuildKit where ``pulumi up`` runs; previews do not build (``build_on_preview=False``), so a
 preview shows the digest as unknown only when the build context changed.
 
-Outputs: ``ref`` (docker-build's ``<tag>@<digest>``), ``digest`` (``sha256:...``) and ``image_ref``
+Built once, promoted everywhere: in CI the image is built ONCE per push (``.github/workflows/pulumi-up.yml``,
+its ``image`` job) and every stack gets its digest-pinned reference as ``duplexops:runtimeImage``
+(``RuntimeImageArgs.source``). The component then builds nothing: it copies that digest into its own
+repository with ``crane copy`` (``promote``; go-containerregistry: "copy a remote image from src to dst
+while retaining the digest value"), so the same bytes run on every stack and in every region. Registry
+credentials come from gcloud's Docker credential helper (``gcloud auth configure-docker``), which mints a
+fresh token for each request: no one-hour token to outlive. Needs ``crane`` and ``gcloud`` where ``pulumi
+up`` runs (the deploy job installs both). Without a source (``pulumi up`` from a workstation) it builds as
+below.
+
+Outputs: ``ref`` (``<tag>@<digest>``), ``digest`` (``sha256:...``) and ``image_ref``
 (``<repository>/<image>@<digest>``: what every node runs, immutable).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pulumi
+import pulumi_command.local as local
 import pulumi_docker_build as docker_build
 import pulumi_gcp.artifactregistry as artifactregistry
 import pulumi_gcp.organizations as organizations
 
 from infra.components._util import COMPONENT_PACKAGE, REPO_ROOT, child_options, dependencies
 
-__all__ = ["REPO_ROOT", "RuntimeImage", "RuntimeImageArgs", "build_path"]
+__all__ = [
+    "PROMOTE_SCRIPT",
+    "REPO_ROOT",
+    "RuntimeImage",
+    "RuntimeImageArgs",
+    "build_path",
+    "digest_of",
+    "promote",
+]
 
 DOCKERFILE = "images/runtime/Dockerfile"
 
@@ -51,6 +71,65 @@ SOURCE_DATE_EPOCH = 0
 arg for the image config's and history's ``created`` since BuildKit 0.11 (moby/buildkit docs/build-repro.md;
 Docker's guide uses 0 too: docs.docker.com/build/ci/github-actions/reproducible-builds/). Fixed, not the last
 commit's time: any commit (a README edit) would then change the digest."""
+
+
+PROMOTE_SCRIPT = """set -eu
+gcloud auth configure-docker "${SOURCE%%/*},${TARGET%%/*}" --quiet
+crane copy "$SOURCE" "$TARGET"
+"""
+"""The promotion (``promote``): Docker credentials for both registries through gcloud's credential helper,
+then ``crane copy SOURCE TARGET``, which copies the manifest and the layers the target lacks and keeps the
+digest. ``SOURCE`` is digest-pinned, ``TARGET`` a tag in the stack's repository."""
+
+_DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})$")
+
+
+def digest_of(reference: str) -> str:
+    """The ``sha256:<64 hex>`` digest a digest-pinned reference (``<repository>[:tag]@sha256:...``) names.
+
+    Raises:
+        ValueError: ``reference`` is not pinned by a sha256 digest (a tag alone can move).
+    """
+    match = _DIGEST_RE.search(reference)
+    if match is None:
+        raise ValueError(
+            f"image {reference!r} is not digest-pinned; allowed: <repository>@sha256:<64 hex digits>"
+        )
+    return match[1]
+
+
+def promote(
+    name: str,
+    source: pulumi.Input[str],
+    target_repository: pulumi.Input[str],
+    tag: str,
+    opts: pulumi.ResourceOptions,
+) -> tuple[local.Command, pulumi.Output[str]]:
+    """Copy the digest-pinned ``source`` into ``target_repository`` (``<registry>/<project>/<repo>/<image>``)
+    under ``tag``, keeping its digest (``PROMOTE_SCRIPT``); runs again only when ``source`` or the target
+    changes. Returns the command and the image reference nodes run, ``<target_repository>@<digest>``, which
+    resolves once the copy is done (so nothing pulls it earlier). ``source`` may be an Output, e.g. another
+    repository's ``image_ref``, to copy one image into a repository per region.
+
+    Raises:
+        ValueError: ``source`` is not digest-pinned (at once for a plain string, when it resolves for an
+            Output).
+    """
+    if isinstance(source, str):
+        digest_of(source)  # refuse a tag before anything is declared
+    pinned = pulumi.Output.from_input(source)
+    target = pulumi.Output.from_input(target_repository)
+    copy = local.Command(
+        name,
+        create=PROMOTE_SCRIPT,
+        environment={"SOURCE": pinned, "TARGET": target.apply(lambda repository: f"{repository}:{tag}")},
+        triggers=[pinned, target],
+        opts=opts,
+    )
+    image_ref = pulumi.Output.all(copy.id, target, pinned.apply(digest_of)).apply(
+        lambda parts: f"{parts[1]}@{parts[2]}"
+    )
+    return copy, image_ref
 
 
 def build_path(path: Path) -> str:
@@ -73,6 +152,8 @@ class RuntimeImageArgs:
         cache_tag: the tag of the registry build cache, beside the image.
         platform: the target platform.
         labels: labels of the repository.
+        source: a digest-pinned image CI built (``duplexops:runtimeImage``): copied into the repository
+            (``promote``) instead of a build; None: build ``images/runtime/Dockerfile`` here.
     """
 
     project: str
@@ -83,6 +164,7 @@ class RuntimeImageArgs:
     cache_tag: str = "buildcache"
     platform: str = "linux/amd64"
     labels: Mapping[str, str] = field(default_factory=dict)
+    source: str | None = None
 
     @property
     def registry(self) -> str:
@@ -101,10 +183,13 @@ class RuntimeImageArgs:
 
 
 class RuntimeImage(pulumi.ComponentResource):
-    """An Artifact Registry repository (Docker format) and the runtime image built and pushed into it."""
+    """An Artifact Registry repository (Docker format) and the runtime image in it: the CI-built image copied
+    in (``args.source``: ``promotion`` is the copy, ``image`` None) or one built and pushed here (``image``,
+    ``promotion`` None)."""
 
     repository: artifactregistry.Repository
-    image: docker_build.Image
+    image: docker_build.Image | None
+    promotion: local.Command | None
     ref: pulumi.Output[str]
     digest: pulumi.Output[str]
     image_ref: pulumi.Output[str]
@@ -122,10 +207,39 @@ class RuntimeImage(pulumi.ComponentResource):
             labels=dict(args.labels),
             opts=child_options(self, deps),
         )
+        self.image = None
+        self.promotion = None
+        if args.source is not None:
+            self.promotion, self.image_ref = promote(
+                f"{name}-promote",
+                args.source,
+                args.repository_path,
+                args.tag,
+                child_options(self, [*deps, self.repository]),
+            )
+            digest = digest_of(args.source)
+            self.digest = self.image_ref.apply(lambda _: digest)
+            self.ref = self.image_ref.apply(lambda _: f"{args.repository_path}:{args.tag}@{digest}")
+        else:
+            self.image = self._build(name, args, deps)
+            self.ref = self.image.ref
+            self.digest = self.image.digest
+            self.image_ref = self.digest.apply(lambda digest: f"{args.repository_path}@{digest}")
+        self.register_outputs(
+            {
+                "repository": self.repository.id,
+                "ref": self.ref,
+                "digest": self.digest,
+                "image_ref": self.image_ref,
+            }
+        )
+
+    def _build(self, name: str, args: RuntimeImageArgs, deps: list[pulumi.Resource]) -> docker_build.Image:
+        """Build ``images/runtime/Dockerfile`` and push it to the repository (no CI-built source)."""
         token = organizations.get_client_config_output(
             opts=pulumi.InvokeOutputOptions(parent=self)
         ).access_token
-        self.image = docker_build.Image(
+        return docker_build.Image(
             f"{name}-image",
             push=True,
             context={"location": build_path(REPO_ROOT)},
@@ -160,15 +274,4 @@ class RuntimeImage(pulumi.ComponentResource):
             build_on_preview=False,
             labels={"org.opencontainers.image.title": "duplexops-runtime"},
             opts=child_options(self, [*deps, self.repository]),
-        )
-        self.ref = self.image.ref
-        self.digest = self.image.digest
-        self.image_ref = self.digest.apply(lambda digest: f"{args.repository_path}@{digest}")
-        self.register_outputs(
-            {
-                "repository": self.repository.id,
-                "ref": self.ref,
-                "digest": self.digest,
-                "image_ref": self.image_ref,
-            }
         )

@@ -30,7 +30,13 @@ import pulumi_random as random
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
 from infra.node.cloud_init import HF_TOKEN_FILE
 from infra.node.profile import NodeProfile
-from infra.node.services import SECRET_FILES, NodeSecrets, secret_files
+from infra.node.services import (
+    OPTIONAL_SECRET_FILES,
+    SECRET_FILES,
+    NodeSecrets,
+    optional_secret_roles,
+    secret_files,
+)
 
 __all__ = ["PASSWORD_LENGTH", "StackSecrets", "StackSecretsArgs", "secret_id_for"]
 
@@ -66,6 +72,8 @@ class StackSecretsArgs:
     grafana_admin_password: pulumi.Input[str] | None = None
     token_keys: pulumi.Input[str] | None = None
     hf_token: pulumi.Input[str] | None = None
+    alert_secrets: Mapping[str, pulumi.Input[str]] = field(default_factory=dict)
+    """The alert receivers' secrets the profile uses, ``{role of OPTIONAL_SECRET_FILES: value}``."""
     secret_manager_project: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     node_files: bool = True
@@ -102,11 +110,16 @@ class StackSecrets(pulumi.ComponentResource):
 
         profile = args.profile
 
+        alert_roles = sorted(args.alert_secrets)
+
         def render(values: list[str | None]) -> dict[str, str]:
-            redis, grafana, keys, token = values
+            redis, grafana, keys, token, *alerts = values
             assert redis is not None and grafana is not None and keys is not None
             node_secrets = NodeSecrets(
-                redis_password=redis, grafana_admin_password=grafana, token_keys=json.loads(keys)
+                redis_password=redis,
+                grafana_admin_password=grafana,
+                token_keys=json.loads(keys),
+                **dict(zip(alert_roles, alerts, strict=True)),
             )
             files = {path: content.decode() for path, content in secret_files(profile, node_secrets).items()}
             if token:
@@ -122,7 +135,11 @@ class StackSecrets(pulumi.ComponentResource):
             return
         self.files = pulumi.Output.secret(
             pulumi.Output.all(
-                self.redis_password, self.grafana_admin_password, self.token_keys, token_input
+                self.redis_password,
+                self.grafana_admin_password,
+                self.token_keys,
+                token_input,
+                *(pulumi.Output.secret(args.alert_secrets[role]) for role in alert_roles),
             ).apply(render)
         )
 
@@ -167,6 +184,8 @@ class StackSecrets(pulumi.ComponentResource):
             return pulumi.Output.secret(files.apply(lambda content: content[path]))
 
         payloads = {role: payload(path) for role, path in SECRET_FILES.items()}
+        for role in optional_secret_roles(args.profile):  # the alert receivers' (infra.node.alertmanager)
+            payloads[role] = payload(OPTIONAL_SECRET_FILES[role])
         if self.hf_token is not None:
             payloads["hf_token"] = self.hf_token
         for role in sorted(payloads):

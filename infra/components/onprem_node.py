@@ -1,11 +1,14 @@
 """``OnPremNode``: an existing GPU host (L40S, A100, ...) brought up over SSH with ``pulumi_command``: GPU
-check, the rendered bundle copied and installed, the secrets written, ``docker compose up -d``, ``/readyz``.
-What the host needs and how to use it: README, "Stack scale5-onprem".
+check, the rendered bundle copied and installed, the secrets written, a registry login, certbot's renewal
+(``tls.mode: acme``), ``docker compose up -d``, ``/readyz``. ``RegistryPuller``: the read-only identity
+whose short-lived token the host pulls an Artifact Registry image with. What the host needs and how to use
+it: docs/deploying.md, "Stack scale5-onprem".
 """
 
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import shlex
 import shutil
 from dataclasses import dataclass
@@ -13,26 +16,38 @@ from pathlib import Path
 
 import pulumi
 import pulumi_command.remote as remote
+import pulumi_gcp.artifactregistry as artifactregistry
+import pulumi_gcp.organizations as organizations
+import pulumi_gcp.serviceaccount as serviceaccount
 
 from infra.capacity.gpus import GPUS
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.node.acme import SERVICE as ACME_SERVICE
+from infra.node.acme import TIMER as ACME_TIMER
+from infra.node.acme import render_acme_host_files
 from infra.node.bundle import render_bundle, write_bundle
-from infra.node.cloud_init import USER_DATA_FILE, render_prepare_script
+from infra.node.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
 from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS
 from infra.node.profile import NodeProfile
-from infra.node.services import SECRET_FILES, SECRETS_DIR
+from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR
 
 __all__ = [
     "GPU_NAME_PATTERNS",
     "PREPARE_SCRIPT",
     "OnPremNode",
     "OnPremNodeArgs",
+    "CERTBOT_PACKAGE",
+    "RegistryPuller",
+    "acme_install_script",
+    "acme_remove_script",
+    "artifact_registry_repository",
     "bundle_digest",
     "compose_up_script",
     "gpu_check_script",
     "install_script",
     "onprem_bundle",
     "ready_script",
+    "registry_login_script",
     "secret_stdin",
     "secrets_script",
     "stage_script",
@@ -147,7 +162,9 @@ chmod 0755 {q(PREPARE_SCRIPT)}
 def secrets_script(install_dir: str) -> str:
     """Writes the secret files read from stdin (``secret_stdin``) into ``install_dir/secrets``."""
     q = shlex.quote
-    allowed = " | ".join(sorted({*SECRET_FILES.values(), f"{SECRETS_DIR}/hf-token.env"}))
+    allowed = " | ".join(
+        sorted({*SECRET_FILES.values(), *OPTIONAL_SECRET_FILES.values(), f"{SECRETS_DIR}/hf-token.env"})
+    )
     return f"""set -eu
 umask 077
 root={q(install_dir)}
@@ -177,7 +194,8 @@ def secret_stdin(files: dict[str, str]) -> str:
     lines = []
     for path in sorted(files):
         role = next((r for r, p in SECRET_FILES.items() if p == path), None)
-        mode = "0640" if role in CONTAINER_READ_SECRETS else "0600"
+        read_by_a_container = role in CONTAINER_READ_SECRETS or path in OPTIONAL_SECRET_FILES.values()
+        mode = "0640" if read_by_a_container else "0600"
         lines.append(f"{path} {mode} {base64.b64encode(files[path].encode()).decode()}")
     return "\n".join(lines) + "\n"
 
@@ -194,11 +212,87 @@ def _hf_env(install_dir: str) -> str:
     return f"if [ -f {env_file} ]; then set -a; . {env_file}; set +a; fi"
 
 
+def registry_login_script(registry: str) -> str:
+    """Logs root's Docker (``DOCKER_CONFIG_DIR``, which ``compose_up_script`` uses) in to ``registry`` with
+    the access token read from stdin (user ``oauth2accesstoken``: Artifact Registry's form for a token)."""
+    q = shlex.quote
+    return f"""set -eu
+umask 077
+install -d -m 0700 -o root -g root {q(DOCKER_CONFIG_DIR)}
+DOCKER_CONFIG={q(DOCKER_CONFIG_DIR)} {_DOCKER} login --username oauth2accesstoken --password-stdin \\
+    {q("https://" + registry)} >/dev/null
+echo "registry-login: {registry} (a token of this deploy, valid 1 h: the pulls of this deploy use it)"
+"""
+
+
+CERTBOT_PACKAGE = "certbot"
+"""The Debian/Ubuntu package an on-premises host needs for ``tls.mode: acme`` (the deploy does not install
+packages on a host it does not own: it checks, and names the package)."""
+
+
+def _acme_files(profile: NodeProfile, install_dir: str) -> dict[str, tuple[str, str]]:
+    """``render_acme_host_files`` for this host: nginx reloaded in Compose with SIGHUP (open sessions go
+    on), as the GCE node's cloud-init does."""
+    return render_acme_host_files(profile, reload_command=f"{_compose(install_dir)} kill --signal HUP nginx")
+
+
+def acme_install_script(profile: NodeProfile, install_dir: str) -> str:
+    """Installs certbot's renewal for ``profile.domain`` on the host (as root): fails first, naming the
+    package, unless ``certbot`` (Debian/Ubuntu package ``certbot``) and ``systemctl`` are there; then writes
+    the files of ``infra.node.acme.render_acme_host_files`` (renew script, deploy hook, service, timer; each
+    through a temporary file and a rename), enables the timer (twice a day) and starts the service once
+    without waiting (it waits for nginx on port 80 itself, then obtains or renews the certificate).
+
+    Raises:
+        ValueError: ``tls.mode`` is not ``acme`` (``render_acme_host_files``).
+    """
+    import base64
+
+    q = shlex.quote
+    lines = [
+        "set -eu",
+        'fail() { echo "acme: $*" >&2; exit 1; }',
+        'command -v certbot >/dev/null 2>&1 || fail "certbot not found on this host: tls.mode acme '
+        f"(duplexops:acmeEmail) needs the {CERTBOT_PACKAGE} package: sudo apt-get install {CERTBOT_PACKAGE} "
+        '(or leave acmeEmail unset for a self-signed certificate)"',
+        'command -v systemctl >/dev/null 2>&1 || fail "systemctl not found: the renewal timer needs systemd"',
+    ]
+    for path, (mode, content) in _acme_files(profile, install_dir).items():
+        data = base64.b64encode(content.encode()).decode()
+        lines += [
+            f"install -d -m 0755 {q(posixpath.dirname(path))}",
+            f"printf '%s' {q(data)} | base64 -d >{q(path + '.tmp')}",
+            f"chmod {mode} {q(path + '.tmp')} && mv -f {q(path + '.tmp')} {q(path)}",
+        ]
+    lines += [
+        "systemctl daemon-reload",
+        f"systemctl enable --now {ACME_TIMER}",
+        f"systemctl start --no-block {ACME_SERVICE}",
+        f'echo "acme: certbot renews the certificate of {profile.domain} ({ACME_TIMER})"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def acme_remove_script(profile: NodeProfile, install_dir: str) -> str:
+    """Undoes ``acme_install_script`` (as root): stops and disables the timer and the service, removes
+    their files. certbot's state (account, certificates, under the data directory) stays, as the data
+    does."""
+    q = shlex.quote
+    paths = " ".join(q(path) for path in _acme_files(profile, install_dir))
+    return f"""set -eu
+systemctl disable --now {ACME_TIMER} 2>/dev/null || true
+systemctl stop {ACME_SERVICE} 2>/dev/null || true
+rm -f {paths}
+systemctl daemon-reload 2>/dev/null || true
+"""
+
+
 def compose_up_script(install_dir: str) -> str:
     """Prepares the host and starts the node (``docker compose up -d``)."""
     q = shlex.quote
     compose = _compose(install_dir)
     return f"""set -eu
+export DOCKER_CONFIG={q(DOCKER_CONFIG_DIR)}
 sh {q(install_dir + "/" + PREPARE_SCRIPT)}
 cd {q(install_dir)}
 export DUPLEX_NODE_ID="$(hostname)"
@@ -251,13 +345,17 @@ class OnPremNodeArgs:
     Attributes:
         host, port, user: SSH coordinates (``user``: root, or passwordless sudo).
         private_key: the SSH private key (a secret Output).
-        host_key: the host's public key (pins it), or None.
+        host_key: the host's public key line (``ssh-ed25519 AAAA...``): required, every connection of every
+            step checks it (``remote.ConnectionArgs.host_key``: without it pulumi-command 1.2 ignores the
+            host key, and the secrets would go to whoever answers on the address).
         install_dir: where the bundle goes (removed on destroy).
         profile: the node profile, with the image the host runs in ``runtime_image``.
         secret_files: ``{bundle path: content}`` of the node's secrets (a secret Output).
         ready_timeout_s: how long ``ready`` waits for ``/readyz``.
         local_bundle_dir: where the bundle is written locally for ``CopyToRemote`` (emptied first). An
             absolute path: the engine reads the archive from its own working directory.
+        registry, registry_token: the registry to log Docker in to before the pull, and a short-lived
+            token for it (a secret Output; ``RegistryPuller``); None: the host pulls with what it has.
     """
 
     host: str
@@ -268,8 +366,17 @@ class OnPremNodeArgs:
     profile: NodeProfile
     secret_files: pulumi.Input[dict[str, str]]
     local_bundle_dir: str
-    host_key: str | None = None
+    host_key: str
     ready_timeout_s: int = 1800
+    registry: str | None = None
+    registry_token: pulumi.Input[str] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.host_key or len(self.host_key.split()) < 2:
+            raise ValueError(
+                f"host_key: {self.host_key!r} is not a public key line; allowed: the host's key, e.g. from "
+                "`ssh-keyscan -t ed25519 <host>` ('ssh-ed25519 AAAA...'): secrets travel over this session"
+            )
 
 
 class OnPremNode(pulumi.ComponentResource):
@@ -288,6 +395,10 @@ class OnPremNode(pulumi.ComponentResource):
     3. ``secrets``: the secret files written from ``stdin`` (never on a command line) into
        ``installDir/secrets`` (0700): 0640 for the files a container reads itself
        (``infra.node.compose.CONTAINER_READ_SECRETS``), 0600 for the others;
+    3b. ``acme`` (``tls.mode: acme`` only, right after ``gpu-check``): ``acme_install_script``: certbot
+       required on the host (else it fails naming the package), the renew script, deploy hook (nginx
+       reloaded with ``docker compose kill --signal HUP nginx``), service and timer of ``infra.node.acme``;
+       its ``delete`` removes them. Like ``compose-up``, a change is an update;
     4. ``compose-up``: the preparation script of ``infra.node.cloud_init.render_prepare_script`` (host
        directories with their owners, a self-signed certificate when none exists, the secrets checked), then
        ``docker compose up -d``. Its ``delete`` runs ``docker compose down`` and removes ``installDir``:
@@ -307,6 +418,8 @@ class OnPremNode(pulumi.ComponentResource):
     bundle_sha256: str
     gpu_check: remote.Command
     copy: remote.CopyToRemote
+    acme: remote.Command | None = None
+    """certbot's renewal on the host (``acme_install_script``), with ``tls.mode: acme`` only."""
     compose_up: remote.Command
     ready: remote.Command
 
@@ -369,6 +482,33 @@ class OnPremNode(pulumi.ComponentResource):
             create=_as_root(secrets_script(install_dir), user),
             stdin=pulumi.Output.secret(pulumi.Output.from_input(args.secret_files).apply(stdin_of)),
         )
+        before_up: list[pulumi.Resource] = [install, secrets]
+        if profile.tls.mode == "acme":
+            # Right after the GPU check: a host without certbot fails before anything changes on it. The
+            # files' hash in `environment`: a change is an update (create runs again), never a replacement
+            # whose delete would remove the new files.
+            acme_sha256 = hashlib.sha256(acme_install_script(profile, install_dir).encode()).hexdigest()
+            self.acme = remote.Command(
+                f"{name}-acme",
+                connection=conn,
+                create=_as_root(acme_install_script(profile, install_dir), user),
+                delete=_as_root(acme_remove_script(profile, install_dir), user),
+                environment={"DUPLEX_ACME_SHA256": acme_sha256},
+                triggers=[args.host, str(args.port), install_dir],
+                opts=child_options(self, [*deps, self.gpu_check], delete_before_replace=True),
+            )
+            before_up.append(self.acme)
+        if args.registry is not None and args.registry_token is not None:
+            # Runs at every deploy (a new token each time), before compose-up pulls the new image.
+            before_up.append(
+                remote.Command(
+                    f"{name}-registry-login",
+                    connection=conn,
+                    create=_as_root(registry_login_script(args.registry), user),
+                    stdin=pulumi.Output.secret(args.registry_token),
+                    opts=child_options(self, [*deps, secrets]),
+                )
+            )
         self.compose_up = remote.Command(
             f"{name}-compose-up",
             connection=conn,
@@ -378,7 +518,7 @@ class OnPremNode(pulumi.ComponentResource):
             # variable itself, which nothing reads).
             environment={"DUPLEX_BUNDLE_SHA256": digest},
             triggers=[args.host, str(args.port), install_dir],
-            opts=child_options(self, [*deps, install, secrets], delete_before_replace=True),
+            opts=child_options(self, [*deps, *before_up], delete_before_replace=True),
         )
         self.ready = step(
             "ready",
@@ -386,3 +526,90 @@ class OnPremNode(pulumi.ComponentResource):
             create=_as_root(ready_script(profile, install_dir, args.ready_timeout_s), user),
         )
         self.register_outputs({"bundle_sha256": digest, "ready": self.ready.stdout})
+
+
+def artifact_registry_repository(image: str) -> tuple[str, str, str, str] | None:
+    """``(registry host, project, location, repository id)`` of an Artifact Registry image reference
+    (``LOCATION-docker.pkg.dev/PROJECT/REPOSITORY/IMAGE@sha256:...``), or None for another registry.
+
+    >>> artifact_registry_repository("us-central1-docker.pkg.dev/p-1/repo/runtime@sha256:" + "a" * 64)
+    ('us-central1-docker.pkg.dev', 'p-1', 'us-central1', 'repo')
+    """
+    host, _, path = image.partition("/")
+    if not host.endswith("-docker.pkg.dev") or path.count("/") < 2:
+        return None
+    project, repository = path.split("/")[:2]
+    return host, project, host.removesuffix("-docker.pkg.dev"), repository
+
+
+class RegistryPuller(pulumi.ComponentResource):
+    """A service account that may only read one Artifact Registry repository, and a 1-hour access token of
+    it minted at each deploy by the deploying identity (``iamcredentials generateAccessToken``; the
+    deployer gets ``roles/iam.serviceAccountTokenCreator`` on this account only). The token travels to the
+    host over the pinned SSH session and is used by the same deploy's pull; the host keeps no standing
+    credential (a service account key is refused by the secure-by-default organization policy
+    ``iam.disableServiceAccountKeyCreation``). A restart or reboot of the host runs the image already
+    pulled; only a deploy pulls, and each deploy brings a fresh token.
+
+    Attributes:
+        registry: the registry host (``us-central1-docker.pkg.dev``).
+        token: the access token (secret Output).
+        account: the read-only service account.
+    """
+
+    registry: str
+    token: pulumi.Output[str]
+    account: serviceaccount.Account
+
+    def __init__(
+        self, name: str, image: str, account_id: str, opts: pulumi.ResourceOptions | None = None
+    ) -> None:
+        """Raises: ValueError: ``image`` is not in Artifact Registry (``artifact_registry_repository``)."""
+        super().__init__(f"{COMPONENT_PACKAGE}:RegistryPuller", name, None, opts)
+        found = artifact_registry_repository(image)
+        if found is None:
+            raise ValueError(
+                f"image {image!r} is not in Artifact Registry (LOCATION-docker.pkg.dev/PROJECT/REPO/...)"
+            )
+        self.registry, project, location, repository = found
+        deps = dependencies(opts)
+        self.account = serviceaccount.Account(
+            f"{name}-account",
+            project=project,
+            account_id=account_id,
+            display_name=f"duplexops image puller {account_id}",
+            description="Reads the runtime image for an on-premises node (short-lived tokens, no key)",
+            opts=child_options(self, deps),
+        )
+        member = self.account.email.apply(lambda email: f"serviceAccount:{email}")
+        reader = artifactregistry.RepositoryIamMember(
+            f"{name}-reads-repository",
+            project=project,
+            location=location,
+            repository=repository,
+            role="roles/artifactregistry.reader",
+            member=member,
+            opts=child_options(self, deps),
+        )
+        deployer = organizations.get_client_open_id_user_info_output().email.apply(_member_of)
+        minter = serviceaccount.IAMMember(
+            f"{name}-deployer-mints",
+            service_account_id=self.account.name,
+            role="roles/iam.serviceAccountTokenCreator",
+            member=deployer,
+            opts=child_options(self, deps),
+        )
+        result = serviceaccount.get_account_access_token_output(
+            target_service_account=self.account.email,
+            scopes=["https://www.googleapis.com/auth/cloud-platform"],
+            lifetime="3600s",
+            opts=pulumi.InvokeOutputOptions(depends_on=[reader, minter]),
+        )
+        self.token = pulumi.Output.secret(result.access_token)
+        self.register_outputs({"account": self.account.email, "registry": self.registry})
+
+
+def _member_of(email: str) -> str:
+    """The IAM member of the deploying identity: a service account (CI) or a user (a person's gcloud)."""
+    kind = "serviceAccount" if email.endswith(".gserviceaccount.com") else "user"
+    return f"{kind}:{email}"

@@ -22,12 +22,14 @@ import pulumi
 import pulumi_kubernetes as kubernetes
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.deploy_timeouts import PULUMI_CUSTOM_TIMEOUT
 from infra.k8s.region import APPLY_FIRST, apply_rank
 
 __all__ = ["CUSTOM_TIMEOUT", "RegionalRuntime", "resource_class"]
 
-CUSTOM_TIMEOUT = "60m"
-"""Create/update timeout of each object: a first rollout downloads and loads the weights."""
+CUSTOM_TIMEOUT = PULUMI_CUSTOM_TIMEOUT
+"""Create/update timeout of each object: a first rollout downloads and loads the weights (longer than the
+weights Job's deadline: infra/deploy_timeouts.py)."""
 
 
 def resource_class(api_version: str, kind: str) -> type[pulumi.CustomResource] | None:

@@ -4,7 +4,7 @@
 ``base`` (``RegionWorkload`` and what every builder uses), ``workload`` (the runtime), ``prefetch`` (the
 weights Job), ``scaling`` (the autoscaler) and ``metrics_adapter`` (its metric source), ``monitoring`` (GMP,
 rules, Grafana); ``region`` puts them together in apply order; ``manifest`` writes and validates them.
-README, "Stack multi-region".
+docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 validated), the names the objects share (namespace, app, service accounts, Secret, mounts), the joins of
 values that may be Pulumi Outputs (``lift``, ``redis_url``), labels, metadata, Pod Security ``restricted``
 contexts, Workload Identity service accounts and the model bucket's Cloud Storage FUSE volume.
-README, "Stack multi-region".
+docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import quote
 
 from infra.capacity.gcp import ACCELERATOR_TYPES
-from infra.names import PROJECT_ID_RE, REGION_RE
+from infra.names import PROJECT_ID_RE, REGION_RE, ZONE_RE
 from infra.node.compose import RUNTIME_UID
 from infra.node.profile import NodeProfile
 from runtime.engine.model_presets import get_preset
@@ -226,6 +226,9 @@ class RegionWorkload:
 
     Attributes:
         region: GCP region, e.g. ``us-central1``.
+        zones: the zones of the region's GPU pool (``us-central1-a``, ...): the runtime pods spread over
+            them, at least one in each (``min_replicas`` >= their number), and the runtime Service asks for
+            a NEG in each.
         cluster_name: the region's GKE cluster (GMP's ``cluster`` label; Grafana's queries use it).
         project: GCP project id (the GMP query frontend's ``--query.project-id``).
         profile: the region's node profile: ``sessions`` = slots per pod; ``domain`` = the global domain;
@@ -248,12 +251,17 @@ class RegionWorkload:
         monitoring_service_account: Google service account (email) of the GMP query frontend and the
             Custom Metrics Stackdriver Adapter (``roles/monitoring.viewer``).
         grafana_admin_password: Grafana's admin password (secret).
+        alert_secrets: the alert receivers' secrets for ``profile.alerting``, ``{role of
+            infra.node.services.OPTIONAL_SECRET_FILES: value}``: a plain mapping, or a Pulumi Output of one
+            (secret); None: none (``infra.k8s.alerting``).
         neg_name: the standalone NEG's name (the same in every zone of the region).
+        page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
         namespace: the runtime's namespace (``duplex``).
         target_slot_utilization: the HPA's target share of slots in use per pod, 0 < u <= 1 (0.8).
     """
 
     region: str
+    zones: tuple[str, ...]
     cluster_name: str
     project: str
     profile: NodeProfile
@@ -271,8 +279,10 @@ class RegionWorkload:
     monitoring_service_account: Any
     grafana_admin_password: Any = field(repr=False)
     neg_name: str
+    page_neg_name: str
     redis_url: Any = field(default=None, repr=False)
     hf_token: Any = field(default=None, repr=False)
+    alert_secrets: Any = field(default=None, repr=False)
     weights_service_account: Any = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8
@@ -289,6 +299,11 @@ class RegionWorkload:
             ("project", PROJECT_ID_RE, "a GCP project id: 6-30 lower-case letters, digits, '-'"),
             ("namespace", _DNS_LABEL_RE, "a DNS label (lower case, digits, '-', at most 63)"),
             ("neg_name", _GCE_NAME_RE, "a GCE resource name: a letter, then letters, digits, '-' (<= 63)"),
+            (
+                "page_neg_name",
+                _GCE_NAME_RE,
+                "a GCE resource name: a letter, then letters, digits, '-' (<= 63)",
+            ),
         ]
         for name, pattern, allowed in checks:
             value = getattr(self, name)
@@ -323,6 +338,23 @@ class RegionWorkload:
                 raise bad(name, value, "must be an integer from 1 to 1000")
         if self.max_replicas < self.min_replicas:
             raise bad("max_replicas", self.max_replicas, f"must be >= min_replicas ({self.min_replicas})")
+        zones = self.zones
+        if (
+            not isinstance(zones, tuple)
+            or not zones
+            or len(set(zones)) != len(zones)
+            or not all(
+                isinstance(z, str) and ZONE_RE.match(z) and z.startswith(self.region + "-") for z in zones
+            )
+        ):
+            raise bad("zones", zones, f"must be a non-empty tuple of distinct zones of {self.region}")
+        if self.min_replicas < len(zones):
+            raise bad(
+                "min_replicas",
+                self.min_replicas,
+                f"must be >= the number of zones ({len(zones)}): one runtime pod in every zone, or GKE "
+                "makes no NEG there and the load balancer's backend for that zone is missing",
+            )
         utilization = self.target_slot_utilization
         if (
             isinstance(utilization, bool)

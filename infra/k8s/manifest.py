@@ -3,7 +3,7 @@
 ``kubernetes_validate``, GMP's custom kinds against their CRD schemas in ``schemas/``, both strict).
 
 The validators (``jsonschema``, ``kubernetes_validate``) are in the ``dev`` extra: they are imported only
-when ``validate_manifests`` runs, so ``pulumi up`` never needs them. README, "Stack multi-region".
+when ``validate_manifests`` runs, so ``pulumi up`` never needs them. docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

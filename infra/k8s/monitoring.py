@@ -1,8 +1,9 @@
 """Monitoring of one region on Google Managed Prometheus (GMP): ``PodMonitoring`` of the runtime and
 redis_exporter (which watches Memorystore over TLS), GPU series from GKE's managed DCGM exporter
 (``DCGM_SELECTOR``), the node's alert rules as a ``ClusterRules`` (``infra.node.prometheus.alert_rules``,
-each query scoped to its cluster), and the tools to look at it: the GMP query frontend and Grafana with the
-node's dashboard (reached with ``kubectl port-forward``). README, "Stack multi-region".
+each query scoped to its cluster), where those alerts go (GMP's managed Alertmanager with the node's
+receivers: ``infra.k8s.alerting``), and the tools to look at it: the GMP query frontend and Grafana with the
+node's dashboard (reached with ``kubectl port-forward``). docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
+from infra.k8s.alerting import alertmanager_secret
 from infra.k8s.base import (
     PART_OF,
     REDIS_CA_CONFIGMAP,
@@ -234,7 +236,8 @@ def rule_groups(workload: RegionWorkload) -> list[dict[str, Any]]:
 
 def cluster_rules(workload: RegionWorkload) -> dict[str, Any]:
     """GMP ``ClusterRules`` ``<namespace>-rules`` (cluster-scoped): the node's recording and alert rules
-    (``rule_groups``). Alerts go to GMP's managed Alertmanager when one is configured (not here)."""
+        (``rule_groups``). GMP's rule-evaluator sends the alerts to the managed Alertmanager, configured with
+    the profile's receivers by ``infra.k8s.alerting.alertmanager_secret``."""
     return {
         "apiVersion": "monitoring.googleapis.com/v1",
         "kind": "ClusterRules",
@@ -383,11 +386,14 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
 
 def monitoring_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     """Every monitoring object of the region in apply order: redis_exporter (Deployment, Service,
-    PodMonitoring), the GMP frontend, Grafana, the runtime's PodMonitoring and the ClusterRules."""
+    PodMonitoring), the GMP frontend, Grafana, the runtime's PodMonitoring, the ClusterRules and, when the
+    profile has alert receivers, the managed Alertmanager's configuration (``alertmanager_secret``)."""
+    alerting = alertmanager_secret(workload)
     return [
         *redis_exporter_objects(workload),
         *frontend_objects(workload),
         *grafana_objects(workload),
         runtime_pod_monitoring(workload),
         cluster_rules(workload),
+        *([alerting] if alerting is not None else []),
     ]

@@ -1,6 +1,6 @@
 """The weights-prefetch Job of one region: the runtime image downloads the profile's Hugging Face
 repository once into the region's model bucket (``scripts/prefetch_weights.py``) and marks it complete;
-the runtime pods wait for the marker and mount the bucket read-only. README, "Stack multi-region".
+the runtime pods wait for the marker and mount the bucket read-only. docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from infra.deploy_timeouts import WEIGHTS_JOB_DEADLINE_S
 from infra.k8s.base import (
     GCSFUSE_ANNOTATIONS,
     MODELS_MOUNT,
@@ -57,8 +58,9 @@ def weights_job(workload: RegionWorkload) -> dict[str, Any]:
     the GPU pool's taint keeps it off), writing ``/models/<repo>`` on a read-write Cloud Storage FUSE volume
     of ``weights_bucket`` as ``weights_service_account``, then ``WEIGHTS_MARKER``. ``HF_TOKEN`` from the
     Secret when ``hf_token`` is given (gated repositories such as nvidia/personaplex-7b-v1). 4 retries
-    (``backoffLimit``), each a fresh pod; 2 h at most (``activeDeadlineSeconds``: ~17 GB at >= 3 MB/s).
-    Requests 1 CPU and 1 GiB (memory limit 4 GiB): the download streams to the bucket."""
+    (``backoffLimit``), each a fresh pod; ``WEIGHTS_JOB_DEADLINE_S`` at most (``activeDeadlineSeconds``;
+    infra/deploy_timeouts.py). Requests 1 CPU and 1 GiB (memory limit 4 GiB): the download streams to the
+    bucket."""
     repo = workload.weights_repo
     env: list[dict[str, Any]] = [
         {"name": "HF_HOME", "value": "/tmp/huggingface"},
@@ -90,7 +92,7 @@ def weights_job(workload: RegionWorkload) -> dict[str, Any]:
         "metadata": object_meta(workload, WEIGHTS_JOB, "weights", app=WEIGHTS_APP),
         "spec": {
             "backoffLimit": 4,
-            "activeDeadlineSeconds": 7200,
+            "activeDeadlineSeconds": WEIGHTS_JOB_DEADLINE_S,
             "template": {
                 "metadata": {
                     "labels": standard_labels(WEIGHTS_APP, "weights"),

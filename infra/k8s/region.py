@@ -1,8 +1,7 @@
 """One region's Kubernetes objects put together: every object in apply order (``region_objects``), the
 Workload Identity bindings they need, and the operator commands the stack prints. It sits above the
-builders (``workload``, ``prefetch``, ``scaling``, ``metrics_adapter``, ``monitoring``), which never import
-it. README, "Stack
-multi-region"."""
+builders (``workload``, ``prefetch``, ``scaling``, ``page``, ``metrics_adapter``, ``monitoring``), which
+never import it. docs/deploying.md, "Stack multi-region"."""
 
 from __future__ import annotations
 
@@ -25,6 +24,7 @@ from infra.k8s.monitoring import (
     GRAFANA_SECRET_KEY,
     monitoring_objects,
 )
+from infra.k8s.page import page_objects
 from infra.k8s.prefetch import weights_job, weights_service_account
 from infra.k8s.scaling import horizontal_pod_autoscaler
 from infra.k8s.workload import (
@@ -69,9 +69,9 @@ def apply_rank(obj: Mapping[str, Any]) -> int:
 
 def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     """Every Kubernetes object of one region, in apply order: the runtime's (``workload``), the weights
-    Job's (``prefetch``), the autoscaler (``scaling``), the Custom Metrics Stackdriver Adapter's
-    (``metrics_adapter``) and the monitoring ones (``monitoring``), stably sorted so that the kinds of
-    ``APPLY_FIRST`` come first, in that order.
+    Job's (``prefetch``), the autoscaler (``scaling``), the browser client's (``page``), the Custom Metrics
+    Stackdriver Adapter's (``metrics_adapter``) and the monitoring ones (``monitoring``), stably sorted so
+    that the kinds of ``APPLY_FIRST`` come first, in that order.
 
     Raises:
         ValueError: two objects with the same kind, namespace and name.
@@ -87,6 +87,7 @@ def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         runtime_service(workload),
         pod_disruption_budget(workload),
         horizontal_pod_autoscaler(workload),
+        *page_objects(workload),
         *adapter_objects(workload),
         *monitoring_objects(workload),
     ]

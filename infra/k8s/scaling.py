@@ -1,6 +1,6 @@
 """Scaling of one region: the HorizontalPodAutoscaler of the runtime's Deployment on the active sessions
 per pod, through Google Managed Prometheus and the Custom Metrics Stackdriver Adapter
-(``infra.k8s.metrics_adapter``). README, "Stack multi-region".
+(``infra.k8s.metrics_adapter``). docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The runtime of one region on GKE: its Namespace (Pod Security ``restricted``), ServiceAccount, Secret,
 Memorystore CA, Deployment (one pod per GPU node, probes, the drain on preStop), Service (standalone NEG for
 the global load balancer) and PodDisruptionBudget. The weights Job is ``prefetch``'s, the autoscaler
-``scaling``'s. README, "Stack multi-region" (draining: "Drain").
+``scaling``'s. docs/deploying.md, "Stack multi-region" (draining: docs/operations.md, "Drain").
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from infra.k8s.base import (
@@ -47,8 +48,10 @@ __all__ = [
     "PRESTOP_POLL_S",
     "STARTUP_PROBE_FAILURES",
     "STARTUP_PROBE_PERIOD_S",
+    "ZONE_TOPOLOGY_KEY",
     "drain_seconds",
     "namespace",
+    "neg_annotation",
     "pod_disruption_budget",
     "prestop_command",
     "redis_ca_configmap",
@@ -59,6 +62,7 @@ __all__ = [
     "runtime_service_account",
     "startup_budget_s",
     "termination_grace_s",
+    "zone_spread",
 ]
 
 DRAIN_MARGIN_S = 60
@@ -218,13 +222,39 @@ def prestop_command(port: int, pid: int = 1) -> list[str]:
     return ["/bin/sh", "-c", f"kill -TERM {pid}; while {check}; do sleep {PRESTOP_POLL_S}; done"]
 
 
+ZONE_TOPOLOGY_KEY = "topology.kubernetes.io/zone"
+"""The node label of its zone (well-known Kubernetes label)."""
+
+
+def zone_spread(selector: Mapping[str, str]) -> list[dict[str, Any]]:
+    """``topologySpreadConstraints`` of the pods labelled ``selector``: over the zones
+    (``ZONE_TOPOLOGY_KEY``), at most one pod more in any zone than in the emptiest (``maxSkew`` 1), as a
+    scheduling rule (``DoNotSchedule``), counting only the nodes the pod may run on (its node selector;
+    Kubernetes' default ``nodeAffinityPolicy: Honor``).
+
+    The runtime's: with ``min_replicas`` >= the zones (``RegionWorkload``) and a GPU node in every zone
+    from the pool's creation (``infra.components.gke_parts.INITIAL_NODES_PER_ZONE``), every zone always
+    holds a runtime pod, so GKE's NEG controller makes the zone's NEG (it makes NEGs only where the Service
+    has pods: kubernetes/ingress-gce issue 1755) and the global backend service finds it. The cost: a zone
+    out of GPUs caps the others at one pod more than it holds; the global load balancer then spills callers
+    to the next region."""
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": ZONE_TOPOLOGY_KEY,
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": dict(selector)},
+        }
+    ]
+
+
 def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
     """The runtime's Deployment. No ``replicas`` field: the HorizontalPodAutoscaler owns it (a value here
     would reset the count at every apply).
 
     - Rolling updates add one pod before removing one (maxSurge 1, maxUnavailable 0): capacity never dips.
     - One GPU per pod (``nvidia.com/gpu: 1``), on the GPU pool (``cloud.google.com/gke-accelerator``),
-      tolerating its ``nvidia.com/gpu`` NoSchedule taint.
+      tolerating its ``nvidia.com/gpu`` NoSchedule taint, spread over the zones (``zone_spread``).
     - Resources: requests 4 CPU and 20 GiB, memory limit 28 GiB, no CPU limit (CFS throttling would stretch
       the 80 ms tick). Memory: loading personaplex-7b holds its 15.6 GiB bf16 state dict in host memory
       (``runtime.engine.models.load_checkpoint``; ``infra.capacity.models``) plus torch and CUDA (~3 GiB),
@@ -315,6 +345,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
                     "enableServiceLinks": False,
                     "nodeSelector": {"cloud.google.com/gke-accelerator": workload.accelerator},
                     "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+                    "topologySpreadConstraints": zone_spread(pod_labels(workload)),
                     "terminationGracePeriodSeconds": termination_grace_s(profile),
                     "securityContext": pod_security(RUNTIME_UID),
                     "initContainers": [wait_for_weights],
@@ -341,13 +372,24 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
     }
 
 
+def neg_annotation(name: str, port: int, zones: tuple[str, ...]) -> str:
+    """The ``cloud.google.com/neg`` annotation of a Service with standalone NEGs named ``name`` for ``port``
+    in ``zones``: ``{"exposed_ports": {"<port>": {"name": ...}}, "zones": [...]}``. ``zones`` is the NEG
+    controller's pre-provisioning field (kubernetes/ingress-gce PR 3152, merged July 2026): where GKE runs
+    it, the NEG of every listed zone exists even before a pod does; older controllers ignore the field and
+    make a zone's NEG with its first pod (``zone_spread`` puts one in each)."""
+    return json.dumps(
+        {"exposed_ports": {str(port): {"name": name}}, "zones": list(zones)}, separators=(",", ":")
+    )
+
+
 def runtime_service(workload: RegionWorkload) -> dict[str, Any]:
     """The runtime's ClusterIP Service, port ``http`` = ``profile.ports.runtime`` (8998), annotated
-    ``cloud.google.com/neg: {"exposed_ports": {"8998": {"name": <neg_name>}}}``: GKE's NEG controller
-    creates a standalone zonal NEG of that name in every zone with runtime pods, endpoints = ready pod IPs;
-    the stack's global load balancer uses them as backends."""
+    ``cloud.google.com/neg`` (``neg_annotation``): GKE's NEG controller creates a standalone zonal NEG of
+    that name in every zone of ``workload.zones``, endpoints = ready pod IPs; the stack's global load
+    balancer uses them as backends."""
     port = workload.profile.ports.runtime
-    neg = json.dumps({"exposed_ports": {str(port): {"name": workload.neg_name}}}, separators=(",", ":"))
+    neg = neg_annotation(workload.neg_name, port, workload.zones)
     return cluster_ip_service(
         workload, APP_NAME, "runtime", "http", port, annotations={"cloud.google.com/neg": neg}
     )

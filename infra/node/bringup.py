@@ -117,8 +117,8 @@ def runtime_health_problem(runtime_url: str, *, timeout_s: float = 5.0) -> str |
 def _check_load(check: NodeCheck, sessions: int) -> None:
     assert check.load is not None
     for i, r in enumerate(check.load.sessions):
-        if not r.handshake:
-            check.problems.append(f"session {i} was not served: {r.refusal_reason or 'no handshake'}")
+        if r.failure:  # not served, cut before its last frame, or closed with a code other than 1000
+            check.problems.append(f"session {i} {r.failure}")
         elif r.audio_messages == 0:
             check.problems.append(f"session {i} got no audio")
         elif not r.text.strip():

@@ -11,6 +11,7 @@ path                                                rendered by
 ``web/`` (the browser client, served at ``/``)      ``infra.node.webclient``
 ``redis/redis.conf``                                ``infra.node.redis_conf``
 ``prometheus/prometheus.yml``, ``rules/``, ``tests/``  ``infra.node.prometheus``
+``alertmanager/alertmanager.yml``                    ``infra.node.alertmanager``
 ``grafana/provisioning/...``, ``grafana/dashboards/``  ``infra.node.grafana``
 ``compose.yaml`` (compose nodes)                    ``infra.node.compose``
 ``cloud-init/user-data.yaml`` (compose nodes)        ``infra.node.cloud_init``
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
+from infra.node.alertmanager import render_alertmanager
 from infra.node.cloud_init import render_cloud_init
 from infra.node.compose import render_compose
 from infra.node.grafana import render_grafana
@@ -49,6 +51,7 @@ def render_bundle(profile: NodeProfile) -> dict[str, bytes]:
     """
     files: dict[str, bytes] = {}
     parts = [render_nginx(profile), render_redis(profile), render_prometheus(profile)]
+    parts.append(render_alertmanager(profile))
     parts.append(render_grafana(profile))
     parts.append(render_web())
     if profile.deployment == "compose":

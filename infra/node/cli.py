@@ -128,7 +128,10 @@ def up_command(
             console.print(f"[red]the node did not start:[/red] {exc}")
             raise typer.Exit(2 if isinstance(exc, MissingBinaryError) else 1) from None
         try:
-            console.print(f"node up: {node.wss_url}/api/chat  Prometheus {node.prometheus_url}")
+            console.print(
+                f"node up: {node.wss_url}/api/chat  Prometheus {node.prometheus_url}  "
+                f"Alertmanager {node.alertmanager_url}"
+            )
             console.print(f"logs: {node.node_dir}/logs")
             count = sessions or profile.sessions
             speech = load_speech(wav, count)

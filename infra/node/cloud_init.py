@@ -43,6 +43,9 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
+from infra.node.acme import SERVICE as ACME_SERVICE
+from infra.node.acme import TIMER as ACME_TIMER
+from infra.node.acme import acme_dirs, render_acme_host_files
 from infra.node.compose import (
     COMPOSE_FILE,
     CONTAINER_READ_SECRETS,
@@ -50,7 +53,7 @@ from infra.node.compose import (
     node_stop_timeout_s,
 )
 from infra.node.profile import NodeProfile
-from infra.node.services import SECRET_FILES, SECRETS_DIR
+from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
 from infra.yaml_text import dump_yaml
 
 __all__ = [
@@ -93,6 +96,8 @@ EXTRA_SECRET_ROLES = {
     "hf_token": f"the bare Hugging Face token, written as HF_TOKEN=... to {HF_TOKEN_FILE}",
     "tls_certificate": "PEM certificate chain, written to tls.certificate_path (tls.mode: files)",
     "tls_private_key": "PEM private key, written to tls.private_key_path (tls.mode: files)",
+    "alert_email_password": "the SMTP password of the e-mail alert receiver (alerting.email_password)",
+    "alert_pagerduty_routing_key": "the PagerDuty Events API v2 routing key (alerting.pagerduty)",
 }
 """Optional Secret Manager roles beyond ``SECRET_FILES``, with what each secret holds."""
 
@@ -115,6 +120,22 @@ def google_registry_host(image: str) -> str | None:
     match = _GOOGLE_REGISTRY_RE.match(image)
     return match.group(1) if match else None
 
+
+GUEST_ATTRIBUTE_TLS_SHA256 = "duplex/tls-sha256"
+"""The GCE guest attribute (namespace/key) where the node publishes its serving certificate's SHA-256
+fingerprint at each start (needs the instance metadata ``enable-guest-attributes: TRUE``); read it with
+``gcloud compute instances get-guest-attributes VM --zone ZONE --query-path=duplex/tls-sha256``."""
+
+OPS_AGENT_INSTALL = (
+    "curl -fsSL -o /tmp/add-google-cloud-ops-agent-repo.sh "
+    "https://dl.google.com/cloudagents/add-google-cloud-ops-agent-repo.sh && "
+    "bash /tmp/add-google-cloud-ops-agent-repo.sh --also-install"
+)
+"""How the VM installs Google's Ops Agent (cloud.google.com/stackdriver/docs/solutions/agents/ops-agent/
+installation). Its default configuration ships the system log, which holds the node unit's journal and so
+every container's output (``docker compose up`` runs in the foreground), to Cloud Logging, and the host's
+metrics to Cloud Monitoring (the VM's service account needs ``roles/logging.logWriter`` and
+``roles/monitoring.metricWriter``)."""
 
 _SECRET_FETCH_ATTEMPTS = 5
 _SECRET_FETCH_PAUSE_S = 10
@@ -153,6 +174,7 @@ def render_cloud_init(
         raise ValueError(f"the bundle has no {COMPOSE_FILE}: render it with infra.node.bundle.render_bundle")
     files = _bundle_files(bundle)
     secret_roles = _check_secrets(profile, secret_manager_secrets, project_id)
+    compose = f"{_DOCKER} compose --project-directory {NODE_ROOT} --file {NODE_ROOT}/{COMPOSE_FILE}"
 
     write_files: list[dict[str, Any]] = [
         {
@@ -169,7 +191,7 @@ def render_cloud_init(
             "path": PREPARE_SCRIPT,
             "owner": "root:root",
             "permissions": "0755",
-            "content": _prepare_script(profile, secret_roles, project_id, registry_login=True),
+            "content": _prepare_script(profile, secret_roles, project_id, on_gce=True),
         }
     )
     write_files.append(
@@ -177,9 +199,19 @@ def render_cloud_init(
             "path": f"/etc/systemd/system/{UNIT_NAME}",
             "owner": "root:root",
             "permissions": "0644",
-            "content": _unit(profile),
+            "content": _unit(profile, compose),
         }
     )
+    runcmd_acme: list[list[str]] = []
+    if profile.tls.mode == "acme":
+        acme_files = render_acme_host_files(profile, reload_command=f"{compose} kill --signal HUP nginx")
+        for path, (mode, content) in acme_files.items():
+            write_files.append({"path": path, "owner": "root:root", "permissions": mode, "content": content})
+        install_certbot = (
+            "command -v certbot >/dev/null || { apt-get update -q && "
+            "DEBIAN_FRONTEND=noninteractive apt-get install -y -q certbot; }"
+        )
+        runcmd_acme = [["sh", "-c", install_certbot], ["systemctl", "enable", "--now", ACME_TIMER]]
     install_compose = (
         f"{_DOCKER} compose version >/dev/null 2>&1 || {{ apt-get update -q && "
         "DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose-plugin; }"
@@ -191,6 +223,9 @@ def render_cloud_init(
             ["systemctl", "daemon-reload"],
             ["systemctl", "enable", UNIT_NAME],
             ["systemctl", "start", "--no-block", UNIT_NAME],
+            *runcmd_acme,
+            # Logs and host metrics leave the VM (OPS_AGENT_INSTALL); the node does not wait for it.
+            ["sh", "-c", f"systemctl is-active --quiet google-cloud-ops-agent || {{ {OPS_AGENT_INSTALL}; }}"],
         ],
     }
     secrets_note = (
@@ -246,11 +281,11 @@ def _check_secrets(
             f"secret_manager_secrets: unknown role(s) {', '.join(unknown)}; "
             f"allowed: {', '.join(sorted(allowed))}"
         )
-    missing = sorted(set(SECRET_FILES) - set(secrets))
+    missing = sorted((set(SECRET_FILES) | set(optional_secret_roles(profile))) - set(secrets))
     if missing:
         raise ValueError(
-            f"secret_manager_secrets: missing role(s) {', '.join(missing)}; every role of SECRET_FILES needs "
-            "a Secret Manager secret"
+            f"secret_manager_secrets: missing role(s) {', '.join(missing)}; every role of SECRET_FILES, and "
+            "those the profile's alert receivers use, needs a Secret Manager secret"
         )
     for role, secret_id in secrets.items():
         if not _SECRET_ID_RE.match(secret_id):
@@ -258,6 +293,12 @@ def _check_secrets(
                 f"secret_manager_secrets[{role!r}]: {secret_id!r} is not a Secret Manager secret id "
                 "(1-255 letters, digits, '_' or '-')"
             )
+    unused = sorted(set(secrets) & (set(OPTIONAL_SECRET_FILES) - set(optional_secret_roles(profile))))
+    if unused:
+        raise ValueError(
+            f"secret_manager_secrets: {', '.join(unused)} given but the profile's alerting does not use it "
+            "(alerting.email_password, alerting.pagerduty)"
+        )
     tls_roles = {"tls_certificate", "tls_private_key"} & set(secrets)
     if tls_roles and profile.tls.mode != "files":
         raise ValueError(
@@ -292,7 +333,7 @@ def _prepare_script(
     project_id: str | None,
     *,
     root: str = NODE_ROOT,
-    registry_login: bool = False,
+    on_gce: bool = False,
 ) -> str:
     q = shlex.quote
     lines = [
@@ -312,7 +353,7 @@ def _prepare_script(
         path = q(d.path)
         lines.append(f"mkdir -p {path} && chown {d.uid}:{d.gid} {path} && chmod {d.mode:04o} {path}")
 
-    registry = google_registry_host(profile.runtime_image) if registry_login else None
+    registry = google_registry_host(profile.runtime_image) if on_gce else None
     if registry is not None:
         lines += [
             "",
@@ -333,7 +374,20 @@ def _prepare_script(
 
     crt, key = q(profile.tls.certificate_path), q(profile.tls.private_key_path)
     lines += ["", f"# TLS (tls.mode: {profile.tls.mode})."]
-    if profile.tls.mode == "self-signed":
+    if profile.tls.mode == "acme":
+        # A certificate certbot already holds (its state is under data_dir, kept with the node's data)
+        # goes where nginx reads it; else the self-signed one below lets nginx start until the first is
+        # issued (infra.node.acme).
+        live = acme_dirs(profile).live_dir
+        chain, private = q(f"{live}/fullchain.pem"), q(f"{live}/privkey.pem")
+        lines += [
+            f"if [ -s {chain} ] && [ -s {private} ] && ! cmp -s {chain} {crt}; then",
+            f'    log "installing the ACME certificate of {live}"',
+            f"    install -m 0600 {private} {key}.tmp && mv -f {key}.tmp {key}",
+            f"    install -m 0644 {chain} {crt}.tmp && mv -f {crt}.tmp {crt}",
+            "fi",
+        ]
+    if profile.tls.mode in ("self-signed", "acme"):
         domain = profile.domain
         subject = q(f"/CN={domain}")
         names = q(f"subjectAltName=DNS:{domain},DNS:localhost,IP:127.0.0.1")
@@ -359,6 +413,8 @@ def _prepare_script(
             '    log "missing $f (tls.mode: files): install the certificate and key"; exit 1',
             "done",
         ]
+    if secrets is None or "tls_certificate" not in secrets:
+        lines += _fingerprint_lines(crt, on_gce=on_gce)
 
     lines += [
         "",
@@ -378,6 +434,12 @@ def _prepare_script(
         ]
         for role in sorted(CONTAINER_READ_SECRETS):
             lines.append(f"chmod 0640 {q(f'{root}/{SECRET_FILES[role]}')}")
+        for role in optional_secret_roles(profile):  # the alert receivers' secrets (Alertmanager reads them)
+            path = q(f"{root}/{OPTIONAL_SECRET_FILES[role]}")
+            lines += [
+                f'[ -s {path} ] || {{ log "missing secret file {path} (alerting)"; exit 1; }}',
+                f"chmod 0640 {path}",
+            ]
         return "\n".join(lines) + "\n"
 
     project = f" --project={q(project_id)}" if project_id is not None else ""
@@ -410,7 +472,25 @@ def _prepare_script(
         target, mode, env_name = targets[role]
         args = f"{q(secret_id)} {q(target)} {mode}" + (f" {env_name}" if env_name else "")
         lines.append(f"fetch {args}")
+    if "tls_certificate" in secrets:
+        lines += _fingerprint_lines(crt, on_gce=on_gce)
     return "\n".join(lines) + "\n"
+
+
+def _fingerprint_lines(crt: str, *, on_gce: bool) -> list[str]:
+    """Log the serving certificate's SHA-256 fingerprint (what a client pins for a self-signed one) and,
+    on GCE, publish it as the guest attribute ``GUEST_ATTRIBUTE_TLS_SHA256`` (best effort)."""
+    lines = [
+        f"fingerprint=$(openssl x509 -noout -fingerprint -sha256 -in {crt} | cut -d= -f2)",
+        'log "serving certificate SHA-256 fingerprint: $fingerprint"',
+    ]
+    if on_gce:
+        url = f"http://metadata.google.internal/computeMetadata/v1/instance/guest-attributes/{GUEST_ATTRIBUTE_TLS_SHA256}"
+        lines.append(
+            f'curl -fsS -X PUT -H "Metadata-Flavor: Google" --data "$fingerprint" {url} >/dev/null 2>&1 || '
+            'log "guest attributes are off (metadata enable-guest-attributes): fingerprint not published"'
+        )
+    return lines
 
 
 def _secret_targets(profile: NodeProfile) -> dict[str, tuple[str, str, str]]:
@@ -422,14 +502,22 @@ def _secret_targets(profile: NodeProfile) -> dict[str, tuple[str, str, str]]:
     targets["hf_token"] = (f"{NODE_ROOT}/{HF_TOKEN_FILE}", "0600", "HF_TOKEN")
     targets["tls_certificate"] = (profile.tls.certificate_path, "0644", "")
     targets["tls_private_key"] = (profile.tls.private_key_path, "0600", "")
+    for role, path in OPTIONAL_SECRET_FILES.items():
+        targets[role] = (f"{NODE_ROOT}/{path}", "0640", "")
     return targets
 
 
 # --- the systemd unit ------------------------------------------------------------------------------------
 
 
-def _unit(profile: NodeProfile) -> str:
-    compose = f"{_DOCKER} compose --project-directory {NODE_ROOT} --file {NODE_ROOT}/{COMPOSE_FILE}"
+def _unit(profile: NodeProfile, compose: str) -> str:
+    acme = ""
+    if profile.tls.mode == "acme":
+        acme = (
+            "# The certificate (infra.node.acme): certbot waits for nginx on port 80, then obtains or\n"
+            "# renews it.\n"
+            f"ExecStartPost=-/bin/systemctl start --no-block {ACME_SERVICE}\n"
+        )
     return f"""# Rendered by infra.node.cloud_init for node profile {profile.name!r}. Do not edit: re-render.
 [Unit]
 Description=Duplex node {profile.name} (docker compose in {NODE_ROOT})
@@ -452,7 +540,7 @@ EnvironmentFile=-{NODE_ROOT}/{HF_TOKEN_FILE}
 ExecStartPre={PREPARE_SCRIPT}
 ExecStartPre={compose} config --quiet
 ExecStart={compose} up --remove-orphans --no-color
-ExecStop={compose} down
+{acme}ExecStop={compose} down
 # First boot: Secret Manager retries; the image pull and the model download happen in ExecStart.
 TimeoutStartSec=900
 # nginx's and the runtime's stop grace periods (they cover the drain grace) plus a minute.

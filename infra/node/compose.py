@@ -5,8 +5,8 @@ under its Compose service name, so ``endpoint(profile, service)`` (``runtime:899
 is what nginx, Prometheus and Grafana dial. The project directory is the bundle root (``/etc/duplex`` on a
 VM): every bundle file and every secret is mounted by a path relative to it.
 
-Exposure: only nginx publishes ports on ``profile.public_address``; Prometheus and Grafana publish on
-``profile.private_address`` only (reached through an SSH tunnel or IAP); Redis, the runtime and the
+Exposure: only nginx publishes ports on ``profile.public_address``; Prometheus, Alertmanager and Grafana
+publish on ``profile.private_address`` only (reached through an SSH tunnel or IAP); Redis, the runtime and the
 exporters publish nothing and are reached on the bridge network alone.
 
 Secrets are never in the file. The runtime reads ``DUPLEX_REDIS_URL`` from ``secrets/runtime.env``
@@ -14,13 +14,14 @@ Secrets are never in the file. The runtime reads ``DUPLEX_REDIS_URL`` from ``sec
 from ``secrets/redis-auth.conf`` (``include``d by ``redis/redis.conf``), Grafana its admin password through
 ``GF_SECURITY_ADMIN_PASSWORD__FILE`` from a Compose secret backed by ``secrets/grafana_admin_password``,
 the runtime its session-token signing keys (``DUPLEX_TOKEN_KEYS_FILE``) from a Compose secret backed by
-``secrets/token_keys.json``.
+``secrets/token_keys.json``, Alertmanager its receivers' secrets (``OPTIONAL_SECRET_FILES``, when the
+profile's ``alerting`` uses them) from Compose secrets mounted at ``/run/secrets/<role>``.
 ``HF_TOKEN`` is passed through from the environment of whoever runs ``docker compose`` (it has no value
 in the file). Compose mounts file secrets as bind mounts, so the host file's owner and mode are what the
 container sees: the files a container reads itself (``CONTAINER_READ_SECRETS``) must be ``root:root``
 mode 0640, and the containers that read them run with group 0 (Grafana's image default; Redis is set to
-``999:0`` here, the runtime to ``10001:0``). The directories the containers write (``host_directories``)
-must exist with the owners listed there before ``docker compose up``.
+``999:0`` here, the runtime to ``10001:0``, Alertmanager to ``65534:0``). The directories the containers
+write (``host_directories``) must exist with the owners listed there before ``docker compose up``.
 
 Stopping: ``docker compose down`` stops nginx first (it depends on the runtime). nginx's stop signal is
 SIGQUIT (graceful: open WebSockets go on) and its grace period covers the drain grace, so running sessions
@@ -36,9 +37,19 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from infra.node.profile import GRAFANA_VERSION, NodeProfile
+from infra.images import NODE_IMAGES
+from infra.node.acme import WEBROOT_CONTAINER, acme_dirs
+from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
+from infra.node.profile import NodeProfile
 from infra.node.prometheus import prometheus_args
-from infra.node.services import SECRET_FILES, TOKEN_KEYS_CONTAINER_PATH, endpoint, runtime_settings
+from infra.node.services import (
+    OPTIONAL_SECRET_FILES,
+    SECRET_FILES,
+    TOKEN_KEYS_CONTAINER_PATH,
+    endpoint,
+    optional_secret_roles,
+    runtime_settings,
+)
 from infra.node.webclient import WEB_CONTAINER_ROOT, WEB_DIR
 from infra.yaml_text import dump_yaml
 
@@ -59,6 +70,8 @@ __all__ = [
     "REDIS_CONF",
     "RUNTIME_STOP_MARGIN_S",
     "RUNTIME_UID",
+    "ALERTMANAGER_CONFIG_PATH",
+    "ALERTMANAGER_DATA_DIR",
     "HostDirectory",
     "host_directories",
     "nginx_stop_grace_s",
@@ -76,17 +89,11 @@ PROJECT_NAME = "duplex"
 NETWORK = "duplex"
 """The node's one bridge network (also its Docker name)."""
 
-IMAGES: dict[str, str] = {
-    "nginx": "nginx:1.28.0",
-    "redis": "redis:7.4.6",
-    "prometheus": "prom/prometheus:v3.5.0",
-    "grafana": f"grafana/grafana:{GRAFANA_VERSION}",
-    "node-exporter": "prom/node-exporter:v1.9.1",
-    "redis-exporter": "oliver006/redis_exporter:v1.74.0-alpine",
-    "dcgm-exporter": "nvcr.io/nvidia/k8s/dcgm-exporter:4.4.2-4.7.1-ubuntu22.04",
-}
-"""Pinned images of every service but the runtime (``profile.runtime_image``). The redis_exporter image
-is the Alpine variant: the default one is ``FROM scratch`` and has nothing to run a healthcheck with."""
+IMAGES: dict[str, str] = {name: image.reference() for name, image in NODE_IMAGES.items()}
+"""Every service's image but the runtime's (``profile.runtime_image``), as ``<repository>:<tag>@<digest>``
+from ``infra.images.NODE_IMAGES`` (where each digest came from and how to refresh it; the two still unpinned
+go by tag). The redis_exporter image is the Alpine variant: the default one is ``FROM scratch`` and has
+nothing to run a healthcheck with."""
 
 # Paths inside the containers. redis/redis.conf (infra.node.redis_conf) includes REDIS_AUTH_CONF;
 # prometheus.yml's rule_files (rules/*.yml, relative to it) are under PROMETHEUS_RULES_DIR; Grafana's
@@ -121,6 +128,9 @@ _REDIS_USER = (999, 0)  # the image's redis user, group 0 to read the 0640 secre
 _PROMETHEUS_USER = (65534, 65534)  # the image's nobody
 _GRAFANA_USER = (GRAFANA_UID, 0)
 _REDIS_EXPORTER_USER = (59000, 59000)  # the scratch image's user, kept on the Alpine variant
+_ALERTMANAGER_USER = (65534, 0)  # the image's nobody, group 0 to read the 0640 receiver secrets
+ALERTMANAGER_CONFIG_PATH = "/etc/alertmanager/alertmanager.yml"
+ALERTMANAGER_DATA_DIR = "/alertmanager"
 
 RUNTIME_STOP_MARGIN_S = 30
 """After the drain grace the runtime closes the remaining sessions (up to 5 s) and flushes Redis."""
@@ -171,7 +181,14 @@ def host_directories(profile: NodeProfile) -> list[HostDirectory]:
         HostDirectory(posixpath.join(data, "redis"), *_REDIS_USER, 0o750, "Redis data (/data)"),
         HostDirectory(posixpath.join(data, "prometheus"), *_PROMETHEUS_USER, 0o750, "Prometheus TSDB"),
         HostDirectory(posixpath.join(data, "grafana"), *_GRAFANA_USER, 0o750, "Grafana data"),
+        HostDirectory(
+            posixpath.join(data, "alertmanager"), *_ALERTMANAGER_USER, 0o750, "Alertmanager silences, log"
+        ),
     ]
+    if profile.tls.mode == "acme":
+        dirs.append(
+            HostDirectory(acme_dirs(profile).webroot, 0, 0, 0o755, "ACME HTTP-01 webroot (nginx, certbot)")
+        )
     for tls_dir in _tls_dirs(profile):
         dirs.append(HostDirectory(tls_dir, 0, 0, 0o755, "TLS certificate and key (nginx)"))
     return dirs
@@ -210,6 +227,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
         "grafana": _grafana(profile),
         "node-exporter": _node_exporter(profile),
         "redis-exporter": _redis_exporter(profile),
+        "alertmanager": _alertmanager(profile),
     }
     if profile.gpu is not None:
         services["dcgm-exporter"] = _dcgm_exporter(profile)
@@ -226,6 +244,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
             "grafana_admin_password": {"file": "./" + SECRET_FILES["grafana_admin_password"]},
             "redis_password": {"file": "./" + SECRET_FILES["redis_password"]},
             "token_keys": {"file": "./" + SECRET_FILES["token_keys"]},
+            **{role: {"file": "./" + OPTIONAL_SECRET_FILES[role]} for role in optional_secret_roles(profile)},
         },
     }
     header = (
@@ -242,6 +261,8 @@ def _nginx(profile: NodeProfile) -> dict[str, Any]:
     ports = profile.ports
     volumes = ["./nginx/nginx.conf:/etc/nginx/nginx.conf:ro", f"./{WEB_DIR}:{WEB_CONTAINER_ROOT}:ro"]
     volumes += [f"{d}:{d}:ro" for d in _tls_dirs(profile)]
+    if profile.tls.mode == "acme":  # certbot writes HTTP-01 tokens here on the host (infra.node.acme)
+        volumes.append(f"{acme_dirs(profile).webroot}:{WEBROOT_CONTAINER}:ro")
     return {
         "image": IMAGES["nginx"],
         "depends_on": {"runtime": {"condition": "service_healthy"}},
@@ -339,6 +360,28 @@ def _prometheus(profile: NodeProfile) -> dict[str, Any]:
 def _prometheus_command(profile: NodeProfile) -> list[str]:
     listen = f"0.0.0.0:{profile.ports.prometheus}"
     return prometheus_args(profile, PROMETHEUS_CONFIG, PROMETHEUS_DATA_DIR, listen)
+
+
+def _alertmanager(profile: NodeProfile) -> dict[str, Any]:
+    port = profile.ports.alertmanager
+    service: dict[str, Any] = {
+        "image": IMAGES["alertmanager"],
+        "user": _user(_ALERTMANAGER_USER),
+        "command": alertmanager_args(ALERTMANAGER_CONFIG_PATH, ALERTMANAGER_DATA_DIR, f"0.0.0.0:{port}"),
+        "ports": [_port(profile.private_address, port)],
+        "volumes": [
+            f"./{ALERTMANAGER_CONFIG}:{ALERTMANAGER_CONFIG_PATH}:ro",
+            f"{posixpath.join(profile.data_dir, 'alertmanager')}:{ALERTMANAGER_DATA_DIR}",
+        ],
+        "healthcheck": {
+            "test": ["CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{port}/-/healthy"],
+            **_HEALTH_TIMING,
+        },
+    }
+    roles = optional_secret_roles(profile)
+    if roles:
+        service["secrets"] = list(roles)
+    return service
 
 
 def _grafana(profile: NodeProfile) -> dict[str, Any]:

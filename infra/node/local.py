@@ -1,5 +1,6 @@
 """Bring a node up on this machine as real processes: redis-server, redis_exporter, node-exporter, the
-runtime (``duplex serve``), Prometheus and nginx, all on loopback, from the ``local`` profile's bundle.
+runtime (``duplex serve``), Alertmanager, Prometheus and nginx, all on loopback, from the ``local``
+profile's bundle.
 
 ``LocalNode`` renders the bundle into a node directory, writes fresh secrets and a self-signed certificate,
 starts each process in its own process group with its log in ``logs/<name>.log``, waits until each one
@@ -9,6 +10,7 @@ A process that exits early is reported with its exit code and the tail of its lo
 Node directory::
 
     nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle)
+    alertmanager/                         Alertmanager's configuration (infra.node.alertmanager), data/
     web/                                  the browser client nginx serves at / (infra.node.webclient)
     secrets/                              0700: Redis password, runtime env, token signing keys
                                           (infra.node.services)
@@ -38,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.bundle import render_bundle, write_bundle, write_secrets
 from infra.node.nginx import NGINX_CONF
 from infra.node.profile import NodeProfile, get_profile
@@ -67,6 +70,7 @@ REQUIRED_BINARIES: dict[str, str] = {
     "prometheus": "prometheus",
     "prometheus-node-exporter": "prometheus-node-exporter",
     "prometheus-redis-exporter": "prometheus-redis-exporter",
+    "prometheus-alertmanager": "prometheus-alertmanager",
 }
 """Executable -> the Debian/Ubuntu package that provides it."""
 
@@ -86,7 +90,17 @@ def missing_binaries() -> dict[str, str]:
 
 def free_port_profile(**overrides: object) -> NodeProfile:
     """The ``local`` profile with every port replaced by a free loopback port (tests, ``--free-ports``)."""
-    names = ("https", "http", "runtime", "redis", "prometheus", "grafana", "node_exporter", "redis_exporter")
+    names = (
+        "https",
+        "http",
+        "runtime",
+        "redis",
+        "prometheus",
+        "grafana",
+        "node_exporter",
+        "redis_exporter",
+        "alertmanager",
+    )
     ports: dict[str, int] = {}
     while len(set(ports.values())) < len(names):
         ports = {name: free_loopback_port() for name in names}
@@ -221,6 +235,11 @@ class LocalNode:
         return f"http://{endpoint(self.profile, 'prometheus')}"
 
     @property
+    def alertmanager_url(self) -> str:
+        """The node's Alertmanager (private side): its UI and API v2 (``/api/v2/alerts``)."""
+        return f"http://{endpoint(self.profile, 'alertmanager')}"
+
+    @property
     def runtime_url(self) -> str:
         """The runtime itself, behind nginx (private side)."""
         return f"http://{endpoint(self.profile, 'runtime')}"
@@ -262,7 +281,15 @@ class LocalNode:
             raise NodeStartError(
                 f"ports in use on this machine: {', '.join(busy)}; stop what holds them, or pass --free-ports"
             )
-        for sub in ("logs", "run", "redis/data", "prometheus/data", "tls"):
+        for sub in (
+            "logs",
+            "run",
+            "redis/data",
+            "prometheus/data",
+            "alertmanager/data",
+            "tls",
+            "acme/webroot",
+        ):
             (self.node_dir / sub).mkdir(parents=True, exist_ok=True)
         write_bundle(render_bundle(p), self.node_dir)
         write_secrets(p, self.secrets, self.node_dir)
@@ -311,6 +338,14 @@ class LocalNode:
                 lambda: _http_ok(f"{self.runtime_url}/readyz"),
                 env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url},
                 stop_timeout_s=p.limits.drain_grace_s + 10.0,
+            ),
+            ManagedProcess(
+                "alertmanager",
+                [
+                    "prometheus-alertmanager",
+                    *alertmanager_args(ALERTMANAGER_CONFIG, "alertmanager/data", endpoint(p, "alertmanager")),
+                ],
+                lambda: _http_ok(f"{self.alertmanager_url}/-/ready"),
             ),
             ManagedProcess(
                 "prometheus",

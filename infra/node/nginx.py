@@ -3,7 +3,8 @@
 ``render_nginx(profile)`` gives ``nginx/nginx.conf``. What it does, and why:
 
 - TLS 1.2 and 1.3 only, ECDHE key exchange with AEAD ciphers (Mozilla's "intermediate" list), HSTS; plain
-  HTTP on ``ports.http`` answers 301 to HTTPS.
+  HTTP on ``ports.http`` answers 301 to HTTPS, except ``/.well-known/acme-challenge/``, served as plain
+  text from the ACME webroot (``infra.node.acme``: HTTP-01 tokens, which the CA fetches over plain HTTP).
 - ``/api/chat``: the WebSocket location. ``proxy_http_version 1.1`` and ``Upgrade``/``Connection`` forwarded
   explicitly (hop-by-hop headers are dropped otherwise); ``proxy_read_timeout`` and ``proxy_send_timeout``
   longer than ``limits.max_session_s`` (nginx's 60 s default would close a quiet socket mid-conversation);
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import posixpath
 
+from infra.node.acme import ACME_CHALLENGE_PREFIX, nginx_webroot
 from infra.node.profile import NodeProfile
 from infra.node.services import endpoint, public_origin
 from infra.node.webclient import WEB_TYPES, page_headers, web_root
@@ -160,6 +162,15 @@ http {{
     server {{
         listen {public}:{profile.ports.http};
         server_name {profile.domain};
+        # ACME HTTP-01 tokens (infra.node.acme): plain HTTP, files only, no redirect.
+        location ^~ {ACME_CHALLENGE_PREFIX} {{
+            root {nginx_webroot(profile)};
+            default_type text/plain;
+            try_files $uri =404;
+            limit_except GET {{
+                deny all;
+            }}
+        }}
         location / {{
             return 301 https://$host{redirect_port}$request_uri;
         }}

@@ -32,6 +32,8 @@ __all__ = [
     "NodePorts",
     "NodeProfile",
     "PROFILES",
+    "LETSENCRYPT_DIRECTORY",
+    "AlertReceivers",
     "Precision",
     "Retention",
     "TlsSettings",
@@ -48,6 +50,15 @@ Precision = Literal["fp32", "bf16", "fp16", "int8"]
 
 GRAFANA_VERSION = "11.6.16"
 """The Grafana release the dashboards and the Compose file target (grafana-foundation-sdk is pinned to it)."""
+
+LETSENCRYPT_DIRECTORY = "https://acme-v02.api.letsencrypt.org/directory"
+"""Let's Encrypt's production ACME v2 directory (letsencrypt.org/docs/acme-protocol-updates); its staging
+directory, for trials that must not count against the production rate limits, is
+``https://acme-staging-v02.api.letsencrypt.org/directory``."""
+
+_EMAIL_RE = re.compile(r"^[^@\s\"'<>,;]+@([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$", re.IGNORECASE)
+_HTTP_URL_RE = re.compile(r"^https?://[^\s\"'{}|\\^`<>]+$")
+_SMARTHOST_RE = re.compile(r"^[A-Za-z0-9.-]+:[0-9]{1,5}$")
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$")
 _DOMAIN_RE = re.compile(
@@ -72,6 +83,7 @@ class NodePorts(_Strict):
     node_exporter: int = Field(9100, ge=1, le=65535)
     redis_exporter: int = Field(9121, ge=1, le=65535)
     dcgm_exporter: int = Field(9400, ge=1, le=65535)
+    alertmanager: int = Field(9093, ge=1, le=65535, description="Alertmanager (private side only)")
 
     @model_validator(mode="after")
     def _distinct(self) -> NodePorts:
@@ -86,11 +98,129 @@ class NodePorts(_Strict):
 class TlsSettings(_Strict):
     """Where nginx finds its certificate. ``self-signed``: generated at bring-up (``infra.node.tls``), for
     local nodes and first boots; ``files``: the operator's certificate and key at these paths on the host
-    (from a secret store or an ACME client)."""
+    (from a secret store); ``acme``: a certificate for ``NodeProfile.domain`` from an ACME CA (Let's
+    Encrypt by default) by HTTP-01 through the node's own nginx (``infra.node.acme``), written to these
+    paths, with a self-signed one there until the first is issued.
 
-    mode: Literal["self-signed", "files"] = "self-signed"
+    Attributes:
+        acme_email: the ACME account's contact address (expiry and incident mail); required for ``acme``.
+        acme_directory: the ACME server's directory URL (``LETSENCRYPT_DIRECTORY`` by default).
+
+    Raises:
+        pydantic.ValidationError: ``acme`` without an e-mail address, a malformed address or directory URL.
+    """
+
+    mode: Literal["self-signed", "files", "acme"] = "self-signed"
     certificate_path: str = Field("/etc/duplex/tls/node.crt", description="PEM chain, path on the node")
     private_key_path: str = Field("/etc/duplex/tls/node.key", description="PEM key, path on the node")
+    acme_email: str | None = None
+    acme_directory: str = LETSENCRYPT_DIRECTORY
+
+    @field_validator("acme_email")
+    @classmethod
+    def _email(cls, value: str | None) -> str | None:
+        if value is not None and not _EMAIL_RE.match(value):
+            raise ValueError(f"acme_email {value!r} is not an e-mail address (e.g. ops@example.com)")
+        return value
+
+    @field_validator("acme_directory")
+    @classmethod
+    def _directory(cls, value: str) -> str:
+        if not re.match(r"^https://[^\s]+$", value):
+            raise ValueError(
+                f"acme_directory {value!r} is not an https:// URL (e.g. {LETSENCRYPT_DIRECTORY})"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _acme_needs_email(self) -> TlsSettings:
+        if self.mode == "acme" and self.acme_email is None:
+            raise ValueError(
+                "tls.mode 'acme' needs tls.acme_email (the ACME account's contact address); or use "
+                "tls.mode 'self-signed'"
+            )
+        return self
+
+
+class AlertReceivers(_Strict):
+    """Where the node's Alertmanager sends alerts (``infra.node.alertmanager``); every one configured gets
+    every alert. Secrets are not here: the e-mail password and the PagerDuty routing key are secret files
+    (``infra.node.services.OPTIONAL_SECRET_FILES``), named by the flags below.
+
+    Attributes:
+        webhook_url: an HTTP(S) URL Alertmanager POSTs its webhook JSON to (version 4 payload).
+        email_to, email_from, email_smarthost: recipient, sender and SMTP server ``host:port``; all three
+            or none. ``email_username``: the SMTP login (``email_from`` when unset) when
+            ``email_password`` is true (the password is the secret file ``alert_email_password``).
+        pagerduty: send to PagerDuty Events API v2 with the routing key of the secret file
+            ``alert_pagerduty_routing_key``.
+
+    Raises:
+        pydantic.ValidationError: a malformed URL, address or smarthost; part of the e-mail settings.
+    """
+
+    webhook_url: str | None = None
+    email_to: str | None = None
+    email_from: str | None = None
+    email_smarthost: str | None = None
+    email_username: str | None = None
+    email_password: bool = False
+    pagerduty: bool = False
+    group_wait_s: int = Field(
+        30, ge=0, le=3600, description="How long Alertmanager gathers a new group's alerts before sending"
+    )
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not _HTTP_URL_RE.match(value):
+            raise ValueError(
+                f"webhook_url {value!r} is not an http(s) URL (e.g. https://hooks.example.com/x)"
+            )
+        return value
+
+    @field_validator("email_to", "email_from")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None and not _EMAIL_RE.match(value):
+            raise ValueError(f"{value!r} is not an e-mail address (e.g. oncall@example.com)")
+        return value
+
+    @field_validator("email_smarthost")
+    @classmethod
+    def _smarthost(cls, value: str | None) -> str | None:
+        if value is not None and not _SMARTHOST_RE.match(value):
+            raise ValueError(f"email_smarthost {value!r} is not host:port (e.g. smtp.example.com:587)")
+        return value
+
+    @model_validator(mode="after")
+    def _email_complete(self) -> AlertReceivers:
+        parts = {
+            "email_to": self.email_to,
+            "email_from": self.email_from,
+            "email_smarthost": self.email_smarthost,
+        }
+        given = [k for k, v in parts.items() if v is not None]
+        if given and len(given) != len(parts):
+            missing = ", ".join(k for k in parts if k not in given)
+            raise ValueError(
+                f"e-mail alerts need email_to, email_from and email_smarthost; missing: {missing}"
+            )
+        if not given and (self.email_password or self.email_username):
+            raise ValueError(
+                "email_username/email_password given without email_to, email_from, email_smarthost"
+            )
+        return self
+
+    @property
+    def email(self) -> bool:
+        """E-mail receivers are configured."""
+        return self.email_to is not None
+
+    @property
+    def any(self) -> bool:
+        """At least one receiver is configured (without one, alerts stay in Alertmanager's UI)."""
+        return self.webhook_url is not None or self.email or self.pagerduty
 
 
 class NodeLimits(_Strict):
@@ -167,6 +297,8 @@ class NodeProfile(_Strict):
         model_cache_dir: host directory for downloaded weights (mounted at /models).
         data_dir: host directory for Redis, Prometheus and Grafana data.
         scrape_interval_s: Prometheus's scrape and rule-evaluation interval (s); Grafana's minimum step.
+        tls: where nginx's certificate comes from (``TlsSettings``: self-signed, files, or ACME).
+        alerting: where the node's Alertmanager sends alerts (``AlertReceivers``).
         frontend_workers: the runtime's front-end processes (``runtime/multiproc.py``; about 40 Opus
             sessions per worker, issue 16).
     """
@@ -189,12 +321,13 @@ class NodeProfile(_Strict):
         ge=-1,
         le=64,
         description="The runtime's front-end worker processes beside its engine process (DUPLEX_WORKERS): "
-        "-1 from the host's cores (cores - 1, 1..8), 0 one process",
+        "-1 from the host's cores (one per core, 1..8), 0 one process",
     )
     ports: NodePorts = NodePorts()
     tls: TlsSettings = TlsSettings()
     limits: NodeLimits = NodeLimits()
     retention: Retention = Retention()
+    alerting: AlertReceivers = AlertReceivers()
 
     @field_validator("name")
     @classmethod
@@ -242,6 +375,11 @@ class NodeProfile(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> NodeProfile:
+        if self.tls.mode == "acme" and ("." not in self.domain or self.domain.endswith("localhost")):
+            raise ValueError(
+                f"tls.mode 'acme' needs a public DNS name as domain, not {self.domain!r}: an ACME CA "
+                "validates the name over the internet (HTTP-01 on port 80)"
+            )
         address = ipaddress.ip_address(self.private_address)
         if not (address.is_loopback or address.is_private):
             raise ValueError(
@@ -265,16 +403,17 @@ class NodeProfile(_Strict):
                     f"max_sessions is required for model {self.model!r} (not in the capacity planner)"
                 )
             return self
-        if self.max_sessions is None:
-            fits = max_sessions(capacity_model, self.gpu, self.precision)
-            if fits < 1:
+        sessions = self.max_sessions
+        if sessions is None:
+            sessions = max_sessions(capacity_model, self.gpu, self.precision)
+            if sessions < 1:
                 raise ValueError(
                     f"{capacity_model} at {self.precision} does not fit one session on the {self.gpu} "
                     "(duplex capacity plan for the reasons)"
                 )
-            object.__setattr__(self, "max_sessions", fits)
+            object.__setattr__(self, "max_sessions", sessions)
         try:
-            require_feasible(capacity_model, self.gpu, self.precision, sessions=self.max_sessions)
+            require_feasible(capacity_model, self.gpu, self.precision, sessions=sessions)
         except InfeasibleConfiguration as exc:
             fits = max_sessions(capacity_model, self.gpu, self.precision)
             raise ValueError(

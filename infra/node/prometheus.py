@@ -3,9 +3,9 @@ those rules, all rendered from a ``NodeProfile``.
 
 Prometheus scrapes every 5 s, with static targets from ``infra.node.services.endpoint``: the runtime
 (``/metrics``), Prometheus itself, node-exporter, redis_exporter and, on GPU nodes only, dcgm-exporter.
-Every target carries the label ``node`` = the profile name. No Alertmanager is deployed on a node, so the
-configuration has no ``alerting`` section: alerts are evaluated and shown by Prometheus (``/alerts``,
-the ``ALERTS`` series, Grafana), and a stack that adds an Alertmanager adds the section.
+Every target carries the label ``node`` = the profile name. Firing and resolved alerts go to the node's own
+Alertmanager (``alerting``: ``endpoint(profile, "alertmanager")``), which delivers them to the receivers
+the profile configures (``infra.node.alertmanager``).
 
 Rules (``prometheus/rules/duplex-node.rules.yml``), built from the runtime's metric names
 (``runtime.metrics``). Latencies are in seconds in every expression, as the runtime exports them; the
@@ -723,8 +723,8 @@ def prometheus_config(profile: NodeProfile) -> dict[str, Any]:
     """``prometheus.yml`` as a dict: ``profile.scrape_interval_s`` scrape and evaluation intervals,
     ``rule_files: [rules/*.yml]`` (relative to the configuration's directory), and one job per scraped
     service with its static target from ``endpoint(profile, service)`` and the label ``node`` =
-    ``profile.name``. dcgm-exporter is scraped only when ``profile.gpu`` is set. No ``alerting`` section:
-    a node runs no Alertmanager."""
+    ``profile.name``. dcgm-exporter is scraped only when ``profile.gpu`` is set. ``alerting`` sends the
+    alerts to the node's Alertmanager (``infra.node.alertmanager``)."""
     # Job names are the service names.
     jobs: list[Service] = ["runtime", "prometheus", "node-exporter", "redis-exporter"]
     if profile.gpu is not None:
@@ -736,6 +736,9 @@ def prometheus_config(profile: NodeProfile) -> dict[str, Any]:
             "scrape_timeout": f"{max(1, profile.scrape_interval_s - 1)}s",
             "evaluation_interval": scrape_interval(profile),
             "external_labels": {"node": profile.name},
+        },
+        "alerting": {
+            "alertmanagers": [{"static_configs": [{"targets": [endpoint(profile, "alertmanager")]}]}]
         },
         "rule_files": ["rules/*.yml"],
         "scrape_configs": [

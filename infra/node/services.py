@@ -26,18 +26,28 @@ __all__ = [
     "SECRET_FILES",
     "SERVICES",
     "TOKEN_KEYS_CONTAINER_PATH",
+    "OPTIONAL_SECRET_FILES",
     "NodeSecrets",
     "Service",
     "endpoint",
     "public_origin",
     "runtime_settings",
     "secret_files",
+    "optional_secret_roles",
     "services_of",
     "token_audience",
 ]
 
 Service = Literal[
-    "nginx", "runtime", "redis", "prometheus", "grafana", "node-exporter", "redis-exporter", "dcgm-exporter"
+    "nginx",
+    "runtime",
+    "redis",
+    "prometheus",
+    "grafana",
+    "node-exporter",
+    "redis-exporter",
+    "dcgm-exporter",
+    "alertmanager",
 ]
 SERVICES: tuple[Service, ...] = (
     "nginx",
@@ -48,6 +58,7 @@ SERVICES: tuple[Service, ...] = (
     "node-exporter",
     "redis-exporter",
     "dcgm-exporter",
+    "alertmanager",
 )
 
 _PORT_FIELD: dict[Service, str] = {
@@ -59,6 +70,7 @@ _PORT_FIELD: dict[Service, str] = {
     "node-exporter": "node_exporter",
     "redis-exporter": "redis_exporter",
     "dcgm-exporter": "dcgm_exporter",
+    "alertmanager": "alertmanager",
 }
 
 SECRETS_DIR = "secrets"
@@ -77,6 +89,14 @@ SECRET_FILES = {
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
 ``{"kid": "secret", ...}``, which the runtime reads (``DUPLEX_TOKEN_KEYS_FILE``) and the application
 backend mints with (``duplex token mint --key-file``, ``runtime.frontend.tokens.mint_token``)."""
+
+OPTIONAL_SECRET_FILES = {
+    "alert_email_password": "secrets/alert_email_password",
+    "alert_pagerduty_routing_key": "secrets/alert_pagerduty_routing_key",
+}
+"""Secret files a node has only when its alert receivers need them (``NodeProfile.alerting``): the SMTP
+password (``email_password``) and the PagerDuty Events API v2 routing key (``pagerduty``), each the bare
+value; Alertmanager reads them itself (``auth_password_file``, ``routing_key_file``)."""
 
 TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
 """Where a ``compose`` node's runtime container reads ``secrets/token_keys.json`` (a Compose secret)."""
@@ -155,11 +175,15 @@ class NodeSecrets:
 
     ``token_keys``: the session-token signing keys, ``{kid: secret}`` (at least one; several during a
     rotation; ``duplex token keygen`` makes one). Required: a node without keys refuses every session.
+    ``alert_email_password``, ``alert_pagerduty_routing_key``: the alert receivers' secrets, where the
+    profile's ``alerting`` uses them (``OPTIONAL_SECRET_FILES``).
     """
 
     redis_password: str = field(repr=False)
     grafana_admin_password: str = field(repr=False)
     token_keys: dict[str, str] = field(default_factory=dict, repr=False)
+    alert_email_password: str | None = field(default=None, repr=False)
+    alert_pagerduty_routing_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("redis_password", "grafana_admin_password"):
@@ -192,11 +216,35 @@ class NodeSecrets:
         )
 
 
+def optional_secret_roles(profile: NodeProfile) -> tuple[str, ...]:
+    """The roles of ``OPTIONAL_SECRET_FILES`` this node's alert receivers need."""
+    alerting = profile.alerting
+    needed = {
+        "alert_email_password": alerting.email_password,
+        "alert_pagerduty_routing_key": alerting.pagerduty,
+    }
+    return tuple(role for role, wanted in needed.items() if wanted)
+
+
 def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, bytes]:
-    """The files of ``SECRET_FILES`` for this node, as {path relative to the bundle root: content}."""
+    """The files of ``SECRET_FILES`` for this node, and those of ``OPTIONAL_SECRET_FILES`` its alert
+    receivers need, as {path relative to the bundle root: content}.
+
+    Raises:
+        ValueError: the profile's ``alerting`` needs a secret that ``node_secrets`` lacks.
+    """
     redis_host, redis_port = endpoint(profile, "redis").rsplit(":", 1)
     password = node_secrets.redis_password
-    return {
+    optional: dict[str, bytes] = {}
+    for role in optional_secret_roles(profile):
+        value = getattr(node_secrets, role)
+        if not value:
+            raise ValueError(
+                f"{role}: the profile's alerting needs this secret (alerting.email_password or "
+                "alerting.pagerduty is set) and none was given"
+            )
+        optional[OPTIONAL_SECRET_FILES[role]] = value.encode()
+    files = {
         SECRET_FILES["redis_password"]: password.encode(),
         SECRET_FILES["redis_auth_conf"]: f"requirepass {password}\n".encode(),
         SECRET_FILES[
@@ -206,3 +254,4 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
         SECRET_FILES["grafana_admin_password"]: node_secrets.grafana_admin_password.encode(),
         SECRET_FILES["token_keys"]: (json.dumps(node_secrets.token_keys, indent=2) + "\n").encode(),
     }
+    return files | optional

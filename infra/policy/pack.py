@@ -32,7 +32,8 @@ DESCRIPTION = (
     "their GPUs, no SSH or monitoring ports open to the internet, Redis requires AUTH over TLS, GPU node "
     "pools are tainted, HTTP load balancers keep WebSockets open past 30 s, GPU VMs shut down gracefully and "
     "use a provisioning model GCE sells, session affinity only with a hashing locality policy, every API a "
-    "resource needs enabled first."
+    "resource needs enabled first, HTTPS proxies with TLS 1.2 or later, GPU node pools that upgrade without "
+    "an extra GPU."
 )
 
 _SEVERITY = {
@@ -47,6 +48,8 @@ _SEVERITY = {
     "provisioning-model-sold": Severity.HIGH,
     "session-affinity-needs-hash-policy": Severity.MEDIUM,
     "apis-enabled-for-features": Severity.HIGH,
+    "https-proxy-tls-1-2": Severity.HIGH,
+    "gpu-node-pool-upgrade-needs-no-extra-gpu": Severity.MEDIUM,
 }
 
 

@@ -1,6 +1,6 @@
 """The Pulumi program: ``run(config)`` declares the stack's topology (one module each: ``gce``,
 ``onprem``, ``multi_region``; what they share in ``shared``) and returns its outputs, never a secret value
-(passwords are named by where to read them). Topologies, stacks and outputs: README, "Deploying (Pulumi)".
+(passwords are named by where to read them). Topologies, stacks and outputs: docs/deploying.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """Topology ``gce-node``: the Google APIs, the runtime image built and pushed to Artifact Registry
 (``RuntimeImage``), the node's secrets in Secret Manager, one GPU VM (``GceGpuNode``). Stacks ``dev`` and
-``scale5-gcp``; README, "Stack dev" and "Stack scale5-gcp".
+``scale5-gcp``; docs/deploying.md, "Stack dev" and "Stack scale5-gcp".
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pulumi
+
+from infra.node.cloud_init import GUEST_ATTRIBUTE_TLS_SHA256
 from infra.program.shared import capacity_summary, enable_apis, endpoint, labels, mint_command, stack_secrets
 from infra.stack_config import StackConfig
 
@@ -21,6 +24,9 @@ GCP_APIS = (
 )
 """Google APIs a GCE node needs (enabled, never disabled on destroy: other stacks may use them)."""
 
+SPOT_APIS = ("cloudscheduler.googleapis.com",)
+"""More APIs a Spot node needs: Cloud Scheduler starts it again after a preemption."""
+
 
 def declare(config: StackConfig) -> dict[str, Any]:
     """Declare a ``gce-node`` stack; return its outputs."""
@@ -30,11 +36,23 @@ def declare(config: StackConfig) -> dict[str, Any]:
     gce = config.gce
     assert gce is not None
     prefix, profile, stack_labels = config.name_prefix, config.profile, labels(config)
-    after_apis = enable_apis(gce.project, GCP_APIS if gce.enable_apis else ())
+    apis = GCP_APIS + (SPOT_APIS if gce.provisioning_model == "spot" else ())
+    after_apis = enable_apis(gce.project, apis if gce.enable_apis else ())
+    if gce.provisioning_model == "flex-start":
+        pulumi.log.warn(
+            "flex-start: GCE deletes the VM after 7 days (its data disk stays); Pulumi notices only on a "
+            "refresh: deploy with `pulumi up --refresh` so that the next up creates it again"
+        )
 
     image = RuntimeImage(
         "runtime-image",
-        RuntimeImageArgs(project=gce.project, location=gce.region, repository_id=prefix, labels=stack_labels),
+        RuntimeImageArgs(
+            project=gce.project,
+            location=gce.region,
+            repository_id=prefix,
+            labels=stack_labels,
+            source=config.runtime_image,
+        ),
         opts=after_apis,
     )
     secrets = stack_secrets(
@@ -55,6 +73,17 @@ def declare(config: StackConfig) -> dict[str, Any]:
         ),
         opts=after_apis,
     )
+    # Certificates (docs/deploying.md, "Certificates on a single node"): say so when the node cannot have
+    # a real one, and how to read the self-signed one's fingerprint (published by the VM at each start).
+    fingerprint = (
+        f"gcloud compute instances get-guest-attributes {node.instance_name} --project {gce.project} "
+        f"--zone {gce.zone} --query-path={GUEST_ATTRIBUTE_TLS_SHA256} --format='value(value)'"
+    )
+    if profile.tls.mode != "acme":
+        pulumi.log.warn(
+            "no duplexops:domain and duplexops:acmeEmail: the node serves a self-signed certificate, which "
+            f"browsers refuse for wss://; read its SHA-256 fingerprint with: {fingerprint}"
+        )
     local = profile.private_address
     password_id = secrets.secret_ids["grafana_admin_password"]
     read_password = f"gcloud secrets versions access latest --secret={password_id} --project={gce.project}"
@@ -78,6 +107,11 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "ssh": node.ssh_command(),
         "capacity": capacity_summary(profile, machine_type=gce.machine_type),
         "image": image.image_ref,
+        "certificate": (
+            f"ACME ({profile.tls.acme_directory}) for {profile.domain}, renewed on the VM"
+            if profile.tls.mode == "acme"
+            else f"self-signed; its SHA-256 fingerprint: {fingerprint}"
+        ),
         "node": {
             "topology": config.topology,
             "profile": profile.name,

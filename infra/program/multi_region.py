@@ -1,8 +1,11 @@
-"""Topology ``multi-region``: the Google APIs, the runtime image (in the first region's Artifact Registry),
-the session-token keys and Grafana's password, one VPC, then per region a GKE cluster with its GPU pool,
-Memorystore and model bucket (``GkeRegion``) and the runtime's Kubernetes objects on it
-(``RegionalRuntime`` of ``infra.k8s.region.region_objects``), and one global HTTPS load balancer over every
-region's pods (``GlobalEntry``). Stack ``multi-region``; README, "Stack multi-region".
+"""Topology ``multi-region``: the Google APIs, the runtime image (built, or promoted from CI's build, into
+the first region's Artifact Registry repository, then copied with its digest into a repository of each
+other region: ``region_registry``, ``infra.components.image.promote``), the session-token keys and
+Grafana's password, one VPC, then per region a GKE cluster with its GPU pool, Memorystore and model bucket
+(``GkeRegion``) and the runtime's Kubernetes objects on it (``RegionalRuntime`` of
+``infra.k8s.region.region_objects``, GMP's managed Alertmanager configured with the stack's alert receivers
+among them: ``infra.k8s.alerting``), and one global HTTPS load balancer over every region's pods
+(``GlobalEntry``). Stack ``multi-region``; docs/deploying.md, "Stack multi-region".
 """
 
 from __future__ import annotations
@@ -13,11 +16,25 @@ import pulumi
 
 from infra.capacity.power import HOURS_PER_MONTH
 from infra.node.services import public_origin
-from infra.node.webclient import WEB_DIR, page_headers, render_web
-from infra.program.shared import capacity_summary, enable_apis, labels, mint_command, stack_secrets
+from infra.node.webclient import page_headers
+from infra.program.shared import (
+    capacity_summary,
+    enable_apis,
+    labels,
+    mint_command,
+    secret,
+    stack_secrets,
+)
 from infra.stack_config import RegionSettings, StackConfig
 
-__all__ = ["GKE_APIS", "declare", "region_capacity"]
+__all__ = [
+    "GKE_APIS",
+    "NO_RECEIVER_WARNING",
+    "alert_secrets",
+    "declare",
+    "region_capacity",
+    "region_registry",
+]
 
 GKE_APIS = (
     "compute.googleapis.com",
@@ -34,6 +51,35 @@ GKE_APIS = (
 """Google APIs the multi-region stack needs (enabled, never disabled on destroy). Which resource needs
 which API is ``infra.gcp_apis.required_apis``; the policy pack's ``apis-enabled-for-features`` checks
 this list against the declared resources."""
+
+
+NO_RECEIVER_WARNING = (
+    "no alert receiver configured (duplexops:alertWebhookUrl, alertEmailTo/From/Smarthost, "
+    "alertPagerdutyRoutingKey): the clusters' alerts (ClusterRules on Managed Prometheus) reach nobody; "
+    "GMP's managed Alertmanager keeps its no-op configuration"
+)
+"""What ``up`` warns when the stack configures no alert receiver (``infra.k8s.alerting``)."""
+
+
+def alert_secrets(config: StackConfig) -> pulumi.Output[dict[str, str]]:
+    """The alert receivers' secrets of the stack's configuration, ``{role of OPTIONAL_SECRET_FILES:
+    value}`` (only those set), as one secret Output: GMP's managed Alertmanager reads its configuration
+    only, so they go into it (``infra.k8s.alerting``), and that text, webhook URL included, stays secret
+    even when no secret is set."""
+    given = config.secrets
+    values = {
+        role: value
+        for role in ("alert_email_password", "alert_pagerduty_routing_key")
+        if (value := secret(getattr(given, role))) is not None
+    }
+    return pulumi.Output.secret(pulumi.Output.all(**values))
+
+
+def region_registry(project: str, region: str, repository_id: str) -> str:
+    """The Docker registry path of a region's Artifact Registry repository:
+    ``<region>-docker.pkg.dev/<project>/<repository>`` (the ``registries`` output: where each region's
+    nodes pull the image's digest)."""
+    return f"{region}-docker.pkg.dev/{project}/{repository_id}"
 
 
 def region_capacity(region: RegionSettings) -> dict[str, Any]:
@@ -69,8 +115,9 @@ def declare(config: StackConfig) -> dict[str, Any]:
     import pulumi_gcp.compute as compute
 
     from infra.components.global_entry import GlobalEntry, GlobalEntryArgs
-    from infra.components.image import RuntimeImage, RuntimeImageArgs
+    from infra.components.image import RuntimeImage, RuntimeImageArgs, promote
     from infra.k8s import region as k8s_region
+    from infra.k8s.page import PAGE_HEALTH_PATH, PAGE_PORT
     from infra.k8s.workload import drain_seconds
 
     mr = config.multi_region
@@ -78,12 +125,17 @@ def declare(config: StackConfig) -> dict[str, Any]:
     prefix, stack_labels, project = config.name_prefix, labels(config), mr.project
     first = mr.regions[0]
     after_apis = enable_apis(project, GKE_APIS if mr.enable_apis else ())
-    image = RuntimeImage(
-        "runtime-image",
-        RuntimeImageArgs(project=project, location=first.region, repository_id=prefix, labels=stack_labels),
-        opts=after_apis,
+    image_args = RuntimeImageArgs(
+        project=project,
+        location=first.region,
+        repository_id=prefix,
+        labels=stack_labels,
+        source=config.runtime_image,
     )
+    image = RuntimeImage("runtime-image", image_args, opts=after_apis)
     secrets = stack_secrets(config, first.profile, after_apis, node_files=False)
+    if not first.profile.alerting.any:
+        pulumi.log.warn(NO_RECEIVER_WARNING)
     network = compute.Network(
         "network",
         name=prefix,
@@ -98,9 +150,30 @@ def declare(config: StackConfig) -> dict[str, Any]:
     capacities = {r.region: region_capacity(r) for r in mr.regions}
     regions_out: dict[str, Any] = {}
     backends = []
+    registries: dict[str, str] = {}
     for settings in mr.regions:
+        registries[settings.region] = region_registry(project, settings.region, prefix)
+        if settings is first:
+            repository, region_ref = image.repository, image.image_ref
+        else:
+            repository = _registry(config, settings, after_apis)
+            # The same digest copied into the region's repository; the reference resolves once it is there.
+            _, region_ref = promote(
+                f"region-{settings.region}-promote",
+                image.image_ref,
+                f"{registries[settings.region]}/{image_args.image_name}",
+                image_args.tag,
+                pulumi.ResourceOptions.merge(after_apis, pulumi.ResourceOptions(depends_on=[repository])),
+            )
         backend, regions_out[settings.region] = _region(
-            config, settings, image, secrets, network.id, after_apis, capacities[settings.region]
+            config,
+            settings,
+            repository,
+            region_ref,
+            secrets,
+            network.id,
+            after_apis,
+            capacities[settings.region],
         )
         backends.append(backend)
 
@@ -113,15 +186,16 @@ def declare(config: StackConfig) -> dict[str, Any]:
             network=network.id,
             domain=config.domain,
             runtime_port=profile.ports.runtime,
+            page_port=PAGE_PORT,
+            page_health_path=PAGE_HEALTH_PATH,
             backends=backends,
             max_session_s=profile.limits.max_session_s,
             drain_s=drain_seconds(profile),
             public_source_ranges=mr.public_source_ranges,
             handshakes_per_minute=max(1, round(profile.limits.handshakes_per_second_per_client * 60)),
-            page_files={path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()},
             page_headers=page_headers(public_origin(profile)),
-            page_location=first.region.upper(),
             labels=stack_labels,
+            protect=mr.deletion_protection,
         ),
         opts=after_apis,
     )
@@ -139,14 +213,36 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "tokenKeys": k8s_region.token_keys_command(),
         "mintToken": mint_command(profile),
         "image": image.image_ref,
+        "registries": registries,
         "capacity": _capacity_total(config, capacities),
     }
+
+
+def _registry(config: StackConfig, settings: RegionSettings, after_apis: pulumi.ResourceOptions) -> Any:
+    """A region's own Docker repository in Artifact Registry (same id as the first region's, in its
+    region), ``protect``ed with the stack's stateful resources; the program copies the image's digest into
+    it (``promote``), and the region's nodes pull from it."""
+    import pulumi_gcp.artifactregistry as artifactregistry
+
+    mr = config.multi_region
+    assert mr is not None
+    return artifactregistry.Repository(
+        f"region-{settings.region}-registry",
+        project=mr.project,
+        location=settings.region,
+        repository_id=config.name_prefix,
+        format="DOCKER",
+        description="duplexops runtime images (the digest the stack built, promoted here; nodes pull it)",
+        labels=labels(config),
+        opts=pulumi.ResourceOptions.merge(after_apis, pulumi.ResourceOptions(protect=mr.deletion_protection)),
+    )
 
 
 def _region(
     config: StackConfig,
     settings: RegionSettings,
-    image: Any,
+    repository: Any,
+    image_ref: Any,
     secrets: Any,
     network: pulumi.Input[str],
     after_apis: pulumi.ResourceOptions,
@@ -154,7 +250,7 @@ def _region(
 ) -> tuple[Any, dict[str, Any]]:
     """One region: its ``GkeRegion``, the Workload Identity bindings, the runtime's Kubernetes objects
     (``RegionalRuntime``); returns the region's backend for the global entry and its outputs."""
-    from infra.components.gke_region import GkeRegion, GkeRegionArgs
+    from infra.components.gke_region import GkeRegion, GkeRegionArgs, ca_bundle
     from infra.components.global_entry import RegionBackend
     from infra.components.regional_runtime import RegionalRuntime
     from infra.k8s import region as k8s_region
@@ -173,9 +269,10 @@ def _region(
             admin_source_ranges=mr.admin_source_ranges,
             release_channel=mr.release_channel,
             deletion_protection=mr.deletion_protection,
+            maintenance_window=mr.maintenance_window,
             system_machine_type=mr.system_machine_type,
-            image_repository=image.repository.name,
-            image_repository_location=mr.regions[0].region,
+            image_repository=repository.name,
+            image_repository_location=region_name,
             labels=labels(config),
         ),
         opts=after_apis,
@@ -183,17 +280,18 @@ def _region(
     bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
     workload = RegionWorkload(
         region=region_name,
+        zones=tuple(settings.zones),
         cluster_name=gke.cluster_name,
         project=project,
         profile=settings.profile,
-        image=image.image_ref,
+        image=image_ref,
         accelerator=settings.accelerator_type,
         min_replicas=settings.min_nodes,
         max_replicas=settings.max_nodes,
         redis_host=gke.redis.host,
         redis_port=gke.redis.port,
         redis_password=pulumi.Output.secret(gke.redis.auth_string),
-        redis_ca_certificate=gke.redis.server_ca_certs.apply(lambda certs: certs[0]["cert"] if certs else ""),
+        redis_ca_certificate=gke.redis.server_ca_certs.apply(ca_bundle),
         token_keys_json=secrets.token_keys,
         hf_token=secrets.hf_token,
         weights_bucket=gke.weights_bucket.name,
@@ -201,7 +299,9 @@ def _region(
         weights_service_account=gke.weights_service_account.email,
         monitoring_service_account=gke.monitoring_service_account.email,
         grafana_admin_password=secrets.grafana_admin_password,
+        alert_secrets=alert_secrets(config),
         neg_name=f"{prefix}-runtime",
+        page_neg_name=f"{prefix}-page",
     )
     runtime = RegionalRuntime(
         f"runtime-{region_name}",
@@ -213,6 +313,7 @@ def _region(
         region=region_name,
         zones=settings.zones,
         neg_name=workload.neg_name,
+        page_neg_name=workload.page_neg_name,
         sessions_per_endpoint=settings.profile.sessions,
         serving=settings.serving,
         ready=[runtime],
@@ -226,6 +327,7 @@ def _region(
         "kubectl": credentials,
         "grafana": k8s_region.grafana_port_forward(workload),
         "weightsBucket": gke.weights_bucket.name,
+        "image": image_ref,
         "capacity": capacity,
     }
 

@@ -1,6 +1,6 @@
 """Topology ``onprem-node``: the node's secrets (no cloud store) and an existing GPU host brought up over
 SSH (``OnPremNode``) running the configured digest-pinned ``runtimeImage``. Stack ``scale5-onprem``;
-README, "Stack scale5-onprem".
+docs/deploying.md, "Stack scale5-onprem".
 """
 
 from __future__ import annotations
@@ -9,20 +9,49 @@ from typing import Any
 
 import pulumi
 
-from infra.program.shared import build_dir, capacity_summary, endpoint, mint_command, stack_secrets
+from infra.program.shared import (
+    build_dir,
+    capacity_summary,
+    enable_apis,
+    endpoint,
+    mint_command,
+    stack_secrets,
+)
 from infra.stack_config import StackConfig
 
-__all__ = ["declare"]
+__all__ = ["PULLER_APIS", "declare"]
+
+PULLER_APIS = ("artifactregistry.googleapis.com", "iam.googleapis.com", "iamcredentials.googleapis.com")
+"""APIs the image puller needs in the registry's project: the repository's IAM, its service account, and
+the short-lived token (``iamcredentials generateAccessToken``)."""
 
 
 def declare(config: StackConfig) -> dict[str, Any]:
     """Declare an ``onprem-node`` stack; return its outputs."""
-    from infra.components.onprem_node import OnPremNode, OnPremNodeArgs
+    from infra.components.onprem_node import (
+        OnPremNode,
+        OnPremNodeArgs,
+        RegistryPuller,
+        artifact_registry_repository,
+    )
 
     onprem = config.onprem
     assert onprem is not None
     profile = config.node_profile(onprem.runtime_image)
     secrets = stack_secrets(config, profile)
+    # An Artifact Registry image (the GCE stacks' repository, where CI promotes the digest) is pulled with a
+    # token of this deploy; any other registry with what the host has (docs/deploying.md).
+    puller = None
+    if artifact_registry_repository(onprem.runtime_image) is not None:
+        project = onprem.runtime_image.split("/")[1]
+        puller = RegistryPuller(
+            "image-puller",
+            onprem.runtime_image,
+            account_id=f"{config.name_prefix}-pull",
+            opts=enable_apis(project, PULLER_APIS),
+        )
+    files = secrets.files
+    assert files is not None, "stack_secrets makes the node's secret files unless told node_files=False"
     node = OnPremNode(
         "node",
         OnPremNodeArgs(
@@ -33,9 +62,11 @@ def declare(config: StackConfig) -> dict[str, Any]:
             host_key=onprem.host_key,
             install_dir=onprem.install_dir,
             profile=profile,
-            secret_files=secrets.files,
+            secret_files=files,
             local_bundle_dir=str(build_dir() / config.stack / "bundle"),
             ready_timeout_s=onprem.ready_timeout_s,
+            registry=None if puller is None else puller.registry,
+            registry_token=None if puller is None else puller.token,
         ),
     )
     port = "" if onprem.port == 22 else f" -p {onprem.port}"

@@ -1,6 +1,6 @@
 """What the topologies of the program share: capacity figures for the outputs, resource labels, the
 stack's secrets (``stack_secrets``), the endpoint and token commands, enabling Google APIs and the build
-directory. README, "Deploying (Pulumi)".
+directory. docs/deploying.md.
 """
 
 from __future__ import annotations
@@ -145,6 +145,11 @@ def stack_secrets(
             grafana_admin_password=secret(given.grafana_admin_password),
             token_keys=secret(given.token_keys),
             hf_token=secret(given.hf_token),
+            alert_secrets={
+                role: value
+                for role in ("alert_email_password", "alert_pagerduty_routing_key")
+                if (value := secret(getattr(given, role))) is not None
+            },
             **args,
         ),
         opts=opts,

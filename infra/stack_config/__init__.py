@@ -4,7 +4,7 @@
 declared once in ``keys`` (pydantic models whose aliases are Pulumi's keys, validators calling the capacity
 planner), every problem is collected and raised as one ``StackConfigError`` whose lines name the key, the
 bad value and what is allowed (``errors``), and the result is a ``StackConfig`` (``settings``). Every key:
-README, "Stack configuration".
+docs/stack-configuration.md.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from infra.stack_config.settings import (
     SECRET_KEYS,
     TOPOLOGIES,
     GceSettings,
+    MaintenanceWindow,
     MultiRegionSettings,
     OnPremSettings,
     RegionSettings,
@@ -51,6 +52,7 @@ __all__ = [
     "TOPOLOGIES",
     "GceNodeKeys",
     "GceSettings",
+    "MaintenanceWindow",
     "MultiRegionKeys",
     "MultiRegionSettings",
     "OnPremNodeKeys",

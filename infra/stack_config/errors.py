@@ -1,5 +1,5 @@
 """pydantic's collected errors in the project's words: one line per problem, naming the Pulumi key (or the
-item of ``regions``), the bad value (never a secret's) and what is allowed. README, "Stack configuration".
+item of ``regions``), the bad value (never a secret's) and what is allowed. docs/stack-configuration.md.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _field(model: type[BaseModel], loc: tuple[Any, ...]) -> FieldInfo | None:
 def _allowed_text(info: FieldInfo | None) -> str:
     """What a field allows, from its ``allowed`` note, its choices or its bounds."""
     if info is None:
-        return "see README, 'Stack configuration'"
+        return "see docs/stack-configuration.md"
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     if "allowed" in extra:
         return str(extra["allowed"])

@@ -3,7 +3,7 @@
 (``duplexops:<camelCase>``, ``gcp:project``...), with the constraints of each key and validators that apply
 the GCP rules through the capacity planner (``infra.capacity.gcp``: machine type vs GPU, provisioning
 model, zones) and the node profile (sessions vs capacity). A valid model holds the ``StackConfig`` it
-built. README, "Stack configuration".
+built. docs/stack-configuration.md.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from infra.stack_config.settings import (
     NAMESPACE,
     PLACEHOLDER_IMAGE,
     GceSettings,
+    MaintenanceWindow,
     MultiRegionSettings,
     OnPremSettings,
     RegionSettings,
@@ -55,6 +56,7 @@ from infra.stack_config.values import (
     pulumi_key,
     secret_matching,
 )
+from runtime.engine.model_presets import get_preset
 from runtime.frontend.tokens import keys_from_mapping
 
 __all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
@@ -71,6 +73,12 @@ def _gcp_profiles() -> list[str]:
     return [p for p in _compose_profiles() if PROFILES[p].gpu in gcp_catalog.GCP_GPUS]
 
 
+NODE_DRAIN_GRACE_S = 300
+"""Default drain grace of a single node (s): a conversation of up to 5 minutes finishes through a rollout."""
+MAX_NODE_DRAIN_GRACE_S = 1700
+"""Largest drain grace of a single node (s): nginx's and the runtime's grace periods plus margins and a
+minute (``infra.node.compose.node_stop_timeout_s``) must stay within GCE graceful shutdown's 3600 s."""
+
 _NAME_PREFIX_RE = r"^[a-z][a-z0-9-]{1,19}[a-z0-9]$"
 _SAFE_DIR_RE = r"^(/[A-Za-z0-9._-]+){2,}$"
 _FORBIDDEN_INSTALL_DIRS = frozenset({"/usr/local", "/var/lib", "/var/tmp", "/opt/local", "/home"})
@@ -80,6 +88,18 @@ _HOST_RE = re.compile(
 _IMAGE_RE = (
     r"^[a-z0-9]+([._-][a-z0-9]+)*(\.[a-z0-9-]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)+"
     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?@sha256:[0-9a-f]{64}$"
+)
+_HOST_KEY_RE = r"^(ssh-ed25519|ecdsa-sha2-nistp(256|384|521)|ssh-rsa) [A-Za-z0-9+/]+={0,2}( .*)?$"
+_HOST_KEY_ALLOWED = (
+    "the host's public SSH key line, required: every SSH session (secrets travel over it) checks it; get "
+    "it from the host itself (`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` there to compare) or with "
+    "`ssh-keyscan -t ed25519 <host>`, e.g. 'ssh-ed25519 AAAA...'"
+)
+_IMAGE_ALLOWED = "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
+_PROMOTED_IMAGE_ALLOWED = (
+    f"{_IMAGE_ALLOWED}: the image CI built and promoted for this update (.github/workflows/pulumi-up.yml "
+    "sets it; by hand: `pulumi config set --stack <stack> duplexops:runtimeImage <repository>@sha256:...`, "
+    "e.g. the `image` output of a GCE stack); never committed in the stack file"
 )
 _SSH_KEY_RE = r"^-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----\s[\s\S]+-----END [A-Z0-9 ]*PRIVATE KEY-----\s*$"
 _SSH_KEY_ALLOWED = (
@@ -115,6 +135,21 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+    # The runtime image CI built once for this push (.github/workflows/pulumi-up.yml sets it for the update),
+    # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
+    # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
+    runtime_image: str | None = Field(None, pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
+    # Alert receivers (issue 20, item 8), every topology alike: a node's Alertmanager
+    # (infra.node.alertmanager), GMP's managed Alertmanager on multi-region (infra.k8s.alerting).
+    alert_webhook_url: str | None = None
+    alert_email_to: str | None = None
+    alert_email_from: str | None = None
+    alert_email_smarthost: str | None = None
+    alert_email_username: str | None = None
+    alert_email_password: Secret | None = None
+    alert_pagerduty_routing_key: (
+        Annotated[Secret, secret_matching(r"^[A-Za-z0-9]{32}$", "32 letters or digits")] | None
+    ) = None
 
     @field_validator("grafana_admin_password", "redis_password", check_fields=False)
     @classmethod
@@ -159,6 +194,20 @@ class _Keys(BaseModel):
             overrides["gpu"] = self.gpu
         if self.domain is not None:
             overrides["domain"] = self.domain
+        receivers = {
+            "webhook_url": self.alert_webhook_url,
+            "email_to": self.alert_email_to,
+            "email_from": self.alert_email_from,
+            "email_smarthost": self.alert_email_smarthost,
+            "email_username": self.alert_email_username,
+        }
+        alerting: dict[str, Any] = {key: value for key, value in receivers.items() if value is not None}
+        if self.alert_email_password is not None:
+            alerting["email_password"] = True
+        if self.alert_pagerduty_routing_key is not None:
+            alerting["pagerduty"] = True
+        if alerting:
+            overrides["alerting"] = alerting
         return overrides
 
     def _profile(self, overrides: dict[str, Any]) -> NodeProfile:
@@ -180,12 +229,19 @@ class _Keys(BaseModel):
             grafana_admin_password=self.grafana_admin_password,
             token_keys=self.token_signing_keys,
             hf_token=self.hf_token,
+            alert_email_password=self.alert_email_password,
+            alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
         )
 
     def _config(
         self, info: ValidationInfo, profile: NodeProfile, overrides: dict[str, Any], **settings: Any
     ) -> StackConfig:
-        """The ``StackConfig`` of these keys (the stack's name and project from the validation context)."""
+        """The ``StackConfig`` of these keys (the stack's name and project from the validation context).
+
+        Raises:
+            PydanticCustomError: the profile's model is gated and ``hfToken`` is not set.
+        """
+        _require_hf_token(profile, self.hf_token)
         context = info.context or {}
         stack = context.get("stack", "stack")
         return StackConfig(
@@ -197,8 +253,27 @@ class _Keys(BaseModel):
             profile_overrides=overrides,
             profile=profile,
             domain=self.domain,
+            runtime_image=self.runtime_image,
             secrets=self._secrets(),
             **settings,
+        )
+
+
+def _require_hf_token(profile: NodeProfile, token: SecretStr | None) -> None:
+    """A profile whose model's weights are gated on the Hugging Face Hub needs ``hfToken``: without it the
+    weights download gets 401 and the node never turns ready (a GCE VM, the multi-region weights Job, an
+    on-premises host alike). Gated-ness is the model preset's (``runtime.engine.model_presets``).
+
+    Raises:
+        PydanticCustomError: the key, the model and the command that sets it.
+    """
+    preset = get_preset(profile.model)
+    if preset.gated and token is None:
+        raise problem(
+            f"required: profile {profile.name!r} serves {preset.default_source}, which is gated on the "
+            "Hugging Face Hub; accept its licence there with your account, then set a token of that account "
+            "with `pulumi config set --secret hfToken hf_...`",
+            where=pulumi_key("hf_token"),
         )
 
 
@@ -208,6 +283,11 @@ def _profile_problem(profile_name: str, overrides: dict[str, Any], error: Any) -
     field = str(loc[0]) if loc else ""
     if not field and message.startswith("max_sessions"):
         field = "max_sessions"
+    if field == "tls":  # the ACME keys (see _NodeKeys._node_overrides)
+        return (pulumi_key("acme_email"), f"rejected for profile {profile_name!r}: {message}")
+    if field == "alerting":
+        key = "alert_webhook_url" if "webhook" in message else "alert_email_to"
+        return (pulumi_key(key), f"alert receivers rejected: {message}")
     if field not in ("max_sessions", "gpu", "domain"):
         return (
             pulumi_key("profile"),
@@ -244,9 +324,61 @@ def _profile_gpu(info: ValidationInfo) -> str | None:
 
 
 class _NodeKeys(_Keys):
-    """Keys of a single-node topology (``gce-node``, ``onprem-node``)."""
+    """Keys of a single-node topology (``gce-node``, ``onprem-node``).
+
+    Certificates (``infra.node.acme``): with ``domain`` and ``acmeEmail`` the node gets its certificate
+    from ``acmeDirectory`` (Let's Encrypt) by HTTP-01; without a domain it serves a self-signed one.
+    Alerts: the node's Alertmanager (``infra.node.alertmanager``) sends to the receivers of ``_Keys``.
+
+    ``drainGraceSeconds``: how long live sessions may go on when the node restarts (a rollout, a stop, a
+    replacement) before they are closed with 1001 (the profile's ``limits.drain_grace_s``). Long enough
+    for a conversation; at most ``MAX_NODE_DRAIN_GRACE_S`` so that the node's whole stop (nginx and the
+    runtime each draining, plus a minute) fits GCE graceful shutdown's 3600 s."""
 
     redis_password: Secret | None = None
+    drain_grace_seconds: int = Field(NODE_DRAIN_GRACE_S, ge=0, le=MAX_NODE_DRAIN_GRACE_S)
+    # --- certificates (issue 20, item 7) ---
+    acme_email: str | None = Field(
+        None,
+        pattern=r"^[^@\s]+@[^@\s]+\.[a-z]{2,63}$",
+        json_schema_extra=allowed("the ACME account's contact e-mail address, e.g. ops@example.com"),
+    )
+    acme_directory: str | None = Field(
+        None,
+        pattern=r"^https://\S+$",
+        json_schema_extra=allowed(
+            "an ACME directory URL (Let's Encrypt's by default; its staging for trials)"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _acme_needs_a_domain(self) -> _NodeKeys:
+        if (self.acme_email is not None or self.acme_directory is not None) and self.domain is None:
+            raise problem(
+                "an ACME certificate is for the node's DNS name; allowed: set duplexops:domain too (its A "
+                "record pointing at the node), or leave acmeEmail unset for a self-signed certificate",
+                where=pulumi_key("acme_email"),
+            )
+        return self
+
+    def _overrides(self) -> dict[str, Any]:
+        overrides = super()._overrides()
+        limits = PROFILES[self.profile].limits.model_dump()
+        overrides["limits"] = {**limits, "drain_grace_s": self.drain_grace_seconds}
+        return overrides
+
+    def _node_overrides(self, tls: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The profile overrides of the single-node keys: the common ones (``_overrides``: the alert
+        receivers among them) and ``tls`` (ACME when a domain is set)."""
+        overrides = self._overrides()
+        tls = dict(tls or {})
+        if self.acme_email is not None:
+            tls.update(mode="acme", acme_email=self.acme_email)
+            if self.acme_directory is not None:
+                tls["acme_directory"] = self.acme_directory
+        if tls:
+            overrides["tls"] = tls
+        return overrides
 
 
 class GceNodeKeys(_NodeKeys):
@@ -271,6 +403,7 @@ class GceNodeKeys(_NodeKeys):
     machine_type: str | None = None
     boot_disk_size_gb: int = Field(200, ge=100, le=4096)
     boot_disk_type: Literal["pd-balanced", "pd-ssd"] = "pd-balanced"
+    data_disk_size_gb: int = Field(100, ge=50, le=4096)
     public_source_ranges: CidrList = Field(json_schema_extra=allowed(CIDRS))
     subnet_cidr: str = Field(
         "10.64.0.0/24", json_schema_extra=allowed("an RFC 1918 CIDR of /29 or larger, e.g. 10.64.0.0/24")
@@ -319,7 +452,7 @@ class GceNodeKeys(_NodeKeys):
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo) -> GceNodeKeys:
-        overrides = self._overrides()
+        overrides = self._node_overrides()
         profile = self._profile(overrides)
         gpu = profile.gpu
         if gpu not in gcp_catalog.GCP_GPUS:
@@ -347,6 +480,7 @@ class GceNodeKeys(_NodeKeys):
             accelerator_count=machine.gpu_count[0],
             boot_disk_gb=self.boot_disk_size_gb,
             boot_disk_type=self.boot_disk_type,
+            data_disk_gb=self.data_disk_size_gb,
             public_source_ranges=self.public_source_ranges,
             subnet_cidr=self.subnet_cidr,
             enable_apis=self.enable_apis,
@@ -376,10 +510,9 @@ class OnPremNodeKeys(_NodeKeys):
     onprem_ssh_private_key: Annotated[Secret, secret_matching(_SSH_KEY_RE, _SSH_KEY_ALLOWED)] = Field(
         json_schema_extra=allowed(_SSH_KEY_ALLOWED)
     )
-    onprem_host_key: str | None = Field(
-        None,
-        pattern=r"^(ssh-|ecdsa-)[a-z0-9-]+ [A-Za-z0-9+/=]+( .*)?$",
-        json_schema_extra=allowed("the host's public key line, e.g. 'ssh-ed25519 AAAA...'"),
+    onprem_host_key: str = Field(
+        pattern=_HOST_KEY_RE,
+        json_schema_extra=allowed(_HOST_KEY_ALLOWED),
     )
     install_dir: str = Field(
         "/opt/duplex",
@@ -389,12 +522,7 @@ class OnPremNodeKeys(_NodeKeys):
             "'-' (destroy removes it), e.g. /opt/duplex"
         ),
     )
-    runtime_image: str = Field(
-        pattern=_IMAGE_RE,
-        json_schema_extra=allowed(
-            "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-runtime@sha256:<64 hex digits>"
-        ),
-    )
+    runtime_image: str = Field(pattern=_IMAGE_RE, json_schema_extra=allowed(_PROMOTED_IMAGE_ALLOWED))
     ready_timeout_seconds: int = Field(1800, ge=60, le=7200)
 
     @field_validator("onprem_host")
@@ -410,6 +538,31 @@ class OnPremNodeKeys(_NodeKeys):
                 ) from None
         return host
 
+    @field_validator("runtime_image")
+    @classmethod
+    def _promoted(cls, image: str) -> str:
+        if image.endswith("@sha256:" + "0" * 64):
+            raise problem(
+                f"{image!r} has a placeholder digest of zeros, no image; allowed: {_PROMOTED_IMAGE_ALLOWED}"
+            )
+        return image
+
+    @field_validator("onprem_host_key")
+    @classmethod
+    def _host_key(cls, line: str) -> str:
+        import base64
+        import binascii
+
+        kind, blob = line.split()[:2]
+        try:
+            decoded = base64.b64decode(blob, validate=True)
+        except (binascii.Error, ValueError):
+            decoded = b""
+        # The blob starts with its own key type (RFC 4253 section 6.6: string "ssh-ed25519", ...).
+        if decoded[4 : 4 + len(kind)] != kind.encode():
+            raise problem(f"{line[:40]!r}... is not a public key line; allowed: {_HOST_KEY_ALLOWED}")
+        return " ".join(line.split()[:2])
+
     @field_validator("install_dir")
     @classmethod
     def _own_directory(cls, path: str) -> str:
@@ -422,12 +575,15 @@ class OnPremNodeKeys(_NodeKeys):
 
     @model_validator(mode="after")
     def _settings(self, info: ValidationInfo) -> OnPremNodeKeys:
-        overrides = self._overrides()
-        # Everything the stack installs lives under installDir (destroy removes it): the TLS pair too.
-        overrides["tls"] = {
-            "certificate_path": f"{self.install_dir}/tls/node.crt",
-            "private_key_path": f"{self.install_dir}/tls/node.key",
-        }
+        # With acmeEmail the deploy installs certbot's renewal on the host, which must have certbot
+        # (infra.components.onprem_node.acme_install_script checks it). Everything the stack installs
+        # lives under installDir (destroy removes it): the TLS pair too.
+        overrides = self._node_overrides(
+            {
+                "certificate_path": f"{self.install_dir}/tls/node.crt",
+                "private_key_path": f"{self.install_dir}/tls/node.key",
+            }
+        )
         profile = self._profile(overrides)
         _check_bundle(profile)
         onprem = OnPremSettings(
@@ -455,7 +611,7 @@ class RegionKeys(BaseModel):
     zones: tuple[str, ...] = Field(min_length=1, json_schema_extra=allowed("a non-empty list of zones"))
     gpu: str | None = None
     machine_type: str | None = None
-    min_nodes: int = Field(1, ge=0, le=100)
+    min_nodes: int = Field(1, ge=1, le=100)
     max_nodes: int = Field(4, ge=1, le=100)
     redis_memory_gb: int = Field(1, ge=1, le=300)
     network_index: int | None = Field(None, ge=0, le=31)
@@ -482,7 +638,56 @@ class RegionKeys(BaseModel):
                 f"{self.min_nodes} is above maxNodes {self.max_nodes}; allowed: minNodes <= maxNodes",
                 where=".minNodes",
             )
+        # GKE's NEG controller makes a zone's NEG only once a runtime pod runs there (kubernetes/ingress-gce
+        # issue 1755, PR 3152), and the global backend service lists one NEG per zone: every zone listed
+        # must always hold a pod (the runtime spreads over the zones: infra.k8s.workload).
+        if self.min_nodes < len(self.zones):
+            raise problem(
+                f"{self.min_nodes} is below the number of zones ({len(self.zones)}: "
+                f"{', '.join(self.zones)}); allowed: minNodes >= the number of zones (one runtime pod in "
+                "every zone, so that GKE creates the load balancer's NEG there), or fewer zones",
+                where=".minNodes",
+            )
         return self
+
+
+WEEKDAYS = ("MO", "TU", "WE", "TH", "FR", "SA", "SU")
+"""RFC 5545 weekdays (the maintenance window's ``days``)."""
+MIN_WINDOW_HOURS_PER_32_DAYS = 48
+"""GKE's rule for a maintenance window: at least 48 h available in any rolling 32 days, each occurrence 4 h
+or more (cloud.google.com/kubernetes-engine/docs/concepts/maintenance-windows-and-exclusions)."""
+
+
+class MaintenanceWindowKeys(BaseModel):
+    """``duplexops:maintenanceWindow``: ``start`` (``HH:MM``, UTC), ``hours`` (4-24), ``days`` (weekdays
+    ``MO``..``SU``); weekly. Default: Saturday and Sunday, 02:00-08:00 UTC (54 h or more in 32 days)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: str = Field(
+        "02:00", pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]$", json_schema_extra=allowed("HH:MM, UTC")
+    )
+    hours: int = Field(6, ge=4, le=24)
+    days: tuple[Literal["MO", "TU", "WE", "TH", "FR", "SA", "SU"], ...] = Field(("SA", "SU"), min_length=1)
+
+    @model_validator(mode="after")
+    def _enough(self) -> MaintenanceWindowKeys:
+        if len(set(self.days)) != len(self.days):
+            raise problem(f"{list(self.days)!r} names a day twice; allowed: each day once", where=".days")
+        # A weekday recurs at least 4 times in any 32 days.
+        least = 4 * len(self.days) * self.hours
+        if least < MIN_WINDOW_HOURS_PER_32_DAYS:
+            raise problem(
+                f"{len(self.days)} day(s) x {self.hours} h gives {least} h in 32 days; allowed: at least "
+                f"{MIN_WINDOW_HOURS_PER_32_DAYS} h (GKE's rule): more days or more hours",
+                where=".hours",
+            )
+        return self
+
+    def settings(self) -> MaintenanceWindow:
+        """The validated window."""
+        days = tuple(sorted(self.days, key=WEEKDAYS.index))
+        return MaintenanceWindow(start=self.start, hours=self.hours, days=days)
 
 
 def _region_settings(item: RegionKeys, position: int, profile: NodeProfile) -> RegionSettings:
@@ -569,6 +774,9 @@ class MultiRegionKeys(_Keys):
         json_schema_extra=allowed("a GCE machine type such as e2-standard-4"),
     )
     enable_apis: Boolean = True
+    maintenance_window: Annotated[MaintenanceWindowKeys, BeforeValidator(json_value)] = (
+        MaintenanceWindowKeys.model_validate({})  # the defaults: Saturday and Sunday, 02:00-08:00 UTC
+    )
 
     @field_validator("regions")
     @classmethod
@@ -633,6 +841,7 @@ class MultiRegionKeys(_Keys):
             deletion_protection=self.deletion_protection,
             system_machine_type=self.system_machine_type,
             enable_apis=self.enable_apis,
+            maintenance_window=self.maintenance_window.settings(),
         )
         self._result = self._config(info, profile, overrides, multi_region=settings)
         return self

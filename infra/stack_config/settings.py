@@ -1,12 +1,13 @@
 """What the program takes from the stack's configuration: ``StackConfig`` and the settings of each
 topology (``GceSettings``, ``OnPremSettings``, ``MultiRegionSettings`` with its ``RegionSettings``), the
 names of the configuration (namespaces, topologies, secret keys) and ``StackConfigError``. Built by
-``infra.stack_config.keys``; README, "Stack configuration".
+``infra.stack_config.keys``; docs/stack-configuration.md.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from datetime import datetime, timedelta
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
@@ -20,6 +21,7 @@ __all__ = [
     "SECRET_KEYS",
     "TOPOLOGIES",
     "GceSettings",
+    "MaintenanceWindow",
     "MultiRegionSettings",
     "OnPremSettings",
     "RegionSettings",
@@ -43,7 +45,15 @@ PLACEHOLDER_IMAGE = "registry.invalid/duplexops/runtime@sha256:" + "0" * 64
 """Image used to validate the profile and the bundle before the real digest is known."""
 
 SECRET_KEYS: frozenset[str] = frozenset(
-    {"redisPassword", "grafanaAdminPassword", "tokenSigningKeys", "hfToken", "onpremSshPrivateKey"}
+    {
+        "redisPassword",
+        "grafanaAdminPassword",
+        "tokenSigningKeys",
+        "hfToken",
+        "onpremSshPrivateKey",
+        "alertEmailPassword",
+        "alertPagerdutyRoutingKey",
+    }
 )
 """Keys whose values are secrets: they must be set with ``pulumi config set --secret``."""
 
@@ -75,6 +85,10 @@ class StackSecretsConfig(_Frozen):
     token_keys: SecretStr | None = None
     """JSON ``{"kid": "secret", ...}``."""
     hf_token: SecretStr | None = None
+    alert_email_password: SecretStr | None = None
+    """The SMTP password of the e-mail alert receiver (``alertEmailPassword``)."""
+    alert_pagerduty_routing_key: SecretStr | None = None
+    """The PagerDuty Events API v2 routing key (``alertPagerdutyRoutingKey``)."""
 
 
 class GceSettings(_Frozen):
@@ -89,6 +103,9 @@ class GceSettings(_Frozen):
     accelerator_count: int
     boot_disk_gb: int
     boot_disk_type: str
+    data_disk_gb: int = 100
+    """Size of the node's persistent data disk (GB; model cache, Redis, Prometheus, Grafana), kept across
+    VM replacements (``infra.node.rollout``)."""
     public_source_ranges: tuple[str, ...]
     subnet_cidr: str
     enable_apis: bool
@@ -109,9 +126,10 @@ class OnPremSettings(_Frozen):
     user: str
     port: int
     ssh_private_key: SecretStr
-    host_key: str | None
+    host_key: str
     install_dir: str
     runtime_image: str
+    """The digest-pinned image the host runs (``runtimeImage``, promoted by CI)."""
     ready_timeout_s: int
 
 
@@ -168,6 +186,32 @@ class RegionSettings(_Frozen):
         return f"172.16.{self.network_index}.0/28"
 
 
+class MaintenanceWindow(_Frozen):
+    """When GKE may upgrade and repair the clusters and their node pools: ``hours`` from ``start`` (UTC,
+    ``HH:MM``) on each of ``days`` (RFC 5545 weekdays ``MO``..``SU``), every week. Outside it GKE does no
+    non-emergency maintenance (cloud.google.com/kubernetes-engine/docs/concepts/maintenance-windows-and-
+    exclusions). The keys check GKE's rule: at least 48 h of window in any 32 days, 4 h or more at a time."""
+
+    start: str
+    hours: int
+    days: tuple[str, ...]
+
+    ANCHOR_DATE: ClassVar[str] = "2025-01-06"
+    """A fixed Monday: the window's first occurrence (only its time of day and length matter to GKE; a fixed
+    date keeps the cluster's inputs the same at every ``pulumi up``)."""
+
+    def recurring_window(self) -> dict[str, str]:
+        """The cluster's ``maintenance_policy.recurring_window``: ``start_time`` and ``end_time`` (RFC 3339,
+        UTC) of the first occurrence and ``recurrence`` (``FREQ=WEEKLY;BYDAY=SA,SU``)."""
+        start = datetime.fromisoformat(f"{self.ANCHOR_DATE}T{self.start}:00+00:00")
+        end = start + timedelta(hours=self.hours)
+        return {
+            "start_time": start.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "end_time": end.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "recurrence": f"FREQ=WEEKLY;BYDAY={','.join(self.days)}",
+        }
+
+
 class MultiRegionSettings(_Frozen):
     """The multi-region stack: one GKE cluster per region behind one global HTTPS load balancer."""
 
@@ -179,6 +223,7 @@ class MultiRegionSettings(_Frozen):
     deletion_protection: bool
     system_machine_type: str
     enable_apis: bool
+    maintenance_window: MaintenanceWindow
 
 
 class StackConfig(_Frozen):
@@ -191,6 +236,8 @@ class StackConfig(_Frozen):
         profile_name, profile_overrides: the node profile and what the stack changes in it.
         profile: the validated profile (with a placeholder ``runtime_image``: use ``node_profile``).
         domain: the endpoint's DNS name, or None (the endpoint is the IP address).
+        runtime_image: the digest-pinned runtime image CI built for this update (``duplexops:runtimeImage``),
+            or None (a cloud topology then builds it).
         gce, onprem, multi_region: the topology's settings (the others are None).
         secrets: secrets from the configuration.
     """
@@ -203,6 +250,7 @@ class StackConfig(_Frozen):
     profile_overrides: dict[str, Any]
     profile: NodeProfile
     domain: str | None
+    runtime_image: str | None = None
     gce: GceSettings | None = None
     onprem: OnPremSettings | None = None
     multi_region: MultiRegionSettings | None = None

@@ -1,6 +1,6 @@
 """The value types of the configuration keys (JSON lists, ``true``/``false``, IPv4 CIDRs, secrets never
 shown) and the errors their validators raise (``problem``: a message under a key or an item of it).
-README, "Stack configuration".
+docs/stack-configuration.md.
 """
 
 from __future__ import annotations

@@ -159,6 +159,11 @@ class TickTimings:
 class TickResult:
     """What one tick produced.
 
+    The four arrays are the engine's :class:`TickBuffers`: allocated once per engine and rewritten in place
+    by the next tick (as Kyutai's ``batched_asr.py`` does with its output buffers). A caller copies what it
+    keeps past the next call to ``tick`` (``SlotScheduler`` copies each session's PCM row before handing it
+    to the event loop).
+
     Attributes:
         pcm: ``[B, 1920]`` float32, 24 kHz; meaningful only where ``audio_ready``.
         audio_ready: ``[B]`` bool, slots that produced an audio frame this tick.
@@ -174,6 +179,41 @@ class TickResult:
     audio_tokens: np.ndarray
     prompt_finished: list[int] = field(default_factory=list)
     timings: TickTimings = field(default_factory=TickTimings)
+
+
+class TickBuffers:
+    """A tick's result arrays, allocated once per engine (``slots`` = B rows) and reused every tick.
+
+    Attributes:
+        pcm: ``[B, 1920]`` float32 output audio, zero where no frame was produced.
+        audio_ready: ``[B]`` bool.
+        text_tokens: ``[B]`` int64, ``UNGENERATED_TOKEN`` where none.
+        audio_tokens: ``[B, dep_q]`` int64, ``UNGENERATED_TOKEN`` where none.
+    Raises:
+        ValueError: ``slots`` or ``dep_q`` < 1.
+    """
+
+    def __init__(self, slots: int, dep_q: int) -> None:
+        if slots < 1 or dep_q < 1:
+            raise ValueError(f"slots and dep_q must be >= 1, got slots {slots}, dep_q {dep_q}")
+        self.pcm = np.zeros((slots, FRAME_SAMPLES), dtype=np.float32)
+        self.audio_ready = np.zeros(slots, dtype=bool)
+        self.text_tokens = np.full(slots, UNGENERATED_TOKEN, dtype=np.int64)
+        self.audio_tokens = np.full((slots, dep_q), UNGENERATED_TOKEN, dtype=np.int64)
+
+    def clear(self) -> None:
+        """Back to "nothing produced" (silence, not ready, ``UNGENERATED_TOKEN``), in place."""
+        self.pcm.fill(0.0)
+        self.audio_ready.fill(False)
+        self.text_tokens.fill(UNGENERATED_TOKEN)
+        self.audio_tokens.fill(UNGENERATED_TOKEN)
+
+    def result(self, prompt_finished: list[int], timings: TickTimings) -> TickResult:
+        """A :class:`TickResult` over these arrays (not copies) with this tick's ``prompt_finished`` and
+        ``timings``."""
+        return TickResult(
+            self.pcm, self.audio_ready, self.text_tokens, self.audio_tokens, prompt_finished, timings
+        )
 
 
 @dataclass
@@ -279,6 +319,7 @@ class BatchEngine:
         self.lm_gen.streaming_forever(slots)
         bundle.mimi.streaming_forever(slots)
         self._slots = [_Slot() for _ in range(slots)]
+        self._outputs = TickBuffers(slots, self.dep_q)
         self._no_rows = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.lm_gen.set_exec_mask(self._no_rows)
         bundle.mimi.set_exec_mask(self._no_rows)
@@ -363,7 +404,8 @@ class BatchEngine:
             active: ``[B]`` bool; LIVE slots where it is False are frozen this tick (a session that has
                 not sent its first frame yet). Default: every LIVE slot steps.
         Returns:
-            :class:`TickResult`.
+            :class:`TickResult` over the engine's :class:`TickBuffers`: the same arrays every tick,
+            rewritten by the next call (copy what you keep).
         Raises:
             ValueError: ``pcm_in`` has the wrong shape.
         """
@@ -371,10 +413,8 @@ class BatchEngine:
             raise ValueError(f"pcm_in must be [{self.slots}, {FRAME_SAMPLES}], got {list(pcm_in.shape)}")
         start = self.clock()
         timings = TickTimings()
-        pcm_out = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
-        audio_ready = np.zeros(self.slots, dtype=bool)
-        text_tokens: np.ndarray = np.full(self.slots, UNGENERATED_TOKEN, dtype=np.int64)
-        audio_tokens: np.ndarray = np.full((self.slots, self.dep_q), UNGENERATED_TOKEN, dtype=np.int64)
+        out = self._outputs
+        out.clear()
 
         live = [i for i in self.live_slots if active is None or active[i]]
         if live:
@@ -410,18 +450,16 @@ class BatchEngine:
                     mimi.set_exec_mask(ready)
                     codes_out = agent[:, : self.mimi_codebooks, None].clamp(min=0)  # [B, K, 1]
                     decoded = mimi.decode(codes_out)  # [B, 1, 1920]
-                    pcm_out[ready_cpu] = decoded[:, 0].float().cpu().numpy()[ready_cpu]
-                    audio_ready = ready_cpu
+                    np.copyto(out.pcm, decoded[:, 0].float().cpu().numpy(), where=ready_cpu[:, None])
+                    out.audio_ready[:] = ready_cpu
                 timings.decode_ms = (self.clock() - t2) * 1e3
-                tokens_cpu = tokens.cpu().numpy()
-                step_rows = np.zeros(self.slots, dtype=bool)
-                step_rows[stepping] = True
-                text_tokens = np.where(step_rows, tokens_cpu[:, 0], UNGENERATED_TOKEN)
-                audio_tokens = np.where(step_rows[:, None], tokens_cpu[:, 1:], UNGENERATED_TOKEN)
+                tokens_cpu = tokens.cpu().numpy()  # [B, 1 + dep_q]
+                out.text_tokens[stepping] = tokens_cpu[stepping, 0]
+                out.audio_tokens[stepping] = tokens_cpu[stepping, 1:]
 
         finished = self._run_prompt_steps(start, timings)
         timings.total_ms = (self.clock() - start) * 1e3
-        return TickResult(pcm_out, audio_ready, text_tokens, audio_tokens, finished, timings)
+        return out.result(finished, timings)
 
     def _run_prompt_steps(self, tick_start: float, timings: TickTimings) -> list[int]:
         """Feed persona prompts in the tick's spare time: step-by-step prompts one teacher-forced LM step
@@ -518,7 +556,10 @@ class BatchEngine:
         total = len(prompt)
         dq = self.dep_q
         text = torch.tensor([s.text_token for s in prompt], dtype=torch.int64)  # [T]
-        agent = torch.stack([s.agent_codes[:dq] for s in prompt]).to(torch.int64)  # [T, dep_q]
+        forced = [s.agent_codes for s in prompt if s.agent_codes is not None]
+        if len(forced) != total:  # _can_prefill admits only fully forced prompts
+            raise ValueError("a prefilled prompt needs forced agent codes at every step")
+        agent = torch.stack([codes[:dq] for codes in forced]).to(torch.int64)  # [T, dep_q]
         user = torch.stack([s.user_codes[: self.user_codebooks] for s in prompt]).to(torch.int64)  # [T, U]
         seq = torch.zeros(lm.num_codebooks, total, dtype=torch.int64)
         seq[0, 1:] = text[:-1]

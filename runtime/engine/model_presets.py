@@ -156,6 +156,8 @@ class ModelPreset:
             random weights (``tiny``).
         checkpoint_dep_q: depformer steps stored in the preset's checkpoints (16 for PersonaPlex);
             the runtime may build fewer (see ``runtime.engine.models.adapt_depformer_steps``).
+        gated: whether ``default_source`` is gated on the Hugging Face Hub (a download needs a token of an
+            account that accepted the model's licence; its model card says so).
     """
 
     name: str
@@ -165,6 +167,7 @@ class ModelPreset:
     checkpoint_dep_q: int
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    gated: bool = False
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -198,6 +201,7 @@ PRESETS: dict[str, ModelPreset] = {
         "nvidia/personaplex-7b-v1",
         16,
         "NVIDIA PersonaPlex-7B-v1 (gated on the Hub: accept the licence, set HF_TOKEN)",
+        gated=True,
     ),
 }
 

@@ -540,17 +540,18 @@ def load_checkpoint(
             f"LM weights in {source} do not match the {preset_name} configuration"
             f"{' (INT8)' if prequantized else ''}: {exc}"
         ) from exc
+    cast_to: torch.dtype | None = dtype  # what _finish casts the LM to; None leaves a quantised LM as is
     if quantize == "int8":
         # -q8: already QLinear, moved whole (it is the int8 size); float: quantised layer by layer.
         lm = lm.to(device) if prequantized else quantize_lm_int8(lm, device)
-        dtype = None
+        cast_to = None
     mimi = get_mimi(
         str(_resolve_file(source, names["mimi_name"], revision)), mimi_config, num_codebooks=target_steps
     )
     tokenizer = sentencepiece.SentencePieceProcessor(
         model_file=str(_resolve_file(source, names["tokenizer_name"], revision))
     )
-    lm, mimi = _finish(lm, mimi, device, dtype)
+    lm, mimi = _finish(lm, mimi, device, cast_to)
     log.info(
         "loaded %s from %s (depformer steps %d, quantize %s%s)",
         preset_name,

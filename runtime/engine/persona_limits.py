@@ -1,5 +1,5 @@
 """The persona prompt's limits, stated once: the engine runs them (one LM step per token) and the front
-end's query parser, admission check and ``/api/personas`` quote them (README, "Personas")."""
+end's query parser, admission check and ``/api/personas`` quote them (docs/protocol.md, "Wire protocol")."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ TEXT_PROMPT_LIMIT = (
 )
 """The one statement of the text prompt's limit: the query parser checks the characters, session planning
 (the ``/api/chat`` upgrade and ``/api/admission`` alike) the tokens, and both refuse with this sentence;
-``/api/personas`` and the README give the same two numbers."""
+``/api/personas`` and docs/protocol.md give the same two numbers."""
 
 VOICE_PROMPT_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{VOICE_PROMPT_MAX_CHARS - 1}}}")
 """A voice prompt's name: a preset of the voice catalog, never a path."""

@@ -33,10 +33,10 @@ import torch
 
 from runtime.engine.batch import (
     NOT_FORCED,
-    UNGENERATED_TOKEN,
     BatchEngine,
     PromptStep,
     SlotPhase,
+    TickBuffers,
     TickResult,
     TickTimings,
 )
@@ -103,6 +103,7 @@ class SimEngine:
         self.sine_codes = torch.ones(user_codebooks, 8, dtype=torch.int64)
         self._sleep = sleep
         self._slots = [_SimSlot() for _ in range(slots)]
+        self._outputs = TickBuffers(slots, self.dep_q)
         t = np.arange(FRAME_SAMPLES, dtype=np.float32) / SAMPLE_RATE_HZ
         self._tone = (0.05 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)  # 220 Hz: 88 whole periods
 
@@ -138,7 +139,8 @@ class SimEngine:
         return [i for i, s in enumerate(self._slots) if s.phase is SlotPhase.PROMPTING]
 
     def tick(self, pcm_in: np.ndarray, active: np.ndarray | None = None) -> TickResult:
-        """As ``BatchEngine.tick``: ``[B, 1920]`` float32 in -> :class:`TickResult`, after the step time.
+        """As ``BatchEngine.tick``: ``[B, 1920]`` float32 in -> :class:`TickResult`, after the step time,
+        over the engine's :class:`TickBuffers` (the same arrays every tick: copy what you keep).
 
         Raises:
             ValueError: ``pcm_in`` has the wrong shape.
@@ -147,10 +149,8 @@ class SimEngine:
             raise ValueError(f"pcm_in must be [{self.slots}, {FRAME_SAMPLES}], got {list(pcm_in.shape)}")
         start = time.perf_counter()
         timings = TickTimings()
-        pcm_out = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
-        audio_ready = np.zeros(self.slots, dtype=bool)
-        text_tokens = np.full(self.slots, UNGENERATED_TOKEN, dtype=np.int64)
-        audio_tokens = np.full((self.slots, self.dep_q), UNGENERATED_TOKEN, dtype=np.int64)
+        out = self._outputs
+        out.clear()
         live = [i for i in self.live_slots if active is None or active[i]]
         if live:
             self._sleep(self.step_time.ms(len(live)) / 1e3)
@@ -160,17 +160,19 @@ class SimEngine:
                     state.skip_next_frame = False
                     continue
                 state.ticks += 1
-                pcm_out[i] = 0.5 * pcm_in[i] + self._tone  # an echo: speech-like audio for the codecs
-                audio_ready[i] = True
-                audio_tokens[i] = 0
+                # An echo over a tone (speech-like audio for the codecs), written into the buffer's row.
+                np.multiply(pcm_in[i], 0.5, out=out.pcm[i])
+                out.pcm[i] += self._tone
+                out.audio_ready[i] = True
+                out.audio_tokens[i] = 0
                 if state.ticks % _TEXT_EVERY_TICKS == 0:
-                    text_tokens[i] = 4 + (state.ticks // _TEXT_EVERY_TICKS) % max(1, self.text_vocab - 4)
+                    out.text_tokens[i] = 4 + (state.ticks // _TEXT_EVERY_TICKS) % max(1, self.text_vocab - 4)
                 else:
-                    text_tokens[i] = _TEXT_PADDING
+                    out.text_tokens[i] = _TEXT_PADDING
             timings.lm_ms = (time.perf_counter() - start) * 1e3
         finished = self._prompt_steps(start, timings)
         timings.total_ms = (time.perf_counter() - start) * 1e3
-        return TickResult(pcm_out, audio_ready, text_tokens, audio_tokens, finished, timings)
+        return out.result(finished, timings)
 
     def _prompt_steps(self, tick_start: float, timings: TickTimings) -> list[int]:
         finished: list[int] = []

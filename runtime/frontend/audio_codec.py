@@ -6,7 +6,7 @@ Inbound, an *assembler* turns the payloads of 0x01 audio messages (Ogg/Opus page
 one such frame into the payload of one 0x01 audio message. One assembler and one encoder per session:
 both are stateful and not thread-safe. Opus is decoded by sphn and encoded by sphn or, with
 ``DUPLEX_OPUS_ENCODER=pyav``, by PyAV's libopus at a chosen complexity into a stream of sphn's shape
-(:class:`PyavOpusFrameEncoder`; figures from ``python -m runtime.tools.codec_bench`` in the README).
+(:class:`PyavOpusFrameEncoder`; figures from ``python -m runtime.tools.codec_bench`` in docs/benchmarks.md).
 
 Flow-control policy (``max_buffered_frames``): :meth:`push` returns every complete frame at once, so the
 assembler itself only ever keeps less than one frame. A single push whose audio would complete more than
@@ -354,7 +354,8 @@ class PyavOpusFrameEncoder:
     of a frame returned by the :meth:`encode` call that got the frame (no look-ahead delay). libopus
     settings: VoIP application, :data:`PYAV_OPUS_BITRATE_BPS`, complexity as given (sphn leaves libopus'
     default, 10). PyAV releases the GIL while libopus encodes; sphn does not. What lower complexity costs
-    and saves is measured by ``python -m runtime.tools.codec_bench`` (README, "The front end under load").
+    and saves is measured by ``python -m runtime.tools.codec_bench`` (docs/benchmarks.md, "The front end under
+    load").
 
     Args:
         complexity: libopus complexity, 0 (cheapest) .. 10 (libopus' default).

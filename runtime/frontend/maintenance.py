@@ -12,7 +12,7 @@ notices", https://cloud.google.com/compute/docs/metadata/getting-live-migration-
 changes or after ``timeout_sec``), every request with the header ``Metadata-Flavor: Google`` ("View and
 query VM metadata", "Wait for change", https://cloud.google.com/compute/docs/metadata/querying-metadata).
 
-What a value does (decided here; README "Drain"):
+What a value does (decided here; docs/operations.md, "Drain"):
 
 - ``TERMINATE_ON_HOST_MAINTENANCE`` (and any value this module does not know: missing a real notice cuts
   conversations, a false one only sends new callers elsewhere for a while): *pending*. The runtime stops
@@ -22,6 +22,15 @@ What a value does (decided here; README "Drain"):
   again (unless a SIGTERM drain has begun, which is final).
 - ``MIGRATE_ON_HOST_MAINTENANCE``: not pending. A live migration keeps the VM and its connections (a pause
   of seconds); a GPU VM never gets it.
+
+A Spot VM's preemption (``instance/preempted``, ``GCE_PREEMPTED_URL``: ``FALSE``, then ``TRUE`` when GCE
+preempts the VM; "Detect if a VM was preempted", https://cloud.google.com/compute/docs/instances/
+create-use-spot) leaves no hour: the VM is stopped about 30 s after the soft off, whatever the drain
+grace. :func:`start_maintenance_watch` watches that key too (same URL root as ``maintenance-event``) and,
+on ``TRUE``, calls ``on_preempted`` once: the server closes every live session with 1001 within
+``PREEMPTION_GRACE_S`` (``server.drain(PREEMPTION_GRACE_S)``), so that callers learn at once that they
+must reconnect elsewhere. A server that passes no ``on_preempted`` gets the notice as a pending
+maintenance (admissions stop). A preemption is never withdrawn: ``FALSE`` afterwards changes nothing.
 
 Failures of the metadata server (refused connection, timeout, a status other than 200) are logged, counted
 (``duplex_maintenance_watch_errors_total``) and retried after an exponential backoff (:func:`backoff_delay`);
@@ -50,9 +59,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GCE_MAINTENANCE_EVENT_URL",
+    "GCE_PREEMPTED_URL",
+    "PREEMPTION_GRACE_S",
     "MaintenanceWatcher",
     "backoff_delay",
     "is_pending",
+    "is_preempted",
+    "preempted_url",
     "start_maintenance_watch",
 ]
 
@@ -60,6 +73,15 @@ log = logging.getLogger("duplex.maintenance")
 
 GCE_MAINTENANCE_EVENT_URL = "http://metadata.google.internal/computeMetadata/v1/instance/maintenance-event"
 """The key's URL on a GCE VM (https://cloud.google.com/compute/docs/gpus/gpu-host-maintenance)."""
+
+GCE_PREEMPTED_URL = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
+"""A Spot VM's preemption flag, ``TRUE`` once preempted (https://cloud.google.com/compute/docs/instances/
+create-use-spot, "Detect if a VM was preempted")."""
+
+PREEMPTION_GRACE_S = 15.0
+"""Seconds live sessions may go on after a preemption notice before they are closed with 1001: half of
+the 30 s Spot notice (``infra.components.gce_node.SPOT_PREEMPTION_NOTICE_S``), leaving the rest for the
+closes to reach the callers before GCE's soft off and hard off."""
 
 NONE = "NONE"
 MIGRATE = "MIGRATE_ON_HOST_MAINTENANCE"
@@ -71,6 +93,24 @@ def is_pending(value: str) -> bool:
     ``TERMINATE_ON_HOST_MAINTENANCE`` and for any value not known here, False for ``NONE`` and
     ``MIGRATE_ON_HOST_MAINTENANCE`` (module docstring for why)."""
     return value.strip() not in (NONE, MIGRATE)
+
+
+def is_preempted(value: str) -> bool:
+    """Whether an ``instance/preempted`` value says the VM is being preempted (``TRUE``)."""
+    return value.strip().upper() == "TRUE"
+
+
+def preempted_url(maintenance_url: str) -> str:
+    """The ``preempted`` key beside a ``maintenance-event`` URL (same metadata root: a fake server in tests).
+
+    Raises:
+        ValueError: the URL's path does not end in ``/maintenance-event``.
+    """
+    parts = urllib.parse.urlsplit(maintenance_url)
+    if not parts.path.endswith("/maintenance-event"):
+        raise ValueError(f"maintenance metadata URL must end in /maintenance-event, got {maintenance_url!r}")
+    path = parts.path.removesuffix("maintenance-event") + "preempted"
+    return urllib.parse.urlunsplit(parts._replace(path=path))
 
 
 def backoff_delay(failures: int, *, initial_s: float, maximum_s: float) -> float:
@@ -98,6 +138,8 @@ class MaintenanceWatcher:
         metrics: ``maintenance_pending`` (0/1) and ``maintenance_watch_errors`` are kept up to date.
         wait_timeout_s: ``timeout_sec`` of each wait-for-change request (the server answers by then).
         backoff_initial_s, backoff_max_s: retry delays after failures (:func:`backoff_delay`).
+        classify: value -> pending (:func:`is_pending`; :func:`is_preempted` for the preemption key).
+        track_metrics: keep ``maintenance_pending`` up to date (off for the preemption watch).
 
     Raises:
         ValueError: a URL that is not http(s), or a non-positive timeout.
@@ -112,6 +154,8 @@ class MaintenanceWatcher:
         wait_timeout_s: int = 300,
         backoff_initial_s: float = 1.0,
         backoff_max_s: float = 60.0,
+        classify: Callable[[str], bool] = is_pending,
+        track_metrics: bool = True,
     ) -> None:
         if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
             raise ValueError(f"maintenance metadata URL must be http(s)://..., got {url!r}")
@@ -124,6 +168,9 @@ class MaintenanceWatcher:
         self.wait_timeout_s = wait_timeout_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.classify = classify
+        self.track_metrics = track_metrics
+        self.companions: list[MaintenanceWatcher] = []  # stopped with this one (the preemption watch)
         self.value: str | None = None  # the last value read (None before the first answer)
         self._pending: bool | None = None  # as delivered to on_change
         self._stop = threading.Event()
@@ -145,8 +192,11 @@ class MaintenanceWatcher:
 
     def stop(self) -> None:
         """Stop watching. From then on nothing is delivered, even a change already read (call it on the
-        loop's thread, as the server does). The thread ends when its current request returns."""
+        loop's thread, as the server does). The thread ends when its current request returns. Its
+        companions stop with it."""
         self._stop.set()
+        for companion in self.companions:
+            companion.stop()
 
     @property
     def alive(self) -> bool:
@@ -182,7 +232,7 @@ class MaintenanceWatcher:
             if value != self.value:
                 log.info("maintenance-event: %s (was %s)", value, self.value)
             self.value = value
-            self._post(is_pending(value))
+            self._post(self.classify(value))
 
     def _read(self, etag: str | None) -> tuple[str, str | None]:
         """One request: at once when no etag is known yet, else a wait for a change since ``etag``."""
@@ -215,7 +265,8 @@ class MaintenanceWatcher:
         if self._stop.is_set() or pending == self._pending:
             return
         self._pending = pending
-        self.metrics.maintenance_pending.set(int(pending))
+        if self.track_metrics:
+            self.metrics.maintenance_pending.set(int(pending))
         try:
             self.on_change(pending)
         except Exception:
@@ -231,12 +282,40 @@ def _describe(exc: BaseException) -> str:
 
 
 def start_maintenance_watch(
-    config: RuntimeConfig, metrics: RuntimeMetrics, on_change: Callable[[bool], None]
+    config: RuntimeConfig,
+    metrics: RuntimeMetrics,
+    on_change: Callable[[bool], None],
+    on_preempted: Callable[[], object] | None = None,
 ) -> MaintenanceWatcher | None:
     """The watcher ``config.maintenance_watch`` asks for, started on the running loop; None when ``off``.
-    Call from a coroutine (the server's ``start``)."""
+    With ``gce`` it also watches ``instance/preempted`` (:func:`preempted_url`): on ``TRUE`` it calls
+    ``on_preempted()`` once on the loop (the server: ``drain(PREEMPTION_GRACE_S)``), or, without one,
+    ``on_change(True)``. The preemption watch stops with the returned watcher; a metadata URL that does not
+    end in ``/maintenance-event`` gets none (logged). Call from a coroutine (the server's ``start``)."""
     if config.maintenance_watch == "off":
         return None
+    loop = asyncio.get_running_loop()
     watcher = MaintenanceWatcher(config.maintenance_metadata_url, on_change, metrics)
-    watcher.start(asyncio.get_running_loop())
+    fired = False
+
+    def preempted(now: bool) -> None:
+        nonlocal fired
+        if not now or fired:  # FALSE before a preemption; a preemption is never withdrawn
+            return
+        fired = True
+        log.warning("preempted: closing live sessions within %.0f s", PREEMPTION_GRACE_S)
+        if on_preempted is None:
+            on_change(True)
+        else:
+            on_preempted()
+
+    watcher.start(loop)
+    try:
+        url = preempted_url(config.maintenance_metadata_url)
+    except ValueError as exc:  # a URL of another shape: the maintenance watch alone
+        log.warning("no preemption watch: %s", exc)
+        return watcher
+    preemption = MaintenanceWatcher(url, preempted, metrics, classify=is_preempted, track_metrics=False)
+    watcher.companions.append(preemption)
+    preemption.start(loop)
     return watcher

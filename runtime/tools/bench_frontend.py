@@ -172,6 +172,7 @@ def bench_sessions(workers: int, sessions: int, step_ms: str, seconds: float) ->
         "sessions": sessions,
         "step_ms": step_ms,
         "served": summary["served"],
+        "cut": summary["cut"],
         "frames_lost": summary["frames_lost"],
         "late_input_frames": _metric(metrics, 'duplex_frames_dropped_total{reason="late_input"}'),
         "first_audio_ms_p99": summary["first_audio_ms_p99"],

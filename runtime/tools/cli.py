@@ -2,7 +2,7 @@
 ``bench-persona``, ``token``. ``runtime_app()`` builds a Typer app of them: ``app`` here is the runtime
 image's entrypoint (``duplex-runtime``); ``infra.cli`` adds the node's and the capacity planner's
 commands for the full ``duplex``. Heavy imports (torch, moshi) happen inside the commands that need them.
-README, "The runtime".
+docs/runtime.md.
 """
 
 from __future__ import annotations
@@ -104,13 +104,13 @@ def serve(
         console.print(f"[red]invalid access control settings[/red]: {exc}")
         raise typer.Exit(2) from None
     if config.workers != 0:
-        from runtime.multiproc import Supervisor, default_workers
+        from runtime.multiproc import PortTaken, Supervisor, default_workers
 
         count = default_workers() if config.workers == -1 else config.workers
         config = config.model_copy(update={"workers": count})  # each worker takes its share of the limits
         try:
             supervisor = Supervisor(config, count)
-        except ValueError as exc:
+        except (ValueError, PortTaken) as exc:
             console.print(f"[red]{exc}[/red]")
             raise typer.Exit(2) from None
         raise typer.Exit(supervisor.run())
@@ -297,8 +297,8 @@ def loadgen(
     """Drive SESSIONS concurrent sessions of speech at real-time pace against a node (this one, a GCP
     node, a GKE endpoint) and report per session and in total: connect time, first-audio latency
     p50/p95/p99, inter-frame gap p99, frames lost, refusals, bytes each way. With --token-key-file each
-    session gets a fresh token (tokens are single-use). Exits 1 if any session was not served, 2 on bad
-    input."""
+    session gets a fresh token (tokens are single-use). Exits 1 if any session was not served or ended
+    early (cut before its last frame, or closed with a code other than 1000), 2 on bad input."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from runtime.frontend.protocol import AudioFormat
@@ -352,7 +352,7 @@ def loadgen(
         print(json.dumps({"summary": report.summary(), "sessions": report.session_rows()}))
     else:
         console.print(load_table(f"{sessions} sessions against {url}", report))
-    raise typer.Exit(0 if len(report.served) == sessions else 1)
+    raise typer.Exit(0 if report.ok else 1)
 
 
 def bench(

@@ -42,6 +42,17 @@ DEMO_SENTENCES = (
 )
 
 
+STARTUP_FRAMES = 4
+"""Output frames a served session may lack against the input frames it planned to send, before the shortfall
+counts as lost: the first frame the engine drops (its encoder's left padding), the model's acoustic delay
+and an Ogg page an Opus writer holds back. The tail a session listens after its last frame (0.6 s, about
+7 frames) more than makes up for them: measured here (sim and tiny models, PCM and Opus), a 40-frame
+session gets 43 to 47 audio messages back, a 10-frame one 10 to 16."""
+
+CLOSE_NORMAL = 1000
+"""The only close code a session may end with (RFC 6455 section 7.4.1); anything else is a failure."""
+
+
 class SpeechSynthesisError(RuntimeError):
     """espeak-ng is missing or failed."""
 
@@ -130,6 +141,7 @@ class SessionResult:
             when the runtime is down, the runtime's own 4xx/503); None when it was accepted.
         connect_error: why the connection could not be made at all (refused port, TLS failure...).
         bytes_sent, bytes_received: WebSocket payload bytes each way.
+        frames_planned: 80 ms frames the session meant to send (its whole clip).
     """
 
     handshake: bool = False
@@ -148,6 +160,7 @@ class SessionResult:
     connect_error: str = ""
     bytes_sent: int = 0
     bytes_received: int = 0
+    frames_planned: int = 0
 
     @property
     def refused(self) -> bool:
@@ -163,6 +176,24 @@ class SessionResult:
             return "; ".join(self.errors) or self.close_reason or self.connect_error
         return ""
 
+    @property
+    def ended_early(self) -> bool:
+        """A served session that did not end as planned: cut before all its frames were sent (the node
+        closed it), or closed with any code other than 1000."""
+        return self.handshake and (self.frames_sent < self.frames_planned or self.close_code != CLOSE_NORMAL)
+
+    @property
+    def failure(self) -> str:
+        """Why this session counts as failed ('' when it was served and ended as planned)."""
+        if not self.handshake:
+            return f"not served: {self.refusal_reason or 'no handshake'}"
+        if not self.ended_early:
+            return ""
+        close = f"close {self.close_code}" + (f" {self.close_reason!r}" if self.close_reason else "")
+        if self.frames_sent < self.frames_planned:
+            return f"cut after {self.frames_sent} of {self.frames_planned} frames ({close})"
+        return f"ended with {close}"
+
     def audio_gaps_s(self) -> list[float]:
         """Times between consecutive audio messages (s)."""
         arrivals = self.audio_arrival_s
@@ -173,10 +204,18 @@ class SessionResult:
         return max(self.audio_gaps_s(), default=0.0)
 
     def frames_lost(self) -> int:
-        """Output frames missing from the audio stream: a gap of ``g`` s between two messages stands for
-        ``round(g / 80 ms) - 1`` frames that never came (a gap under 1.5 frames counts none)."""
+        """Output frames that never came. Inside the stream, a gap of ``g`` s between two messages stands
+        for ``round(g / 80 ms) - 1`` missing frames (a gap under 1.5 frames counts none). Before its first
+        and after its last message: the session planned ``frames_planned`` frames, and whatever the
+        stream (messages plus the gaps' frames) falls short of that by more than ``STARTUP_FRAMES`` is
+        lost too, so a session cut by the node, or whose audio stopped early, counts the frames it never
+        got. Never more than ``frames_planned`` (when known): frames that arrive late in a burst after a
+        gap leave the gap counted and add messages, which must not count past the whole session."""
         frame_s = FRAME_SAMPLES / SAMPLE_RATE_HZ
-        return sum(max(0, round(g / frame_s) - 1) for g in self.audio_gaps_s())
+        in_gaps = sum(max(0, round(g / frame_s) - 1) for g in self.audio_gaps_s())
+        never_came = self.frames_planned - STARTUP_FRAMES - (self.audio_messages + in_gaps)
+        lost = in_gaps + max(0, never_came)
+        return min(lost, self.frames_planned) if self.frames_planned else lost
 
 
 def session_url(base: str, *, audio_format: AudioFormat = AudioFormat.PCM, **params: object) -> str:
@@ -226,7 +265,13 @@ async def run_session(
             ``audio_format`` (``pcm`` is then ignored).
     """
     result = SessionResult()
-    to_send: Iterable[bytes] = _LazyMessages(pcm, audio_format) if messages is None else messages
+    if messages is None:
+        lazy = _LazyMessages(pcm, audio_format)
+        to_send: Iterable[bytes] = lazy
+        result.frames_planned = len(lazy)
+    else:
+        to_send = messages = list(messages)
+        result.frames_planned = len(messages)
     started: float | None = None
     done = asyncio.Event()
     secure = urlsplit(url).scheme == "wss"
@@ -332,6 +377,10 @@ class _LazyMessages:
         self.pcm = pcm
         self.audio_format = audio_format
 
+    def __len__(self) -> int:
+        """Whole 80 ms frames in the clip (a partial last frame is not sent)."""
+        return max(0, len(self.pcm) // FRAME_SAMPLES)
+
     def __iter__(self) -> Iterator[bytes]:
         _, encoder = make_codec(self.audio_format, max_buffered_frames=1000)
         for i in range(0, len(self.pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES):
@@ -362,10 +411,21 @@ class LoadReport:
         """Sessions that got the handshake."""
         return [r for r in self.sessions if r.handshake]
 
+    @property
+    def ok(self) -> bool:
+        """Every session was served and ended as planned (``duplex loadgen`` exits 0 only then)."""
+        return not self.failures()
+
+    def failures(self) -> list[str]:
+        """``"session i: why"`` for every session that was not served, could not connect, or ended early
+        (:attr:`SessionResult.failure`), in launch order."""
+        return [f"session {i}: {r.failure}" for i, r in enumerate(self.sessions) if r.failure]
+
     def summary(self) -> dict[str, float | int | None]:
-        """Totals: served/refused/failed counts, connect time p50/p99, first-audio latency p50/p95/p99,
-        inter-frame gap p99 (jitter: time between consecutive audio messages; 80 ms when steady), frames
-        sent/received/lost, bytes each way."""
+        """Totals: served/refused/failed counts, ``cut`` (served sessions that ended early: cut before
+        their last frame or closed with a code other than 1000), connect time p50/p99, first-audio latency
+        p50/p95/p99, inter-frame gap p99 (jitter: time between consecutive audio messages; 80 ms when
+        steady), frames sent/received/lost (:meth:`SessionResult.frames_lost`), bytes each way."""
         served = self.served
         first_audio = [r.first_audio_ms for r in served if r.first_audio_ms is not None]
         connect = [r.connect_ms for r in self.sessions if r.connect_ms is not None]
@@ -375,6 +435,7 @@ class LoadReport:
             "served": len(served),
             "refused": sum(r.refused for r in self.sessions),
             "failed": sum(bool(r.connect_error) for r in self.sessions),
+            "cut": sum(r.ended_early for r in served),
             "connect_ms_p50": _percentile(connect, 50),
             "connect_ms_p99": _percentile(connect, 99),
             "first_audio_ms_p50": _percentile(first_audio, 50),
@@ -395,7 +456,7 @@ class LoadReport:
 
     def session_rows(self) -> list[dict[str, object]]:
         """One JSON-ready dict per session (no raw arrival times)."""
-        rows = []
+        rows: list[dict[str, object]] = []
         for i, r in enumerate(self.sessions):
             gaps_ms = [g * 1e3 for g in r.audio_gaps_s()]
             rows.append(
@@ -414,6 +475,7 @@ class LoadReport:
                     "refused": r.refused,
                     "refusal_reason": r.refusal_reason,
                     "close_code": r.close_code,
+                    "failure": r.failure,
                 }
             )
         return rows
@@ -526,12 +588,12 @@ def load_table(title: str, report: Any) -> Table:
             str(row["frames_sent"]),
             str(row["frames_received"]),
             str(row["frames_lost"]),
-            (row["text"].strip() or "-") if row["handshake"] else str(row["refusal_reason"]),
+            str(row["failure"]) if row["failure"] else (row["text"].strip() or "-"),
         )
     total = report.summary()
     table.caption = (
         f"served {total['served']}/{total['sessions']}, refused {total['refused']}, "
-        f"failed {total['failed']}; "
+        f"failed {total['failed']}, cut {total['cut']}; "
         f"first audio p50/p95/p99 {ms(total['first_audio_ms_p50'])}/{ms(total['first_audio_ms_p95'])}/"
         f"{ms(total['first_audio_ms_p99'])} ms; gap p99 {ms(total['inter_frame_gap_ms_p99'])} ms; "
         f"frames lost {total['frames_lost']}; {total['bytes_sent'] / 1e6:.2f} MB sent, "

@@ -1,0 +1,266 @@
+"""Certificates from an ACME CA (Let's Encrypt) for a node whose profile says ``tls.mode: acme``.
+
+How a node gets and keeps its certificate (RFC 8555 HTTP-01, through the node's own nginx):
+
+1. Until the first certificate is issued nginx serves a self-signed one (the preparation script of
+   ``infra.node.cloud_init`` writes it at the profile's TLS paths when none is there), so it can start.
+2. nginx answers ``/.well-known/acme-challenge/`` on plain HTTP (``ports.http``, 80) from a webroot
+   (``nginx_webroot``) before redirecting every other path to HTTPS (``infra.node.nginx``).
+3. certbot (Debian/Ubuntu package ``certbot``) runs ``certbot certonly --webroot`` (``certbot_command``):
+   it writes the CA's token into the webroot, the CA fetches it over the internet from the domain's port 80,
+   and certbot stores the certificate in its configuration directory. ``--keep-until-expiring`` makes the
+   same command a no-op until the certificate is due (30 days before expiry), so one command both
+   obtains and renews.
+4. certbot's deploy hook (``deploy_hook_script``, run only when a certificate was issued) copies the
+   chain and key to the profile's TLS paths atomically and reloads nginx (SIGHUP: open WebSockets go on).
+5. On a GCE node a systemd service (``SERVICE``, started once the node's unit is up, waiting for nginx
+   to answer on port 80) runs the command, and a timer (``TIMER``) runs it twice a day. certbot's state
+   (account, certificates) lives under ``profile.data_dir`` (``acme_dirs``), next to the model cache.
+
+The domain's DNS A record must point at the node and port 80 must be open to the CA (Let's Encrypt
+validates from several places on the internet, its addresses are not published): the GCE stacks open
+80 and 443 to ``publicSourceRanges``, so those must include the internet for HTTP-01. Let's Encrypt's
+limits: 5 certificates per exact set of names per week (letsencrypt.org/docs/rate-limits); use its
+staging directory (``tls.acme_directory``) for trials.
+
+Tested offline against Pebble, Let's Encrypt's test ACME server (tests/test_node_acme.py): the rendered
+nginx, the rendered certbot command and deploy hook, Pebble validating through nginx.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from dataclasses import dataclass
+
+from infra.node.profile import NodeProfile
+
+__all__ = [
+    "ACME_CHALLENGE_PREFIX",
+    "CERT_NAME",
+    "DEPLOY_HOOK",
+    "RENEW_SCRIPT",
+    "SERVICE",
+    "TIMER",
+    "WEBROOT_CONTAINER",
+    "AcmeDirs",
+    "acme_dirs",
+    "certbot_command",
+    "deploy_hook_script",
+    "nginx_webroot",
+    "render_acme_host_files",
+]
+
+ACME_CHALLENGE_PREFIX = "/.well-known/acme-challenge/"
+"""The path HTTP-01 tokens are fetched under (RFC 8555, section 8.3)."""
+
+WEBROOT_CONTAINER = "/var/www/acme"
+"""Where a ``compose`` node's nginx container sees the webroot (mounted read-only)."""
+
+CERT_NAME = "duplex-node"
+"""certbot's name for the node's certificate lineage (``<config dir>/live/duplex-node/``)."""
+
+RENEW_SCRIPT = "/usr/local/sbin/duplex-certbot"
+"""On a host: waits for nginx on port 80, then runs ``certbot_command`` (the service's ``ExecStart``)."""
+DEPLOY_HOOK = "/usr/local/sbin/duplex-certbot-deploy"
+"""On a host: certbot's deploy hook (``deploy_hook_script``)."""
+SERVICE = "duplex-certbot.service"
+TIMER = "duplex-certbot.timer"
+
+NGINX_WAIT_S = 2700
+"""How long the renew script waits for nginx to answer on port 80 (s): on a first boot nginx starts only
+once the runtime is healthy, after the weights download and the model load (45 min)."""
+
+
+@dataclass(frozen=True)
+class AcmeDirs:
+    """certbot's directories on the host (absolute paths).
+
+    Attributes:
+        webroot: where certbot writes challenge tokens (nginx serves it at ``ACME_CHALLENGE_PREFIX``).
+        config_dir: certbot's ``--config-dir`` (account, certificates, renewal settings).
+        work_dir, logs_dir: certbot's ``--work-dir`` and ``--logs-dir``.
+    """
+
+    webroot: str
+    config_dir: str
+    work_dir: str
+    logs_dir: str
+
+    @property
+    def live_dir(self) -> str:
+        """The current certificate's directory (``fullchain.pem``, ``privkey.pem``)."""
+        return posixpath.join(self.config_dir, "live", CERT_NAME)
+
+
+def acme_dirs(profile: NodeProfile, node_dir: str | None = None) -> AcmeDirs:
+    """certbot's directories for ``profile``: under ``profile.data_dir/acme`` on a ``compose`` node (kept
+    with the node's data), under ``node_dir/acme`` on a ``processes`` node (the node directory).
+
+    Raises:
+        ValueError: a ``processes`` profile without an absolute ``node_dir``.
+    """
+    if profile.deployment == "compose":
+        base = posixpath.join(profile.data_dir, "acme")
+    else:
+        if node_dir is None or not posixpath.isabs(node_dir):
+            raise ValueError(
+                f"node_dir: a processes node needs the absolute node directory, got {node_dir!r}"
+            )
+        base = posixpath.join(node_dir, "acme")
+    return AcmeDirs(
+        webroot=posixpath.join(base, "webroot"),
+        config_dir=posixpath.join(base, "letsencrypt"),
+        work_dir=posixpath.join(base, "work"),
+        logs_dir=posixpath.join(base, "logs"),
+    )
+
+
+def nginx_webroot(profile: NodeProfile) -> str:
+    """nginx's ``root`` for ``ACME_CHALLENGE_PREFIX``: ``WEBROOT_CONTAINER`` in a container, ``acme/webroot``
+    relative to nginx's prefix (the node directory) on a ``processes`` node."""
+    return WEBROOT_CONTAINER if profile.deployment == "compose" else "acme/webroot"
+
+
+def certbot_command(profile: NodeProfile, dirs: AcmeDirs, *, deploy_hook: str) -> list[str]:
+    """certbot's argv: obtain (or, once due, renew) the certificate for ``profile.domain`` from
+    ``tls.acme_directory`` by HTTP-01 through ``dirs.webroot``; ``deploy_hook`` (a shell command) runs
+    after each issuance. Non-interactive: the CA's terms of service are accepted on the operator's behalf
+    (``--agree-tos``), as every unattended ACME client does.
+
+    Raises:
+        ValueError: ``tls.mode`` is not ``acme``.
+    """
+    tls = profile.tls
+    if tls.mode != "acme" or tls.acme_email is None:
+        raise ValueError(
+            f"tls.mode: profile {profile.name!r} has tls.mode {tls.mode!r}; certbot runs only for 'acme'"
+        )
+    return [
+        "certbot",
+        "certonly",
+        "--non-interactive",
+        "--agree-tos",
+        "--no-eff-email",
+        "--email",
+        tls.acme_email,
+        "--server",
+        tls.acme_directory,
+        "--webroot",
+        "--webroot-path",
+        dirs.webroot,
+        "--domain",
+        profile.domain,
+        "--cert-name",
+        CERT_NAME,
+        "--keep-until-expiring",
+        "--config-dir",
+        dirs.config_dir,
+        "--work-dir",
+        dirs.work_dir,
+        "--logs-dir",
+        dirs.logs_dir,
+        "--deploy-hook",
+        deploy_hook,
+    ]
+
+
+def deploy_hook_script(certificate_path: str, private_key_path: str, reload_command: str) -> str:
+    """certbot's deploy hook as a POSIX shell script: copy ``$RENEWED_LINEAGE/fullchain.pem`` (0644) and
+    ``privkey.pem`` (0600) to the paths nginx reads, each through a temporary file and a rename (nginx
+    never reads half a file), then run ``reload_command`` (a shell command that reloads nginx).
+
+    Raises:
+        ValueError: a path is not absolute.
+    """
+    for name, path in (("certificate_path", certificate_path), ("private_key_path", private_key_path)):
+        if not posixpath.isabs(path):
+            raise ValueError(f"{name}: {path!r} must be an absolute path")
+    q = shlex.quote
+    crt, key = q(certificate_path), q(private_key_path)
+    return f"""#!/bin/sh
+# Rendered by infra.node.acme: certbot's deploy hook. Installs the issued certificate where nginx reads it,
+# then reloads nginx (open sessions go on).
+set -eu
+: "${{RENEWED_LINEAGE:?certbot sets RENEWED_LINEAGE for a deploy hook}}"
+umask 077
+install -m 0600 "$RENEWED_LINEAGE/privkey.pem" {key}.tmp
+install -m 0644 "$RENEWED_LINEAGE/fullchain.pem" {crt}.tmp
+mv -f {key}.tmp {key}
+mv -f {crt}.tmp {crt}
+echo "duplex-certbot-deploy: installed $(openssl x509 -noout -serial -in {crt}) for nginx" >&2
+{reload_command}
+"""
+
+
+def _renew_script(profile: NodeProfile, dirs: AcmeDirs) -> str:
+    q = shlex.quote
+    argv = " ".join(q(arg) for arg in certbot_command(profile, dirs, deploy_hook=DEPLOY_HOOK))
+    # nginx's plain HTTP port where Compose publishes it (every address: probe loopback).
+    host = "127.0.0.1" if profile.public_address in ("0.0.0.0", "::") else profile.public_address
+    probe = f"http://{host}:{profile.ports.http}{ACME_CHALLENGE_PREFIX}duplex-probe"
+    webroot_challenges = q(posixpath.join(dirs.webroot, ACME_CHALLENGE_PREFIX.strip("/")))
+    return f"""#!/bin/sh
+# Rendered by infra.node.acme for node profile {profile.name!r}: obtains the node's certificate for
+# {profile.domain} from {profile.tls.acme_directory}, or renews it once due (a no-op before).
+set -eu
+mkdir -p {webroot_challenges} {q(dirs.config_dir)} {q(dirs.work_dir)} {q(dirs.logs_dir)}
+chmod 0755 {q(dirs.webroot)} {webroot_challenges}
+# nginx must answer HTTP-01 on port {profile.ports.http}: on a first boot it starts after the model load.
+waited=0
+until curl -s -o /dev/null --max-time 5 {q(probe)}; do
+    if [ "$waited" -ge {NGINX_WAIT_S} ]; then
+        echo "duplex-certbot: nginx does not answer on port {profile.ports.http}; the timer retries" >&2
+        exit 1
+    fi
+    sleep 10
+    waited=$((waited + 10))
+done
+exec {argv}
+"""
+
+
+def render_acme_host_files(profile: NodeProfile, *, reload_command: str) -> dict[str, tuple[str, str]]:
+    """The host files of ACME on a ``compose`` node, ``{absolute path: (mode, content)}``: the renew script
+    (``RENEW_SCRIPT``), the deploy hook (``DEPLOY_HOOK``), the systemd service (``SERVICE``: the renew
+    script, oneshot) and its timer (``TIMER``: twice a day at a random minute, and 5 minutes after boot,
+    as certbot's own timer does). ``reload_command`` reloads the node's nginx.
+
+    Raises:
+        ValueError: ``tls.mode`` is not ``acme``, or the profile is not a ``compose`` node.
+    """
+    if profile.deployment != "compose":
+        raise ValueError(f"deployment: ACME host files are for compose nodes, not {profile.deployment!r}")
+    dirs = acme_dirs(profile)
+    renew = _renew_script(profile, dirs)  # raises for a non-acme profile
+    hook = deploy_hook_script(profile.tls.certificate_path, profile.tls.private_key_path, reload_command)
+    service = f"""# Rendered by infra.node.acme for node profile {profile.name!r}. Do not edit: re-render.
+[Unit]
+Description=Duplex node certificate for {profile.domain} (certbot, ACME HTTP-01)
+After=network-online.target docker.service
+Wants=network-online.target
+
+[Service]
+Type=oneshot
+ExecStart={RENEW_SCRIPT}
+TimeoutStartSec={NGINX_WAIT_S + 600}
+"""
+    timer = f"""# Rendered by infra.node.acme for node profile {profile.name!r}. Do not edit: re-render.
+[Unit]
+Description=Obtain or renew the duplex node's certificate twice a day
+
+[Timer]
+OnBootSec=5min
+OnCalendar=*-*-* 00,12:00:00
+RandomizedDelaySec=1h
+Persistent=true
+
+[Install]
+WantedBy=timers.target
+"""
+    return {
+        RENEW_SCRIPT: ("0755", renew),
+        DEPLOY_HOOK: ("0755", hook),
+        f"/etc/systemd/system/{SERVICE}": ("0644", service),
+        f"/etc/systemd/system/{TIMER}": ("0644", timer),
+    }
