@@ -37,12 +37,14 @@ class FakeBackend(SlotBackend):
         self.requests: list[AdmitRequest] = []
         self.released: list[str] = []
         self.started = False
+        self.closes = 0
 
     async def start(self) -> None:
         self.started = True
 
     async def close(self) -> None:
         self.started = False
+        self.closes += 1
 
     def status(self) -> BackendStatus:
         return BackendStatus(

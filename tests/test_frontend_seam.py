@@ -283,3 +283,48 @@ def test_workers_split_the_node_handshake_limits():
     assert worker_share(_config(workers=1)) == _config(workers=1)
     limiter = build_worker(config, "ipc:///nowhere", "worker-0").access.limiter
     assert limiter.per_client_rate == 10 and limiter.per_client_burst == 30
+
+
+# --------------------------------------------------------------------------------------------------
+# Drains: a Spot preemption, and a SIGTERM during it
+# --------------------------------------------------------------------------------------------------
+
+
+async def test_a_drain_asked_for_during_a_drain_joins_it_and_the_earlier_deadline_holds():
+    """Guards the preemption drain meeting the SIGTERM drain (issue 20, item 13): before, each ran its own
+    loop, the long one went on after the short one had closed everything, and the listener, the backend and
+    the store were closed twice. Now the second joins the first: one close, at the earlier deadline."""
+    backend = FakeBackend(slots=1)
+    async with fake_node(backend) as server:
+        async with connect(chat(server)) as client:
+            assert await client.recv() == bytes([MessageKind.HANDSHAKE])
+            sigterm = asyncio.ensure_future(server.drain(grace_s=3600))
+            await _until(lambda: server.draining)
+            preempted = asyncio.ensure_future(server.drain(grace_s=0))
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    await client.recv()
+            assert client.close_code == 1001
+            # A bound on a hang, not a latency: the hour's grace must not be waited out.
+            async with asyncio.timeout(30):
+                await asyncio.gather(sigterm, preempted)
+        assert backend.closes == 1
+
+
+async def test_a_spot_preemption_drains_the_server():
+    """Guards issue 20, item 13 in the server itself: ``instance/preempted`` TRUE makes the server drain
+    (``PREEMPTION_GRACE_S``) and close, not merely stop admitting (before, the server passed no
+    ``on_preempted``, so live sessions ran on until GCE cut the power)."""
+    from test_maintenance import FakeMetadataServer
+
+    metadata = FakeMetadataServer()
+    backend = FakeBackend()
+    try:
+        watch = {"maintenance_watch": "gce", "maintenance_metadata_url": metadata.url}
+        async with fake_node(backend, **watch) as server:
+            assert not server.draining
+            metadata.preempt()
+            await _until(lambda: backend.closes == 1, timeout_s=30)
+            assert server.draining
+    finally:
+        metadata.close()

@@ -30,7 +30,7 @@ from runtime.config import RuntimeConfig
 from runtime.engine.api import SlotBackend
 from runtime.frontend import http, ws
 from runtime.frontend.access import Access
-from runtime.frontend.maintenance import MaintenanceWatcher, start_maintenance_watch
+from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.refusals import (
     ADMISSION_REASONS,
     CLOSE_GOING_AWAY,
@@ -104,6 +104,8 @@ class DuplexServer:
         self.draining = False
         self.maintenance: MaintenanceWatcher | None = None
         self._server: Server | None = None
+        self._drain_task: asyncio.Future[None] | None = None
+        self._drain_deadline: float | None = None  # time.monotonic() at which live sessions get 1001
         # What the upgrade learnt (token claims, client address), from process_request to the handler.
         self._admitted: weakref.WeakKeyDictionary[ServerConnection, tuple[TokenClaims | None, str]] = (
             weakref.WeakKeyDictionary()
@@ -136,7 +138,9 @@ class DuplexServer:
             **extra,  # type: ignore[arg-type]
         )
         self.metrics.ready.set(1)
-        self.maintenance = start_maintenance_watch(self.config, self.metrics, self._on_maintenance_notice)
+        self.maintenance = start_maintenance_watch(
+            self.config, self.metrics, self._on_maintenance_notice, on_preempted=self._on_preempted
+        )
         log.info(
             "%s listening on %s:%d with %d slots",
             self.worker_id or "server",
@@ -152,20 +156,38 @@ class DuplexServer:
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop admitting, let running sessions go on for ``grace_s`` (default the config's), then close
-        the rest with 1001 and stop listening."""
+        the rest with 1001 and stop listening. A drain asked for while one runs (a SIGTERM during a Spot
+        preemption's drain) joins it, and the earlier of the two deadlines holds: the sessions are closed
+        once, the listener and the backend closed once."""
         grace = self.config.drain_grace_s if grace_s is None else grace_s
-        self._stop_maintenance_watch()  # a SIGTERM drain is final: a cleared notice must not undo it
-        self.draining = True
-        self.metrics.draining.set(1)
-        self.metrics.ready.set(0)
-        log.info("draining: %d sessions, grace %.1f s", len(self.sessions), grace)
         deadline = time.monotonic() + grace
-        while self.sessions and time.monotonic() < deadline:
+        if self._drain_deadline is None or deadline < self._drain_deadline:
+            self._drain_deadline = deadline
+        if self._drain_task is None:
+            self._stop_maintenance_watch()  # a SIGTERM drain is final: a cleared notice must not undo it
+            self.draining = True
+            self.metrics.draining.set(1)
+            self.metrics.ready.set(0)
+            self._drain_task = asyncio.ensure_future(self._drain())
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self) -> None:
+        log.info("draining: %d sessions, grace %.1f s", len(self.sessions), self._until_drain_deadline())
+        while self.sessions and self._until_drain_deadline() > 0:
             await asyncio.sleep(0.05)
         await self._close_sessions(CLOSE_GOING_AWAY, "server draining")
-        while self.sessions and time.monotonic() < deadline + 5:
+        while self.sessions and self._until_drain_deadline() > -5:
             await asyncio.sleep(0.05)
         await self.close()
+
+    def _until_drain_deadline(self) -> float:
+        assert self._drain_deadline is not None
+        return self._drain_deadline - time.monotonic()
+
+    def _on_preempted(self) -> None:
+        """GCE preempts this Spot VM (``instance/preempted`` TRUE, 30 s before the power-off): drain with
+        :data:`PREEMPTION_GRACE_S`, so live sessions get 1001 before the VM is cut."""
+        asyncio.ensure_future(self.drain(PREEMPTION_GRACE_S))
 
     async def _close_sessions(self, code: int, reason: str) -> None:
         transports = [session.transport for session in list(self.sessions)]
