@@ -18,6 +18,7 @@ plain values) and :func:`objects` its ``infra.k8s.region.region_objects``, built
 from __future__ import annotations
 
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from runtime.tools.local_redis import LocalRedisError, RedisServer
 if TYPE_CHECKING:
     from infra.k8s.base import RegionWorkload
 
-__all__ = ["RedisServer", "objects", "promtool", "redis_server", "workload"]
+__all__ = ["RedisServer", "objects", "promtool", "redis_server", "started", "workload"]
 
 
 @pytest.fixture
@@ -69,3 +70,19 @@ def promtool() -> str:
     if path is None:
         pytest.skip("promtool is not on PATH (apt-get install prometheus); CI installs it")
     return path
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A list the test appends the server processes it starts to (Pebble, nginx, Prometheus, Alertmanager
+    ...); at teardown each still running is terminated, last started first (killed after 10 s)."""
+    processes: list[subprocess.Popen[bytes]] = []
+    yield processes
+    for proc in reversed(processes):
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)

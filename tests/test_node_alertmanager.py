@@ -169,20 +169,6 @@ def webhook() -> Iterator[_Webhook]:
     hook.close()
 
 
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[bytes]]]:
-    processes: list[subprocess.Popen[bytes]] = []
-    yield processes
-    for proc in reversed(processes):
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-
-
 ALWAYS_FIRING = {
     "groups": [
         {

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import secrets as _stdlib_secrets
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from infra.node.profile import NodeProfile
 from runtime.frontend.tokens import SigningKey, generate_signing_key
@@ -49,17 +49,7 @@ Service = Literal[
     "dcgm-exporter",
     "alertmanager",
 ]
-SERVICES: tuple[Service, ...] = (
-    "nginx",
-    "runtime",
-    "redis",
-    "prometheus",
-    "grafana",
-    "node-exporter",
-    "redis-exporter",
-    "dcgm-exporter",
-    "alertmanager",
-)
+SERVICES: tuple[Service, ...] = get_args(Service)
 
 _PORT_FIELD: dict[Service, str] = {
     "nginx": "https",
