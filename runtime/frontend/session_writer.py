@@ -3,7 +3,7 @@
 :class:`SessionWriter` (the store's base class) holds the local mirror of every tracked session and the
 bounded op queue, and its task applies the queue to Redis in ``MULTI``/``EXEC`` batches, or rewrites
 everything from the mirror (a resync) after a failure. The key layout and the failure contract are the
-store's module doc; operating it: docs/runtime.md.
+store's module doc; operating it: docs/operations.md, "Session store (Redis)".
 """
 
 from __future__ import annotations
