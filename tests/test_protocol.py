@@ -14,13 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.engine.persona_limits import TEXT_PROMPT_LIMIT, TEXT_PROMPT_MAX_CHARS
 from runtime.frontend.audio_codec import OpusFrameAssembler, PcmFrameAssembler
 from runtime.frontend.protocol import (
     MAX_ERROR_MESSAGE_BYTES,
-    MAX_QUERY_PARAMS,
     PROTOCOL_ERROR_REASONS,
-    TEXT_PROMPT_LIMIT,
-    TEXT_PROMPT_MAX_CHARS,
     AudioFormat,
     AudioMessage,
     ControlAction,
@@ -29,7 +27,6 @@ from runtime.frontend.protocol import (
     MetadataMessage,
     PingMessage,
     ProtocolError,
-    SessionRequest,
     encode_audio,
     encode_error,
     encode_handshake,
@@ -37,6 +34,10 @@ from runtime.frontend.protocol import (
     encode_ping,
     encode_text,
     parse_client_message,
+)
+from runtime.frontend.session_query import (
+    MAX_QUERY_PARAMS,
+    SessionRequest,
     parse_prompt_metadata,
     parse_session_query,
 )

@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 from infra.node.profile import PROFILES
 from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, token_audience
 from runtime.config import RuntimeConfig
+from runtime.frontend.replay import MemoryReplayGuard
 from runtime.frontend.tokens import (
     REFUSAL_STATUS,
-    MemoryReplayGuard,
     SigningKey,
     TokenRejected,
     TokenVerifier,
@@ -208,7 +208,7 @@ async def test_seen_reports_a_spent_id_without_spending_one() -> None:
 
 
 async def test_redis_seen_reads_only_and_fails_like_spend(redis_server) -> None:
-    from runtime.frontend.tokens import RedisReplayGuard
+    from runtime.frontend.replay import RedisReplayGuard
 
     claims = verifier().verify(
         mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id="r-peek")

@@ -136,7 +136,7 @@ def build_prompt(
             frames are cycled.
     Raises:
         PersonaError: unknown voice, or a text prompt over ``TEXT_PROMPT_MAX_TOKENS`` tokens with its
-            ``<system>`` wrapper (the message states ``runtime.frontend.protocol.TEXT_PROMPT_LIMIT``).
+            ``<system>`` wrapper (the message states ``runtime.engine.persona_limits.TEXT_PROMPT_LIMIT``).
     """
     steps: list[PromptStep] = []
     cycle = sine_codes.shape[1]

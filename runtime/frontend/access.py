@@ -15,13 +15,12 @@ from urllib.parse import parse_qs
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import replayed_message
-from runtime.frontend.protocol import ProtocolError, parse_session_query
+from runtime.frontend.protocol import ProtocolError
 from runtime.frontend.ratelimit import HandshakeLimiter, RateLimited
+from runtime.frontend.replay import MemoryReplayGuard, RedisReplayGuard, ReplayGuard
+from runtime.frontend.session_query import parse_session_query
 from runtime.frontend.tokens import (
     SUBPROTOCOL_PREFIX,
-    MemoryReplayGuard,
-    RedisReplayGuard,
-    ReplayGuard,
     TokenClaims,
     TokenRejected,
     TokenVerifier,

@@ -22,8 +22,12 @@ from websockets.asyncio.server import ServerConnection
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
+from runtime.engine.persona_limits import (
+    TEXT_PROMPT_MAX_CHARS,
+    TEXT_PROMPT_MAX_TOKENS,
+    VOICE_PROMPT_MAX_CHARS,
+)
 from runtime.frontend.access import RequestView, bearer_token, session_token
-from runtime.frontend.protocol import TEXT_PROMPT_MAX_CHARS, TEXT_PROMPT_MAX_TOKENS, VOICE_PROMPT_MAX_CHARS
 from runtime.frontend.ratelimit import RateLimited
 from runtime.frontend.refusals import LOADING_MESSAGE, Admission, SessionRefused
 from runtime.frontend.session import FrontEnd, plan_session

@@ -24,8 +24,8 @@ from runtime.config import RuntimeConfig
 from runtime.engine.api import AdmitRequest, Refusal, SamplingParams, SessionSink, SlotBackend, SlotLease
 from runtime.frontend.access import Access
 from runtime.frontend.audio_codec import make_codec
-from runtime.frontend.protocol import SessionRequest, parse_session_query
 from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.session_query import SessionRequest, parse_session_query
 from runtime.frontend.session_store import SessionRecord, SessionStore
 from runtime.frontend.tokens import TokenClaims, TokenRejected
 from runtime.metrics import RuntimeMetrics

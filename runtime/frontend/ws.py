@@ -24,7 +24,6 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from runtime.frontend.protocol import (
-    TEXT_PROMPT_IN_METADATA,
     AudioMessage,
     MetadataMessage,
     PingMessage,
@@ -35,11 +34,10 @@ from runtime.frontend.protocol import (
     encode_ping,
     encode_text,
     parse_client_message,
-    parse_prompt_metadata,
-    parse_session_query,
 )
 from runtime.frontend.refusals import CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, SessionRefused
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport, plan_session
+from runtime.frontend.session_query import TEXT_PROMPT_IN_METADATA, parse_prompt_metadata, parse_session_query
 from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
 
 __all__ = ["METADATA_PROMPT_TIMEOUT_S", "DuplexConnection", "handle", "select_token_subprotocol"]

@@ -29,7 +29,8 @@ from runtime.engine.batch import TickResult
 from runtime.engine.engine_core import LocalSlots
 from runtime.engine.model_presets import FRAME_MS, SAMPLE_RATE_HZ
 from runtime.engine.models import ModelBundle
-from runtime.frontend.protocol import TEXT_PROMPT_MAX_CHARS, MessageKind, encode_metadata
+from runtime.engine.persona_limits import TEXT_PROMPT_MAX_CHARS
+from runtime.frontend.protocol import MessageKind, encode_metadata
 from runtime.frontend.server import DuplexServer
 from runtime.tools.loadgen import run_session, session_url
 

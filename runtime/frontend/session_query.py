@@ -1,0 +1,257 @@
+"""The ``/api/chat`` query string: what a client asks for (format, prompts, sampling) and its limits.
+
+:func:`parse_session_query` turns the query into a :class:`SessionRequest` and refuses anything outside
+these limits with :class:`~runtime.frontend.protocol.ProtocolError`; the wire messages themselves are in
+:mod:`runtime.frontend.protocol`. Pure: no sockets, no torch. The parameters: docs/protocol.md,
+"Wire protocol".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.engine.persona_limits import (
+    TEXT_PROMPT_LIMIT,
+    TEXT_PROMPT_MAX_CHARS,
+    VOICE_PROMPT_MAX_CHARS,
+    VOICE_PROMPT_RE,
+)
+from runtime.frontend.protocol import AudioFormat, ProtocolError
+
+__all__ = ["MAX_QUERY_PARAMS", "SessionRequest", "parse_prompt_metadata", "parse_session_query"]
+
+MAX_QUERY_PARAMS = 100
+"""Most query parameters accepted on ``/api/chat`` (known and ignored together)."""
+
+
+TEXT_PROMPT_IN_METADATA = "metadata"
+"""``text_prompt_in=metadata``: the text prompt comes as the client's first WebSocket message, a 0x04
+metadata JSON object ``{"text_prompt": "..."}``, instead of in the URL (whose request line nginx and most
+servers cap at 8 KB: a long prompt, percent-encoded, does not fit)."""
+TEMPERATURE_RANGE = (0.0, 2.0)
+AUDIO_TOPK_RANGE = (1, 2048)
+TEXT_TOPK_RANGE = (1, 32000)
+SEED_RANGE = (0, 2**31 - 1)
+
+_INT_RE = re.compile(r"\+?[0-9]{1,12}")
+_FLOAT_RE = re.compile(r"[+-]?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
+_KNOWN_PARAMS = (
+    "format",
+    "voice_prompt",
+    "text_prompt",
+    "audio_temperature",
+    "text_temperature",
+    "audio_topk",
+    "text_topk",
+    "seed",
+    "text_prompt_in",
+)
+
+
+@dataclass(frozen=True)
+class SessionRequest:
+    """What a client asked for in the ``/api/chat`` query string. None means "server default".
+
+    Attributes:
+        format: wire format of audio payloads, both directions.
+        voice_prompt: name of a voice preset (``[A-Za-z0-9][A-Za-z0-9_.-]*``, at most 64 characters);
+            never a path.
+        text_prompt: system/role prompt within :data:`TEXT_PROMPT_LIMIT`.
+        text_prompt_in: ``metadata`` when the text prompt follows as a 0x04 metadata message
+            (:func:`parse_prompt_metadata`) instead of in the query; None otherwise.
+        audio_temperature, text_temperature: sampling temperatures in [0, 2].
+        audio_topk: top-k over audio codebook entries, 1..2048.
+        text_topk: top-k over text tokens, 1..32000.
+        seed: sampling seed, 0..2**31-1.
+        ignored_params: sorted names of query parameters this server does not use (e.g. ``pad_mult``,
+            ``repetition_penalty``, ``worker_auth_id``); untrusted text, for logging only.
+    """
+
+    format: AudioFormat = AudioFormat.OPUS
+    voice_prompt: str | None = None
+    text_prompt: str | None = None
+    audio_temperature: float | None = None
+    text_temperature: float | None = None
+    audio_topk: int | None = None
+    text_topk: int | None = None
+    seed: int | None = None
+    text_prompt_in: str | None = None
+    ignored_params: tuple[str, ...] = field(default=())
+
+    def to_query_params(self) -> dict[str, str]:
+        """The query parameters that :func:`parse_session_query` turns back into this request.
+
+        Parameters left at None are omitted; ``ignored_params`` are not included.
+        """
+        params: dict[str, str] = {"format": self.format.value}
+        for name in _KNOWN_PARAMS[1:]:
+            value = getattr(self, name)
+            if value is not None:
+                params[name] = repr(value) if isinstance(value, float) else str(value)
+        return params
+
+
+def _bad_query(name: str, value: str, allowed: str) -> ProtocolError:
+    shown = value if len(value) <= 80 else value[:77] + "..."
+    return ProtocolError("bad_query", f"query parameter {name}={shown!r} is invalid: {allowed}")
+
+
+def _parse_float(name: str, value: str, bounds: tuple[float, float]) -> float:
+    low, high = bounds
+    allowed = f"expected a decimal number in [{low:g}, {high:g}]"
+    if not _FLOAT_RE.fullmatch(value):
+        raise _bad_query(name, value, allowed)
+    number = float(value)
+    if not (math.isfinite(number) and low <= number <= high):
+        raise _bad_query(name, value, allowed)
+    return number
+
+
+def _parse_int(name: str, value: str, bounds: tuple[int, int]) -> int:
+    low, high = bounds
+    allowed = f"expected a whole number in [{low}, {high}]"
+    if not _INT_RE.fullmatch(value):
+        raise _bad_query(name, value, allowed)
+    number = int(value)
+    if not low <= number <= high:
+        raise _bad_query(name, value, allowed)
+    return number
+
+
+def _parse_text_prompt(value: str) -> str:
+    if len(value) > TEXT_PROMPT_MAX_CHARS:
+        raise _bad_query("text_prompt", value, f"{TEXT_PROMPT_LIMIT}; got {len(value)} characters")
+    for char in value:
+        if char == "\x00" or unicodedata.category(char) == "Cs":
+            raise _bad_query(
+                "text_prompt", value, f"NUL and lone surrogate characters are not allowed (found {char!r})"
+            )
+    return value
+
+
+def _query_items(query: Mapping[str, str] | str) -> dict[str, str]:
+    """Normalise the query to a dict, refusing repeated known parameters and too many parameters."""
+    if isinstance(query, str):
+        try:
+            pairs = urllib.parse.parse_qsl(
+                query.removeprefix("?"), keep_blank_values=True, max_num_fields=MAX_QUERY_PARAMS
+            )
+        except ValueError:
+            raise ProtocolError(
+                "bad_query", f"the query string has more than {MAX_QUERY_PARAMS} parameters"
+            ) from None
+        items: dict[str, str] = {}
+        for key, value in pairs:
+            if key in items and key in _KNOWN_PARAMS:
+                raise ProtocolError("bad_query", f"query parameter {key!r} is given more than once")
+            items[key] = value
+        return items
+    if not isinstance(query, Mapping):
+        raise TypeError(f"query must be a mapping or a query string, got {type(query).__name__}")
+    if len(query) > MAX_QUERY_PARAMS:
+        raise ProtocolError("bad_query", f"the query string has more than {MAX_QUERY_PARAMS} parameters")
+    items = {}
+    for key, value in query.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise ProtocolError(
+                "bad_query", f"query parameter {key!r} must map a str name to a str value, got {value!r}"
+            )
+        items[key] = value
+    return items
+
+
+def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
+    """Validate the ``/api/chat`` query string into a :class:`SessionRequest`.
+
+    Args:
+        query: the parsed query (e.g. ``request.query`` of the HTTP upgrade) or the raw query string,
+            with or without its leading ``?``. In a raw string each known parameter may appear once.
+
+    Known parameters: ``format`` (``opus`` or ``pcm``, case-insensitive; default ``opus``),
+    ``voice_prompt``, ``text_prompt``, ``audio_temperature``, ``text_temperature``, ``audio_topk``,
+    ``text_topk``, ``seed``, ``text_prompt_in`` (ranges on :class:`SessionRequest`). An empty value
+    (``text_prompt=``) means "not given", as web forms send it. Any other parameter is ignored and listed
+    in ``ignored_params``, so Kyutai's and PersonaPlex's clients (``pad_mult``, ``repetition_penalty``,
+    ``text_seed``, ...) work.
+
+    Raises:
+        ProtocolError: reason ``bad_query``, naming the parameter, the bad value and the allowed range;
+            also for more than :data:`MAX_QUERY_PARAMS` parameters or a repeated known parameter.
+        TypeError: ``query`` is neither a mapping nor a str.
+    """
+    items = _query_items(query)
+    given = {name: items[name] for name in _KNOWN_PARAMS if items.get(name, "") != ""}
+
+    audio_format = AudioFormat.OPUS
+    if "format" in given:
+        try:
+            audio_format = AudioFormat(given["format"].lower())
+        except ValueError:
+            raise _bad_query("format", given["format"], "expected 'opus' or 'pcm'") from None
+
+    voice_prompt = given.get("voice_prompt")
+    if voice_prompt is not None and not VOICE_PROMPT_RE.fullmatch(voice_prompt):
+        raise _bad_query(
+            "voice_prompt",
+            voice_prompt,
+            f"expected a preset name of 1..{VOICE_PROMPT_MAX_CHARS} letters, digits, '-', '_' or '.', "
+            "starting with a letter or digit (no path separators)",
+        )
+
+    text_prompt = given.get("text_prompt")
+    if text_prompt is not None:
+        text_prompt = _parse_text_prompt(text_prompt)
+    text_prompt_in = given.get("text_prompt_in")
+    if text_prompt_in is not None:
+        if text_prompt_in not in ("query", TEXT_PROMPT_IN_METADATA):
+            raise _bad_query("text_prompt_in", text_prompt_in, "expected 'query' or 'metadata'")
+        if text_prompt_in == TEXT_PROMPT_IN_METADATA and text_prompt is not None:
+            raise _bad_query(
+                "text_prompt_in", text_prompt_in, "a text_prompt in the query cannot also come as metadata"
+            )
+        text_prompt_in = None if text_prompt_in == "query" else text_prompt_in
+
+    def optional_float(name: str) -> float | None:
+        return _parse_float(name, given[name], TEMPERATURE_RANGE) if name in given else None
+
+    def optional_int(name: str, bounds: tuple[int, int]) -> int | None:
+        return _parse_int(name, given[name], bounds) if name in given else None
+
+    return SessionRequest(
+        format=audio_format,
+        voice_prompt=voice_prompt,
+        text_prompt=text_prompt,
+        audio_temperature=optional_float("audio_temperature"),
+        text_temperature=optional_float("text_temperature"),
+        audio_topk=optional_int("audio_topk", AUDIO_TOPK_RANGE),
+        text_topk=optional_int("text_topk", TEXT_TOPK_RANGE),
+        seed=optional_int("seed", SEED_RANGE),
+        text_prompt_in=text_prompt_in,
+        ignored_params=tuple(sorted(key for key in items if key not in _KNOWN_PARAMS)),
+    )
+
+
+def parse_prompt_metadata(data: Mapping[str, Any]) -> str:
+    """The text prompt of a 0x04 metadata message sent with ``text_prompt_in=metadata``: the JSON object
+    ``{"text_prompt": "<prompt>"}``, checked as the query's ``text_prompt`` is (:data:`TEXT_PROMPT_LIMIT`).
+
+    Raises:
+        ProtocolError: reason ``bad_metadata``: not an object with exactly a string ``text_prompt``, or the
+            prompt breaks the limit or holds NUL / lone surrogates.
+    """
+    if set(data) != {"text_prompt"} or not isinstance(data["text_prompt"], str):
+        raise ProtocolError(
+            "bad_metadata",
+            'with text_prompt_in=metadata the first message must be 0x04 metadata {"text_prompt": "<text>"}, '
+            f"got an object with keys {sorted(map(str, data))[:8]}",
+        )
+    try:
+        return _parse_text_prompt(data["text_prompt"])
+    except ProtocolError as exc:
+        raise ProtocolError("bad_metadata", str(exc).replace("query parameter", "metadata field")) from None

@@ -1,0 +1,424 @@
+"""The background writer of :class:`~runtime.frontend.session_store.SessionStore`: state and Redis I/O.
+
+:class:`SessionWriter` (the store's base class) holds the local mirror of every tracked session and the
+bounded op queue, and its task applies the queue to Redis in ``MULTI``/``EXEC`` batches, or rewrites
+everything from the mirror (a resync) after a failure. The key layout and the failure contract are the
+store's module doc; operating it: docs/operations.md, "Session store (Redis)".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.typing import EncodableT, FieldT
+
+__all__ = ["SessionRecord", "SessionWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """One session as the registry stores it.
+
+    Attributes:
+        session_id: unique id of the session (a UUID in the runtime).
+        node_id: the runtime node serving it.
+        slot: batch slot index on that node (0-based).
+        started_at_unix_s: wall-clock start time (unix s).
+        persona: voice/text prompt name, or "" when none.
+        audio_format: client audio format (e.g. ``"opus"``, ``"pcm_s16le_24k"``).
+    """
+
+    session_id: str
+    node_id: str
+    slot: int
+    started_at_unix_s: float
+    persona: str
+    audio_format: str
+
+
+@dataclass(eq=False)
+class _Session:
+    """Local mirror of one tracked session (the state Redis must end up with)."""
+
+    record: SessionRecord
+    gen: int = 0
+    ended: bool = False
+    end_reason: str = ""
+    ended_at_unix_s: float = 0.0
+    acked: list[str] = field(default_factory=list)
+    """Transcript pieces Redis acknowledged, in order (joined every ``_JOIN_EVERY`` pieces)."""
+    pending: deque[_Op] = field(default_factory=deque)
+    """Queued (not yet acknowledged, not dropped) append ops of this session, oldest first."""
+
+    def fields(self, node_id: str) -> dict[FieldT, EncodableT]:
+        rec = self.record
+        out: dict[FieldT, EncodableT] = {
+            "id": rec.session_id,
+            "node": rec.node_id or node_id,
+            "slot": str(rec.slot),
+            "started_at": repr(float(rec.started_at_unix_s)),
+            "persona": rec.persona,
+            "format": rec.audio_format,
+            "state": "ended" if self.ended else "active",
+        }
+        if self.ended:
+            out["end_reason"] = self.end_reason
+            out["ended_at"] = repr(self.ended_at_unix_s)
+        return out
+
+
+@dataclass(eq=False)
+class _Op:
+    """One queued write. ``kind`` is ``"register"``, ``"append"`` or ``"end"``."""
+
+    kind: str
+    session: _Session
+    record: SessionRecord | None = None
+    piece: str = ""
+    reason: str = ""
+    ended_at_unix_s: float = 0.0
+    gen: int = 0
+    seq: int = 0
+    dropped: bool = False
+
+
+_JOIN_EVERY = 64
+
+
+def _call_quietly(callback: Callable[[Any], None] | None, argument: Any, name: str) -> None:
+    """Call a metrics callback; its failure is logged, never raised into the audio path."""
+    if callback is None:
+        return
+    try:
+        callback(argument)
+    except Exception:
+        logger.exception("session store %s callback failed", name)
+
+
+class SessionWriter:
+    """The mirror, the op queue and the writer task of a :class:`~runtime.frontend.session_store.SessionStore`
+    (its arguments and errors are documented there)."""
+
+    BATCH_MAX_OPS = 1000
+    """Most ops (ops) one ``MULTI``/``EXEC`` batch applies."""
+
+    def __init__(
+        self,
+        url: str,
+        node_id: str,
+        *,
+        key_prefix: str = "duplex",
+        session_ttl_s: int = 86400,
+        transcript_ttl_s: int = 86400,
+        max_backlog_ops: int = 100_000,
+        retry_initial_s: float = 0.2,
+        retry_max_s: float = 5.0,
+        on_error: Callable[[str], None] | None = None,
+        on_backlog: Callable[[int], None] | None = None,
+        socket_timeout_s: float = 0.5,
+    ) -> None:
+        if session_ttl_s <= 0 or transcript_ttl_s <= 0:
+            raise ValueError("session_ttl_s and transcript_ttl_s must be > 0 s")
+        if max_backlog_ops <= 0:
+            raise ValueError("max_backlog_ops must be > 0 ops")
+        if retry_initial_s <= 0 or retry_max_s < retry_initial_s:
+            raise ValueError("need 0 < retry_initial_s <= retry_max_s (s)")
+        self.node_id = node_id
+        self.key_prefix = key_prefix
+        self.session_ttl_s = int(session_ttl_s)
+        self.transcript_ttl_s = int(transcript_ttl_s)
+        self.max_backlog_ops = int(max_backlog_ops)
+        self.retry_initial_s = float(retry_initial_s)
+        self.retry_max_s = float(retry_max_s)
+        self._on_error = on_error
+        self._on_backlog = on_backlog
+        # retries=0: redis-py must not replay a MULTI/EXEC whose reply was lost (that would duplicate
+        # APPENDs); the writer retries itself, via a resync.
+        self._redis = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._token = secrets.token_hex(8)
+        self._marker_ttl_s = max(self.session_ttl_s, self.transcript_ttl_s)
+
+        self._lock = threading.Lock()
+        self._queue: deque[_Op] = deque()  # all queued ops in seq order; dropped ones removed lazily
+        self._appends: deque[_Op] = deque()  # queued append ops in seq order (overflow victims)
+        self._sessions: dict[str, _Session] = {}
+        self._live = 0  # queued ops not dropped = backlog
+        self._dead = 0  # dropped ops still in _queue
+        self._seq = 0
+        self._inflight_upto = 0  # ops with seq <= this are part of the attempt in flight
+        self._need_resync = True  # the first write sets the writer token and the node set
+        self._connected = False
+        self._closed = False
+        self._failures_in_row = 0
+
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread_id: int | None = None
+        self._wake: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ keys
+
+    def session_key(self, session_id: str) -> str:
+        """``{prefix}:session:{id}`` (hash)."""
+        return f"{self.key_prefix}:session:{session_id}"
+
+    def transcript_key(self, session_id: str) -> str:
+        """``{prefix}:transcript:{id}`` (string)."""
+        return f"{self.key_prefix}:transcript:{session_id}"
+
+    def node_sessions_key(self, node_id: str | None = None) -> str:
+        """``{prefix}:node:{node}:sessions`` (set); this store's node when ``node_id`` is None."""
+        return f"{self.key_prefix}:node:{node_id or self.node_id}:sessions"
+
+    def writer_key(self) -> str:
+        """``{prefix}:node:{node}:writer`` (string, the writer token)."""
+        return f"{self.key_prefix}:node:{self.node_id}:writer"
+
+    # ------------------------------------------------------------- internals
+
+    def _push(self, op: _Op) -> list[str]:
+        """Enqueue ``op`` (lock held); drop the oldest appends above the bound. Returns error names."""
+        self._seq += 1
+        op.seq = self._seq
+        self._queue.append(op)
+        self._live += 1
+        if op.kind == "append":
+            self._appends.append(op)
+            op.session.pending.append(op)
+        errors: list[str] = []
+        while self._live > self.max_backlog_ops:
+            victim = self._oldest_droppable()
+            if victim is None:
+                break
+            victim.dropped = True
+            self._live -= 1
+            self._dead += 1
+            pending = victim.session.pending
+            if pending and pending[0] is victim:
+                pending.popleft()
+            else:  # cannot happen: the victim is the session's oldest unacknowledged append
+                with contextlib.suppress(ValueError):
+                    pending.remove(victim)
+            errors.append("backlog_overflow")
+        return errors
+
+    def _oldest_droppable(self) -> _Op | None:
+        """Pop and return the oldest queued append not in flight (lock held), or None."""
+        appends = self._appends
+        while appends and appends[0].dropped:
+            appends.popleft()
+        if not appends or appends[0].seq <= self._inflight_upto:
+            return None
+        return appends.popleft()
+
+    def _after_push(self, errors: list[str], backlog: int | None) -> None:
+        for name in errors:
+            self._emit_error(name)
+        if backlog is not None:
+            self._emit_backlog(backlog)
+            self._notify()
+
+    def _notify(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None:
+            return  # not started yet: start() wakes the writer
+        if threading.get_ident() == self._loop_thread_id:
+            wake.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # loop closed
+                loop.call_soon_threadsafe(wake.set)
+
+    def _emit_error(self, name: str) -> None:
+        _call_quietly(self._on_error, name, "on_error")
+
+    def _emit_backlog(self, n: int) -> None:
+        _call_quietly(self._on_backlog, n, "on_backlog")
+
+    def _internal_error(self, where: str) -> None:
+        try:
+            logger.exception("session store %s failed", where)
+            self._emit_error("internal")
+        except Exception:  # never raise into the audio path
+            pass
+
+    def _ack_through(self, upto: int) -> int:
+        """Remove ops with seq <= ``upto`` as acknowledged (lock held). Returns the new backlog."""
+        queue = self._queue
+        while queue and queue[0].seq <= upto:
+            op = queue.popleft()
+            if op.dropped:
+                self._dead -= 1
+                continue
+            self._live -= 1
+            sess = op.session
+            if op.kind == "append":
+                while self._appends and self._appends[0].seq <= op.seq:
+                    self._appends.popleft()
+                while sess.pending and sess.pending[0].seq <= op.seq:
+                    sess.pending.popleft()
+                sess.acked.append(op.piece)
+                if len(sess.acked) >= _JOIN_EVERY:
+                    sess.acked[:] = ["".join(sess.acked)]
+            elif op.kind == "end":
+                sid = sess.record.session_id
+                if self._sessions.get(sid) is sess and sess.ended and sess.gen == op.gen:
+                    del self._sessions[sid]
+        self._inflight_upto = 0
+        return self._live
+
+    def _compact(self) -> None:
+        """Drop dead (overflow-dropped) ops from the queue once they are many (lock held)."""
+        if self._dead > 1024 and self._dead > self._live // 4:
+            self._queue = deque(op for op in self._queue if not op.dropped)
+            self._dead = 0
+
+    async def _run(self) -> None:
+        """The writer: apply queued ops (or a resync) until cancelled; never raises."""
+        assert self._wake is not None
+        delay_s = self.retry_initial_s
+        while True:
+            if not self._need_resync and self._live == 0:
+                self._wake.clear()
+                if not self._need_resync and self._live == 0:
+                    await self._wake.wait()
+                continue
+            name = "resync" if self._need_resync else "write"
+            try:
+                if self._need_resync:
+                    await self._resync()
+                else:
+                    await self._write_batch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # RedisError, OSError, timeouts, anything: retry later
+                with self._lock:
+                    self._inflight_upto = 0
+                    self._need_resync = True
+                    self._compact()
+                self._connected = False
+                self._failures_in_row += 1
+                if self._failures_in_row == 1:
+                    logger.warning("session store: redis %s failed (%r); retrying, ops kept", name, exc)
+                else:
+                    logger.debug("session store: redis %s failed again (%r)", name, exc)
+                self._emit_error(name)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2.0, self.retry_max_s)
+            else:
+                if self._failures_in_row:
+                    logger.info("session store: redis back after %d failed attempts", self._failures_in_row)
+                self._failures_in_row = 0
+                self._connected = True
+                delay_s = self.retry_initial_s
+
+    async def _write_batch(self) -> None:
+        """Apply the oldest queued ops (at most BATCH_MAX_OPS) in one MULTI/EXEC."""
+        with self._lock:
+            ops: list[_Op] = []
+            for op in self._queue:
+                if op.dropped:
+                    continue
+                ops.append(op)
+                if len(ops) >= self.BATCH_MAX_OPS:
+                    break
+            if not ops:  # only dropped ops left (cannot happen: _live counts live ones); heal the count
+                self._live = 0
+                return
+            upto = ops[-1].seq
+            self._inflight_upto = upto
+
+        node_key = self.node_sessions_key()
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.get(self.writer_key())
+        texts: dict[str, list[str]] = {}  # transcript key -> pieces, in order (APPEND commutes across keys)
+        hashes: set[str] = set()
+        node_touched = False
+        for op in ops:
+            sid = op.session.record.session_id
+            hkey = self.session_key(sid)
+            if op.kind == "append":
+                texts.setdefault(self.transcript_key(sid), []).append(op.piece)
+                hashes.add(hkey)
+            elif op.kind == "register":
+                assert op.record is not None
+                mirror = _Session(record=op.record)
+                pipe.hdel(hkey, "end_reason", "ended_at")
+                pipe.hset(hkey, mapping=mirror.fields(self.node_id))
+                pipe.sadd(node_key, sid)
+                hashes.add(hkey)
+                node_touched = True
+            else:  # end
+                pipe.hset(
+                    hkey,
+                    mapping={"state": "ended", "end_reason": op.reason, "ended_at": repr(op.ended_at_unix_s)},
+                )
+                pipe.srem(node_key, sid)
+                hashes.add(hkey)
+                node_touched = True
+        for tkey, pieces in texts.items():
+            pipe.append(tkey, "".join(pieces))
+            pipe.expire(tkey, self.transcript_ttl_s)
+        for hkey in hashes:
+            pipe.expire(hkey, self.session_ttl_s)
+        if node_touched:
+            pipe.expire(node_key, self.session_ttl_s)
+        pipe.set(self.writer_key(), self._token, ex=self._marker_ttl_s)
+        results = await pipe.execute()
+
+        with self._lock:
+            backlog = self._ack_through(upto)
+            if results[0] != self._token:
+                # Redis lost data (or another writer took over the node): rewrite what we track.
+                logger.warning("session store: redis lost this node's data; resyncing")
+                self._need_resync = True
+        self._emit_backlog(backlog)
+
+    async def _resync(self) -> None:
+        """Rewrite every tracked session and this node's set from the mirror in one MULTI/EXEC."""
+        await self._redis.ping()  # cheap reachability check before building a large transaction
+        node_key = self.node_sessions_key()
+        pipe = self._redis.pipeline(transaction=True)
+        with self._lock:
+            upto = self._seq
+            self._inflight_upto = upto
+            pipe.delete(node_key)
+            active: list[str] = []
+            for sid, sess in self._sessions.items():
+                hkey, tkey = self.session_key(sid), self.transcript_key(sid)
+                text = "".join(sess.acked) + "".join(op.piece for op in sess.pending)
+                pipe.delete(hkey, tkey)
+                pipe.hset(hkey, mapping=sess.fields(self.node_id))
+                pipe.expire(hkey, self.session_ttl_s)
+                if text:
+                    pipe.set(tkey, text, ex=self.transcript_ttl_s)
+                if not sess.ended:
+                    active.append(sid)
+            if active:
+                pipe.sadd(node_key, *active)
+                pipe.expire(node_key, self.session_ttl_s)
+            pipe.set(self.writer_key(), self._token, ex=self._marker_ttl_s)
+        await pipe.execute()
+        with self._lock:
+            backlog = self._ack_through(upto)
+            self._need_resync = False
+        self._emit_backlog(backlog)

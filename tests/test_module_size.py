@@ -1,0 +1,37 @@
+"""No front-end module grows past 500 lines (issue 21): each stays one concept a newcomer can read whole.
+
+A file over the limit is split by concept, as ``protocol.py`` (the wire messages) and ``session_query.py``
+(the ``/api/chat`` query and its limits) were; the table of modules is in docs/runtime.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FRONTEND = ROOT / "runtime" / "frontend"
+MAX_LINES = 500
+"""Most lines (newline-terminated) of one ``runtime/frontend/*.py`` file (issue 21)."""
+
+
+def oversized(folder: Path, max_lines: int = MAX_LINES) -> list[str]:
+    """``"<name>: <n> lines"`` for each ``.py`` file under ``folder`` longer than ``max_lines`` lines."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > max_lines:
+            found.append(f"{path.relative_to(folder)}: {lines} lines")
+    return found
+
+
+def test_no_frontend_module_over_500_lines() -> None:
+    """Guards issue 21's limit: main had protocol.py (588), session_store.py (658) and tokens.py (561)."""
+    assert list(FRONTEND.glob("*.py")), f"no modules found under {FRONTEND}"
+    assert oversized(FRONTEND) == []
+
+
+def test_oversized_names_each_long_file(tmp_path: Path) -> None:
+    """The check itself: a 501-line file is reported with its length, a 500-line one is not."""
+    (tmp_path / "long.py").write_text("x = 1\n" * 501, encoding="utf-8")
+    (tmp_path / "fine.py").write_text("x = 1\n" * 500, encoding="utf-8")
+    assert oversized(tmp_path) == ["long.py: 501 lines"]
