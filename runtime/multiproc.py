@@ -1,29 +1,12 @@
 """``duplex serve`` with the process split: one engine process and N front-end worker processes on one port.
 
-The supervisor (this module, the process ``duplex serve`` runs in) starts:
+The :class:`Supervisor` (the process ``duplex serve`` runs in) starts the engine and the workers (all on
+``config.port`` with ``SO_REUSEPORT``), links them over ZeroMQ, restarts a worker that dies, and exits 1
+``ENGINE_DEAD_EXIT_S`` after the engine dies so that the node is restarted. :class:`PortLock` makes a
+second node on the same port fail at once with :class:`PortTaken`; :func:`default_workers` is
+``--workers -1``.
 
-- the engine (``runtime.engine.engine_core.engine_main``): the model, the slots, the waiting room, the tick;
-- N workers (``runtime.frontend.worker.worker_main``): WebSockets, codecs, tokens, Redis and HTTP, all
-listening
-  on ``config.port`` with ``SO_REUSEPORT``;
-
-and links them with a ZeroMQ endpoint in a private temporary directory (``ipc://.../engine.sock``). It
-sets ``PROMETHEUS_MULTIPROC_DIR`` first, so every child's metrics land in one place and any worker's
-``/metrics`` reports the node (``runtime.metrics``).
-
-Failures: a worker that dies (killed, crashed) ends only its own sessions (the engine frees their slots
-when it stops hearing from it) and is started again; an engine that dies makes every worker answer
-``/healthz`` 500 ``engine unreachable`` and close its sessions; the supervisor logs it and exits with 1
-after ``ENGINE_DEAD_EXIT_S`` so that Docker, systemd or Kubernetes restart the node (the workers stay
-up until then, so probes and ``duplex node up`` see the failure rather than a refused port).
-SIGTERM drains: the workers refuse new sessions and close the rest after the grace period, the engine
-stops once its sessions are gone.
-
-The port belongs to one node: :class:`PortLock` (taken before anything starts, held for the supervisor's
-life) makes a second ``duplex serve --workers N`` on a port that a node already serves fail at once with
-:class:`PortTaken`, naming the port and the holder's pid, where its workers' ``SO_REUSEPORT`` would
-otherwise join the first node's and the kernel would split callers between two nodes.
-"""
+The split, failures, one node per port: docs/runtime.md, "Processes: one engine, N front-end workers"."""
 
 from __future__ import annotations
 

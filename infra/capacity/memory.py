@@ -1,29 +1,11 @@
 """GPU memory of a node: shared weights (counted once) and per-slot caches, by precision.
 
-Formulas (element counts in ``models.py``, checked against real tensors in the tests):
-- LM weights, shared: every parameter once. Under moshi's INT8 (``utils/quantize.py``) every ``nn.Linear``
-  becomes an int8 ``QLinear`` with one fp32 scale per output row, while embeddings and norms stay fp16 (the
-  runtime's ``DUPLEX_QUANTIZE=int8``, ``runtime/engine/models.py``); the same split is assumed for fp8
-  (per-tensor
-  scale, negligible) and int4 (one fp16 scale and zero per group of 128 weights: 1/32 byte per weight).
-  Norm weights are stored at the model's dtype: moshi casts the whole LM with ``.to(dtype)``, and an
-  ``rms_norm_f32`` norm only computes in fp32 (checked against the tiny preset's real tensors,
-  tests/test_int8.py).
-- Mimi weights, shared: fp32 parameters + codebook buffers, with each codebook held twice at inference
-  (``embedding_sum`` and the derived ``_embedding``, quantization/core_vq.py).
-- Temporal KV cache per slot: 2 x layers x context x dim x bytes (the ring is allocated whole at
-  ``streaming(B)``); doubled under classifier-free guidance (LMGen streams the LM at 2B).
-- Depformer KV cache per slot: 2 x depformer layers x dep_q x depformer dim x bytes (doubled under CFG).
-- Mimi state per slot: ``previous``/``partial`` buffers of every streaming convolution + the KV rings of its
-  encoder and decoder transformers, fp32.
-- LMGen token cache per slot: (n_q + 1) x (max delay + 2) int64.
-- Activations per slot: an upper bound, every intermediate of one tick kept alive (what a CUDA graph's
-  private pool may hold): per temporal layer 6 x dim + 3 x FFN hidden at activation precision plus fp32
-  attention scores over the whole ring, the same for each depformer step, fp32 logits, and Mimi's
-  convolution outputs for one frame.
-- CUDA context, allocator overhead (fraction of all tensor bytes) and headroom (fraction of GPU memory) are
-  planning assumptions with defaults below; override them.
-"""
+``memory_plan`` gives the bytes of each part for a model, GPU, precision and batch size
+(``lm_weight_bytes``, ``mimi_weight_bytes``, ``activation_bytes_per_slot`` are its pieces); element counts
+come from ``models.py``. CUDA context, allocator overhead and headroom are planning assumptions
+(``DEFAULT_*`` below) that a caller may override.
+
+The formula of each part and its sources: docs/capacity.md, "GPU memory"."""
 
 from __future__ import annotations
 

@@ -1,39 +1,11 @@
-"""``GceGpuNode``: one GPU VM on Compute Engine running the node bundle.
+"""``GceGpuNode``: one GPU VM on Compute Engine running the node bundle, with its own network and firewall
+(public ports from ``public_source_ranges`` only, SSH from IAP only), a static address and a data disk that
+both outlive the VM (protected), a least-privilege service account, ``scheduling`` of :func:`scheduling`
+(TERMINATE on host maintenance, graceful shutdown covering the drain, the provisioning model) and, on
+Spot, a Cloud Scheduler job that starts a preempted VM again. A new image does not replace the VM
+(``infra.node.rollout``); only a new user-data does, and nothing else may (``IGNORED_INSTANCE_CHANGES``).
 
-What it declares (every child parented to the component):
-
-- a VPC network of its own with one subnet (the project's ``default`` network comes with
-  ``default-allow-ssh`` from anywhere, which would defeat the rule below);
-- firewall rules on the node's network tag: the public ports (nginx's HTTPS and HTTP) from
-  ``public_source_ranges`` only, SSH (22) from Google's IAP range ``35.235.240.0/20`` only. Nothing else
-  comes in: Prometheus and Grafana listen on loopback and are reached through an IAP SSH tunnel;
-- a static external IPv4 address (the endpoint survives a VM replacement);
-- a dedicated service account with the least it needs: ``roles/logging.logWriter`` and
-  ``roles/monitoring.metricWriter`` on the project, ``roles/artifactregistry.reader`` on the image's
-  repository only, ``roles/secretmanager.secretAccessor`` on the node's own secrets only;
-- the VM: the machine type with its GPU (attached for N1 types, built into A2/G2/A3 types: the capacity
-  catalog's ``bundled`` says which), ``scheduling`` of :func:`scheduling` (TERMINATE on host maintenance,
-  GCE graceful shutdown covering the node's drain, the stack's provisioning model), the Deep Learning VM
-  image family of ``infra.node.cloud_init`` on the boot disk, Shielded VM with vTPM and integrity
-  monitoring (Secure Boot off: see ``SHIELDED_INSTANCE_CONFIG``), OS Login, and the cloud-init
-  ``user-data`` of ``infra.node.cloud_init.render_cloud_init``.
-
-- a persistent data disk (``compute.Disk``, ``protect``: a ``destroy`` refuses until the protection is
-  lifted) attached as ``infra.node.rollout.DATA_DISK_DEVICE`` and mounted at the profile's ``data_dir``:
-  the model cache, Redis, Prometheus and Grafana data outlive any VM replacement;
-- on Spot, a Cloud Scheduler job that starts the VM every ``SPOT_RESTART_SCHEDULE`` (a no-op while it
-  runs) with a service account allowed to start this one VM: a preempted (stopped) VM comes back without a
-  person.
-
-A new image does not replace the VM: the user-data names the image's repository only
-(``infra.node.rollout.pending_image``) and the digest is the metadata key
-``infra.node.rollout.ROLLOUT_METADATA_KEY``, updated in place; the node's rollout agent pulls it, drains and
-restarts the runtime (``infra.node.rollout``). Only a new user-data (profile, bundle) replaces the VM
-(``replace_on_changes``), deleting the old one first (the data disk attaches read-write to one VM at a
-time) after GCE graceful shutdown drained it. Nothing else may replace it: the Local SSDs GCE attaches to
-A2 Ultra / A3 types by itself are ignored (``IGNORED_INSTANCE_CHANGES``). The static address is protected
-like the data disk (the endpoint's IP survives a mistaken destroy).
-"""
+What it declares and how the VM behaves: docs/deploying.md, "Stack `dev` (GCP, T4, INT8)"."""
 
 from __future__ import annotations
 

@@ -1,42 +1,11 @@
-"""``RuntimeImage``: the runtime's container image, built from ``images/runtime/Dockerfile`` and pushed into
-an Artifact Registry repository of its own.
+"""``RuntimeImage``: the runtime's container image in an Artifact Registry repository of its own: either the
+digest CI built once copied in unchanged (``promote``, with ``crane copy``), or, without one, built from
+``images/runtime/Dockerfile`` and pushed here (pulumi-docker-build, registry cache, ``SOURCE_DATE_EPOCH``).
+It rebuilds only when the Dockerfile or the allowlisted build context changes, so a change outside
+``runtime/`` gives no new digest; nodes run the immutable ``image_ref``.
 
-When it is rebuilt: pulumi-docker-build hashes the Dockerfile's content and every file of the build context
-that ``.dockerignore`` does not exclude (``hashBuildContext``, provider/internal/context.go at v0.0.22) and
-builds again when that hash changes. The context is the repository root, but ``.dockerignore`` is an
-allowlist of exactly what the Dockerfile copies (``pyproject.toml``, ``requirements.lock``,
-``images/runtime/README.md``, ``runtime/``): a change anywhere else (``infra/``, ``.github/``, stacks, the
-Makefile, the README) makes no new context hash, hence no new digest, no replaced VM, no rolled pod
-(``tests/test_image.py`` computes the hash as the provider does).
-
-Cache and reproducibility: every build imports and exports a registry cache (``<image>:buildcache`` in the
-same repository, ``mode=max``: every layer, so the multi-gigabyte torch layer of a fresh CI runner comes from
-the registry when only ``runtime/`` changed) and sets ``SOURCE_DATE_EPOCH`` (``SOURCE_DATE_EPOCH`` below):
-BuildKit 0.11+ then stamps the image config and history with that time instead of the build's, so a rebuild
-of unchanged inputs whose layers come from the cache gives the same digest. File timestamps inside new
-layers are not rewritten: BuildKit's ``rewrite-timestamp`` export option (0.13+) has no field in
-pulumi-docker-build 0.0.22's typed registry export (``ExportRegistryArgs``), and a raw export in place of
-``push`` is not verified offline; layers only change when their inputs do, because the provider rebuilds
-only then and the cache serves the rest.
-
-Docker pushes with the access token of the credentials Pulumi's GCP provider runs with (``gcloud auth
-application-default login`` locally, workload identity in CI): no key file. The build needs a Docker
-daemon with BuildKit where ``pulumi up`` runs; previews do not build (``build_on_preview=False``), so a
-preview shows the digest as unknown only when the build context changed.
-
-Built once, promoted everywhere: in CI the image is built ONCE per push (``.github/workflows/pulumi-up.yml``,
-its ``image`` job) and every stack gets its digest-pinned reference as ``duplexops:runtimeImage``
-(``RuntimeImageArgs.source``). The component then builds nothing: it copies that digest into its own
-repository with ``crane copy`` (``promote``; go-containerregistry: "copy a remote image from src to dst
-while retaining the digest value"), so the same bytes run on every stack and in every region. Registry
-credentials come from gcloud's Docker credential helper (``gcloud auth configure-docker``), which mints a
-fresh token for each request: no one-hour token to outlive. Needs ``crane`` and ``gcloud`` where ``pulumi
-up`` runs (the deploy job installs both). Without a source (``pulumi up`` from a workstation) it builds as
-below.
-
-Outputs: ``ref`` (``<tag>@<digest>``), ``digest`` (``sha256:...``) and ``image_ref``
-(``<repository>/<image>@<digest>``: what every node runs, immutable).
-"""
+When it rebuilds, cache and reproducibility, credentials: docs/packaging.md, "The image"; built once,
+promoted everywhere: docs/deploying.md, "CI deploy pipeline"."""
 
 from __future__ import annotations
 
@@ -185,7 +154,10 @@ class RuntimeImageArgs:
 class RuntimeImage(pulumi.ComponentResource):
     """An Artifact Registry repository (Docker format) and the runtime image in it: the CI-built image copied
     in (``args.source``: ``promotion`` is the copy, ``image`` None) or one built and pushed here (``image``,
-    ``promotion`` None)."""
+    ``promotion`` None).
+
+    Outputs: ``ref`` (``<tag>@<digest>``), ``digest`` (``sha256:...``) and ``image_ref``
+    (``<repository>/<image>@<digest>``: what every node runs, immutable)."""
 
     repository: artifactregistry.Repository
     image: docker_build.Image | None

@@ -1,31 +1,11 @@
-"""Certificates from an ACME CA (Let's Encrypt) for a node whose profile says ``tls.mode: acme``.
+"""Certificates from an ACME CA (Let's Encrypt) for a node whose profile says ``tls.mode: acme``: ACME HTTP-01
+through the node's own nginx (``nginx_webroot``), obtained and renewed by one certbot command
+(``certbot_command``) that a systemd service and a twice-daily timer run (``render_acme_host_files``),
+installed by a deploy hook (``deploy_hook_script``) that copies the chain and key atomically and reloads
+nginx without cutting sessions. certbot's state lives under ``profile.data_dir`` (``acme_dirs``).
 
-How a node gets and keeps its certificate (RFC 8555 HTTP-01, through the node's own nginx):
-
-1. Until the first certificate is issued nginx serves a self-signed one (the preparation script of
-   ``infra.node.cloud_init`` writes it at the profile's TLS paths when none is there), so it can start.
-2. nginx answers ``/.well-known/acme-challenge/`` on plain HTTP (``ports.http``, 80) from a webroot
-   (``nginx_webroot``) before redirecting every other path to HTTPS (``infra.node.nginx``).
-3. certbot (Debian/Ubuntu package ``certbot``) runs ``certbot certonly --webroot`` (``certbot_command``):
-   it writes the CA's token into the webroot, the CA fetches it over the internet from the domain's port 80,
-   and certbot stores the certificate in its configuration directory. ``--keep-until-expiring`` makes the
-   same command a no-op until the certificate is due (30 days before expiry), so one command both
-   obtains and renews.
-4. certbot's deploy hook (``deploy_hook_script``, run only when a certificate was issued) copies the
-   chain and key to the profile's TLS paths atomically and reloads nginx (SIGHUP: open WebSockets go on).
-5. On a GCE node a systemd service (``SERVICE``, started once the node's unit is up, waiting for nginx
-   to answer on port 80) runs the command, and a timer (``TIMER``) runs it twice a day. certbot's state
-   (account, certificates) lives under ``profile.data_dir`` (``acme_dirs``), next to the model cache.
-
-The domain's DNS A record must point at the node and port 80 must be open to the CA (Let's Encrypt
-validates from several places on the internet, its addresses are not published): the GCE stacks open
-80 and 443 to ``publicSourceRanges``, so those must include the internet for HTTP-01. Let's Encrypt's
-limits: 5 certificates per exact set of names per week (letsencrypt.org/docs/rate-limits); use its
-staging directory (``tls.acme_directory``) for trials.
-
-Tested offline against Pebble, Let's Encrypt's test ACME server (tests/test_node_acme.py): the rendered
-nginx, the rendered certbot command and deploy hook, Pebble validating through nginx.
-"""
+How a node gets and keeps its certificate, what it needs, and the tests: docs/deploying.md, "Certificates
+on a single node"."""
 
 from __future__ import annotations
 

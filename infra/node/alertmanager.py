@@ -1,29 +1,9 @@
-"""Alertmanager of one node: ``render_alertmanager(profile)`` gives ``alertmanager/alertmanager.yml``.
+"""Alertmanager of one node: ``render_alertmanager(profile)`` gives ``alertmanager/alertmanager.yml``, which
+delivers the alerts Prometheus sends to the receivers of ``profile.alerting`` (webhook, e-mail, PagerDuty).
+Pages go to every receiver, tickets never to PagerDuty; secrets are read from files and never rendered, so
+the same profile always gives the same bytes.
 
-Prometheus (``infra.node.prometheus``) evaluates the node's alert rules and sends firing and resolved
-alerts to this Alertmanager (its ``alerting`` section names ``endpoint(profile, "alertmanager")``), which
-groups them and delivers them to the receivers of ``profile.alerting`` (``AlertReceivers``):
-
-- ``webhook_url``: an HTTP POST of Alertmanager's webhook JSON (``"version": "4"``, with ``status``,
-  ``alerts[].labels``, ``annotations``...), the way to reach a chat room, an incident tool or your own
-  service;
-- e-mail through ``email_smarthost`` (STARTTLS required), the SMTP password read from the secret file
-  ``alert_email_password`` (``auth_password_file``: never in the rendered file);
-- PagerDuty's Events API v2, the routing key read from the secret file ``alert_pagerduty_routing_key``
-  (``routing_key_file``).
-
-Routing: alerts of ``severity: page`` go to every configured receiver; ``severity: ticket`` (and anything
-else) to the webhook and e-mail only, never to PagerDuty (a ticket must not wake anyone). Alerts are
-grouped by ``alertname`` and ``node``; a group waits ``alerting.group_wait_s`` (30 s) before its first
-notification, 5 m between updates, and repeats every 4 h (pages every 1 h) while firing. A node without
-any receiver still runs Alertmanager (its UI and API show the alerts, ``amtool`` can silence them); the
-route then ends in a receiver with no integration.
-
-The file holds no secret and no host-specific path other than the secret files' (``/run/secrets/...`` in
-a container, ``secrets/...`` relative to the node directory on a ``processes`` node, whose Alertmanager
-runs there), so the same profile always gives the same bytes. It is checked in the tests with ``amtool
-check-config`` and by a real Alertmanager delivering a firing alert to a webhook.
-"""
+Receivers, routing, grouping and checks: docs/operations.md, "Where alerts go (single nodes)"."""
 
 from __future__ import annotations
 

@@ -1,38 +1,12 @@
-"""cloud-init user-data that turns a fresh GCE VM into a node: ``render_cloud_init`` gives
-``cloud-init/user-data.yaml``.
+"""cloud-init user-data that turns a fresh GCE VM (a Deep Learning VM image, ``DLVM_IMAGE_FAMILY``) into a
+node: ``render_cloud_init`` gives ``cloud-init/user-data.yaml``, which writes the bundle under
+``/etc/duplex`` and runs it under the systemd unit ``duplex-node.service`` (the preparation script, then
+``docker compose up``; ``docker compose down`` within ``node_stop_timeout_s`` on stop). Secret values never
+enter the user-data: it names Secret Manager secrets by id, fetched at every start. A user-data over GCE's
+256 KB metadata value limit (``GCE_METADATA_VALUE_LIMIT``) is refused.
 
-The VM boots from a Deep Learning VM image: Ubuntu 22.04 with the NVIDIA driver, Docker and the NVIDIA
-Container Toolkit preinstalled (``DLVM_IMAGE_FAMILY`` = ``common-cu128-ubuntu-2204-nvidia-570`` in project
-``deeplearning-platform-release``: CUDA 12.8, driver 570; the Google Cloud CLI is there too). The user-data
-(metadata key ``user-data``):
-
-1. ``write_files``: every bundle file under ``/etc/duplex`` (gzip + base64, mode 0644), a preparation
-   script (``PREPARE_SCRIPT``) and the systemd unit ``duplex-node.service``;
-2. ``runcmd``: installs the Docker Compose plugin if the image lacks it, then enables and starts the unit.
-
-``duplex-node.service`` runs, on every start (so at every boot):
-
-- the preparation script: the host directories of ``infra.node.compose.host_directories`` with their
-  owners; a self-signed certificate when ``tls.mode`` is ``self-signed`` and none exists yet (ECDSA P-256,
-  365 days, the domain, ``localhost`` and 127.0.0.1 as names); then the secrets, fetched from Secret
-  Manager into ``/etc/duplex/secrets/`` with ``umask 077`` (``gcloud secrets versions access latest``,
-  with retries; a secret that cannot be read keeps its previous file if there is one, else the start
-  fails). Without Secret Manager the script only checks that the secret files are there (written over SSH
-  by whoever brings the node up);
-- ``docker compose up`` in ``/etc/duplex`` (in the foreground: the containers' logs go to the journal),
-  and ``docker compose down`` on stop, within ``TimeoutStopSec`` = ``node_stop_timeout_s`` (nginx's and
-  the runtime's grace periods, which cover the drain grace).
-
-Secret values never appear in the user-data: instance metadata can be read by every process on the VM and
-by every project viewer. The user-data names Secret Manager secrets by id only; the VM's service account
-needs ``roles/secretmanager.secretAccessor`` on them (and the ``cloud-platform`` scope). Each secret's
-payload is the file's exact content as ``infra.node.services.secret_files`` renders it, except
-``hf_token`` (the bare Hugging Face token; the unit passes it to ``docker compose`` as ``HF_TOKEN``) and
-the optional ``tls_certificate`` / ``tls_private_key`` (PEM, written to the profile's TLS paths).
-
-cloud-init applies ``write_files`` once per instance: a changed bundle needs a new VM (or the files copied
-over and the unit restarted). GCE caps one metadata value at 256 KB (``GCE_METADATA_VALUE_LIMIT``).
-"""
+What the VM does at boot, the secrets' payloads and the service account's role: docs/deploying.md, "Stack
+`dev` (GCP, T4, INT8)"."""
 
 from __future__ import annotations
 

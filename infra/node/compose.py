@@ -1,34 +1,11 @@
-"""The Compose file of a ``compose`` node (GPU hosts, VMs): ``render_compose`` gives ``compose.yaml``.
+"""The Compose file of a ``compose`` node (GPU hosts, VMs): ``render_compose`` gives ``compose.yaml``, one
+project (``duplex``) on one bridge network running every service of ``infra.node.services`` under its own
+name. Only nginx publishes on the public address (Prometheus, Alertmanager and Grafana on the private one);
+secrets are never in the file (env files and Compose secrets under ``secrets/``); the host directories the
+containers write are listed by ``host_directories``, and ``node_stop_timeout_s`` bounds a stop (nginx, then
+the runtime's drain).
 
-One Compose project (``duplex``) on one bridge network runs every service of ``infra.node.services``
-under its Compose service name, so ``endpoint(profile, service)`` (``runtime:8998``, ``redis:6379`` ...)
-is what nginx, Prometheus and Grafana dial. The project directory is the bundle root (``/etc/duplex`` on a
-VM): every bundle file and every secret is mounted by a path relative to it.
-
-Exposure: only nginx publishes ports on ``profile.public_address``; Prometheus, Alertmanager and Grafana
-publish on ``profile.private_address`` only (reached through an SSH tunnel or IAP); Redis, the runtime and the
-exporters publish nothing and are reached on the bridge network alone.
-
-Secrets are never in the file. The runtime reads ``DUPLEX_REDIS_URL`` from ``secrets/runtime.env``
-(``env_file``), redis_exporter ``REDIS_PASSWORD`` from ``secrets/redis-exporter.env``, Redis ``requirepass``
-from ``secrets/redis-auth.conf`` (``include``d by ``redis/redis.conf``), Grafana its admin password through
-``GF_SECURITY_ADMIN_PASSWORD__FILE`` from a Compose secret backed by ``secrets/grafana_admin_password``,
-the runtime its session-token signing keys (``DUPLEX_TOKEN_KEYS_FILE``) from a Compose secret backed by
-``secrets/token_keys.json``, Alertmanager its receivers' secrets (``OPTIONAL_SECRET_FILES``, when the
-profile's ``alerting`` uses them) from Compose secrets mounted at ``/run/secrets/<role>``.
-``HF_TOKEN`` is passed through from the environment of whoever runs ``docker compose`` (it has no value
-in the file). Compose mounts file secrets as bind mounts, so the host file's owner and mode are what the
-container sees: the files a container reads itself (``CONTAINER_READ_SECRETS``) must be ``root:root``
-mode 0640, and the containers that read them run with group 0 (Grafana's image default; Redis is set to
-``999:0`` here, the runtime to ``10001:0``, Alertmanager to ``65534:0``). The directories the containers
-write (``host_directories``) must exist with the owners listed there before ``docker compose up``.
-
-Stopping: ``docker compose down`` stops nginx first (it depends on the runtime). nginx's stop signal is
-SIGQUIT (graceful: open WebSockets go on) and its grace period covers the drain grace, so running sessions
-may finish; then the runtime gets SIGTERM and drains (``/readyz`` 503, new sessions refused, running ones
-closed with 1001 after ``limits.drain_grace_s``). ``node_stop_timeout_s`` is how long all of it may take
-(the systemd unit's ``TimeoutStopSec``).
-"""
+Exposure, secrets and their owners, stopping: docs/node.md, "The bundle"."""
 
 from __future__ import annotations
 

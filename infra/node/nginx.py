@@ -1,38 +1,12 @@
 """nginx in front of the runtime: TLS termination, the WebSocket proxy and the node's session cap.
 
-``render_nginx(profile)`` gives ``nginx/nginx.conf``. What it does, and why:
+``render_nginx(profile)`` gives ``nginx/nginx.conf``: TLS 1.2/1.3 only, plain HTTP redirected except the ACME
+HTTP-01 webroot (``infra.node.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn`` per node and
+per client address (503) and ``limit_req`` on handshakes (429), ``/metrics`` 404 on the public side, the
+browser client (``infra.node.webclient``) at ``/`` under a CSP that allows only the node itself, no session
+token in the access log. The same profile always gives the same bytes.
 
-- TLS 1.2 and 1.3 only, ECDHE key exchange with AEAD ciphers (Mozilla's "intermediate" list), HSTS; plain
-  HTTP on ``ports.http`` answers 301 to HTTPS, except ``/.well-known/acme-challenge/``, served as plain
-  text from the ACME webroot (``infra.node.acme``: HTTP-01 tokens, which the CA fetches over plain HTTP).
-- ``/api/chat``: the WebSocket location. ``proxy_http_version 1.1`` and ``Upgrade``/``Connection`` forwarded
-  explicitly (hop-by-hop headers are dropped otherwise); ``proxy_read_timeout`` and ``proxy_send_timeout``
-  longer than ``limits.max_session_s`` (nginx's 60 s default would close a quiet socket mid-conversation);
-  no buffering. ``limit_conn`` counts an upgraded connection for its whole life, which makes it a real
-  session cap: ``max_sessions`` for the whole node and ``limits.max_sessions_per_client`` per client
-  address; over either, nginx answers 503 with a plain-text reason and the runtime never sees the caller.
-  ``limit_req`` bounds session *handshakes* per client address (``limits.handshakes_per_second_per_client``,
-  burst ``limits.handshake_burst``, no delay): a flood of connection attempts (guessing tokens, or a
-  client retrying in a tight loop) gets 429 with a plain-text reason at the edge, and never reaches the
-  runtime's token check; sessions already open are not affected (one request each).
-- The access log records ``$request_method $uri``, not ``$request``: a session token passed as the
-  ``token`` query parameter must not land in a log.
-- ``/healthz`` and ``/readyz`` pass through (load balancers probe ``/readyz``); ``/metrics`` answers 404 on
-  the public side: Prometheus scrapes the runtime on the private address directly.
-- ``/``: the browser client (``infra.node.webclient``), static files from the bundle's ``web/``, GET and HEAD
-  only, with a Content-Security-Policy that allows nothing but the node itself (scripts, styles, the
-  AudioWorklet, ``fetch`` and the ``wss://`` session), ``X-Content-Type-Options: nosniff``,
-  ``Permissions-Policy: microphone=(self)``, no referrer, no framing, and ``Cache-Control: no-cache`` (the
-  files have no hashed names: browsers revalidate with the ETag, a changed bundle is seen at once).
-- ``/api/admission`` and ``/api/personas`` pass through to the runtime (the client's check of why a session
-  would be refused, and the node's voices); the admission check verifies tokens, so the handshake rate
-  limit covers it too.
-- 502/504 (runtime down or not answering) get a plain-text body that says so.
-
-In a ``processes`` deployment (the local node) every path is relative to nginx's prefix (``nginx -p
-<node dir>``) so one unprivileged nginx runs from the node directory; in ``compose`` the paths are the
-official image's.
-"""
+What each directive does, and why: docs/node.md, "The bundle"."""
 
 from __future__ import annotations
 

@@ -1,57 +1,10 @@
-"""Prometheus of one node: its configuration, its recording and alert rules, and promtool unit tests for
-those rules, all rendered from a ``NodeProfile``.
+"""Prometheus of one node, rendered from a ``NodeProfile``: ``render_prometheus`` gives its configuration
+(static scrape targets from ``infra.node.services.endpoint``, alerts to the node's Alertmanager),
+``alert_rules`` its recording and alert rules (built from ``runtime.metrics``, reusable by a Kubernetes
+stack through label selectors), ``rules_unit_tests`` a ``promtool test rules`` file for those rules. The
+same profile always gives the same bytes; a selector without a non-empty equality matcher is refused.
 
-Prometheus scrapes every 5 s, with static targets from ``infra.node.services.endpoint``: the runtime
-(``/metrics``), Prometheus itself, node-exporter, redis_exporter and, on GPU nodes only, dcgm-exporter.
-Every target carries the label ``node`` = the profile name. Firing and resolved alerts go to the node's own
-Alertmanager (``alerting``: ``endpoint(profile, "alertmanager")``), which delivers them to the receivers
-the profile configures (``infra.node.alertmanager``).
-
-Rules (``prometheus/rules/duplex-node.rules.yml``), built from the runtime's metric names
-(``runtime.metrics``). Latencies are in seconds in every expression, as the runtime exports them; the
-profile's targets in milliseconds are divided by 1000. Recording rules (group ``duplex-node.recording``),
-per runtime target (no aggregation, so every label of the target is kept):
-
-- ``duplex:tick_duration_seconds:p50_5m`` / ``:p99_5m``: tick wall time quantiles over 5 m;
-- ``duplex:first_audio_latency_seconds:p50_5m`` / ``:p99_5m``: first-audio latency quantiles over 5 m;
-- ``duplex:session_utilisation:ratio``: active sessions / batch slots (0..1);
-- ``duplex:ticks_over_budget:ratio_rate5m``: share of busy ticks longer than the 80 ms frame;
-- ``duplex:admissions_refused:rate5m`` and ``duplex:frames_dropped:rate5m``: per second, by ``reason``.
-
-Alerts (group ``duplex-node.alerts``). ``severity: page`` where sessions are failing or degraded now,
-``severity: ticket`` where a human should look within a working day:
-
-- ``RuntimeDown`` (page): the runtime's ``up`` is 0, or no runtime target exists, for 1 m.
-- ``RuntimeNotReady`` (page): ``duplex_ready`` is 0 while neither ``duplex_draining`` nor
-  ``duplex_loading`` is 1, for 2 m (a drain and a model load are not-ready on purpose).
-- ``RuntimeLoadingTooLong`` (ticket): ``duplex_loading`` is 1 for ``LOADING_ALERT_MINUTES`` (20 m): a
-  model download or load is stuck (the runtime answers its probes while loading, so ``RuntimeDown``
-  stays quiet during a normal load of a few minutes).
-- ``RedisDown`` (page): redis_exporter reports ``redis_up`` 0, or redis_exporter itself cannot be scraped
-  or is missing, for 1 m (session state and transcripts are not being stored).
-- ``FirstAudioLatencyHigh`` (page): p99 first-audio latency over 5 m above
-  ``profile.limits.first_audio_p99_target_ms`` (180 ms for the Scale-5 profiles), for 5 m.
-- ``TicksOverBudget`` (page): more than ``TICKS_OVER_BUDGET_FRACTION`` (1 %) of busy ticks over the 80 ms
-  frame budget, over 5 m, for 5 m (every session of the node hears the glitches).
-- ``NodeAtSessionCap`` (ticket): every slot in use for ``profile.limits.at_cap_alert_minutes``.
-- ``AdmissionsRefused`` (ticket): a session refused in the last 5 m for ``node_full``, ``draining`` or
-  ``replay_check_unavailable`` (Redis down under a fail-closed replay check), by reason, at once. The
-  client-side reasons (``bad_request`` and the token refusals: ``missing``, ``expired``, ...) are left out
-  on purpose: a client's malformed request or bad token is not a capacity or availability problem of the
-  node (they stay visible in ``duplex:admissions_refused:rate5m``).
-- ``GpuMemoryHigh`` (ticket, GPU profiles only): DCGM's framebuffer use
-  ``DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE)`` above
-  ``profile.limits.gpu_memory_alert_fraction``, for 5 m.
-
-The runtime's series are selected with a label-matcher list (``runtime_selector``, by default
-``job="runtime"``), as are redis_exporter's and dcgm-exporter's, so that a Kubernetes stack can reuse
-``alert_rules`` with its own labels (e.g. ``namespace="duplex", job="runtime"``). A selector must match
-the *target* labels (it also selects ``up``) and contain at least one non-empty equality matcher.
-
-``prometheus/tests/duplex-node.rules.test.yml`` is a ``promtool test rules`` file generated from the same
-profile and selectors, with each alert firing on bad data (with its exact labels and annotations) and
-silent on healthy data, so it stays true for every profile.
-"""
+The rules, each alert's condition and the selectors: docs/operations.md, "Alerts"."""
 
 from __future__ import annotations
 

@@ -1,35 +1,14 @@
 """Rolling a new runtime image onto a GCE node without replacing the VM, and the node's data disk.
 
-Why: cloud-init applies the user-data once per VM, so when the user-data held the image digest every
-deploy replaced the VM (delete first): a full outage, live sessions cut, and the weights downloaded again
-from a boot disk that was deleted with the VM. Here the user-data names the image's *repository* only
-(:func:`pending_image`, a digest of zeros), and the digest travels in the instance metadata key
-``ROLLOUT_METADATA_KEY``, which GCE updates in place (no replacement, no reboot). On the VM:
-
-- ``duplex-rollout sync`` (an ``ExecStartPre`` of ``duplex-node.service``, a drop-in) puts the key's image
-  into ``compose.yaml`` before every start, so a new or rebooted VM starts the current image;
-- ``duplex-rollout.service`` runs ``duplex-rollout watch``: it long-polls the key (``wait_for_change`` with
-  the last ETag, as the runtime's maintenance watch does), and on a new digest (1) runs the node's
-  preparation script (a fresh registry login with the VM's service account: an access token lives 1 h),
-  (2) pulls the new image while the old one still serves, (3) writes it into ``compose.yaml`` and (4)
-  restarts ``duplex-node.service``: its ``ExecStop`` (``docker compose down``) lets nginx and the runtime
-  drain (SIGTERM; live sessions go on for ``limits.drain_grace_s``, then close with 1001) within the
-  unit's ``TimeoutStopSec``; the new runtime then loads the weights from the data disk.
-
-The gap a caller sees: sessions that end within the drain grace do not notice; one still running after it
-is closed with 1001; new callers are refused (``draining``, then no answer) from the restart until the new
-runtime is ready: the drain (at most ``drain_grace_s``) plus the start and the model load from the data
-disk (no download). What still replaces the VM (profile, machine type, bundle files): GCE graceful
-shutdown drains the same way, then the VM is deleted and created again (delete first: the data disk is
-zonal and read-write, attachable to one VM at a time) and mounts the same data disk.
-
-The data disk (``DATA_DISK_DEVICE``) holds ``profile.data_dir`` (model cache, Redis, Prometheus, Grafana
-data). cloud-init makes an ext4 file system on it only when it has none (``fs_setup`` with
-``overwrite: false``) and mounts it (``mounts``, ``nofail``); the node's unit requires the mount
-(``RequiresMountsFor``).
-
+The user-data names the image's *repository* only (:func:`pending_image`); the digest travels in the
+instance metadata key ``ROLLOUT_METADATA_KEY``, which GCE updates in place. On the VM, ``duplex-rollout
+sync`` writes the key's image into ``compose.yaml`` before every start, and ``duplex-rollout watch`` rolls
+to a new digest (pull while the old image serves, then a draining restart). The data disk
+(``DATA_DISK_DEVICE``) holds ``profile.data_dir``, formatted only when it has no file system.
 :func:`add_rollout` adds all of this to a rendered user-data (``infra.node.cloud_init.render_cloud_init``).
-"""
+
+Why, the steps, and the gap a caller sees: docs/deploying.md, "Deploys a user does not notice"; the data
+disk: docs/deploying.md, "Stack `dev` (GCP, T4, INT8)"."""
 
 from __future__ import annotations
 

@@ -1,37 +1,13 @@
 """The batch engine (model runner): one batched Mimi encode, LM step and Mimi decode per 80 ms tick.
 
-The engine owns a fixed number of slots B. Each slot is FREE, PROMPTING (its persona is being fed in) or
-LIVE (a conversation). It knows nothing of sockets or sessions: the tick loop hands it one PCM frame per
-slot and gets one PCM frame and one text token per slot back.
+:class:`BatchEngine` owns a fixed number of slots B (each :class:`SlotPhase` FREE, PROMPTING or LIVE) and
+knows nothing of sockets or sessions: ``tick()`` takes one PCM frame per slot and gives one PCM frame and
+one text token per slot, in :class:`TickBuffers` rewritten by the next tick. A joining slot's rows are
+reset alone (the others keep their KV caches); persona prompts are prefilled (:class:`_Prefill`) or
+teacher-forced step by step (:class:`SlotLMGen`) in the tick's spare time, after the live step.
 
-Batching rests on moshi's streaming API (moshi 0.2.13, ``modules/streaming.py``):
-
-- ``reset_streaming(mask)`` resets only the rows of a joining slot; the others keep their KV caches.
-- ``set_exec_mask(mask)`` freezes rows whose mask is False for that call: free slots, slots waiting for
-  their first frame, and (during a prompt step) every slot that is not prompting.
-- ``LMGen(support_out_of_sync=True)``: rows still inside the acoustic delay return token -2; those are
-  neither decoded nor sent.
-
-Per-slot sampling and teacher forcing (persona prompts) are done by :class:`SlotLMGen`, a subclass of
-moshi's ``LMGen`` that samples with :class:`runtime.engine.sampling.SlotSamplingTable` and overwrites the
-tokens
-of forced rows in place before they are fed back.
-
-Persona prompts are fed one of two ways:
-
-- **prefill** (default, :class:`_Prefill`): every token of a fully forced prompt is known in advance, so the
-  temporal transformer runs it as a few parallel chunks in a batch-1 side state of its own (a fresh
-  streaming state of ``lm.transformer`` with a KV ring large enough that a chunk never overwrites a key
-  its own queries still need), and the result is copied into the slot's row with ``index_copy_`` (as
-  Kyutai's ``tts.py`` moves rows between states). The LMGen token cache, the offsets and the slot's
-  sampling step counter are then set to what step-by-step forcing leaves. The depformer is not run: its
-  output is overwritten by the forced codes and it keeps no state between steps.
-- **step by step** (the reference, ``prefill=False``, and any prompt with unforced steps): one
-  teacher-forced LM step per prompt step, all prompting slots together, every other row frozen.
-
-Both run in the tick's spare time after the live step; a prefill chunk is sized to what is left of the
-tick's budget (``prompt_budget_ms``) at the measured (or injected, ``prefill_ms_per_step``) cost per step.
-"""
+How a tick works, the moshi streaming calls it rests on, prompt feeding: docs/runtime.md, "How a tick
+works"; prefill figures: docs/protocol.md, "Wire protocol"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,15 @@
 """Per-session converters between audio payloads on the wire and the model's 80 ms frames.
 
-Inbound, an *assembler* turns the payloads of 0x01 audio messages (Ogg/Opus pages, or Int16 LE PCM for a
-``format=pcm`` session) into frames of ``FRAME_SAMPLES`` (1920) float32 samples at ``SAMPLE_RATE_HZ``
-(24000 Hz), keeping whatever does not fill a frame yet for the next message. Outbound, an *encoder* turns
-one such frame into the payload of one 0x01 audio message. One assembler and one encoder per session:
-both are stateful and not thread-safe. Opus is decoded by sphn and encoded by sphn or, with
-``DUPLEX_OPUS_ENCODER=pyav``, by PyAV's libopus at a chosen complexity into a stream of sphn's shape
-(:class:`PyavOpusFrameEncoder`; figures from ``python -m runtime.tools.codec_bench`` in docs/benchmarks.md).
+Inbound, a :class:`FrameAssembler` (:class:`OpusFrameAssembler`, :class:`PcmFrameAssembler`) turns the
+payloads of 0x01 audio messages into [1920] float32 frames at 24000 Hz, refusing a push that completes
+more than ``max_buffered_frames`` (``too_fast``) and, for good, a stream sphn cannot decode (``bad_opus``).
+Outbound, a :class:`FrameEncoder` turns one frame into one message's payload: sphn's Opus, or
+(``DUPLEX_OPUS_ENCODER=pyav``) :class:`PyavOpusFrameEncoder`, PyAV's libopus at a chosen complexity in a
+stream of sphn's shape. ``make_codec`` picks them. One assembler and one encoder per session: both are
+stateful and not thread-safe.
 
-Flow-control policy (``max_buffered_frames``): :meth:`push` returns every complete frame at once, so the
-assembler itself only ever keeps less than one frame. A single push whose audio would complete more than
-``max_buffered_frames`` frames is refused with ``ProtocolError(reason="too_fast")`` and its audio is
-dropped as a whole; the assembler stays usable. Callers that bound their own inbound queue by the same
-figure can therefore never be handed more than they may hold in one go; what they do once their queue is
-full (drop oldest, close) is theirs to decide.
-
-What sphn 0.2.1 does with bad Opus input (tried): ``OpusStreamReader.append_bytes`` raises ``ValueError``
-(``unexpected ogg capture pattern [...]`` for bytes that are not an Ogg page, ``opus_decode_float:
-corrupted stream`` for a broken Opus packet). Fewer bytes than an Ogg page header are buffered silently,
-so garbage may only be reported by a later call. After a failure the reader stays broken (every later
-call raises again) and a fresh reader would wait for Opus headers the client will not resend, so
-:class:`OpusFrameAssembler` refuses every later push with ``bad_opus`` too: the session must end.
-Decoded samples of a damaged but parseable stream can exceed 1.0: they are clipped to [-1, 1].
-"""
+The encoders compared, and the choice: docs/benchmarks.md, "Opus bindings (issue 16)"; the encoder
+settings: docs/runtime.md, "Processes: one engine, N front-end workers"."""
 
 from __future__ import annotations
 
@@ -55,13 +42,25 @@ _PCM_BYTES_PER_SAMPLE = 2
 
 
 class FrameAssembler(Protocol):
-    """Turns the payloads of inbound audio messages into [1920] float32 frames (see module docstring)."""
+    """Turns the payloads of inbound 0x01 audio messages (Ogg/Opus pages, or Int16 LE PCM for a ``format=pcm``
+    session) into frames of ``FRAME_SAMPLES`` (1920) float32 samples at ``SAMPLE_RATE_HZ`` (24000 Hz),
+    keeping whatever does not fill a frame yet for the next message. One per session: stateful, not
+    thread-safe.
+
+    Flow-control policy (``max_buffered_frames``): :meth:`push` returns every complete frame at once, so the
+    assembler itself only ever keeps less than one frame. A single push whose audio would complete more than
+    ``max_buffered_frames`` frames is refused with ``ProtocolError(reason="too_fast")`` and its audio is
+    dropped as a whole; the assembler stays usable. Callers that bound their own inbound queue by the same
+    figure can therefore never be handed more than they may hold in one go; what they do once their queue is
+    full (drop oldest, close) is theirs to decide.
+    """
 
     def push(self, payload: bytes) -> list[np.ndarray]: ...
 
 
 class FrameEncoder(Protocol):
-    """Turns one [1920] float32 frame into the payload of an outbound audio message (maybe b"")."""
+    """Turns one [1920] float32 frame into the payload of an outbound audio message (maybe b""). One per
+    session: stateful, not thread-safe."""
 
     def encode(self, frame: np.ndarray) -> bytes: ...
 
@@ -160,6 +159,14 @@ class OpusFrameAssembler:
     0.2.1 fails with ``opus_decode_float: invalid argument`` when one call holds more than about 4 s of
     audio (tried: 16 KB of 24 kbit/s Opus decode, 30 KB fail), which made one long but valid message look
     like a broken stream. A page or a frame may span several messages.
+
+    What sphn 0.2.1 does with bad Opus input (tried): ``OpusStreamReader.append_bytes`` raises ``ValueError``
+    (``unexpected ogg capture pattern [...]`` for bytes that are not an Ogg page, ``opus_decode_float:
+    corrupted stream`` for a broken Opus packet). Fewer bytes than an Ogg page header are buffered silently,
+    so garbage may only be reported by a later call. After a failure the reader stays broken (every later
+    call raises again) and a fresh reader would wait for Opus headers the client will not resend, so this
+    assembler refuses every later push with ``bad_opus`` too: the session must end. Decoded samples of a
+    damaged but parseable stream can exceed 1.0: they are clipped to [-1, 1].
 
     Args:
         max_buffered_frames: most frames (80 ms each) one :meth:`push` may complete (>= 1).

@@ -1,45 +1,14 @@
 """GCE host-maintenance watcher: a GPU VM's notice of maintenance drains the node's admissions.
 
-GPU VMs cannot live-migrate: for host maintenance Compute Engine stops them, and gives a GPU VM a 1-hour
-notice through the metadata server's ``instance/maintenance-event`` key, which reads ``NONE`` when nothing
-is scheduled and ``TERMINATE_ON_HOST_MAINTENANCE`` when the VM is about to be stopped ("Handle GPU host
-maintenance events", https://cloud.google.com/compute/docs/gpus/gpu-host-maintenance). VMs that live-migrate
-see ``MIGRATE_ON_HOST_MAINTENANCE`` 60 s before a migration ("Query the metadata server for maintenance event
-notices", https://cloud.google.com/compute/docs/metadata/getting-live-migration-notice).
+:class:`MaintenanceWatcher` long-polls the metadata server's ``instance/maintenance-event`` key
+(``wait_for_change`` with ``last_etag``, no busy polling) and :func:`start_maintenance_watch` also
+``instance/preempted``. A pending notice (:func:`is_pending`: ``TERMINATE_ON_HOST_MAINTENANCE`` or an
+unknown value) stops admissions while live sessions go on, ``NONE`` admits again (never after a SIGTERM
+drain), a preemption calls ``on_preempted`` once (a drain within ``PREEMPTION_GRACE_S``) and is never
+withdrawn. Metadata-server failures are logged, counted and retried with backoff (:func:`backoff_delay`);
+nothing here raises into the runtime, and the watch runs in a daemon thread the tick never waits on.
 
-:class:`MaintenanceWatcher` long-polls that key without busy polling: ``?wait_for_change=true`` with the
-``last_etag`` of the value it last saw (the server answers at once if the value changed since, else when it
-changes or after ``timeout_sec``), every request with the header ``Metadata-Flavor: Google`` ("View and
-query VM metadata", "Wait for change", https://cloud.google.com/compute/docs/metadata/querying-metadata).
-
-What a value does (decided here; docs/operations.md, "Drain"):
-
-- ``TERMINATE_ON_HOST_MAINTENANCE`` (and any value this module does not know: missing a real notice cuts
-  conversations, a false one only sends new callers elsewhere for a while): *pending*. The runtime stops
-  admitting (``/readyz`` 503 ``draining``, new sessions refused with the same ``draining`` reason as after
-  SIGTERM) and lets live sessions go on; when GCE stops the VM the runtime gets SIGTERM and drains as usual.
-- ``NONE``: *clear*. The notice was withdrawn or the maintenance is over without a stop: the runtime admits
-  again (unless a SIGTERM drain has begun, which is final).
-- ``MIGRATE_ON_HOST_MAINTENANCE``: not pending. A live migration keeps the VM and its connections (a pause
-  of seconds); a GPU VM never gets it.
-
-A Spot VM's preemption (``instance/preempted``, ``GCE_PREEMPTED_URL``: ``FALSE``, then ``TRUE`` when GCE
-preempts the VM; "Detect if a VM was preempted", https://cloud.google.com/compute/docs/instances/
-create-use-spot) leaves no hour: the VM is stopped about 30 s after the soft off, whatever the drain
-grace. :func:`start_maintenance_watch` watches that key too (same URL root as ``maintenance-event``) and,
-on ``TRUE``, calls ``on_preempted`` once: the server closes every live session with 1001 within
-``PREEMPTION_GRACE_S`` (``server.drain(PREEMPTION_GRACE_S)``), so that callers learn at once that they
-must reconnect elsewhere. A server that passes no ``on_preempted`` gets the notice as a pending
-maintenance (admissions stop). A preemption is never withdrawn: ``FALSE`` afterwards changes nothing.
-
-Failures of the metadata server (refused connection, timeout, a status other than 200) are logged, counted
-(``duplex_maintenance_watch_errors_total``) and retried after an exponential backoff (:func:`backoff_delay`);
-the state stays as it was, and nothing here ever raises into the runtime.
-
-The watcher runs in a daemon thread of its own (blocking ``urllib`` long polls, up to ``timeout_sec`` each)
-and hands each change to the event loop with ``call_soon_threadsafe``: the tick and the sockets never wait
-on it, and a process exiting never waits for a poll to return.
-"""
+What each value does, and the sources: docs/operations.md, "Drain"."""
 
 from __future__ import annotations
 

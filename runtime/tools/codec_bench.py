@@ -1,34 +1,11 @@
-"""Benchmark of the Opus bindings a front-end worker could use (issue 16, item 2).
+"""Benchmark of the Opus bindings a front-end worker could use (issue 16, item 2):
+``python -m runtime.tools.codec_bench`` encodes and decodes espeak-ng speech frame by frame with sphn (what
+:mod:`runtime.frontend.audio_codec` uses) and PyAV's libopus at several complexities, and prints per
+binding the ms per 80 ms frame, bit rate, log-spectral distance from the input
+(:func:`log_spectral_distance_db`), whether the codec call releases the GIL (one thread against two) and
+sessions per core. Figures are printed as a Markdown table, never asserted.
 
-Per 80 ms frame (1920 float32 samples at 24000 Hz mono) of espeak-ng speech (``loadgen.load_speech``),
-it measures:
-
-- ``sphn`` (what :mod:`runtime.frontend.audio_codec` uses): ``OpusStreamWriter(24000).append_pcm`` (libopus
-  defaults: VoIP, complexity 10, bitrate chosen by libopus; 40 ms packets, one Ogg page each) and
-  ``OpusStreamReader(24000).append_bytes`` page by page, as
-  :class:`~runtime.frontend.audio_codec.OpusFrameAssembler`
-  does.
-- PyAV (``av``, FFmpeg's ``libopus`` wrapper; its wheels bundle libopus) through the runtime's own
-  :class:`~runtime.frontend.audio_codec.PyavOpusFrameEncoder` (``DUPLEX_OPUS_ENCODER=pyav``: 40 ms packets,
-  one
-  Ogg page each, VoIP, sphn's bitrate) at libopus complexity (FFmpeg's ``compression_level``) 10, 5 and
-  0, its stream decoded by sphn as the server does; raw packets without Ogg, and their decode by FFmpeg's
-  ``libopus`` and ``opus`` decoders (48 kHz out, so resampled to 24 kHz); and encode through FFmpeg's
-  own Ogg muxer (``ogg`` format, 20 ms page duration, flushed every packet), read back by sphn.
-- For each encoder, whether its codec call releases the GIL: the same frames encoded by one thread, then
-  split over two threads (one encoder each). ``speedup`` is one-thread wall time over two-thread wall time
-  (about 1.0: the GIL serialises the threads; towards 2.0: they ran on two cores) and ``cores`` the
-  process's CPU seconds over the two-thread wall time. On a shared machine both read low when the other
-  core is busy, so compare them between rows of one run.
-- Quality, roughly: the log-spectral distance (dB, lower is closer) of the speech decoded by sphn's
-  reader (every encoder's output through an Ogg stream, so one decoder judges them all) against the
-  input, after aligning the codec's delay (:func:`log_spectral_distance_db`). Not a listening test:
-  it ranks encoders and settings, it does not say whether a difference is audible.
-
-Figures are printed as a Markdown table, never asserted: ``python -m runtime.tools.codec_bench`` (about 30 s).
-``sessions/core`` is 80 ms over (encode + decode) ms per frame: how many sessions' Opus one core carries
-at 12.5 frames/s each, codec work only.
-"""
+What each row runs, and the figures measured: docs/benchmarks.md, "Opus bindings (issue 16)"."""
 
 from __future__ import annotations
 

@@ -1,40 +1,14 @@
-"""The deployment rules of the ``duplexops-policies`` pack, as pure functions.
+"""The deployment rules of the ``duplexops-policies`` pack, as pure functions, one module per resource type
+or family, put together here in :data:`RULES` and :data:`STACK_RULES`.
 
 Each rule is ``rule(resource_type, props) -> list[str]``: the violation messages for one resource (empty
-when it passes, and for resource types the rule does not police). ``props`` are the resource's inputs as
-the Pulumi engine hands them to a policy pack: camelCase keys (``scheduling.onHostMaintenance``,
-``guestAccelerators``, ``sourceRanges``), numbers possibly as floats. snake_case keys are accepted too
-(they are converted first), so a test may pass either spelling.
+when it passes or does not apply). ``props`` may be camelCase (as the engine hands them) or snake_case. A
+value unknown at preview (:data:`UNKNOWN`) passes; a missing one is judged as the provider's default. No
+Pulumi import: ``infra.policy.pack`` wraps these for the engine, and :func:`check_resources` serves the
+stacks' tests.
 
-No Pulumi import here: ``infra.policy.pack`` wraps these functions into ``ResourceValidationPolicy``
-callbacks for the engine, and the stacks' tests call :func:`check_resources` on their mocked resources.
-
-Unknown values
---------------
-During ``pulumi preview`` an input computed from another resource's output is not known yet. The engine
-marks it with a sentinel string (:data:`UNKNOWN_SENTINELS`); ``infra.policy.pack`` turns the SDK's
-proxy errors into :data:`UNKNOWN`. A rule that needs an unknown value to decide passes for that value
-(the same policies run again with the real values during ``pulumi up``, before the resource is created).
-A key that is *missing* or ``None`` is not unknown: it means "not set", and the rule judges the
-provider's default for it (``onHostMaintenance`` MIGRATE, ``authEnabled`` false, an ingress rule without
-any source applies to 0.0.0.0/0, ...). Each rule's docstring says which values it can skip.
-
-Modules
--------
-One module per resource type or family (as pulumi/compliance-policies lays out its rules); this package
-puts them together in :data:`RULES` and :data:`STACK_RULES` and re-exports their public names.
-
-- ``_common``: resource type tokens, unknown values, input normalisation, :class:`StackResource`.
-- ``_gpus``: GPUs and machine types as the capacity planner's GCP catalog knows them.
-- ``compute_instance``: GPU VMs terminate on maintenance and shut down gracefully; provisioning models.
-- ``firewall``: no SSH to the world, no public monitoring ports.
-- ``machine_types``: attached GPUs are ones the machine type can carry (VMs and GKE node configs).
-- ``gke``: GPU node pools are tainted and upgrade without an extra GPU.
-- ``memorystore``: Redis requires AUTH and TLS.
-- ``load_balancing``: backend timeouts fit WebSockets; session affinity needs a hashing policy; HTTPS
-  proxies refuse TLS before 1.2.
-- ``project_apis`` (stack rule): every API a resource needs is enabled first.
-"""
+Each rule, what it enforces and why, and unknown values: infra/policy/README.md, "The rules" (linked from
+docs/deploying.md, "Deploying (Pulumi)")."""
 
 from __future__ import annotations
 
