@@ -97,7 +97,7 @@ def content_security_policy(page_origin: str) -> str:
 
 def page_headers(page_origin: str) -> dict[str, str]:
     """The response headers every file of the page is served with, in order, wherever it is served (a
-    node's nginx, the multi-region stack's backend bucket): HSTS (2 years), the CSP of
+    node's nginx, the multi-region stack's page backend service): HSTS (2 years), the CSP of
     ``content_security_policy``, ``nosniff``, the microphone for the page itself only, no referrer, no
     framing, a separate browsing context group, and ``no-cache`` (revalidate: a node update shows at once)."""
     return {
