@@ -8,6 +8,13 @@ the SAME port, so clients see an outage and a restart. The function-scoped :func
 yields a started one and stops it at teardown. A missing ``redis-server`` is a test failure, not a skip:
 CI installs it (``apt-get install redis-server``).
 
+No silent skips
+---------------
+A run that skipped a test fails (exit 1, the skipped tests and their reasons listed), unless the reason
+matches ``ALLOWED_SKIP_REASONS`` (empty today: a GPU-only test would be listed there, with why). A missing
+system program is a failure, not a skip: ``make setup`` installs every one the tests run. For a partial
+local environment, ``DUPLEX_ALLOW_SKIPS=1`` turns the check off (CI never sets it).
+
 A region's Kubernetes objects
 -----------------------------
 The module-scoped :func:`workload` fixture is ``k8s_fixtures.make_workload()`` (a ``RegionWorkload`` with
@@ -17,6 +24,8 @@ plain values) and :func:`objects` its ``infra.k8s.region.region_objects``, built
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -86,3 +95,37 @@ def started() -> Iterator[list[subprocess.Popen[bytes]]]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+ALLOWED_SKIP_REASONS: tuple[re.Pattern[str], ...] = ()
+"""Skip reasons that do not fail the run (regular expressions searched in the reason). Empty: every test
+runs on CI's machine (no GPU test exists yet; one would be allowed here by its reason, e.g. "needs CUDA")."""
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+
+
+def unexpected_skips(reports: list[pytest.TestReport]) -> list[str]:
+    """``"<test id>: <reason>"`` for each skipped report whose reason no ``ALLOWED_SKIP_REASONS`` allows."""
+    return [
+        f"{report.nodeid}: {_skip_reason(report)}"
+        for report in reports
+        if not any(pattern.search(_skip_reason(report)) for pattern in ALLOWED_SKIP_REASONS)
+    ]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail an otherwise green run that skipped a test (see "No silent skips" above)."""
+    if os.environ.get("DUPLEX_ALLOW_SKIPS") == "1" or exitstatus != pytest.ExitCode.OK:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    unexpected = unexpected_skips(reporter.stats.get("skipped", []) if reporter is not None else [])
+    if unexpected:
+        reporter.write_line(
+            f"{len(unexpected)} test(s) skipped; the suite allows none (tests/conftest.py):", red=True
+        )
+        for line in unexpected:
+            reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
