@@ -259,14 +259,19 @@ def test_certbot_gets_a_pebble_certificate_through_the_rendered_nginx(
     reload_command = " ".join([*nginx_argv, "-s", "reload"])
     hook.write_text(deploy_hook_script(str(crt), str(key), reload_command))
     hook.chmod(0o755)
-    certbot = subprocess.run(
-        certbot_command(profile, dirs, deploy_hook=str(hook)),
-        env={**os.environ, "REQUESTS_CA_BUNDLE": str(pebble_dir / "pebble.crt")},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+
+    def run_certbot() -> subprocess.CompletedProcess[str]:
+        """The rendered certbot command against Pebble (trusting Pebble's own HTTPS certificate)."""
+        return subprocess.run(
+            certbot_command(profile, dirs, deploy_hook=str(hook)),
+            env={**os.environ, "REQUESTS_CA_BUNDLE": str(pebble_dir / "pebble.crt")},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    certbot = run_certbot()
     assert certbot.returncode == 0, certbot.stdout + certbot.stderr + pebble_log.read_text()
     issued = x509.load_pem_x509_certificate((Path(dirs.live_dir) / "fullchain.pem").read_bytes())
     assert _common_name(issued.issuer).startswith("Pebble Intermediate CA")
@@ -307,14 +312,7 @@ def test_certbot_gets_a_pebble_certificate_through_the_rendered_nginx(
     assert redirect.value.code == 301
 
     # A second run is a no-op until the certificate is due: the lineage is unchanged.
-    again = subprocess.run(
-        certbot_command(profile, dirs, deploy_hook=str(hook)),
-        env={**os.environ, "REQUESTS_CA_BUNDLE": str(pebble_dir / "pebble.crt")},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    again = run_certbot()
     assert again.returncode == 0, again.stdout + again.stderr
     assert "not yet due for renewal" in again.stdout + again.stderr
     assert sorted(p.name for p in (Path(dirs.config_dir) / "archive" / CERT_NAME).iterdir()) == [

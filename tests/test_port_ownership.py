@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_process_split import REPO, split_node
+from test_process_split import REPO, serve_command, sim_node_env, split_node
 
 from runtime.multiproc import PortLock, PortTaken
 from runtime.tools.local_redis import free_loopback_port
@@ -24,26 +24,11 @@ from runtime.tools.local_redis import free_loopback_port
 
 def _serve(port: int, workers: int) -> subprocess.CompletedProcess[str]:
     """``duplex serve --port PORT --workers N`` on the sim model, run to its exit (it should not start)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "DUPLEX_AUTH_MODE": "off",
-        "DUPLEX_MODEL": "sim",
-        "DUPLEX_SIM_STEP_MS": "5",
-        "COLUMNS": "400",  # Rich wraps at the terminal's width; keep the message on one line
-    }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    command = [
-        sys.executable,
-        "-m",
-        "runtime.tools.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--workers",
-        str(workers),
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180, check=False)
+    # COLUMNS: Rich wraps at the terminal's width; keep the message on one line.
+    env = sim_node_env(COLUMNS="400")
+    return subprocess.run(
+        serve_command(port, workers), env=env, capture_output=True, text=True, timeout=180, check=False
+    )
 
 
 @pytest.mark.slow

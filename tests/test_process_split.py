@@ -72,33 +72,44 @@ def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else "(no log)"
 
 
-@contextlib.asynccontextmanager
-async def split_node(tmp_path: Path, workers: int = 2, **env: str) -> AsyncIterator[SplitNode]:
-    port = free_loopback_port()
-    log = tmp_path / f"node-{port}.log"
+def sim_node_env(**env: str) -> dict[str, str]:
+    """This process's environment for a ``duplex serve`` child on the sim model (5 ms steps, no access
+    control, this checkout first on the path), plus ``env``; without the parent's Prometheus multiprocess
+    directory."""
     environment = {
         **os.environ,
         "PYTHONPATH": str(REPO),
         "DUPLEX_AUTH_MODE": "off",
         "DUPLEX_MODEL": "sim",
         "DUPLEX_SIM_STEP_MS": "5",
-        "DUPLEX_MAX_SESSIONS": "3",
-        "DUPLEX_DRAIN_GRACE_S": "2",
         **env,
     }
     environment.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return environment
+
+
+def serve_command(port: int, workers: int) -> list[str]:
+    """``duplex serve --port PORT --workers N`` with this interpreter."""
+    return [
+        sys.executable,
+        "-m",
+        "runtime.tools.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
+
+
+@contextlib.asynccontextmanager
+async def split_node(tmp_path: Path, workers: int = 2, **env: str) -> AsyncIterator[SplitNode]:
+    port = free_loopback_port()
+    log = tmp_path / f"node-{port}.log"
+    environment = sim_node_env(**{"DUPLEX_MAX_SESSIONS": "3", "DUPLEX_DRAIN_GRACE_S": "2", **env})
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "runtime.tools.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--workers",
-                str(workers),
-            ],
+            serve_command(port, workers),
             env=environment,
             stdout=out,
             stderr=subprocess.STDOUT,
