@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from k8s_fixtures import make_workload, one
+from test_node_alertmanager import ALL_RECEIVERS
 
 from infra.k8s import base, metrics_adapter, monitoring, region
 from infra.k8s.manifest import validate_manifests
@@ -156,14 +157,6 @@ def test_adapter_objects_follow_googles_manifest(objects: list[dict], workload) 
 
 # --- GMP's managed Alertmanager (infra.k8s.alerting) ----------------------------------------------------
 
-_RECEIVERS = {
-    "webhook_url": "https://hooks.example.com/duplex",
-    "email_to": "oncall@example.com",
-    "email_from": "duplex@example.com",
-    "email_smarthost": "smtp.example.com:587",
-    "email_password": True,
-    "pagerduty": True,
-}
 _ALERT_SECRETS = {"alert_email_password": "smtp-pw-0123", "alert_pagerduty_routing_key": "R" * 32}
 
 
@@ -174,7 +167,7 @@ def test_managed_alertmanager_gets_the_node_receivers_inline(tmp_path: Path) -> 
     from infra.k8s import alerting
     from infra.node.alertmanager import alertmanager_config
 
-    profile = get_profile("a100-80gb", alerting=_RECEIVERS)
+    profile = get_profile("a100-80gb", alerting=ALL_RECEIVERS)
     workload = make_workload(profile=profile, alert_secrets=_ALERT_SECRETS)
     secret = one(region.region_objects(workload), "Secret", alerting.ALERTMANAGER_SECRET)
     assert secret["metadata"]["namespace"] == alerting.GMP_PUBLIC_NAMESPACE == "gmp-public"
@@ -200,6 +193,6 @@ def test_managed_alertmanager_needs_receivers_and_their_secrets() -> None:
     from infra.k8s import alerting
 
     assert alerting.alertmanager_secret(make_workload()) is None
-    profile = get_profile("a100-80gb", alerting=_RECEIVERS)
+    profile = get_profile("a100-80gb", alerting=ALL_RECEIVERS)
     with pytest.raises(ValueError, match="alert_email_password"):
         alerting.alertmanager_secret(make_workload(profile=profile, alert_secrets={}))
