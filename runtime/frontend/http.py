@@ -1,4 +1,5 @@
-"""The HTTP side of the node's port: one route table for the loading and the serving phases.
+"""The HTTP side of the node's port: one route table for the loading and the serving phases, served by
+aiohttp (``build_app``; the loading phase's ``build_loading_app``).
 
 Every route answers GET only (405 with ``Allow`` otherwise, RFC 9110 15.5.6); an unknown path gets 404
 naming the routes. While the model loads (the pre-load server of ``--workers 0``, or a worker whose
@@ -8,6 +9,7 @@ engine has not answered yet) each route gives its ``loading`` answer: ``/healthz
 503 ``LOADING_MESSAGE``. Serving: ``/api/chat`` passes the handshake rate limits and the access check
 (``runtime.frontend.access``) before the upgrade, refusals as plain HTTP statuses; ``/api/admission`` makes
 the same checks and the session's, without spending anything (``runtime.frontend.refusals.Admission``).
+Why aiohttp and not websockets' ``process_request``: docs/runtime.md, "The HTTP layer".
 """
 
 from __future__ import annotations
@@ -16,17 +18,16 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
-from websockets.asyncio.server import ServerConnection
-from websockets.datastructures import Headers
-from websockets.http11 import Request, Response
+from aiohttp import web
 
+from runtime.engine.api import node_full_message
 from runtime.engine.persona_limits import (
     TEXT_PROMPT_MAX_CHARS,
     TEXT_PROMPT_MAX_TOKENS,
     VOICE_PROMPT_MAX_CHARS,
 )
+from runtime.frontend import ws
 from runtime.frontend.access import RequestView, bearer_token, session_token
 from runtime.frontend.ratelimit import RateLimited
 from runtime.frontend.refusals import LOADING_MESSAGE, Admission, SessionRefused
@@ -42,7 +43,8 @@ __all__ = [
     "Loading",
     "Route",
     "admission",
-    "process_request",
+    "build_app",
+    "build_loading_app",
     "request_view",
 ]
 
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 CHAT_PATH = "/api/chat"
 ADMISSION_PATH = "/api/admission"
 PERSONAS_PATH = "/api/personas"
+
+MAX_REQUEST_LINE_BYTES = 8190
+"""Longest request line (method, URL, version) and longest header field aiohttp reads; longer gets 400
+(aiohttp's defaults, as websockets' 8 KiB before)."""
 
 
 @dataclass(frozen=True)
@@ -61,61 +67,70 @@ class Loading:
     detail: dict[str, object]
 
 
-Handler = Callable[["FrontEnd", ServerConnection, Request], Awaitable[Response | None]]
-LoadingHandler = Callable[[Loading, ServerConnection], Response]
+Handler = Callable[["FrontEnd", web.Request], Awaitable[web.StreamResponse]]
+LoadingHandler = Callable[[Loading], web.Response]
 
 
 @dataclass(frozen=True)
 class Route:
-    """One path: its methods, its serving handler (None from it: upgrade) and its loading answer."""
+    """One path: its methods, its serving handler and its loading answer."""
 
     methods: tuple[str, ...]
     serve: Handler
     loading: LoadingHandler
 
 
-def response(status: int, body: bytes, content_type: str, *, cache_control: str | None = None) -> Response:
-    """A plain response with its length (``status``: 200, 404, 500 or 503)."""
-    reason = {200: "OK", 404: "Not Found", 500: "Internal Server Error", 503: "Service Unavailable"}[status]
-    headers = Headers([("Content-Type", content_type), ("Content-Length", str(len(body)))])
+def text_response(status: int, text: str) -> web.Response:
+    """A ``text/plain; charset=utf-8`` answer: the refusals' and probes' shape (a line of text)."""
+    return web.Response(status=status, text=text, content_type="text/plain", charset="utf-8")
+
+
+def response(
+    status: int, body: bytes, content_type: str, *, cache_control: str | None = None
+) -> web.Response:
+    """A response of ``body`` as ``content_type`` (a full media type, parameters included)."""
+    answer = web.Response(status=status, body=body)
+    answer.headers["Content-Type"] = content_type
     if cache_control is not None:
-        headers["Cache-Control"] = cache_control
-    return Response(status, reason, headers, body)
+        answer.headers["Cache-Control"] = cache_control
+    return answer
 
 
-def _json(status: int, body: dict[str, object], *, cache_control: str | None = None) -> Response:
+def _json(status: int, body: dict[str, object], *, cache_control: str | None = None) -> web.Response:
     return response(
         status, (json.dumps(body) + "\n").encode(), "application/json", cache_control=cache_control
     )
 
 
-def request_view(connection: ServerConnection, request: Request) -> RequestView:
-    """The transport-neutral view of a websockets request (peer, headers, query)."""
-    address = connection.remote_address
-    peer = str(address[0]) if address else ""
-    return RequestView(peer, request.headers.raw_items(), urlsplit(request.path).query)
+def request_view(request: web.Request) -> RequestView:
+    """The transport-neutral view of an HTTP request (the socket's peer, headers, query)."""
+    peer = ""
+    if request.transport is not None:
+        address = request.transport.get_extra_info("peername")
+        peer = str(address[0]) if address else ""
+    return RequestView(peer, request.headers.items(), request.query_string)
 
 
 # --- loading phase ------------------------------------------------------------------------------------
 
 
-def _loading_refused(loading: Loading, connection: ServerConnection) -> Response:
-    return connection.respond(503, LOADING_MESSAGE + "\n")
+def _loading_refused(loading: Loading) -> web.Response:
+    return text_response(503, LOADING_MESSAGE + "\n")
 
 
-def _loading_healthz(loading: Loading, connection: ServerConnection) -> Response:
-    return connection.respond(200, "loading\n")
+def _loading_healthz(loading: Loading) -> web.Response:
+    return text_response(200, "loading\n")
 
 
-def _loading_readyz(loading: Loading, connection: ServerConnection) -> Response:
+def _loading_readyz(loading: Loading) -> web.Response:
     return _json(503, {"ready": False, "reason": "loading the model", **loading.detail})
 
 
-def _loading_metrics(loading: Loading, connection: ServerConnection) -> Response:
+def _loading_metrics(loading: Loading) -> web.Response:
     return response(200, loading.render_metrics(), PROMETHEUS_CONTENT_TYPE)
 
 
-def _loading_admission(loading: Loading, connection: ServerConnection) -> Response:
+def _loading_admission(loading: Loading) -> web.Response:
     admission_ = Admission(False, 503, "not_ready", LOADING_MESSAGE)
     return response(200, admission_.as_json(), "application/json", cache_control="no-store")
 
@@ -123,9 +138,7 @@ def _loading_admission(loading: Loading, connection: ServerConnection) -> Respon
 # --- serving phase ------------------------------------------------------------------------------------
 
 
-def _refuse_rate_limited(
-    front: FrontEnd, connection: ServerConnection, limited: RateLimited, *, as_admission: bool
-) -> Response:
+def _refuse_rate_limited(front: FrontEnd, limited: RateLimited, *, as_admission: bool) -> web.Response:
     """429 with ``Retry-After`` (``/api/admission``: its usual JSON, status 200, reason rate_limited)."""
     front.metrics.admissions_refused.labels(reason="rate_limited").inc()
     message = f"too many handshakes ({limited.scope} limit); retry after {limited.retry_after_header} s"
@@ -133,40 +146,39 @@ def _refuse_rate_limited(
         body = Admission(False, 429, "rate_limited", message).as_json()
         answer = response(200, body, "application/json", cache_control="no-store")
     else:
-        answer = connection.respond(429, f"rate_limited: {message}\n")
+        answer = text_response(429, f"rate_limited: {message}\n")
     answer.headers["Retry-After"] = limited.retry_after_header
     return answer
 
 
-def _refuse_handshake(front: FrontEnd, connection: ServerConnection, exc: TokenRejected) -> Response:
+def _refuse_handshake(front: FrontEnd, exc: TokenRejected) -> web.Response:
     front.metrics.admissions_refused.labels(reason=exc.reason).inc()
     log.debug("refused handshake: %s", exc)
-    answer = connection.respond(exc.status, f"{exc.reason}: {exc.detail}\n")
+    answer = text_response(exc.status, f"{exc.reason}: {exc.detail}\n")
     if exc.status == 401:  # RFC 6750, 3
         error = "" if exc.reason == "missing" else ', error="invalid_token"'
         answer.headers["WWW-Authenticate"] = f'Bearer realm="duplex"{error}'
     return answer
 
 
-async def _chat(front: FrontEnd, connection: ServerConnection, request: Request) -> Response | None:
-    view = request_view(connection, request)
+async def _chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+    view = request_view(request)
     # First, before any work (token verify, Redis, persona): the handshake rate limits.
     limited = front.access.rate_limited(view)
     if limited is not None:
-        return _refuse_rate_limited(front, connection, limited, as_admission=False)
+        return _refuse_rate_limited(front, limited, as_admission=False)
     try:
         claims = await front.access.check(view, origin=view.get("Origin"), token=session_token(view))
     except TokenRejected as exc:
-        return _refuse_handshake(front, connection, exc)
-    front.keep_admitted(connection, claims, front.access.client_address(view))
-    return None
+        return _refuse_handshake(front, exc)
+    return await ws.serve_chat(front, request, claims, front.access.client_address(view))
 
 
-async def _admission(front: FrontEnd, connection: ServerConnection, request: Request) -> Response:
-    view = request_view(connection, request)
+async def _admission(front: FrontEnd, request: web.Request) -> web.Response:
+    view = request_view(request)
     limited = front.access.rate_limited(view)
     if limited is not None:
-        return _refuse_rate_limited(front, connection, limited, as_admission=True)
+        return _refuse_rate_limited(front, limited, as_admission=True)
     answer = await admission(front, view)
     return response(200, answer.as_json(), "application/json", cache_control="no-store")
 
@@ -191,14 +203,12 @@ async def admission(front: FrontEnd, view: RequestView) -> Admission:
     if not status.loaded or not status.tick_alive or status.lost:
         return Admission(False, 503, "not_ready", f"node not ready: {front.readiness()[1]}")
     if status.free_slots == 0:
-        from runtime.engine.api import node_full_message
-
         return Admission(False, 503, "node_full", node_full_message(status.slots))
     free, slots = status.free_slots, status.slots
     return Admission(True, 200, "ok", f"a session would be admitted: {free} of {slots} slots free")
 
 
-async def _personas(front: FrontEnd, connection: ServerConnection, request: Request) -> Response:
+async def _personas(front: FrontEnd, request: web.Request) -> web.Response:
     """``{"voices": [names], "voice_prompt_max_chars", "text_prompt_max_chars", "text_prompt_max_tokens"}``.
     A session may also name no voice (the model's own) and any text prompt within both text limits."""
     body: dict[str, object] = {
@@ -210,17 +220,17 @@ async def _personas(front: FrontEnd, connection: ServerConnection, request: Requ
     return _json(200, body, cache_control="no-cache")
 
 
-async def _healthz(front: FrontEnd, connection: ServerConnection, request: Request) -> Response:
+async def _healthz(front: FrontEnd, request: web.Request) -> web.Response:
     healthy, text = front.health()
-    return connection.respond(200 if healthy else 500, text + "\n")
+    return text_response(200 if healthy else 500, text + "\n")
 
 
-async def _readyz(front: FrontEnd, connection: ServerConnection, request: Request) -> Response:
+async def _readyz(front: FrontEnd, request: web.Request) -> web.Response:
     body = front.readiness_json()
     return _json(200 if body["ready"] else 503, body)
 
 
-async def _metrics(front: FrontEnd, connection: ServerConnection, request: Request) -> Response:
+async def _metrics(front: FrontEnd, request: web.Request) -> web.Response:
     return response(200, front.render_metrics(), PROMETHEUS_CONTENT_TYPE)
 
 
@@ -235,37 +245,62 @@ ROUTES: dict[str, Route] = {
 """Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer."""
 
 
-def _route(connection: ServerConnection, request: Request) -> tuple[Route | None, Response | None]:
-    path = urlsplit(request.path).path
+def _route(request: web.Request) -> tuple[Route | None, web.Response | None]:
+    path = request.path
     route = ROUTES.get(path)
     if route is None:
-        return None, connection.respond(404, f"no route {path}; try {', '.join(ROUTES)}\n")
+        return None, text_response(404, f"no route {path}; try {', '.join(ROUTES)}\n")
     if request.method not in route.methods:
-        answer = connection.respond(405, f"{request.method} is not allowed on {path}\n")
+        answer = text_response(405, f"{request.method} is not allowed on {path}\n")
         answer.headers["Allow"] = ", ".join(route.methods)
         return None, answer
     return route, None
 
 
-def loading_request(loading: Loading) -> Callable[[ServerConnection, Request], Response]:
-    """websockets' ``process_request`` of the pre-load server: every route's loading answer."""
+def _application(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]], server_header: str | None
+) -> web.Application:
+    """One catch-all aiohttp route to ``handler``, which looks the path up in :data:`ROUTES` (aiohttp's
+    own router would answer 404 and 405 in its own words), and the ``Server`` header when given."""
+    app = web.Application(
+        handler_args={"max_line_size": MAX_REQUEST_LINE_BYTES, "max_field_size": MAX_REQUEST_LINE_BYTES}
+    )
+    app.router.add_route("*", "/{path:.*}", handler)
+    if server_header is not None:
 
-    def answer(connection: ServerConnection, request: Request) -> Response:
-        route, refused = _route(connection, request)
+        async def set_server_header(request: web.Request, answer: web.StreamResponse) -> None:
+            answer.headers["Server"] = server_header
+
+        # aiohttp types its Signal's items wrongly (a callable of a callable); this is its documented use.
+        app.on_response_prepare.append(set_server_header)  # type: ignore[arg-type]
+    return app
+
+
+def build_loading_app(loading: Loading) -> web.Application:
+    """The pre-load server's application: every route's loading answer; nothing is upgraded."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        route, refused = _route(request)
         if route is None:
             assert refused is not None
             return refused
-        return route.loading(loading, connection)
+        return route.loading(loading)
 
-    return answer
+    return _application(answer, None)
 
 
-async def process_request(front: FrontEnd, connection: ServerConnection, request: Request) -> Response | None:
-    """websockets' ``process_request`` of the serving server: a response, or None to upgrade."""
-    route, refused = _route(connection, request)
-    if route is None:
-        return refused
-    status = front.backend.status()
-    if not status.loaded and not front.draining:
-        return route.loading(Loading(front.render_metrics, status.detail), connection)
-    return await route.serve(front, connection, request)
+def build_app(front: FrontEnd, *, server_header: str | None = None) -> web.Application:
+    """The serving application of ``front``: a route's loading answer while the backend loads (a worker
+    whose engine has not answered yet), else its serving handler."""
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        route, refused = _route(request)
+        if route is None:
+            assert refused is not None
+            return refused
+        status = front.backend.status()
+        if not status.loaded and not front.draining:
+            return route.loading(Loading(front.render_metrics, status.detail))
+        return await route.serve(front, request)
+
+    return _application(dispatch, server_header)

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
 import time
-import weakref
 from collections.abc import AsyncIterator
 
-from websockets.asyncio.server import Server, ServerConnection, serve
+from aiohttp import web
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import SlotBackend
-from runtime.frontend import http, ws
+from runtime.frontend import http
 from runtime.frontend.access import Access
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.refusals import (
@@ -42,7 +40,6 @@ from runtime.frontend.refusals import (
 )
 from runtime.frontend.session import ChatSession
 from runtime.frontend.session_store import SessionStore
-from runtime.frontend.tokens import TokenClaims
 from runtime.metrics import RuntimeMetrics
 
 __all__ = [
@@ -60,9 +57,11 @@ log = logging.getLogger(__name__)
 
 
 class _AccessLog(logging.LoggerAdapter):
-    """websockets' per-connection logger with its INFO lines ("connection rejected (200 OK)", "connection
-    open", "connection closed") moved to DEBUG: one line per HTTP request wrote 8 MB in 22 minutes under
-    test (issue 16). Warnings and errors pass unchanged."""
+    """aiohttp's access log with its INFO lines (one per request) moved to DEBUG: one line per HTTP request
+    wrote 8 MB in 22 minutes under test (issue 16). Warnings and errors pass unchanged."""
+
+    def isEnabledFor(self, level: int) -> bool:
+        return self.logger.isEnabledFor(logging.DEBUG if level == logging.INFO else level)
 
     def log(self, level: int, msg: object, *args: object, **kwargs: object) -> None:
         level = logging.DEBUG if level == logging.INFO else level
@@ -70,7 +69,35 @@ class _AccessLog(logging.LoggerAdapter):
 
 
 ACCESS_LOG = _AccessLog(logging.getLogger("runtime.access"), {})
-"""The logger given to ``websockets.serve``: enable DEBUG on ``runtime.access`` to see every request."""
+"""aiohttp's access log: enable DEBUG on ``runtime.access`` to see every request."""
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tf'
+"""Peer, request line, status, body bytes, seconds (aiohttp's ``AccessLogger`` directives)."""
+SHUTDOWN_TIMEOUT_S = 5.0
+"""When the listener closes, how long aiohttp waits for requests still in their handlers (sessions were
+closed before it: a drain's 1001, or an engine loss's 1011)."""
+
+
+async def _listen(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> web.AppRunner:
+    """Serve ``app`` on ``host:port`` (``reuse_port``: ``SO_REUSEPORT``, the workers' shared port).
+
+    Raises:
+        OSError: the address is in use.
+    """
+    runner = web.AppRunner(
+        app,
+        access_log=ACCESS_LOG,  # type: ignore[arg-type]
+        access_log_format=ACCESS_LOG_FORMAT,
+        handle_signals=False,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
 
 
 class DuplexServer:
@@ -103,13 +130,9 @@ class DuplexServer:
         self.sessions: set[ChatSession] = set()
         self.draining = False
         self.maintenance: MaintenanceWatcher | None = None
-        self._server: Server | None = None
+        self._runner: web.AppRunner | None = None
         self._drain_task: asyncio.Future[None] | None = None
         self._drain_deadline: float | None = None  # time.monotonic() at which live sessions get 1001
-        # What the upgrade learnt (token claims, client address), from process_request to the handler.
-        self._admitted: weakref.WeakKeyDictionary[ServerConnection, tuple[TokenClaims | None, str]] = (
-            weakref.WeakKeyDictionary()
-        )
         self._metrics_cache: tuple[float, bytes] | None = None
         backend.on_lost.append(self._backend_lost)
 
@@ -122,20 +145,12 @@ class DuplexServer:
         await self.backend.start()
         if self.store is not None:
             await self.store.start()
-        extra: dict[str, object] = {}
+        server_header = None
         if self.worker_id is not None:
-            extra = {"reuse_port": True, "server_header": f"duplex {self.worker_id} pid={os.getpid()}"}
-        self._server = await serve(
-            functools.partial(ws.handle, self),
-            self.config.host,
-            self.config.port,
-            process_request=functools.partial(http.process_request, self),
-            select_subprotocol=ws.select_token_subprotocol,
-            create_connection=ws.DuplexConnection,
-            max_size=self.config.max_message_bytes,
-            compression=None,
-            logger=ACCESS_LOG,
-            **extra,  # type: ignore[arg-type]
+            server_header = f"duplex {self.worker_id} pid={os.getpid()}"
+        app = http.build_app(self, server_header=server_header)
+        self._runner = await _listen(
+            app, self.config.host, self.config.port, reuse_port=self.worker_id is not None
         )
         self.metrics.ready.set(1)
         self.maintenance = start_maintenance_watch(
@@ -151,8 +166,8 @@ class DuplexServer:
 
     @property
     def port(self) -> int:
-        assert self._server is not None
-        return self._server.sockets[0].getsockname()[1]
+        assert self._runner is not None
+        return int(self._runner.addresses[0][1])
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Stop admitting, let running sessions go on for ``grace_s`` (default the config's), then close
@@ -196,10 +211,9 @@ class DuplexServer:
     async def close(self) -> None:
         """Stop listening, close the backend, flush the store. Idempotent."""
         self._stop_maintenance_watch()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
         await self.backend.close()
         if self.store is not None:
             await self.store.close()
@@ -233,21 +247,6 @@ class DuplexServer:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await self.drain()
-
-    # --- what the upgrade hands the session -----------------------------------------------------------
-
-    def keep_admitted(self, connection: ServerConnection, claims: TokenClaims | None, client: str) -> None:
-        """Called before the upgrade: the checked token claims and the caller's address, for the handler."""
-        self._admitted[connection] = (claims, client)
-
-    def take_admitted(self, connection: ServerConnection) -> tuple[TokenClaims | None, str]:
-        """What :meth:`keep_admitted` kept for ``connection`` (claims None without a token; the address
-        the socket's peer when nothing was kept)."""
-        claims, client = self._admitted.pop(connection, (None, ""))
-        if not client:
-            address = connection.remote_address
-            client = str(address[0]) if address else ""
-        return claims, client
 
     # --- health, readiness, metrics -------------------------------------------------------------------
 
@@ -290,7 +289,9 @@ class DuplexServer:
 
 
 @contextlib.asynccontextmanager
-async def loading_status(config: RuntimeConfig, metrics: RuntimeMetrics) -> AsyncIterator[Server | None]:
+async def loading_status(
+    config: RuntimeConfig, metrics: RuntimeMetrics
+) -> AsyncIterator[web.AppRunner | None]:
     """Answer on the runtime's address while the model loads, then free the address for the real server.
 
     Inside the context every route gives its loading answer (``runtime.frontend.http``): ``/healthz`` 200
@@ -309,20 +310,16 @@ async def loading_status(config: RuntimeConfig, metrics: RuntimeMetrics) -> Asyn
     metrics.loading.set(1)
     metrics.ready.set(0)
 
-    async def never_upgraded(connection: ServerConnection) -> None:  # every request is answered
-        await connection.close()
-
     server = None
     if config.port != 0:
-        answer = http.loading_request(http.Loading(metrics.render, {}))
-        server = await serve(never_upgraded, config.host, config.port, process_request=answer)
+        app = http.build_loading_app(http.Loading(metrics.render, {}))
+        server = await _listen(app, config.host, config.port)
         log.info("loading the model; %s:%d answers the probes meanwhile", config.host, config.port)
     try:
         yield server
     finally:
         if server is not None:
-            server.close()
-            await server.wait_closed()
+            await server.cleanup()
         metrics.loading.set(0)
 
 

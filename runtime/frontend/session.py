@@ -16,7 +16,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -63,8 +63,6 @@ class FrontEnd(Protocol):
     def readiness(self) -> tuple[bool, str]: ...
     def readiness_json(self) -> dict[str, object]: ...
     def render_metrics(self, now: float | None = None) -> bytes: ...
-    def keep_admitted(self, connection: Any, claims: TokenClaims | None, client: str) -> None: ...
-    def take_admitted(self, connection: Any) -> tuple[TokenClaims | None, str]: ...
 
 
 def sampling_from_request(request: SessionRequest) -> SamplingParams:

@@ -6,7 +6,8 @@ text prompt with ``text_prompt_in=metadata``), 0x06 ping (echoed unchanged). A c
 audio dropped) until its handshake, so one that leaves while it waits for a slot or while its persona prompt
 runs gives its place back at once. Refusals after the upgrade: a 0x05 error naming the reason, then the
 close code of ``runtime.frontend.refusals.REFUSALS``. The slot is released when the server decides to
-close, not when the closing handshake ends (a client that never answers a close frame held it 10 s).
+close, not when the closing handshake ends (a client that never answers a close frame held it 10 s). The
+WebSocket is aiohttp's (the HTTP layer's server, ``runtime.frontend.http``), as in moshi's own server.
 """
 
 from __future__ import annotations
@@ -14,14 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable
 from typing import TypeVar
-from urllib.parse import urlsplit
 
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
-from websockets.protocol import State
-from websockets.typing import Subprotocol
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from runtime.frontend.protocol import (
     AudioMessage,
@@ -38,42 +35,86 @@ from runtime.frontend.protocol import (
 from runtime.frontend.refusals import CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, SessionRefused
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport, plan_session
 from runtime.frontend.session_query import TEXT_PROMPT_IN_METADATA, parse_prompt_metadata, parse_session_query
-from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
+from runtime.frontend.tokens import SUBPROTOCOL_PREFIX, TokenClaims
 
-__all__ = ["METADATA_PROMPT_TIMEOUT_S", "DuplexConnection", "handle", "select_token_subprotocol"]
+__all__ = [
+    "HEARTBEAT_S",
+    "METADATA_PROMPT_TIMEOUT_S",
+    "DuplexWebSocket",
+    "handle",
+    "serve_chat",
+    "token_subprotocol",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 METADATA_PROMPT_TIMEOUT_S = 10.0
 """With ``text_prompt_in=metadata``: longest wait for the 0x04 message carrying the text prompt."""
+HEARTBEAT_S = 20.0
+"""A ping every 20 s; a client that has not answered within half of it is closed (websockets' defaults
+before: a dead peer behind a NAT does not hold a slot until TCP gives up)."""
+CLOSE_TIMEOUT_S = 10.0
+"""How long a close waits for the client's close frame (the slot is already released by then)."""
 _FATAL_PROTOCOL_REASONS = frozenset({"bad_opus"})
 """Errors after which the session's input cannot recover: the session is closed (1008)."""
 
 
-class DuplexConnection(ServerConnection):
-    """websockets' server connection, with :attr:`closing` set as soon as the closing handshake starts
-    (a close frame sent or received: e.g. websockets failing the connection on an invalid UTF-8 text
-    frame with 1007), before it ends."""
+class ConnectionClosed(Exception):
+    """The client's WebSocket is closed (or closing): nothing more will be read from it."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+class DuplexWebSocket(web.WebSocketResponse):
+    """aiohttp's server WebSocket, with :attr:`closing` set as soon as the server decides to close (a close
+    frame about to be sent: e.g. aiohttp failing the connection on an invalid UTF-8 text frame with 1007,
+    or answering the client's close), before the closing handshake ends."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
         self.closing = asyncio.Event()
+        self.close_sent: int | None = None
+        """The code of the server's own close frame (None until it sends one)."""
 
-    def send_data(self) -> None:
-        # Every protocol step that writes (a close frame among them, whether the server fails the
-        # connection on reading or answers the client's close) ends here.
-        super().send_data()
-        if self.protocol.state in (State.CLOSING, State.CLOSED):
-            self.closing.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
+    async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         self.closing.set()
+        if self.close_sent is None and not self.closed:
+            self.close_sent = code
+        return await super().close(code=code, message=message, drain=drain)
+
+    async def recv(self) -> bytes | str:
+        """The next data message (binary as bytes, text as str); pings are answered by aiohttp.
+
+        Raises:
+            ConnectionClosed: the client closed, the connection failed, or the server is closing it.
+        """
+        message = await self.receive()
+        if message.type in (WSMsgType.BINARY, WSMsgType.TEXT):
+            return message.data  # type: ignore[no-any-return]
+        self.closing.set()
+        raise ConnectionClosed(f"websocket {message.type.name.lower()}")
+
+    async def send(self, payload: bytes) -> None:
+        """Send a binary message.
+
+        Raises:
+            ConnectionClosed: the connection is closed or closing.
+        """
+        if self.closed:
+            raise ConnectionClosed("websocket closed")
+        try:
+            await self.send_bytes(payload)
+        except ConnectionError as exc:  # aiohttp: "Cannot write to closing transport"
+            raise ConnectionClosed(str(exc)) from None
+
+    async def end(self, code: int, reason: str) -> None:
+        """Close with ``code`` and ``reason`` (cut to the 123 bytes a close frame carries); no error when it
+        is already closed."""
+        with contextlib.suppress(ConnectionError):
+            await self.close(code=code, message=reason.encode()[:123])
 
 
 class _WsTransport(Transport):
-    def __init__(self, connection: ServerConnection) -> None:
+    def __init__(self, connection: DuplexWebSocket) -> None:
         self.connection = connection
 
     async def send_audio(self, payload: bytes) -> None:
@@ -83,32 +124,60 @@ class _WsTransport(Transport):
         await self.connection.send(encode_text(piece))
 
     async def close(self, code: int, reason: str) -> None:
-        await self.connection.close(code, reason)
+        await self.connection.end(code, reason)
 
 
-def select_token_subprotocol(
-    connection: ServerConnection, subprotocols: Sequence[Subprotocol]
-) -> Subprotocol | None:
-    """Select the ``duplex.token.<jwt>`` subprotocol when the client offered one: a browser fails the
-    handshake unless the server names one of the subprotocols it offered."""
-    for offered in subprotocols:
-        if offered.startswith(SUBPROTOCOL_PREFIX):
-            return offered
+def token_subprotocol(headers: Iterable[str]) -> str | None:
+    """The ``duplex.token.<jwt>`` subprotocol among the ``Sec-WebSocket-Protocol`` header values, to be
+    selected: a browser fails the handshake unless the server names one of the subprotocols it offered."""
+    for header in headers:
+        for offered in header.split(","):
+            offered = offered.strip()
+            if offered.startswith(SUBPROTOCOL_PREFIX):
+                return offered
     return None
 
 
-async def refuse(front: FrontEnd, connection: ServerConnection, exc: SessionRefused) -> None:
+async def serve_chat(
+    front: FrontEnd, request: web.Request, claims: TokenClaims | None, client: str
+) -> web.StreamResponse:
+    """Upgrade an admitted ``/api/chat`` request (its token and origin checked) and run its session;
+    426 with ``Upgrade: websocket`` when it is not a valid WebSocket upgrade (RFC 6455, 4.2.2)."""
+    offered = token_subprotocol(request.headers.getall("Sec-WebSocket-Protocol", ()))
+    connection = DuplexWebSocket(
+        protocols=(offered,) if offered else (),
+        max_msg_size=front.config.max_message_bytes,
+        compress=False,
+        heartbeat=HEARTBEAT_S,
+        timeout=CLOSE_TIMEOUT_S,
+    )
+    if not connection.can_prepare(request).ok:
+        answer = web.Response(
+            status=426,
+            text="this route speaks WebSocket only: send an Upgrade: websocket request (version 13)\n",
+            content_type="text/plain",
+        )
+        answer.headers["Upgrade"] = "websocket"
+        answer.headers["Sec-WebSocket-Version"] = "13"
+        return answer
+    await connection.prepare(request)
+    await handle(front, connection, request.query_string, claims, client)
+    return connection
+
+
+async def refuse(front: FrontEnd, connection: DuplexWebSocket, exc: SessionRefused) -> None:
     """A refusal after the upgrade: counted, a 0x05 error with its sentence, then its close code."""
     front.metrics.admissions_refused.labels(reason=exc.reason).inc()
     log.info("refused session: %s", exc.message)
     with contextlib.suppress(ConnectionClosed):
         await connection.send(encode_error(exc.message))
-        await connection.close(exc.kind.close_code, exc.message[:120])
+    await connection.end(exc.kind.close_code, exc.message[:120])
 
 
-async def handle(front: FrontEnd, connection: ServerConnection) -> None:
+async def handle(
+    front: FrontEnd, connection: DuplexWebSocket, query: str, claims: TokenClaims | None, client: str
+) -> None:
     """One ``/api/chat`` connection, from the upgrade to the close."""
-    query = urlsplit(connection.request.path).query if connection.request else ""
     try:
         request, sampling = plan_session(front, query, await _metadata_prompt(front, connection, query))
     except ProtocolError as exc:
@@ -124,22 +193,21 @@ async def handle(front: FrontEnd, connection: ServerConnection) -> None:
     if front.draining:
         await refuse(front, connection, SessionRefused("draining"))
         return
-    claims, client = front.take_admitted(connection)
     session = ChatSession(front, _WsTransport(connection), request, sampling, claims, client)
     # Until its handshake the client is read and its messages dropped (Kyutai's client sends audio before
     # it): so a client leaving while it waits for a slot or while its persona prompt runs is seen at once.
     left = asyncio.create_task(_read_until_closed(connection), name=f"pre-handshake {session.session_id}")
     outcome = SessionOutcome("client_closed")
     sender: asyncio.Task[None] | None = None
-    closing = connection.closing if isinstance(connection, DuplexConnection) else None
-    if closing is not None:
-        watch = asyncio.ensure_future(closing.wait())
-        watch.add_done_callback(lambda _: session.release())
+    watch = asyncio.ensure_future(connection.closing.wait())
+    watch.add_done_callback(lambda _: session.release())
     try:
         try:
             await _unless_left(session.admit(), left)
         except SessionRefused as exc:
             left.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await left
             await refuse(front, connection, exc)
             return
         front.sessions.add(session)
@@ -149,7 +217,7 @@ async def handle(front: FrontEnd, connection: ServerConnection) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await left
             await connection.send(encode_handshake())
-            sender = asyncio.create_task(session.send_loop())
+            sender = asyncio.create_task(_send_until_closed(session))
             limit = session.max_session_s
             try:
                 async with asyncio.timeout(limit):
@@ -166,26 +234,36 @@ async def handle(front: FrontEnd, connection: ServerConnection) -> None:
         return
     finally:
         left.cancel()
-        if closing is not None:
-            watch.cancel()
+        watch.cancel()
         if sender is not None:
             sender.cancel()
         front.sessions.discard(session)
-        if session.started and front.draining and connection.close_code == CLOSE_GOING_AWAY:
+        if session.started and front.draining and connection.close_sent == CLOSE_GOING_AWAY:
             outcome = SessionOutcome("drained", CLOSE_GOING_AWAY)
         session.finish(outcome)
+    await connection.end(outcome.close_code, outcome.reason)
+
+
+async def _send_until_closed(session: ChatSession) -> None:
+    """The session's send loop, ended quietly when the connection closes under it."""
     with contextlib.suppress(ConnectionClosed):
-        await connection.close(outcome.close_code, outcome.reason)
+        await session.send_loop()
 
 
-async def _receive_loop(
-    front: FrontEnd, session: ChatSession, connection: ServerConnection
-) -> SessionOutcome:
+async def _receive_loop(front: FrontEnd, session: ChatSession, connection: DuplexWebSocket) -> SessionOutcome:
     """Read client messages until the client leaves; audio goes to the session."""
     metrics = front.metrics
-    async for message in connection:
+    while True:
+        message = await connection.receive()
+        if message.type is WSMsgType.ERROR:
+            # aiohttp has failed the connection (a frame over max_msg_size: 1009; invalid UTF-8: 1007)
+            # and sent its close frame.
+            log.debug("websocket failed: %s", message.data)
+            return SessionOutcome("client_closed", connection.close_code or CLOSE_POLICY)
+        if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
+            return SessionOutcome("client_closed")
         try:
-            parsed = parse_client_message(message, max_message_bytes=front.config.max_message_bytes)
+            parsed = parse_client_message(message.data, max_message_bytes=front.config.max_message_bytes)
             if isinstance(parsed, PingMessage):
                 # Echoed unchanged: the client times the round trip (the web client shows it in ms).
                 await connection.send(encode_ping(parsed.payload))
@@ -199,10 +277,9 @@ async def _receive_loop(
             await connection.send(encode_error(f"{exc.reason}: {exc}"))
             if exc.reason in _FATAL_PROTOCOL_REASONS:
                 return SessionOutcome(f"protocol_{exc.reason}", CLOSE_POLICY)
-    return SessionOutcome("client_closed")
 
 
-async def _metadata_prompt(front: FrontEnd, connection: ServerConnection, query: str) -> str | None:
+async def _metadata_prompt(front: FrontEnd, connection: DuplexWebSocket, query: str) -> str | None:
     """With ``text_prompt_in=metadata``, the text prompt from the client's first message (a 0x04 metadata
     ``{"text_prompt": ...}``); None otherwise (a bad query is left to ``plan_session``).
 
@@ -239,7 +316,7 @@ class _ClientLeft(Exception):
     """The client closed its connection before its handshake."""
 
 
-async def _read_until_closed(connection: ServerConnection) -> None:
+async def _read_until_closed(connection: DuplexWebSocket) -> None:
     """Read and drop messages until the connection closes (returns then)."""
     with contextlib.suppress(ConnectionClosed):
         while True:
