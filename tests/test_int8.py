@@ -203,3 +203,40 @@ def test_runtime_setting_is_typed_and_checked_against_the_dtype() -> None:
     with pytest.raises(ValidationError, match="DUPLEX_DTYPE=bfloat16 cannot apply"):
         RuntimeConfig(quantize="int8", dtype="bfloat16")
     assert RuntimeConfig(quantize="int8", dtype="float16").dtype == "float16"
+
+
+@pytest.mark.parametrize("quantize", ["int8", None])
+def test_duplex_quantize_reaches_the_model_the_server_serves(quantize, monkeypatch) -> None:
+    """``DUPLEX_QUANTIZE=int8`` followed through the path ``duplex serve`` takes: ``cli._config()`` reads the
+    environment into a ``RuntimeConfig``, ``cli.build_server`` loads the model through
+    ``RuntimeConfig.load_model_bundle`` and wraps it in the slots the server ticks; the LM those slots run
+    has moshi ``QLinear`` layers (int8 weights, one fp32 scale per row) and no float ``nn.Linear``. Without
+    the variable (quantize ``none``) the same path serves plain ``nn.Linear`` and no ``QLinear``.
+
+    Planted bug: ``RuntimeConfig.load_model_bundle`` passing ``quantize="none"`` to ``load_model`` instead
+    of ``quantize=self.quantize`` (a node asked for INT8 silently serves float weights) — fails on it."""
+    from runtime.tools.cli import _config, build_server
+
+    monkeypatch.setenv("DUPLEX_AUTH_MODE", "off")  # no signing keys needed to build the server
+    monkeypatch.setenv("DUPLEX_MODEL", "tiny")
+    monkeypatch.delenv("DUPLEX_DTYPE", raising=False)
+    if quantize is None:
+        monkeypatch.delenv("DUPLEX_QUANTIZE", raising=False)
+    else:
+        monkeypatch.setenv("DUPLEX_QUANTIZE", quantize)
+    config = _config(max_sessions=2)
+    assert config.quantize == (quantize or "none")
+    server = build_server(config)
+    lm = server.backend.engine.bundle.lm
+    qlinears = [m for m in lm.modules() if isinstance(m, QLinear)]
+    linears = [m for m in lm.modules() if isinstance(m, torch.nn.Linear)]
+    if quantize == "int8":
+        assert len(qlinears) > 10, "DUPLEX_QUANTIZE=int8 served an LM without moshi QLinear layers"
+        assert linears == [], f"{len(linears)} float nn.Linear layers left in an INT8 LM"
+        assert {q.weight.dtype for q in qlinears} == {torch.int8}
+        assert server.backend.bundle.quantize == "int8"
+    else:
+        assert qlinears == []
+        assert len(linears) > 10
+        assert {m.weight.dtype for m in linears} == {torch.float32}  # the CPU default dtype
+        assert server.backend.bundle.quantize == "none"

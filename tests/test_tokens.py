@@ -1,9 +1,13 @@
 """Session tokens without a server: minting, every refusal reason of the verifier, key rotation, the
 in-memory replay guard, the access settings of ``RuntimeConfig``, the ``duplex token`` commands and the
-node's token secrets."""
+node's token secrets. Also both sides of every leeway boundary, and single use under concurrency: spends of
+one token at the same time on a real Redis, and (the one server here, in-process over
+``tests/fake_backend.py``) two handshakes at once with one token."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -11,16 +15,23 @@ from pathlib import Path
 
 import jwt
 import pytest
+from fake_backend import FakeBackend
 from pydantic import ValidationError
+from test_frontend_seam import chat, fake_node
 from typer.testing import CliRunner
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 from infra.node.profile import PROFILES
 from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, token_audience
 from runtime.config import RuntimeConfig
-from runtime.frontend.replay import MemoryReplayGuard
+from runtime.engine.api import AdmitRequest, SessionSink, SlotLease
+from runtime.frontend.protocol import MessageKind
+from runtime.frontend.replay import MemoryReplayGuard, RedisReplayGuard
 from runtime.frontend.tokens import (
     REFUSAL_STATUS,
     SigningKey,
+    TokenClaims,
     TokenRejected,
     TokenVerifier,
     generate_signing_key,
@@ -238,6 +249,202 @@ def test_refusal_reasons_are_the_metric_labels() -> None:
     assert set(REFUSAL_STATUS) == set(ACCESS_REFUSAL_REASONS)
     with pytest.raises(ValueError, match="unknown refusal reason"):
         TokenRejected("nope", "x")
+
+
+# --- both sides of each leeway boundary -------------------------------------------------------------------
+# PyJWT reads its own clock (datetime.now), so, as in test_leeway_covers_small_clock_skew, tokens are signed
+# with times relative to time.time(). Each case sits SLACK_S inside or outside the boundary: a case holds as
+# long as minting and verifying take less than SLACK_S - 1 s (the claims are whole seconds).
+
+LEEWAY_S = 60
+SLACK_S = 5
+
+
+def _timed(*, iat: int = 0, nbf: int = 0, exp: int = 60) -> str:
+    """A token whose ``iat``, ``nbf`` and ``exp`` are these offsets (s) from now."""
+    now = int(time.time())
+    return _signed(_payload(iat=now + iat, nbf=now + nbf, exp=now + exp))
+
+
+def test_exp_leeway_holds_on_both_sides_of_its_boundary() -> None:
+    """A token expired by less than the leeway is accepted, one expired by more is refused.
+
+    Planted bug: the verifier passing ``leeway_s * 100`` to PyJWT — fails on it: the token expired by
+    leeway + 5 s verifies instead of raising ``expired``."""
+    assert verifier(leeway_s=LEEWAY_S).verify(_timed(iat=-600, nbf=-600, exp=-(LEEWAY_S - SLACK_S)))
+    exc = rejected(_timed(iat=-600, nbf=-600, exp=-(LEEWAY_S + SLACK_S)), leeway_s=LEEWAY_S)
+    assert exc.reason == "expired", exc
+
+
+@pytest.mark.parametrize("claim", ["nbf", "iat"])
+def test_nbf_and_iat_leeway_hold_on_both_sides_of_their_boundary(claim: str) -> None:
+    """A token whose ``nbf`` (or ``iat``) is less than the leeway ahead is accepted (the minting host's
+    clock runs fast), one more than the leeway ahead is refused as ``not_yet_valid``, naming the claim.
+
+    Planted bug: the verifier passing ``leeway_s * 100`` to PyJWT — fails on it: the token leeway + 5 s
+    ahead verifies instead of raising ``not_yet_valid``."""
+    assert verifier(leeway_s=LEEWAY_S).verify(_timed(**{claim: LEEWAY_S - SLACK_S}))
+    exc = rejected(_timed(**{claim: LEEWAY_S + SLACK_S}), leeway_s=LEEWAY_S)
+    assert exc.reason == "not_yet_valid" and f"({claim})" in exc.detail, exc
+
+
+async def test_memory_replay_guard_keeps_an_id_until_expiry_plus_leeway_and_no_longer() -> None:
+    """The in-memory guard refuses a replay until ``exp + leeway`` (until then some verifier may still
+    accept the token) and forgets the id after it.
+
+    Planted bug: the guard keeping an id until ``exp + leeway * 100`` (or ``exp + leeway / 100``) — fails
+    on it: half a second past ``exp + leeway`` the id is still refused as ``replayed`` (on ``/ 100``: half a
+    second before it, the replay is admitted)."""
+    now = [0.0]
+    guard = MemoryReplayGuard(leeway_s=5, clock=lambda: now[0])
+    claims = verifier().verify(mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id="edge"))
+    now[0] = claims.issued_at
+    await guard.spend(claims)
+    now[0] = claims.expires_at + 5 - 0.5
+    assert await guard.seen(claims)
+    with pytest.raises(TokenRejected) as info:
+        await guard.spend(claims)
+    assert info.value.reason == "replayed"
+    now[0] = claims.expires_at + 5 + 0.5
+    assert not await guard.seen(claims)
+    await guard.spend(claims)  # forgotten: recorded afresh
+    assert len(guard) == 1
+
+
+async def test_redis_replay_key_lives_until_expiry_plus_leeway(redis_server) -> None:
+    """``RedisReplayGuard`` keeps ``duplex:token:<jti>`` (its value the kid) for the token's remaining
+    lifetime plus the leeway: no longer (Redis memory), no shorter (a replay within the leeway).
+
+    Planted bug: the guard's TTL using ``leeway_s * 100`` — fails on it: the key's TTL is 3060 s, not 90 s."""
+    import redis.asyncio as aioredis
+
+    claims = verifier().verify(mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id="r-ttl"))
+    guard = RedisReplayGuard(redis_server.url, leeway_s=30)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await guard.spend(claims)
+        assert await raw.get("duplex:token:r-ttl") == b"k1"
+        assert 60 + 30 - SLACK_S <= await raw.ttl("duplex:token:r-ttl") <= 60 + 30
+    finally:
+        await guard.close()
+        await raw.aclose()
+
+
+# --- single use under concurrency -------------------------------------------------------------------------
+
+
+def _race_claims(token_id: str) -> TokenClaims:
+    return verifier().verify(mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id=token_id))
+
+
+def _one_admitted(outcomes: list[object]) -> None:
+    """Exactly one ``spend`` returned; every other raised ``replayed`` (403)."""
+    admitted = [o for o in outcomes if o is None]
+    refused = [o for o in outcomes if isinstance(o, TokenRejected)]
+    assert len(admitted) == 1, f"{len(admitted)} of {len(outcomes)} concurrent spends admitted: {outcomes}"
+    assert len(refused) == len(outcomes) - 1, outcomes
+    assert {(exc.reason, exc.status) for exc in refused} == {("replayed", 403)}
+
+
+@pytest.mark.parametrize("spenders", [2, 8])
+async def test_concurrent_spends_of_one_token_admit_exactly_one(redis_server, spenders: int) -> None:
+    """``spenders`` spends of one token at the same time (each on its own pooled Redis connection): one is
+    admitted, the rest refused as ``replayed``; ``SET NX``'s answer decides, not a read before it.
+
+    Planted bug: ``RedisReplayGuard.spend`` ignoring ``SET NX``'s answer — fails on it: all ``spenders``
+    spends are admitted."""
+    guard = RedisReplayGuard(redis_server.url)
+    try:
+        claims = _race_claims(f"race-{spenders}")
+        _one_admitted(
+            await asyncio.gather(*(guard.spend(claims) for _ in range(spenders)), return_exceptions=True)
+        )
+        with pytest.raises(TokenRejected, match="^replayed"):
+            await guard.spend(claims)  # and the winner's record stays
+    finally:
+        await guard.close()
+
+
+async def test_two_runtimes_sharing_a_redis_admit_one_use_of_a_token(redis_server) -> None:
+    """Two guards (two runtimes on one Redis: one failing closed, one with the memory fallback of
+    ``redis-or-memory``) spending one token at the same time, twice each: one use in all.
+
+    Planted bug: ``RedisReplayGuard.spend`` ignoring ``SET NX``'s answer — fails on it: each runtime admits
+    the token (4 of 4 spends)."""
+    closed = RedisReplayGuard(redis_server.url)
+    fallback = MemoryReplayGuard()
+    open_ = RedisReplayGuard(redis_server.url, fallback=fallback)
+    try:
+        claims = _race_claims("shared")
+        spends = [closed.spend(claims), open_.spend(claims), closed.spend(claims), open_.spend(claims)]
+        _one_admitted(await asyncio.gather(*spends, return_exceptions=True))
+    finally:
+        await closed.close()
+        await open_.close()
+
+
+class _HeldAdmissions(FakeBackend):
+    """The fake backend, holding every admission until ``expected`` have arrived: each handshake has then
+    passed the access check (whose ``seen`` preflight spends nothing) before any session spends the token."""
+
+    def __init__(self, expected: int) -> None:
+        super().__init__(slots=expected)
+        self.expected = expected
+        self._all_here = asyncio.Event()
+        self._arrived = 0
+
+    async def admit(self, request: AdmitRequest, sink: SessionSink) -> SlotLease:
+        self._arrived += 1
+        if self._arrived >= self.expected:
+            self._all_here.set()
+        await self._all_here.wait()
+        return await super().admit(request, sink)
+
+
+async def _first_message_and_close(client: ClientConnection) -> tuple[bytes, int | None]:
+    """The client's first message, and the close code when the server then closes (None: still open)."""
+    first = await client.recv()
+    if first != bytes([MessageKind.HANDSHAKE]):
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                await client.recv()
+    return first, client.close_code
+
+
+async def test_two_handshakes_at_once_with_one_token_open_one_session(redis_server) -> None:
+    """Two upgrades with one token, both past the access check before either spends it (the backend holds
+    the admissions until both are there): one session opens, the other is refused after the upgrade with
+    a 0x05 ``replayed`` error and 1008, and its slot is given back.
+
+    Planted bug: ``RedisReplayGuard.spend`` ignoring ``SET NX``'s answer — fails on it: both sessions open
+    (two 0x00 handshakes)."""
+    backend = _HeldAdmissions(2)
+    settings = {
+        "auth_mode": "token",
+        "token_keys": json.dumps({KEY.kid: KEY.secret.decode()}),
+        "token_audience": AUDIENCE,
+        "token_replay_check": "redis",
+        "redis_url": redis_server.url,
+    }
+    value = mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE)
+    async with fake_node(backend, **settings) as server:
+        clients = await asyncio.gather(*(connect(chat(server, token=value)) for _ in range(2)))
+        try:
+            async with asyncio.timeout(30):  # a bound on a hang, not a latency
+                outcomes = await asyncio.gather(*(_first_message_and_close(c) for c in clients))
+            released_while_open = list(backend.released)  # before the live session's client leaves
+        finally:
+            await asyncio.gather(*(c.close() for c in clients))
+        opened = [o for o in outcomes if o[0] == bytes([MessageKind.HANDSHAKE])]
+        assert len(opened) == 1, f"{len(opened)} sessions opened with one token: {outcomes}"
+        ((error, code),) = [o for o in outcomes if o not in opened]
+        assert error.startswith(bytes([MessageKind.ERROR]) + b"replayed: ") and code == 1008, (error, code)
+        assert len(backend.requests) == 2 and len(released_while_open) == 1  # the refused one's slot
+        refused = server.metrics.registry.get_sample_value(
+            "duplex_admissions_refused_total", {"reason": "replayed"}
+        )
+        assert refused == 1
+        assert server.metrics.registry.get_sample_value("duplex_sessions_started_total") == 1
 
 
 # --- settings ---------------------------------------------------------------------------------------------
