@@ -162,6 +162,13 @@ def _refuse_handshake(front: FrontEnd, exc: TokenRejected) -> web.Response:
 
 
 async def _chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+    answer = await _upgrade_chat(front, request)
+    if isinstance(answer, web.Response):
+        answer.force_close()  # a refused upgrade ends its connection (as a WebSocket server's does)
+    return answer
+
+
+async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     view = request_view(request)
     # First, before any work (token verify, Redis, persona): the handshake rate limits.
     limited = front.access.rate_limited(view)

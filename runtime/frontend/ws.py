@@ -142,7 +142,8 @@ async def serve_chat(
     front: FrontEnd, request: web.Request, claims: TokenClaims | None, client: str
 ) -> web.StreamResponse:
     """Upgrade an admitted ``/api/chat`` request (its token and origin checked) and run its session;
-    426 with ``Upgrade: websocket`` when it is not a valid WebSocket upgrade (RFC 6455, 4.2.2)."""
+    426 with ``Upgrade: websocket`` and ``Sec-WebSocket-Version: 13`` when it is not a valid WebSocket
+    version 13 upgrade (RFC 6455, 4.2.2 and 4.4)."""
     offered = token_subprotocol(request.headers.getall("Sec-WebSocket-Protocol", ()))
     connection = DuplexWebSocket(
         protocols=(offered,) if offered else (),
@@ -151,7 +152,9 @@ async def serve_chat(
         heartbeat=HEARTBEAT_S,
         timeout=CLOSE_TIMEOUT_S,
     )
-    if not connection.can_prepare(request).ok:
+    # aiohttp also accepts the drafts' versions 7 and 8; this protocol is RFC 6455's (13) only.
+    version_13 = request.headers.get("Sec-WebSocket-Version", "").strip() == "13"
+    if not version_13 or not connection.can_prepare(request).ok:
         answer = web.Response(
             status=426,
             text="this route speaks WebSocket only: send an Upgrade: websocket request (version 13)\n",
