@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -328,3 +329,79 @@ async def test_a_spot_preemption_drains_the_server():
             assert server.draining
     finally:
         metadata.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# The HTTP layer (aiohttp): what callers relied on from websockets' process_request
+# --------------------------------------------------------------------------------------------------
+
+
+async def _raw(port: int, request: bytes) -> bytes:
+    """Send ``request`` and read the answer until the server closes the connection (bounded)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    try:
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_a_refused_upgrade_is_a_plain_status_and_ends_its_connection():
+    """Guards issue 21, item 4: refusals before the upgrade stay plain HTTP statuses with their reason, and
+    the connection ends after them (a WebSocket server's habit that clients and nginx rely on). Planted
+    bug: a refusal answered keep-alive leaves the caller's read hanging (the read is bounded: it fails)."""
+    async with fake_node(
+        auth_mode="token", token_replay_check="memory", token_keys='{"k": "' + "s" * 32 + '"}'
+    ) as server:
+        answer = await _raw(
+            server.port,
+            b"GET /api/chat?format=pcm HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n",
+        )
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 401 "), head
+        assert b'WWW-Authenticate: Bearer realm="duplex"' in head
+        assert body.startswith(b"missing: "), body
+        assert not server.sessions and server.backend.status().free_slots == 2
+
+
+async def test_only_websocket_version_13_is_upgraded():
+    """Guards issue 21, item 4: aiohttp also accepts the drafts' versions 7 and 8; this protocol is RFC
+    6455's. Planted bug: relying on aiohttp's own check upgrades a version 7 request (101)."""
+    async with fake_node() as server:
+        for version in (b"7", b"8", b""):
+            answer = await _raw(
+                server.port,
+                b"GET /api/chat?format=pcm HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: " + version + b"\r\n\r\n",
+            )
+            assert answer.startswith(b"HTTP/1.1 426 "), (version, answer[:80])
+            assert b"Sec-WebSocket-Version: 13" in answer
+
+
+async def test_oversized_request_lines_and_headers_are_refused_and_the_node_serves_on():
+    """Guards issue 21, item 4: a request line or header over the limit (8,190 bytes) is refused with 400,
+    never served, and the node goes on answering (planted bug: no limit, the 20 kB URL is routed)."""
+    async with fake_node() as server:
+        long_url = b"GET /healthz?" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        assert (await _raw(server.port, long_url)).split(b" ", 2)[1] == b"400"
+        long_header = (
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 20_000 + b"\r\nConnection: close\r\n\r\n"
+        )
+        assert (await _raw(server.port, long_header)).split(b" ", 2)[1] == b"400"
+        status, _, body = await asyncio.to_thread(_get, server, "/healthz")
+        assert status == 200, body
+
+
+async def test_a_worker_names_itself_in_the_server_header():
+    """Guards the workers' ``Server`` header (tests and operators tell workers apart by it)."""
+    backend = FakeBackend()
+    server = DuplexServer(_config(), backend, metrics=RuntimeMetrics(), worker_id="worker-7")
+    await server.start()
+    try:
+        _, headers, _ = await asyncio.to_thread(_get, server, "/healthz")
+        assert headers["Server"] == f"duplex worker-7 pid={os.getpid()}"
+    finally:
+        await server.close()
