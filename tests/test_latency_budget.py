@@ -416,6 +416,7 @@ def test_the_load_report_reads_the_runs_budget_from_the_nodes_metrics() -> None:
     assert budget["egress_ms_mean"] == pytest.approx(3.0) and budget["ingress_ms_mean"] == pytest.approx(1.0)
     terms = ("ingress_ms_mean", "phase_wait_ms_mean", "tick_compute_ms_mean", "egress_ms_mean")
     assert budget["total_ms_mean"] == pytest.approx(sum(budget[t] or 0 for t in terms) + 80.0)
+    assert budget["pacing_ms_mean"] == pytest.approx(0.0, abs=1e-6)
     assert budget["outside_runtime_ms_mean"] == pytest.approx(165.0 - (budget["total_ms_mean"] or 0))
     # Phase-wait buckets (ms): ..., 5, 10, 20, 30, 40, 50, 60, 70, 80, ...: ranks 2 (p50) and 3.96 (p99).
     assert budget["phase_wait_ms_p50"] == pytest.approx(20.0)
