@@ -20,6 +20,7 @@ import msgspec
 __all__ = [
     "Admit",
     "Admitted",
+    "FirstAudio",
     "Frame",
     "Hello",
     "Message",
@@ -109,6 +110,19 @@ class Outputs(msgspec.Struct, tag=True):
     items: list[tuple[str, bytes, str]]
 
 
+class FirstAudio(msgspec.Struct, tag=True):
+    """Engine -> worker, once per session, just before the ``Outputs`` carrying its first audio: the engine's
+    side of its first-audio latency (``runtime.engine.api.FirstAudioTiming``; monotonic seconds, the host's
+    clock the worker shares), for the budget the worker observes when that audio leaves."""
+
+    session_id: str
+    arrived_at: float
+    taken_at: float
+    ticks: int
+    audio_tick_at: float
+    audio_tick_end: float
+
+
 class Status(msgspec.Struct, tag=True):
     """Engine -> every worker, about every 100 ms: the slots' state, for readiness, metrics and health."""
 
@@ -121,7 +135,7 @@ class Status(msgspec.Struct, tag=True):
     engine_pid: int = 0
 
 
-Message = Hello | Admit | Admitted | Refused | PromptDone | Frame | Release | Outputs | Status
+Message = Hello | Admit | Admitted | Refused | PromptDone | Frame | Release | Outputs | FirstAudio | Status
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

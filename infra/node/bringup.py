@@ -8,7 +8,11 @@ token minted from the node's signing key (access control is on, as on every node
 they all run, with a valid token too (that caller must be refused: nginx's session cap answers 503 with
 its reason), then asks
 Prometheus's HTTP API what it scraped from the runtime (peak active sessions, tick p99, first-audio p99,
-refusals). A process of the node that died during the run is reported, not waited on.
+refusals, and the first-audio budget term by term: phase wait p50/p99, ticks to first audio, tick compute
+p99, egress p99, ingress p99, the total p50/p99). The load generator reads the runtime's ``/metrics``
+before and after the run too, so its report carries the same split for exactly the run's sessions, with the
+means that add up (docs/benchmarks.md, "First-audio latency budget"). A process of the node that died during
+the run is reported, not waited on.
 """
 
 from __future__ import annotations
@@ -32,14 +36,38 @@ EXTRA_CALLER_DELAY_S = 1.5
 """When the extra caller knocks (s after the load starts): every session is connected by then."""
 
 
+def _quantile(q: float, histogram: str, scale: float = 1000.0) -> str:
+    """PromQL: quantile ``q`` of the runtime's ``histogram`` over the last 5 minutes, times ``scale``."""
+    series = f'increase({histogram}_bucket{{job="runtime"}}[5m])'
+    return f"{scale:g} * histogram_quantile({q}, sum by (le) ({series}))"
+
+
+def _mean(histogram: str, scale: float = 1000.0) -> str:
+    """PromQL: the mean of the runtime's ``histogram`` over the last 5 minutes, times ``scale``."""
+    rate = 'sum(increase({}_{}{{job="runtime"}}[5m]))'
+    return f"{scale:g} * {rate.format(histogram, 'sum')} / {rate.format(histogram, 'count')}"
+
+
+FIRST_AUDIO_QUERIES = {
+    "first_audio_phase_wait_p50_ms": _quantile(0.5, "duplex_first_audio_phase_wait_seconds"),
+    "first_audio_phase_wait_p99_ms": _quantile(0.99, "duplex_first_audio_phase_wait_seconds"),
+    "first_audio_ticks_mean": _mean("duplex_first_audio_ticks", 1.0),
+    "first_audio_ticks_p99": f"round({_quantile(0.99, 'duplex_first_audio_ticks', 1.0)})",
+    "first_audio_tick_compute_p99_ms": _quantile(0.99, "duplex_first_audio_tick_compute_seconds"),
+    "first_audio_egress_p99_ms": _quantile(0.99, "duplex_first_audio_egress_seconds"),
+    "first_audio_ingress_p99_ms": _quantile(0.99, "duplex_first_audio_ingress_seconds"),
+}
+"""The first-audio budget's terms as Prometheus scraped them (the total: ``first_audio_p50_ms``,
+``first_audio_p99_ms``). The tick count's buckets sit at k + 0.5, so its p99, rounded, is a count."""
+
 SCRAPED_QUERIES = {
     "peak_active_sessions": 'max_over_time(duplex_active_sessions{job="runtime"}[5m])',
     "slots": 'duplex_slots_total{job="runtime"}',
     "sessions_started": 'duplex_sessions_started_total{job="runtime"}',
-    "tick_p99_ms": "1000 * histogram_quantile(0.99, sum by (le) "
-    '(increase(duplex_tick_duration_seconds_bucket{job="runtime"}[5m])))',
-    "first_audio_p99_ms": "1000 * histogram_quantile(0.99, sum by (le) "
-    '(increase(duplex_first_audio_latency_seconds_bucket{job="runtime"}[5m])))',
+    "tick_p99_ms": _quantile(0.99, "duplex_tick_duration_seconds"),
+    "first_audio_p50_ms": _quantile(0.5, "duplex_first_audio_latency_seconds"),
+    "first_audio_p99_ms": _quantile(0.99, "duplex_first_audio_latency_seconds"),
+    **FIRST_AUDIO_QUERIES,
     "ticks_over_budget": 'sum(duplex_ticks_over_budget_total{job="runtime"})',
     "admissions_refused_by_runtime": 'sum(duplex_admissions_refused_total{job="runtime"})',
     "targets_up": "sum(up)",
@@ -85,6 +113,7 @@ class NodeCheck:
             "ok": self.ok,
             "problems": self.problems,
             "summary": self.load.summary() if self.load else None,
+            "first_audio_budget": self.load.budget if self.load else None,
             "sessions": self.load.session_rows() if self.load else [],
             "extra_caller": {
                 "refused": self.extra_caller.refused,
@@ -156,6 +185,7 @@ def bring_up_and_check(
                 on_frame=on_frame,
                 max_duration_s=max_duration_s,
                 token=node.mint_token,
+                metrics_url=f"{node.runtime_url}/metrics",
             )
         )
         await asyncio.sleep(EXTRA_CALLER_DELAY_S)

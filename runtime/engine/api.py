@@ -31,6 +31,7 @@ __all__ = [
     "REFUSAL_REASONS",
     "AdmitRequest",
     "BackendStatus",
+    "FirstAudioTiming",
     "Refusal",
     "SamplingParams",
     "SessionSink",
@@ -161,6 +162,40 @@ class BackendStatus:
         return (True, "ok") if self.tick_alive else (False, "tick loop stopped")
 
 
+@dataclass(frozen=True)
+class FirstAudioTiming:
+    """Where a session's first audio came from, as the tick thread saw it: monotonic seconds on the
+    engine's clock (the scheduler's; ``time.monotonic``, which the engine and the workers of one node share,
+    since they run on one host), and a tick count. Delivered once per session, just before its first audio.
+
+    Attributes:
+        arrived_at: the first input frame reached the engine (pushed to the slot's inbox).
+        taken_at: the start of the tick that took it.
+        ticks: ticks from that tick to the one that produced the first audio (0: the same tick).
+        audio_tick_at, audio_tick_end: the start and end of the tick that produced the first audio.
+    """
+
+    arrived_at: float
+    taken_at: float
+    ticks: int
+    audio_tick_at: float
+    audio_tick_end: float
+
+    @property
+    def phase_wait_s(self) -> float:
+        """From the first frame's arrival to the start of the tick that took it."""
+        return self.taken_at - self.arrived_at
+
+    @property
+    def tick_compute_s(self) -> float:
+        """The wall time of the tick that produced the first audio."""
+        return self.audio_tick_end - self.audio_tick_at
+
+    def as_tuple(self) -> tuple[float, float, int, float, float]:
+        """``(arrived_at, taken_at, ticks, audio_tick_at, audio_tick_end)``, the IPC form."""
+        return (self.arrived_at, self.taken_at, self.ticks, self.audio_tick_at, self.audio_tick_end)
+
+
 class SessionSink(abc.ABC):
     """Where a backend delivers one session's outputs; called on the front end's event loop."""
 
@@ -171,6 +206,10 @@ class SessionSink(abc.ABC):
     @abc.abstractmethod
     def on_prompt_done(self) -> None:
         """The persona prompt has run: the slot is live (send the handshake)."""
+
+    def on_first_audio(self, timing: FirstAudioTiming) -> None:  # noqa: B027 (optional: most sinks ignore it)
+        """Once, just before the ``on_output`` that carries the session's first audio: the engine's side of
+        its first-audio latency (the front end adds the way out and observes the budget's terms)."""
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from runtime import ipc
 from runtime.engine.api import (
     AdmitRequest,
     BackendStatus,
+    FirstAudioTiming,
     Refusal,
     SamplingParams,
     SessionSink,
@@ -190,6 +191,7 @@ class LocalSlots(SlotBackend):
             on_output=sink.on_output,
             on_prompt_done=sink.on_prompt_done,
             max_inbox_frames=self.config.max_inbox_frames,
+            on_first_audio=sink.on_first_audio,
         )
         try:
             slot = await self.admission.admit(slot_session, client=request.client)
@@ -216,9 +218,10 @@ class LocalSlots(SlotBackend):
 
     def push_frame(self, lease: SlotLease, frame: np.ndarray) -> bool:
         assert isinstance(lease, _LocalLease) and lease.slot_session is not None
-        if lease.first_input_at is None:
-            lease.first_input_at = time.monotonic()
-        return lease.slot_session.push_frame(frame)
+        kept = lease.slot_session.push_frame(frame)
+        if lease.first_input_at is None:  # one process: the front end's first frame is the engine's
+            lease.first_input_at = lease.slot_session.first_input_at
+        return kept
 
     def release(self, lease: SlotLease) -> None:
         assert isinstance(lease, _LocalLease) and lease.slot_session is not None
@@ -239,6 +242,10 @@ class _WorkerSink(SessionSink):
 
     def on_prompt_done(self) -> None:
         self.core._send(self.worker, ipc.PromptDone(self.session_id))
+
+    def on_first_audio(self, timing: FirstAudioTiming) -> None:
+        # Sent at once, so ahead of the Outputs that carry the first audio (flushed later in this loop turn).
+        self.core._send(self.worker, ipc.FirstAudio(self.session_id, *timing.as_tuple()))
 
 
 @dataclass(eq=False)

@@ -12,6 +12,11 @@ Threads: the asyncio event loop (sockets) and one tick thread (the model). They 
 The tick thread paces itself on a monotonic clock at one tick per 80 ms frame. A session whose frame has
 not arrived gets silence for that tick; a tick that overruns the frame is counted and the next starts at
 once; a tick loop that falls more than a frame behind re-anchors its clock rather than bursting.
+
+First-audio budget: on the scheduler's clock (injected; ``time.monotonic`` by default), each session keeps
+when its first frame arrived and the start and number of the tick that took it; the tick that produces its
+first audio hands a ``runtime.engine.api.FirstAudioTiming`` to the event loop just before that audio
+(docs/benchmarks.md, "First-audio latency budget"). A few timestamps per session, two clock reads per tick.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import sentencepiece
 
+from runtime.engine.api import FirstAudioTiming
 from runtime.engine.batch import TEXT_PADDING_IDS, BatchEngine, PromptStep
 from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES
 from runtime.engine.sampling import SamplingParams
@@ -48,6 +54,11 @@ class SlotSession:
         on_output: called on the event loop with ``(pcm [1920] float32 or None, text piece or None)``.
         on_prompt_done: called on the event loop once the slot is LIVE (send the handshake then).
         max_inbox_frames: input frames held before the oldest are dropped (client faster than real time).
+        on_first_audio: called on the event loop with the session's :class:`FirstAudioTiming`, just before
+            the ``on_output`` carrying its first audio (None: not wanted).
+        clock: monotonic seconds; the scheduler sets its own on admission.
+        first_input_at: when the first frame arrived (``clock``, read once it is in the inbox);
+            ``taken_at``, ``taken_tick``: the start and the number of the tick that took it.
     """
 
     session_id: str
@@ -59,6 +70,11 @@ class SlotSession:
     slot: int = -1
     inbox: deque[np.ndarray] = field(default_factory=deque)
     first_input_at: float | None = None
+    on_first_audio: Callable[[FirstAudioTiming], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    taken_at: float | None = None
+    taken_tick: int = -1
+    first_audio_done: bool = False
 
     @property
     def started_input(self) -> bool:
@@ -67,9 +83,9 @@ class SlotSession:
 
     def push_frame(self, frame: np.ndarray) -> bool:
         """Queue one ``[1920]`` float32 input frame; returns False if the oldest frame was dropped."""
-        if self.first_input_at is None:
-            self.first_input_at = time.monotonic()
         self.inbox.append(frame)
+        if self.first_input_at is None:  # after the append: a tick that sees the session started finds it
+            self.first_input_at = self.clock()
         if len(self.inbox) > self.max_inbox_frames:
             with contextlib.suppress(IndexError):
                 self.inbox.popleft()
@@ -90,6 +106,8 @@ class SlotScheduler:
         metrics: where ticks, drops and latencies are counted.
         loop: the event loop that owns the sessions' sockets.
         frame_ms: the tick period (80 ms at 12.5 Hz).
+        clock: monotonic seconds: the ticks' pace and the first-audio timestamps (injected in tests, which
+            call :meth:`tick_once` themselves instead of starting the thread).
     """
 
     def __init__(
@@ -100,12 +118,16 @@ class SlotScheduler:
         loop: asyncio.AbstractEventLoop,
         *,
         frame_ms: float = FRAME_MS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.loop = loop
         self.frame_s = frame_ms / 1e3
+        self.clock = clock
+        self.ticks = 0
+        """Ticks run with at least one slot busy (the first-audio budget counts ticks with it)."""
         self.slots = engine.slots
         self._vocab_size = tokenizer.vocab_size()
         self._lock = threading.Lock()
@@ -115,6 +137,8 @@ class SlotScheduler:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tick-loop", daemon=True)
+        self._pcm_in = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
+        self._active = np.zeros(self.slots, dtype=bool)
         self.on_slot_freed: Callable[[], None] | None = None
         """Called on the tick thread after a slot was freed (``runtime.engine.waiting_room`` sets it)."""
         metrics.slots_total.set(self.slots)
@@ -140,6 +164,7 @@ class SlotScheduler:
             if not self._free:
                 raise NodeFull(f"all {self.slots} slots are in use")
             session.slot = self._free.pop(0)
+        session.clock = self.clock
         self._commands.put(("join", session))
         self._wake.set()
         self.metrics.active_sessions.set(self.slots - self.free_slots)
@@ -190,55 +215,88 @@ class SlotScheduler:
         return self.tokenizer.id_to_piece(int(token)).replace("\u2581", " ")
 
     def _run(self) -> None:
-        next_tick = time.monotonic()
-        pcm_in = np.zeros((self.slots, FRAME_SAMPLES), dtype=np.float32)
-        active = np.zeros(self.slots, dtype=bool)
+        next_tick = self.clock()
         while not self._stop.is_set():
-            self._apply_commands()
-            busy = [s for s in self._sessions if s is not None]
-            if not busy:
+            if not self.tick_once():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-                next_tick = time.monotonic()
+                next_tick = self.clock()
                 continue
-            pcm_in[:] = 0.0
-            active[:] = False
-            for session in busy:
-                if not session.started_input:
-                    continue
-                active[session.slot] = True
-                try:
-                    pcm_in[session.slot] = session.inbox.popleft()
-                except IndexError:
-                    self.metrics.frames_dropped.labels(reason="late_input").inc()
-            try:
-                result = self.engine.tick(pcm_in, active)
-            except BaseException:  # a model failure must be loud, not a silent dead thread
-                log.exception("tick failed; the tick loop stops and /healthz turns unhealthy")
-                raise
-            tick_s = result.timings.total_ms / 1e3
-            self.metrics.ticks_total.inc()
-            self.metrics.tick_duration.observe(tick_s)
-            if tick_s > self.frame_s:
-                self.metrics.ticks_over_budget.inc()
-            for session in busy:
-                slot = session.slot
-                if slot < 0:
-                    continue
-                pcm = result.pcm[slot].copy() if result.audio_ready[slot] else None
-                piece = self._text_piece(int(result.text_tokens[slot]))
-                if pcm is not None or piece is not None:
-                    self.loop.call_soon_threadsafe(session.on_output, pcm, piece)
-            for slot in result.prompt_finished:
-                finished = self._sessions[slot]
-                if finished is not None:
-                    self.loop.call_soon_threadsafe(finished.on_prompt_done)
-            memory = self.engine.memory_allocated_bytes()
-            if memory is not None:
-                self.metrics.gpu_memory_allocated.set(memory)
             next_tick += self.frame_s
-            delay = next_tick - time.monotonic()
+            delay = next_tick - self.clock()
             if delay > 0:
                 self._stop.wait(delay)
             elif -delay > self.frame_s:
-                next_tick = time.monotonic()
+                next_tick = self.clock()
+
+    def tick_once(self) -> bool:
+        """One tick now (the tick thread's step; tests call it directly): apply joins and leaves, take one
+        frame per started session, step the engine, hand the outputs to the event loop. False when no slot
+        was busy (nothing ran)."""
+        self._apply_commands()
+        busy = [s for s in self._sessions if s is not None]
+        if not busy:
+            return False
+        pcm_in, active = self._pcm_in, self._active
+        pcm_in[:] = 0.0
+        active[:] = False
+        tick = self.ticks
+        first_taken: list[SlotSession] = []
+        for session in busy:
+            if not session.started_input:
+                continue
+            active[session.slot] = True
+            try:
+                pcm_in[session.slot] = session.inbox.popleft()
+            except IndexError:
+                self.metrics.frames_dropped.labels(reason="late_input").inc()
+            if session.taken_tick < 0:
+                first_taken.append(session)
+        # The tick starts once it has taken its frames: every frame it took arrived before this reading.
+        started_at = self.clock()
+        for session in first_taken:
+            session.taken_at, session.taken_tick = started_at, tick
+        try:
+            result = self.engine.tick(pcm_in, active)
+        except BaseException:  # a model failure must be loud, not a silent dead thread
+            log.exception("tick failed; the tick loop stops and /healthz turns unhealthy")
+            raise
+        ended_at = self.clock()
+        self.ticks += 1
+        tick_s = result.timings.total_ms / 1e3
+        self.metrics.ticks_total.inc()
+        self.metrics.tick_duration.observe(tick_s)
+        if tick_s > self.frame_s:
+            self.metrics.ticks_over_budget.inc()
+        for session in busy:
+            slot = session.slot
+            if slot < 0:
+                continue
+            pcm = result.pcm[slot].copy() if result.audio_ready[slot] else None
+            piece = self._text_piece(int(result.text_tokens[slot]))
+            if pcm is not None and not session.first_audio_done:
+                session.first_audio_done = True
+                self._first_audio(session, tick, started_at, ended_at)
+            if pcm is not None or piece is not None:
+                self.loop.call_soon_threadsafe(session.on_output, pcm, piece)
+        for slot in result.prompt_finished:
+            finished = self._sessions[slot]
+            if finished is not None:
+                self.loop.call_soon_threadsafe(finished.on_prompt_done)
+        memory = self.engine.memory_allocated_bytes()
+        if memory is not None:
+            self.metrics.gpu_memory_allocated.set(memory)
+        return True
+
+    def _first_audio(self, session: SlotSession, tick: int, started_at: float, ended_at: float) -> None:
+        """Hand ``session``'s :class:`FirstAudioTiming` to the event loop (before its first audio)."""
+        if session.on_first_audio is None or session.first_input_at is None or session.taken_at is None:
+            return
+        timing = FirstAudioTiming(
+            arrived_at=session.first_input_at,
+            taken_at=session.taken_at,
+            ticks=tick - session.taken_tick,
+            audio_tick_at=started_at,
+            audio_tick_end=ended_at,
+        )
+        self.loop.call_soon_threadsafe(session.on_first_audio, timing)

@@ -32,6 +32,7 @@ from runtime.engine.api import (
     REFUSAL_REASONS,
     AdmitRequest,
     BackendStatus,
+    FirstAudioTiming,
     Refusal,
     SessionSink,
     SlotBackend,
@@ -270,6 +271,18 @@ class EngineClient(SlotBackend):
                 self.status_at = self._clock()
                 if not self.disconnected:
                     self._lost_reported = False
+            elif isinstance(message, ipc.FirstAudio):
+                sink = self._sinks.get(message.session_id)
+                if sink is not None:
+                    sink.on_first_audio(
+                        FirstAudioTiming(
+                            message.arrived_at,
+                            message.taken_at,
+                            message.ticks,
+                            message.audio_tick_at,
+                            message.audio_tick_end,
+                        )
+                    )
             elif isinstance(message, ipc.PromptDone):
                 sink = self._sinks.get(message.session_id)
                 if sink is not None:

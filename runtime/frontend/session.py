@@ -21,7 +21,15 @@ from typing import Protocol
 import numpy as np
 
 from runtime.config import RuntimeConfig
-from runtime.engine.api import AdmitRequest, Refusal, SamplingParams, SessionSink, SlotBackend, SlotLease
+from runtime.engine.api import (
+    AdmitRequest,
+    FirstAudioTiming,
+    Refusal,
+    SamplingParams,
+    SessionSink,
+    SlotBackend,
+    SlotLease,
+)
 from runtime.frontend.access import Access
 from runtime.frontend.audio_codec import make_codec
 from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
@@ -180,6 +188,10 @@ class ChatSession(SessionSink):
         )
         self.ready = asyncio.Event()
         self.first_audio_sent = False
+        self.first_audio_timing: FirstAudioTiming | None = None
+        """The engine's side of the first audio (``SessionSink.on_first_audio``), on the host's clock."""
+        self.clock = time.monotonic
+        """Monotonic seconds, the clock the backend stamps the first frame with (injected in tests)."""
         self.frames_in = 0
         self.frames_out = 0
         self.lease: SlotLease | None = None
@@ -204,6 +216,9 @@ class ChatSession(SessionSink):
 
     def on_prompt_done(self) -> None:
         self.ready.set()
+
+    def on_first_audio(self, timing: FirstAudioTiming) -> None:
+        self.first_audio_timing = timing
 
     # --- admission ------------------------------------------------------------------------------------
 
@@ -280,7 +295,6 @@ class ChatSession(SessionSink):
 
     async def send_loop(self) -> None:
         """Encode and send the outputs, in order, until cancelled."""
-        metrics = self.front.metrics
         store = self.front.store
         while True:
             pcm, piece = await self.outbox.get()
@@ -289,7 +303,7 @@ class ChatSession(SessionSink):
                 lease = self.lease
                 if not self.first_audio_sent and lease is not None and lease.first_input_at:
                     self.first_audio_sent = True
-                    metrics.first_audio_latency.observe(time.monotonic() - lease.first_input_at)
+                    self._observe_first_audio(lease.first_input_at, self.clock())
                 self.frames_out += 1
                 if payload:
                     await self.transport.send_audio(payload)
@@ -297,6 +311,23 @@ class ChatSession(SessionSink):
                 await self.transport.send_text(piece)
                 if store is not None:  # after the send: the transcript holds what the client was sent
                     store.append_transcript(self.session_id, piece)
+
+    def _observe_first_audio(self, first_input_at: float, sent_at: float) -> None:
+        """The first audio is encoded and about to be handed to the socket: its latency from the first
+        input frame and, with the engine's timing, the budget's terms (docs/benchmarks.md, "First-audio
+        latency budget"); once per session."""
+        timing = self.first_audio_timing
+        if timing is None:  # a backend that gives none (a test's fake)
+            self.front.metrics.observe_first_audio(sent_at - first_input_at)
+            return
+        self.front.metrics.observe_first_audio(
+            sent_at - first_input_at,
+            ingress_s=timing.arrived_at - first_input_at,
+            phase_wait_s=timing.phase_wait_s,
+            ticks=timing.ticks,
+            tick_compute_s=timing.tick_compute_s,
+            egress_s=sent_at - timing.audio_tick_end,
+        )
 
     # --- the end --------------------------------------------------------------------------------------
 

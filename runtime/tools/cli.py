@@ -293,12 +293,21 @@ def loadgen(
             "live client does",
         ),
     ] = True,
+    metrics_url: Annotated[
+        str | None,
+        typer.Option(
+            help="The node's /metrics on its private address (e.g. http://127.0.0.1:8998/metrics): read "
+            "before and after the run for the server's first-audio budget, term by term"
+        ),
+    ] = None,
 ) -> None:
     """Drive SESSIONS concurrent sessions of speech at real-time pace against a node (this one, a GCP
     node, a GKE endpoint) and report per session and in total: connect time, first-audio latency
-    p50/p95/p99, inter-frame gap p99, frames lost, refusals, bytes each way. With --token-key-file each
-    session gets a fresh token (tokens are single-use). Exits 1 if any session was not served or ended
-    early (cut before its last frame, or closed with a code other than 1000), 2 on bad input."""
+    p50/p95/p99, inter-frame gap p99, frames lost, refusals, bytes each way; with --metrics-url the node's
+    first-audio budget over the run (ingress, phase wait, ticks, tick compute, egress). With
+    --token-key-file each session gets a fresh token (tokens are single-use). Exits 1 if any session was
+    not served or ended early (cut before its last frame, or closed with a code other than 1000), 2 on bad
+    input."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from runtime.frontend.protocol import AudioFormat
@@ -346,10 +355,19 @@ def loadgen(
                 audio_format=fmt,
                 token=tokens,
                 pre_encode=pre_encode,
+                metrics_url=metrics_url,
             )
         )
     if json_out:
-        print(json.dumps({"summary": report.summary(), "sessions": report.session_rows()}))
+        print(
+            json.dumps(
+                {
+                    "summary": report.summary(),
+                    "first_audio_budget": report.budget,
+                    "sessions": report.session_rows(),
+                }
+            )
+        )
     else:
         console.print(load_table(f"{sessions} sessions against {url}", report))
     raise typer.Exit(0 if report.ok else 1)

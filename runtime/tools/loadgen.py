@@ -2,6 +2,13 @@
 
 Used by the demo (``duplex demo``), by ``duplex loadgen`` against any node, and by the end-to-end tests.
 Speech is synthesised with espeak-ng (Debian package ``espeak-ng``) and resampled to 24 kHz.
+
+First-audio budget: each session measures its first audio from its first frame sent (the client's total:
+the network both ways included). Given the node's ``/metrics`` (``metrics_url``: the runtime's private
+address; nginx answers 404 there), the run reads the node's first-audio histograms before and after and
+reports the server's terms for the sessions of the run (docs/benchmarks.md, "First-audio latency budget"):
+ingress, phase wait, ticks, tick compute, egress and the server's total, and the mean the server does not
+see (client total minus server total: the network, nginx and the client's socket).
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import ssl
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -392,6 +400,158 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else None
 
 
+FIRST_AUDIO_TERMS: tuple[tuple[str, str], ...] = (
+    ("total", "duplex_first_audio_latency_seconds"),
+    ("ingress", "duplex_first_audio_ingress_seconds"),
+    ("phase_wait", "duplex_first_audio_phase_wait_seconds"),
+    ("ticks", "duplex_first_audio_ticks"),
+    ("tick_compute", "duplex_first_audio_tick_compute_seconds"),
+    ("egress", "duplex_first_audio_egress_seconds"),
+)
+"""The first-audio budget's terms as the node's histograms name them (``runtime.metrics``): seconds, but for
+``ticks``, a count of 80 ms ticks."""
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One Prometheus histogram as scraped: ``buckets`` ``(le, cumulative count)`` sorted by ``le``
+    (``+Inf`` last), ``count``, ``sum``."""
+
+    buckets: tuple[tuple[float, float], ...]
+    count: float
+    sum: float
+
+    def minus(self, before: Histogram | None) -> Histogram:
+        """What was observed since ``before`` (the same histogram scraped earlier; None: since the start)."""
+        if before is None:
+            return self
+        old = dict(before.buckets)
+        return Histogram(
+            tuple((le, n - old.get(le, 0.0)) for le, n in self.buckets),
+            self.count - before.count,
+            self.sum - before.sum,
+        )
+
+    def quantile(self, q: float) -> float | None:
+        """Prometheus's ``histogram_quantile``: linear within the bucket holding rank ``q * count`` (from 0
+        for the first bucket), the highest finite bound when it falls in ``+Inf``; None when empty."""
+        if self.count <= 0:
+            return None
+        rank = q * self.count
+        lower, below = 0.0, 0.0
+        for le, cumulative in self.buckets:
+            if cumulative >= rank:
+                if math.isinf(le):
+                    return lower
+                if cumulative == below:
+                    return le
+                return lower + (le - lower) * (rank - below) / (cumulative - below)
+            lower, below = le, cumulative
+        return lower
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+
+def parse_histograms(text: str, names: Iterable[str]) -> dict[str, Histogram]:
+    """The histograms called ``names`` in a Prometheus text exposition (summed over label sets); a name the
+    text lacks is left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = set(names)
+    found: dict[str, Histogram] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in wanted:
+            continue
+        buckets: dict[float, float] = {}
+        count = total = 0.0
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+            elif sample.name.endswith("_sum"):
+                total += sample.value
+        found[family.name] = Histogram(tuple(sorted(buckets.items())), count, total)
+    return found
+
+
+def fetch_metrics(url: str, *, timeout_s: float = 5.0) -> str:
+    """``GET url`` (a node's ``/metrics``), no proxy. Raises OSError when it does not answer 200."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=timeout_s) as response:
+        return response.read().decode("utf-8", errors="replace")
+
+
+def first_audio_budget(
+    before: Mapping[str, Histogram], after: Mapping[str, Histogram], client_first_audio_ms: Sequence[float]
+) -> dict[str, float | None]:
+    """The first-audio budget of one run from the node's histograms scraped ``before`` and ``after`` it:
+    per term (``FIRST_AUDIO_TERMS``) ``<term>_ms_p50``, ``_p99`` and ``_mean`` (``ticks_p50``, ``_p99``,
+    ``_mean`` for the tick count), ``sessions`` (first audios the node observed meanwhile), and
+    ``outside_runtime_ms_mean``: the clients' mean first audio minus the node's (the network both ways,
+    nginx, the client's own socket), and ``pacing_ms_mean``: what the node's mean total has beyond its
+    terms' means with each tick counted as 80 ms (the ticks' actual spacing: a tick that starts late adds
+    its lateness to the phase wait and takes it from the spacing to the next). Quantiles are bucket
+    estimates, as Prometheus's."""
+    budget: dict[str, float | None] = {}
+    for term, name in FIRST_AUDIO_TERMS:
+        histogram = after.get(name)
+        delta = histogram.minus(before.get(name)) if histogram is not None else None
+        scale, key = (1.0, term) if term == "ticks" else (1e3, f"{term}_ms")
+        for suffix, value in (
+            ("p50", delta.quantile(0.5) if delta else None),
+            ("p99", delta.quantile(0.99) if delta else None),
+            ("mean", delta.mean if delta else None),
+        ):
+            budget[f"{key}_{suffix}"] = None if value is None else round(value * scale, 3)
+        if term == "total":
+            budget["sessions"] = delta.count if delta else 0
+    server_mean = budget["total_ms_mean"]
+    terms = [budget[f"{term}_ms_mean"] for term in ("ingress", "phase_wait", "tick_compute", "egress")]
+    ticks = budget["ticks_mean"]
+    budget["pacing_ms_mean"] = (
+        None
+        if server_mean is None or ticks is None or None in terms
+        else round(
+            server_mean - sum(t or 0.0 for t in terms) - ticks * FRAME_SAMPLES / SAMPLE_RATE_HZ * 1e3, 3
+        )
+    )
+    client_mean = float(np.mean(client_first_audio_ms)) if len(client_first_audio_ms) else None
+    budget["client_first_audio_ms_mean"] = None if client_mean is None else round(client_mean, 3)
+    budget["outside_runtime_ms_mean"] = (
+        None if client_mean is None or server_mean is None else round(client_mean - server_mean, 3)
+    )
+    return budget
+
+
+def budget_line(budget: Mapping[str, float | None]) -> str:
+    """The budget in two lines: the means, which add up (ticks x 80 ms), then p50/p99 of each term (ms)."""
+
+    def ms(key: str) -> str:
+        value = budget.get(key)
+        return "-" if value is None else f"{value:.1f}"
+
+    def p50_99(term: str) -> str:
+        return f"{term.replace('_', ' ')} {ms(f'{term}_ms_p50')}/{ms(f'{term}_ms_p99')}"
+
+    ticks, ticks_p99 = budget.get("ticks_mean"), budget.get("ticks_p99")
+    frame_ms = FRAME_SAMPLES / SAMPLE_RATE_HZ * 1e3
+    ticks_text = "-" if ticks is None else f"{ticks:.2f} x {frame_ms:.0f}"
+    return (
+        f"first audio, means (ms): client {ms('client_first_audio_ms_mean')} = outside the runtime "
+        f"{ms('outside_runtime_ms_mean')} + runtime {ms('total_ms_mean')} (ingress {ms('ingress_ms_mean')} "
+        f"+ phase wait {ms('phase_wait_ms_mean')} + ticks {ticks_text} + tick compute "
+        f"{ms('tick_compute_ms_mean')} + egress {ms('egress_ms_mean')} + tick pacing "
+        f"{ms('pacing_ms_mean')}); {budget.get('sessions') or 0:.0f} "
+        f"sessions at the node\nfirst audio, p50/p99 (ms): "
+        + ", ".join(p50_99(t) for t in ("total", "phase_wait", "tick_compute", "egress", "ingress"))
+        + f"; ticks p99 {'-' if ticks_p99 is None else round(ticks_p99)}"
+    )
+
+
 @dataclass
 class LoadReport:
     """Totals over the sessions of one load run (``run_load``). Times in ms, sizes in bytes.
@@ -405,6 +565,11 @@ class LoadReport:
     wall_s: float
     cpu_s: float | None = None
     """CPU time (user + system) this load generator's process spent during the run."""
+    budget: dict[str, float | None] | None = None
+    """The node's first-audio budget over the run (:func:`first_audio_budget`), when its ``/metrics`` was
+    given and answered."""
+    budget_error: str = ""
+    """Why the budget is missing although ``/metrics`` was given."""
 
     @property
     def served(self) -> list[SessionResult]:
@@ -498,6 +663,7 @@ async def run_load(
     token: str | Callable[[], str] | None = None,
     token_via: TokenVia = "subprotocol",
     pre_encode: bool = True,
+    metrics_url: str | None = None,
 ) -> LoadReport:
     """Drive ``sessions`` concurrent sessions against ``url`` (a full ``.../api/chat?...`` URL), session
     ``i`` streaming ``speech[i % len(speech)]`` at real-time pace.
@@ -512,6 +678,8 @@ async def run_load(
             (:func:`encode_messages`), so the generator's CPU goes to the sockets; False: every session
             encodes its own audio as a live client does. The report's ``loadgen_cpu_percent`` says what
             the generator itself cost (100 = one core).
+        metrics_url: the node's ``/metrics`` (its private address, e.g. ``http://127.0.0.1:8998/metrics``):
+            read before and after the run for the server's first-audio terms (``LoadReport.budget``).
 
     Raises:
         ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, no speech, a non-positive duration, or one
@@ -528,6 +696,14 @@ async def run_load(
     encoded: list[list[bytes]] | None = None
     if pre_encode:
         encoded = [encode_messages(clip, audio_format) for clip in speech[: min(len(speech), sessions)]]
+    names = [name for _, name in FIRST_AUDIO_TERMS]
+    before: dict[str, Histogram] | None = None
+    budget_error = ""
+    if metrics_url:
+        try:
+            before = parse_histograms(await asyncio.to_thread(fetch_metrics, metrics_url), names)
+        except (OSError, ValueError) as exc:
+            budget_error = f"{metrics_url}: {exc}"
     started = time.monotonic()
     cpu_started = time.process_time()
 
@@ -559,7 +735,17 @@ async def run_load(
                 f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
             )
             results.append(failed)
-    return LoadReport(results, time.monotonic() - started, time.process_time() - cpu_started)
+    report = LoadReport(results, time.monotonic() - started, time.process_time() - cpu_started)
+    if metrics_url and before is not None:
+        try:
+            after = parse_histograms(await asyncio.to_thread(fetch_metrics, metrics_url), names)
+        except (OSError, ValueError) as exc:
+            budget_error = f"{metrics_url}: {exc}"
+        else:
+            client = [r.first_audio_ms for r in report.served if r.first_audio_ms is not None]
+            report.budget = first_audio_budget(before, after, client)
+    report.budget_error = budget_error
+    return report
 
 
 def trusting_context(certificate: Path) -> ssl.SSLContext:
@@ -600,4 +786,9 @@ def load_table(title: str, report: Any) -> Table:
         f"{total['bytes_received'] / 1e6:.2f} MB received (times in ms); "
         f"load generator CPU {total.get('loadgen_cpu_percent')} % of a core"
     )
+    budget = getattr(report, "budget", None)
+    if budget:
+        table.caption += "\n" + budget_line(budget)
+    elif getattr(report, "budget_error", ""):
+        table.caption += f"\nno first-audio budget: {report.budget_error}"
     return table
