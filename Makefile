@@ -17,7 +17,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	pebble:pebble pebble-challtestsrv:pebble
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps pip-check deploy-deps demo test lint bench lock clean
+.PHONY: setup system-deps pip-check deploy-deps demo test lint bench lock clean mutation
 
 setup: system-deps $(STAMP)
 
@@ -92,6 +92,40 @@ lint: $(STAMP)
 
 bench: setup
 	$(BIN)/duplex bench --threads 2 --json artifacts/bench-cpu.json
+
+# Mutation testing (issue 25; docs/mutation.md): mutmut ([tool.mutmut] in pyproject.toml: the files it mutates,
+# the tests it picks from) over the modules where a bug costs users most, one after another, or one alone:
+# `make mutation MODULE=runtime/frontend/ratelimit.py`. Prints killed / survived / total per module; the
+# survivors: `$(BIN)/mutmut results`, one diff: `$(BIN)/mutmut show <name>`. Not in CI (too slow). Niced,
+# MUTATION_JOBS workers (1: shared machines), one OpenMP thread (torch's OpenMP pool, started in mutmut's
+# process by its first test run, hangs a forked mutant). The stack configuration's GCP rules: keys.py's GCP
+# functions (_gcp_profiles, _profile_gpu, _region_settings; mutmut leaves the decorated pydantic validators
+# alone) and the catalog they read (infra/capacity/gcp.py); the policy rules: the infra/policy/rules package.
+MUTATION_MODULES := runtime/frontend/ratelimit.py runtime/frontend/replay.py runtime/frontend/tokens.py \
+	runtime/engine/sampling.py runtime/engine/scheduler.py infra/capacity/memory.py infra/capacity/timing.py \
+	infra/capacity/gcp.py infra/stack_config/keys.py infra/policy/rules
+MUTATION_JOBS ?= 1
+MODULE ?=
+
+mutation: $(STAMP)
+	@set -efo pipefail; summary=""; \
+	for module in $(or $(MODULE),$(MUTATION_MODULES)); do \
+	  dotted="$${module%.py}"; dotted="$${dotted//\//.}"; \
+	  case "$$module" in \
+	    infra/stack_config/keys.py) patterns="$$dotted.x__gcp_profiles__* $$dotted.x__profile_gpu__* $$dotted.x__region_settings__*";; \
+	    *) patterns="$$dotted.*";; \
+	  esac; \
+	  echo "== $$module ($$patterns)"; \
+	  OMP_NUM_THREADS=1 nice -n 19 $(BIN)/mutmut run --max-children $(MUTATION_JOBS) $$patterns; \
+	  counts="$$($(BIN)/mutmut results --all=true | while read -r name status; do \
+	    for p in $$patterns; do case "$${name%:}" in $$p) echo "$$status"; break;; esac; done; done \
+	    | awk '{n[$$0]++; t++} END {k = n["killed"] + n["timeout"]; \
+	      printf "killed %d, survived %d, no tests %d, other %d, total %d, score %.1f %%", \
+	      k, n["survived"], n["no tests"], t - k - n["survived"] - n["no tests"], t, t ? 100 * k / t : 0}')"; \
+	  summary="$$summary$$module: $$counts"$$'\n'; \
+	done; \
+	echo; echo "mutation score per module (mutmut $$($(BIN)/mutmut --version | awk '{print $$NF}'), $$(date -u +%F)):"; \
+	printf '%s' "$$summary"
 
 # Re-pin requirements.lock from the current virtualenv (torch and moshi are pinned in this Makefile).
 lock:

@@ -4,7 +4,8 @@ session limit, and a handshake flood cut by the local node's nginx.
 
 Each refusal is checked as a deployed node is used: the refused caller's HTTP status and reason, the
 ``duplex_admissions_refused_total{reason}`` counter, no slot taken, and a session running alongside that
-keeps receiving audio after the refusal. Servers and helpers come from ``test_server_e2e``.
+keeps receiving audio after the refusal, every frame accounted for. Servers and helpers come from
+``test_server_e2e``; as there, the tests wait for events, never for a time (issue 25, item 2).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 import pytest_asyncio
 from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
     SLOTS,
+    WAIT_S,
     WORKER_MODES,
     assert_healthy,
     bundle,
@@ -41,7 +43,7 @@ from infra.node.local import LocalNode, free_port_profile, missing_binaries
 from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.frontend.server import DuplexServer
 from runtime.frontend.tokens import SUBPROTOCOL_PREFIX, SigningKey, mint_token
-from runtime.tools.loadgen import run_load, run_session, session_url
+from runtime.tools.loadgen import run_session, session_url
 from runtime.tools.local_redis import RedisServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -49,7 +51,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 AUDIENCE = "access-test-node"
 KEY = SigningKey("current", "c" * 32)
 ORIGIN = "https://app.example.com"
-MAX_GAP_S = 0.5
 
 
 def token(key: SigningKey = KEY, **overrides: object) -> str:
@@ -111,7 +112,7 @@ async def neighbour(server: DuplexServer, pcm: np.ndarray) -> AsyncIterator:
     async with live(chat_url(server, token=token()), pcm) as client:
         assert client.result.handshake, (client.result.errors, client.result.close_code)
         client.start_streaming()
-        await asyncio.sleep(0.5)
+        await client.wait_audio(1)
         yield client
 
 
@@ -145,10 +146,10 @@ async def test_each_refusal_before_the_upgrade(guarded, speech, reason, make_cas
     before = await scrape(server)
     async with neighbour(server, speech[0]) as healthy:
         free_before = server.backend.status().free_slots
-        mark = time.monotonic()
         got, body, headers = await attempt(url, **case)
         assert server.backend.status().free_slots == free_before == SLOTS - 1  # no slot taken, none released
-        await asyncio.sleep(1.0)
+        mark = time.monotonic()
+        await healthy.wait_audio(after=mark)
         await healthy.finish()
     assert (got, body.split(":")[0]) == (status, reason), body
     assert body.endswith("\n") and len(body) > len(reason) + 5
@@ -195,16 +196,25 @@ async def test_subprotocol_token_is_selected_by_the_server(guarded, speech):  # 
 
 @pytest.mark.slow
 async def test_token_session_limit_closes_the_session(guarded, speech):  # noqa: F811
+    """The token's ``max_session_s`` (1.5 s, under the node's hour) ends the session: the node names the
+    token's limit, closes normally with ``max_session_length``, and not before the limit had passed.
+
+    The lower bound is an ordering on one clock: the node starts the session's timer after the connection
+    opened, and ``opened`` is read before it, so a slower machine only closes it later. No upper bound: a
+    limit not applied would leave the session open (the wait's timeout then fails the test), and the
+    message says which limit fired."""
     server = guarded
+    opened = time.monotonic()
     async with live(chat_url(server, token=token(max_session_s=1.5)), np.concatenate(speech)) as client:
         assert client.result.handshake
         client.start_streaming()
-        started = time.monotonic()
-        result = await client.wait_closed(timeout_s=15)
-    assert 1.3 < time.monotonic() - started < 5.0
+        result = await client.wait_closed(timeout_s=WAIT_S)
+    closed_after = time.monotonic() - opened
+    assert closed_after >= 1.5, f"closed {closed_after:.2f} s after the connection, before the token's 1.5 s"
     assert result.errors == ["session reached max_session_s=1.5 (the token's limit)"], result.errors
     assert result.close_code == 1000 and result.close_reason == "max_session_length"
-    assert result.audio_messages > 5
+    assert result.audio_messages > 0  # it was served until then
+    assert client.result.frames_sent > 0
     metrics = await scrape(server)
     assert metrics.value("duplex_sessions_ended_total", reason="max_session_length") >= 1
 
@@ -223,11 +233,11 @@ async def test_replay_is_refused_across_a_restart_and_redis_down_fails_closed(bu
 
         # Redis down: DUPLEX_TOKEN_REPLAY_CHECK=redis refuses new sessions (503) and keeps running ones.
         async with neighbour(second, speech[1]) as healthy:
-            mark = time.monotonic()
             await asyncio.to_thread(redis_server.stop)
+            mark = time.monotonic()
             status, body, _ = await attempt(chat_url(second), token_value=token())
             assert (status, body.split(":")[0]) == (503, "replay_check_unavailable"), body
-            await asyncio.sleep(1.0)
+            await healthy.wait_audio(after=mark)  # the running session goes on without Redis
             await healthy.finish()
         assert_healthy(healthy, after=mark, label="neighbour")
         metrics = await scrape(second)
@@ -293,6 +303,10 @@ print(json.dumps(counts))
 @pytest.mark.slow
 @pytest.mark.skipif(bool(missing_binaries()), reason=f"missing system binaries: {missing_binaries()}")
 async def test_handshake_flood_is_cut_by_nginx_and_sessions_keep_their_audio(tmp_path: Path, speech):  # noqa: F811
+    """Two sessions stream through the node's TLS edge while 300 handshakes hit it: nginx cuts the flood,
+    and the sessions' audio goes on after it, to a normal close. Events, not times: the flood starts once
+    both sessions get audio, and they end once they got audio after it. (How much a flood delays audio is
+    a latency, measured by ``duplex loadgen``'s lost frames: docs/benchmarks.md.)"""
     node = LocalNode(tmp_path / "node", free_port_profile())
     await asyncio.to_thread(node.start)
     try:
@@ -300,7 +314,6 @@ async def test_handshake_flood_is_cut_by_nginx_and_sessions_keep_their_audio(tmp
         url = session_url(node.wss_url)
 
         async def flood() -> dict[str, int]:
-            await asyncio.sleep(1.0)  # the sessions are streaming
             args = [node.profile.domain, str(node.profile.ports.https), str(node.certificate_path), "300"]
             done = await asyncio.to_thread(
                 subprocess.run,
@@ -312,12 +325,25 @@ async def test_handshake_flood_is_cut_by_nginx_and_sessions_keep_their_audio(tmp
             assert done.returncode == 0, done.stderr
             return json.loads(done.stdout)
 
-        started = time.monotonic()
-        report, counts = await asyncio.gather(
-            run_load(url, speech[:2], sessions=2, ssl_context=node.ssl_context(), token=node.mint_token),
-            flood(),
-        )
-        flood_s = time.monotonic() - started
+        async with contextlib.AsyncExitStack() as stack:
+            sessions = [
+                await stack.enter_async_context(
+                    live(url, pcm, ssl_context=node.ssl_context(), token=node.mint_token())
+                )
+                for pcm in speech[:2]
+            ]
+            for session in sessions:
+                assert session.result.handshake, session.result.errors
+                session.start_streaming()
+            for session in sessions:
+                await session.wait_audio()  # the sessions are streaming
+            started = time.monotonic()
+            counts = await flood()
+            flood_s = time.monotonic() - started  # an upper bound on the flood's own duration
+            mark = time.monotonic()
+            for session in sessions:
+                await session.wait_audio(after=mark)  # their audio goes on after the flood
+            await asyncio.gather(*(session.finish() for session in sessions))
         assert sum(counts.values()) == 300, counts
         # Most attempts stop at nginx; the rest (the burst, then the rate) reach the runtime, which
         # refuses them for having no token (or nginx's per-client session cap answers first).
@@ -327,9 +353,8 @@ async def test_handshake_flood_is_cut_by_nginx_and_sessions_keep_their_audio(tmp
         assert passed <= limits.handshake_burst + limits.handshakes_per_second_per_client * flood_s + 2, (
             counts
         )
-        for i, r in enumerate(report.sessions):
-            assert r.handshake and r.audio_messages > 20, (i, r.refusal_reason)
-            assert r.max_audio_gap_s() < MAX_GAP_S, f"session {i}: audio stalled {r.max_audio_gap_s():.2f} s"
+        for i, session in enumerate(sessions):
+            assert_healthy(session, after=mark, label=f"session {i}")  # served to a normal close
         statuses = re.findall(
             r'"GET /api/chat" (\d{3}) ', (node.node_dir / "logs" / "access.log").read_text()
         )

@@ -198,21 +198,25 @@ def test_conversation_node_full_and_single_use(node: LocalNode, browser: Any) ->
     assert end["scheduledUntilS"] > mid["scheduledUntilS"] > start["contextTimeS"]  # playback moved on
     assert end["scheduledUntilS"] - end["contextTimeS"] < 1.0  # ...just ahead of the playhead
     assert end["inputRateHz"] > 0 and end["resampled"] == (end["inputRateHz"] != 24000)
-    assert 0 <= end["rttMs"] < 1000
+    assert end["rttMs"] >= 0  # measured and shown (a latency: how long it is, is not this test's question)
     transcript, shown, counted = a.evaluate(
         "() => [document.getElementById('transcript').textContent,"
         " document.getElementById('transcript').textContent.length,"
         " window.duplexClient.stats.transcriptChars]"
     )
     assert transcript.strip() and shown == counted >= end["transcriptChars"] > 0  # every piece is shown
-    readout = a.text_content("#stat-received")
-    assert int(readout) >= end["framesReceived"] - 20  # the page shows it (refreshed every 250 ms)
+    # The page shows it (the readout is refreshed every 250 ms: wait for it, do not assume the time).
+    received = end["framesReceived"]
+    a.wait_for_function(
+        f"() => Number(document.getElementById('stat-received').textContent) >= {received}",
+        timeout=TIMEOUT_MS,
+    )
 
     a.focus("#talk")
     a.keyboard.press("Enter")  # ends it, from the keyboard too
     a.wait_for_function("() => document.getElementById('status').textContent === 'Conversation ended.'")
     assert a.text_content("#talk") == "Start talking" and stats(a)["state"] == "idle"
-    deadline, frames_in = time.monotonic() + 10, []
+    deadline, frames_in = time.monotonic() + TIMEOUT_MS / 1000, []  # only stops a hung test
     while not frames_in and time.monotonic() < deadline:  # the runtime logs the session's end
         runtime_log = (node.node_dir / "logs" / "runtime.log").read_text()
         frames_in = [int(n) for n in re.findall(r"ended \(client_closed\): (\d+) frames in", runtime_log)]

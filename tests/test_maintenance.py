@@ -300,16 +300,16 @@ async def test_a_maintenance_notice_drains_admissions_and_live_sessions_go_on(
         async with live(chat_url(srv), speech[0]) as client:
             assert client.result.handshake
             client.start_streaming()
-            await asyncio.sleep(0.5)
+            await client.wait_audio(1)
             metadata.set(TERMINATE)
             await wait_until(lambda: srv.draining, what="the notice to reach the server")
             noticed = time.monotonic()
             (status, body), refused = await asyncio.gather(readyz(srv), knock(chat_url(srv), speech[1]))
             assert status == 503 and body == {"ready": False, "reason": "draining"}
             assert_refused(refused, 1013, "draining")
-            await asyncio.sleep(1.0)  # the live session streams on through the notice
+            await client.wait_audio(after=noticed)  # the live session streams on through the notice
             await client.finish()
-        assert_healthy(client, after=noticed)  # to its normal end: 1000, audio for every frame
+        assert_healthy(client, after=noticed)  # to its normal end: 1000, every frame accounted for
 
         metrics = await scrape(srv)
         assert metrics.value("duplex_maintenance_pending") == 1

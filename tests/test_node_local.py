@@ -1,10 +1,14 @@
 """The local node for real: redis-server, the exporters, the runtime, Prometheus and nginx as processes on
 loopback, sessions of real speech through nginx over TLS, and the faults an SRE meets (Redis killed, the
-runtime killed, a client that vanishes)."""
+runtime killed, a client that vanishes).
+
+No assertion depends on how fast this machine runs (issue 25, item 2): a test waits for events (a process
+gone, so many audio messages after a fault); the waits' timeouts only stop a hung test."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from test_server_e2e import AFTER_FRAMES, WAIT_S, LiveClient, Metrics, assert_healthy, live
 
 from infra.node.bringup import bring_up_and_check
 from infra.node.local import (
@@ -25,14 +30,12 @@ from infra.node.local import (
     missing_binaries,
 )
 from infra.node.prometheus_api import prometheus_query
-from runtime.tools.loadgen import DEMO_SENTENCES, run_load, run_session, session_url, synthesize_speech
+from runtime.tools.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(bool(missing_binaries()), reason=f"missing system binaries: {missing_binaries()}"),
 ]
-
-MAX_GAP_S = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +79,8 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     assert alertmanagers == [{"url": f"{node.alertmanager_url}/api/v2/alerts"}]
     assert check.ok, check.problems
     assert len(check.load.served) == 5
-    for r in check.load.served:
-        assert r.audio_messages > 10 and r.text.strip() and r.first_audio_ms is not None
+    for r in check.load.served:  # served end to end (how much audio per second: docs/benchmarks.md)
+        assert r.audio_messages > 0 and r.text.strip() and r.first_audio_ms is not None
         assert r.connect_ms is not None and r.bytes_received > 0 and r.bytes_sent > 0
     extra = check.extra_caller
     assert extra.http_status == 503 and "node full" in extra.http_body, extra.refusal_reason
@@ -104,28 +107,58 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     )
 
 
+def _runtime_counter(node: LocalNode, name: str) -> float:
+    """Sum over every label set of counter ``name`` at the runtime's ``/metrics`` (0 before any)."""
+    with urllib.request.urlopen(f"{node.runtime_url}/metrics", timeout=5) as response:
+        samples = Metrics(response.read().decode()).samples
+    return sum(value for (sample, _), value in samples.items() if sample == name)
+
+
 def test_redis_killed_mid_run_audio_goes_on_and_redis_down_is_raised(tmp_path: Path, speech: list) -> None:
+    """Redis killed under two sessions: once the runtime has failed a Redis write, the sessions' audio goes
+    on (so many messages after that, however long they take) to a normal close. How long audio may pause is
+    a latency (docs/benchmarks.md), not asserted here."""
     node = LocalNode(tmp_path / "node", free_port_profile())
     node.start()
     try:
         url = session_url(node.wss_url)
 
-        async def run() -> list:
-            load = asyncio.create_task(
-                run_load(url, speech[:2], sessions=2, ssl_context=node.ssl_context(), token=node.mint_token)
-            )
-            await asyncio.sleep(1.5)
-            node.process("redis").popen.send_signal(signal.SIGKILL)
-            return (await load).sessions
+        async def run() -> tuple[list[LiveClient], float]:
+            async with contextlib.AsyncExitStack() as stack:
+                clients = [
+                    await stack.enter_async_context(
+                        live(url, pcm, ssl_context=node.ssl_context(), token=node.mint_token())
+                    )
+                    for pcm in speech[:2]
+                ]
+                for client in clients:
+                    assert client.result.handshake, client.result.errors
+                    client.start_streaming()
+                for client in clients:
+                    await client.wait_audio()
+                redis = node.process("redis").popen
+                redis.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(redis.wait, WAIT_S)
+                # The runtime's store has seen the outage (a failed write: the sessions' text goes to it)...
+                assert await asyncio.to_thread(
+                    _wait_for,
+                    lambda: _runtime_counter(node, "duplex_redis_errors_total") > 0,
+                    WAIT_S,
+                    0.1,
+                )
+                mark = time.monotonic()
+                for client in clients:  # ...and the audio goes on
+                    await client.wait_audio(2 * AFTER_FRAMES, after=mark)
+                await asyncio.gather(*(client.finish() for client in clients))
+            return clients, mark
 
-        results = asyncio.run(run())
-        for r in results:
-            assert r.handshake and r.audio_messages > 20
-            assert r.max_audio_gap_s() < MAX_GAP_S, f"audio stalled {r.max_audio_gap_s():.2f} s"
+        clients, mark = asyncio.run(run())
+        for i, client in enumerate(clients):
+            assert_healthy(client, after=mark, label=f"session {i}")
         assert node.dead_processes() == {"redis": -signal.SIGKILL}
         # The live Prometheus evaluates the rendered rules on what it scraped: RedisDown goes pending
         # (it fires after its `for`, which the promtool unit tests cover).
-        assert _wait_for(lambda: _alert_states(node, "RedisDown") & {"pending", "firing"}, 15)
+        assert _wait_for(lambda: _alert_states(node, "RedisDown") & {"pending", "firing"}, WAIT_S)
         assert prometheus_query(node.prometheus_url, 'redis_up{job="redis-exporter"}') == 0
     finally:
         node.stop()
@@ -136,15 +169,14 @@ def test_runtime_killed_nginx_answers_502_and_the_check_reports_it(tmp_path: Pat
     node.start()
     try:
         node.process("runtime").popen.send_signal(signal.SIGKILL)
-        assert _wait_for(lambda: "runtime" in node.dead_processes(), 10)
-        started = time.monotonic()
+        assert _wait_for(lambda: "runtime" in node.dead_processes(), WAIT_S)
+        # Reported, not hung: its load stops at max_duration_s, and pytest's timeout stops a hang.
         check = bring_up_and_check(node, [s[: 1920 * 10] for s in speech], max_duration_s=30)
-        assert time.monotonic() - started < 60  # reported, not hung
         assert not check.ok
         assert any("runtime exited with code -9" in p for p in check.problems), check.problems
         for r in check.load.sessions:
             assert r.http_status == 502 and "runtime unavailable" in r.http_body
-        assert _wait_for(lambda: _alert_states(node, "RuntimeDown") & {"pending", "firing"}, 15)
+        assert _wait_for(lambda: _alert_states(node, "RuntimeDown") & {"pending", "firing"}, WAIT_S)
     finally:
         node.stop()
 
@@ -178,7 +210,7 @@ def test_client_vanishing_mid_session_frees_its_slot(tmp_path: Path, speech: lis
             ws.transport.abort()  # no close frame: the client is simply gone
 
         asyncio.run(vanish())
-        assert _wait_for(lambda: active_sessions() == 0, 15), "slot not freed"
+        assert _wait_for(lambda: active_sessions() == 0, WAIT_S), "slot not freed"
         # The slot serves the next caller.
         result = asyncio.run(
             run_session(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from test_server_e2e import (  # noqa: F401 (speech: fixture)
+    WAIT_S,
     LiveClient,
     Metrics,
     assert_healthy,
@@ -219,7 +220,8 @@ async def test_a_killed_worker_ends_only_its_sessions(node_dir, speech):  # noqa
             assert len({h.split()[1] for _, h in clients}) == 2
             for client, _ in clients:
                 client.start_streaming()
-            await asyncio.sleep(0.5)
+            for client, _ in clients:
+                await client.wait_audio(1)
             victim_header = clients[0][1]
             victims = [c for c, h in clients if h == victim_header]
             survivors = [c for c, h in clients if h != victim_header]
@@ -227,9 +229,10 @@ async def test_a_killed_worker_ends_only_its_sessions(node_dir, speech):  # noqa
             mark = time.monotonic()
             for client in victims:
                 await asyncio.wait_for(client.closed.wait(), 10)
-            await asyncio.sleep(1.5)
+            for client in survivors:  # their audio goes on after the kill (events, not a time)
+                await client.wait_audio(after=mark)
             for client in survivors:
-                await client.finish(tail_s=0.1)
+                await client.finish()
                 assert_healthy(client, after=mark, label="a session of the other worker")
         finally:
             for client, _ in clients:
@@ -279,13 +282,23 @@ async def test_a_killed_engine_makes_every_worker_unhealthy(node_dir, speech):  
 
 @pytest.mark.slow
 async def test_sigterm_drains_every_process(node_dir, speech):  # noqa: F811
-    async with split_node(node_dir) as node:
+    # A grace long enough for the checks below to run inside it on any machine; they wait for events.
+    async with split_node(node_dir, DUPLEX_DRAIN_GRACE_S="10") as node:
         client, _ = await open_live(node.chat_url(), speech[0])
         try:
             client.start_streaming()
-            await asyncio.sleep(0.3)
+            await client.wait_audio(1)
             os.kill(node.process.pid, signal.SIGTERM)
-            await asyncio.sleep(0.5)
+            # Until both workers have begun their drain (each logs it), rather than after some time: a worker
+            # without sessions then stops listening, the other answers until its grace ends.
+            await wait_until(
+                lambda: all(
+                    f"{worker} runtime.frontend.server: draining:" in node.log.read_text(errors="replace")
+                    for worker in ("worker-0", "worker-1")
+                ),
+                timeout_s=WAIT_S,
+                what="both workers to begin draining",
+            )
             status, body = await node.readyz()
             assert status == 503 and body["reason"] == "draining", body
             refused = await knock(node.chat_url(), speech[1])

@@ -1,12 +1,23 @@
-"""SessionStore against a real redis-server: round trip, TTLs, order, outages, overflow, close."""
+"""SessionStore against a real redis-server: round trip, TTLs, order, outages, overflow, close.
+
+No assertion depends on how fast this machine runs (issue 25, item 2). That the audio path's calls never
+wait for Redis is shown with a Redis that cannot answer (redis-server paused with SIGSTOP, the store's socket
+timeout an hour): a call that waited would never return, and the test's timeout fails it. How long a call
+takes is a benchmark's question (docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as redis
@@ -66,6 +77,33 @@ def _store(url: str, probe: _Probe, **kw) -> SessionStore:
     return SessionStore(url, "node-a", on_error=probe.on_error, on_backlog=probe.on_backlog, **kw)
 
 
+NEVER_S = 3600.0
+"""A socket timeout no test waits out: with it, a store call that waited for Redis would never return."""
+
+
+@contextlib.contextmanager
+def _paused(redis_server) -> Iterator[None]:  # noqa: ANN001
+    """redis-server stopped with SIGSTOP: the kernel still accepts connections and takes requests into the
+    socket's buffer, but nothing answers until SIGCONT (on exit)."""
+    assert redis_server.proc is not None
+    pid = redis_server.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        stat = Path(f"/proc/{pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":  # until the kernel has stopped it
+            assert time.monotonic() < deadline, "redis-server did not stop"
+            time.sleep(0.001)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+async def _writer_stuck(store: SessionStore) -> None:
+    """Until the writer has sent a batch and waits for its answer (the ops in flight)."""
+    await _wait_until(lambda: store._inflight_upto > 0, what="the writer to send a batch")
+
+
 async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
     probe = _Probe()
     store = _store(redis_server.url, probe, session_ttl_s=600, transcript_ttl_s=300)
@@ -90,13 +128,14 @@ async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
     assert await store.get_transcript(rec.session_id) == "Hello, world!"
     assert await store.active_sessions() == {rec.session_id}
 
+    ending = time.time()
     store.end_session(rec.session_id, "client_closed")
     await _flushed(store)
     sess = await store.get_session(rec.session_id)
     assert sess is not None
     assert sess["state"] == "ended"
     assert sess["end_reason"] == "client_closed"
-    assert abs(float(sess["ended_at"]) - time.time()) < 60
+    assert ending <= float(sess["ended_at"]) <= time.time()  # the wall clock of the end_session call
     assert await store.active_sessions() == set()
     assert await store.get_transcript("nope") == ""
     assert await store.get_session("nope") is None
@@ -163,17 +202,11 @@ async def test_outage_audio_path_keeps_going_then_catches_up(redis_server, save:
 
     redis_server.stop(save=save)  # save=False: Redis comes back empty; True: it reloads its data
 
-    # The audio path keeps calling at frame rate; every call returns at once and never raises.
+    # The audio path keeps calling at frame rate; every call returns and never raises (that no call waits
+    # for Redis: test_audio_path_calls_return_while_redis_cannot_answer).
     c = _record(slot=2)
-    durations: list[float] = []
-
-    def timed(fn, *args) -> None:
-        t0 = time.perf_counter()
-        fn(*args)
-        durations.append(time.perf_counter() - t0)
-
-    timed(store.register_session, b)
-    timed(store.register_session, c)
+    store.register_session(b)
+    store.register_session(c)
     more_a: list[str] = []
     more_b: list[str] = []
     more_c: list[str] = []
@@ -181,16 +214,15 @@ async def test_outage_audio_path_keeps_going_then_catches_up(redis_server, save:
         for rec, acc, tag in ((a, more_a, "A"), (b, more_b, "B"), (c, more_c, "C")):
             piece = f"{tag}{i} "
             acc.append(piece)
-            timed(store.append_transcript, rec.session_id, piece)
+            store.append_transcript(rec.session_id, piece)
         if i == 30:
-            timed(store.end_session, c.session_id, "hangup")
+            store.end_session(c.session_id, "hangup")
         if i > 30:
             more_c.pop()  # appends after end are ignored (counted as unknown_session)
         await asyncio.sleep(0.005)
     await _wait_until(lambda: probe.errors["write"] + probe.errors["resync"] >= 2, what="failures counted")
     assert not store.connected
     assert store.backlog > 0
-    assert max(durations) < 0.05, f"slowest call {max(durations) * 1e3:.1f} ms"  # loose: returns, not fast
     assert probe.errors["unknown_session"] == 29
 
     redis_server.start()  # same port
@@ -213,6 +245,52 @@ async def test_outage_audio_path_keeps_going_then_catches_up(redis_server, save:
     assert (await store.get_transcript(a.session_id)).endswith("A59 tail")
     assert await store.active_sessions() == {b.session_id}
     assert probe.errors["backlog_overflow"] == 0
+    await store.close()
+
+
+async def test_audio_path_calls_return_while_redis_cannot_answer(redis_server) -> None:
+    """The three audio-path calls never wait for Redis, nor for the writer that does: with redis-server
+    paused and the writer inside a batch it sent (a socket timeout of an hour: it never gives up), every call
+    returns, from the event loop (where a call that waited would block the loop for good) and from another
+    thread; the ops wait in order, nothing counts as failed (Redis is silent, not refusing), and all of it
+    lands once Redis answers. Logical, not timed: the test's timeout fails a call that waited."""
+    probe = _Probe()
+    store = _store(redis_server.url, probe, socket_timeout_s=NEVER_S)
+    await store.start()
+    a, b, c = _record(slot=0), _record(slot=1), _record(slot=2)
+    store.register_session(a)
+    store.append_transcript(a.session_id, "before ")
+    await _flushed(store)
+
+    from_thread = [f"c{i} " for i in range(200)]
+
+    def other_thread() -> None:
+        store.register_session(c)
+        for piece in from_thread:
+            store.append_transcript(c.session_id, piece)
+
+    with _paused(redis_server):
+        store.append_transcript(a.session_id, "stuck ")
+        await _writer_stuck(store)  # its batch sent to a Redis that cannot answer
+        # On the event loop, no await in between: each call must return by itself.
+        store.register_session(b)
+        for i in range(60):
+            store.append_transcript(a.session_id, f"a{i} ")
+            store.append_transcript(b.session_id, f"b{i} ")
+        store.end_session(b.session_id, "hangup")
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        await asyncio.to_thread(thread.join)
+        # Every op is queued behind the one in flight; the writer still waits; nothing failed.
+        assert store.backlog == 1 + 1 + 120 + 1 + 1 + len(from_thread)
+        assert store._inflight_upto > 0 and not probe.errors
+    await _flushed(store)
+    assert await store.get_transcript(a.session_id) == "before stuck " + "".join(f"a{i} " for i in range(60))
+    assert await store.get_transcript(b.session_id) == "".join(f"b{i} " for i in range(60))
+    assert await store.get_transcript(c.session_id) == "".join(from_thread)
+    assert (await store.get_session(b.session_id) or {}).get("end_reason") == "hangup"
+    assert await store.active_sessions() == {a.session_id, c.session_id}
+    assert not probe.errors
     await store.close()
 
 
@@ -262,21 +340,29 @@ async def test_backlog_overflow_drops_oldest_appends_first(redis_server) -> None
     await store.close()
 
 
-async def test_close_with_redis_down_returns_within_timeout(redis_server) -> None:
+@pytest.mark.parametrize("redis_state", ["stopped", "paused"])
+async def test_close_with_redis_down_returns_within_timeout(redis_server, redis_state: str) -> None:
+    """``close`` gives up on a Redis that is down after its flush grace: it returns, counting the ops left.
+    Stopped: connections refused, the writer retrying. Paused: the writer inside a batch that cannot be
+    answered, with a socket timeout of an hour, so only ``close``'s own grace can end the wait. Logical, not
+    timed: the wait's timeout only stops a close that would hang."""
     probe = _Probe()
-    store = _store(redis_server.url, probe)
+    store = _store(redis_server.url, probe, socket_timeout_s=NEVER_S)
     await store.start()
     rec = _record()
     store.register_session(rec)
     await _flushed(store)
-    redis_server.stop()
-    for i in range(20):
-        store.append_transcript(rec.session_id, f"x{i}")
-    t0 = time.monotonic()
-    left = await store.close(flush_timeout_s=0.5)
-    elapsed = time.monotonic() - t0
-    assert elapsed < 0.5 + 1.5, f"close took {elapsed:.2f} s"
-    assert left == 20
+    with contextlib.ExitStack() as outage:
+        if redis_state == "stopped":
+            redis_server.stop()
+        else:
+            outage.enter_context(_paused(redis_server))
+        for i in range(20):
+            store.append_transcript(rec.session_id, f"x{i}")
+        if redis_state == "paused":
+            await _writer_stuck(store)
+        left = await asyncio.wait_for(store.close(flush_timeout_s=0.5), 30)
+        assert left == 20
     # After close the audio-path calls are still harmless.
     store.append_transcript(rec.session_id, "late")
     store.end_session(rec.session_id, "late")

@@ -3,8 +3,10 @@
 :class:`BatchEngine` owns a fixed number of slots B (each :class:`SlotPhase` FREE, PROMPTING or LIVE) and
 knows nothing of sockets or sessions: ``tick()`` takes one PCM frame per slot and gives one PCM frame and
 one text token per slot, in :class:`TickBuffers` rewritten by the next tick. A joining slot's rows are
-reset alone (the others keep their KV caches); persona prompts are prefilled (:class:`_Prefill`) or
-teacher-forced step by step (:class:`SlotLMGen`) in the tick's spare time, after the live step.
+reset alone (the others keep their KV caches) and its Mimi encoder rows pre-rolled with a frame of
+silence, so that its caller's first frame is stepped at once (:meth:`BatchEngine._preroll`); persona
+prompts are prefilled (:class:`_Prefill`) or teacher-forced step by step (:class:`SlotLMGen`) in the tick's
+spare time, after the live step.
 
 How a tick works, the moshi streaming calls it rests on, prompt feeding: docs/runtime.md, "How a tick
 works"; prefill figures: docs/protocol.md, "Wire protocol"."""
@@ -118,8 +120,9 @@ class SlotLMGen(LMGen):
 
 @dataclass
 class TickTimings:
-    """Wall time of one tick's parts, in ms (by the engine's clock). ``prompt_steps``: step-by-step prompt
-    steps; ``prefill_steps``: prompt steps run as prefill, in ``prefill_chunks`` chunks."""
+    """Wall time of one tick's parts, in ms (by the engine's clock). ``encode_ms`` includes the encoder
+    pre-roll of slots that joined since the last tick; ``prompt_steps``: step-by-step prompt steps;
+    ``prefill_steps``: prompt steps run as prefill, in ``prefill_chunks`` chunks."""
 
     encode_ms: float = 0.0
     lm_ms: float = 0.0
@@ -196,7 +199,8 @@ class TickBuffers:
 class _Slot:
     phase: SlotPhase = SlotPhase.FREE
     prompt: deque[PromptStep] = field(default_factory=deque)
-    skip_next_frame: bool = False
+    preroll: bool = False
+    """The slot's Mimi encoder rows still need their frame of silence (:meth:`BatchEngine._preroll`)."""
     prefill: _Prefill | None = None
 
 
@@ -296,6 +300,7 @@ class BatchEngine:
         bundle.mimi.streaming_forever(slots)
         self._slots = [_Slot() for _ in range(slots)]
         self._outputs = TickBuffers(slots, self.dep_q)
+        self._silence = torch.zeros(slots, 1, FRAME_SAMPLES, device=self.device)  # the pre-roll's input
         self._no_rows = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.lm_gen.set_exec_mask(self._no_rows)
         bundle.mimi.set_exec_mask(self._no_rows)
@@ -334,7 +339,7 @@ class BatchEngine:
         self.sampling.assign(slot, sampling)
         state.prompt = deque(prompt or [])
         state.phase = SlotPhase.PROMPTING if state.prompt else SlotPhase.LIVE
-        state.skip_next_frame = True
+        state.preroll = True
         state.prefill = None
         if state.prompt and self.prefill and self._can_prefill(state.prompt):
             state.prefill = _Prefill(list(state.prompt), self._prefill_sequence(state.prompt))
@@ -392,50 +397,61 @@ class BatchEngine:
         out = self._outputs
         out.clear()
 
+        timings.encode_ms = self._preroll()
         live = [i for i in self.live_slots if active is None or active[i]]
         if live:
-            skipping = [i for i in live if self._slots[i].skip_next_frame]
-            stepping = [i for i in live if not self._slots[i].skip_next_frame]
             mimi = self.bundle.mimi
+            live_mask = self._mask(live)
             t0 = self.clock()
-            mimi.set_exec_mask(self._mask(live))
+            mimi.set_exec_mask(live_mask)
             frames = torch.from_numpy(pcm_in).to(self.device)[:, None, :]
             codes = mimi.encode(frames)  # [B, K, 1]
-            if skipping:
-                # As moshi's server does: the first encoded frame carries the encoder's left padding and is
-                # dropped; resetting the encoder rows re-applies the padding on the next frame.
-                mimi.reset_streaming(self._mask(skipping))
-                for i in skipping:
-                    self._slots[i].skip_next_frame = False
             t1 = self.clock()
-            timings.encode_ms = (t1 - t0) * 1e3
-            if stepping:
-                step_mask = self._mask(stepping)
-                self._forcing.clear()
-                self.lm_gen.set_exec_mask(step_mask)
-                tokens = self.lm_gen.step(codes[:, : self.user_codebooks])  # [B, 1 + dep_q, 1]
-                self.sampling.advance(step_mask)
-                assert tokens is not None
-                tokens = tokens[:, :, 0]
-                t2 = self.clock()
-                timings.lm_ms = (t2 - t1) * 1e3
-                agent = tokens[:, 1:]
-                ready = step_mask & (agent >= 0).all(dim=1) & (tokens[:, 0] >= 0)
-                ready_cpu = ready.cpu().numpy()
-                if ready_cpu.any():
-                    mimi.set_exec_mask(ready)
-                    codes_out = agent[:, : self.mimi_codebooks, None].clamp(min=0)  # [B, K, 1]
-                    decoded = mimi.decode(codes_out)  # [B, 1, 1920]
-                    np.copyto(out.pcm, decoded[:, 0].float().cpu().numpy(), where=ready_cpu[:, None])
-                    out.audio_ready[:] = ready_cpu
-                timings.decode_ms = (self.clock() - t2) * 1e3
-                tokens_cpu = tokens.cpu().numpy()  # [B, 1 + dep_q]
-                out.text_tokens[stepping] = tokens_cpu[stepping, 0]
-                out.audio_tokens[stepping] = tokens_cpu[stepping, 1:]
+            timings.encode_ms += (t1 - t0) * 1e3
+            self._forcing.clear()
+            self.lm_gen.set_exec_mask(live_mask)
+            tokens = self.lm_gen.step(codes[:, : self.user_codebooks])  # [B, 1 + dep_q, 1]
+            self.sampling.advance(live_mask)
+            assert tokens is not None
+            tokens = tokens[:, :, 0]
+            t2 = self.clock()
+            timings.lm_ms = (t2 - t1) * 1e3
+            agent = tokens[:, 1:]
+            ready = live_mask & (agent >= 0).all(dim=1) & (tokens[:, 0] >= 0)
+            ready_cpu = ready.cpu().numpy()
+            if ready_cpu.any():
+                mimi.set_exec_mask(ready)
+                codes_out = agent[:, : self.mimi_codebooks, None].clamp(min=0)  # [B, K, 1]
+                decoded = mimi.decode(codes_out)  # [B, 1, 1920]
+                np.copyto(out.pcm, decoded[:, 0].float().cpu().numpy(), where=ready_cpu[:, None])
+                out.audio_ready[:] = ready_cpu
+            timings.decode_ms = (self.clock() - t2) * 1e3
+            tokens_cpu = tokens.cpu().numpy()  # [B, 1 + dep_q]
+            out.text_tokens[live] = tokens_cpu[live, 0]
+            out.audio_tokens[live] = tokens_cpu[live, 1:]
 
         finished = self._run_prompt_steps(start, timings)
         timings.total_ms = (self.clock() - start) * 1e3
         return out.result(finished, timings)
+
+    def _preroll(self) -> float:
+        """Prime the Mimi encoder rows of every slot that joined since the last tick with one frame of
+        silence (codes discarded), all of them in one encode with an exec mask of their rows alone: the
+        other rows' encoder state is untouched. A caller's first frame is then encoded with that silence as
+        context and stepped by the LM in its own tick, where moshi's server encodes the first frame, drops
+        its codes (the encoder's left padding) and steps from the second. A persona prompt never runs the
+        streaming encoder (its user side is ``PromptStep.user_codes``, encoded once at start), so a prompted
+        slot is pre-rolled the same way, in its join tick, before its prompt. Returns the time taken (ms)."""
+        pending = [i for i, s in enumerate(self._slots) if s.preroll and s.phase is not SlotPhase.FREE]
+        if not pending:
+            return 0.0
+        t0 = self.clock()
+        mimi = self.bundle.mimi
+        mimi.set_exec_mask(self._mask(pending))
+        mimi.encode(self._silence)
+        for i in pending:
+            self._slots[i].preroll = False
+        return (self.clock() - t0) * 1e3
 
     def _run_prompt_steps(self, tick_start: float, timings: TickTimings) -> list[int]:
         """Feed persona prompts in the tick's spare time: step-by-step prompts one teacher-forced LM step

@@ -6,10 +6,11 @@ of everything around the model without a GPU (after llm-d's inference simulator,
 ``memory_allocated_bytes``). A tick costs the time a real step would, spent in ``time.sleep`` (which
 releases the GIL, as a process waiting on its GPU does), and returns cheap results: as every live slot's
 audio, its own input at half level over a quiet 220 Hz tone (an echo, so that the Opus encoder works on
-speech as it would with a real model: a pure tone encodes several times cheaper), nothing for a session's
-first frame (dropped, as the real engine drops its first encoded frame); and a text piece every fourth
-tick. Persona prompts are consumed at one step per step time within the tick's prompt budget, as the real
-engine does.
+speech as it would with a real model: a pure tone encodes several times cheaper), nothing while the
+session is inside the real model's acoustic delay (its first step, unless a persona prompt's steps used it
+up: the real engine steps a caller's first frame at once and LMGen's first audio comes at its second step,
+so the sim's first audio comes at the real engine's tick); and a text piece every fourth tick. Persona
+prompts are consumed at one step per step time within the tick's prompt budget, as the real engine does.
 
 The step time is a :class:`StepTime`: a fixed figure (``"30"`` ms) or a table by batch size
 (``"1:28,8:32.6,16:45,32:70.2"``, linearly interpolated on the number of slots stepping, flat past its
@@ -56,13 +57,17 @@ __all__ = [
 
 _TEXT_EVERY_TICKS = 4
 _TEXT_PADDING = 3
+_ACOUSTIC_DELAY_STEPS = 1
+"""LM steps a session's row yields nothing for: ``max(delays)`` of every preset (LMGen returns ungenerated
+tokens while its offset is within it). Prompt steps count, as they advance LMGen's offset."""
 
 
 @dataclass
 class _SimSlot:
     phase: SlotPhase = SlotPhase.FREE
     prompt: deque[PromptStep] = field(default_factory=deque)
-    skip_next_frame: bool = False
+    steps: int = 0
+    """LM steps taken, prompt steps included (the acoustic delay)."""
     ticks: int = 0
 
 
@@ -117,7 +122,7 @@ class SimEngine:
             raise ValueError(f"slot {slot} is {state.phase.value}, not free")
         state.prompt = deque(prompt or [])
         state.phase = SlotPhase.PROMPTING if state.prompt else SlotPhase.LIVE
-        state.skip_next_frame = True
+        state.steps = 0
         state.ticks = 0
 
     def leave(self, slot: int) -> None:
@@ -156,8 +161,8 @@ class SimEngine:
             self._sleep(self.step_time.ms(len(live)) / 1e3)
             for i in live:
                 state = self._slots[i]
-                if state.skip_next_frame:
-                    state.skip_next_frame = False
+                state.steps += 1
+                if state.steps <= _ACOUSTIC_DELAY_STEPS:
                     continue
                 state.ticks += 1
                 # An echo over a tone (speech-like audio for the codecs), written into the buffer's row.
@@ -186,6 +191,7 @@ class SimEngine:
                 state = self._slots[i]
                 step = state.prompt.popleft()
                 assert step.text_token >= NOT_FORCED
+                state.steps += 1
                 if not state.prompt:
                     state.phase = SlotPhase.LIVE
                     finished.append(i)
