@@ -52,10 +52,11 @@ DEMO_SENTENCES = (
 
 STARTUP_FRAMES = 4
 """Output frames a served session may lack against the input frames it planned to send, before the shortfall
-counts as lost: the first frame the engine drops (its encoder's left padding), the model's acoustic delay
-and an Ogg page an Opus writer holds back. The tail a session listens after its last frame (0.6 s, about
-7 frames) more than makes up for them: measured here (sim and tiny models, PCM and Opus), a 40-frame
-session gets 43 to 47 audio messages back, a 10-frame one 10 to 16."""
+counts as lost: the model's acoustic delay (one frame for the 7B's delays; the engine no longer drops a
+session's first frame: its encoder is pre-rolled, docs/runtime.md) and an Ogg page an Opus writer holds
+back. The tail a session listens after its last frame (0.6 s, about 7 frames) more than makes up for them:
+measured here (sim and tiny models, PCM and Opus), a 40-frame session gets 43 to 47 audio messages back, a
+10-frame one 10 to 16."""
 
 CLOSE_NORMAL = 1000
 """The only close code a session may end with (RFC 6455 section 7.4.1); anything else is a failure."""
