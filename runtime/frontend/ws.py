@@ -81,6 +81,12 @@ class DuplexWebSocket(web.WebSocketResponse):
             self.close_sent = code
         return await super().close(code=code, message=message, drain=drain)
 
+    @property
+    def transport(self) -> asyncio.BaseTransport | None:
+        """The connection's socket transport (None before :meth:`prepare` or after the connection ended)."""
+        request = self._req
+        return None if request is None else request.transport
+
     async def recv(self) -> bytes | str:
         """The next data message (binary as bytes, text as str); pings are answered by aiohttp.
 
