@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from moshi.models.lm import LMGen
+from test_engine import FakeClock
 
 from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, PromptStep, SlotPhase
 from runtime.engine.model_presets import FRAME_SAMPLES, MOSHI_7B_LM, PERSONAPLEX_7B_LM, get_preset
@@ -28,17 +29,6 @@ FRAMES = 8
 
 Tokens = tuple[int, ...] | None
 """One tick's (text, audio...) tokens of a row; None where the row produced nothing."""
-
-
-class FakeClock:
-    """Moves 1 ms each read: how much prompt work a tick does depends on the budget, not the machine."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1e-3
-        return self.now
 
 
 @pytest.fixture(scope="module")

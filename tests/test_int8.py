@@ -14,6 +14,7 @@ import torch
 from moshi.utils.quantize import QLinear
 from pydantic import ValidationError
 from safetensors import safe_open
+from test_engine import FakeClock
 
 from infra.capacity.gpus import activation_precision
 from infra.capacity.memory import lm_weight_bytes
@@ -39,15 +40,6 @@ pytest.importorskip("bitsandbytes")
 
 SLOTS = 4
 TICKS = 30
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1e-3
-        return self.now
 
 
 @pytest.fixture(scope="module")

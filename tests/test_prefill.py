@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from moshi.modules.transformer import _MHAState, _TransformerState
+from test_engine import FakeClock
 
 from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, SlotPhase
 from runtime.engine.models import ModelBundle, build_tiny
@@ -19,17 +20,6 @@ from runtime.engine.sampling import SamplingParams
 SLOTS = 4
 PROMPTED = 2
 LONG_TEXT = " ".join(["Please tell me more about your trip and the weather over the hills."] * 30)
-
-
-class FakeClock:
-    """Moves 1 ms forward each time it is read."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1e-3
-        return self.now
 
 
 @pytest.fixture(scope="module")
