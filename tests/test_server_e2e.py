@@ -569,7 +569,7 @@ class LiveClient:
         await wait_until(lambda: bool(self.result.errors), timeout_s=timeout_s, what="a 0x05 error")
         return self.result.errors[0]
 
-    async def wait_closed(self, timeout_s: float = 15.0) -> SessionResult:
+    async def wait_closed(self, timeout_s: float = WAIT_S) -> SessionResult:
         await asyncio.wait_for(self.closed.wait(), timeout_s)
         await self.stop_streaming()
         return self.result
@@ -741,7 +741,7 @@ def assert_refused(result: SessionResult, code: int, *needles: str) -> str:
 
 async def knock(url: str, pcm: np.ndarray) -> SessionResult:
     """One short session attempt through the reference client."""
-    return await run_session(url, pcm[: FRAME_SAMPLES * 3], tail_s=0.1, handshake_timeout_s=15)
+    return await run_session(url, pcm[: FRAME_SAMPLES * 3], tail_s=0.1, handshake_timeout_s=WAIT_S)
 
 
 # --------------------------------------------------------------------------------------------------
