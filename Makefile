@@ -14,7 +14,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	promtool:prometheus prometheus-node-exporter:prometheus-node-exporter \
 	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium curl:curl \
 	prometheus-alertmanager:prometheus-alertmanager amtool:prometheus-alertmanager certbot:certbot \
-	pebble:pebble pebble-challtestsrv:pebble
+	pebble:pebble pebble-challtestsrv:pebble openssl:openssl turnserver:coturn turnutils_uclient:coturn
 STAMP := $(VENV)/.installed
 
 .PHONY: setup system-deps pip-check deploy-deps demo test lint bench lock clean mutation
@@ -23,7 +23,8 @@ setup: system-deps $(STAMP)
 
 # Debian/Ubuntu packages the main job and the tests run for real: Redis, nginx, Prometheus (with promtool)
 # and its exporters, Alertmanager (with amtool), certbot and Pebble (Let's Encrypt's test ACME server, with
-# its DNS stub pebble-challtestsrv), cloud-init (its schema check), a speech synthesiser. Installed only where missing.
+# its DNS stub pebble-challtestsrv), cloud-init (its schema check), a speech synthesiser, coturn (the TURN
+# relay of WebRTC media, with its test client) and openssl (a reference HMAC). Installed only where missing.
 system-deps:
 	@missing=""; \
 	for pair in $(SYSTEM_PACKAGES); do \

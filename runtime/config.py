@@ -144,6 +144,20 @@ class RuntimeConfig(BaseSettings):
         description="Front-end worker processes beside the engine process (runtime/multiproc.py): 0 runs "
         "one process (model and front end together), -1 picks from the host's cores (one per core, 1..8)",
     )
+    # WebRTC media relay (runtime/frontend/turn.py; the node runs coturn with the same secret).
+    turn_secret: SecretStr | None = Field(
+        None,
+        description="coturn's static-auth-secret (>= 32 bytes): TURN credentials are minted per session from "
+        "it (the TURN REST scheme); None: callers get no relay",
+    )
+    turn_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="TURN/STUN URLs given to WebRTC callers, comma-separated (e.g. "
+        "turn:node.example.com:3478?transport=udp,turns:node.example.com:5349?transport=tcp)",
+    )
+    turn_ttl_s: int = Field(
+        3600, ge=60, le=86400, description="How long a session's TURN credentials are valid (s)"
+    )
     sim_step_ms: str = Field(
         "30",
         description='model=sim only: step time, ms ("30") or batch:ms pairs ("1:28,8:32.6,16:45,32:70.2")',
@@ -240,6 +254,29 @@ class RuntimeConfig(BaseSettings):
                 raise ValueError('must be JSON: {"<kid>": "<secret of >= 32 bytes>", ...}') from None
             keys_from_mapping(mapping, source="DUPLEX_TOKEN_KEYS")
         return value
+
+    @field_validator("turn_secret")
+    @classmethod
+    def _turn_secret_length(cls, value: SecretStr | None) -> SecretStr | None:
+        from runtime.frontend.turn import MIN_SECRET_BYTES
+
+        if value is not None and len(value.get_secret_value().encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes (coturn's static-auth-secret)")
+        return value
+
+    @field_validator("turn_urls", mode="before")
+    @classmethod
+    def _turn_url_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("turn_urls")
+    @classmethod
+    def _turn_urls(cls, value: list[str]) -> list[str]:
+        from runtime.frontend.turn import check_turn_url
+
+        return [check_turn_url(url) for url in value]
 
     @field_validator("allowed_origins", mode="before")
     @classmethod

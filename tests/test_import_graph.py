@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the tick) imports nothing of the front end or the tools (docs/runtime.md).
     ("runtime.metrics", "runtime.ipc", "runtime.child_process"),
     ("runtime.engine",),
-    ("runtime.frontend.tokens",),  # the settings read signing keys with it
+    # the settings read signing keys with tokens, and check TURN URLs and secrets with turn
+    ("runtime.frontend.tokens", "runtime.frontend.turn"),
     ("runtime.config",),
     ("runtime.frontend",),
     ("runtime.multiproc",),  # the supervisor: starts the engine process and the workers
