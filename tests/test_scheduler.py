@@ -53,7 +53,7 @@ async def test_frames_handed_to_a_session_are_not_rewritten_by_later_ticks() -> 
         await asyncio.wait_for(enough.wait(), 60)
     finally:
         scheduler.stop()
-    # The first frame is dropped (as the real engine drops its first encoded frame); output k echoes input
-    # frame k + 1 at half level over the sim's tone.
+    # The first frame's step is the model's acoustic delay (no audio, as LMGen's first step gives none);
+    # output k echoes input frame k + 1 at half level over the sim's tone.
     for k, pcm in enumerate(got[: FRAMES - 1]):
         assert np.allclose(pcm, 0.5 * frames[k + 1] + engine._tone), f"frame {k} was rewritten"

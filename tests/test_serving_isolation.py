@@ -118,9 +118,9 @@ async def test_scheduler_gives_each_session_its_own_rows_through_joins_and_leave
     """Four slots, six sessions arriving one after another: A, B, C take slots 0, 1, 2; B leaves and D
     (fourth to arrive) takes slot 1, E slot 3; A leaves and F (sixth) takes slot 0. In every phase each live
     session pushes frames of its own constants (a ramp: every frame of the test differs), and each must hear
-    exactly its own frames, in order, less at most its first (the sim drops a session's first frame). Each
-    session also has sampling settings of its own, and its slot must join the engine with them (A, B and C
-    join in one tick).
+    exactly its own frames, in order, less at most its first (its first step is the model's acoustic delay:
+    no audio). Each session also has sampling settings of its own, and its slot must join the engine with
+    them (A, B and C join in one tick).
 
     Planted bug: ``SlotScheduler._run`` writes session i's frame into batch row i + 1
     (``pcm_in[(session.slot + 1) % self.slots]``), or hands a session the output of row i + 1
@@ -193,7 +193,7 @@ async def test_scheduler_gives_each_session_its_own_rows_through_joins_and_leave
     assert slots == {"A": 0, "B": 1, "C": 2, "D": 1, "E": 3, "F": 0}  # slots differ from arrival order
     for caller in callers:
         sent, heard = caller.sent, caller.heard
-        dropped = 1 if len(heard) < len(sent) else 0  # the sim drops a session's first frame
+        dropped = 1 if len(heard) < len(sent) else 0  # the acoustic delay step: the first frame is not echoed
         for k, value in enumerate(heard):
             own = sent[k + dropped] if k + dropped < len(sent) else None
             assert own is not None and abs(value - own) < 1e-4, (

@@ -45,7 +45,7 @@ def test_sim_engine_sleeps_the_step_time_of_its_batch_and_returns_cheap_output()
     engine.join(1, SamplingParams())
     first = engine.tick(pcm)
     assert slept == [pytest.approx(0.02)]  # two slots: 20 ms
-    assert not first.audio_ready.any()  # the first frame is dropped, as the real engine does
+    assert not first.audio_ready.any()  # the acoustic delay: LMGen's first step gives no audio
     texts = []
     for _ in range(8):
         result = engine.tick(pcm)

@@ -110,7 +110,7 @@ class SimEngine:
         self._slots = [_SimSlot() for _ in range(slots)]
         self._outputs = TickBuffers(slots, self.dep_q)
         t = np.arange(FRAME_SAMPLES, dtype=np.float32) / SAMPLE_RATE_HZ
-        self._tone = (0.05 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)  # 220 Hz: 88 whole periods
+        self._tone = (0.05 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)  # 220 Hz: 17.6 periods a frame
 
     def phase(self, slot: int) -> SlotPhase:
         return self._slots[slot].phase
