@@ -192,6 +192,7 @@ class OggRenumberer:
         self._rest = b""
         self._serial: bytes | None = None
         self._sequence = 0
+        self._header_done = False
 
     def feed(self, data: bytes) -> bytes:
         """The stream's bytes for the whole pages completed by ``data``."""
@@ -207,9 +208,11 @@ class OggRenumberer:
                 if not packet.startswith(b"OpusHead"):
                     out.append(_ogg_page(2, bytes(8), self._serial, 0, _SPHN_OPUS_HEAD))
                     out.append(_ogg_page(0, bytes(8), self._serial, 1, _SPHN_OPUS_TAGS))
-                    self._sequence = 2
-            elif is_header:
+                    self._sequence, self._header_done = 2, True
+            elif is_header and self._header_done:
                 continue  # a second header (a restarted client encoder): one stream, one header
+            elif packet.startswith(b"OpusTags"):
+                self._header_done = True
             flags = page[5] & 0x01 if self._sequence else 0x02  # BOS on the first page only; no EOS
             head = (
                 page[:5] + bytes([flags]) + page[6:14] + self._serial + self._sequence.to_bytes(4, "little")
