@@ -83,7 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     def show(fields: dict[str, str]) -> None:
         print(json.dumps(fields), flush=True)
 
-    consume(client, args.stream, args.group, args.consumer, show, max_events=args.max_events, block_ms=args.block_ms)
+    consume(
+        client,
+        args.stream,
+        args.group,
+        args.consumer,
+        show,
+        max_events=args.max_events,
+        block_ms=args.block_ms,
+    )
     return 0
 
 
