@@ -341,3 +341,61 @@ async def test_the_sweep_deletes_recordings_past_the_retention(api_node: DuplexS
     assert fresh.exists()
     fresh.unlink()
     assert "duplex_recordings_swept_total" in server.render_metrics().decode()
+
+
+async def test_the_api_through_the_local_nodes_nginx(api_node: DuplexServer, tmp_path: Path) -> None:
+    """The local profile's rendered nginx (TLS) in front of the server: the API passes with its
+    Authorization header, refusals keep their status, methods other than GET and DELETE stop at nginx, and a
+    dotted path is normalised by nginx before any location matches."""
+    import ssl
+    import subprocess
+
+    from infra.node.bundle import write_bundle
+    from infra.node.local import free_port_profile, nginx_global_directives
+    from infra.node.nginx import NGINX_CONF, render_nginx
+    from infra.node.tls import write_self_signed_certificate
+
+    server = api_node
+    profile = free_port_profile()
+    profile = profile.model_copy(update={"ports": profile.ports.model_copy(update={"runtime": server.port})})
+    write_bundle(render_nginx(profile), tmp_path)
+    for sub in ("logs", "run", "web"):
+        (tmp_path / sub).mkdir(exist_ok=True)
+    cert = tmp_path / profile.tls.certificate_path
+    write_self_signed_certificate(cert, tmp_path / profile.tls.private_key_path, domain=profile.domain)
+    process = subprocess.Popen(
+        ["nginx", "-p", f"{tmp_path}/", "-c", NGINX_CONF, "-e", "logs/error.log"]
+        + ["-g", nginx_global_directives(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    context = ssl.create_default_context(cafile=str(cert))
+    base = f"https://{profile.domain}:{profile.ports.https}"
+
+    async def call(path: str, token: str | None = None, method: str = "GET") -> tuple[int, bytes]:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        async with aiohttp.ClientSession() as http:
+            async with http.request(method, base + path, headers=headers, ssl=context) as answer:
+                return answer.status, await answer.read()
+
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                status, body = await call("/api/sessions", app_token())
+                break
+            except aiohttp.ClientConnectionError:
+                assert process.poll() is None, (tmp_path / "logs" / "error.log").read_text()
+                assert time.monotonic() < deadline, "nginx did not start"
+                await asyncio.sleep(0.1)
+        assert status == 200 and "sessions" in json.loads(body)
+        assert (await call("/api/sessions"))[0] == 401
+        assert (await call("/api/sessions", session_token()))[0] == 403
+        status, body = await call("/api/sessions/" + "ab" * 16, app_token(), method="DELETE")
+        assert status == 404 and json.loads(body)["error"] == "unknown_session"
+        assert (await call("/api/sessions", app_token(), method="POST"))[0] == 403  # limit_except
+        status, body = await call("/api/sessions/bad-id", app_token())
+        assert status == 400 and json.loads(body)["error"] == "bad_session_id"
+    finally:
+        process.terminate()
+        process.wait(10)
