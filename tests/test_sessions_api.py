@@ -374,9 +374,11 @@ async def test_the_api_through_the_local_nodes_nginx(api_node: DuplexServer, tmp
 
     async def call(path: str, token: str | None = None, method: str = "GET") -> tuple[int, bytes]:
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-        async with aiohttp.ClientSession() as http:
-            async with http.request(method, base + path, headers=headers, ssl=context) as answer:
-                return answer.status, await answer.read()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.request(method, base + path, headers=headers, ssl=context) as answer,
+        ):
+            return answer.status, await answer.read()
 
     try:
         deadline = time.monotonic() + WAIT_S
