@@ -151,7 +151,7 @@ async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
     assert await raw.type(hkey) == "hash"
     # The timestamped transcript (runtime/frontend/session_events.py): one JSON line per piece, same TTL.
     lkey = f"duplex:lines:{rec.session_id}"
-    lines = [json.loads(line) for line in await raw.lrange(lkey, 0, -1)]
+    lines = [json.loads(line) for line in (await raw.get(lkey)).splitlines()]
     assert [line["text"] for line in lines] == ["Hello", ", ", "world", "!"]
     assert {line["speaker"] for line in lines} == {"agent"}
     assert rec.started_at_unix_s - 1 <= lines[0]["at"] <= lines[-1]["at"] <= ending

@@ -38,30 +38,42 @@ class SessionLive(Exception):
     """The session is still going on: it cannot be erased (nor its recording read) before it ends."""
 
 
+def _entries(lines: list[str]) -> list[Any]:
+    """The JSON lines parsed in one call (a 10-minute transcript is thousands of lines); one by one, skipping
+    the bad ones, only when the whole does not parse."""
+    try:
+        return list(json.loads("[" + ",".join(lines) + "]"))
+    except ValueError:
+        parsed = []
+        for raw in lines:
+            try:
+                parsed.append(json.loads(raw))
+            except ValueError:
+                continue
+        return parsed
+
+
 def segments(lines: list[str], started_at: float) -> list[dict[str, Any]]:
-    """Timestamped pieces (``session_events.line_entry`` JSON) -> segments (see the module doc). A line
-    that is not valid JSON is skipped."""
+    """Timestamped pieces (``session_events.line_entry`` JSON lines) -> segments (see the module doc). A line
+    that is not a valid entry is skipped."""
     out: list[dict[str, Any]] = []
+    texts: list[list[str]] = []
     last_at = None
-    for raw in lines:
+    for entry in _entries(lines):
         try:
-            entry = json.loads(raw)
             at, speaker, text = float(entry["at"]), str(entry["speaker"]), str(entry["text"])
         except (ValueError, KeyError, TypeError):
             continue
         offset = round(max(0.0, at - started_at), 3)
-        current = out[-1] if out else None
-        if (
-            current is None
-            or current["speaker"] != speaker
-            or last_at is None
-            or at - last_at > SEGMENT_GAP_S
-        ):
-            out.append({"speaker": speaker, "start_s": offset, "end_s": offset, "text": text})
+        if not out or out[-1]["speaker"] != speaker or last_at is None or at - last_at > SEGMENT_GAP_S:
+            out.append({"speaker": speaker, "start_s": offset, "end_s": offset, "text": ""})
+            texts.append([text])
         else:
-            current["end_s"] = offset
-            current["text"] += text
+            out[-1]["end_s"] = offset
+            texts[-1].append(text)
         last_at = at
+    for segment, pieces in zip(out, texts, strict=True):
+        segment["text"] = "".join(pieces)
     return out
 
 
@@ -137,13 +149,14 @@ class SessionRecords:
         """One session with its transcript, or None when Redis holds no record of it."""
         pipe = self._redis.pipeline(transaction=True)
         pipe.hgetall(self._hash(session_id))
-        pipe.lrange(lines_key(self.key_prefix, session_id), 0, -1)
+        pipe.get(lines_key(self.key_prefix, session_id))
         pipe.get(f"{self.key_prefix}:transcript:{session_id}")
         fields, lines, text = await pipe.execute()
         if not fields:
             return None
         body = _summary(fields)
-        body["transcript"] = {"text": text or "", "segments": segments(lines, body["started_at"])}
+        pieces = (lines or "").splitlines()
+        body["transcript"] = {"text": text or "", "segments": segments(pieces, body["started_at"])}
         return body
 
     async def state(self, session_id: str) -> str | None:

@@ -428,7 +428,7 @@ class SessionWriter:
             pipe.append(tkey, "".join(pieces))
             pipe.expire(tkey, self.transcript_ttl_s)
         for lkey, entries in lines.items():
-            pipe.rpush(lkey, *entries)
+            pipe.append(lkey, "".join(entries))
             pipe.expire(lkey, self.transcript_ttl_s)
         for hkey in hashes:
             pipe.expire(hkey, self.session_ttl_s)
@@ -476,8 +476,7 @@ class SessionWriter:
                 if text:
                     pipe.set(tkey, text, ex=self.transcript_ttl_s)
                 if entries:
-                    pipe.rpush(lkey, *entries)
-                    pipe.expire(lkey, self.transcript_ttl_s)
+                    pipe.set(lkey, "".join(entries), ex=self.transcript_ttl_s)
                 if not sess.ended:
                     active.append(sid)
             if active:
