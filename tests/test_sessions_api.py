@@ -401,3 +401,18 @@ async def test_the_api_through_the_local_nodes_nginx(api_node: DuplexServer, tmp
     finally:
         process.terminate()
         process.wait(10)
+
+
+async def test_redis_down_answers_503_and_the_api_comes_back(
+    api_node: DuplexServer, module_redis: RedisServer
+) -> None:
+    server = api_node
+    module_redis.stop(save=True)
+    try:
+        status, headers, body = await api(server, "/api/sessions", token=app_token())
+        assert status == 503 and json.loads(body)["error"] == "store_unavailable"
+        assert headers["Retry-After"] == "1"
+    finally:
+        module_redis.start()
+    status, _, body = await api(server, "/api/sessions", token=app_token())
+    assert status == 200, body
