@@ -22,6 +22,9 @@ import json
 from typing import Any, cast
 
 import redis.asyncio as redis
+import redis.exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from runtime.frontend.session_events import events_key, index_key, lines_key
 
@@ -101,11 +104,15 @@ class SessionRecords:
 
     def __init__(self, url: str, *, key_prefix: str = "duplex", socket_timeout_s: float = 2.0) -> None:
         self.key_prefix = key_prefix
+        # Every command here is a read or an idempotent delete: retried once on a dropped connection, so
+        # the first request after a Redis restart does not fail on a pooled connection that died with it.
         self._redis = redis.Redis.from_url(
             url,
             decode_responses=True,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[redis_errors.ConnectionError],
         )
 
     async def close(self) -> None:
