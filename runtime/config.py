@@ -62,6 +62,20 @@ class RuntimeConfig(BaseSettings):
         ge=60,
         description="Redis TTL (s) of a session's record and transcript, refreshed at each write",
     )
+    recording_dir: Path | None = Field(
+        None,
+        description="Directory of session recordings (both sides as Ogg Opus, only for session tokens with "
+        "recording_consent); None: nothing is recorded. Files older than transcript_ttl_s are swept",
+    )
+    recording_sweep_s: float = Field(
+        300.0, gt=0, le=86400, description="How often expired recordings are looked for and deleted (s)"
+    )
+    events_maxlen: int = Field(
+        100_000,
+        ge=0,
+        description="Approximate length cap of the Redis session events stream {prefix}:events "
+        "(XADD MAXLEN ~); 0 writes no events",
+    )
     voices_dir: Path | None = Field(None, description="Directory of voice prompts (*.wav, *.pt)")
     drain_grace_s: float = Field(30.0, ge=0, description="After SIGTERM, how long running sessions may go on")
     max_session_s: float = Field(3600.0, gt=0, description="Longest session; it is closed after this")

@@ -32,6 +32,8 @@ ACCESS_REFUSAL_REASONS = (
     "unknown_key",
     "wrong_audience",
     "replayed",
+    "wrong_token_kind",
+    "insufficient_scope",
     "persona_not_allowed",
     "origin_not_allowed",
     "replay_check_unavailable",
@@ -202,6 +204,36 @@ class RuntimeMetrics:
             buckets=(0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0),
             registry=r,
         )
+        # Recordings (runtime/frontend/recording.py; docs/sessions-api.md, "Recording").
+        self.recordings = Counter(
+            "duplex_recordings_total",
+            "Recording files finished (one per side of a consenting session: caller, agent)",
+            ["side"],
+            registry=r,
+        )
+        self.recording_bytes = Counter(
+            "duplex_recording_bytes_total",
+            "Ogg Opus bytes written to recordings, by side",
+            ["side"],
+            registry=r,
+        )
+        self.recording_errors = Counter(
+            "duplex_recording_errors_total",
+            "Recording faults: queue_full (PCM encoder behind: audio left out of the recording), write (disk "
+            "error: that side's recording stops)",
+            ["reason"],
+            registry=r,
+        )
+        self.recordings_swept = Counter(
+            "duplex_recordings_swept_total",
+            "Recording files deleted by the retention sweep (older than DUPLEX_TRANSCRIPT_TTL_S)",
+            registry=r,
+        )
+        for side in ("caller", "agent"):
+            self.recordings.labels(side=side)
+            self.recording_bytes.labels(side=side)
+        for reason in ("queue_full", "write"):
+            self.recording_errors.labels(reason=reason)
         for outcome in ("admitted", "timeout", "left", "full"):
             self.waiting_room.labels(outcome=outcome)
         for reason in ("late_input", "input_overflow", "slow_client", "slow_worker"):

@@ -90,6 +90,8 @@ def test_every_refusal_keeps_its_status_close_code_and_message():
         "unknown_key": RefusalKind(401, 1008),
         "wrong_audience": RefusalKind(401, 1008),
         "replayed": RefusalKind(403, 1008),
+        "wrong_token_kind": RefusalKind(403, 1008),  # an application token on /api/chat (issue 23)
+        "insufficient_scope": RefusalKind(403, 1008),  # the sessions API's (issue 23)
         "persona_not_allowed": RefusalKind(403, 1008),
         "origin_not_allowed": RefusalKind(403, 1008),
         "replay_check_unavailable": RefusalKind(503, 1013),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -123,6 +124,7 @@ async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
         "persona": "NATF2",
         "format": "opus",
         "state": "active",
+        "recording": "0",
     }
     assert float(sess["started_at"]) == rec.started_at_unix_s
     assert await store.get_transcript(rec.session_id) == "Hello, world!"
@@ -147,6 +149,13 @@ async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
     assert await raw.ttl("duplex:node:node-a:writer") > 0
     assert await raw.type(tkey) == "string"
     assert await raw.type(hkey) == "hash"
+    # The timestamped transcript (runtime/frontend/session_events.py): one JSON line per piece, same TTL.
+    lkey = f"duplex:lines:{rec.session_id}"
+    lines = [json.loads(line) for line in (await raw.get(lkey)).splitlines()]
+    assert [line["text"] for line in lines] == ["Hello", ", ", "world", "!"]
+    assert {line["speaker"] for line in lines} == {"agent"}
+    assert rec.started_at_unix_s - 1 <= lines[0]["at"] <= lines[-1]["at"] <= ending
+    assert 0 < await raw.ttl(lkey) <= 300
 
     assert probe.errors == Counter()
     assert probe.backlog[-1] == 0 and max(probe.backlog) >= 1

@@ -2,9 +2,10 @@
 
 ``render_nginx(profile)`` gives ``nginx/nginx.conf``: TLS 1.2/1.3 only, plain HTTP redirected except the ACME
 HTTP-01 webroot (``infra.node.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn`` per node and
-per client address (503) and ``limit_req`` on handshakes (429), ``/metrics`` 404 on the public side, the
-browser client (``infra.node.webclient``) at ``/`` under a CSP that allows only the node itself, no session
-token in the access log. The same profile always gives the same bytes.
+per client address (503) and ``limit_req`` on handshakes (429), the sessions API (``/api/sessions``, GET and
+DELETE), ``/metrics`` 404 on the public side, the browser client (``infra.node.webclient``) at ``/`` under a
+CSP that allows only the node itself, no session token in the access log. The same profile always gives the
+same bytes.
 
 What each directive does, and why: docs/node.md, "The bundle"."""
 
@@ -225,6 +226,24 @@ http {{
             proxy_pass http://duplex_runtime;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
+        }}
+
+        # The sessions API (runtime/frontend/sessions_api.py): application backends with an application
+        # token (Authorization: Bearer, passed through). GET and DELETE only; recordings stream unbuffered.
+        # nginx normalises the path first: "/api/sessions/../x" never reaches this location.
+        location ^~ /api/sessions {{
+            limit_except GET DELETE {{
+                deny all;
+            }}
+            error_page 502 504 @runtime_unavailable;
+            proxy_pass http://duplex_runtime;
+            proxy_http_version 1.1;
+            proxy_set_header Host $host;
+            proxy_set_header X-Real-IP $remote_addr;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto https;
+            proxy_set_header Connection "";
+            proxy_buffering off;
         }}
 
         # Never public: Prometheus scrapes the runtime on the private address.

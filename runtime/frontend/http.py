@@ -1,7 +1,8 @@
 """The HTTP side of the node's port: one route table for the loading and the serving phases, served by
 aiohttp (``build_app``; the loading phase's ``build_loading_app``).
 
-Every route answers GET only (405 with ``Allow`` otherwise, RFC 9110 15.5.6); an unknown path gets 404
+Every route answers GET only (405 with ``Allow`` otherwise, RFC 9110 15.5.6), but the sessions API's items
+(GET and DELETE: ``runtime.frontend.sessions_api``); an unknown path gets 404
 naming the routes. While the model loads (the pre-load server of ``--workers 0``, or a worker whose
 engine has not answered yet) each route gives its ``loading`` answer: ``/healthz`` 200 ``loading``,
 ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``, ``/metrics`` the registry (with
@@ -32,6 +33,7 @@ from runtime.frontend.access import RequestView, bearer_token, session_token
 from runtime.frontend.ratelimit import RateLimited
 from runtime.frontend.refusals import LOADING_MESSAGE, Admission, SessionRefused
 from runtime.frontend.session import FrontEnd, plan_session
+from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
 from runtime.frontend.tokens import TokenRejected
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE
 
@@ -248,13 +250,19 @@ ROUTES: dict[str, Route] = {
     "/healthz": Route(("GET",), _healthz, _loading_healthz),
     "/readyz": Route(("GET",), _readyz, _loading_readyz),
     "/metrics": Route(("GET",), _metrics, _loading_metrics),
+    # The sessions API (runtime.frontend.sessions_api): the collection, and every path below it.
+    SESSIONS_PATH: Route(("GET",), sessions_collection, _loading_refused),
+    SESSIONS_PATH + "/*": Route(("GET", "DELETE"), sessions_item, _loading_refused),
 }
-"""Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer."""
+"""Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer. A key
+ending in ``/*`` takes every path below it."""
 
 
 def _route(request: web.Request) -> tuple[Route | None, web.Response | None]:
     path = request.path
     route = ROUTES.get(path)
+    if route is None and path.startswith(SESSIONS_PATH + "/"):
+        route = ROUTES[SESSIONS_PATH + "/*"]
     if route is None:
         return None, text_response(404, f"no route {path}; try {', '.join(ROUTES)}\n")
     if request.method not in route.methods:

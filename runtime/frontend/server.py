@@ -29,6 +29,7 @@ from runtime.engine.api import SlotBackend
 from runtime.frontend import http
 from runtime.frontend.access import Access
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
+from runtime.frontend.recording import LocalRecordings, RecordingStore
 from runtime.frontend.refusals import (
     ADMISSION_REASONS,
     CLOSE_GOING_AWAY,
@@ -39,6 +40,7 @@ from runtime.frontend.refusals import (
     Admission,
 )
 from runtime.frontend.session import ChatSession
+from runtime.frontend.session_records import SessionRecords
 from runtime.frontend.session_store import SessionStore
 from runtime.metrics import RuntimeMetrics
 
@@ -127,6 +129,12 @@ class DuplexServer:
         self.metrics = metrics or RuntimeMetrics()
         self.worker_id = worker_id
         self.access = Access(config, self.metrics)
+        # The sessions API's reads (runtime.frontend.sessions_api) and the recordings, when configured.
+        self.records = None if store is None else SessionRecords(store.url, key_prefix=store.key_prefix)
+        self.recordings: RecordingStore | None = (
+            None if config.recording_dir is None else LocalRecordings(config.recording_dir)
+        )
+        self._sweep_task: asyncio.Task[None] | None = None
         self.sessions: set[ChatSession] = set()
         self.draining = False
         self.maintenance: MaintenanceWatcher | None = None
@@ -153,6 +161,8 @@ class DuplexServer:
             app, self.config.host, self.config.port, reuse_port=self.worker_id is not None
         )
         self.metrics.ready.set(1)
+        if self.recordings is not None:
+            self._sweep_task = asyncio.create_task(self._sweep_recordings(self.recordings))
         self.maintenance = start_maintenance_watch(
             self.config, self.metrics, self._on_maintenance_notice, on_preempted=self._on_preempted
         )
@@ -208,9 +218,25 @@ class DuplexServer:
         transports = [session.transport for session in list(self.sessions)]
         await asyncio.gather(*(t.close(code, reason) for t in transports), return_exceptions=True)
 
+    async def _sweep_recordings(self, recordings: RecordingStore) -> None:
+        """Every ``recording_sweep_s``: delete recordings older than the retention (``transcript_ttl_s``)."""
+        while True:
+            try:
+                removed = await asyncio.to_thread(recordings.sweep, self.config.transcript_ttl_s)
+            except OSError as exc:
+                log.warning("recording sweep failed: %s", exc)
+            else:
+                if removed:
+                    log.info("recording sweep: %d expired files deleted", removed)
+                    self.metrics.recordings_swept.inc(removed)
+            await asyncio.sleep(self.config.recording_sweep_s)
+
     async def close(self) -> None:
         """Stop listening, close the backend, flush the store. Idempotent."""
         self._stop_maintenance_watch()
+        if self._sweep_task is not None:
+            self._sweep_task.cancel()
+            self._sweep_task = None
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -218,6 +244,8 @@ class DuplexServer:
         if self.store is not None:
             await self.store.close()
         await self.access.close()
+        if self.records is not None:
+            await self.records.close()
 
     def _backend_lost(self) -> None:
         """The engine is gone: close every session with 1011 (their slots went with it)."""
@@ -334,4 +362,5 @@ def build_store(config: RuntimeConfig, metrics: RuntimeMetrics) -> SessionStore 
         transcript_ttl_s=config.transcript_ttl_s,
         on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
         on_backlog=metrics.redis_backlog.set,
+        events_maxlen=config.events_maxlen,
     )

@@ -32,6 +32,7 @@ from runtime.engine.api import (
 )
 from runtime.frontend.access import Access
 from runtime.frontend.audio_codec import make_codec
+from runtime.frontend.recording import SessionRecorder, start_recording
 from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.session_query import SessionRequest, parse_session_query
 from runtime.frontend.session_store import SessionRecord, SessionStore
@@ -197,6 +198,8 @@ class ChatSession(SessionSink):
         self.lease: SlotLease | None = None
         self.started = False
         self._released = False
+        self.recorder: SessionRecorder | None = None
+        """Both sides to disk when the token has ``recording_consent`` (``runtime.frontend.recording``)."""
 
     @property
     def max_session_s(self) -> float:
@@ -256,6 +259,11 @@ class ChatSession(SessionSink):
                 raise SessionRefused(exc.reason, str(exc)) from None
         self.started = True
         self.front.metrics.sessions_started.inc()
+        consent = self.claims is not None and self.claims.recording_consent
+        recordings = getattr(self.front, "recordings", None)
+        self.recorder = start_recording(
+            recordings, consent, self.session_id, self.request.format.value, self.front.metrics
+        )
         store = self.front.store
         if store is not None:
             record = SessionRecord(
@@ -265,6 +273,7 @@ class ChatSession(SessionSink):
                 time.time(),
                 persona_label(self.request),
                 self.request.format.value,
+                recording=self.recorder is not None,
             )
             store.register_session(record)
         return self.lease.slot
@@ -287,6 +296,8 @@ class ChatSession(SessionSink):
         """
         if not self.ready.is_set() or self.lease is None:
             return  # audio before the handshake is dropped, as moshi's server does
+        if self.recorder is not None:
+            self.recorder.caller(payload)  # a queue put: the recording is written off the audio path
         metrics = self.front.metrics
         for frame in self.assembler.push(payload):
             self.frames_in += 1
@@ -306,6 +317,8 @@ class ChatSession(SessionSink):
                     self._observe_first_audio(lease.first_input_at, self.clock())
                 self.frames_out += 1
                 if payload:
+                    if self.recorder is not None:
+                        self.recorder.agent(payload)
                     await self.transport.send_audio(payload)
             if piece is not None:
                 await self.transport.send_text(piece)
@@ -342,6 +355,8 @@ class ChatSession(SessionSink):
     def finish(self, outcome: SessionOutcome) -> None:
         """Release, and count and record how the session ended (when it had started)."""
         self.release()
+        if self.recorder is not None:
+            self.recorder.close()
         if not self.started:
             return
         self.front.metrics.sessions_ended.labels(reason=outcome.reason).inc()

@@ -22,6 +22,10 @@ every key it touches with ``EXPIRE``):
     back inside its transaction; a missing or foreign token means Redis lost data (restart without
     persistence, ``FLUSHALL``, expiry) and triggers a resync.
 
+``{prefix}:lines:{id}``, ``{prefix}:sessions``, ``{prefix}:events``
+    The timestamped transcript, the index of sessions by start time and the events stream (bounded by
+    ``events_maxlen``): ``runtime.frontend.session_events``. They follow the same failure contract.
+
 Failure handling (Redis down must not stop the audio):
 
 - Each failed Redis attempt calls ``on_error(op_name)`` once (``"write"`` for an op batch, ``"resync"``
@@ -56,6 +60,7 @@ import logging
 import threading
 import time
 
+from runtime.frontend.session_events import EVENT_KINDS, line_entry
 from runtime.frontend.session_writer import SessionRecord, SessionWriter, _Op, _Session
 
 __all__ = ["SessionRecord", "SessionStore"]
@@ -170,7 +175,8 @@ class SessionStore(SessionWriter):
                         sess.ended = False
                         sess.end_reason = ""
                         sess.ended_at_unix_s = 0.0
-                    errors = self._push(_Op("register", sess, record=record, gen=sess.gen))
+                    op = _Op("register", sess, record=record, gen=sess.gen, at_unix_s=time.time())
+                    errors = self._push(op)
                     backlog = self._live
             self._after_push(errors, backlog)
         except Exception:
@@ -187,11 +193,13 @@ class SessionStore(SessionWriter):
                 return
             if not isinstance(piece, str):
                 piece = str(piece)
+            now = time.time()
+            line = line_entry(now, piece)
             with self._lock:
                 sess, errors = self._live_session(session_id)
                 backlog = None
                 if sess is not None:
-                    errors = self._push(_Op("append", sess, piece=piece))
+                    errors = self._push(_Op("append", sess, piece=piece, line=line, at_unix_s=now))
                     backlog = self._live
             self._after_push(errors, backlog)
         except Exception:
@@ -212,12 +220,38 @@ class SessionStore(SessionWriter):
                     sess.ended = True
                     sess.end_reason = str(reason)
                     sess.ended_at_unix_s = now
-                    op = _Op("end", sess, reason=sess.end_reason, ended_at_unix_s=now, gen=sess.gen)
+                    op = _Op(
+                        "end", sess, reason=sess.end_reason, ended_at_unix_s=now, gen=sess.gen, at_unix_s=now
+                    )
                     errors = self._push(op)
                     backlog = self._live
             self._after_push(errors, backlog)
         except Exception:
             self._internal_error("end_session")
+
+    def record_event(self, session_id: str, kind: str, fields: dict[str, str] | None = None) -> None:
+        """Queue an event of a live session on the events stream alone (``kind`` of
+        ``session_events.EVENT_KINDS``: ``resumed`` for the resume work; ``fields``: its extra fields, str
+        to str). ``started``, ``text`` and ``ended`` are written by the three calls above.
+
+        Never blocks, never raises: an unknown kind is counted as ``on_error("internal")``, an unknown or
+        ended session as ``on_error("unknown_session")``.
+        """
+        try:
+            if kind not in EVENT_KINDS:
+                raise ValueError(f"unknown event kind {kind!r}; allowed: {', '.join(EVENT_KINDS)}")
+            extra = {str(k): str(v) for k, v in (fields or {}).items()}
+            now = time.time()
+            with self._lock:
+                sess, errors = self._live_session(session_id)
+                backlog = None
+                if sess is not None:
+                    op = _Op("event", sess, event_kind=kind, extra=extra, at_unix_s=now)
+                    errors = self._push(op)
+                    backlog = self._live
+            self._after_push(errors, backlog)
+        except Exception:
+            self._internal_error("record_event")
 
     def _live_session(self, session_id: str) -> tuple[_Session | None, list[str]]:
         """Under ``self._lock``: the session when the store is open and the session started and not ended,

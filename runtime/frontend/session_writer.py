@@ -3,7 +3,8 @@
 :class:`SessionWriter` (the store's base class) holds the local mirror of every tracked session and the
 bounded op queue, and its task applies the queue to Redis in ``MULTI``/``EXEC`` batches, or rewrites
 everything from the mirror (a resync) after a failure. The key layout and the failure contract are the
-store's module doc; operating it: docs/operations.md, "Session store (Redis)".
+store's module doc (the events stream, the timestamped transcript and the session index:
+``runtime.frontend.session_events``); operating it: docs/operations.md, "Session store (Redis)".
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.typing import EncodableT, FieldT
 
+from runtime.frontend.session_events import (
+    INDEX_HORIZON_S,
+    event_fields,
+    events_key,
+    index_key,
+    lines_key,
+)
+
 __all__ = ["SessionRecord", "SessionWriter"]
 
 logger = logging.getLogger(__name__)
@@ -39,6 +48,7 @@ class SessionRecord:
         started_at_unix_s: wall-clock start time (unix s).
         persona: voice/text prompt name, or "" when none.
         audio_format: client audio format (e.g. ``"opus"``, ``"pcm_s16le_24k"``).
+        recording: the caller consented and the session is being recorded.
     """
 
     session_id: str
@@ -47,6 +57,7 @@ class SessionRecord:
     started_at_unix_s: float
     persona: str
     audio_format: str
+    recording: bool = False
 
 
 @dataclass(eq=False)
@@ -60,6 +71,8 @@ class _Session:
     ended_at_unix_s: float = 0.0
     acked: list[str] = field(default_factory=list)
     """Transcript pieces Redis acknowledged, in order (joined every ``_JOIN_EVERY`` pieces)."""
+    acked_lines: list[str] = field(default_factory=list)
+    """The same pieces as timestamped JSON lines (``session_events.line_entry``)."""
     pending: deque[_Op] = field(default_factory=deque)
     """Queued (not yet acknowledged, not dropped) append ops of this session, oldest first."""
 
@@ -73,6 +86,7 @@ class _Session:
             "persona": rec.persona,
             "format": rec.audio_format,
             "state": "ended" if self.ended else "active",
+            "recording": "1" if rec.recording else "0",
         }
         if self.ended:
             out["end_reason"] = self.end_reason
@@ -82,12 +96,17 @@ class _Session:
 
 @dataclass(eq=False)
 class _Op:
-    """One queued write. ``kind`` is ``"register"``, ``"append"`` or ``"end"``."""
+    """One queued write. ``kind`` is ``"register"``, ``"append"``, ``"end"`` or ``"event"`` (an event
+    only: ``event_kind`` and ``extra``)."""
 
     kind: str
     session: _Session
     record: SessionRecord | None = None
     piece: str = ""
+    line: str = ""
+    at_unix_s: float = 0.0
+    event_kind: str = ""
+    extra: dict[str, str] | None = None
     reason: str = ""
     ended_at_unix_s: float = 0.0
     gen: int = 0
@@ -129,18 +148,21 @@ class SessionWriter:
         on_error: Callable[[str], None] | None = None,
         on_backlog: Callable[[int], None] | None = None,
         socket_timeout_s: float = 0.5,
+        events_maxlen: int = 100_000,
     ) -> None:
+        if events_maxlen < 0:
+            raise ValueError("events_maxlen must be >= 0 entries (0: no events stream)")
         if session_ttl_s <= 0 or transcript_ttl_s <= 0:
             raise ValueError("session_ttl_s and transcript_ttl_s must be > 0 s")
         if max_backlog_ops <= 0:
             raise ValueError("max_backlog_ops must be > 0 ops")
         if retry_initial_s <= 0 or retry_max_s < retry_initial_s:
             raise ValueError("need 0 < retry_initial_s <= retry_max_s (s)")
-        self.node_id = node_id
-        self.key_prefix = key_prefix
+        self.url, self.node_id, self.key_prefix = url, node_id, key_prefix
         self.session_ttl_s = int(session_ttl_s)
         self.transcript_ttl_s = int(transcript_ttl_s)
         self.max_backlog_ops = int(max_backlog_ops)
+        self.events_maxlen = int(events_maxlen)
         self.retry_initial_s = float(retry_initial_s)
         self.retry_max_s = float(retry_max_s)
         self._on_error = on_error
@@ -189,6 +211,26 @@ class SessionWriter:
     def node_sessions_key(self, node_id: str | None = None) -> str:
         """``{prefix}:node:{node}:sessions`` (set); this store's node when ``node_id`` is None."""
         return f"{self.key_prefix}:node:{node_id or self.node_id}:sessions"
+
+    def _xadd_event(self, pipe: Any, op: _Op) -> None:
+        """Queue the stream entry of ``op`` on ``pipe`` (none for a register op that is not a start, none
+        when ``events_maxlen`` is 0)."""
+        if not self.events_maxlen:
+            return
+        rec, extra = op.session.record, dict(op.extra or {})
+        kind = {"append": "text", "end": "ended", "register": "started"}.get(op.kind, op.event_kind)
+        if op.kind == "append":
+            extra.update(speaker="agent", text=op.piece)
+        elif op.kind == "end":
+            extra["reason"] = op.reason
+        elif op.kind == "register" and op.record is not None:
+            r = op.record
+            extra.update(
+                persona=r.persona, format=r.audio_format, slot=str(r.slot), recording=str(int(r.recording))
+            )
+        node, event_id = rec.node_id or self.node_id, f"{self._token}:{op.seq}"
+        fields = event_fields(kind, rec.session_id, node, op.at_unix_s, event_id, extra)
+        pipe.xadd(events_key(self.key_prefix), fields, maxlen=self.events_maxlen, approximate=True)
 
     def writer_key(self) -> str:
         """``{prefix}:node:{node}:writer`` (string, the writer token)."""
@@ -277,6 +319,7 @@ class SessionWriter:
                 while sess.pending and sess.pending[0].seq <= op.seq:
                     sess.pending.popleft()
                 sess.acked.append(op.piece)
+                sess.acked_lines.append(op.line)
                 if len(sess.acked) >= _JOIN_EVERY:
                     sess.acked[:] = ["".join(sess.acked)]
             elif op.kind == "end":
@@ -351,13 +394,18 @@ class SessionWriter:
         pipe = self._redis.pipeline(transaction=True)
         pipe.get(self.writer_key())
         texts: dict[str, list[str]] = {}  # transcript key -> pieces, in order (APPEND commutes across keys)
+        lines: dict[str, list[str]] = {}  # lines key -> timestamped pieces, in order
         hashes: set[str] = set()
         node_touched = False
         for op in ops:
             sid = op.session.record.session_id
             hkey = self.session_key(sid)
+            self._xadd_event(pipe, op)
+            if op.kind == "event":
+                continue
             if op.kind == "append":
                 texts.setdefault(self.transcript_key(sid), []).append(op.piece)
+                lines.setdefault(lines_key(self.key_prefix, sid), []).append(op.line)
                 hashes.add(hkey)
             elif op.kind == "register":
                 assert op.record is not None
@@ -365,6 +413,7 @@ class SessionWriter:
                 pipe.hdel(hkey, "end_reason", "ended_at")
                 pipe.hset(hkey, mapping=mirror.fields(self.node_id))
                 pipe.sadd(node_key, sid)
+                self._index(pipe, op.record)
                 hashes.add(hkey)
                 node_touched = True
             else:  # end
@@ -378,6 +427,9 @@ class SessionWriter:
         for tkey, pieces in texts.items():
             pipe.append(tkey, "".join(pieces))
             pipe.expire(tkey, self.transcript_ttl_s)
+        for lkey, entries in lines.items():
+            pipe.append(lkey, "".join(entries))
+            pipe.expire(lkey, self.transcript_ttl_s)
         for hkey in hashes:
             pipe.expire(hkey, self.session_ttl_s)
         if node_touched:
@@ -393,6 +445,12 @@ class SessionWriter:
                 self._need_resync = True
         self._emit_backlog(backlog)
 
+    def _index(self, pipe: Any, record: SessionRecord) -> None:
+        """Queue the session's place in ``{prefix}:sessions`` and the trim of ids long expired."""
+        pipe.zadd(index_key(self.key_prefix), {record.session_id: float(record.started_at_unix_s)})
+        horizon = record.started_at_unix_s - self.session_ttl_s - INDEX_HORIZON_S
+        pipe.zremrangebyscore(index_key(self.key_prefix), "-inf", f"({horizon!r}")
+
     async def _resync(self) -> None:
         """Rewrite every tracked session and this node's set from the mirror in one MULTI/EXEC."""
         await self._redis.ping()  # cheap reachability check before building a large transaction
@@ -404,18 +462,31 @@ class SessionWriter:
             pipe.delete(node_key)
             active: list[str] = []
             for sid, sess in self._sessions.items():
-                hkey, tkey = self.session_key(sid), self.transcript_key(sid)
+                hkey, tkey, lkey = (
+                    self.session_key(sid),
+                    self.transcript_key(sid),
+                    lines_key(self.key_prefix, sid),
+                )
                 text = "".join(sess.acked) + "".join(op.piece for op in sess.pending)
-                pipe.delete(hkey, tkey)
+                entries = sess.acked_lines + [op.line for op in sess.pending]
+                pipe.delete(hkey, tkey, lkey)
                 pipe.hset(hkey, mapping=sess.fields(self.node_id))
                 pipe.expire(hkey, self.session_ttl_s)
+                self._index(pipe, sess.record)
                 if text:
                     pipe.set(tkey, text, ex=self.transcript_ttl_s)
+                if entries:
+                    pipe.set(lkey, "".join(entries), ex=self.transcript_ttl_s)
                 if not sess.ended:
                     active.append(sid)
             if active:
                 pipe.sadd(node_key, *active)
                 pipe.expire(node_key, self.session_ttl_s)
+            # The events of every op this resync acknowledges, in order (again, if the failed attempt's
+            # EXEC did apply: at least once, deduplicated by the consumer on the ``event`` field).
+            for op in self._queue:
+                if op.seq <= upto and not op.dropped:
+                    self._xadd_event(pipe, op)
             pipe.set(self.writer_key(), self._token, ex=self._marker_ttl_s)
         await pipe.execute()
         with self._lock:

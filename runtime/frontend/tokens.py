@@ -8,12 +8,16 @@ HS256-signed with one of the node's signing keys, named by the ``kid`` header::
     header  {"alg": "HS256", "typ": "JWT", "kid": "<key id>"}
     claims  {"aud": "<node or fleet audience>", "iat": <unix s>, "nbf": <unix s>, "exp": <unix s>,
              "jti": "<token id>", "personas": ["*"] or ["<voice prompt>", ...],
-             "max_session_s": <s, optional>}
+             "max_session_s": <s, optional>, "recording_consent": <bool, optional>}
 
 - ``personas``: the voice prompts (``voice_prompt`` query parameter) the token allows; ``["*"]`` allows
   any. A session without a voice prompt (the model's own voice) is allowed by every token.
 - ``max_session_s``: the session is closed at this length (or at the node's ``DUPLEX_MAX_SESSION_S``,
   whichever is shorter).
+- ``recording_consent``: the caller consented to a recording: the node writes both sides to disk
+  (``runtime.frontend.recording``; docs/sessions-api.md). Absent or false: nothing is recorded.
+- A token carrying a ``scope`` claim is an *application* token (``runtime.frontend.app_tokens``, for the
+  sessions API): it never opens a session (``wrong_token_kind``, 403).
 - ``jti``: tokens are single-use: the runtime remembers every token id it admitted until the token
   expires and refuses a second use (the replay guards: :mod:`runtime.frontend.replay`).
 
@@ -81,6 +85,8 @@ REFUSAL_STATUS: dict[str, int] = {
     "unknown_key": 401,
     "wrong_audience": 401,
     "replayed": 403,
+    "wrong_token_kind": 403,
+    "insufficient_scope": 403,
     "persona_not_allowed": 403,
     "origin_not_allowed": 403,
     "replay_check_unavailable": 503,
@@ -202,6 +208,7 @@ class TokenClaims:
         personas: allowed voice prompts; ``("*",)`` for any.
         issued_at, not_before, expires_at: ``iat``, ``nbf``, ``exp`` (unix s).
         max_session_s: the session's longest length (s), or None for the node's.
+        recording_consent: the caller consented to a recording of the session (both sides).
     """
 
     token_id: str
@@ -212,6 +219,7 @@ class TokenClaims:
     not_before: float
     expires_at: float
     max_session_s: float | None = None
+    recording_consent: bool = False
 
     def allows_persona(self, voice_prompt: str | None) -> bool:
         """The token allows this voice prompt (None: no voice prompt, always allowed)."""
@@ -251,12 +259,23 @@ class TokenVerifier:
         return sorted(self._keys)
 
     def verify(self, token: str | None) -> TokenClaims:
-        """The claims of ``token`` if it is well formed, signed by a known key, for this audience and
-        within its validity period.
+        """The claims of session token ``token`` if it is well formed, signed by a known key, for this
+        audience and within its validity period.
 
         Raises:
             TokenRejected: ``missing``, ``malformed``, ``unknown_key``, ``bad_signature``,
-                ``wrong_audience``, ``expired`` or ``not_yet_valid`` (the detail says more).
+                ``wrong_audience``, ``expired``, ``not_yet_valid`` or ``wrong_token_kind`` (an application
+                token; the detail says more).
+        """
+        payload, kid = self.verified_payload(token)
+        return _claims_from_payload(payload, kid)
+
+    def verified_payload(self, token: str | None) -> tuple[dict[str, Any], str]:
+        """The payload and ``kid`` of any token of this node (session or application) after the checks of
+        signature, key, audience and time; its claims are not interpreted.
+
+        Raises:
+            TokenRejected: as :meth:`verify`, but never ``wrong_token_kind``.
         """
         if not token:
             raise TokenRejected(
@@ -298,7 +317,7 @@ class TokenVerifier:
             ) from None
         except jwt.PyJWTError as exc:
             raise TokenRejected("malformed", str(exc)) from None
-        return _claims_from_payload(claims, kid)
+        return claims, kid
 
     @staticmethod
     def check_persona(claims: TokenClaims, voice_prompt: str | None) -> None:
@@ -312,6 +331,12 @@ class TokenVerifier:
 
 
 def _claims_from_payload(payload: dict[str, Any], kid: str) -> TokenClaims:
+    if "scope" in payload:
+        raise TokenRejected(
+            "wrong_token_kind",
+            "this is an application token (it has a scope claim): it reads the sessions API and cannot "
+            "open a session; mint a session token (`duplex token mint`)",
+        )
     jti = payload["jti"]
     if not isinstance(jti, str) or not _JTI_RE.match(jti):
         raise TokenRejected("malformed", "jti must be 1-128 printable ASCII characters without spaces")
@@ -329,6 +354,9 @@ def _claims_from_payload(payload: dict[str, Any], kid: str) -> TokenClaims:
         or not 0 < max_session_s < math.inf
     ):
         raise TokenRejected("malformed", "max_session_s must be a positive number of seconds")
+    consent = payload.get("recording_consent", False)
+    if not isinstance(consent, bool):
+        raise TokenRejected("malformed", "recording_consent must be true or false")
     audience = payload["aud"]
     return TokenClaims(
         token_id=jti,
@@ -339,6 +367,7 @@ def _claims_from_payload(payload: dict[str, Any], kid: str) -> TokenClaims:
         not_before=float(payload["nbf"]),
         expires_at=float(payload["exp"]),
         max_session_s=None if max_session_s is None else float(max_session_s),
+        recording_consent=consent,
     )
 
 
@@ -351,6 +380,7 @@ def mint_token(
     audience: str,
     token_id: str | None = None,
     now: float | None = None,
+    recording_consent: bool = False,
 ) -> str:
     """A signed session token (what an application backend calls, once per conversation).
 
@@ -363,6 +393,7 @@ def mint_token(
         audience: the node's (or fleet's) audience, its ``DUPLEX_TOKEN_AUDIENCE``.
         token_id: ``jti``; default 128 random bits. Each token may open one session.
         now: the issue time (unix s); default the clock.
+        recording_consent: the caller consented to a recording (the claim is written only when True).
 
     Raises:
         ValueError: ttl out of (0, MAX_TTL_S], no personas or a bad name, a non-positive
@@ -391,4 +422,6 @@ def mint_token(
     }
     if max_session_s is not None:
         payload["max_session_s"] = max_session_s
+    if recording_consent:
+        payload["recording_consent"] = True
     return jwt.encode(payload, key.secret, algorithm=ALGORITHM, headers={"kid": key.kid})

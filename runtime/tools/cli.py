@@ -546,15 +546,42 @@ def token_mint(
     audience: Annotated[
         str, typer.Option(envvar="DUPLEX_TOKEN_AUDIENCE", help="The node's DUPLEX_TOKEN_AUDIENCE")
     ] = "duplex",
+    recording_consent: Annotated[
+        bool, typer.Option(help="The caller consented: the node records both sides (DUPLEX_RECORDING_DIR)")
+    ] = False,
+    app: Annotated[
+        bool, typer.Option("--app", help="Mint an application token for the sessions API instead")
+    ] = False,
+    scope: Annotated[
+        list[str] | None,
+        typer.Option(help="With --app: sessions:read and/or sessions:erase (repeat; default both)"),
+    ] = None,
 ) -> None:
-    """Print one signed session token (single-use). From code: runtime.frontend.tokens.mint_token."""
+    """Print one signed session token (single-use), or with --app an application token for the sessions API
+    (docs/sessions-api.md). From code: runtime.frontend.tokens.mint_token, runtime.frontend.app_tokens."""
+    from runtime.frontend.app_tokens import SCOPES, mint_app_token
     from runtime.frontend.tokens import mint_token
 
     key = _signing_key(key_file, kid)
-    try:
-        token = mint_token(
-            key, ttl_s=ttl_s, personas=_personas(persona), max_session_s=max_session_s, audience=audience
+    session_only = persona or max_session_s is not None or recording_consent
+    if (app and session_only) or (scope and not app):
+        console.print(
+            "[red]--persona, --max-session-s and --recording-consent are for session tokens; --scope is for "
+            "--app tokens[/red]"
         )
+        raise typer.Exit(2)
+    try:
+        if app:
+            token = mint_app_token(key, ttl_s=ttl_s, audience=audience, scopes=scope or SCOPES)
+        else:
+            token = mint_token(
+                key,
+                ttl_s=ttl_s,
+                personas=_personas(persona),
+                max_session_s=max_session_s,
+                audience=audience,
+                recording_consent=recording_consent,
+            )
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None

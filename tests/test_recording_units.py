@@ -1,0 +1,166 @@
+"""Recordings and application tokens, piece by piece: the Ogg renumbering (decoded by FFmpeg through PyAV),
+the local disk store (ids, erase, sweep with an injected clock), the recorder's bounded queue, the token kinds
+and scopes, and ``duplex token mint --app`` / ``--recording-consent``. The wire: tests/test_sessions_api.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import av
+import jwt
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from runtime.frontend.app_tokens import SCOPE_ERASE, SCOPE_READ, mint_app_token, verify_app_token
+from runtime.frontend.audio_codec import split_ogg_pages
+from runtime.frontend.protocol import AudioFormat
+from runtime.frontend.recording import LocalRecordings, OggRenumberer, SessionRecorder
+from runtime.frontend.tokens import SigningKey, TokenRejected, TokenVerifier, mint_token
+from runtime.metrics import RuntimeMetrics
+from runtime.tools.cli import app as cli_app
+from runtime.tools.loadgen import encode_messages
+
+KEY = SigningKey("k1", "k" * 32)
+AUDIENCE = "unit"
+SID = "0123456789abcdef0123456789abcdef"
+
+
+def _seconds(data: bytes, path: Path) -> float:
+    path.write_bytes(data)
+    with av.open(str(path)) as container:
+        return sum(frame.samples for frame in container.decode(container.streams.audio[0])) / 48000
+
+
+def _client_stream(seconds: float = 2.0) -> bytes:
+    pcm = (0.3 * np.sin(np.arange(int(24000 * seconds)) / 7)).astype(np.float32)
+    return b"".join(message[1:] for message in encode_messages(pcm, AudioFormat.OPUS))
+
+
+@pytest.mark.parametrize("with_header", [True, False], ids=["header_seen", "header_missed"])
+def test_renumbered_stream_decodes_whole_whatever_the_cuts(with_header: bool, tmp_path: Path) -> None:
+    stream = _client_stream()
+    pages, rest = split_ogg_pages(stream)
+    assert rest == b"" and pages[0][28:36] == b"OpusHead"
+    if not with_header:  # Kyutai's client sends its header before the handshake: the recorder never sees it
+        stream = b"".join(pages[2:])
+    renumber = OggRenumberer()
+    out = b"".join(renumber.feed(stream[i : i + 97]) for i in range(0, len(stream), 97))  # pages cut anywhere
+    out_pages, _ = split_ogg_pages(out)
+    assert [page[18:22] for page in out_pages] == [n.to_bytes(4, "little") for n in range(len(out_pages))]
+    assert out_pages[0][5] == 2 and all(page[5] & 2 == 0 for page in out_pages[1:])  # BOS first only
+    assert _seconds(out, tmp_path / "a.opus") == pytest.approx(2.0, abs=0.1)
+    with pytest.raises(ValueError):
+        OggRenumberer().feed(b"RIFF" + bytes(100))
+
+
+def test_local_recordings_ids_erase_and_sweep(tmp_path: Path) -> None:
+    store = LocalRecordings(tmp_path / "rec")
+    for bad in ("../etc/passwd", SID.upper(), SID + "0", ""):
+        with pytest.raises(ValueError, match="32 lowercase hex"):
+            store.create(bad, "caller")
+    with pytest.raises(ValueError, match="caller, agent"):
+        store.create(SID, "both")
+    handle = store.create(SID, "caller")
+    handle.write(b"OggS")
+    assert store.local_path(SID, "caller") is None  # in progress: not served
+    store.commit(SID, "caller", handle)
+    assert store.local_path(SID, "caller") == tmp_path / "rec" / f"{SID}.caller.opus"
+    other = "f" * 32
+    store.commit(other, "agent", store.create(other, "agent"))
+    now = time.time()
+    assert store.sweep(3600, now=now) == 0
+    assert store.sweep(3600, now=now + 3601) == 2 and store.local_path(SID, "caller") is None
+    handle = store.create(SID, "agent")
+    assert store.erase(SID) == 1  # the file in progress
+    store.commit(SID, "agent", handle)  # erased while written: stays erased
+    assert store.local_path(SID, "agent") is None and store.erase(SID) == 0
+
+
+def test_a_recorder_that_falls_behind_leaves_audio_out_and_never_blocks(tmp_path: Path) -> None:
+    metrics = RuntimeMetrics()
+    gate = threading.Event()
+
+    class SlowStore(LocalRecordings):
+        def create(self, session_id: str, side: str):  # noqa: ANN201
+            gate.wait(30)
+            return super().create(session_id, side)
+
+    recorder = SessionRecorder(SlowStore(tmp_path), SID, "opus", metrics, max_queue=4)
+    stream = _client_stream(0.5)
+    for _ in range(10):
+        recorder.agent(stream)  # returns at once, the thread stuck
+    assert metrics.recording_errors.labels(reason="queue_full")._value.get() >= 5
+    gate.set()
+    recorder.close()
+    assert recorder.join(30)
+    assert metrics.recordings.labels(side="agent")._value.get() == 1
+    assert metrics.recording_bytes.labels(side="agent")._value.get() == recorder.bytes_written["agent"] > 0
+
+
+def test_pcm_is_encoded_in_the_recorder_thread(tmp_path: Path) -> None:
+    metrics = RuntimeMetrics()
+    recorder = SessionRecorder(LocalRecordings(tmp_path), SID, "pcm", metrics)
+    pcm = (0.2 * np.sin(np.arange(24000) / 5) * 32767).astype("<i2").tobytes()
+    for i in range(0, len(pcm), 1000):  # odd-sized payloads, as a client may send
+        recorder.caller(pcm[i : i + 1000])
+    recorder.close()
+    assert recorder.join(30)
+    path = LocalRecordings(tmp_path).local_path(SID, "caller")
+    assert path is not None
+    assert _seconds(path.read_bytes(), tmp_path / "x.opus") == pytest.approx(1.0 - 0.04, abs=0.1)
+
+
+def test_token_kinds_and_scopes() -> None:
+    verifier = TokenVerifier([KEY], AUDIENCE)
+    app_token = mint_app_token(KEY, ttl_s=60, audience=AUDIENCE, scopes=[SCOPE_READ])
+    claims = verify_app_token(verifier, app_token, SCOPE_READ)
+    assert claims.scopes == {SCOPE_READ} and claims.kid == "k1"
+    with pytest.raises(TokenRejected) as refused:
+        verify_app_token(verifier, app_token, SCOPE_ERASE)
+    assert refused.value.reason == "insufficient_scope" and refused.value.status == 403
+    with pytest.raises(TokenRejected) as refused:
+        verifier.verify(app_token)  # an application token opens no session
+    assert refused.value.reason == "wrong_token_kind" and refused.value.status == 403
+    session = mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, recording_consent=True)
+    assert verifier.verify(session).recording_consent is True
+    assert (
+        verifier.verify(mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE)).recording_consent
+        is False
+    )
+    with pytest.raises(TokenRejected) as refused:
+        verify_app_token(verifier, session, SCOPE_READ)
+    assert refused.value.reason == "wrong_token_kind"
+    with pytest.raises(TokenRejected) as refused:
+        verify_app_token(verifier, None, SCOPE_READ)
+    assert refused.value.reason == "missing" and refused.value.status == 401
+    with pytest.raises(ValueError, match="sessions:read, sessions:erase"):
+        mint_app_token(KEY, ttl_s=60, audience=AUDIENCE, scopes=["admin"])
+    bad_consent = jwt.encode(
+        {**jwt.decode(session, options={"verify_signature": False}), "recording_consent": "yes"},
+        KEY.secret,
+        algorithm="HS256",
+        headers={"kid": "k1"},
+    )
+    with pytest.raises(TokenRejected, match="recording_consent must be true or false"):
+        verifier.verify(bad_consent)
+
+
+def test_duplex_token_mint_app_and_consent(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({KEY.kid: KEY.secret.decode()}))
+    verifier = TokenVerifier([KEY], AUDIENCE)
+    base = ["token", "mint", "--key-file", str(keys), "--audience", AUDIENCE]
+    result = CliRunner().invoke(cli_app, [*base, "--app", "--scope", SCOPE_READ])
+    assert result.exit_code == 0, result.output
+    assert verify_app_token(verifier, result.stdout.strip(), SCOPE_READ).scopes == {SCOPE_READ}
+    result = CliRunner().invoke(cli_app, [*base, "--recording-consent"])
+    assert result.exit_code == 0 and verifier.verify(result.stdout.strip()).recording_consent
+    result = CliRunner().invoke(cli_app, [*base, "--app", "--recording-consent"])
+    assert result.exit_code == 2 and "--app" in result.output
+    result = CliRunner().invoke(cli_app, [*base, "--app", "--scope", "root"])
+    assert result.exit_code == 2 and "sessions:read" in result.output
