@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from . import gcp
 from .gpus import GPUS, compute_precision, get_gpu
+from .latency import LatencyAssumptions, LatencyBudget, latency_budget
 from .memory import (
     DEFAULT_ALLOCATOR_OVERHEAD,
     DEFAULT_CUDA_CONTEXT_BYTES,
@@ -23,7 +24,7 @@ from .memory import (
 from .models import get_model
 from .network import CODECS, DEFAULT_OPUS_KBPS, NetworkPlan, network_plan
 from .power import PowerPlan, power_plan
-from .timing import TICK_MODELS, LatencyAssumptions, LatencyBudget, TickPlan, latency_budget, tick_plan
+from .timing import TICK_MODELS, TickPlan, tick_plan
 from .units import GB, KV_PRECISIONS, WEIGHT_PRECISIONS, check_choice
 
 
@@ -79,6 +80,7 @@ class Config(BaseModel):
     tick_model: str
     machine_type: str | None
     codec: str
+    stagger_groups: int = 1
 
 
 class ModelSummary(BaseModel):
@@ -148,6 +150,7 @@ def plan(
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD,
     headroom: float = DEFAULT_HEADROOM,
     latency: LatencyAssumptions | None = None,
+    stagger_groups: int = 1,
 ) -> CapacityPlan:
     """Plan ``sessions`` sessions per node of ``model`` on ``nodes`` nodes with one ``gpu`` each.
 
@@ -166,6 +169,8 @@ def plan(
         opus_kbps: Opus bit rate per direction (kbit/s).
         cuda_context_bytes, allocator_overhead, headroom: memory assumptions (``memory.py``).
         latency: assumptions of the first-audio budget.
+        stagger_groups: the runtime's ``DUPLEX_STAGGER_GROUPS``: 2 ticks every 40 ms, each sub-tick a whole
+            batch's step (``timing.TickPlan``), halving the phase wait (``latency.py``).
 
     Raises:
         ValueError: a bad input; the message names the field and the allowed values.
@@ -233,13 +238,21 @@ def plan(
             )
         )
     tm = TICK_MODELS[tick_model]
-    tick = tick_plan(spec, g, precision, kv, sessions, cfg=cfg, margin=margin, tick_model=tm)
+    tick = tick_plan(
+        spec, g, precision, kv, sessions, cfg=cfg, margin=margin, tick_model=tm, stagger_groups=stagger_groups
+    )
     if not tick.within_budget:
+        period = (
+            "80 ms frame"
+            if stagger_groups == 1
+            else f"{tick.period_ms:g} ms sub-tick of {stagger_groups} staggered groups, each a whole "
+            "batch's step"
+        )
         problems.append(
             Problem(
                 reason=Reason.TICK_OVER_BUDGET,
                 detail=f"tick over budget: {tick.estimate_ms:.1f} ms for {sessions} sessions, budget "
-                f"{tick.budget_ms:.1f} ms (80 ms frame, margin {margin:.0%}; at most {tick.max_sessions} "
+                f"{tick.budget_ms:.1f} ms ({period}, margin {margin:.0%}; at most {tick.max_sessions} "
                 f"sessions fit)",
             )
         )
@@ -282,6 +295,7 @@ def plan(
         tick_model=tick_model,
         machine_type=mt.name if mt else None,
         codec=codec,
+        stagger_groups=stagger_groups,
     )
     return CapacityPlan(
         config=config,
