@@ -331,3 +331,71 @@ def require_feasible(
     if not p.verdict.feasible:
         raise InfeasibleConfiguration(p.verdict)
     return p
+
+
+class FirstAudioCheck(BaseModel):
+    """A first-audio p99 target (``limits.first_audio_p99_target_ms`` of a node profile) against the plan.
+
+    Attributes:
+        target_ms: the target.
+        reachable_ms: the runtime's first-audio p99 with the tick at the GPU's roofline (peak bandwidth and
+            throughput, no overhead): no node of this configuration measures less.
+        estimate_ms: the same with the tick at the planner's estimate (tick model ``planning``).
+        refused: the target is below ``reachable_ms``: its alert would fire whatever the node did.
+        warned: the target is below ``estimate_ms`` (but reachable): the planner expects it missed.
+        message: what to tell the operator ("" when neither).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    target_ms: float
+    reachable_ms: float
+    estimate_ms: float
+    refused: bool
+    warned: bool
+    message: str
+
+
+def first_audio_check(
+    model: str, gpu: str, precision: str, sessions: int, stagger_groups: int, target_ms: float
+) -> FirstAudioCheck:
+    """Judge a first-audio p99 target against the runtime's own p99 (``LatencyBudget.runtime_p99_ms``: phase
+    wait p99 + acoustic delay + the tick; what ``duplex_first_audio_latency_seconds`` measures and the node's
+    FirstAudioLatencyHigh alert watches), once at the GPU's roofline and once at the planner's estimate.
+
+    Raises:
+        ValueError: a bad input (as ``plan``).
+    """
+    kwargs = {"stagger_groups": stagger_groups}
+    estimate = plan(model, gpu, precision, sessions, **kwargs).latency  # type: ignore[arg-type]
+    best = plan(model, gpu, precision, sessions, tick_model="roofline", **kwargs).latency  # type: ignore[arg-type]
+    wait = next(r for r in estimate.rows if r.runtime_term == "phase_wait")
+    delay = next(r for r in estimate.rows if r.runtime_term == "ticks")
+    setup = f"{model} at {precision} on {gpu} with {sessions} sessions"
+    if stagger_groups > 1:
+        setup += f" and {stagger_groups} staggered groups"
+    terms = f"phase wait p99 {wait.p99_ms:.1f} ms + acoustic delay {delay.p99_ms:g} ms + the tick"
+    refused = target_ms < best.runtime_p99_ms
+    warned = not refused and target_ms < estimate.runtime_p99_ms
+    message = ""
+    if refused:
+        message = (
+            f"limits.first_audio_p99_target_ms={target_ms:g} is below what {setup} can reach: the runtime's "
+            f"first-audio p99 is at least {best.runtime_p99_ms:.1f} ms even with the tick at the GPU's peak "
+            f"({terms}; the planner estimates {estimate.runtime_p99_ms:.1f} ms), so its alert would never "
+            f"clear; allowed: >= {best.runtime_p99_ms:.1f} ms (duplex capacity shows the budget)"
+        )
+    elif warned:
+        message = (
+            f"limits.first_audio_p99_target_ms={target_ms:g} is below the capacity planner's estimate of the "
+            f"runtime's first-audio p99 for {setup}: {estimate.runtime_p99_ms:.1f} ms ({terms}); expect "
+            "FirstAudioLatencyHigh to fire unless the GPU beats the planning estimate"
+        )
+    return FirstAudioCheck(
+        target_ms=target_ms,
+        reachable_ms=best.runtime_p99_ms,
+        estimate_ms=estimate.runtime_p99_ms,
+        refused=refused,
+        warned=warned,
+        message=message,
+    )
