@@ -424,3 +424,14 @@ def test_the_first_audio_budget_panels_show_every_term(name: str) -> None:
         assert mean.endswith(" * 0.08") == (term == "ticks") == p99.endswith(" * 0.08"), (mean, p99)
         assert "[10m]" in mean and "[10m]" in p99
     assert means["fieldConfig"]["defaults"]["unit"] == p99s["fieldConfig"]["defaults"]["unit"] == "s"
+
+
+def test_a_staggered_node_draws_its_tick_budget_at_the_sub_tick_period() -> None:
+    """With two staggered groups a tick must fit 40 ms, not 80 (the runtime counts ticks over budget
+    against the period it runs at): the tick panel's budget line follows the profile."""
+    staggered = dashboard_of(get_profile("a100-80gb", stagger_groups=2))
+    assert threshold_line(panel(staggered, "Tick time p50 / p99")) == pytest.approx(0.04)
+    assert "40 ms sub-tick period" in panel(staggered, "Ticks over budget")["description"]
+    assert threshold_line(panel(dashboard_of(PROFILES["a100-80gb"]), "Tick time p50 / p99")) == pytest.approx(
+        0.08
+    )

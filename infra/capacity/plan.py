@@ -366,9 +366,8 @@ def first_audio_check(
     Raises:
         ValueError: a bad input (as ``plan``).
     """
-    kwargs = {"stagger_groups": stagger_groups}
-    estimate = plan(model, gpu, precision, sessions, **kwargs).latency  # type: ignore[arg-type]
-    best = plan(model, gpu, precision, sessions, tick_model="roofline", **kwargs).latency  # type: ignore[arg-type]
+    estimate = plan(model, gpu, precision, sessions, stagger_groups=stagger_groups).latency
+    best = plan(model, gpu, precision, sessions, tick_model="roofline", stagger_groups=stagger_groups).latency
     wait = next(r for r in estimate.rows if r.runtime_term == "phase_wait")
     delay = next(r for r in estimate.rows if r.runtime_term == "ticks")
     setup = f"{model} at {precision} on {gpu} with {sessions} sessions"
