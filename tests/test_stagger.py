@@ -12,19 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 
 import numpy as np
 import pytest
+from inproc_node import InProcessNode
+from test_latency_budget import _fake_bundle, _histogram
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import FirstAudioTiming
 from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, TickBuffers, TickResult, TickTimings
+from runtime.engine.engine_core import LocalSlots
 from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.engine.models import ModelBundle, build_tiny
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SlotScheduler, SlotSession
 from runtime.engine.sim import SimEngine, make_engine
+from runtime.frontend.server import DuplexServer
 from runtime.metrics import RuntimeMetrics
+from runtime.tools.loadgen import run_session, session_url
+from runtime.tools.local_redis import free_loopback_port
 
 FRAME_S = 0.08
 HALF_S = 0.04
@@ -350,3 +357,43 @@ async def test_tiny_engine_staggered_streams_equal_the_plain_ones(tiny: ModelBun
     assert both["a"][:FRAMES] == alone_a[:FRAMES]
     assert both["b"][:FRAMES] == alone_b[:FRAMES]
     assert both["a"][:FRAMES] != both["b"][:FRAMES]
+
+
+# --- a real node, on real clocks: the setting reaches the tick loop ---------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
+async def test_a_staggered_node_serves_every_session_one_step_per_frame(workers: int) -> None:
+    """``DUPLEX_STAGGER_GROUPS=2`` through ``RuntimeConfig`` to the scheduler, in one process and in the
+    engine process behind 2 workers (sim model, 5 ms steps): the tick loop runs at the 40 ms period, 3
+    sessions get their audio, and each one's first audio came one of its own steps after its first (the sim
+    engine's acoustic delay, not 2 sub-ticks). Only counts are asserted: the clocks are real."""
+    config = RuntimeConfig(
+        host="127.0.0.1", port=0, model="sim", sim_step_ms="5", max_sessions=3, auth_mode="off",
+        metrics_cache_s=0, stagger_groups=2,
+    )  # fmt: skip
+    metrics = RuntimeMetrics()
+    server: InProcessNode | DuplexServer
+    if workers:
+        server = InProcessNode(config, copy.deepcopy(_fake_bundle()), workers=workers, metrics=metrics)  # type: ignore[arg-type]
+    else:
+        config = config.model_copy(update={"port": free_loopback_port()})
+        slots = LocalSlots(config, _fake_bundle(), metrics)  # type: ignore[arg-type]
+        server = DuplexServer(config, slots, metrics=metrics)
+    await server.start()
+    try:
+        backend = server.backend if isinstance(server, InProcessNode) else slots
+        assert backend.scheduler is not None and backend.scheduler.groups == 2
+        assert math.isclose(backend.scheduler.period_s, 0.04)
+        assert backend.engine.prompt_budget_ms == pytest.approx(24.0)
+        pcm = np.full(FRAME_SAMPLES * 8, 0.05, dtype=np.float32)
+        url = session_url(f"ws://127.0.0.1:{server.port}")
+        results = await asyncio.gather(*(run_session(url, pcm, tail_s=0.3) for _ in range(3)))
+        assert all(r.handshake and r.audio_messages > 0 for r in results), results
+        for _ in range(100):  # the last observation may trail the client's close by a loop turn
+            if _histogram(metrics, "duplex_first_audio_ticks")[0] >= 3:
+                break
+            await asyncio.sleep(0.02)
+        assert _histogram(metrics, "duplex_first_audio_ticks") == (3, 3.0)
+    finally:
+        await server.close()
