@@ -78,3 +78,20 @@ def test_cpu_and_unplanned_models_are_not_judged() -> None:
     assert get_profile("local", limits={"first_audio_p99_target_ms": 161.0}).first_audio_warnings == []
     with pytest.raises(ValidationError, match="greater than 160"):
         get_profile("local", limits={"first_audio_p99_target_ms": 150.0})
+
+
+def test_duplex_node_profiles_and_render_print_the_warnings(tmp_path) -> None:  # noqa: ANN001
+    """The operator sees the planner's expectation where profiles are listed and bundles written."""
+    from typer.testing import CliRunner
+
+    from infra.node.cli import app
+
+    runner = CliRunner()
+    listed = runner.invoke(app, ["profiles"])
+    assert listed.exit_code == 0, listed.output
+    text = " ".join(listed.output.split())
+    assert "warning: l40s: limits.first_audio_p99_target_ms=180" in text and "196.7 ms" in text
+    assert "warning: t4-int8" not in text and "warning: local" not in text
+    rendered = runner.invoke(app, ["render", "a100-80gb", str(tmp_path / "bundle")])
+    assert rendered.exit_code == 0, rendered.output
+    assert "183.6 ms" in " ".join(rendered.output.split())
