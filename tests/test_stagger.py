@@ -16,7 +16,6 @@ import math
 
 import numpy as np
 import pytest
-from inproc_node import InProcessNode
 from test_latency_budget import _fake_bundle, _histogram
 
 from runtime.config import RuntimeConfig
@@ -362,30 +361,24 @@ async def test_tiny_engine_staggered_streams_equal_the_plain_ones(tiny: ModelBun
 # --- a real node, on real clocks: the setting reaches the tick loop ---------------------------------------
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["workers0", "workers2"])
-async def test_a_staggered_node_serves_every_session_one_step_per_frame(workers: int) -> None:
-    """``DUPLEX_STAGGER_GROUPS=2`` through ``RuntimeConfig`` to the scheduler, in one process and in the
-    engine process behind 2 workers (sim model, 5 ms steps): the tick loop runs at the 40 ms period, 3
-    sessions get their audio, and each one's first audio came one of its own steps after its first (the sim
-    engine's acoustic delay, not 2 sub-ticks). Only counts are asserted: the clocks are real."""
+async def test_a_staggered_node_serves_every_session_one_step_per_frame() -> None:
+    """``DUPLEX_STAGGER_GROUPS=2`` through ``RuntimeConfig`` and ``LocalSlots`` (what the engine process of
+    ``--workers N`` runs too) to the scheduler (sim model, 5 ms steps): the tick loop runs at the 40 ms
+    period, the prompt budget is 60 % of it, 3 sessions get their audio, and each one's first audio came one
+    of its own steps after its first (the sim engine's acoustic delay, not 2 sub-ticks). Only counts are
+    asserted: the clocks are real."""
     config = RuntimeConfig(
-        host="127.0.0.1", port=0, model="sim", sim_step_ms="5", max_sessions=3, auth_mode="off",
-        metrics_cache_s=0, stagger_groups=2,
+        host="127.0.0.1", port=free_loopback_port(), model="sim", sim_step_ms="5", max_sessions=3,
+        auth_mode="off", metrics_cache_s=0, stagger_groups=2,
     )  # fmt: skip
     metrics = RuntimeMetrics()
-    server: InProcessNode | DuplexServer
-    if workers:
-        server = InProcessNode(config, copy.deepcopy(_fake_bundle()), workers=workers, metrics=metrics)  # type: ignore[arg-type]
-    else:
-        config = config.model_copy(update={"port": free_loopback_port()})
-        slots = LocalSlots(config, _fake_bundle(), metrics)  # type: ignore[arg-type]
-        server = DuplexServer(config, slots, metrics=metrics)
+    slots = LocalSlots(config, _fake_bundle(), metrics)  # type: ignore[arg-type]
+    server = DuplexServer(config, slots, metrics=metrics)
     await server.start()
     try:
-        backend = server.backend if isinstance(server, InProcessNode) else slots
-        assert backend.scheduler is not None and backend.scheduler.groups == 2
-        assert math.isclose(backend.scheduler.period_s, 0.04)
-        assert backend.engine.prompt_budget_ms == pytest.approx(24.0)
+        assert slots.scheduler is not None and slots.scheduler.groups == 2
+        assert math.isclose(slots.scheduler.period_s, 0.04)
+        assert slots.engine.prompt_budget_ms == pytest.approx(24.0)
         pcm = np.full(FRAME_SAMPLES * 8, 0.05, dtype=np.float32)
         url = session_url(f"ws://127.0.0.1:{server.port}")
         results = await asyncio.gather(*(run_session(url, pcm, tail_s=0.3) for _ in range(3)))
