@@ -53,6 +53,15 @@ class RuntimeConfig(BaseSettings):
         "chunks (false: one teacher-forced step at a time, the reference path)",
     )
     max_sessions: int = Field(5, ge=1, le=256, description="Batch slots B = concurrent sessions")
+    stagger_groups: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="Staggered sub-batches (issue 24): 2 steps the sessions in two groups 40 ms apart, each "
+        "caller joining the group whose tick comes first (phase wait 0-40 ms instead of 0-80 ms), at the "
+        "cost of a whole-batch step every 40 ms; 1 steps every session in one tick per 80 ms frame. Turn on "
+        "only where `duplex capacity --stagger-groups 2` says the node keeps its margin (docs/capacity.md)",
+    )
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
     redis_url: str | None = Field(
         None, description="redis://[:password@]host:port/db; None disables the store"

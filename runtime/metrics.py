@@ -110,7 +110,9 @@ class RuntimeMetrics:
         )
         self.ticks_total = Counter("duplex_ticks_total", "Ticks run with at least one slot busy", registry=r)
         self.ticks_over_budget = Counter(
-            "duplex_ticks_over_budget_total", "Ticks that took longer than the 80 ms frame", registry=r
+            "duplex_ticks_over_budget_total",
+            "Ticks that took longer than their period (the 80 ms frame; 40 ms with two staggered groups)",
+            registry=r,
         )
         self.first_audio_latency = Histogram(
             "duplex_first_audio_latency_seconds",

@@ -106,3 +106,25 @@ def test_compare_scale5_report():
     assert d["model"] == "moshi-7b"
     assert any(not row["agrees"] and row["reason"] for row in d["rows"])
     assert {"topic", "item", "gpu", "theirs", "ours", "agrees", "reason"} <= set(d["rows"][0])
+
+
+def test_first_audio_p99_is_printed_and_staggering_is_an_option():
+    """Issue 24: the latency table has a p99 column and a caption with the caller's p99 and the runtime's
+    own (tests/test_capacity_latency_pinned.py works the figures); ``--stagger-groups 2`` halves the phase
+    wait and is refused where the sub-tick does not fit; a bad count exits 2 naming the allowed values."""
+    r = _run("--model", "personaplex-7b", "--gpu", "a100-80gb-pcie", "--precision", "int8", "--sessions", "5")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "first audio p99: 329 ms for the caller (every term), 179 ms as the runtime measures it" in text
+    r = _run(
+        "--model", "personaplex-7b", "--gpu", "a100-80gb-pcie", "--precision", "int8", "--sessions", "5",
+        "--stagger-groups", "2", "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    latency = json.loads(r.output)["latency"]
+    assert round(latency["runtime_p99_ms"], 1) == 139.1 and latency["stagger_groups"] == 2
+    r = _run("--model", "personaplex-7b", "--gpu", "l40s", "--precision", "int8", "--sessions", "5",
+             "--stagger-groups", "2")  # fmt: skip
+    assert r.exit_code == 1 and "staggered groups" in " ".join(r.output.split())
+    r = _run("--model", "moshi-7b", "--gpu", "l40s", "--stagger-groups", "3")
+    assert r.exit_code == 2 and "stagger_groups: must be one of 1, 2, got 3" in r.output

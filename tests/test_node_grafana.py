@@ -399,3 +399,39 @@ def test_promql_parses_with_promtool(name: str, tmp_path: Path) -> None:
 def test_promtool_check_rejects_bad_promql(tmp_path: Path) -> None:
     result = promtool_check(['sum(rate(duplex_ticks_total{node="$node"}[$__rate_interval])'], tmp_path)
     assert result.returncode != 0
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_the_first_audio_budget_panels_show_every_term(name: str) -> None:
+    """Issue 24: the latency row shows the first-audio budget's five terms (runtime/metrics.py), their
+    means stacked (they add up to the mean first audio: the tick count times the 80 ms frame) and their
+    p99s, each from its own histogram."""
+    dashboard = dashboard_of(PROFILES[name])
+    means = panel(dashboard, "First-audio budget by term (means, stacked)")
+    p99s = panel(dashboard, "First-audio budget by term (p99)")
+    assert means["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert "stacking" not in p99s["fieldConfig"]["defaults"]["custom"] or (
+        p99s["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "none"
+    )
+    terms = ("ingress", "phase_wait", "ticks", "tick_compute", "egress")
+    mean_exprs = [t["expr"] for t in means["targets"]]
+    p99_exprs = [t["expr"] for t in p99s["targets"]]
+    assert len(mean_exprs) == len(p99_exprs) == len(terms)
+    for term, mean, p99 in zip(terms, mean_exprs, p99_exprs, strict=True):
+        metric = f"duplex_first_audio_{term}" + ("" if term == "ticks" else "_seconds")
+        assert metric_names(mean) == {f"{metric}_sum", f"{metric}_count"}, mean
+        assert metric_names(p99) == {f"{metric}_bucket"}, p99
+        assert mean.endswith(" * 0.08") == (term == "ticks") == p99.endswith(" * 0.08"), (mean, p99)
+        assert "[10m]" in mean and "[10m]" in p99
+    assert means["fieldConfig"]["defaults"]["unit"] == p99s["fieldConfig"]["defaults"]["unit"] == "s"
+
+
+def test_a_staggered_node_draws_its_tick_budget_at_the_sub_tick_period() -> None:
+    """With two staggered groups a tick must fit 40 ms, not 80 (the runtime counts ticks over budget
+    against the period it runs at): the tick panel's budget line follows the profile."""
+    staggered = dashboard_of(get_profile("a100-80gb", stagger_groups=2))
+    assert threshold_line(panel(staggered, "Tick time p50 / p99")) == pytest.approx(0.04)
+    assert "40 ms sub-tick period" in panel(staggered, "Ticks over budget")["description"]
+    assert threshold_line(panel(dashboard_of(PROFILES["a100-80gb"]), "Tick time p50 / p99")) == pytest.approx(
+        0.08
+    )

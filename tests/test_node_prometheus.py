@@ -99,7 +99,8 @@ def test_promtool_accepts_config_rules_and_unit_tests(promtool: str, tmp_path: P
     [
         ("l40s", {"limits": {"first_audio_p99_target_ms": 300.0, "at_cap_alert_minutes": 3}}),
         ("a100-80gb", {"limits": {"gpu_memory_alert_fraction": 0.75, "first_audio_p99_target_ms": 1500.0}}),
-        ("t4-int8", {"limits": {"first_audio_p99_target_ms": 161.0, "at_cap_alert_minutes": 60}}),
+        # 200 ms: just above the 195.6 ms the planner says a T4 can reach at all (NodeProfile refuses less)
+        ("t4-int8", {"limits": {"first_audio_p99_target_ms": 200.0, "at_cap_alert_minutes": 60}}),
         ("local", {"max_sessions": 1, "deployment": "compose"}),
     ],
 )
@@ -364,3 +365,50 @@ def test_real_prometheus_starts_with_the_args_and_loads_the_rules(tmp_path: Path
             process.kill()
             process.wait()
         log.close()
+
+
+# --- the first-audio budget's recording rules (issue 24) ------------------------------------------------
+
+
+def test_the_first_audio_budget_terms_are_recorded_per_runtime() -> None:
+    """Every term of the budget gets a mean and a p99 recording rule, read from its own histogram."""
+    recording = alert_rules(PROFILES["l40s"])["groups"][0]["rules"]
+    by_name = {rule["record"]: rule["expr"] for rule in recording}
+    for term in ("ingress", "phase_wait", "ticks", "tick_compute", "egress"):
+        metric = f"duplex_first_audio_{term}" + ("" if term == "ticks" else "_seconds")
+        mean = by_name[f"duplex:first_audio_{term}:mean_5m"]
+        assert mean == (
+            f'rate({metric}_sum{{job="runtime"}}[5m]) / rate({metric}_count{{job="runtime"}}[5m])'
+        )
+        p99 = by_name[f"duplex:first_audio_{term}:p99_5m"]
+        assert p99 == f'histogram_quantile(0.99, rate({metric}_bucket{{job="runtime"}}[5m]))'
+
+
+_PHASE_WAIT_BUCKET = 'duplex_first_audio_phase_wait_seconds_bucket{job="runtime"}'
+_EGRESS = 'duplex_first_audio_egress_seconds_{}{{job="runtime"}}'
+
+
+@pytest.mark.parametrize(
+    ("record", "wrong"),
+    [
+        # a p99 that is really a p90, and a mean over the wrong histogram: promtool's expression tests fail
+        ("duplex:first_audio_phase_wait:p99_5m", f"histogram_quantile(0.9, rate({_PHASE_WAIT_BUCKET}[5m]))"),
+        (
+            "duplex:first_audio_ticks:mean_5m",
+            f"rate({_EGRESS.format('sum')}[5m]) / rate({_EGRESS.format('count')}[5m])",
+        ),
+    ],
+)
+def test_the_budget_rules_unit_tests_catch_a_wrong_rule(
+    promtool: str, tmp_path: Path, record: str, wrong: str
+) -> None:
+    profile = PROFILES["l40s"]
+    rules = copy.deepcopy(alert_rules(profile))
+    (rule,) = [r for r in rules["groups"][0]["rules"] if r.get("record") == record]
+    rule["expr"] = wrong
+    files = render_prometheus(profile)
+    files[RULES_FILE] = _dump(rules)
+    prom = _write(tmp_path, files)
+    result = _run(promtool, prom, "test", "rules", "tests/duplex-node.rules.test.yml")
+    assert result.returncode != 0, f"{record} = {wrong} passed the unit tests"
+    assert record in result.stdout + result.stderr

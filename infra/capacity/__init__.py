@@ -6,8 +6,8 @@ Pure Python (no torch, no Pulumi). The stacks call::
     require_feasible("personaplex-7b", "l4", "int8", sessions=4)   # raises InfeasibleConfiguration
     slots = max_sessions("moshi-7b", "a100-80gb-sxm", "bf16")
 
-Modules: ``units``, ``gpus``, ``gcp``, ``models``, ``memory``, ``timing``, ``network``, ``power``, ``plan``,
-``seed_plan`` (the Scale-5 comparison), ``cli`` (the ``capacity`` command).
+Modules: ``units``, ``gpus``, ``gcp``, ``models``, ``memory``, ``timing``, ``latency``, ``network``,
+``power``, ``plan``, ``seed_plan`` (the Scale-5 comparison), ``cli`` (the ``capacity`` command).
 """
 
 from .plan import (

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from . import gcp
 from .gpus import GPUS, compute_precision, get_gpu
+from .latency import LatencyAssumptions, LatencyBudget, latency_budget
 from .memory import (
     DEFAULT_ALLOCATOR_OVERHEAD,
     DEFAULT_CUDA_CONTEXT_BYTES,
@@ -23,7 +24,7 @@ from .memory import (
 from .models import get_model
 from .network import CODECS, DEFAULT_OPUS_KBPS, NetworkPlan, network_plan
 from .power import PowerPlan, power_plan
-from .timing import TICK_MODELS, LatencyAssumptions, LatencyBudget, TickPlan, latency_budget, tick_plan
+from .timing import TICK_MODELS, TickPlan, tick_plan
 from .units import GB, KV_PRECISIONS, WEIGHT_PRECISIONS, check_choice
 
 
@@ -79,6 +80,7 @@ class Config(BaseModel):
     tick_model: str
     machine_type: str | None
     codec: str
+    stagger_groups: int = 1
 
 
 class ModelSummary(BaseModel):
@@ -148,6 +150,7 @@ def plan(
     allocator_overhead: float = DEFAULT_ALLOCATOR_OVERHEAD,
     headroom: float = DEFAULT_HEADROOM,
     latency: LatencyAssumptions | None = None,
+    stagger_groups: int = 1,
 ) -> CapacityPlan:
     """Plan ``sessions`` sessions per node of ``model`` on ``nodes`` nodes with one ``gpu`` each.
 
@@ -166,6 +169,8 @@ def plan(
         opus_kbps: Opus bit rate per direction (kbit/s).
         cuda_context_bytes, allocator_overhead, headroom: memory assumptions (``memory.py``).
         latency: assumptions of the first-audio budget.
+        stagger_groups: the runtime's ``DUPLEX_STAGGER_GROUPS``: 2 ticks every 40 ms, each sub-tick a whole
+            batch's step (``timing.TickPlan``), halving the phase wait (``latency.py``).
 
     Raises:
         ValueError: a bad input; the message names the field and the allowed values.
@@ -233,13 +238,21 @@ def plan(
             )
         )
     tm = TICK_MODELS[tick_model]
-    tick = tick_plan(spec, g, precision, kv, sessions, cfg=cfg, margin=margin, tick_model=tm)
+    tick = tick_plan(
+        spec, g, precision, kv, sessions, cfg=cfg, margin=margin, tick_model=tm, stagger_groups=stagger_groups
+    )
     if not tick.within_budget:
+        period = (
+            "80 ms frame"
+            if stagger_groups == 1
+            else f"{tick.period_ms:g} ms sub-tick of {stagger_groups} staggered groups, each a whole "
+            "batch's step"
+        )
         problems.append(
             Problem(
                 reason=Reason.TICK_OVER_BUDGET,
                 detail=f"tick over budget: {tick.estimate_ms:.1f} ms for {sessions} sessions, budget "
-                f"{tick.budget_ms:.1f} ms (80 ms frame, margin {margin:.0%}; at most {tick.max_sessions} "
+                f"{tick.budget_ms:.1f} ms ({period}, margin {margin:.0%}; at most {tick.max_sessions} "
                 f"sessions fit)",
             )
         )
@@ -282,6 +295,7 @@ def plan(
         tick_model=tick_model,
         machine_type=mt.name if mt else None,
         codec=codec,
+        stagger_groups=stagger_groups,
     )
     return CapacityPlan(
         config=config,
@@ -317,3 +331,70 @@ def require_feasible(
     if not p.verdict.feasible:
         raise InfeasibleConfiguration(p.verdict)
     return p
+
+
+class FirstAudioCheck(BaseModel):
+    """A first-audio p99 target (``limits.first_audio_p99_target_ms`` of a node profile) against the plan.
+
+    Attributes:
+        target_ms: the target.
+        reachable_ms: the runtime's first-audio p99 with the tick at the GPU's roofline (peak bandwidth and
+            throughput, no overhead): no node of this configuration measures less.
+        estimate_ms: the same with the tick at the planner's estimate (tick model ``planning``).
+        refused: the target is below ``reachable_ms``: its alert would fire whatever the node did.
+        warned: the target is below ``estimate_ms`` (but reachable): the planner expects it missed.
+        message: what to tell the operator ("" when neither).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    target_ms: float
+    reachable_ms: float
+    estimate_ms: float
+    refused: bool
+    warned: bool
+    message: str
+
+
+def first_audio_check(
+    model: str, gpu: str, precision: str, sessions: int, stagger_groups: int, target_ms: float
+) -> FirstAudioCheck:
+    """Judge a first-audio p99 target against the runtime's own p99 (``LatencyBudget.runtime_p99_ms``: phase
+    wait p99 + acoustic delay + the tick; what ``duplex_first_audio_latency_seconds`` measures and the node's
+    FirstAudioLatencyHigh alert watches), once at the GPU's roofline and once at the planner's estimate.
+
+    Raises:
+        ValueError: a bad input (as ``plan``).
+    """
+    estimate = plan(model, gpu, precision, sessions, stagger_groups=stagger_groups).latency
+    best = plan(model, gpu, precision, sessions, tick_model="roofline", stagger_groups=stagger_groups).latency
+    wait = next(r for r in estimate.rows if r.runtime_term == "phase_wait")
+    delay = next(r for r in estimate.rows if r.runtime_term == "ticks")
+    setup = f"{model} at {precision} on {gpu} with {sessions} sessions"
+    if stagger_groups > 1:
+        setup += f" and {stagger_groups} staggered groups"
+    terms = f"phase wait p99 {wait.p99_ms:.1f} ms + acoustic delay {delay.p99_ms:g} ms + the tick"
+    refused = target_ms < best.runtime_p99_ms
+    warned = not refused and target_ms < estimate.runtime_p99_ms
+    message = ""
+    if refused:
+        message = (
+            f"limits.first_audio_p99_target_ms={target_ms:g} is below what {setup} can reach: the runtime's "
+            f"first-audio p99 is at least {best.runtime_p99_ms:.1f} ms even with the tick at the GPU's peak "
+            f"({terms}; the planner estimates {estimate.runtime_p99_ms:.1f} ms), so its alert would never "
+            f"clear; allowed: >= {best.runtime_p99_ms:.1f} ms (duplex capacity shows the budget)"
+        )
+    elif warned:
+        message = (
+            f"limits.first_audio_p99_target_ms={target_ms:g} is below the capacity planner's estimate of the "
+            f"runtime's first-audio p99 for {setup}: {estimate.runtime_p99_ms:.1f} ms ({terms}); expect "
+            "FirstAudioLatencyHigh to fire unless the GPU beats the planning estimate"
+        )
+    return FirstAudioCheck(
+        target_ms=target_ms,
+        reachable_ms=best.runtime_p99_ms,
+        estimate_ms=estimate.runtime_p99_ms,
+        refused=refused,
+        warned=warned,
+        message=message,
+    )

@@ -315,18 +315,30 @@ def compare_scale5(model: str = "personaplex-7b", **plan_kwargs) -> SeedReport:
             S["lat_client_buffer"],
         ]
         s_lo, s_hi = sum(x[0] for x in parts), sum(x[1] for x in parts)
+        lat = p.latency
+        staggered = plan(model, g, SEED_PRECISION, SEED_SESSIONS, stagger_groups=2)
+        st = staggered.latency
+        st_note = (
+            f"{st.runtime_p99_ms:.0f}"
+            if staggered.verdict.feasible
+            else f"{st.runtime_p99_ms:.0f} but infeasible: a {staggered.tick.estimate_ms:.1f} ms whole-batch "
+            f"step every {staggered.tick.period_ms:g} ms is over its {staggered.tick.budget_ms:g} ms budget"
+        )
         row(
             "Latency",
             "p99 first audio (ms)",
             g,
             _rng((lo, hi)),
-            f"{p.latency.low_ms:.0f}-{p.latency.high_ms:.0f} (floor {p.latency.floor_ms:.0f})",
-            p.latency.low_ms <= hi and p.latency.high_ms >= lo and hi >= p.latency.floor_ms,
-            "it omits the 80 ms frame, the 80 ms acoustic delay and the wait for the batch tick"
+            f"{lat.p99_ms:.0f} caller (floor {lat.floor_ms:.0f}); runtime's own p99 "
+            f"{lat.runtime_p99_ms:.0f}, staggered {st_note}",
+            lo <= lat.p99_ms <= hi * (1 + TOLERANCE) and hi >= lat.floor_ms,
+            "it omits the 80 ms frame, the 80 ms acoustic delay and the wait for the batch tick (p99 "
+            f"{0.99 * p.tick.period_ms:.1f} ms), all in our caller's p99"
             + (
-                f"; {hi} ms is below the {p.latency.floor_ms:.0f} ms floor: impossible"
-                if hi < p.latency.floor_ms
-                else "; the ranges overlap"
+                f"; {hi} ms is below the {lat.floor_ms:.0f} ms floor: impossible"
+                if hi < lat.floor_ms
+                else "; its range is near what the runtime measures itself (phase wait + acoustic delay + "
+                "tick), without the frame, the network and the client's buffer"
             ),
         )
         row(

@@ -11,7 +11,8 @@ FLOPs / peak throughput). One tick runs three phases in turn on the GPU, each es
 - Mimi decode of B frames, as encode.
 
 The estimate used for verdicts divides each bandwidth term by an achieved fraction of peak, each FLOP term
-by another, and adds a fixed per-tick overhead (launches, sampling, Python). These are ``TickModel``s:
+by another, and adds a fixed per-tick overhead (launches, sampling, Python). The first-audio budget built
+on a tick is in ``latency.py``. These are ``TickModel``s:
 ``planning`` (assumptions for moshi with CUDA graphs), ``vllm-omni-fit`` (fitted to the published batched
 PersonaPlex ticks on an H100: 28.0 ms at B=2, 32.6 at B=8, 45.0 at B=16, 70.2 at B=32, vLLM-Omni issue
 7389), and ``roofline`` (peak, no overhead: a lower bound).
@@ -29,6 +30,10 @@ from .gpus import GpuSpec, compute_precision
 from .memory import lm_weight_bytes
 from .models import ModelSpec
 from .units import BYTES_PER_ELEMENT
+
+STAGGER_GROUPS = (1, 2)
+"""Sub-tick group counts the runtime runs (``runtime.engine.scheduler.STAGGER_GROUPS``; the planner does not
+import the runtime's engine): 1 = one tick per 80 ms frame, 2 = two groups stepped 40 ms apart."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,12 @@ class PhaseTime(BaseModel):
 
 
 class TickPlan(BaseModel):
-    """Time of one tick at ``sessions`` slots and the largest slot count inside the budget."""
+    """Time of one tick at ``sessions`` slots and the largest slot count inside the budget.
+
+    With ``stagger_groups`` G > 1 (the runtime's ``DUPLEX_STAGGER_GROUPS``) the node ticks every
+    ``period_ms`` = 80 / G ms, each sub-tick stepping one group of sessions; moshi's exec mask freezes the
+    other groups' rows with ``torch.where`` but computes them, so a sub-tick costs a whole tick of
+    ``sessions`` slots (``estimate_ms``) and must fit ``period_ms x (1 - margin)`` (``budget_ms``)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -106,6 +116,8 @@ class TickPlan(BaseModel):
     budget_ms: float
     within_budget: bool
     max_sessions: int
+    stagger_groups: int = 1
+    period_ms: float = FRAME_MS
 
 
 def _phase(
@@ -224,13 +236,24 @@ def tick_plan(
     margin: float = 0.2,
     tick_model: TickModel | None = None,
     search_limit: int = 4096,
+    stagger_groups: int = 1,
 ) -> TickPlan:
-    """Tick time at ``sessions`` and the largest slot count whose tick fits ``80 ms x (1 - margin)``."""
+    """Tick time at ``sessions`` and the largest slot count whose tick fits ``period x (1 - margin)``, the
+    period being the 80 ms frame, or 80 / ``stagger_groups`` ms with staggered sub-batches (``TickPlan``).
+
+    Raises:
+        ValueError: ``stagger_groups`` not in ``STAGGER_GROUPS`` (1 or 2: what the runtime runs).
+    """
+    if stagger_groups not in STAGGER_GROUPS:
+        raise ValueError(
+            f"stagger_groups: must be one of {', '.join(map(str, STAGGER_GROUPS))}, got {stagger_groups!r}"
+        )
     tm = tick_model or TICK_MODELS["planning"]
     phases = tick_phases(model, gpu, precision, kv_precision, sessions, cfg=cfg, tick_model=tm)
     est = sum(p.estimate_ms for p in phases) + tm.overhead_ms
     roof = sum(p.roofline_ms for p in phases)
-    budget = FRAME_MS * (1.0 - margin)
+    period = FRAME_MS / stagger_groups
+    budget = period * (1.0 - margin)
 
     def fits(b: int) -> bool:
         return tick_ms(model, gpu, precision, kv_precision, b, cfg=cfg, tick_model=tm) <= budget
@@ -258,123 +281,8 @@ def tick_plan(
         budget_ms=budget,
         within_budget=est <= budget,
         max_sessions=lo,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# First-audio latency budget
-# ---------------------------------------------------------------------------------------------------------
-
-
-class LatencyRow(BaseModel):
-    """One row of the first-audio budget, as a low-high range (ms)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    name: str
-    low_ms: float
-    high_ms: float
-    note: str = ""
-
-
-class LatencyBudget(BaseModel):
-    """Time from the end of the user's speech to the first agent audio played, as rows and totals (ms)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    rows: list[LatencyRow]
-    floor_ms: float
-    low_ms: float
-    high_ms: float
-
-
-@dataclass(frozen=True)
-class LatencyAssumptions:
-    """Inputs of the latency budget that are not derived from the model or the GPU (ms, ranges).
-
-    Defaults: a client in the same region (5-20 ms one way), a batched server ticking on a fixed 80 ms clock
-    (a frame that completes just after a tick waits up to one frame), a 20-30 ms client playback buffer.
-    """
-
-    uplink_ms: tuple[float, float] = (5.0, 20.0)
-    downlink_ms: tuple[float, float] = (5.0, 20.0)
-    tick_alignment_ms: tuple[float, float] = (0.0, FRAME_MS)
-    client_buffer_ms: tuple[float, float] = (20.0, 30.0)
-
-
-def latency_budget(
-    model: ModelSpec, tick: TickPlan, assumptions: LatencyAssumptions | None = None
-) -> LatencyBudget:
-    """First-audio budget. Floor = one frame (80 ms: a whole 1920-sample frame must arrive before it is
-    encoded) + the acoustic delay (max codebook delay x 80 ms) = 160 ms for the 7B presets (Moshi paper
-    and kyutai-labs/moshi README: "160 ms theoretical latency"). Encode, step and decode come from the tick
-    (low = roofline, high = estimate incl. overhead)."""
-    a = assumptions or LatencyAssumptions()
-    ph = {p.name: p for p in tick.phases}
-    enc, dec = ph["Mimi encode"], ph["Mimi decode"]
-    lm_low = ph["LM step: weights"].roofline_ms + ph["LM step: KV cache read"].roofline_ms
-    lm_high = ph["LM step: weights"].estimate_ms + ph["LM step: KV cache read"].estimate_ms + tick.overhead_ms
-    rows = [
-        LatencyRow(
-            name="Network, client to server",
-            low_ms=a.uplink_ms[0],
-            high_ms=a.uplink_ms[1],
-            note="assumption: same region",
-        ),
-        LatencyRow(
-            name="Frame accumulation",
-            low_ms=FRAME_MS,
-            high_ms=FRAME_MS,
-            note="1920 samples at 24 kHz before Mimi can encode",
-        ),
-        LatencyRow(
-            name="Wait for the batch tick",
-            low_ms=a.tick_alignment_ms[0],
-            high_ms=a.tick_alignment_ms[1],
-            note="fixed 80 ms clock shared by all slots",
-        ),
-        LatencyRow(
-            name="Mimi encode",
-            low_ms=enc.roofline_ms,
-            high_ms=enc.estimate_ms,
-            note=f"batch of {tick.sessions}",
-        ),
-        LatencyRow(
-            name="LM step (temporal + depformer)",
-            low_ms=lm_low,
-            high_ms=lm_high,
-            note=f"batch of {tick.sessions}, incl. KV reads and tick overhead",
-        ),
-        LatencyRow(
-            name="Acoustic delay",
-            low_ms=model.acoustic_delay_ms,
-            high_ms=model.acoustic_delay_ms,
-            note=f"codebooks delayed {model.acoustic_delay_frames} frame(s)",
-        ),
-        LatencyRow(
-            name="Mimi decode",
-            low_ms=dec.roofline_ms,
-            high_ms=dec.estimate_ms,
-            note=f"batch of {tick.sessions}",
-        ),
-        LatencyRow(
-            name="Network, server to client",
-            low_ms=a.downlink_ms[0],
-            high_ms=a.downlink_ms[1],
-            note="assumption: same region",
-        ),
-        LatencyRow(
-            name="Client playback buffer",
-            low_ms=a.client_buffer_ms[0],
-            high_ms=a.client_buffer_ms[1],
-            note="assumption: browser AudioContext",
-        ),
-    ]
-    return LatencyBudget(
-        rows=rows,
-        floor_ms=FRAME_MS + model.acoustic_delay_ms,
-        low_ms=sum(r.low_ms for r in rows),
-        high_ms=sum(r.high_ms for r in rows),
+        stagger_groups=stagger_groups,
+        period_ms=period,
     )
 
 

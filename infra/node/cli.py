@@ -39,6 +39,9 @@ def profiles_command() -> None:
             str(p.ports.https), p.domain,
         )  # fmt: skip
     console.print(table)
+    for p in PROFILES.values():
+        for warning in p.first_audio_warnings:
+            console.print(f"warning: {p.name}: {warning}", style="yellow", markup=False)
 
 
 @app.command("render")
@@ -54,6 +57,8 @@ def render_command(
         raise typer.Exit(2)
     for path in write_bundle(render_bundle(PROFILES[profile]), out):
         console.print(str(path))
+    for warning in PROFILES[profile].first_audio_warnings:
+        console.print(f"warning: {warning}", style="yellow", markup=False)
 
 
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)

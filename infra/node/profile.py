@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from infra.capacity import InfeasibleConfiguration, max_sessions, require_feasible
 from infra.capacity.gpus import GPUS
+from infra.capacity.plan import first_audio_check
 from runtime.engine.model_presets import FRAME_MS, check_preset_name
 
 __all__ = [
@@ -231,7 +232,11 @@ class NodeLimits(_Strict):
     )
     max_session_s: int = Field(3600, ge=10, le=86400, description="Longest session; nginx waits longer")
     first_audio_p99_target_ms: float = Field(
-        180.0, gt=2 * FRAME_MS, description="Alert above this p99 first-audio latency (Scale-5: 180 ms)"
+        180.0,
+        gt=2 * FRAME_MS,
+        description="Alert above this p99 first-audio latency (Scale-5: 180 ms); on a GPU node, refused "
+        "below what the GPU could reach at its peak and warned below the capacity planner's estimate "
+        "(NodeProfile.first_audio_warnings)",
     )
     at_cap_alert_minutes: int = Field(10, ge=1, le=1440, description="Alert when full for this long")
     gpu_memory_alert_fraction: float = Field(0.9, gt=0, lt=1, description="Alert above this GPU memory use")
@@ -299,6 +304,7 @@ class NodeProfile(_Strict):
         scrape_interval_s: Prometheus's scrape and rule-evaluation interval (s); Grafana's minimum step.
         tls: where nginx's certificate comes from (``TlsSettings``: self-signed, files, or ACME).
         alerting: where the node's Alertmanager sends alerts (``AlertReceivers``).
+        stagger_groups: the runtime's ``DUPLEX_STAGGER_GROUPS`` (1 off, 2 on), planned with it.
         frontend_workers: the runtime's front-end processes (``runtime/multiproc.py``; about 40 Opus
             sessions per worker, issue 16).
     """
@@ -316,6 +322,14 @@ class NodeProfile(_Strict):
     model_cache_dir: str = "/var/lib/duplex/models"
     data_dir: str = "/var/lib/duplex"
     scrape_interval_s: int = Field(5, ge=1, le=60, description="Prometheus scrape/evaluation interval (s)")
+    stagger_groups: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="The runtime's staggered sub-batch groups (DUPLEX_STAGGER_GROUPS): 2 halves the phase "
+        "wait at the cost of a whole-batch step every 40 ms; the capacity planner must say the node keeps "
+        "its margin (docs/capacity.md)",
+    )
     frontend_workers: int = Field(
         -1,
         ge=-1,
@@ -403,9 +417,10 @@ class NodeProfile(_Strict):
                     f"max_sessions is required for model {self.model!r} (not in the capacity planner)"
                 )
             return self
+        stagger = {"stagger_groups": self.stagger_groups}
         sessions = self.max_sessions
         if sessions is None:
-            sessions = max_sessions(capacity_model, self.gpu, self.precision)
+            sessions = max_sessions(capacity_model, self.gpu, self.precision, **stagger)
             if sessions < 1:
                 raise ValueError(
                     f"{capacity_model} at {self.precision} does not fit one session on the {self.gpu} "
@@ -413,14 +428,34 @@ class NodeProfile(_Strict):
                 )
             object.__setattr__(self, "max_sessions", sessions)
         try:
-            require_feasible(capacity_model, self.gpu, self.precision, sessions=sessions)
+            require_feasible(capacity_model, self.gpu, self.precision, sessions=sessions, **stagger)
         except InfeasibleConfiguration as exc:
-            fits = max_sessions(capacity_model, self.gpu, self.precision)
+            fits = max_sessions(capacity_model, self.gpu, self.precision, **stagger)
             raise ValueError(
                 f"max_sessions={self.max_sessions} does not fit {capacity_model} at {self.precision} on a "
                 f"{self.gpu} (the capacity planner allows at most {fits}): {exc}"
             ) from None
+        check = first_audio_check(
+            capacity_model, self.gpu, self.precision, sessions, self.stagger_groups,
+            self.limits.first_audio_p99_target_ms,
+        )  # fmt: skip
+        if check.refused:
+            raise ValueError(check.message)
         return self
+
+    @property
+    def first_audio_warnings(self) -> list[str]:
+        """Why the capacity planner expects ``limits.first_audio_p99_target_ms`` to be missed (its estimate of
+        the runtime's first-audio p99 is above it), or nothing: empty on a CPU node or a model the planner
+        does not know. ``duplex node profiles`` and ``render`` print these."""
+        model = self.model if self.model in ("moshi-7b", "personaplex-7b") else None
+        if self.gpu is None or model is None:
+            return []
+        check = first_audio_check(
+            model, self.gpu, self.precision, self.sessions, self.stagger_groups,
+            self.limits.first_audio_p99_target_ms,
+        )  # fmt: skip
+        return [check.message] if check.warned else []
 
     @property
     def sessions(self) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from infra.node.first_audio_rules import budget_recording_rules, budget_test_group
 from infra.node.profile import NodeProfile
 from infra.node.services import Service, endpoint
 
@@ -353,7 +354,7 @@ def _recording_rules(runtime: str) -> list[dict[str, str]]:
             "expr": f"rate(duplex_frames_dropped_total{_sel(runtime)}[{window}])",
         },
     ]
-    return rules
+    return rules + budget_recording_rules(_sel(runtime), window)
 
 
 def alert_rules(
@@ -666,6 +667,7 @@ def rules_unit_tests(
                 ),
             )
         )
+    groups.append(budget_test_group(rt, _RATE_WINDOW, _RATE_WINDOW_MIN, late))
     return {"rule_files": [rule_file], "evaluation_interval": "1m", "tests": groups}
 
 

@@ -150,6 +150,8 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
     if profile.runtime_dtype is not None:
         settings["DUPLEX_DTYPE"] = profile.runtime_dtype
     settings["DUPLEX_QUANTIZE"] = profile.runtime_quantize
+    if profile.stagger_groups != 1:  # the runtime's default (1) is not written
+        settings["DUPLEX_STAGGER_GROUPS"] = str(profile.stagger_groups)
     return settings
 
 

@@ -49,6 +49,7 @@ from runtime.engine.api import (
     replayed_message,
 )
 from runtime.engine.batch import PromptStep
+from runtime.engine.model_presets import FRAME_MS
 from runtime.engine.models import ModelBundle
 from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
@@ -80,7 +81,8 @@ class LocalSlots(SlotBackend):
 
     Args:
         config: the node's settings (``max_sessions``, ``model``, ``sim_step_ms``, ``prompt_prefill``,
-            ``voices_dir``, waiting room, ``max_inbox_frames``, ``token_replay_check``, ``token_leeway_s``).
+            ``stagger_groups``, ``voices_dir``, waiting room, ``max_inbox_frames``, ``token_replay_check``,
+            ``token_leeway_s``).
             Any object with those attributes (a ``RuntimeConfig``).
         bundle: the loaded models.
         metrics: where ticks, slots and the waiting room are counted.
@@ -106,7 +108,12 @@ class LocalSlots(SlotBackend):
         self.bundle = bundle
         self.metrics = metrics or RuntimeMetrics()
         self.engine = make_engine(
-            config.model, bundle, config.max_sessions, config.sim_step_ms, prefill=config.prompt_prefill
+            config.model,
+            bundle,
+            config.max_sessions,
+            config.sim_step_ms,
+            prefill=config.prompt_prefill,
+            tick_period_ms=FRAME_MS / config.stagger_groups,
         )
         self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
         self.scheduler: SlotScheduler | None = None
@@ -140,6 +147,7 @@ class LocalSlots(SlotBackend):
             wait_s=self.config.waiting_room_s,
             max_waiting=self.config.waiting_room_size,
             max_waiting_per_client=self.config.waiting_room_per_client,
+            stagger_groups=self.config.stagger_groups,
         )
         self.scheduler = self.admission.scheduler
 

@@ -17,6 +17,14 @@ First-audio budget: on the scheduler's clock (injected; ``time.monotonic`` by de
 when its first frame arrived and the start and number of the tick that took it; the tick that produces its
 first audio hands a ``runtime.engine.api.FirstAudioTiming`` to the event loop just before that audio
 (docs/benchmarks.md, "First-audio latency budget"). A few timestamps per session, two clock reads per tick.
+
+Staggered sub-batches (``stagger_groups`` G > 1, issue 24 item 3; off by default): the tick loop runs every
+80 / G ms and each of these sub-ticks steps one group of slots, the groups taking turns, so each session is
+still stepped once per 80 ms frame. A session joins the group of the first sub-tick that finds its first
+frame in the inbox (the nearest tick after its arrival), so its phase wait is 0 to 80 / G ms instead of 0 to
+80 ms; every later frame of it is taken by its group's sub-ticks. The other groups' rows are frozen with the
+engine's ``active`` mask, which moshi applies with ``torch.where``: a sub-tick computes every row, so it
+costs about a whole tick and the node steps G times as often (docs/capacity.md, "Staggered sub-batches").
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ from runtime.metrics import RuntimeMetrics
 
 log = logging.getLogger(__name__)
 
+STAGGER_GROUPS = (1, 2)
+"""Allowed sub-tick group counts: 1 (one tick per 80 ms frame) or 2 (two groups stepped 40 ms apart)."""
+
 
 @dataclass(eq=False)
 class SlotSession:
@@ -59,6 +70,8 @@ class SlotSession:
         clock: monotonic seconds; the scheduler sets its own on admission.
         first_input_at: when the first frame arrived (``clock``, read once it is in the inbox);
             ``taken_at``, ``taken_tick``: the start and the number of the tick that took it.
+        group: the sub-tick group whose ticks take its frames (0 without staggering; -1 until its first
+            frame is taken).
     """
 
     session_id: str
@@ -75,6 +88,7 @@ class SlotSession:
     taken_at: float | None = None
     taken_tick: int = -1
     first_audio_done: bool = False
+    group: int = -1
 
     @property
     def started_input(self) -> bool:
@@ -108,6 +122,10 @@ class SlotScheduler:
         frame_ms: the tick period (80 ms at 12.5 Hz).
         clock: monotonic seconds: the ticks' pace and the first-audio timestamps (injected in tests, which
             call :meth:`tick_once` themselves instead of starting the thread).
+        stagger_groups: G, sub-tick groups (module docstring): 1 steps every slot in every tick of the
+            80 ms clock; 2 runs a sub-tick every 40 ms, each stepping half of the sessions.
+    Raises:
+        ValueError: ``stagger_groups`` is not in ``STAGGER_GROUPS``.
     """
 
     def __init__(
@@ -119,15 +137,24 @@ class SlotScheduler:
         *,
         frame_ms: float = FRAME_MS,
         clock: Callable[[], float] = time.monotonic,
+        stagger_groups: int = 1,
     ) -> None:
+        if stagger_groups not in STAGGER_GROUPS:
+            raise ValueError(
+                f"stagger_groups must be one of {', '.join(map(str, STAGGER_GROUPS))}, got {stagger_groups!r}"
+            )
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.loop = loop
         self.frame_s = frame_ms / 1e3
+        self.groups = stagger_groups
+        self.period_s = self.frame_s / stagger_groups
+        """Time from one tick to the next: the frame, or the frame / G with staggered sub-batches."""
         self.clock = clock
         self.ticks = 0
-        """Ticks run with at least one slot busy (the first-audio budget counts ticks with it)."""
+        """Ticks (sub-ticks when staggered) run with at least one slot busy (the first-audio budget counts
+        ticks with it; tick ``n`` steps group ``n % G``)."""
         self.slots = engine.slots
         self._vocab_size = tokenizer.vocab_size()
         self._lock = threading.Lock()
@@ -222,17 +249,18 @@ class SlotScheduler:
                 self._wake.clear()
                 next_tick = self.clock()
                 continue
-            next_tick += self.frame_s
+            next_tick += self.period_s
             delay = next_tick - self.clock()
             if delay > 0:
                 self._stop.wait(delay)
-            elif -delay > self.frame_s:
+            elif -delay > self.period_s:
                 next_tick = self.clock()
 
     def tick_once(self) -> bool:
         """One tick now (the tick thread's step; tests call it directly): apply joins and leaves, take one
-        frame per started session, step the engine, hand the outputs to the event loop. False when no slot
-        was busy (nothing ran)."""
+        frame per started session of this tick's group (every started session without staggering; a session
+        whose first frame this tick finds joins its group), step the engine, hand the outputs to the event
+        loop. False when no slot was busy (nothing ran)."""
         self._apply_commands()
         busy = [s for s in self._sessions if s is not None]
         if not busy:
@@ -241,9 +269,14 @@ class SlotScheduler:
         pcm_in[:] = 0.0
         active[:] = False
         tick = self.ticks
+        group = tick % self.groups
         first_taken: list[SlotSession] = []
         for session in busy:
             if not session.started_input:
+                continue
+            if session.group < 0:
+                session.group = group
+            if session.group != group:
                 continue
             active[session.slot] = True
             try:
@@ -266,7 +299,7 @@ class SlotScheduler:
         tick_s = result.timings.total_ms / 1e3
         self.metrics.ticks_total.inc()
         self.metrics.tick_duration.observe(tick_s)
-        if tick_s > self.frame_s:
+        if tick_s > self.period_s:
             self.metrics.ticks_over_budget.inc()
         for session in busy:
             slot = session.slot
@@ -295,7 +328,7 @@ class SlotScheduler:
         timing = FirstAudioTiming(
             arrived_at=session.first_input_at,
             taken_at=session.taken_at,
-            ticks=tick - session.taken_tick,
+            ticks=(tick - session.taken_tick) // self.groups,
             audio_tick_at=started_at,
             audio_tick_end=ended_at,
         )

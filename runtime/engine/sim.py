@@ -209,13 +209,31 @@ class SimEngine:
 
 
 def make_engine(
-    model: str, bundle: ModelBundle, slots: int, sim_step_ms: str = "30", *, prefill: bool = True
+    model: str,
+    bundle: ModelBundle,
+    slots: int,
+    sim_step_ms: str = "30",
+    *,
+    prefill: bool = True,
+    tick_period_ms: float = FRAME_MS,
 ) -> BatchEngine:
     """The node's engine: a :class:`BatchEngine` over ``bundle`` with ``slots`` slots (``prefill``: persona
     prompts by prefill), or for ``model == "sim"`` a :class:`SimEngine` with the same surface stepping in
-    ``sim_step_ms`` (:func:`runtime.engine.sim_timing.parse_step_time`; ValueError when malformed)."""
+    ``sim_step_ms`` (:func:`runtime.engine.sim_timing.parse_step_time`; ValueError when malformed).
+
+    ``tick_period_ms``: time from one tick to the next (80 ms; 40 ms with two staggered sub-batch groups,
+    ``runtime.engine.scheduler``): the prompt budget (60 % of it) and the prefill floor (10 %) scale with
+    it, so that persona prompts never push a tick past its period."""
+    if not 0 < tick_period_ms <= FRAME_MS:
+        raise ValueError(f"tick_period_ms must be in (0, {FRAME_MS:g}] ms, got {tick_period_ms!r}")
     if model != "sim":
-        return BatchEngine(bundle, slots, prefill=prefill)
+        return BatchEngine(
+            bundle,
+            slots,
+            prefill=prefill,
+            prompt_budget_ms=0.6 * tick_period_ms,
+            prefill_floor_ms=0.1 * tick_period_ms,
+        )
     step = parse_step_time(sim_step_ms)
     log.warning("model=sim: a SIMULATED model (step time %s ms, an echo as audio); not for serving", step)
     engine = SimEngine(
@@ -223,5 +241,6 @@ def make_engine(
         step,
         text_vocab=bundle.text_tokenizer.vocab_size(),
         user_codebooks=bundle.lm.num_codebooks - bundle.lm.dep_q - 1,
+        prompt_budget_ms=0.6 * tick_period_ms,
     )
     return engine  # type: ignore[return-value]  # the same surface (duck-typed)

@@ -191,11 +191,13 @@ def open_slots(
     wait_s: float,
     max_waiting: int,
     max_waiting_per_client: int = 0,
+    stagger_groups: int = 1,
 ) -> SlotAdmission:
-    """The slots of ``engine`` opened for sessions: a :class:`SlotScheduler` with its tick thread started,
-    behind a :class:`SlotAdmission` (its ``scheduler``) with the waiting room's bounds. What the single
-    process and the engine process both start with."""
-    scheduler = SlotScheduler(engine, tokenizer, metrics, loop)
+    """The slots of ``engine`` opened for sessions: a :class:`SlotScheduler` with its tick thread started
+    (``stagger_groups``: its sub-tick groups, ValueError outside ``STAGGER_GROUPS``), behind a
+    :class:`SlotAdmission` (its ``scheduler``) with the waiting room's bounds. What the single process and
+    the engine process both start with."""
+    scheduler = SlotScheduler(engine, tokenizer, metrics, loop, stagger_groups=stagger_groups)
     admission = SlotAdmission(
         scheduler,
         wait_s=wait_s,
