@@ -136,6 +136,9 @@ class SessionOutcome:
 class Transport(abc.ABC):
     """What a session sends through its connection (the transport frames it)."""
 
+    name = "websocket"
+    """The ``transport`` label of the sessions' metrics: ``websocket`` or ``webrtc``."""
+
     @abc.abstractmethod
     async def send_audio(self, payload: bytes) -> None:
         """One encoded audio payload (Ogg/Opus pages or PCM)."""
@@ -197,6 +200,7 @@ class ChatSession(SessionSink):
         self.lease: SlotLease | None = None
         self.started = False
         self._released = False
+        self._finished = False
 
     @property
     def max_session_s(self) -> float:
@@ -256,6 +260,8 @@ class ChatSession(SessionSink):
                 raise SessionRefused(exc.reason, str(exc)) from None
         self.started = True
         self.front.metrics.sessions_started.inc()
+        self.front.metrics.transport_sessions_started.labels(transport=self.transport.name).inc()
+        self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).inc()
         store = self.front.store
         if store is not None:
             record = SessionRecord(
@@ -342,8 +348,10 @@ class ChatSession(SessionSink):
     def finish(self, outcome: SessionOutcome) -> None:
         """Release, and count and record how the session ended (when it had started)."""
         self.release()
-        if not self.started:
+        if not self.started or self._finished:
             return
+        self._finished = True
+        self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).dec()
         self.front.metrics.sessions_ended.labels(reason=outcome.reason).inc()
         if self.front.store is not None:
             self.front.store.end_session(self.session_id, outcome.reason)
