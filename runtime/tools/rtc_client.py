@@ -1,4 +1,5 @@
-"""A WebRTC caller of ``/api/rtc`` on aiortc: the load generator's ``--transport webrtc`` and the tests' client.
+"""A WebRTC caller of ``/api/rtc`` on aiortc: the load generator's ``--transport webrtc`` and the tests'
+client.
 
 It does what a browser does: one sendrecv Opus audio track and one DataChannel in the offer, non-trickle ICE
 (every candidate in the offer), ``POST /api/rtc`` with the offer and ``Authorization: Bearer <token>``, the
@@ -40,7 +41,11 @@ def encode_packets(pcm: np.ndarray, complexity: int = 5) -> list[bytes]:
     padded[: len(pcm)] = pcm
     encoder = OpusEncoder(complexity)
     try:
-        return [p for i in range(frames) for p in encoder.encode(padded[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES])]
+        return [
+            p
+            for i in range(frames)
+            for p in encoder.encode(padded[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES])
+        ]
     finally:
         encoder.close()
 
