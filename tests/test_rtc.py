@@ -202,9 +202,7 @@ async def test_refusals_before_the_answer_take_no_slot_and_spend_no_token(
         status, text, _ = await post(b"v=0\r\nthis is not sdp\r\n", plain)
         assert status == 400 and "no audio m-line" in text
         offer_call = RtcCall(base, packets)
-        offer = await offer_call.pc.createOffer()
-        await offer_call.pc.setLocalDescription(offer)
-        good_sdp = offer_call.pc.localDescription.sdp
+        good_sdp = await offer_call.offer()
         await offer_call.close()
         status, text, _ = await post(_without_audio(good_sdp).encode(), plain)
         assert status == 400 and "no audio m-line" in text
@@ -336,3 +334,17 @@ async def test_link_headers_quote_their_values() -> None:
         '<turn:a:3478>; rel="ice-server"; username="u\\"x"; credential="p\\\\w"; credential-type="password"'
     ]
     assert AUDIENCE and KEY and ORIGIN  # the access test's settings, shared
+
+
+async def test_closing_the_server_ends_its_live_calls(bundle, http, packets) -> None:  # noqa: F811
+    async with running_server(bundle, max_sessions=1, **rtc_settings()) as server:
+        call = RtcCall(url(server), packets, token=token())
+        assert (await call.start(http)).status == 201
+        await asyncio.wait_for(call.audio_arrived.wait(), WAIT_S)
+    try:  # the server's DTLS close reaches the client
+        await wait_until(
+            lambda: call.pc.connectionState == "closed", timeout_s=WAIT_S, what="the call closed"
+        )
+        assert server.metrics.sessions_ended.labels(reason="server_closed")._value.get() == 1
+    finally:
+        await call.close()

@@ -24,6 +24,7 @@ The rate limits and the token check run in ``runtime.frontend.http`` before thes
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import logging
@@ -50,6 +51,7 @@ __all__ = [
     "RTC_PATH",
     "RtcRegistry",
     "delete_session",
+    "end_all",
     "ice_servers_for",
     "link_headers",
     "registry",
@@ -99,6 +101,18 @@ def registry(front: FrontEnd) -> RtcRegistry:
     if found is None:
         found = _REGISTRIES[front] = RtcRegistry(front)
     return found
+
+
+async def end_all(front: FrontEnd) -> None:
+    """End every WebRTC session of ``front`` and wait until their peer connections are closed (the server
+    closes: sessions a drain did not end)."""
+    found = _REGISTRIES.get(front)
+    if found is None:
+        return
+    peers = list(found.peers.values())
+    for peer in peers:
+        peer.end(SessionOutcome("server_closed", 1001))
+    await asyncio.gather(*(peer.wait_closed() for peer in peers), return_exceptions=True)
 
 
 def ice_servers_for(front: FrontEnd, holder: str) -> list[IceServer]:

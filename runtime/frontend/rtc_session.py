@@ -58,6 +58,8 @@ CHANNEL_BURST = 100
 """DataChannel messages a client may send at once."""
 CHANNEL_PENDING = 256
 """Messages kept for the DataChannel before it opens (the oldest dropped past it)."""
+CLOSE_TIMEOUT_S = 5.0
+"""Longest wait for aiortc to close a peer connection (its transports' shutdown)."""
 CHANNEL_MAX_BUFFERED_BYTES = 1 << 20
 """A DataChannel with more unsent bytes than this (a peer that stopped reading) drops further text."""
 
@@ -238,6 +240,11 @@ class RtcPeer:
             if now - last > config.rtc_media_timeout_s:
                 self.end(SessionOutcome("rtc_media_timeout"))
 
+    async def wait_closed(self) -> None:
+        """Until the session's task has ended (its peer connection closed)."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
     def end(self, outcome: SessionOutcome) -> None:
         """End the session (the first outcome given stands); its slot is freed at once."""
         if self.outcome is None:
@@ -251,7 +258,8 @@ class RtcPeer:
         self.inbound.close()
         self.track.stop()
         with contextlib.suppress(Exception):
-            await self.pc.close()
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self.pc.close()
 
     # --- events ---------------------------------------------------------------------------------------
 

@@ -198,11 +198,15 @@ class RtcCall:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
+    async def offer(self) -> str:
+        """The offer's SDP, every candidate gathered (non-trickle); made once."""
+        if self.pc.localDescription is None:
+            await self.pc.setLocalDescription(await self.pc.createOffer())
+        return str(self.pc.localDescription.sdp)
+
     async def start(self, http: aiohttp.ClientSession) -> RtcOutcome:
         """Offer, POST, apply the answer. Returns the outcome so far (``status`` 201 when the call is on)."""
-        offer = await self.pc.createOffer()
-        await self.pc.setLocalDescription(offer)  # non-trickle: gathering is done here
-        sdp = self.pc.localDescription.sdp
+        sdp = await self.offer()
         if self.offer_filter is not None:
             sdp = self.offer_filter(sdp)
         self._t0 = time.monotonic()
