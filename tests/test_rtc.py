@@ -348,3 +348,18 @@ async def test_closing_the_server_ends_its_live_calls(bundle, http, packets) -> 
         assert server.metrics.sessions_ended.labels(reason="server_closed")._value.get() == 1
     finally:
         await call.close()
+
+
+async def test_the_load_generator_drives_webrtc_sessions_over_several_processes(node, speech) -> None:  # noqa: F811
+    from runtime.tools.loadgen_rtc import run_rtc_load
+
+    clip = speech[1][: 24_000 * 2]
+    report = await run_rtc_load(
+        f"ws://127.0.0.1:{node.port}", [clip], sessions=2, processes=2, token=token, max_duration_s=WAIT_S * 2
+    )
+    assert report.ok, report.failures()
+    summary = report.summary()
+    assert summary["served"] == 2 and summary["frames_sent"] >= 2 * 24
+    assert summary["ice_connect_ms_p50"] is not None and summary["answer_ms_p99"] is not None
+    assert summary["concealed_packets"] is not None and summary["frames_received"] > 0
+    await all_free(node)
