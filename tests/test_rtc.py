@@ -27,6 +27,7 @@ from test_server_e2e import (  # noqa: F401  (fixtures)
     WORKER_MODES,
     bundle,
     running_server,
+    scrape,
     speech,
     wait_until,
 )
@@ -148,6 +149,19 @@ async def test_a_call_gets_its_answer_audio_text_and_ends_with_delete(node, http
     finally:
         await call.close()
     await all_free(node)
+    metrics = node.metrics
+    await wait_until(
+        lambda: metrics.rtp_packets.labels(outcome="received")._value.get() > 0,
+        timeout_s=WAIT_S,
+        what="the RTP packets counted",
+    )
+    scraped = await scrape(node)
+    assert scraped.value("duplex_transport_sessions_started_total", transport="webrtc") >= 1
+    assert scraped.value("duplex_transport_sessions_active", transport="webrtc") == 0
+    assert scraped.value("duplex_rtc_connect_seconds_count") >= 1
+    assert scraped.value("duplex_rtc_answer_seconds_count") >= 1
+    assert scraped.value("duplex_rtp_jitter_buffer_depth_packets_count") > 0
+    assert scraped.value("duplex_rtp_packets_total", outcome="received") > 0
 
 
 async def test_ice_servers_before_the_offer_check_the_token_and_spend_nothing(node, http, packets) -> None:

@@ -115,6 +115,8 @@ class OpusDecoder:
         OSError: no libopus.
     """
 
+    _handle: int | None = None
+
     def __init__(self) -> None:
         lib = libopus()
         error = ctypes.c_int(0)
@@ -122,7 +124,7 @@ class OpusDecoder:
         if not handle or error.value != 0:
             raise _error("opus_decoder_create", error.value)
         self._lib = lib
-        self._handle: int | None = handle
+        self._handle = handle
         self._pcm = (ctypes.c_int16 * _MAX_PACKET_SAMPLES)()
 
     def decode(self, payload: bytes | None, conceal_samples: int = PACKET_SAMPLES) -> np.ndarray:
@@ -166,6 +168,8 @@ class OpusEncoder:
         OSError: no libopus.
     """
 
+    _handle: int | None = None
+
     def __init__(self, complexity: int = 10, bitrate_bps: int = BITRATE_BPS) -> None:
         if not 0 <= complexity <= 10:
             raise ValueError(f"libopus complexity must be an integer 0..10, got {complexity!r}")
@@ -175,7 +179,7 @@ class OpusEncoder:
         if not handle or error.value != 0:
             raise _error("opus_encoder_create", error.value)
         self._lib = lib
-        self._handle: int | None = handle
+        self._handle = handle
         for request, value in (
             (_SET_BITRATE, bitrate_bps),
             (_SET_COMPLEXITY, complexity),
