@@ -377,3 +377,19 @@ async def test_the_load_generator_drives_webrtc_sessions_over_several_processes(
     assert summary["ice_connect_ms_p50"] is not None and summary["answer_ms_p99"] is not None
     assert summary["concealed_packets"] is not None and summary["frames_received"] > 0
     await all_free(node)
+
+
+async def test_a_drain_tells_the_call_on_its_channel_and_ends_it(bundle, http, packets) -> None:  # noqa: F811
+    async with running_server(bundle, max_sessions=1, **rtc_settings()) as server:
+        call = RtcCall(url(server), packets, token=token())
+        try:
+            assert (await call.start(http)).status == 201
+            await asyncio.wait_for(call.handshake.wait(), WAIT_S)
+            async with http.post(url(server) + "/api/rtc", data=b"v=0\r\n") as response:
+                assert response.status in (400, 401)  # before the drain: refused for its own reasons
+            await server.drain(grace_s=0)
+            await wait_until(lambda: "server draining" in call.outcome.errors, timeout_s=WAIT_S, what="0x05")
+            await wait_until(lambda: call.pc.connectionState == "closed", timeout_s=WAIT_S, what="closed")
+            assert server.metrics.sessions_ended.labels(reason="drained")._value.get() == 1
+        finally:
+            await call.close()
