@@ -121,6 +121,9 @@ async def test_a_call_gets_its_answer_audio_text_and_ends_with_delete(node, http
     outcome = await call.start(http)
     assert outcome.status == 201, outcome.body
     location = outcome.headers["Location"][0]
+    candidates = re.findall(r"(?m)^a=candidate:.* typ (\w+)", outcome.answer_sdp)
+    assert candidates and set(candidates) == {"host"}  # no STUN server asked (aiortc's default is Google's)
+    assert "opus/48000/2" in outcome.answer_sdp and "PCMU" not in outcome.answer_sdp
     assert re.fullmatch(r"/api/rtc/[0-9a-f]{32}/[A-Za-z0-9_-]{24}", location)
     links = outcome.headers["Link"]
     assert '<stun:turn.example.com:3478>; rel="ice-server"' in links

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from aiortc import RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcdatachannel import RTCDataChannel
 
 from runtime.frontend.protocol import (
@@ -136,7 +136,9 @@ class RtcPeer:
         self.posted_at = posted_at
         self.clock = clock
         self.key = secrets.token_urlsafe(18)
-        self.pc = RTCPeerConnection()
+        # No ICE servers: the node's host candidates are what a caller (or the node's TURN relay) reaches;
+        # aiortc's default would ask Google's STUN server during every answer.
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.session: ChatSession | None = None
         self.channel: RTCDataChannel | None = None
         self.outcome: SessionOutcome | None = None

@@ -2,16 +2,18 @@
 (``runtime.tools.rtc_client``), spread over several processes (aiortc's RTP, SRTP and DTLS are pure
 Python on the generator's side too: one process would measure itself, not the node).
 
-Each session replays its clip pre-encoded as 20 ms Opus packets, once, at real-time pace, then hangs up
-(``DELETE``); it reports the load generator's usual figures (``runtime.tools.loadgen.SessionResult``: an
-80 ms frame is four packets; first audio from the first packet sent to the first packet back) plus the
-POST -> answer and POST -> connected (ICE and DTLS) times and the packets its own jitter buffer
-(``runtime.frontend.jitter``, run on arrivals) had to conceal.
+Each session replays its clip pre-encoded as 20 ms Opus packets, once, at real-time pace (then silence
+until it hangs up, as a live microphone's would), then hangs up (``DELETE``); it reports the load
+generator's usual figures (``runtime.tools.loadgen.SessionResult``: an 80 ms frame is four packets; first
+audio from the first packet sent to the first packet back) plus the POST -> answer and POST -> connected
+(ICE and DTLS) times and the packets its own jitter buffer (``runtime.frontend.jitter``, run on arrivals)
+had to conceal.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import multiprocessing
 import ssl
@@ -49,6 +51,12 @@ class RtcSessionResult(SessionResult):
     concealed_packets: int = 0
 
 
+@functools.cache
+def _silence() -> bytes:
+    """One 20 ms Opus packet of silence."""
+    return encode_packets(np.zeros(1920, dtype=np.float32))[-1]
+
+
 def http_base(url: str) -> str:
     """``ws://`` -> ``http://``, ``wss://`` -> ``https://`` (the loadgen's ``--url``), path dropped."""
     scheme, _, rest = url.partition("://")
@@ -68,6 +76,7 @@ async def run_rtc_session(
     """One WebRTC session against ``base`` (``http(s)://host:port``) replaying ``packets`` once."""
     result = RtcSessionResult(frames_planned=len(packets) // PACKETS_PER_FRAME)
     call = RtcCall(base, packets, token=token, query=query, loop=False)
+    call.track.after = _silence()  # as a live client: audio goes on (silence) until it hangs up
     buffer = JitterBuffer(time.monotonic)
     arrivals: list[float] = []
     original = call._on_rtp

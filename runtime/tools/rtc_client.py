@@ -51,7 +51,8 @@ def encode_packets(pcm: np.ndarray, complexity: int = 5) -> list[bytes]:
 
 
 class PacketReplayTrack(MediaStreamTrack):
-    """Pre-encoded Opus packets sent 20 ms apart, looped (``loop``) or once; then silence is not sent.
+    """Pre-encoded Opus packets sent 20 ms apart, looped (``loop``) or once; after them, ``after`` (one
+    packet, e.g. 20 ms of silence) again and again when set, else nothing (a peer that went quiet).
 
     Attributes:
         sent: packets handed to the RTP sender.
@@ -65,13 +66,15 @@ class PacketReplayTrack(MediaStreamTrack):
             raise ValueError("no packets to replay")
         self.packets = list(packets)
         self.loop = loop
+        self.after: bytes | None = None
         self.sent = 0
         self._start: float | None = None
 
     async def recv(self) -> av.Packet:  # type: ignore[override]
         if self.readyState != "live":
             raise MediaStreamError
-        if not self.loop and self.sent >= len(self.packets):
+        done = not self.loop and self.sent >= len(self.packets)
+        if done and self.after is None:
             await asyncio.Event().wait()  # nothing more: wait until stopped (the sender cancels)
         now = time.monotonic()
         if self._start is None:
@@ -79,7 +82,7 @@ class PacketReplayTrack(MediaStreamTrack):
         delay = self._start + self.sent * PACKET_S - now
         if delay > 0:
             await asyncio.sleep(delay)
-        packet = av.Packet(self.packets[self.sent % len(self.packets)])
+        packet = av.Packet(self.after if done else self.packets[self.sent % len(self.packets)])
         packet.pts = self.sent * 960
         packet.time_base = _TIME_BASE
         self.sent += 1
@@ -95,7 +98,8 @@ class RtcOutcome:
         headers: the POST's response headers (``Location``, ``Link``, ``Retry-After``).
         answer_s: POST -> answer received; connected_s: POST -> connectionState ``connected``.
         handshake_s: POST -> 0x00 on the DataChannel; first_audio_s: POST -> first RTP packet back.
-        packets_in: RTP audio packets received; texts: 0x02 pieces; errors: 0x05 sentences.
+        packets_in: RTP audio packets received; texts: 0x02 pieces; errors: 0x05 sentences; pongs: 0x06.
+        answer_sdp: the answer as received (201).
     """
 
     status: int = 0
@@ -109,6 +113,7 @@ class RtcOutcome:
     texts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     pongs: int = 0
+    answer_sdp: str = ""
 
 
 class RtcCall:
@@ -221,6 +226,7 @@ class RtcCall:
             await self.pc.close()
             return self.outcome
         self.location = self.outcome.headers["Location"][0]
+        self.outcome.answer_sdp = body
         if self.answer_filter is not None:
             body = self.answer_filter(body)
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=body, type="answer"))
