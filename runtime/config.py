@@ -181,6 +181,20 @@ class RuntimeConfig(BaseSettings):
     turn_ttl_s: int = Field(
         3600, ge=60, le=86400, description="How long a session's TURN credentials are valid (s)"
     )
+    # WebRTC sessions on /api/rtc (runtime/frontend/rtc.py): when a peer that went away frees its slot.
+    rtc_connect_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=120,
+        description="A WebRTC session whose ICE/DTLS has not connected this long after its answer ends (s)",
+    )
+    rtc_media_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=120,
+        description="A connected WebRTC session with no RTP from its peer for this long ends (s): the peer "
+        "vanished without a DTLS close (a closed laptop, a lost network)",
+    )
     sim_step_ms: str = Field(
         "30",
         description='model=sim only: step time, ms ("30") or batch:ms pairs ("1:28,8:32.6,16:45,32:70.2")',

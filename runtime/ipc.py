@@ -22,6 +22,8 @@ __all__ = [
     "Admitted",
     "FirstAudio",
     "Frame",
+    "Hangup",
+    "HangupResult",
     "Hello",
     "Message",
     "Outputs",
@@ -135,7 +137,47 @@ class Status(msgspec.Struct, tag=True):
     engine_pid: int = 0
 
 
-Message = Hello | Admit | Admitted | Refused | PromptDone | Frame | Release | Outputs | FirstAudio | Status
+class Hangup(msgspec.Struct, tag=True):
+    """End a session whichever worker holds it (WebRTC's ``DELETE /api/rtc/<session>``, which may reach any
+    worker through ``SO_REUSEPORT``). Worker -> engine: ``requester`` empty; the engine forwards it to the
+    worker holding ``session_id`` with ``requester`` set to the asking worker's identity, or answers
+    ``HangupResult(ended=False)`` itself when no worker holds it. The holder checks ``key`` (the session
+    resource's secret, which only it knows) and answers with :class:`HangupResult`.
+
+    Attributes:
+        request_id: the asking worker's number for this request (echoed in the result).
+    """
+
+    request_id: int
+    session_id: str
+    key: str
+    requester: bytes = b""
+
+
+class HangupResult(msgspec.Struct, tag=True):
+    """Holder -> engine -> asking worker: whether :class:`Hangup` ended the session (False: no such session,
+    or a wrong key). The engine forwards it to ``requester``."""
+
+    request_id: int
+    session_id: str
+    ended: bool
+    requester: bytes = b""
+
+
+Message = (
+    Hello
+    | Admit
+    | Admitted
+    | Refused
+    | PromptDone
+    | Frame
+    | Release
+    | Outputs
+    | FirstAudio
+    | Status
+    | Hangup
+    | HangupResult
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

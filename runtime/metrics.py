@@ -236,6 +236,7 @@ class RuntimeMetrics:
             self.recording_bytes.labels(side=side)
         for reason in ("queue_full", "write"):
             self.recording_errors.labels(reason=reason)
+        self._transport_metrics(r)
         for outcome in ("admitted", "timeout", "left", "full"):
             self.waiting_room.labels(outcome=outcome)
         for reason in ("late_input", "input_overflow", "slow_client", "slow_worker"):
@@ -252,6 +253,53 @@ class RuntimeMetrics:
             *ACCESS_REFUSAL_REASONS,
         ):
             self.admissions_refused.labels(reason=reason)
+
+    def _transport_metrics(self, r: CollectorRegistry) -> None:
+        """Sessions by transport, and WebRTC's own (``/api/rtc``: runtime/frontend/rtc.py)."""
+        self.transport_sessions_started = Counter(
+            "duplex_transport_sessions_started_total",
+            "Sessions admitted, by transport: websocket (/api/chat) or webrtc (/api/rtc)",
+            ["transport"],
+            registry=r,
+        )
+        self.transport_sessions_active = Gauge(
+            "duplex_transport_sessions_active",
+            "Sessions holding a slot, by transport",
+            ["transport"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.rtp_packets = Counter(
+            "duplex_rtp_packets_total",
+            "Inbound RTP audio packets (20 ms each): received; late (came after their slot was concealed: "
+            "dropped); concealed (slots filled by Opus loss concealment); lost (concealed, never came; "
+            "added when the session ends)",
+            ["outcome"],
+            registry=r,
+        )
+        self.rtp_jitter_depth = Histogram(
+            "duplex_rtp_jitter_buffer_depth_packets",
+            "Packets held in a WebRTC session's jitter buffer after each playout (20 ms each; cap 6)",
+            buckets=(0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5),
+            registry=r,
+        )
+        self.rtc_answer = Histogram(
+            "duplex_rtc_answer_seconds",
+            "WebRTC: from the POST of the offer to the SDP answer ready (admission and ICE gathering)",
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+            registry=r,
+        )
+        self.rtc_connect = Histogram(
+            "duplex_rtc_connect_seconds",
+            "WebRTC: from the POST of the offer to the peer connection connected (ICE and DTLS done)",
+            buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 3.0, 5.0, 10.0),
+            registry=r,
+        )
+        for transport in ("websocket", "webrtc"):
+            self.transport_sessions_started.labels(transport=transport)
+            self.transport_sessions_active.labels(transport=transport)
+        for outcome in ("received", "late", "concealed", "lost"):
+            self.rtp_packets.labels(outcome=outcome)
 
     def observe_first_audio(
         self,

@@ -297,6 +297,17 @@ class SlotBackend(abc.ABC):
     def release(self, lease: SlotLease) -> None:
         """The session ended: free its slot at the next tick. Idempotent."""
 
+    on_hangup: Callable[[str, str], bool] | None = None
+    """Set by the front end: end this process's session ``(session_id, key)`` if it holds it with that key
+    (True when it did). A backend shared by several front ends calls it for a :meth:`hang_up` another
+    front end asked for."""
+
+    async def hang_up(self, session_id: str, key: str) -> bool:
+        """End a session that another front-end process holds (``DELETE /api/rtc/<session>`` reaching a
+        worker that does not hold it); True when its holder ended it. One process (``--workers 0``) holds
+        every session itself: False."""
+        return False
+
 
 def replayed_message(token_id: str) -> str:
     """The sentence of a ``replayed`` refusal (written once: the front end's replay guards and the engine's

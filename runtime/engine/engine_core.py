@@ -374,6 +374,8 @@ class EngineCore:
                 self._admit(identity, message)
             elif isinstance(message, ipc.Release):
                 self._release(message.session_id)
+            elif isinstance(message, ipc.Hangup | ipc.HangupResult):
+                self._route_hangup(identity, message)
 
     def _admit(self, worker: bytes, message: ipc.Admit) -> None:
         sid = message.session_id
@@ -404,6 +406,20 @@ class EngineCore:
             self._send(remote.worker, ipc.Refused(sid, exc.reason, exc.message))
             return
         self._send(remote.worker, ipc.Admitted(sid, remote.lease.slot))
+
+    def _route_hangup(self, sender: bytes, message: ipc.Hangup | ipc.HangupResult) -> None:
+        """A hang-up between workers (``runtime.ipc.Hangup``): the request to the worker holding the
+        session (or ``ended=False`` back at once when none does), the holder's answer to the asker."""
+        if isinstance(message, ipc.HangupResult):
+            self._send(
+                message.requester, ipc.HangupResult(message.request_id, message.session_id, message.ended)
+            )
+            return
+        remote = self.sessions.get(message.session_id)
+        if remote is None:
+            self._send(sender, ipc.HangupResult(message.request_id, message.session_id, False))
+            return
+        self._send(remote.worker, ipc.Hangup(message.request_id, message.session_id, message.key, sender))
 
     def _release(self, session_id: str) -> None:
         remote = self.sessions.pop(session_id, None)

@@ -50,6 +50,8 @@ through the socket monitor instead."""
 HEARTBEAT_S = 0.5
 """How often a worker says ``Hello`` (the engine forgets a worker silent for 5 s)."""
 NOT_ANSWERING = "node not ready: the engine is not answering"
+HANGUP_TIMEOUT_S = 5.0
+"""Longest wait for another worker's answer to a hang-up (``runtime.ipc.Hangup``): none means not ended."""
 
 
 class EngineClient(SlotBackend):
@@ -91,6 +93,8 @@ class EngineClient(SlotBackend):
         self._pending: dict[str, asyncio.Future[int]] = {}
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._hangups: dict[int, asyncio.Future[bool]] = {}
+        self._hangup_ids = 0
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -218,6 +222,29 @@ class EngineClient(SlotBackend):
         if self._sinks.pop(lease.session_id, None) is not None:
             self.send(ipc.Release(lease.session_id))
 
+    async def hang_up(self, session_id: str, key: str) -> bool:
+        """Through the engine, to the worker holding ``session_id`` (``runtime.ipc.Hangup``); False when no
+        worker holds it, the key is wrong, or no answer comes within ``HANGUP_TIMEOUT_S``."""
+        self._hangup_ids += 1
+        request_id = self._hangup_ids
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._hangups[request_id] = future
+        try:
+            if not self.send(ipc.Hangup(request_id, session_id, key)):
+                return False
+            async with asyncio.timeout(HANGUP_TIMEOUT_S):
+                return await future
+        except TimeoutError:
+            return False
+        finally:
+            self._hangups.pop(request_id, None)
+
+    def _hangup_asked(self, message: ipc.Hangup) -> None:
+        """Another worker asks this one to end one of its sessions: answer whether it did."""
+        handler = self.on_hangup
+        ended = handler is not None and handler(message.session_id, message.key)
+        self.send(ipc.HangupResult(message.request_id, message.session_id, ended, message.requester))
+
     # --- engine -> worker -----------------------------------------------------------------------------
 
     def _report_lost(self, why: str) -> None:
@@ -293,6 +320,12 @@ class EngineClient(SlotBackend):
                     future.set_result(message.slot)
                 elif future is None:  # it left meanwhile: give the slot back
                     self.send(ipc.Release(message.session_id))
+            elif isinstance(message, ipc.Hangup):
+                self._hangup_asked(message)
+            elif isinstance(message, ipc.HangupResult):
+                waiting = self._hangups.get(message.request_id)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(message.ended)
             elif isinstance(message, ipc.Refused):
                 self._sinks.pop(message.session_id, None)
                 future = self._pending.get(message.session_id)

@@ -1,8 +1,10 @@
 """The HTTP side of the node's port: one route table for the loading and the serving phases, served by
 aiohttp (``build_app``; the loading phase's ``build_loading_app``).
 
-Every route answers GET only (405 with ``Allow`` otherwise, RFC 9110 15.5.6), but the sessions API's items
-(GET and DELETE: ``runtime.frontend.sessions_api``); an unknown path gets 404
+Every route answers GET only but the sessions API's items (GET and DELETE:
+``runtime.frontend.sessions_api``) and WebRTC's (``/api/rtc``: POST an offer; its sessions' resources under
+``/api/rtc/``: DELETE; ``runtime.frontend.rtc``), 405 with ``Allow`` otherwise (RFC 9110 15.5.6); an unknown
+path gets 404
 naming the routes. While the model loads (the pre-load server of ``--workers 0``, or a worker whose
 engine has not answered yet) each route gives its ``loading`` answer: ``/healthz`` 200 ``loading``,
 ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``, ``/metrics`` the registry (with
@@ -28,7 +30,7 @@ from runtime.engine.persona_limits import (
     TEXT_PROMPT_MAX_TOKENS,
     VOICE_PROMPT_MAX_CHARS,
 )
-from runtime.frontend import ws
+from runtime.frontend import rtc, ws
 from runtime.frontend.access import RequestView, bearer_token, session_token
 from runtime.frontend.ratelimit import RateLimited
 from runtime.frontend.refusals import LOADING_MESSAGE, Admission, SessionRefused
@@ -183,6 +185,28 @@ async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResp
     return await ws.serve_chat(front, request, claims, front.access.client_address(view))
 
 
+async def _rtc_checked(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+    """``/api/rtc`` (POST an offer) and ``/api/rtc/ice-servers`` (GET): the handshake rate limits, then the
+    access check with the token as ``Authorization: Bearer`` (``?token=`` too), as ``/api/chat``'s upgrade;
+    then ``runtime.frontend.rtc``."""
+    view = request_view(request)
+    limited = front.access.rate_limited(view)
+    if limited is not None:
+        return _refuse_rate_limited(front, limited, as_admission=False)
+    try:
+        token = bearer_token(view) or session_token(view)
+        claims = await front.access.check(view, origin=view.get("Origin"), token=token)
+    except TokenRejected as exc:
+        return _refuse_handshake(front, exc)
+    if request.path == rtc.ICE_SERVERS_PATH:
+        return await rtc.serve_ice_servers(front, request, claims)
+    return await rtc.serve_offer(front, request, claims, front.access.client_address(view))
+
+
+async def _rtc_resource(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+    return await rtc.delete_session(front, request)
+
+
 async def _admission(front: FrontEnd, request: web.Request) -> web.Response:
     view = request_view(request)
     limited = front.access.rate_limited(view)
@@ -253,9 +277,13 @@ ROUTES: dict[str, Route] = {
     # The sessions API (runtime.frontend.sessions_api): the collection, and every path below it.
     SESSIONS_PATH: Route(("GET",), sessions_collection, _loading_refused),
     SESSIONS_PATH + "/*": Route(("GET", "DELETE"), sessions_item, _loading_refused),
+    rtc.RTC_PATH: Route(("POST",), _rtc_checked, _loading_refused),
+    rtc.ICE_SERVERS_PATH: Route(("GET",), _rtc_checked, _loading_refused),
 }
 """Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer. A key
 ending in ``/*`` takes every path below it."""
+RTC_RESOURCE = Route(("DELETE",), _rtc_resource, _loading_refused)
+"""Every path under ``/api/rtc/`` not in :data:`ROUTES`: a WebRTC session's resource (its ``Location``)."""
 
 
 def _route(request: web.Request) -> tuple[Route | None, web.Response | None]:
@@ -263,6 +291,8 @@ def _route(request: web.Request) -> tuple[Route | None, web.Response | None]:
     route = ROUTES.get(path)
     if route is None and path.startswith(SESSIONS_PATH + "/"):
         route = ROUTES[SESSIONS_PATH + "/*"]
+    if route is None and path.startswith(rtc.RESOURCE_PREFIX):
+        route = RTC_RESOURCE
     if route is None:
         return None, text_response(404, f"no route {path}; try {', '.join(ROUTES)}\n")
     if request.method not in route.methods:

@@ -90,6 +90,7 @@ PROTOCOL_ERROR_REASONS: frozenset[str] = frozenset(
         "bad_opus",  # audio bytes that sphn's Ogg/Opus reader refuses
         "too_fast",  # one audio message carrying more frames than the session may buffer
         "bad_query",  # a bad /api/chat query parameter
+        "audio_on_datachannel",  # a 0x01 audio message on /api/rtc's DataChannel (audio travels as RTP there)
     }
 )
 """Every ``ProtocolError.reason`` this module and :mod:`runtime.frontend.audio_codec` raise (Prometheus

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import SlotBackend
-from runtime.frontend import http
+from runtime.frontend import http, rtc
 from runtime.frontend.access import Access
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.recording import LocalRecordings, RecordingStore
@@ -232,11 +232,12 @@ class DuplexServer:
             await asyncio.sleep(self.config.recording_sweep_s)
 
     async def close(self) -> None:
-        """Stop listening, close the backend, flush the store. Idempotent."""
+        """End the WebRTC sessions left, stop listening, close the backend, flush the store. Idempotent."""
         self._stop_maintenance_watch()
         if self._sweep_task is not None:
             self._sweep_task.cancel()
             self._sweep_task = None
+        await rtc.end_all(self)
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()

@@ -137,6 +137,9 @@ class SessionOutcome:
 class Transport(abc.ABC):
     """What a session sends through its connection (the transport frames it)."""
 
+    name = "websocket"
+    """The ``transport`` label of the sessions' metrics: ``websocket`` or ``webrtc``."""
+
     @abc.abstractmethod
     async def send_audio(self, payload: bytes) -> None:
         """One encoded audio payload (Ogg/Opus pages or PCM)."""
@@ -200,6 +203,7 @@ class ChatSession(SessionSink):
         self._released = False
         self.recorder: SessionRecorder | None = None
         """Both sides to disk when the token has ``recording_consent`` (``runtime.frontend.recording``)."""
+        self._finished = False
 
     @property
     def max_session_s(self) -> float:
@@ -264,6 +268,8 @@ class ChatSession(SessionSink):
         self.recorder = start_recording(
             recordings, consent, self.session_id, self.request.format.value, self.front.metrics
         )
+        self.front.metrics.transport_sessions_started.labels(transport=self.transport.name).inc()
+        self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).inc()
         store = self.front.store
         if store is not None:
             record = SessionRecord(
@@ -355,10 +361,12 @@ class ChatSession(SessionSink):
     def finish(self, outcome: SessionOutcome) -> None:
         """Release, and count and record how the session ended (when it had started)."""
         self.release()
+        if not self.started or self._finished:
+            return
+        self._finished = True
         if self.recorder is not None:
             self.recorder.close()
-        if not self.started:
-            return
+        self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).dec()
         self.front.metrics.sessions_ended.labels(reason=outcome.reason).inc()
         if self.front.store is not None:
             self.front.store.end_session(self.session_id, outcome.reason)

@@ -300,6 +300,13 @@ def loadgen(
             "before and after the run for the server's first-audio budget, term by term"
         ),
     ] = None,
+    transport: Annotated[
+        str,
+        typer.Option(help="websocket (/api/chat) or webrtc (/api/rtc: aiortc clients, pre-encoded Opus)"),
+    ] = "websocket",
+    processes: Annotated[
+        int, typer.Option(min=1, max=64, help="--transport webrtc: generator processes the sessions share")
+    ] = 2,
 ) -> None:
     """Drive SESSIONS concurrent sessions of speech at real-time pace against a node (this one, a GCP
     node, a GKE endpoint) and report per session and in total: connect time, first-audio latency
@@ -313,7 +320,6 @@ def loadgen(
     from runtime.frontend.protocol import AudioFormat
     from runtime.tools.loadgen import (
         load_speech,
-        load_table,
         run_load,
         session_url,
         trusting_context,
@@ -337,6 +343,26 @@ def loadgen(
         raise typer.Exit(2)
     if token_key_file is not None:
         tokens = _token_factory(token_key_file, kid, audience=audience, personas=persona)
+    if transport not in ("websocket", "webrtc"):
+        console.print(f"[red]--transport must be websocket or webrtc, got {transport!r}[/red]")
+        raise typer.Exit(2)
+    if transport == "webrtc":
+        from runtime.tools.loadgen_rtc import run_rtc_load
+
+        rtc_report = asyncio.run(
+            run_rtc_load(
+                url,
+                speech,
+                sessions=sessions,
+                processes=processes,
+                token=tokens,
+                cafile=str(ca_cert) if ca_cert else None,
+                max_duration_s=max_duration_s,
+                stagger_s=stagger_s,
+            )
+        )
+        _print_report(rtc_report, None, f"{sessions} WebRTC sessions against {url}", json_out)
+        raise typer.Exit(0 if rtc_report.ok else 1)
     frames = sum(len(speech[i % len(speech)]) // 1920 for i in range(sessions))
     with Progress(
         TextColumn("frames streamed"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -358,19 +384,35 @@ def loadgen(
                 metrics_url=metrics_url,
             )
         )
+    _print_report(report, report.budget, f"{sessions} sessions against {url}", json_out)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _print_report(report: Any, budget: object, title: str, json_out: bool) -> None:
+    """``duplex loadgen``'s output: the table, or JSON (summary, first-audio budget, sessions)."""
+    from runtime.tools.loadgen import load_table
+
     if json_out:
         print(
             json.dumps(
-                {
-                    "summary": report.summary(),
-                    "first_audio_budget": report.budget,
-                    "sessions": report.session_rows(),
-                }
+                {"summary": report.summary(), "first_audio_budget": budget, "sessions": report.session_rows()}
             )
         )
-    else:
-        console.print(load_table(f"{sessions} sessions against {url}", report))
-    raise typer.Exit(0 if report.ok else 1)
+        return
+    table = load_table(title, report)
+    total = report.summary()
+    if "ice_connect_ms_p50" in total:
+
+        def ms(key: str) -> str:
+            value = total[key]
+            return "-" if value is None else f"{value:.0f}"
+
+        table.caption = (
+            f"{table.caption}\nPOST -> answer p50/p99 {ms('answer_ms_p50')}/{ms('answer_ms_p99')} ms; "
+            f"POST -> connected p50/p99 {ms('ice_connect_ms_p50')}/{ms('ice_connect_ms_p99')} ms; "
+            f"20 ms packets concealed {total['concealed_packets']}"
+        )
+    console.print(table)
 
 
 def bench(

@@ -1,0 +1,281 @@
+"""WebRTC signalling on ``/api/rtc``: one HTTP request per session, WHIP-shaped (RFC 9725), as OpenAI's
+``POST /v1/realtime/calls``. Non-trickle ICE: the answer carries every server candidate.
+
+- ``GET /api/rtc/ice-servers`` (``Authorization: Bearer <session token>``): ``{"iceServers": [...]}``, the
+  ``RTCConfiguration`` a browser passes to ``new RTCPeerConnection()``, with TURN credentials minted for
+  this caller (``runtime.frontend.turn``): a client that must relay needs them before it makes its offer.
+  The token is checked, not spent.
+- ``POST /api/rtc?<the /api/chat query>`` with the offer (``Content-Type: application/sdp``) and the token as
+  ``Authorization: Bearer``: ``201 Created``, the answer (``application/sdp``), ``Location:
+  /api/rtc/<session id>/<key>`` and the ICE servers as ``Link: <url>; rel="ice-server"; username=...;
+  credential=...; credential-type="password"`` headers (RFC 9725, 4.6). Every refusal comes before the
+  answer, as a plain HTTP status with ``/api/chat``'s reasons (``runtime.frontend.refusals``): 400 (bad
+  query, malformed SDP, no audio, no Opus), 401/403 (token, origin), 413 (offer over
+  :data:`MAX_OFFER_BYTES`), 415 (not ``application/sdp``), 429 and 503 with ``Retry-After``. A refused offer
+  takes no slot and spends no token (the token is spent when the slot is granted, as on ``/api/chat``).
+- ``DELETE /api/rtc/<session id>/<key>``: ends the session (200), 404 when no such session (or a wrong key).
+  With ``--workers N`` the DELETE may reach another worker than the POST (``SO_REUSEPORT``): a worker that
+  does not hold the session asks the engine, which forwards the request to the worker that does
+  (``runtime.ipc.Hangup``).
+
+The rate limits and the token check run in ``runtime.frontend.http`` before these handlers, as for
+``/api/chat``. The session itself: ``runtime.frontend.rtc_session``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import re
+import time
+import uuid
+import weakref
+
+from aiohttp import web
+
+from runtime.frontend.protocol import AudioFormat
+from runtime.frontend.refusals import SessionRefused
+from runtime.frontend.rtc_session import Float32Frames, OfferRejected, RtcPeer, RtcTransport
+from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, plan_session
+from runtime.frontend.session_query import TEXT_PROMPT_IN_METADATA
+from runtime.frontend.tokens import TokenClaims
+from runtime.frontend.turn import IceServer, ice_servers, mint_turn_credentials
+
+__all__ = [
+    "ICE_SERVERS_PATH",
+    "MAX_OFFER_BYTES",
+    "RESOURCE_PREFIX",
+    "RETRY_AFTER_S",
+    "RTC_PATH",
+    "RtcRegistry",
+    "delete_session",
+    "end_all",
+    "ice_servers_for",
+    "link_headers",
+    "registry",
+    "serve_ice_servers",
+    "serve_offer",
+]
+
+log = logging.getLogger(__name__)
+
+RTC_PATH = "/api/rtc"
+ICE_SERVERS_PATH = "/api/rtc/ice-servers"
+RESOURCE_PREFIX = "/api/rtc/"
+MAX_OFFER_BYTES = 32_768
+"""Largest SDP offer read (bytes): a browser's offer with audio and a DataChannel is 2-6 KB."""
+RETRY_AFTER_S = 5
+"""``Retry-After`` of a 503 (node full, waiting room full or timed out, draining, not ready)."""
+_RESOURCE_RE = re.compile(r"(?P<sid>[0-9a-f]{32})/(?P<key>[A-Za-z0-9_-]{16,64})")
+
+
+class RtcRegistry:
+    """This process's WebRTC sessions by session id, and the hang-up other workers ask for."""
+
+    def __init__(self, front: FrontEnd) -> None:
+        self.peers: dict[str, RtcPeer] = {}
+        front.backend.on_hangup = self.hang_up_local
+
+    def forget(self, peer: RtcPeer) -> None:
+        """``peer``'s session has ended."""
+        if peer.session is not None:
+            self.peers.pop(peer.session.session_id, None)
+
+    def hang_up_local(self, session_id: str, key: str) -> bool:
+        """End this process's session ``session_id`` if ``key`` is its key (compared in constant time)."""
+        peer = self.peers.get(session_id)
+        if peer is None or not hmac.compare_digest(peer.key.encode(), key.encode()):
+            return False
+        peer.end(SessionOutcome("client_closed"))
+        return True
+
+
+_REGISTRIES: weakref.WeakKeyDictionary[FrontEnd, RtcRegistry] = weakref.WeakKeyDictionary()
+
+
+def registry(front: FrontEnd) -> RtcRegistry:
+    """The WebRTC sessions of ``front`` (made on first use)."""
+    found = _REGISTRIES.get(front)
+    if found is None:
+        found = _REGISTRIES[front] = RtcRegistry(front)
+    return found
+
+
+async def end_all(front: FrontEnd) -> None:
+    """End every WebRTC session of ``front`` and wait until their peer connections are closed (the server
+    closes: sessions a drain did not end)."""
+    found = _REGISTRIES.get(front)
+    if found is None:
+        return
+    peers = list(found.peers.values())
+    for peer in peers:
+        peer.end(SessionOutcome("server_closed", 1001))
+    await asyncio.gather(*(peer.wait_closed() for peer in peers), return_exceptions=True)
+
+
+def ice_servers_for(front: FrontEnd, holder: str) -> list[IceServer]:
+    """The ICE servers of a caller: ``DUPLEX_TURN_URLS`` with TURN credentials minted for ``holder`` (a
+    session id or a token id) when ``DUPLEX_TURN_SECRET`` is set."""
+    config = front.config
+    credentials = None
+    if config.turn_secret is not None:
+        secret = config.turn_secret.get_secret_value().encode()
+        credentials = mint_turn_credentials(secret, holder, config.turn_ttl_s, time.time())
+    return ice_servers(config.turn_urls, credentials)
+
+
+def _quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def link_headers(servers: list[IceServer]) -> list[str]:
+    """One ``Link`` header value per URL (RFC 9725, 4.6): ``<url>; rel="ice-server"`` and, for TURN,
+    ``username``, ``credential`` and ``credential-type="password"``."""
+    links = []
+    for server in servers:
+        for url in server.urls:
+            link = f'<{url}>; rel="ice-server"'
+            if server.username:
+                link += (
+                    f"; username={_quoted(server.username)}; credential={_quoted(server.credential)}"
+                    '; credential-type="password"'
+                )
+            links.append(link)
+    return links
+
+
+def _plain(status: int, text: str, *, retry_after: int | None = None) -> web.Response:
+    answer = web.Response(status=status, text=text + "\n", content_type="text/plain", charset="utf-8")
+    if retry_after is not None:
+        answer.headers["Retry-After"] = str(retry_after)
+    return answer
+
+
+def _refused(front: FrontEnd, exc: SessionRefused) -> web.Response:
+    """A refusal before the answer: its status from the table, ``Retry-After`` on 429 and 503."""
+    front.metrics.admissions_refused.labels(reason=exc.reason).inc()
+    log.info("refused WebRTC session: %s", exc.message)
+    status = exc.kind.status
+    return _plain(
+        status, f"{exc.reason}: {exc.message}", retry_after=RETRY_AFTER_S if status in (429, 503) else None
+    )
+
+
+async def _read_offer(request: web.Request) -> str:
+    """The offer's text.
+
+    Raises:
+        web.HTTPException: 415 (not application/sdp), 413 (over MAX_OFFER_BYTES), 400 (not UTF-8, empty).
+    """
+    if request.content_type != "application/sdp":
+        raise web.HTTPUnsupportedMediaType(
+            text=f"send the SDP offer as Content-Type: application/sdp, not {request.content_type!r}\n"
+        )
+    too_large = web.HTTPRequestEntityTooLarge(
+        max_size=MAX_OFFER_BYTES,
+        actual_size=request.content_length or MAX_OFFER_BYTES + 1,
+        text=f"the SDP offer is over {MAX_OFFER_BYTES} bytes\n",
+    )
+    if request.content_length is not None and request.content_length > MAX_OFFER_BYTES:
+        raise too_large
+    body = bytearray()
+    while chunk := await request.content.read(8192):
+        body += chunk
+        if len(body) > MAX_OFFER_BYTES:
+            raise too_large
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise web.HTTPBadRequest(text="the SDP offer is not UTF-8 text\n") from None
+    if not text.strip():
+        raise web.HTTPBadRequest(text="empty SDP offer: POST the offer's SDP as the body\n")
+    return text
+
+
+async def serve_offer(
+    front: FrontEnd, request: web.Request, claims: TokenClaims | None, client: str
+) -> web.StreamResponse:
+    """``POST /api/rtc`` after the rate limits and the access check (``runtime.frontend.http``)."""
+    posted_at = time.monotonic()
+    try:
+        sdp = await _read_offer(request)
+    except web.HTTPException as exc:
+        front.metrics.admissions_refused.labels(reason="bad_request").inc()
+        return _plain(exc.status, (exc.text or exc.reason).strip())
+    try:
+        session_request, sampling = plan_session(front, request.query_string)
+        if session_request.text_prompt_in == TEXT_PROMPT_IN_METADATA:
+            raise SessionRefused(
+                "bad_request",
+                "bad request: text_prompt_in=metadata is not available on /api/rtc (the session starts "
+                "with the answer): give text_prompt in the query",
+            )
+    except SessionRefused as exc:
+        return _refused(front, exc)
+    if front.draining:
+        return _refused(front, SessionRefused("draining"))
+    peer = RtcPeer(front, posted_at)
+    try:
+        await peer.accept_offer(sdp)
+    except OfferRejected as exc:
+        await peer.close()
+        return _refused(front, SessionRefused("bad_request", f"bad request: {exc}"))
+    session_request = dataclasses.replace(session_request, format=AudioFormat.PCM)
+    session = ChatSession(front, RtcTransport(peer), session_request, sampling, claims, client)
+    session.encoder = Float32Frames()
+    try:
+        await session.admit()
+    except SessionRefused as exc:
+        await peer.close()
+        return _refused(front, exc)
+    except BaseException:
+        session.finish(SessionOutcome("client_closed"))
+        await peer.close()
+        raise
+    try:
+        answer = await peer.answer()
+    except BaseException:
+        log.exception("WebRTC answer failed for session %s", session.session_id)
+        session.finish(SessionOutcome("rtc_failed"))
+        await peer.close()
+        raise
+    sessions = registry(front)
+    sessions.peers[session.session_id] = peer
+    peer.start(session, sessions.forget)
+    front.metrics.rtc_answer.observe(time.monotonic() - posted_at)
+    response = web.Response(status=201, text=answer, content_type="application/sdp")
+    response.headers["Location"] = f"{RESOURCE_PREFIX}{session.session_id}/{peer.key}"
+    response.headers["Cache-Control"] = "no-store"
+    for link in link_headers(ice_servers_for(front, session.session_id)):
+        response.headers.add("Link", link)
+    return response
+
+
+async def serve_ice_servers(
+    front: FrontEnd, request: web.Request, claims: TokenClaims | None
+) -> web.Response:
+    """``GET /api/rtc/ice-servers`` after the access check: ``{"iceServers": [...]}`` (``RTCConfiguration``)
+    with credentials minted for the token's id, and the same as ``Link`` headers."""
+    holder = claims.token_id if claims is not None else ""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", holder):  # TURN usernames are "<expiry>:<id>"
+        holder = uuid.uuid4().hex
+    servers = ice_servers_for(front, holder)
+    response = web.json_response({"iceServers": [server.as_json() for server in servers]})
+    response.headers["Cache-Control"] = "no-store"
+    for link in link_headers(servers):
+        response.headers.add("Link", link)
+    return response
+
+
+async def delete_session(front: FrontEnd, request: web.Request) -> web.Response:
+    """``DELETE /api/rtc/<session id>/<key>``: 200 when the session was ended (here or by the worker that
+    holds it), 404 otherwise."""
+    match = _RESOURCE_RE.fullmatch(request.path.removeprefix(RESOURCE_PREFIX))
+    if match is None:
+        return _plain(404, f"no WebRTC session at {request.path}: DELETE the Location the POST answered")
+    session_id, key = match["sid"], match["key"]
+    if registry(front).hang_up_local(session_id, key) or await front.backend.hang_up(session_id, key):
+        return _plain(200, f"session {session_id} ended")
+    return _plain(404, f"no WebRTC session {session_id} on this node (ended already, or a wrong key)")

@@ -1,0 +1,214 @@
+"""WebRTC media of one session, around aiortc's RTP stack but past its codecs and its jitter buffer.
+
+Outbound (:class:`OpusPacketTrack`): the session's 80 ms frames, encoded by our own mono Opus encoder
+(``runtime.frontend.opus_rtp``) into four 20 ms packets, handed to aiortc's RTP sender as pre-encoded
+``av.Packet`` objects, paced 20 ms apart: aiortc's sender packs them as they are (no 48 kHz stereo
+96 kbps re-encode, which costs a thread and several times the CPU).
+
+Inbound (:class:`RtpInbound`): every RTP packet of the audio receiver goes straight into our jitter buffer
+(``runtime.frontend.jitter``) instead of aiortc's (which adds ~80 ms and stays 280 ms behind after a loss:
+aiortc issue 543), then is decoded by libopus at 24 kHz (a missing packet: libopus' concealment) and
+handed on as int16 samples, 20 ms at a time. The hook is the receiver's ``_handle_rtp_packet``, replaced on
+the instance (aiortc 1.16.0 routes each packet to it; aiortc's decoder thread is started and stays idle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fractions
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import av
+import numpy as np
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+from aiortc.rtcrtpreceiver import RTCRtpReceiver
+
+from runtime.frontend.jitter import JitterBuffer
+from runtime.frontend.opus_rtp import PACKET_SAMPLES, OpusDecoder, OpusEncoder, OpusError
+from runtime.metrics import RuntimeMetrics
+
+__all__ = ["OUTBOUND_QUEUE_PACKETS", "PACKET_S", "OpusPacketTrack", "RtpInbound"]
+
+log = logging.getLogger(__name__)
+
+PACKET_S = 0.02
+"""One Opus packet: 20 ms."""
+OUTBOUND_QUEUE_PACKETS = 50
+"""Packets (1 s) an outbound track holds before it drops the oldest (a peer that cannot keep up)."""
+_RTP_TIME_BASE = fractions.Fraction(1, 48_000)
+_RTP_STEP = 960  # 20 ms at Opus's 48 kHz RTP clock
+
+
+class OpusPacketTrack(MediaStreamTrack):
+    """The session's outbound audio as pre-encoded Opus packets, 20 ms apart.
+
+    Args:
+        complexity: libopus complexity 0..10.
+        clock: monotonic seconds (the event loop's by default).
+        on_dropped: called with a count when packets are dropped (the queue was full).
+    """
+
+    kind = "audio"
+
+    def __init__(
+        self,
+        complexity: int = 10,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_dropped: Callable[[int], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.encoder = OpusEncoder(complexity)
+        self.clock = clock
+        self.on_dropped = on_dropped
+        self._queue: deque[tuple[bytes, float]] = deque()
+        self._ready = asyncio.Event()
+        self._pts = 0
+        self.packets_sent = 0
+
+    def put_frame(self, frame: np.ndarray) -> None:
+        """One ``[1920]`` float32 frame (80 ms at 24 kHz): four packets, due now and 20, 40, 60 ms later.
+
+        Raises:
+            ValueError: not 1920 samples.
+        """
+        now = self.clock()
+        dropped = 0
+        for index, payload in enumerate(self.encoder.encode(frame)):
+            if len(self._queue) >= OUTBOUND_QUEUE_PACKETS:
+                self._queue.popleft()
+                dropped += 1
+            self._queue.append((payload, now + index * PACKET_S))
+        if dropped and self.on_dropped is not None:
+            self.on_dropped(dropped)
+        self._ready.set()
+
+    async def recv(self) -> av.Packet:  # type: ignore[override]  # aiortc's senders take packets too
+        """The next packet at its time (aiortc's RTP sender calls this in a loop).
+
+        Raises:
+            MediaStreamError: the track was stopped.
+        """
+        while not self._queue:
+            if self.readyState != "live":
+                raise MediaStreamError
+            self._ready.clear()
+            await self._ready.wait()
+        payload, due = self._queue.popleft()
+        delay = due - self.clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if self.readyState != "live":
+            raise MediaStreamError
+        packet = av.Packet(payload)
+        packet.pts = self._pts
+        packet.time_base = _RTP_TIME_BASE
+        self._pts += _RTP_STEP
+        self.packets_sent += 1
+        return packet
+
+    def stop(self) -> None:
+        super().stop()
+        self._ready.set()
+        self.encoder.close()
+
+
+class RtpInbound:
+    """One session's inbound audio: RTP packets -> jitter buffer -> libopus -> ``on_pcm``.
+
+    Args:
+        on_pcm: called with int16 samples at 24 kHz (480 per 20 ms packet), in order, on the event loop.
+        metrics: where packets received, late, concealed, lost and the buffer's depth are counted.
+        clock: monotonic seconds (injected in tests).
+
+    Attributes:
+        buffer: the jitter buffer.
+        last_packet_at: the clock's time of the last RTP packet (None before the first).
+    """
+
+    def __init__(
+        self,
+        on_pcm: Callable[[np.ndarray], None],
+        metrics: RuntimeMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.on_pcm = on_pcm
+        self.metrics = metrics
+        self.clock = clock
+        self.buffer = JitterBuffer(clock)
+        self.decoder = OpusDecoder()
+        self.last_packet_at: float | None = None
+        self.bad_packets = 0
+        self._payload_types: set[int] = set()
+        self._ssrc: int | None = None
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._counted = (0, 0, 0)  # received, late, concealed already added to the metrics
+
+    def attach(self, receiver: RTCRtpReceiver, payload_types: set[int]) -> None:
+        """Take ``receiver``'s RTP packets of the Opus ``payload_types`` from now on, and start playout."""
+        self._payload_types = payload_types
+        receiver._handle_rtp_packet = self._handle_rtp_packet  # type: ignore[method-assign]
+        self._task = asyncio.create_task(self._playout(), name="rtp playout")
+
+    async def _handle_rtp_packet(self, packet: Any, arrival_time_ms: int) -> None:
+        """aiortc's receiver hook (called on the event loop for each decrypted RTP packet)."""
+        if packet.payload_type not in self._payload_types or not packet.payload:
+            return
+        if self._ssrc is None:
+            self._ssrc = packet.ssrc
+        elif packet.ssrc != self._ssrc:
+            return  # one stream per session: a second SSRC is ignored
+        self.last_packet_at = self.clock()
+        self.buffer.push(packet.sequence_number, packet.timestamp, packet.payload)
+        self._arrived.set()
+
+    async def _playout(self) -> None:
+        """Pop whatever is due on every arrival and at every deadline; decode and hand it on."""
+        buffer = self.buffer
+        while True:
+            for slot in buffer.pop():
+                self._decode(slot.payload)
+            self.metrics.rtp_jitter_depth.observe(buffer.depth)
+            deadline = buffer.deadline()
+            self._arrived.clear()
+            if deadline is None:
+                await self._arrived.wait()
+                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, deadline - self.clock())):
+                    await self._arrived.wait()
+
+    def _decode(self, payload: bytes | None) -> None:
+        conceal = max(PACKET_SAMPLES // 8, int(round(self.buffer.packet_s * 24_000)))
+        try:
+            pcm = self.decoder.decode(payload, conceal)
+        except OpusError:
+            self.bad_packets += 1
+            pcm = self.decoder.decode(None, conceal)
+        self.on_pcm(pcm)
+
+    def count(self) -> None:
+        """Add what happened since the last call to the metrics (call now and then, and at the end)."""
+        stats = self.buffer.stats
+        received, late, concealed = self._counted
+        self.metrics.rtp_packets.labels(outcome="received").inc(stats.received - received)
+        self.metrics.rtp_packets.labels(outcome="late").inc(stats.late - late)
+        self.metrics.rtp_packets.labels(outcome="concealed").inc(stats.concealed - concealed)
+        self._counted = (stats.received, stats.late, stats.concealed)
+
+    def close(self) -> None:
+        """Stop playout, count the rest (lost: slots concealed whose packet never came), free the decoder."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self.count()
+        stats = self.buffer.stats
+        self.metrics.rtp_packets.labels(outcome="lost").inc(max(0, stats.concealed - stats.late))
+        self.decoder.close()

@@ -1,0 +1,257 @@
+"""``duplex loadgen --transport webrtc``: the load generator's sessions over ``/api/rtc``
+(``runtime.tools.rtc_client``), spread over several processes (aiortc's RTP, SRTP and DTLS are pure
+Python on the generator's side too: one process would measure itself, not the node).
+
+Each session replays its clip pre-encoded as 20 ms Opus packets, once, at real-time pace (then silence
+until it hangs up, as a live microphone's would), then hangs up (``DELETE``); it reports the load
+generator's usual figures (``runtime.tools.loadgen.SessionResult``: an 80 ms frame is four packets; first
+audio from the first packet sent to the first packet back) plus the POST -> answer and POST -> connected
+(ICE and DTLS) times and the packets its own jitter buffer (``runtime.frontend.jitter``, run on arrivals)
+had to conceal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import multiprocessing
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+
+from runtime.frontend.jitter import JitterBuffer
+from runtime.frontend.refusals import CLOSE_NORMAL
+from runtime.tools.loadgen import MAX_LOAD_SESSIONS, LoadReport, SessionResult, _percentile
+from runtime.tools.rtc_client import RtcCall, encode_packets
+
+__all__ = ["RtcLoadReport", "RtcSessionResult", "http_base", "run_rtc_load", "run_rtc_session"]
+
+PACKETS_PER_FRAME = 4
+TAIL_S = 1.0
+"""After its last packet, how long a session keeps listening for the node's last audio."""
+
+
+@dataclass
+class RtcSessionResult(SessionResult):
+    """:class:`SessionResult` of a WebRTC session, plus its signalling times and concealment.
+
+    Attributes:
+        answer_ms: POST -> the 201's answer; ice_connect_ms: POST -> connected (ICE and DTLS).
+        concealed_packets: 20 ms packets of the node's audio its jitter buffer concealed (lost or late).
+    """
+
+    answer_ms: float | None = None
+    ice_connect_ms: float | None = None
+    concealed_packets: int = 0
+
+
+@functools.cache
+def _silence() -> bytes:
+    """One 20 ms Opus packet of silence."""
+    return encode_packets(np.zeros(1920, dtype=np.float32))[-1]
+
+
+def http_base(url: str) -> str:
+    """``ws://`` -> ``http://``, ``wss://`` -> ``https://`` (the loadgen's ``--url``), path dropped."""
+    scheme, _, rest = url.partition("://")
+    host = rest.split("/", 1)[0]
+    return {"ws": "http", "wss": "https"}.get(scheme, scheme) + "://" + host
+
+
+async def run_rtc_session(
+    base: str,
+    packets: Sequence[bytes],
+    *,
+    token: str | None = None,
+    query: str = "",
+    ssl_context: ssl.SSLContext | None = None,
+    connect_timeout_s: float = 10.0,
+) -> RtcSessionResult:
+    """One WebRTC session against ``base`` (``http(s)://host:port``) replaying ``packets`` once."""
+    result = RtcSessionResult(frames_planned=len(packets) // PACKETS_PER_FRAME)
+    call = RtcCall(base, packets, token=token, query=query, loop=False)
+    call.track.after = _silence()  # as a live client: audio goes on (silence) until it hangs up
+    buffer = JitterBuffer(time.monotonic)
+    arrivals: list[float] = []
+    original = call._on_rtp
+
+    async def on_rtp(packet: object, arrival_time_ms: int) -> None:
+        await original(packet, arrival_time_ms)
+        arrivals.append(time.monotonic())
+        buffer.push(packet.sequence_number, packet.timestamp, packet.payload)  # type: ignore[attr-defined]
+        buffer.pop()
+
+    call.transceiver.receiver._handle_rtp_packet = on_rtp  # type: ignore[method-assign]
+    connector = aiohttp.TCPConnector(ssl=ssl_context) if ssl_context is not None else None
+    try:
+        async with aiohttp.ClientSession(connector=connector) as http:
+            try:
+                outcome = await call.start(http)
+            except aiohttp.ClientError as exc:
+                result.connect_error = f"{type(exc).__name__}: {exc}"
+                return result
+            result.answer_ms = outcome.answer_s * 1e3 if outcome.answer_s is not None else None
+            if outcome.status != 201:
+                result.http_status, result.http_body = outcome.status, outcome.body
+                return result
+            try:
+                await asyncio.wait_for(call.connected.wait(), connect_timeout_s)
+            except TimeoutError:
+                result.connect_error = f"ICE/DTLS not connected within {connect_timeout_s:g} s"
+                return result
+            assert outcome.connected_s is not None
+            result.ice_connect_ms = result.connect_ms = outcome.connected_s * 1e3
+            sent_from = time.monotonic()
+            while call.track.sent < len(packets) and call.pc.connectionState == "connected":
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(TAIL_S)
+            result.handshake = outcome.handshake_s is not None
+            result.frames_sent = call.track.sent // PACKETS_PER_FRAME
+            result.text = "".join(outcome.texts)
+            result.errors = list(outcome.errors)
+            frames = arrivals[PACKETS_PER_FRAME - 1 :: PACKETS_PER_FRAME]
+            result.audio_messages = len(frames)
+            result.audio_arrival_s = frames
+            if arrivals:
+                result.first_audio_ms = (arrivals[0] - sent_from) * 1e3
+            result.bytes_sent = sum(len(p) for p in packets[: call.track.sent])
+            result.concealed_packets = buffer.stats.concealed
+            status = await call.hang_up(http)
+            result.close_code = CLOSE_NORMAL if status == 200 else None
+            result.close_reason = "" if status == 200 else f"DELETE answered {status}"
+    finally:
+        await call.close()
+    return result
+
+
+@dataclass
+class RtcLoadReport(LoadReport):
+    """:class:`LoadReport` plus WebRTC's signalling times and concealment over the sessions."""
+
+    def summary(self) -> dict[str, float | int | None]:
+        totals = super().summary()
+        rtc = [r for r in self.sessions if isinstance(r, RtcSessionResult)]
+        answer = [r.answer_ms for r in rtc if r.answer_ms is not None]
+        ice = [r.ice_connect_ms for r in rtc if r.ice_connect_ms is not None]
+        totals.update(
+            {
+                "answer_ms_p50": _percentile(answer, 50),
+                "answer_ms_p99": _percentile(answer, 99),
+                "ice_connect_ms_p50": _percentile(ice, 50),
+                "ice_connect_ms_p99": _percentile(ice, 99),
+                "concealed_packets": sum(r.concealed_packets for r in rtc),
+            }
+        )
+        return totals
+
+
+def _process_share(
+    base: str,
+    clips: list[list[bytes]],
+    indices: list[int],
+    tokens: list[str | None],
+    query: str,
+    stagger_s: float,
+    max_duration_s: float,
+    cafile: str | None,
+) -> tuple[list[RtcSessionResult], float]:
+    """One generator process: its sessions concurrently; (results in ``indices`` order, CPU seconds)."""
+    context = ssl.create_default_context(cafile=cafile) if cafile else None
+    cpu = time.process_time()
+
+    async def main() -> list[RtcSessionResult]:
+        async def one(n: int, i: int, token: str | None) -> RtcSessionResult:
+            await asyncio.sleep(i * stagger_s)
+            return await run_rtc_session(
+                base, clips[i % len(clips)], token=token, query=query, ssl_context=context
+            )
+
+        tasks = [
+            asyncio.create_task(one(n, i, t)) for n, (i, t) in enumerate(zip(indices, tokens, strict=True))
+        ]
+        done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        out = []
+        for task in tasks:
+            if task in done and task.exception() is None:
+                out.append(task.result())
+            else:
+                failed = RtcSessionResult()
+                failed.connect_error = (
+                    f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
+                )
+                out.append(failed)
+        return out
+
+    results = asyncio.run(main())
+    return results, time.process_time() - cpu
+
+
+async def run_rtc_load(
+    url: str,
+    speech: Sequence[np.ndarray],
+    *,
+    sessions: int,
+    processes: int = 2,
+    token: str | Callable[[], str] | None = None,
+    query: str = "",
+    cafile: str | None = None,
+    max_duration_s: float = 120.0,
+    stagger_s: float = 0.0,
+) -> RtcLoadReport:
+    """``sessions`` concurrent WebRTC sessions against ``url`` (``ws(s)://`` or ``http(s)://host:port``),
+    spread round-robin over ``processes`` generator processes; session ``i`` replays ``speech[i %
+    len(speech)]`` pre-encoded.
+
+    Raises:
+        ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, ``processes`` < 1, no speech, a bad duration,
+            or one token for several sessions.
+    """
+    if not 1 <= sessions <= MAX_LOAD_SESSIONS:
+        raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    if not speech:
+        raise ValueError("no speech to stream: give at least one WAV file")
+    if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
+        raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
+    if isinstance(token, str) and sessions > 1:
+        raise ValueError("a session token opens one session: pass a token factory for several sessions")
+    base = http_base(url)
+    clips = [encode_packets(clip) for clip in speech[: min(len(speech), sessions)]]
+    tokens = [token() if callable(token) else token for _ in range(sessions)]
+    shares = [list(range(p, sessions, processes)) for p in range(min(processes, sessions))]
+    started = time.monotonic()
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [
+            loop.run_in_executor(
+                pool,
+                _process_share,
+                base,
+                clips,
+                share,
+                [tokens[i] for i in share],
+                query,
+                stagger_s,
+                max_duration_s,
+                cafile,
+            )
+            for share in shares
+        ]
+        parts = await asyncio.gather(*futures)
+    results: list[SessionResult] = [RtcSessionResult() for _ in range(sessions)]
+    cpu = 0.0
+    for share, (share_results, share_cpu) in zip(shares, parts, strict=True):
+        cpu += share_cpu
+        for i, result in zip(share, share_results, strict=True):
+            results[i] = result
+    return RtcLoadReport(results, time.monotonic() - started, cpu)
