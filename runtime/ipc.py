@@ -20,14 +20,19 @@ import msgspec
 __all__ = [
     "Admit",
     "Admitted",
+    "Detach",
     "FirstAudio",
     "Frame",
     "Hello",
+    "HoldExpired",
     "Message",
+    "Moved",
     "Outputs",
     "PromptDone",
     "Refused",
     "Release",
+    "Resume",
+    "Resumed",
     "Status",
     "decode",
     "encode",
@@ -56,6 +61,8 @@ class Admit(msgspec.Struct, tag=True):
         token_id, token_expires_at: with ``DUPLEX_TOKEN_REPLAY_CHECK=memory``, the session token's id and
             expiry (Unix s): the engine spends it when the slot is taken, so that a token is single-use
             across every worker ("" when the workers spend tokens in Redis themselves).
+        resumable, meta: ``runtime.engine.api.AdmitRequest``'s: issue a resume credential; the front end's
+            opaque record, handed back on resume.
     """
 
     session_id: str
@@ -66,13 +73,59 @@ class Admit(msgspec.Struct, tag=True):
     token_id: str = ""
     token_expires_at: float = 0.0
     client: str = ""
+    resumable: bool = False
+    meta: str = ""
 
 
 class Admitted(msgspec.Struct, tag=True):
-    """Engine -> worker: the session holds ``slot``; its prompt runs, ``PromptDone`` follows."""
+    """Engine -> worker: the session holds ``slot``; its prompt runs, ``PromptDone`` follows.
+    ``credential``: its first resume credential ("" when not resumable)."""
 
     session_id: str
     slot: int
+    credential: str = ""
+
+
+class Detach(msgspec.Struct, tag=True):
+    """Worker -> engine: the session's transport was lost without a normal close: hold its slot, paused,
+    for ``resume_s`` (or release it when it is not resumable)."""
+
+    session_id: str
+
+
+class Resume(msgspec.Struct, tag=True):
+    """Worker -> engine: a caller presents a resume ``credential``; ``ref`` names the request in the answer
+    (``Resumed``, or ``Refused`` with ``session_id=ref``)."""
+
+    ref: str
+    credential: str
+    client: str = ""
+
+
+class Resumed(msgspec.Struct, tag=True):
+    """Engine -> worker: the session's slot now delivers to this worker (``runtime.engine.api.ResumeGrant``:
+    ``gap_s``, ``meta``, ``transcript``; ``credential`` the next one)."""
+
+    ref: str
+    session_id: str
+    slot: int
+    credential: str
+    gap_s: float
+    meta: str
+    transcript: str
+
+
+class Moved(msgspec.Struct, tag=True):
+    """Engine -> the worker that held a session: it was resumed through another worker: close its transport,
+    neither release nor end it."""
+
+    session_id: str
+
+
+class HoldExpired(msgspec.Struct, tag=True):
+    """Engine -> the worker of a detached session: nobody resumed it in time; its slot is freed."""
+
+    session_id: str
 
 
 class Refused(msgspec.Struct, tag=True):
@@ -135,7 +188,23 @@ class Status(msgspec.Struct, tag=True):
     engine_pid: int = 0
 
 
-Message = Hello | Admit | Admitted | Refused | PromptDone | Frame | Release | Outputs | FirstAudio | Status
+Message = (
+    Hello
+    | Admit
+    | Admitted
+    | Refused
+    | PromptDone
+    | Frame
+    | Release
+    | Outputs
+    | FirstAudio
+    | Status
+    | Detach
+    | Resume
+    | Resumed
+    | Moved
+    | HoldExpired
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

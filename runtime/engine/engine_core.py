@@ -41,6 +41,7 @@ from runtime.engine.api import (
     BackendStatus,
     FirstAudioTiming,
     Refusal,
+    ResumeGrant,
     SamplingParams,
     SessionSink,
     SlotBackend,
@@ -51,6 +52,7 @@ from runtime.engine.api import (
 from runtime.engine.batch import PromptStep
 from runtime.engine.models import ModelBundle
 from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
+from runtime.engine.resume import SinkRoute, SlotHolds, credential_session
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.engine.sim import make_engine
 from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout, open_slots
@@ -92,6 +94,8 @@ class LocalSlots(SlotBackend):
         engine, voices: the batch engine and the voice prompts.
         scheduler, admission: the tick's scheduler and its waiting room (None before :meth:`start`).
         draining: refuse new sessions (``draining``).
+        holds: the resumable sessions and their held slots (``runtime.engine.resume``; ``holds.clock`` is
+            the hold's clock, injected in tests).
     """
 
     def __init__(  # type: ignore[no-untyped-def]
@@ -116,6 +120,7 @@ class LocalSlots(SlotBackend):
         self.on_lost = []
         self.spends_tokens = spends_tokens
         self._spent_tokens: dict[str, float] = {}  # token id -> until (Unix s)
+        self.holds = SlotHolds(getattr(config, "resume_s", 0.0), self._release_slot)
 
     def warm_up(self, frames: int = 4) -> None:
         """Run every prefill chunk size once, then ``frames`` silent ticks through slot 0 (then freed):
@@ -142,8 +147,10 @@ class LocalSlots(SlotBackend):
             max_waiting_per_client=self.config.waiting_room_per_client,
         )
         self.scheduler = self.admission.scheduler
+        self.holds.start()
 
     async def close(self) -> None:
+        await self.holds.stop()
         if self.scheduler is not None:
             await asyncio.to_thread(self.scheduler.stop)
 
@@ -184,14 +191,15 @@ class LocalSlots(SlotBackend):
             prompt = self.prompt(request.voice_prompt, request.text_prompt)
         except PersonaError as exc:
             raise Refusal("bad_request", f"bad request: {exc}") from None
+        route = SinkRoute(sink)  # a resume points it at another sink
         slot_session = SlotSession(
             request.session_id,
             request.sampling,
             prompt,
-            on_output=sink.on_output,
-            on_prompt_done=sink.on_prompt_done,
+            on_output=route.on_output,
+            on_prompt_done=route.on_prompt_done,
             max_inbox_frames=self.config.max_inbox_frames,
-            on_first_audio=sink.on_first_audio,
+            on_first_audio=route.on_first_audio,
         )
         try:
             slot = await self.admission.admit(slot_session, client=request.client)
@@ -203,7 +211,10 @@ class LocalSlots(SlotBackend):
         if request.token_id and not self._spend_token(request.token_id, request.token_expires_at):
             self.scheduler.release(slot_session)
             raise Refusal("replayed", replayed_message(request.token_id))
-        return _LocalLease(request.session_id, slot, slot_session=slot_session)
+        lease = _LocalLease(request.session_id, slot, slot_session=slot_session)
+        if request.resumable:
+            lease.resume_credential = self.holds.open(slot_session, route, request.meta)
+        return lease
 
     def _spend_token(self, token_id: str, expires_at: float) -> bool:
         """Record ``token_id`` as spent until its expiry plus the leeway; False when it was spent already."""
@@ -218,6 +229,7 @@ class LocalSlots(SlotBackend):
 
     def push_frame(self, lease: SlotLease, frame: np.ndarray) -> bool:
         assert isinstance(lease, _LocalLease) and lease.slot_session is not None
+        lease.slot_session.paused = False  # a frame after a resume: the row steps again
         kept = lease.slot_session.push_frame(frame)
         if lease.first_input_at is None:  # one process: the front end's first frame is the engine's
             lease.first_input_at = lease.slot_session.first_input_at
@@ -225,8 +237,26 @@ class LocalSlots(SlotBackend):
 
     def release(self, lease: SlotLease) -> None:
         assert isinstance(lease, _LocalLease) and lease.slot_session is not None
+        self.holds.forget(lease.session_id)
+        self._release_slot(lease.slot_session)
+
+    def _release_slot(self, slot_session: SlotSession) -> None:
         if self.scheduler is not None:
-            self.scheduler.release(lease.slot_session)
+            self.scheduler.release(slot_session)
+
+    def detach(self, lease: SlotLease) -> bool:
+        return self.holds.detach(lease.session_id)
+
+    async def resume(self, credential: str, sink: SessionSink, client: str = "") -> ResumeGrant:
+        if self.draining:
+            raise Refusal("draining", DRAINING_MESSAGE)
+        got = self.holds.resume(credential, sink)
+        if got.previous is not sink:
+            got.previous.on_taken_over()
+        held = got.slot_session
+        lease = _LocalLease(held.session_id, held.slot, held.first_input_at, got.credential)
+        lease.slot_session = held
+        return ResumeGrant(lease, got.gap_s, got.meta, got.transcript)
 
 
 class _WorkerSink(SessionSink):
@@ -246,6 +276,10 @@ class _WorkerSink(SessionSink):
     def on_first_audio(self, timing: FirstAudioTiming) -> None:
         # Sent at once, so ahead of the Outputs that carry the first audio (flushed later in this loop turn).
         self.core._send(self.worker, ipc.FirstAudio(self.session_id, *timing.as_tuple()))
+
+    def on_hold_expired(self) -> None:
+        if self.core.sessions.pop(self.session_id, None) is not None:
+            self.core._send(self.worker, ipc.HoldExpired(self.session_id))
 
 
 @dataclass(eq=False)
@@ -354,7 +388,7 @@ class EngineCore:
                 worker.last_seen = time.monotonic()
             if isinstance(message, ipc.Frame):
                 remote = self.sessions.get(message.session_id)
-                if remote is not None and remote.lease is not None:
+                if remote is not None and remote.lease is not None and remote.worker == identity:
                     frame = np.frombuffer(message.pcm, dtype="<f4")
                     if not self.slots.push_frame(remote.lease, frame):
                         self.metrics.frames_dropped.labels(reason="input_overflow").inc()
@@ -365,7 +399,11 @@ class EngineCore:
             elif isinstance(message, ipc.Admit):
                 self._admit(identity, message)
             elif isinstance(message, ipc.Release):
-                self._release(message.session_id)
+                self._release(message.session_id, identity)
+            elif isinstance(message, ipc.Detach):
+                self._detach(message.session_id, identity)
+            elif isinstance(message, ipc.Resume):
+                asyncio.create_task(self._resume(identity, message))
 
     def _admit(self, worker: bytes, message: ipc.Admit) -> None:
         sid = message.session_id
@@ -382,6 +420,8 @@ class EngineCore:
             client=message.client,
             token_id=message.token_id,
             token_expires_at=message.token_expires_at,
+            resumable=message.resumable,
+            meta=message.meta,
         )
         remote = _Remote(worker)
         self.sessions[sid] = remote
@@ -395,16 +435,47 @@ class EngineCore:
             self.sessions.pop(sid, None)
             self._send(remote.worker, ipc.Refused(sid, exc.reason, exc.message))
             return
-        self._send(remote.worker, ipc.Admitted(sid, remote.lease.slot))
+        self._send(remote.worker, ipc.Admitted(sid, remote.lease.slot, remote.lease.resume_credential))
 
-    def _release(self, session_id: str) -> None:
-        remote = self.sessions.pop(session_id, None)
-        if remote is None:
+    def _release(self, session_id: str, worker: bytes | None = None) -> None:
+        """End a session (``worker``: only when that worker holds it: a session resumed elsewhere is not
+        its former worker's to end)."""
+        remote = self.sessions.get(session_id)
+        if remote is None or (worker is not None and remote.worker != worker):
             return
+        del self.sessions[session_id]
         if remote.admit_task is not None and not remote.admit_task.done():
             remote.admit_task.cancel()  # leaves the waiting room (a slot granted meanwhile is given back)
         if remote.lease is not None:
             self.slots.release(remote.lease)
+
+    def _detach(self, session_id: str, worker: bytes | None = None) -> None:
+        """Hold a session's slot for a resume (``LocalSlots.detach``), or end it when it is not resumable."""
+        remote = self.sessions.get(session_id)
+        if remote is None or (worker is not None and remote.worker != worker):
+            return
+        if remote.lease is None or not self.slots.detach(remote.lease):
+            self._release(session_id)
+
+    async def _resume(self, worker: bytes, message: ipc.Resume) -> None:
+        """A resume through ``worker``: the slot's outputs go there from now on; the worker that held the
+        session before (another one) is told ``Moved``."""
+        parsed = credential_session(message.credential)
+        sink = _WorkerSink(self, worker, parsed[0] if parsed else "")
+        try:
+            grant = await self.slots.resume(message.credential, sink, message.client)
+        except Refusal as exc:
+            self._send(worker, ipc.Refused(message.ref, exc.reason, exc.message))
+            return
+        sid, lease = grant.lease.session_id, grant.lease
+        remote = self.sessions.setdefault(sid, _Remote(worker))
+        if remote.worker != worker:
+            self._send(remote.worker, ipc.Moved(sid))
+        remote.worker, remote.lease = worker, lease
+        reply = ipc.Resumed(
+            message.ref, sid, lease.slot, lease.resume_credential, grant.gap_s, grant.meta, grant.transcript
+        )
+        self._send(worker, reply)
 
     def _output(self, worker: bytes, session_id: str, pcm: np.ndarray | None, piece: str | None) -> None:
         """On the event loop, once per session per tick: batch the outputs by worker, flush once."""
@@ -463,8 +534,8 @@ class EngineCore:
             WORKER_TIMEOUT_S,
             len(gone),
         )
-        for sid in gone:
-            self._release(sid)
+        for sid in gone:  # a resumable session is held: its caller may resume through another worker
+            self._detach(sid)
 
 
 def engine_main(config, address: str) -> None:  # type: ignore[no-untyped-def]

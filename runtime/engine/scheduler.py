@@ -59,6 +59,10 @@ class SlotSession:
         clock: monotonic seconds; the scheduler sets its own on admission.
         first_input_at: when the first frame arrived (``clock``, read once it is in the inbox);
             ``taken_at``, ``taken_tick``: the start and the number of the tick that took it.
+        last_input_at: when the latest frame arrived (``clock``): a resume's gap is measured from it.
+        paused: the session's transport is lost and its slot held for a resume: the tick freezes the row
+            (neither stepped nor fed: the model's state stays where the caller left it) until a frame
+            arrives again (``runtime.engine.resume``).
     """
 
     session_id: str
@@ -75,6 +79,8 @@ class SlotSession:
     taken_at: float | None = None
     taken_tick: int = -1
     first_audio_done: bool = False
+    last_input_at: float | None = None
+    paused: bool = False
 
     @property
     def started_input(self) -> bool:
@@ -84,8 +90,9 @@ class SlotSession:
     def push_frame(self, frame: np.ndarray) -> bool:
         """Queue one ``[1920]`` float32 input frame; returns False if the oldest frame was dropped."""
         self.inbox.append(frame)
+        self.last_input_at = now = self.clock()
         if self.first_input_at is None:  # after the append: a tick that sees the session started finds it
-            self.first_input_at = self.clock()
+            self.first_input_at = now
         if len(self.inbox) > self.max_inbox_frames:
             with contextlib.suppress(IndexError):
                 self.inbox.popleft()
@@ -243,7 +250,7 @@ class SlotScheduler:
         tick = self.ticks
         first_taken: list[SlotSession] = []
         for session in busy:
-            if not session.started_input:
+            if not session.started_input or session.paused:
                 continue
             active[session.slot] = True
             try:

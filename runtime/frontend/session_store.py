@@ -219,6 +219,35 @@ class SessionStore(SessionWriter):
         except Exception:
             self._internal_error("end_session")
 
+    def adopt_session(self, record: SessionRecord, transcript: str) -> None:
+        """A session resumed here (``runtime.frontend.session.ChatSession.resume``): register it again, and
+        when this store did not track it (resumed through another worker process) start its mirror from
+        ``transcript``, the text Redis holds already, so that a resync after a Redis failure rewrites the
+        whole transcript, not only what follows the resume. Never blocks, never raises."""
+        try:
+            with self._lock:
+                fresh = record.session_id not in self._sessions
+            self.register_session(record)
+            if fresh and transcript:
+                with self._lock:
+                    sess = self._sessions.get(record.session_id)
+                    if sess is not None and not sess.acked and not sess.pending:
+                        sess.acked.append(transcript)
+        except Exception:
+            self._internal_error("adopt_session")
+
+    def forget_session(self, record: SessionRecord) -> None:
+        """Stop tracking a session resumed elsewhere (its new holder writes it from now on): nothing is
+        written, its queued ops still are. Only when the tracked record is ``record`` itself (a resume
+        through this same store registered a new one, which stays). Never blocks, never raises."""
+        try:
+            with self._lock:
+                sess = self._sessions.get(record.session_id)
+                if sess is not None and sess.record is record:
+                    del self._sessions[record.session_id]
+        except Exception:
+            self._internal_error("forget_session")
+
     def _live_session(self, session_id: str) -> tuple[_Session | None, list[str]]:
         """Under ``self._lock``: the session when the store is open and the session started and not ended,
         else None and the error to count (``closed`` or ``unknown_session``)."""
