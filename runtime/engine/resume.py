@@ -152,6 +152,11 @@ class SlotHolds:
         """Resumable sessions now (attached or held)."""
         return len(self._held)
 
+    def slot_session(self, session_id: str) -> SlotSession | None:
+        """The slot session of a resumable session (None when it is not, or no more)."""
+        held = self._held.get(session_id)
+        return None if held is None else held.slot_session
+
     @property
     def detached(self) -> int:
         """Sessions held for a resume now."""
