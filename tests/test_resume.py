@@ -331,7 +331,7 @@ async def test_resume_off_offers_no_credential_and_refuses_resumes(bundle, speec
     async with running_server(bundle, resume_s=0) as srv:
         a, meta = await open_resumable(srv, speech[0], resumable=1)
         try:
-            assert set(meta) == {"session_id", "resume_s"} and meta["resume_s"] == 0, meta
+            assert set(meta) == {"session_id", "node", "resume_s"} and meta["resume_s"] == 0, meta
             await a.wait_audio(AFTER_FRAMES)
             a.abort()
             await wait_until(

@@ -112,11 +112,17 @@ class ResumableSession(SessionSink):
 
     def resume_metadata(self) -> dict[str, object]:
         """What the transport sends right after its handshake when :attr:`offers_resume` (a 0x04 metadata
-        JSON object on the WebSocket; docs/protocol.md, "Resume"): ``session_id``; ``resume`` (the
-        single-use credential; absent when the node holds no slot for resume), ``resume_s`` (the hold, s);
-        after a resume ``resumed`` true and ``gap_ms`` (from the last frame before the drop)."""
+        JSON object on the WebSocket; docs/protocol.md, "Resume"): ``session_id``; ``node`` (the node that
+        holds the slot: ``DUPLEX_NODE_ID``, the pod's name on GKE); ``resume`` (the single-use credential;
+        absent when the node holds no slot for resume), ``resume_s`` (the hold, s); after a resume
+        ``resumed`` true and ``gap_ms`` (from the last frame before the drop)."""
         lease = self.lease
-        body: dict[str, object] = {"session_id": self.session_id, "resume_s": self.front.config.resume_s}
+        config = self.front.config
+        body: dict[str, object] = {
+            "session_id": self.session_id,
+            "node": config.node_id,
+            "resume_s": config.resume_s,
+        }
         if lease is not None and lease.resume_credential:
             body["resume"] = lease.resume_credential
         if self.resumed is not None:
