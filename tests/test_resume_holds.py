@@ -96,3 +96,22 @@ def test_resume_off_issues_nothing() -> None:
     with pytest.raises(Refusal) as off:
         holds.resume(f"{session.session_id}.{'x' * 43}", _Sink())
     assert off.value.reason == "resume_off"
+
+
+def test_the_query_asks_for_resume_and_refuses_bad_values() -> None:
+    from runtime.frontend.protocol import ProtocolError
+    from runtime.frontend.session_query import parse_session_query
+
+    assert parse_session_query("resumable=1").resumable is True
+    assert parse_session_query("resumable=FALSE").resumable is False
+    assert parse_session_query("format=pcm").resumable is None  # Kyutai's clients: nothing asked
+    credential = f"{'d' * 32}.{'Ab_-' * 10}xyz"
+    assert parse_session_query(f"resume={credential}").resume == credential
+    for query, named in (
+        ("resumable=yes", "resumable"),
+        ("resume=../../etc", "resume"),
+        ("resume=" + "a" * 129, "resume"),
+    ):
+        with pytest.raises(ProtocolError) as bad:
+            parse_session_query(query)
+        assert bad.value.reason == "bad_query" and f"query parameter {named}=" in str(bad.value)
