@@ -1,7 +1,7 @@
 """Resume on the slots' side: single-use credentials, the paused hold of a detached slot, the hand-over of a
 slot from one sink (a transport, a worker) to another.
 
-It lives with the slots (``runtime.engine.engine_core.LocalSlots``): in one process (``--workers 0``) and in
+It lives with the slots (``runtime.engine.local_slots.LocalSlots``): in one process (``--workers 0``) and in
 the engine process (``--workers N``), where it is the one place that knows every slot's session, so a
 resume may arrive through any worker of the node and no worker needs Redis to check a credential.
 
