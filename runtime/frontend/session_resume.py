@@ -73,6 +73,8 @@ class ResumableSession(SessionSink):
     persona: str
     resumed: ResumeGrant | None
     moved: bool
+    credential_given = False
+    """:meth:`resume_metadata` handed the transport a credential (before that, a lost session is ended)."""
     _hold: asyncio.Future[bool] | None
 
     @property
@@ -125,6 +127,7 @@ class ResumableSession(SessionSink):
         }
         if lease is not None and lease.resume_credential:
             body["resume"] = lease.resume_credential
+            self.credential_given = True
         if self.resumed is not None:
             body["resumed"] = True
             body["gap_ms"] = round(self.resumed.gap_s * 1e3)
@@ -178,12 +181,12 @@ class ResumableSession(SessionSink):
 
     def detach(self) -> bool:
         """The transport was lost without a normal close: hold the slot, paused, for ``resume_s`` (then
-        await :meth:`held`). False when there is nothing to hold (not resumable, not live, released or
-        resumed elsewhere already): finish the session as usual."""
+        await :meth:`held`). False when there is nothing to hold (not resumable, no credential given to
+        the client yet, released or resumed elsewhere already): finish the session as usual."""
         lease = self.lease
         if self.moved or self._released or lease is None or not lease.resume_credential:
             return False
-        if not self.ready.is_set():  # lost before its handshake: it never had its credential
+        if not self.credential_given:  # lost before its credential was sent: nobody can resume it
             return False
         self._hold = asyncio.get_running_loop().create_future()
         if not self.front.backend.detach(lease):
