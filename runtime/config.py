@@ -88,6 +88,13 @@ class RuntimeConfig(BaseSettings):
     voices_dir: Path | None = Field(None, description="Directory of voice prompts (*.wav, *.pt)")
     drain_grace_s: float = Field(30.0, ge=0, description="After SIGTERM, how long running sessions may go on")
     max_session_s: float = Field(3600.0, gt=0, description="Longest session; it is closed after this")
+    resume_s: float = Field(
+        10.0,
+        ge=0,
+        le=600,
+        description="How long a resumable session's slot is held, paused, after its transport was lost "
+        "without a normal close (s); 0 turns resume off",
+    )
     max_message_bytes: int = Field(65536, ge=1024, description="Largest client WebSocket message")
     max_inbox_frames: int = Field(8, ge=1, description="Input frames buffered per session (8 = 640 ms)")
     max_outbox_frames: int = Field(

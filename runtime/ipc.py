@@ -20,16 +20,21 @@ import msgspec
 __all__ = [
     "Admit",
     "Admitted",
+    "Detach",
     "FirstAudio",
     "Frame",
     "Hangup",
     "HangupResult",
     "Hello",
+    "HoldExpired",
     "Message",
+    "Moved",
     "Outputs",
     "PromptDone",
     "Refused",
     "Release",
+    "Resume",
+    "Resumed",
     "Status",
     "decode",
     "encode",
@@ -58,6 +63,8 @@ class Admit(msgspec.Struct, tag=True):
         token_id, token_expires_at: with ``DUPLEX_TOKEN_REPLAY_CHECK=memory``, the session token's id and
             expiry (Unix s): the engine spends it when the slot is taken, so that a token is single-use
             across every worker ("" when the workers spend tokens in Redis themselves).
+        resumable, meta: ``runtime.engine.api.AdmitRequest``'s: issue a resume credential; the front end's
+            opaque record, handed back on resume.
     """
 
     session_id: str
@@ -68,13 +75,59 @@ class Admit(msgspec.Struct, tag=True):
     token_id: str = ""
     token_expires_at: float = 0.0
     client: str = ""
+    resumable: bool = False
+    meta: str = ""
 
 
 class Admitted(msgspec.Struct, tag=True):
-    """Engine -> worker: the session holds ``slot``; its prompt runs, ``PromptDone`` follows."""
+    """Engine -> worker: the session holds ``slot``; its prompt runs, ``PromptDone`` follows.
+    ``credential``: its first resume credential ("" when not resumable)."""
 
     session_id: str
     slot: int
+    credential: str = ""
+
+
+class Detach(msgspec.Struct, tag=True):
+    """Worker -> engine: the session's transport was lost without a normal close: hold its slot, paused,
+    for ``resume_s`` (or release it when it is not resumable)."""
+
+    session_id: str
+
+
+class Resume(msgspec.Struct, tag=True):
+    """Worker -> engine: a caller presents a resume ``credential``; ``ref`` names the request in the answer
+    (``Resumed``, or ``Refused`` with ``session_id=ref``)."""
+
+    ref: str
+    credential: str
+    client: str = ""
+
+
+class Resumed(msgspec.Struct, tag=True):
+    """Engine -> worker: the session's slot now delivers to this worker (``runtime.engine.api.ResumeGrant``:
+    ``gap_s``, ``meta``, ``transcript``; ``credential`` the next one)."""
+
+    ref: str
+    session_id: str
+    slot: int
+    credential: str
+    gap_s: float
+    meta: str
+    transcript: str
+
+
+class Moved(msgspec.Struct, tag=True):
+    """Engine -> the worker that held a session: it was resumed through another worker: close its transport,
+    neither release nor end it."""
+
+    session_id: str
+
+
+class HoldExpired(msgspec.Struct, tag=True):
+    """Engine -> the worker of a detached session: nobody resumed it in time; its slot is freed."""
+
+    session_id: str
 
 
 class Refused(msgspec.Struct, tag=True):
@@ -177,6 +230,11 @@ Message = (
     | Status
     | Hangup
     | HangupResult
+    | Detach
+    | Resume
+    | Resumed
+    | Moved
+    | HoldExpired
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -237,6 +237,32 @@ class RuntimeMetrics:
         for reason in ("queue_full", "write"):
             self.recording_errors.labels(reason=reason)
         self._transport_metrics(r)
+        self.sessions_detached = Counter(
+            "duplex_sessions_detached_total",
+            "Resumable sessions whose transport was lost without a normal close: their slot held, paused, "
+            "for DUPLEX_RESUME_S",
+            registry=r,
+        )
+        self.sessions_resumed = Counter(
+            "duplex_sessions_resumed_total",
+            "Sessions resumed with their credential (same slot, same session id), through any worker",
+            registry=r,
+        )
+        self.resume_gap = Histogram(
+            "duplex_resume_gap_seconds",
+            "A resume's gap: from the session's last input frame before the drop to the resume granted",
+            buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0),
+            registry=r,
+        )
+        self.resume_refused = Counter(
+            "duplex_resume_refused_total",
+            "Resumes refused: resume_off, resume_invalid, resume_replayed, resume_expired (and not_ready, "
+            "draining, engine_lost)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("resume_off", "resume_invalid", "resume_replayed", "resume_expired"):
+            self.resume_refused.labels(reason=reason)
         for outcome in ("admitted", "timeout", "left", "full"):
             self.waiting_room.labels(outcome=outcome)
         for reason in ("late_input", "input_overflow", "slow_client", "slow_worker"):

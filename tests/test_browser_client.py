@@ -8,7 +8,8 @@ What is checked: a conversation started from the keyboard streams the speech, ge
 a second page while the only slot is taken says the node is full, before any socket is opened and also
 after a refused upgrade (which a browser sees as close code 1006 only); the checks did not spend that
 page's token, which then opens a conversation; a used, expired, malformed, foreign or missing token gets
-its own words; the page fits a 360 px screen with every control labelled; the capture worklet's 24 kHz
+its own words; a connection cut mid-conversation (no close frame) is resumed by the page by itself, which
+says so; the page fits a 360 px screen with every control labelled; the capture worklet's 24 kHz
 resampling keeps speech-band tones and removes what would alias.
 
 A screenshot of the page mid-conversation goes to ``artifacts/browser-client.png`` (git-ignored), and one
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -248,6 +250,36 @@ def test_conversation_node_full_and_single_use(node: LocalNode, browser: Any) ->
         f"{end['rttMs']:.1f} ms; {counted} transcript characters; capture at {end['inputRateHz']} Hz; "
         f"runtime ticks over the 80 ms budget: {over_budget.group(1) if over_budget else '?'}"
     )
+
+
+def test_a_cut_connection_is_resumed_by_the_page(node: LocalNode, browser: Any) -> None:
+    """The kernel cuts the page's TCP connections to nginx mid-conversation (``ss -K``: no close frame, as a
+    lost network): the page reconnects with the session's credential, says so, and the conversation goes on
+    in the same session (the runtime counts one resume)."""
+
+    def resumed_total() -> float:
+        with urllib.request.urlopen(f"{node.runtime_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        found = re.search(r"^duplex_sessions_resumed_total (\S+)$", text, flags=re.MULTILINE)
+        return float(found.group(1)) if found else 0.0
+
+    wait_slot_free(node)
+    before_total = resumed_total()
+    page = open_page(browser, node, f"#token={node.mint_token()}")
+    page.click("#talk")
+    before = wait_stats(page, "s.state === 'live' && s.framesReceived >= 10")
+    port = node.profile.ports.https
+    subprocess.run(["ss", "-K", "dport", "=", f":{port}"], check=True, capture_output=True)
+    page.wait_for_function(
+        "() => document.getElementById('status').textContent.startsWith('Live again')", timeout=TIMEOUT_MS
+    )
+    after = wait_stats(page, f"s.resumes === 1 && s.framesReceived >= {before['framesReceived'] + 10}")
+    assert after["state"] == "live" and page.text_content("#problem") == ""
+    assert resumed_total() == before_total + 1
+    page.click("#talk")
+    page.wait_for_function("() => document.getElementById('status').textContent === 'Conversation ended.'")
+    wait_slot_free(node)
+    assert page.errors == [], page.errors
 
 
 def test_token_refusals_in_plain_words(node: LocalNode, browser: Any) -> None:

@@ -103,6 +103,13 @@ def test_every_refusal_keeps_its_status_close_code_and_message():
         "waiting_room_full": RefusalKind(503, 1013),
         "wait_timeout": RefusalKind(503, 1013),
         "engine_lost": RefusalKind(503, 1011, "engine unreachable"),
+        # Resume (issue 23): the credential cannot resume a session; the caller starts a new one.
+        "resume_off": RefusalKind(
+            404, 1008, "this node holds no slot for resume (DUPLEX_RESUME_S=0): start a new session"
+        ),
+        "resume_invalid": RefusalKind(403, 1008),
+        "resume_replayed": RefusalKind(403, 1008),
+        "resume_expired": RefusalKind(410, 1008),
     }
     assert expected == REFUSALS
     assert set(REFUSAL_STATUS) <= set(REFUSALS) and set(REFUSAL_REASONS) <= set(REFUSALS)

@@ -414,6 +414,7 @@ class LiveClient:
         self.sent_at: list[float] = []
         self.audio_payloads: list[bytes] = []  # the 0x01 payloads received, in order
         self.audio_digests: list[bytes] = []  # PCM: their pcm_digest, to match against the slot's
+        self.metadata: list[dict[str, Any]] = []  # the 0x04 metadata objects received (resume: issue 23)
         self.ws: ClientConnection | None = None
         self.settled = asyncio.Event()  # handshake received, or the connection ended without one
         self.closed = asyncio.Event()
@@ -481,6 +482,8 @@ class LiveClient:
                     result.text += payload.decode("utf-8")
                 elif kind == MessageKind.ERROR:
                     result.errors.append(payload.decode("utf-8"))
+                elif kind == MessageKind.METADATA:
+                    self.metadata.append(json.loads(payload))
         except ConnectionClosed:
             pass
         finally:

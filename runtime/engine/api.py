@@ -29,14 +29,17 @@ __all__ = [
     "DEFAULT_TEXT_TEMPERATURE",
     "DEFAULT_TEXT_TOP_K",
     "REFUSAL_REASONS",
+    "RESUME_REFUSAL_REASONS",
     "AdmitRequest",
     "BackendStatus",
     "FirstAudioTiming",
     "Refusal",
+    "ResumeGrant",
     "SamplingParams",
     "SessionSink",
     "SlotBackend",
     "SlotLease",
+    "RESUME_OFF_MESSAGE",
     "node_full_message",
     "replayed_message",
 ]
@@ -100,9 +103,20 @@ REFUSAL_REASONS: tuple[str, ...] = (
     "not_ready",
     "engine_lost",
     "replayed",
+    "resume_off",
+    "resume_invalid",
+    "resume_replayed",
+    "resume_expired",
 )
 """Every reason a backend refuses an admission with (the front end's refusal table maps each to an HTTP
 status, a close code and a message: ``runtime.frontend.refusals``)."""
+
+
+RESUME_REFUSAL_REASONS: tuple[str, ...] = tuple(r for r in REFUSAL_REASONS if r.startswith("resume_"))
+"""Why a resume is refused (``duplex_resume_refused_total``'s ``reason``): ``resume_off`` (the node holds
+no slot for resume: ``DUPLEX_RESUME_S=0``), ``resume_invalid`` (not a credential, or not this session's),
+``resume_replayed`` (a credential already used: each is single-use), ``resume_expired`` (the hold ran out,
+or the session ended)."""
 
 
 class Refusal(Exception):
@@ -211,6 +225,14 @@ class SessionSink(abc.ABC):
         """Once, just before the ``on_output`` that carries the session's first audio: the engine's side of
         its first-audio latency (the front end adds the way out and observes the budget's terms)."""
 
+    def on_taken_over(self) -> None:  # noqa: B027 (optional: only resumable sessions get it)
+        """Another transport resumed this session (:meth:`SlotBackend.resume`): the slot now delivers to
+        another sink. This one must close its transport and neither release the slot nor end the session."""
+
+    def on_hold_expired(self) -> None:  # noqa: B027 (optional: only detached sessions get it)
+        """The session was detached (:meth:`SlotBackend.detach`) and nobody resumed it within the hold: its
+        slot is freed; the session has ended (``resume_expired``)."""
+
 
 @dataclass(frozen=True)
 class AdmitRequest:
@@ -224,6 +246,9 @@ class AdmitRequest:
         client: the caller's address (the waiting room caps waiters per address).
         token_id, token_expires_at: the session token's id and expiry (Unix s) when the backend spends
             tokens (``DUPLEX_TOKEN_REPLAY_CHECK=memory``: the slot owner's memory is the node's), else "".
+        resumable: the caller asked for a resume credential (``resumable=1``); the backend issues one in
+            :attr:`SlotLease.resume_credential` when it holds slots for resume (``resume_s`` > 0).
+        meta: opaque text the front end keeps with the slot (its session record) and gets back on resume.
     """
 
     session_id: str
@@ -233,6 +258,8 @@ class AdmitRequest:
     client: str = ""
     token_id: str = ""
     token_expires_at: float = 0.0
+    resumable: bool = False
+    meta: str = ""
 
 
 @dataclass(eq=False)
@@ -243,11 +270,32 @@ class SlotLease:
         session_id: the request's id.
         slot: the slot index once granted (-1 before).
         first_input_at: monotonic time (s) of the first frame pushed, for the first-audio latency.
+        resume_credential: the single-use credential that resumes this session on any worker of the node
+            (``<session_id>.<secret>``, URL-safe), "" when not resumable.
     """
 
     session_id: str
     slot: int = -1
     first_input_at: float | None = None
+    resume_credential: str = ""
+
+
+@dataclass(frozen=True)
+class ResumeGrant:
+    """A resumed session (:meth:`SlotBackend.resume`).
+
+    Attributes:
+        lease: the same slot and session id, with a fresh single-use credential.
+        gap_s: seconds from the session's last input frame before the drop to this resume (on the slot
+            owner's clock); 0 when no frame had arrived.
+        meta: the :attr:`AdmitRequest.meta` the session was admitted with.
+        transcript: the text pieces the slot produced so far, joined (the front end's store continues it).
+    """
+
+    lease: SlotLease
+    gap_s: float
+    meta: str
+    transcript: str
 
 
 class SlotBackend(abc.ABC):
@@ -307,6 +355,26 @@ class SlotBackend(abc.ABC):
         worker that does not hold it); True when its holder ended it. One process (``--workers 0``) holds
         every session itself: False."""
         return False
+
+    def detach(self, lease: SlotLease) -> bool:
+        """The session's transport was lost without a normal close: hold its slot, paused (not stepped),
+        for the node's ``resume_s``, for :meth:`resume`. The sink gets ``on_hold_expired`` when nobody
+        resumed it in time, or ``on_taken_over`` when a resume took it. False (nothing held: release it)
+        when the session is not resumable or the node holds no slot for resume."""
+        return False
+
+    async def resume(self, credential: str, sink: SessionSink, client: str = "") -> ResumeGrant:
+        """Attach ``sink`` to the session that ``credential`` names (detached, or still attached to a
+        transport that has not noticed its loss: that sink gets ``on_taken_over``); spends the credential.
+
+        Raises:
+            Refusal: one of :data:`RESUME_REFUSAL_REASONS` (or ``not_ready``, ``engine_lost``).
+        """
+        raise Refusal("resume_off", RESUME_OFF_MESSAGE)
+
+
+RESUME_OFF_MESSAGE = "this node holds no slot for resume (DUPLEX_RESUME_S=0): start a new session"
+"""The sentence of a ``resume_off`` refusal."""
 
 
 def replayed_message(token_id: str) -> str:

@@ -12,11 +12,14 @@ alone,
 - a ``Status`` broadcast every ``STATUS_PERIOD_S`` (slots, free, waiting, tick alive, draining, voices) that
   the workers answer ``/readyz``, ``/healthz`` and ``/api/admission`` from;
 - worker liveness: a worker silent for ``WORKER_TIMEOUT_S`` (killed, hung) loses its sessions' slots and
-  places; the others go on.
+  places (a resumable session's slot is held for a resume through another worker); the others go on;
+- resume (``runtime.engine.resume``): ``Detach`` holds a session's slot, ``Resume`` from any worker hands it
+  over (the worker that held it before is told ``Moved``), ``HoldExpired`` tells the holder nobody came.
 
-The slots themselves (model, scheduler, waiting room, persona prompts, the token ledger) are
-:class:`LocalSlots`, the in-process implementation of ``runtime.engine.api.SlotBackend``: ``--workers 0``
-uses it directly, the engine process serves it to the workers.
+The slots themselves (model, scheduler, waiting room, persona prompts, the token ledger, the resume holds)
+are :class:`LocalSlots` (``runtime.engine.local_slots``, re-exported here), the in-process implementation
+of ``runtime.engine.api.SlotBackend``: ``--workers 0`` uses it directly, the engine process serves it to
+the workers.
 
 Engine side only: it imports no front-end module (server, protocol, codecs, tokens, session store).
 """
@@ -38,23 +41,15 @@ import zmq.asyncio
 from runtime import ipc
 from runtime.engine.api import (
     AdmitRequest,
-    BackendStatus,
     FirstAudioTiming,
     Refusal,
     SamplingParams,
     SessionSink,
-    SlotBackend,
     SlotLease,
-    node_full_message,
-    replayed_message,
 )
-from runtime.engine.batch import PromptStep
-from runtime.engine.model_presets import FRAME_MS
+from runtime.engine.local_slots import LocalSlots
 from runtime.engine.models import ModelBundle
-from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
-from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
-from runtime.engine.sim import make_engine
-from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout, open_slots
+from runtime.engine.resume import credential_session
 from runtime.metrics import RuntimeMetrics
 
 __all__ = ["STATUS_PERIOD_S", "WORKER_TIMEOUT_S", "EngineCore", "LocalSlots"]
@@ -67,174 +62,6 @@ WORKER_TIMEOUT_S = 5.0
 """A worker not heard from for this long is gone: its sessions' slots are freed."""
 SEND_HWM = 10_000
 """Messages queued per worker before the engine drops output (ZeroMQ's send high-water mark)."""
-DRAINING_MESSAGE = "node is draining for shutdown; connect to another node"
-"""The sentence of a ``draining`` refusal."""
-
-
-@dataclass(eq=False)
-class _LocalLease(SlotLease):
-    slot_session: SlotSession | None = None
-
-
-class LocalSlots(SlotBackend):
-    """The slots of one model copy in this process: ``runtime.engine.api.SlotBackend`` in-process.
-
-    Args:
-        config: the node's settings (``max_sessions``, ``model``, ``sim_step_ms``, ``prompt_prefill``,
-            ``stagger_groups``, ``voices_dir``, waiting room, ``max_inbox_frames``, ``token_replay_check``,
-            ``token_leeway_s``).
-            Any object with those attributes (a ``RuntimeConfig``).
-        bundle: the loaded models.
-        metrics: where ticks, slots and the waiting room are counted.
-        spends_tokens: record tokens as spent on grant (the engine process with
-            ``DUPLEX_TOKEN_REPLAY_CHECK=memory``: one memory for every worker); in one process the front end
-            spends them.
-
-    Attributes:
-        engine, voices: the batch engine and the voice prompts.
-        scheduler, admission: the tick's scheduler and its waiting room (None before :meth:`start`).
-        draining: refuse new sessions (``draining``).
-    """
-
-    def __init__(  # type: ignore[no-untyped-def]
-        self,
-        config,
-        bundle: ModelBundle,
-        metrics: RuntimeMetrics | None = None,
-        *,
-        spends_tokens: bool = False,
-    ) -> None:
-        self.config = config
-        self.bundle = bundle
-        self.metrics = metrics or RuntimeMetrics()
-        self.engine = make_engine(
-            config.model,
-            bundle,
-            config.max_sessions,
-            config.sim_step_ms,
-            prefill=config.prompt_prefill,
-            tick_period_ms=FRAME_MS / config.stagger_groups,
-        )
-        self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
-        self.scheduler: SlotScheduler | None = None
-        self.admission: SlotAdmission | None = None
-        self.draining = False
-        self.warm = False
-        self.on_lost = []
-        self.spends_tokens = spends_tokens
-        self._spent_tokens: dict[str, float] = {}  # token id -> until (Unix s)
-
-    def warm_up(self, frames: int = 4) -> None:
-        """Run every prefill chunk size once, then ``frames`` silent ticks through slot 0 (then freed):
-        first-call costs leave the hot path. Blocking (seconds for a real model)."""
-        self.engine.warm_up_prefill()
-        self.engine.join(0, SamplingParams())
-        silence = np.zeros((self.engine.slots, 1920), dtype=np.float32)
-        for _ in range(frames + 1):
-            self.engine.tick(silence)
-        self.engine.leave(0)
-        self.warm = True
-
-    async def start(self) -> None:
-        """Warm up (when not done yet) and start the tick thread behind the waiting room."""
-        if not self.warm:
-            await asyncio.to_thread(self.warm_up)
-        self.admission = open_slots(
-            self.engine,
-            self.bundle.text_tokenizer,
-            self.metrics,
-            asyncio.get_running_loop(),
-            wait_s=self.config.waiting_room_s,
-            max_waiting=self.config.waiting_room_size,
-            max_waiting_per_client=self.config.waiting_room_per_client,
-            stagger_groups=self.config.stagger_groups,
-        )
-        self.scheduler = self.admission.scheduler
-
-    async def close(self) -> None:
-        if self.scheduler is not None:
-            await asyncio.to_thread(self.scheduler.stop)
-
-    def status(self) -> BackendStatus:
-        scheduler = self.scheduler
-        return BackendStatus(
-            loaded=self.warm and scheduler is not None,
-            slots=self.engine.slots,
-            free_slots=scheduler.free_slots if scheduler is not None else 0,
-            waiting=self.admission.waiting if self.admission is not None else 0,
-            tick_alive=scheduler is not None and scheduler.alive,
-            voices=tuple(self.voices.names),
-        )
-
-    def prompt(self, voice_prompt: str | None, text_prompt: str | None) -> list[PromptStep]:
-        """The persona's teacher-forced steps.
-
-        Raises:
-            PersonaError: an unknown voice, a text prompt over the token limit.
-        """
-        return build_prompt(
-            Persona(voice_prompt or None, text_prompt or None),
-            self.voices,
-            self.bundle.text_tokenizer,
-            silence_codes=self.engine.silence_codes.cpu(),
-            sine_codes=self.engine.sine_codes.cpu(),
-        )
-
-    def check_persona(self, voice_prompt: str | None, text_prompt: str | None) -> None:
-        self.prompt(voice_prompt, text_prompt)
-
-    async def admit(self, request: AdmitRequest, sink: SessionSink) -> SlotLease:
-        if self.draining:
-            raise Refusal("draining", DRAINING_MESSAGE)
-        if self.admission is None or self.scheduler is None:
-            raise Refusal("not_ready", "node not ready: the slots are not open yet")
-        try:
-            prompt = self.prompt(request.voice_prompt, request.text_prompt)
-        except PersonaError as exc:
-            raise Refusal("bad_request", f"bad request: {exc}") from None
-        slot_session = SlotSession(
-            request.session_id,
-            request.sampling,
-            prompt,
-            on_output=sink.on_output,
-            on_prompt_done=sink.on_prompt_done,
-            max_inbox_frames=self.config.max_inbox_frames,
-            on_first_audio=sink.on_first_audio,
-        )
-        try:
-            slot = await self.admission.admit(slot_session, client=request.client)
-        except (WaitingRoomFull, WaitTimeout) as exc:
-            reason = "waiting_room_full" if isinstance(exc, WaitingRoomFull) else "wait_timeout"
-            raise Refusal(reason, f"node full: {exc}") from None
-        except NodeFull:
-            raise Refusal("node_full", node_full_message(self.engine.slots)) from None
-        if request.token_id and not self._spend_token(request.token_id, request.token_expires_at):
-            self.scheduler.release(slot_session)
-            raise Refusal("replayed", replayed_message(request.token_id))
-        return _LocalLease(request.session_id, slot, slot_session=slot_session)
-
-    def _spend_token(self, token_id: str, expires_at: float) -> bool:
-        """Record ``token_id`` as spent until its expiry plus the leeway; False when it was spent already."""
-        now = time.time()
-        if len(self._spent_tokens) > 1024:
-            self._spent_tokens = {t: until for t, until in self._spent_tokens.items() if until > now}
-        until = self._spent_tokens.get(token_id)
-        if until is not None and until > now:
-            return False
-        self._spent_tokens[token_id] = expires_at + self.config.token_leeway_s
-        return True
-
-    def push_frame(self, lease: SlotLease, frame: np.ndarray) -> bool:
-        assert isinstance(lease, _LocalLease) and lease.slot_session is not None
-        kept = lease.slot_session.push_frame(frame)
-        if lease.first_input_at is None:  # one process: the front end's first frame is the engine's
-            lease.first_input_at = lease.slot_session.first_input_at
-        return kept
-
-    def release(self, lease: SlotLease) -> None:
-        assert isinstance(lease, _LocalLease) and lease.slot_session is not None
-        if self.scheduler is not None:
-            self.scheduler.release(lease.slot_session)
 
 
 class _WorkerSink(SessionSink):
@@ -254,6 +81,10 @@ class _WorkerSink(SessionSink):
     def on_first_audio(self, timing: FirstAudioTiming) -> None:
         # Sent at once, so ahead of the Outputs that carry the first audio (flushed later in this loop turn).
         self.core._send(self.worker, ipc.FirstAudio(self.session_id, *timing.as_tuple()))
+
+    def on_hold_expired(self) -> None:
+        if self.core.sessions.pop(self.session_id, None) is not None:
+            self.core._send(self.worker, ipc.HoldExpired(self.session_id))
 
 
 @dataclass(eq=False)
@@ -362,7 +193,7 @@ class EngineCore:
                 worker.last_seen = time.monotonic()
             if isinstance(message, ipc.Frame):
                 remote = self.sessions.get(message.session_id)
-                if remote is not None and remote.lease is not None:
+                if remote is not None and remote.lease is not None and remote.worker == identity:
                     frame = np.frombuffer(message.pcm, dtype="<f4")
                     if not self.slots.push_frame(remote.lease, frame):
                         self.metrics.frames_dropped.labels(reason="input_overflow").inc()
@@ -373,7 +204,11 @@ class EngineCore:
             elif isinstance(message, ipc.Admit):
                 self._admit(identity, message)
             elif isinstance(message, ipc.Release):
-                self._release(message.session_id)
+                self._release(message.session_id, identity)
+            elif isinstance(message, ipc.Detach):
+                self._detach(message.session_id, identity)
+            elif isinstance(message, ipc.Resume):
+                asyncio.create_task(self._resume(identity, message))
             elif isinstance(message, ipc.Hangup | ipc.HangupResult):
                 self._route_hangup(identity, message)
 
@@ -392,6 +227,8 @@ class EngineCore:
             client=message.client,
             token_id=message.token_id,
             token_expires_at=message.token_expires_at,
+            resumable=message.resumable,
+            meta=message.meta,
         )
         remote = _Remote(worker)
         self.sessions[sid] = remote
@@ -405,7 +242,7 @@ class EngineCore:
             self.sessions.pop(sid, None)
             self._send(remote.worker, ipc.Refused(sid, exc.reason, exc.message))
             return
-        self._send(remote.worker, ipc.Admitted(sid, remote.lease.slot))
+        self._send(remote.worker, ipc.Admitted(sid, remote.lease.slot, remote.lease.resume_credential))
 
     def _route_hangup(self, sender: bytes, message: ipc.Hangup | ipc.HangupResult) -> None:
         """A hang-up between workers (``runtime.ipc.Hangup``): the request to the worker holding the
@@ -421,14 +258,45 @@ class EngineCore:
             return
         self._send(remote.worker, ipc.Hangup(message.request_id, message.session_id, message.key, sender))
 
-    def _release(self, session_id: str) -> None:
-        remote = self.sessions.pop(session_id, None)
-        if remote is None:
+    def _release(self, session_id: str, worker: bytes | None = None) -> None:
+        """End a session (``worker``: only when that worker holds it: a session resumed elsewhere is not
+        its former worker's to end)."""
+        remote = self.sessions.get(session_id)
+        if remote is None or (worker is not None and remote.worker != worker):
             return
+        del self.sessions[session_id]
         if remote.admit_task is not None and not remote.admit_task.done():
             remote.admit_task.cancel()  # leaves the waiting room (a slot granted meanwhile is given back)
         if remote.lease is not None:
             self.slots.release(remote.lease)
+
+    def _detach(self, session_id: str, worker: bytes | None = None) -> None:
+        """Hold a session's slot for a resume (``LocalSlots.detach``), or end it when it is not resumable."""
+        remote = self.sessions.get(session_id)
+        if remote is None or (worker is not None and remote.worker != worker):
+            return
+        if remote.lease is None or not self.slots.detach(remote.lease):
+            self._release(session_id)
+
+    async def _resume(self, worker: bytes, message: ipc.Resume) -> None:
+        """A resume through ``worker``: the slot's outputs go there from now on; the worker that held the
+        session before (another one) is told ``Moved``."""
+        parsed = credential_session(message.credential)
+        sink = _WorkerSink(self, worker, parsed[0] if parsed else "")
+        try:
+            grant = await self.slots.resume(message.credential, sink, message.client)
+        except Refusal as exc:
+            self._send(worker, ipc.Refused(message.ref, exc.reason, exc.message))
+            return
+        sid, lease = grant.lease.session_id, grant.lease
+        remote = self.sessions.setdefault(sid, _Remote(worker))
+        if remote.worker != worker:
+            self._send(remote.worker, ipc.Moved(sid))
+        remote.worker, remote.lease = worker, lease
+        reply = ipc.Resumed(
+            message.ref, sid, lease.slot, lease.resume_credential, grant.gap_s, grant.meta, grant.transcript
+        )
+        self._send(worker, reply)
 
     def _output(self, worker: bytes, session_id: str, pcm: np.ndarray | None, piece: str | None) -> None:
         """On the event loop, once per session per tick: batch the outputs by worker, flush once."""
@@ -487,8 +355,8 @@ class EngineCore:
             WORKER_TIMEOUT_S,
             len(gone),
         )
-        for sid in gone:
-            self._release(sid)
+        for sid in gone:  # a resumable session is held: its caller may resume through another worker
+            self._detach(sid)
 
 
 def engine_main(config, address: str) -> None:  # type: ignore[no-untyped-def]

@@ -72,6 +72,10 @@ class SlotSession:
             ``taken_at``, ``taken_tick``: the start and the number of the tick that took it.
         group: the sub-tick group whose ticks take its frames (0 without staggering; -1 until its first
             frame is taken).
+        last_input_at: when the latest frame arrived (``clock``): a resume's gap is measured from it.
+        paused: the session's transport is lost and its slot held for a resume: the tick freezes the row
+            (neither stepped nor fed: the model's state stays where the caller left it) until a frame
+            arrives again (``runtime.engine.resume``).
     """
 
     session_id: str
@@ -89,6 +93,8 @@ class SlotSession:
     taken_tick: int = -1
     first_audio_done: bool = False
     group: int = -1
+    last_input_at: float | None = None
+    paused: bool = False
 
     @property
     def started_input(self) -> bool:
@@ -98,8 +104,9 @@ class SlotSession:
     def push_frame(self, frame: np.ndarray) -> bool:
         """Queue one ``[1920]`` float32 input frame; returns False if the oldest frame was dropped."""
         self.inbox.append(frame)
+        self.last_input_at = now = self.clock()
         if self.first_input_at is None:  # after the append: a tick that sees the session started finds it
-            self.first_input_at = self.clock()
+            self.first_input_at = now
         if len(self.inbox) > self.max_inbox_frames:
             with contextlib.suppress(IndexError):
                 self.inbox.popleft()
@@ -272,7 +279,7 @@ class SlotScheduler:
         group = tick % self.groups
         first_taken: list[SlotSession] = []
         for session in busy:
-            if not session.started_input:
+            if not session.started_input or session.paused:
                 continue
             if session.group < 0:
                 session.group = group

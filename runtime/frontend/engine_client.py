@@ -20,7 +20,9 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -34,6 +36,7 @@ from runtime.engine.api import (
     BackendStatus,
     FirstAudioTiming,
     Refusal,
+    ResumeGrant,
     SessionSink,
     SlotBackend,
     SlotLease,
@@ -90,7 +93,8 @@ class EngineClient(SlotBackend):
         self.disconnected = False
         self._lost_reported = False
         self._sinks: dict[str, SessionSink] = {}
-        self._pending: dict[str, asyncio.Future[int]] = {}
+        self._pending: dict[str, asyncio.Future[tuple[int, str]]] = {}
+        self._resuming: dict[str, asyncio.Future[ipc.Resumed]] = {}
         self._socket: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._hangups: dict[int, asyncio.Future[bool]] = {}
@@ -187,7 +191,7 @@ class EngineClient(SlotBackend):
         sid = request.session_id
         if not self.engine_heard:
             raise Refusal("not_ready", NOT_ANSWERING)
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
         self._pending[sid] = future
         self._sinks[sid] = sink
         lease = SlotLease(sid)
@@ -200,11 +204,13 @@ class EngineClient(SlotBackend):
             request.token_id,
             request.token_expires_at,
             request.client,
+            request.resumable,
+            request.meta,
         )
         try:
             if not self.send(message):
                 raise Refusal("not_ready", "node not ready: the engine's queue is full")
-            lease.slot = await future
+            lease.slot, lease.resume_credential = await future
             return lease
         except BaseException:
             self.release(lease)
@@ -245,6 +251,38 @@ class EngineClient(SlotBackend):
         ended = handler is not None and handler(message.session_id, message.key)
         self.send(ipc.HangupResult(message.request_id, message.session_id, ended, message.requester))
 
+    def detach(self, lease: SlotLease) -> bool:
+        """Ask the engine to hold the slot (its sink stays, for ``HoldExpired``); False when the session is
+        not resumable (it was issued no credential)."""
+        if not lease.resume_credential or lease.session_id not in self._sinks:
+            return False
+        return self.send(ipc.Detach(lease.session_id))
+
+    async def resume(self, credential: str, sink: SessionSink, client: str = "") -> ResumeGrant:
+        """The engine checks ``credential`` and points the slot at this worker; a session this worker held
+        itself is told ``on_taken_over`` here (the engine tells another worker with ``Moved``)."""
+        if not self.engine_heard:
+            raise Refusal("not_ready", NOT_ANSWERING)
+        ref = uuid.uuid4().hex
+        future: asyncio.Future[ipc.Resumed] = asyncio.get_running_loop().create_future()
+        self._resuming[ref] = future
+        try:
+            if not self.send(ipc.Resume(ref, credential, client)):
+                raise Refusal("not_ready", "node not ready: the engine's queue is full")
+            got = await future
+        except asyncio.CancelledError:  # the caller left: a slot already handed here is held again
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.send(ipc.Detach(future.result().session_id))
+            raise
+        finally:
+            self._resuming.pop(ref, None)
+        previous = self._sinks.get(got.session_id)
+        self._sinks[got.session_id] = sink
+        if previous is not None and previous is not sink:
+            previous.on_taken_over()
+        lease = SlotLease(got.session_id, got.slot, resume_credential=got.credential)
+        return ResumeGrant(lease, got.gap_s, got.meta, got.transcript)
+
     # --- engine -> worker -----------------------------------------------------------------------------
 
     def _report_lost(self, why: str) -> None:
@@ -252,7 +290,8 @@ class EngineClient(SlotBackend):
             return
         self._lost_reported = True
         log.error("worker %s: engine lost (%s)", self.worker_id, why)
-        for future in self._pending.values():
+        futures: list[asyncio.Future[Any]] = [*self._pending.values(), *self._resuming.values()]
+        for future in futures:
             if not future.done():
                 future.set_exception(Refusal("engine_lost", NOT_ANSWERING))
         for callback in self.on_lost:
@@ -317,7 +356,7 @@ class EngineClient(SlotBackend):
             elif isinstance(message, ipc.Admitted):
                 future = self._pending.get(message.session_id)
                 if future is not None and not future.done():
-                    future.set_result(message.slot)
+                    future.set_result((message.slot, message.credential))
                 elif future is None:  # it left meanwhile: give the slot back
                     self.send(ipc.Release(message.session_id))
             elif isinstance(message, ipc.Hangup):
@@ -327,8 +366,26 @@ class EngineClient(SlotBackend):
                 if waiting is not None and not waiting.done():
                     waiting.set_result(message.ended)
             elif isinstance(message, ipc.Refused):
+                reason = message.reason if message.reason in REFUSAL_REASONS else "not_ready"
+                resuming = self._resuming.get(message.session_id)  # a resume's Refused names its ref
+                if resuming is not None:
+                    if not resuming.done():
+                        resuming.set_exception(Refusal(reason, message.message))
+                    continue
                 self._sinks.pop(message.session_id, None)
                 future = self._pending.get(message.session_id)
                 if future is not None and not future.done():
-                    reason = message.reason if message.reason in REFUSAL_REASONS else "not_ready"
                     future.set_exception(Refusal(reason, message.message))
+            elif isinstance(message, ipc.Resumed):
+                resumed = self._resuming.get(message.ref)
+                if resumed is not None and not resumed.done():
+                    resumed.set_result(message)
+                elif resumed is None:  # the caller left meanwhile: hold the slot again for another try
+                    self.send(ipc.Detach(message.session_id))
+            elif isinstance(message, (ipc.Moved, ipc.HoldExpired)):
+                sink = self._sinks.pop(message.session_id, None)
+                if sink is not None:
+                    if isinstance(message, ipc.Moved):
+                        sink.on_taken_over()
+                    else:
+                        sink.on_hold_expired()

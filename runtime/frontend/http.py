@@ -179,7 +179,11 @@ async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResp
     if limited is not None:
         return _refuse_rate_limited(front, limited, as_admission=False)
     try:
-        claims = await front.access.check(view, origin=view.get("Origin"), token=session_token(view))
+        if view.param("resume"):  # the resume credential is the right to the session: no token is spent
+            front.access.check_origin(view.get("Origin"))
+            claims = None
+        else:
+            claims = await front.access.check(view, origin=view.get("Origin"), token=session_token(view))
     except TokenRejected as exc:
         return _refuse_handshake(front, exc)
     return await ws.serve_chat(front, request, claims, front.access.client_address(view))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from runtime.engine.api import REFUSAL_REASONS
+from runtime.engine.api import REFUSAL_REASONS, RESUME_OFF_MESSAGE
 from runtime.frontend.tokens import REFUSAL_STATUS
 
 __all__ = [
@@ -72,6 +72,11 @@ REFUSALS: dict[str, RefusalKind] = {
     "waiting_room_full": RefusalKind(503, CLOSE_TRY_AGAIN_LATER),
     "wait_timeout": RefusalKind(503, CLOSE_TRY_AGAIN_LATER),
     "engine_lost": RefusalKind(503, CLOSE_INTERNAL_ERROR, ENGINE_LOST_MESSAGE),
+    # A resume (?resume=<credential>) refused: the session cannot be resumed with it; start a new one.
+    "resume_off": RefusalKind(404, CLOSE_POLICY, RESUME_OFF_MESSAGE),
+    "resume_invalid": RefusalKind(403, CLOSE_POLICY),
+    "resume_replayed": RefusalKind(403, CLOSE_POLICY),
+    "resume_expired": RefusalKind(410, CLOSE_POLICY),
 }
 """Every refusal reason (the ``reason`` label of ``duplex_admissions_refused_total``) and its answers."""
 

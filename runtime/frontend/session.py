@@ -4,6 +4,13 @@ frames in and out, the transcript, the release and how it ended.
 A transport (``runtime.frontend.ws``: Kyutai's WebSocket protocol) parses its own wire format and calls
 :meth:`ChatSession.push_audio`; the session sends through the transport's :class:`Transport` methods.
 Refusals are ``runtime.frontend.refusals.SessionRefused`` (the table gives status, close code, message).
+
+Resume, for any transport (docs/runtime.md, "Resume"): a session admitted with ``resumable=1`` holds a
+single-use credential (:meth:`ChatSession.resume_metadata`, sent by the transport after its handshake). When
+its transport is lost without a normal close, the transport calls :meth:`ChatSession.detach` (the slot is
+held, paused, for ``resume_s``) and awaits :meth:`ChatSession.held`; a new connection with the credential
+builds a new ``ChatSession`` and calls :meth:`ChatSession.resume` instead of :meth:`ChatSession.admit`: the
+same slot and session id, through any worker of the node. The old session learns it in ``on_taken_over``.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from runtime.engine.api import (
     AdmitRequest,
     FirstAudioTiming,
     Refusal,
+    ResumeGrant,
     SamplingParams,
-    SessionSink,
     SlotBackend,
     SlotLease,
 )
@@ -35,6 +42,7 @@ from runtime.frontend.audio_codec import make_codec
 from runtime.frontend.recording import SessionRecorder, start_recording
 from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.session_query import SessionRequest, parse_session_query
+from runtime.frontend.session_resume import ResumableSession
 from runtime.frontend.session_store import SessionRecord, SessionStore
 from runtime.frontend.tokens import TokenClaims, TokenRejected
 from runtime.metrics import RuntimeMetrics
@@ -128,10 +136,12 @@ def persona_label(request: SessionRequest) -> str:
 
 @dataclass
 class SessionOutcome:
-    """How a session ended, for logs, metrics and the registry."""
+    """How a session ended, for logs, metrics and the registry. ``lost``: the transport was lost without a
+    normal close (no close frame, a failed ICE path): a resumable session is detached, not ended."""
 
     reason: str
     close_code: int = CLOSE_NORMAL
+    lost: bool = False
 
 
 class Transport(abc.ABC):
@@ -153,7 +163,7 @@ class Transport(abc.ABC):
         """End the connection with ``code`` (WebSocket close codes: ``runtime.frontend.refusals``)."""
 
 
-class ChatSession(SessionSink):
+class ChatSession(ResumableSession):
     """One conversation: its codecs, its slot lease, its outbound queue.
 
     Args:
@@ -163,6 +173,9 @@ class ChatSession(SessionSink):
         claims: the session token's claims (None with ``auth_mode=off``).
         client: the caller's address.
     """
+
+    front: FrontEnd
+    transport: Transport
 
     def __init__(
         self,
@@ -204,6 +217,18 @@ class ChatSession(SessionSink):
         self.recorder: SessionRecorder | None = None
         """Both sides to disk when the token has ``recording_consent`` (``runtime.frontend.recording``)."""
         self._finished = False
+        self.record: SessionRecord | None = None
+        """What the session store holds of it (None without a store, or before admission)."""
+        self.started_at = time.time()
+        """Unix s: when the conversation started (a resumed session keeps the first connection's)."""
+        self.limit_s = self.max_session_s
+        """The conversation's longest length (s) from :attr:`started_at` (a resume keeps the first's)."""
+        self.persona = persona_label(request)
+        self.resumed: ResumeGrant | None = None
+        """How this session took its slot over (None: admitted, not resumed)."""
+        self.moved = False
+        """Resumed through another connection: this one no longer holds the slot or ends the session."""
+        self._hold: asyncio.Future[bool] | None = None
 
     @property
     def max_session_s(self) -> float:
@@ -240,6 +265,8 @@ class ChatSession(SessionSink):
         token_id, expires_at = "", 0.0
         if backend.spends_tokens and self.claims is not None:
             token_id, expires_at = self.claims.token_id, self.claims.expires_at
+        resumable = bool(self.request.resumable) and self.front.config.resume_s > 0
+        meta = self.resume_meta() if resumable else ""
         request = AdmitRequest(
             self.session_id,
             self.request.voice_prompt,
@@ -248,6 +275,8 @@ class ChatSession(SessionSink):
             client=self.client,
             token_id=token_id,
             token_expires_at=expires_at,
+            resumable=resumable,
+            meta=meta,
         )
         try:
             self.lease = await backend.admit(request, self)
@@ -272,16 +301,16 @@ class ChatSession(SessionSink):
         self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).inc()
         store = self.front.store
         if store is not None:
-            record = SessionRecord(
+            self.record = SessionRecord(
                 self.session_id,
                 self.front.config.node_id,
                 self.lease.slot,
-                time.time(),
-                persona_label(self.request),
+                self.started_at,
+                self.persona,
                 self.request.format.value,
                 recording=self.recorder is not None,
             )
-            store.register_session(record)
+            store.register_session(self.record)
         return self.lease.slot
 
     async def wait_prompt(self) -> None:
@@ -359,13 +388,16 @@ class ChatSession(SessionSink):
         self.front.backend.release(self.lease)
 
     def finish(self, outcome: SessionOutcome) -> None:
-        """Release, and count and record how the session ended (when it had started)."""
+        """Release, and count and record how the session ended (when it had started; not when it was
+        resumed through another connection, which goes on)."""
         self.release()
         if not self.started or self._finished:
             return
         self._finished = True
-        if self.recorder is not None:
+        if self.recorder is not None:  # a resume elsewhere records no more: the files end at the drop
             self.recorder.close()
+        if self.moved:  # resumed through another connection: that one ends the session
+            return
         self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).dec()
         self.front.metrics.sessions_ended.labels(reason=outcome.reason).inc()
         if self.front.store is not None:

@@ -51,7 +51,12 @@ _KNOWN_PARAMS = (
     "text_topk",
     "seed",
     "text_prompt_in",
+    "resumable",
+    "resume",
 )
+RESUME_CREDENTIAL_MAX_CHARS = 128
+_RESUME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{RESUME_CREDENTIAL_MAX_CHARS}}}")
+_BOOLEANS = {"1": True, "true": True, "0": False, "false": False}
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,10 @@ class SessionRequest:
         audio_topk: top-k over audio codebook entries, 1..2048.
         text_topk: top-k over text tokens, 1..32000.
         seed: sampling seed, 0..2**31-1.
+        resumable: ``resumable=1``: the client asks for a resume credential (a 0x04 metadata message right
+            after the handshake; docs/protocol.md, "Resume"); None or False: nothing new is sent.
+        resume: ``resume=<credential>``: resume the session the credential names instead of starting one
+            (every other parameter but ``format`` is the session's already and is ignored).
         ignored_params: sorted names of query parameters this server does not use (e.g. ``pad_mult``,
             ``repetition_penalty``, ``worker_auth_id``); untrusted text, for logging only.
     """
@@ -82,6 +91,8 @@ class SessionRequest:
     text_topk: int | None = None
     seed: int | None = None
     text_prompt_in: str | None = None
+    resumable: bool | None = None
+    resume: str | None = None
     ignored_params: tuple[str, ...] = field(default=())
 
     def to_query_params(self) -> dict[str, str]:
@@ -92,7 +103,9 @@ class SessionRequest:
         params: dict[str, str] = {"format": self.format.value}
         for name in _KNOWN_PARAMS[1:]:
             value = getattr(self, name)
-            if value is not None:
+            if isinstance(value, bool):
+                params[name] = "1" if value else "0"
+            elif value is not None:
                 params[name] = repr(value) if isinstance(value, float) else str(value)
         return params
 
@@ -175,7 +188,8 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
 
     Known parameters: ``format`` (``opus`` or ``pcm``, case-insensitive; default ``opus``),
     ``voice_prompt``, ``text_prompt``, ``audio_temperature``, ``text_temperature``, ``audio_topk``,
-    ``text_topk``, ``seed``, ``text_prompt_in`` (ranges on :class:`SessionRequest`). An empty value
+    ``text_topk``, ``seed``, ``text_prompt_in``, ``resumable``, ``resume`` (ranges on
+    :class:`SessionRequest`). An empty value
     (``text_prompt=``) means "not given", as web forms send it. Any other parameter is ignored and listed
     in ``ignored_params``, so Kyutai's and PersonaPlex's clients (``pad_mult``, ``repetition_penalty``,
     ``text_seed``, ...) work.
@@ -217,6 +231,20 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
             )
         text_prompt_in = None if text_prompt_in == "query" else text_prompt_in
 
+    resumable = None
+    if "resumable" in given:
+        resumable = _BOOLEANS.get(given["resumable"].lower())
+        if resumable is None:
+            raise _bad_query("resumable", given["resumable"], "expected 1, 0, true or false")
+    resume = given.get("resume")
+    if resume is not None and not _RESUME_RE.fullmatch(resume):
+        raise _bad_query(
+            "resume",
+            resume,
+            f"expected the credential of the 0x04 metadata (1..{RESUME_CREDENTIAL_MAX_CHARS} letters, "
+            "digits, '.', '_' or '-')",
+        )
+
     def optional_float(name: str) -> float | None:
         return _parse_float(name, given[name], TEMPERATURE_RANGE) if name in given else None
 
@@ -233,6 +261,8 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
         text_topk=optional_int("text_topk", TEXT_TOPK_RANGE),
         seed=optional_int("seed", SEED_RANGE),
         text_prompt_in=text_prompt_in,
+        resumable=resumable,
+        resume=resume,
         ignored_params=tuple(sorted(key for key in items if key not in _KNOWN_PARAMS)),
     )
 

@@ -154,8 +154,11 @@ class SessionStore(SessionWriter):
 
     # --------------------------------------------- audio path (sync, no raise)
 
-    def register_session(self, record: SessionRecord) -> None:
-        """Queue the registration of ``record`` (state ``active``; adds it to the node set).
+    def register_session(
+        self, record: SessionRecord, event_kind: str = "started", extra: dict[str, str] | None = None
+    ) -> None:
+        """Queue the registration of ``record`` (state ``active``; adds it to the node set), published on the
+        events stream as ``event_kind`` (``started``; ``resumed`` for a resume, with ``extra`` fields).
 
         Never blocks, never raises. Registering a tracked id again replaces its record and makes it
         active again; its transcript continues.
@@ -175,7 +178,15 @@ class SessionStore(SessionWriter):
                         sess.ended = False
                         sess.end_reason = ""
                         sess.ended_at_unix_s = 0.0
-                    op = _Op("register", sess, record=record, gen=sess.gen, at_unix_s=time.time())
+                    op = _Op(
+                        "register",
+                        sess,
+                        record=record,
+                        gen=sess.gen,
+                        at_unix_s=time.time(),
+                        event_kind=event_kind,
+                        extra=extra,
+                    )
                     errors = self._push(op)
                     backlog = self._live
             self._after_push(errors, backlog)
@@ -252,6 +263,38 @@ class SessionStore(SessionWriter):
             self._after_push(errors, backlog)
         except Exception:
             self._internal_error("record_event")
+
+    def adopt_session(
+        self, record: SessionRecord, transcript: str, extra: dict[str, str] | None = None
+    ) -> None:
+        """A session resumed here (``runtime.frontend.session.ChatSession.resume``): register it again, and
+        when this store did not track it (resumed through another worker process) start its mirror from
+        ``transcript``, the text Redis holds already, so that a resync after a Redis failure rewrites the
+        whole transcript, not only what follows the resume. Published as a ``resumed`` event with ``extra``.
+        Never blocks, never raises."""
+        try:
+            with self._lock:
+                fresh = record.session_id not in self._sessions
+            self.register_session(record, "resumed", extra)
+            if fresh and transcript:
+                with self._lock:
+                    sess = self._sessions.get(record.session_id)
+                    if sess is not None and not sess.acked and not sess.pending:
+                        sess.acked.append(transcript)
+        except Exception:
+            self._internal_error("adopt_session")
+
+    def forget_session(self, record: SessionRecord) -> None:
+        """Stop tracking a session resumed elsewhere (its new holder writes it from now on): nothing is
+        written, its queued ops still are. Only when the tracked record is ``record`` itself (a resume
+        through this same store registered a new one, which stays). Never blocks, never raises."""
+        try:
+            with self._lock:
+                sess = self._sessions.get(record.session_id)
+                if sess is not None and sess.record is record:
+                    del self._sessions[record.session_id]
+        except Exception:
+            self._internal_error("forget_session")
 
     def _live_session(self, session_id: str) -> tuple[_Session | None, list[str]]:
         """Under ``self._lock``: the session when the store is open and the session started and not ended,

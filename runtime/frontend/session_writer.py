@@ -218,7 +218,7 @@ class SessionWriter:
         if not self.events_maxlen:
             return
         rec, extra = op.session.record, dict(op.extra or {})
-        kind = {"append": "text", "end": "ended", "register": "started"}.get(op.kind, op.event_kind)
+        kind = {"append": "text", "end": "ended"}.get(op.kind) or op.event_kind or "started"
         if op.kind == "append":
             extra.update(speaker="agent", text=op.piece)
         elif op.kind == "end":

@@ -8,6 +8,13 @@ runs gives its place back at once. Refusals after the upgrade: a 0x05 error nami
 close code of ``runtime.frontend.refusals.REFUSALS``. The slot is released when the server decides to
 close, not when the closing handshake ends (a client that never answers a close frame held it 10 s). The
 WebSocket is aiohttp's (the HTTP layer's server, ``runtime.frontend.http``), as in moshi's own server.
+
+Resume (``runtime.frontend.session_resume``; docs/protocol.md, "Resume"): with ``resumable=1`` the
+handshake is followed by a 0x04 metadata message with the session id and a single-use credential. A
+connection lost without a close frame (a reset, a dead peer past the heartbeat) detaches a resumable
+session: its slot is held, paused, for ``resume_s``; ``?resume=<credential>`` on a new connection, through
+any worker, takes it over (a new handshake, then a new credential). A close frame ends the session as
+before.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from runtime.frontend.protocol import (
     encode_audio,
     encode_error,
     encode_handshake,
+    encode_metadata,
     encode_ping,
     encode_text,
     parse_client_message,
@@ -74,6 +82,9 @@ class DuplexWebSocket(web.WebSocketResponse):
         self.closing = asyncio.Event()
         self.close_sent: int | None = None
         """The code of the server's own close frame (None until it sends one)."""
+        self.server_ended = False
+        """The server decided to close (:meth:`end`), as opposed to a close aiohttp makes when the
+        connection is already gone."""
 
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         self.closing.set()
@@ -115,6 +126,7 @@ class DuplexWebSocket(web.WebSocketResponse):
     async def end(self, code: int, reason: str) -> None:
         """Close with ``code`` and ``reason`` (cut to the 123 bytes a close frame carries); no error when it
         is already closed."""
+        self.server_ended = True
         with contextlib.suppress(ConnectionError):
             await self.close(code=code, message=reason.encode()[:123])
 
@@ -209,10 +221,14 @@ async def handle(
     outcome = SessionOutcome("client_closed")
     sender: asyncio.Task[None] | None = None
     watch = asyncio.ensure_future(connection.closing.wait())
-    watch.add_done_callback(lambda _: session.release())
+    # The slot goes back as soon as the connection closes, unless a lost connection may be resumed (the
+    # session decides then: held, or finished).
+    watch.add_done_callback(
+        lambda _: None if session.offers_resume and not connection.server_ended else session.release()
+    )
     try:
         try:
-            await _unless_left(session.admit(), left)
+            await _unless_left(session.resume() if request.resume else session.admit(), left)
         except SessionRefused as exc:
             left.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -226,17 +242,20 @@ async def handle(
             with contextlib.suppress(asyncio.CancelledError):
                 await left
             await connection.send(encode_handshake())
+            if session.offers_resume:
+                await connection.send(encode_metadata(session.resume_metadata()))
             sender = asyncio.create_task(_send_until_closed(session))
-            limit = session.max_session_s
+            limit = session.remaining_s
             try:
                 async with asyncio.timeout(limit):
                     outcome = await _receive_loop(front, session, connection)
             except TimeoutError:
                 outcome = SessionOutcome("max_session_length")
-                source = "" if limit == front.config.max_session_s else " (the token's limit)"
-                await connection.send(encode_error(f"session reached max_session_s={limit:g}{source}"))
+                source = "" if session.limit_s == front.config.max_session_s else " (the token's limit)"
+                limit_s = session.limit_s
+                await connection.send(encode_error(f"session reached max_session_s={limit_s:g}{source}"))
         except (ConnectionClosed, _ClientLeft):
-            outcome = SessionOutcome("client_closed")
+            outcome = SessionOutcome("client_closed", lost=_lost(connection))
         except TimeoutError:
             outcome = SessionOutcome("prompt_timeout", CLOSE_TRY_AGAIN_LATER)
     except _ClientLeft:
@@ -249,8 +268,25 @@ async def handle(
         front.sessions.discard(session)
         if session.started and front.draining and connection.close_sent == CLOSE_GOING_AWAY:
             outcome = SessionOutcome("drained", CLOSE_GOING_AWAY)
+        held = outcome.lost and session.detach()
+        if not held:
+            session.finish(outcome)
+    if held:  # the slot waits, paused, for a resume through any connection; this one is gone
+        if await session.held():
+            return
+        outcome = SessionOutcome("resume_expired", lost=True)
         session.finish(outcome)
+        return
     await connection.end(outcome.close_code, outcome.reason)
+
+
+def _lost(connection: DuplexWebSocket, message_type: WSMsgType | None = None) -> bool:
+    """The connection ended without a close frame from the client and without the server closing it (a
+    reset, a peer that stopped answering the heartbeat: 1006, RFC 6455 7.1.5). ``message_type``: what the
+    last ``receive`` returned (CLOSED: the stream ended without a close frame), if that is how it ended."""
+    if connection.server_ended:
+        return False
+    return message_type is WSMsgType.CLOSED or connection.close_code in (None, WSCloseCode.ABNORMAL_CLOSURE)
 
 
 async def _send_until_closed(session: ChatSession) -> None:
@@ -266,11 +302,14 @@ async def _receive_loop(front: FrontEnd, session: ChatSession, connection: Duple
         message = await connection.receive()
         if message.type is WSMsgType.ERROR:
             # aiohttp has failed the connection (a frame over max_msg_size: 1009; invalid UTF-8: 1007)
-            # and sent its close frame.
+            # and sent its close frame; or the connection broke (1006: lost).
             log.debug("websocket failed: %s", message.data)
-            return SessionOutcome("client_closed", connection.close_code or CLOSE_POLICY)
+            code = connection.close_code or CLOSE_POLICY
+            lost = code == WSCloseCode.ABNORMAL_CLOSURE and _lost(connection)
+            return SessionOutcome("client_closed", code, lost=lost)
         if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
-            return SessionOutcome("client_closed")
+            lost = message.type is not WSMsgType.CLOSE and _lost(connection, message.type)
+            return SessionOutcome("client_closed", lost=lost)
         try:
             parsed = parse_client_message(message.data, max_message_bytes=front.config.max_message_bytes)
             if isinstance(parsed, PingMessage):

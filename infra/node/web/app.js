@@ -3,7 +3,9 @@
 // A conversation: check admission (GET /api/admission: why a refusal, in words, before any socket), open
 // the microphone, capture it at 24 kHz in an AudioWorklet (audio-worklet.js), open wss://.../api/chat with
 // the token as the WebSocket subprotocol, wait for the handshake, then stream 80 ms Int16 frames up while
-// playing the frames that come down (player.js) and showing the text pieces.
+// playing the frames that come down (player.js) and showing the text pieces. A connection lost without a
+// close frame (a Wi-Fi blip, a new network) is resumed with the session's single-use credential while the
+// node holds its slot (docs/protocol.md, "Resume"), and the page says so.
 
 import {
   FRAME_MS,
@@ -24,6 +26,8 @@ import { Player } from "./player.js";
 const PING_INTERVAL_MS = 1000; // one round-trip probe per second
 const READOUT_INTERVAL_MS = 250; // how often the numbers on the page are refreshed
 const LEVEL_GAIN = 4; // speech RMS around 0.05..0.2 fills a visible part of the meter
+const RESUME_TRIES = 5; // reconnections tried after a drop: at once, then 0.5, 1, 2, 4 s apart (7.5 s in all:
+const RESUME_DELAY_MS = 500; // within the 10 s the node holds the slot by default)
 
 // Personas: role prompts in PersonaPlex's style. The voices come from the node (GET /api/personas).
 const PERSONAS = [
@@ -67,6 +71,7 @@ const stats = {
   resampled: null, // whether it had to (false when the context already ran at 24 kHz)
   contextTimeS: 0, // AudioContext.currentTime (s)
   scheduledUntilS: 0, // context time (s) up to which audio is scheduled
+  resumes: 0, // times the conversation was resumed after a lost connection
 };
 window.duplexClient = { stats };
 
@@ -142,7 +147,9 @@ async function start() {
   }
   const s = { context, token, persona, handshake: false, opened: false, ended: false, error: null, pings: 0 };
   session = s;
-  Object.assign(stats, { framesSent: 0, framesReceived: 0, framesLost: 0, rttMs: null, transcriptChars: 0 });
+  Object.assign(stats, {
+    framesSent: 0, framesReceived: 0, framesLost: 0, rttMs: null, transcriptChars: 0, resumes: 0,
+  });
   ui.transcript.textContent = "";
   setState("connecting");
   try {
@@ -172,17 +179,38 @@ async function start() {
     s.source.connect(s.capture);
 
     setStatus("Connecting…");
-    s.ws = new WebSocket(chatUrl(location, persona), token ? [TOKEN_SUBPROTOCOL_PREFIX + token] : []);
-    s.ws.binaryType = "arraybuffer";
-    s.ws.onopen = () => {
-      s.opened = true;
-      setStatus("Connected. The node is getting the persona ready…");
-    };
-    s.ws.onmessage = (event) => onMessage(s, event.data);
-    s.ws.onclose = (event) => onClose(s, event);
+    const protocols = token ? [TOKEN_SUBPROTOCOL_PREFIX + token] : [];
+    openSocket(s, `${chatUrl(location, persona)}&resumable=1`, protocols);
   } catch (error) {
     end(s, "unsupported", String(error));
   }
+}
+
+function openSocket(s, url, protocols) {
+  s.opened = false;
+  s.ws = new WebSocket(url, protocols);
+  s.ws.binaryType = "arraybuffer";
+  s.ws.onopen = () => {
+    s.opened = true;
+    if (s.resuming) setStatus("Reconnected: resuming the conversation…");
+    else setStatus("Connected. The node is getting the persona ready…");
+  };
+  s.ws.onmessage = (event) => onMessage(s, event.data);
+  s.ws.onclose = (event) => onClose(s, event);
+}
+
+/** The connection was lost without a close frame: reconnect with the session's credential (no token). */
+function resume(s) {
+  clearInterval(s.pingTimer);
+  s.handshake = false;
+  s.resuming = (s.resuming ?? 0) + 1;
+  if (s.resuming > RESUME_TRIES) return end(s, "connection_lost", "");
+  setState("connecting");
+  setStatus(`Connection lost: reconnecting (try ${s.resuming} of ${RESUME_TRIES})…`);
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  const url = `${scheme}//${location.host}/api/chat?format=pcm&resume=${encodeURIComponent(s.resume)}`;
+  const delay = s.resuming === 1 ? 0 : RESUME_DELAY_MS * 2 ** (s.resuming - 2);
+  setTimeout(() => s.ended || openSocket(s, url, []), delay);
 }
 
 function onCapture(s, data) {
@@ -206,7 +234,13 @@ function onMessage(s, data) {
     case Kind.HANDSHAKE:
       s.handshake = true;
       setState("live");
-      setStatus("Live: speak now. Press “Stop talking” to end the conversation.");
+      if (s.resuming) {
+        stats.resumes += 1;
+        setStatus("Live again: the connection dropped and the conversation was resumed. Speak now.");
+      } else {
+        setStatus("Live: speak now. Press “Stop talking” to end the conversation.");
+      }
+      s.resuming = 0;
       s.pingTimer = setInterval(() => {
         if (s.ws.readyState === WebSocket.OPEN) s.ws.send(encodePing(++s.pings, performance.now()));
       }, PING_INTERVAL_MS);
@@ -235,14 +269,19 @@ function onMessage(s, data) {
     case Kind.PING:
       if (Number.isFinite(message.sentAtMs)) stats.rttMs = performance.now() - message.sentAtMs;
       break;
+    case Kind.METADATA: // the session's resume credential (single-use: each resume brings the next)
+      if (typeof message.data?.resume === "string") s.resume = message.data.resume;
+      break;
     default:
-      break; // metadata: nothing to show
+      break;
   }
 }
 
 async function onClose(s, event) {
   if (s.ended) return;
   if (s.error) return end(s, s.error.reason, s.error.message);
+  // No close frame (1006) after the conversation began, or a reconnection that failed: resume it.
+  if (s.resume && event.code === 1006 && (s.handshake || s.resuming)) return resume(s);
   if (!s.opened) {
     // The upgrade was refused: the browser shows 1006 and hides the HTTP status. Ask the node why.
     setStatus("The node refused the connection; asking why…");

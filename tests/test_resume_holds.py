@@ -1,0 +1,117 @@
+"""The slots' side of resume alone (``runtime.engine.resume.SlotHolds``): single-use credentials that name
+their session, the paused hold and its expiry on an injected clock, resume turned off. The whole path over
+real sockets in both process modes: ``tests/test_resume.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from runtime.engine.api import Refusal, SessionSink
+from runtime.engine.resume import SinkRoute, SlotHolds, credential_session
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.scheduler import SlotSession
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class _Sink(SessionSink):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_output(self, pcm: Any, piece: str | None) -> None:
+        self.events.append(f"out {piece}")
+
+    def on_prompt_done(self) -> None:
+        self.events.append("prompt_done")
+
+    def on_taken_over(self) -> None:
+        self.events.append("taken_over")
+
+    def on_hold_expired(self) -> None:
+        self.events.append("expired")
+
+
+def _holds(hold_s: float = 10.0) -> tuple[SlotHolds, FakeClock, list[SlotSession]]:
+    clock = FakeClock()
+    released: list[SlotSession] = []
+    return SlotHolds(hold_s, released.append, clock=clock), clock, released
+
+
+def _slot_session(sid: str) -> SlotSession:
+    return SlotSession(sid, SamplingParams(), [], on_output=lambda *_: None, on_prompt_done=lambda: None)
+
+
+def test_credentials_are_single_use_and_name_their_session() -> None:
+    holds, clock, released = _holds()
+    first = _Sink()
+    route = SinkRoute(first)
+    sid = "a" * 32
+    credential = holds.open(_slot_session(sid), route, "meta")
+    assert credential_session(credential) == (sid, credential.split(".")[1])
+    route.on_output(None, "hello")
+    second = _Sink()
+    got = holds.resume(credential, second)
+    assert got.previous is first and route.sink is second and got.meta == "meta" and got.transcript == "hello"
+    assert got.credential != credential and got.credential.startswith(sid + ".")
+    with pytest.raises(Refusal) as replay:
+        holds.resume(credential, _Sink())
+    assert replay.value.reason == "resume_replayed"
+    with pytest.raises(Refusal) as wrong:
+        holds.resume(f"{sid}.{'A' * 43}", _Sink())
+    assert wrong.value.reason == "resume_invalid"
+    assert route.sink is second and not released, "a refused resume changed the session"
+
+
+def test_a_detached_hold_expires_on_its_clock_and_frees_the_slot() -> None:
+    holds, clock, released = _holds(hold_s=10.0)
+    sink = _Sink()
+    session = _slot_session("b" * 32)
+    credential = holds.open(session, SinkRoute(sink), "")
+    assert holds.detach(session.session_id) and session.paused
+    clock.advance(9.99)
+    assert holds.sweep() == [] and not released
+    clock.advance(0.02)
+    assert holds.sweep() == [session.session_id] and released == [session] and sink.events == ["expired"]
+    with pytest.raises(Refusal) as late:
+        holds.resume(credential, _Sink())
+    assert late.value.reason == "resume_expired" and "ran out" in late.value.message
+    assert len(holds) == 0 and holds.detached == 0
+
+
+def test_resume_off_issues_nothing() -> None:
+    holds, _, _ = _holds(hold_s=0)
+    session = _slot_session("c" * 32)
+    assert holds.open(session, SinkRoute(_Sink()), "") == "" and not holds.detach(session.session_id)
+    with pytest.raises(Refusal) as off:
+        holds.resume(f"{session.session_id}.{'x' * 43}", _Sink())
+    assert off.value.reason == "resume_off"
+
+
+def test_the_query_asks_for_resume_and_refuses_bad_values() -> None:
+    from runtime.frontend.protocol import ProtocolError
+    from runtime.frontend.session_query import parse_session_query
+
+    assert parse_session_query("resumable=1").resumable is True
+    assert parse_session_query("resumable=FALSE").resumable is False
+    assert parse_session_query("format=pcm").resumable is None  # Kyutai's clients: nothing asked
+    credential = f"{'d' * 32}.{'Ab_-' * 10}xyz"
+    assert parse_session_query(f"resume={credential}").resume == credential
+    for query, named in (
+        ("resumable=yes", "resumable"),
+        ("resume=../../etc", "resume"),
+        ("resume=" + "a" * 129, "resume"),
+    ):
+        with pytest.raises(ProtocolError) as bad:
+            parse_session_query(query)
+        assert bad.value.reason == "bad_query" and f"query parameter {named}=" in str(bad.value)
