@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from infra.capacity import InfeasibleConfiguration, max_sessions, require_feasible
 from infra.capacity.gpus import GPUS
+from infra.node.relay import RelaySettings
 from runtime.engine.model_presets import FRAME_MS, check_preset_name
 
 __all__ = [
@@ -301,6 +302,7 @@ class NodeProfile(_Strict):
         alerting: where the node's Alertmanager sends alerts (``AlertReceivers``).
         frontend_workers: the runtime's front-end processes (``runtime/multiproc.py``; about 40 Opus
             sessions per worker, issue 16).
+        relay: the TURN relay (coturn) WebRTC media goes through (``infra.node.relay``).
     """
 
     name: str
@@ -328,6 +330,7 @@ class NodeProfile(_Strict):
     limits: NodeLimits = NodeLimits()
     retention: Retention = Retention()
     alerting: AlertReceivers = AlertReceivers()
+    relay: RelaySettings = RelaySettings()
 
     @field_validator("name")
     @classmethod
