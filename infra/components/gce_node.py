@@ -286,10 +286,12 @@ class GceGpuNode(pulumi.ComponentResource):
                     project=project,
                     network=network.id,
                     direction="INGRESS",
-                    allows=media,
+                    allows=[
+                        compute.FirewallAllowArgs(protocol=a["protocol"], ports=a["ports"]) for a in media
+                    ],
                     source_ranges=list(gce.public_source_ranges),
                     target_tags=[args.network_tag],
-                    description="coturn: TURN over UDP and over TLS (WebRTC media) from the configured ranges",
+                    description="coturn: TURN over UDP and TLS (WebRTC media) from the configured ranges",
                     opts=child_options(self, deps),
                 )
             )

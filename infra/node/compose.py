@@ -463,7 +463,12 @@ def _coturn(profile: NodeProfile) -> dict[str, Any]:
         "entrypoint": ["turnserver"],
         "command": coturn_args(COTURN_CONFIG_PATH, "/tmp/turnserver.pid"),
         "ports": [
-            {"target": relay.port, "published": str(relay.port), "host_ip": profile.public_address, "protocol": "udp"},
+            {
+                "target": relay.port,
+                "published": str(relay.port),
+                "host_ip": profile.public_address,
+                "protocol": "udp",
+            },
             _port(profile.public_address, relay.tls_port),
         ],
         "volumes": volumes,

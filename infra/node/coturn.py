@@ -88,7 +88,7 @@ def render_turnserver_conf(profile: NodeProfile, secret: str) -> str:
         f"# Rendered by infra.node.coturn for node profile {profile.name!r}. Do not edit: re-render.",
         "# Secret file: it holds the TURN REST shared secret (static-auth-secret).",
         "",
-        "# Authentication: TURN REST credentials minted per session by the runtime (runtime/frontend/turn.py).",
+        "# Authentication: TURN REST credentials minted per session (runtime/frontend/turn.py).",
         "fingerprint",
         "use-auth-secret",
         f"static-auth-secret={secret}",

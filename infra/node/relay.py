@@ -85,7 +85,9 @@ class RelaySettings(BaseModel):
         try:
             network = ipaddress.IPv4Network(value)
         except ValueError:
-            raise ValueError(f"compose_subnet {value!r} is not an IPv4 network (e.g. 172.31.254.0/24)") from None
+            raise ValueError(
+                f"compose_subnet {value!r} is not an IPv4 network (e.g. 172.31.254.0/24)"
+            ) from None
         if network.prefixlen > 26 or not network.is_private:
             raise ValueError(f"compose_subnet {value!r} must be a private IPv4 network of /26 or larger")
         return value
@@ -97,7 +99,9 @@ class RelaySettings(BaseModel):
             try:
                 network = ipaddress.ip_network(cidr, strict=False)
             except ValueError:
-                raise ValueError(f"peer_networks: {cidr!r} is not an address or CIDR (e.g. 10.0.0.5)") from None
+                raise ValueError(
+                    f"peer_networks: {cidr!r} is not an address or CIDR (e.g. 10.0.0.5)"
+                ) from None
             if network.prefixlen == 0:
                 raise ValueError(f"peer_networks: {cidr!r} would let the relay reach every address")
         return value
@@ -144,7 +148,7 @@ def relay_port_range(relay: RelaySettings, sessions: int) -> tuple[int, int]:
     high = relay.relay_min_port + count - 1
     if high > 65535:
         raise ValueError(
-            f"relay range {relay.relay_min_port}-{high} ({count} ports for {sessions} sessions) passes 65535; "
+            f"relay range {relay.relay_min_port}-{high} ({count} ports, {sessions} sessions) passes 65535; "
             f"set relay.relay_min_port to at most {65536 - count}"
         )
     return relay.relay_min_port, high

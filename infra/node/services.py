@@ -117,7 +117,7 @@ def endpoint(profile: NodeProfile, service: Service) -> str:
         raise ValueError(f"profile {profile.name!r} has no GPU: it runs no dcgm-exporter")
     if service == "coturn" and not (profile.relay.enabled and profile.deployment == "compose"):
         raise ValueError(
-            f"profile {profile.name!r}: coturn's metrics exporter runs only in a compose node with the relay on"
+            f"profile {profile.name!r}: coturn's exporter runs only in a compose node with the relay on"
         )
     port = profile.relay.metrics_port if service == "coturn" else getattr(profile.ports, _PORT_FIELD[service])
     host = service if profile.deployment == "compose" else profile.private_address
@@ -277,7 +277,9 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
     turnserver_conf = "# relay.enabled is false: this node runs no coturn\n"
     if profile.relay.enabled:
         if node_secrets.turn_secret is None:
-            raise ValueError("turn_secret: the profile's relay is on (relay.enabled) and no TURN secret was given")
+            raise ValueError(
+                "turn_secret: the profile's relay is on (relay.enabled) and no TURN secret was given"
+            )
         runtime_env += f"DUPLEX_TURN_SECRET={node_secrets.turn_secret}\n"
         turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret)
     files = {

@@ -118,7 +118,9 @@ def turn_summary(config: StackConfig, profile: NodeProfile) -> dict[str, Any] | 
     low, high = relay_port_range(relay, profile.sessions)
     return {
         "urls": turn_urls(relay, profile.domain),
-        "publicPorts": [f"{port}/{a['protocol']}" for a in media_firewall_allows(relay) for port in a["ports"]],
+        "publicPorts": [
+            f"{port}/{a['protocol']}" for a in media_firewall_allows(relay) for port in a["ports"]
+        ],
         "relayRange": f"{low}-{high}/udp (private: the runtime on the node is the only peer)",
     }
 
