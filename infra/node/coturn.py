@@ -64,11 +64,12 @@ def peer_ranges(profile: NodeProfile) -> list[str]:
     ]
 
 
-def render_turnserver_conf(profile: NodeProfile, secret: str) -> str:
+def render_turnserver_conf(profile: NodeProfile, secret: str, *, tls: bool = True) -> str:
     """``turnserver.conf`` for ``profile`` (see the module docstring), holding ``secret``. Deterministic.
 
     Paths: the certificate and key as the profile names them (a ``compose`` node mounts their directories
     at the same paths; the local node runs coturn from its node directory, so relative paths resolve there).
+    ``tls`` False: no TLS listener (``no-tls``; a Kubernetes region without a certificate for its TURN name).
 
     Raises:
         ValueError: the relay is disabled, the secret is under 32 bytes or holds whitespace, quotes or
@@ -102,9 +103,15 @@ def render_turnserver_conf(profile: NodeProfile, secret: str) -> str:
         lines.append(f"listening-ip={profile.public_address}")
     lines += [
         f"listening-port={relay.port}",
-        f"tls-listening-port={relay.tls_port}",
-        f"cert={profile.tls.certificate_path}",
-        f"pkey={profile.tls.private_key_path}",
+        *(
+            [
+                f"tls-listening-port={relay.tls_port}",
+                f"cert={profile.tls.certificate_path}",
+                f"pkey={profile.tls.private_key_path}",
+            ]
+            if tls
+            else ["no-tls"]
+        ),
         "no-tcp",
         "no-dtls",
         "no-tlsv1",
