@@ -258,7 +258,7 @@ class RegionWorkload:
         page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
         turn_secret: the TURN REST secret (secret) of the region's TURN gateway (``infra.k8s.turn``), or None:
             no gateway, and the runtime gives WebRTC callers no relay.
-        turn_peer_ranges: the pod ranges (CIDRs) of every region, the peers coturn may relay to.
+        turn_peer_ranges: the pod ranges (CIDRs) coturn may relay to: the region's own (the stack).
         namespace: the runtime's namespace (``duplex``).
         target_slot_utilization: the HPA's target share of slots in use per pod, 0 < u <= 1 (0.8).
     """

@@ -6,8 +6,9 @@ carries no UDP.
 No ``hostNetwork``: the cluster is VPC-native, so a pod's address is routable in the VPC and serves as the
 relayed address (no ``external-ip``), exactly as coturn's container address does in a Compose node; the
 pods stay under the namespace's Pod Security ``restricted`` level, which forbids host networking. One coturn
-per GPU node (a DaemonSet): relay capacity grows with the runtime pods. Peers: the pod ranges of every
-region (``RegionWorkload.turn_peer_ranges``), so a caller whose offer spills to another region still relays.
+per GPU node (a DaemonSet): relay capacity grows with the runtime pods. Peers: the region's own pod range
+(``RegionWorkload.turn_peer_ranges``), which GKE's cluster firewall rule already lets reach the pods; a
+caller whose offer spilled to another region cannot relay there and falls back to the WebSocket protocol.
 TURN over UDP only: TLS would need a certificate for the region's TURN name as a Secret (the global entry's
 certificate is Google-managed). Rendered only when the workload has a TURN secret.
 """
