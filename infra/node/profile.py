@@ -383,6 +383,12 @@ class NodeProfile(_Strict):
                 f"tls.mode 'acme' needs a public DNS name as domain, not {self.domain!r}: an ACME CA "
                 "validates the name over the internet (HTTP-01 on port 80)"
             )
+        taken = {port: name for name, port in self.ports.model_dump().items()}
+        if self.relay.enabled and self.relay.tls_port in taken:
+            raise ValueError(
+                f"relay.tls_port {self.relay.tls_port} is also ports.{taken[self.relay.tls_port]}; "
+                "each needs its own"
+            )
         address = ipaddress.ip_address(self.private_address)
         if not (address.is_loopback or address.is_private):
             raise ValueError(
