@@ -805,6 +805,10 @@ def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
     [config] = [m for m in manifests if m["kind"] == "Secret" and m["metadata"]["name"] == TURN_CONFIG_SECRET]
     conf = config["stringData"]["turnserver.conf"]
     assert f"allowed-peer-ip=10.{128 + settings}.0.0-10.{128 + settings}.127.255" in conf.splitlines()
+    [service] = [m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == TURN_NAME]
+    # The stack's public source ranges hold for media too (Cloud Armor covers only the HTTPS entry).
+    ranges = json.loads(run.config["duplexops:publicSourceRanges"])
+    assert service["spec"]["loadBalancerSourceRanges"] == ranges
     turn = run.outputs["regions"][region]["turn"]
     assert turn["host"] == f"turn-{region}.duplex.example.com"
     assert "get service coturn" in turn["address"]

@@ -148,7 +148,7 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             },
         },
     }
-    service = {
+    service: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": object_meta(
@@ -161,6 +161,8 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             "ports": [{"name": "turn-udp", "port": relay.port, "targetPort": "turn-udp", "protocol": "UDP"}],
         },
     }
+    if workload.turn_source_ranges:  # GKE opens the node firewall to these only
+        service["spec"]["loadBalancerSourceRanges"] = list(workload.turn_source_ranges)
     monitoring = {
         "apiVersion": "monitoring.googleapis.com/v1",
         "kind": "PodMonitoring",

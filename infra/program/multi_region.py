@@ -307,6 +307,7 @@ def _region(
         page_neg_name=f"{prefix}-page",
         turn_secret=secrets.turn_secret,
         turn_peer_ranges=(settings.pods_cidr,),
+        turn_source_ranges=tuple(mr.public_source_ranges),
     )
     runtime = RegionalRuntime(
         f"runtime-{region_name}",
