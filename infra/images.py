@@ -124,6 +124,12 @@ NODE_IMAGES: dict[str, ThirdPartyImage] = {
         "sha256:27c475db5fb156cab31d5c18a4251ac7ed567746a2483ff264516437a39b15ba",
         f"{_PUBLIC} (many repositories agree)",
     ),
+    "coturn": ThirdPartyImage(
+        "coturn/coturn",
+        "4.6.3",
+        "sha256:71c3c990283385567f11794ee692e3a47b66fd9b0bb39e42afbe776e331dd888",
+        f"{_PUBLIC} (three repositories agree); built with Prometheus support (--prometheus)",
+    ),
     "redis-exporter": ThirdPartyImage(
         "oliver006/redis_exporter", "v1.74.0-alpine", None, "no published digest found: pin it"
     ),

@@ -404,7 +404,14 @@ def test_prepare_script_fetches_secrets_and_prepares_the_host(tmp_path: Path) ->
         assert target.read_bytes() == contents[path], role
         expected_mode = (
             0o640
-            if role in ("redis_auth_conf", "redis_password", "grafana_admin_password", "token_keys")
+            if role
+            in (
+                "redis_auth_conf",
+                "redis_password",
+                "grafana_admin_password",
+                "token_keys",
+                "turnserver_conf",
+            )
             else 0o600
         )
         assert _mode(target) == expected_mode, role

@@ -149,7 +149,12 @@ def test_services_are_the_nodes_services(name: str) -> None:
 def test_only_nginx_public_and_monitoring_private(profile: NodeProfile) -> None:
     services = _doc(profile)["services"]
     published = {name: spec["ports"] for name, spec in services.items() if "ports" in spec}
-    assert set(published) == {"nginx", "prometheus", "grafana", "alertmanager"}
+    assert set(published) == {"nginx", "prometheus", "grafana", "alertmanager", "coturn"}
+    # The TURN relay: its UDP and TLS listeners only, never the relay range (infra.node.relay).
+    assert {(p["host_ip"], p["target"], p["published"], p["protocol"]) for p in published["coturn"]} == {
+        (profile.public_address, profile.relay.port, str(profile.relay.port), "udp"),
+        (profile.public_address, profile.relay.tls_port, str(profile.relay.tls_port), "tcp"),
+    }
     assert {(p["host_ip"], p["target"], p["published"]) for p in published["nginx"]} == {
         (profile.public_address, profile.ports.https, str(profile.ports.https)),
         (profile.public_address, profile.ports.http, str(profile.ports.http)),
@@ -298,10 +303,15 @@ def test_images_pinned() -> None:
 @pytest.mark.parametrize("name", GPU_PROFILES)
 def test_every_service_restarts_logs_bounded_and_has_a_healthcheck(name: str) -> None:
     doc = _doc(PROFILES[name])
-    assert doc["networks"] == {NETWORK: {"name": NETWORK, "driver": "bridge"}}
+    relay = PROFILES[name].relay
+    ipam = {"config": [{"subnet": relay.compose_subnet, "ip_range": relay.dynamic_range}]}
+    assert doc["networks"] == {NETWORK: {"name": NETWORK, "driver": "bridge", "ipam": ipam}}
     for service, spec in doc["services"].items():
         assert spec["restart"] == "unless-stopped", service
-        assert spec["networks"] == [NETWORK], service
+        if service == "runtime":  # at the one address coturn may relay to (infra.node.coturn)
+            assert spec["networks"] == {NETWORK: {"ipv4_address": relay.runtime_address}}
+        else:
+            assert spec["networks"] == [NETWORK], service
         assert spec["logging"]["driver"] == "json-file"
         assert spec["logging"]["options"]["max-size"] and spec["logging"]["options"]["max-file"]
         test = spec["healthcheck"]["test"]

@@ -97,6 +97,7 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
         "node-exporter",
         "redis-exporter",
         "redis",
+        "coturn",
     }
     for pid in pids:
         with pytest.raises(ProcessLookupError):

@@ -247,9 +247,12 @@ def test_scrape_jobs_targets_and_gpu_only_parts(name: str) -> None:
     expected = ["runtime", "prometheus", "node-exporter", "redis-exporter"]
     if profile.gpu is not None:
         expected.append("dcgm-exporter")
+    if profile.deployment == "compose":  # coturn's exporter (Debian's coturn on the local node has none)
+        expected.append("coturn")
     assert list(jobs) == expected
     assert jobs["runtime"]["metrics_path"] == "/metrics"
     port = {"runtime": profile.ports.runtime, "prometheus": profile.ports.prometheus}
+    port["coturn"] = profile.relay.metrics_port
     for job in jobs.values():
         (static,) = job["static_configs"]
         assert static["labels"] == {"node": name}

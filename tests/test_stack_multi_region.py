@@ -790,3 +790,25 @@ def test_bad_receiver_keys_are_refused_on_multi_region() -> None:
         run_stack(STACK, overrides={"duplexops:alertEmailTo": "oncall@example.com"})
     [problem] = caught.value.problems
     assert problem.startswith("duplexops:alertEmailTo: alert receivers rejected: e-mail alerts need")
+
+
+@pytest.mark.parametrize("region", ["us-central1", "europe-west4"])
+def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
+    """coturn per region (infra.k8s.turn) with the stack's TURN secret, relaying to the region's own pods;
+    the runtime names the region's TURN; the output says where to point its DNS name."""
+    from infra.k8s.turn import TURN_CONFIG_SECRET, TURN_NAME
+
+    manifests = _manifests(run, region)
+    kinds = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+    assert {("DaemonSet", TURN_NAME), ("Service", TURN_NAME), ("Secret", TURN_CONFIG_SECRET)} <= kinds
+    settings = {"us-central1": 0, "europe-west4": 1}[region]
+    [config] = [m for m in manifests if m["kind"] == "Secret" and m["metadata"]["name"] == TURN_CONFIG_SECRET]
+    conf = config["stringData"]["turnserver.conf"]
+    assert f"allowed-peer-ip=10.{128 + settings}.0.0-10.{128 + settings}.127.255" in conf.splitlines()
+    [service] = [m for m in manifests if m["kind"] == "Service" and m["metadata"]["name"] == TURN_NAME]
+    # The stack's public source ranges hold for media too (Cloud Armor covers only the HTTPS entry).
+    ranges = json.loads(run.config["duplexops:publicSourceRanges"])
+    assert service["spec"]["loadBalancerSourceRanges"] == ranges
+    turn = run.outputs["regions"][region]["turn"]
+    assert turn["host"] == f"turn-{region}.duplex.example.com"
+    assert "get service coturn" in turn["address"]

@@ -54,18 +54,18 @@ GCE_INVENTORY = {
     "gcp:artifactregistry/repository:Repository": 1,
     "docker-build:index:Image": 1,
     "duplexops:components:StackSecrets": 1,
-    "random:index/randomPassword:RandomPassword": 3,
-    "gcp:secretmanager/secret:Secret": 7,
-    "gcp:secretmanager/secretVersion:SecretVersion": 7,
+    "random:index/randomPassword:RandomPassword": 4,
+    "gcp:secretmanager/secret:Secret": 8,
+    "gcp:secretmanager/secretVersion:SecretVersion": 8,
     "duplexops:components:GceGpuNode": 1,
     "gcp:compute/network:Network": 1,
     "gcp:compute/subnetwork:Subnetwork": 1,
-    "gcp:compute/firewall:Firewall": 2,
+    "gcp:compute/firewall:Firewall": 3,
     "gcp:compute/address:Address": 1,
     "gcp:serviceaccount/account:Account": 1,
     "gcp:projects/iAMMember:IAMMember": 2,
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
-    "gcp:secretmanager/secretIamMember:SecretIamMember": 7,
+    "gcp:secretmanager/secretIamMember:SecretIamMember": 8,
     "gcp:compute/instance:Instance": 1,
     "gcp:compute/disk:Disk": 1,
 }
@@ -78,7 +78,7 @@ SPOT_EXTRAS = {
 """What a Spot node (dev) has more: the job that starts it again after a preemption."""
 ONPREM_INVENTORY = {
     "duplexops:components:StackSecrets": 1,
-    "random:index/randomPassword:RandomPassword": 3,
+    "random:index/randomPassword:RandomPassword": 4,
     "duplexops:components:OnPremNode": 1,
     "command:remote:Command": 7,
     "command:remote:CopyToRemote": 1,
@@ -190,7 +190,7 @@ def test_vm_scheduling_disk_and_shielded_vm(runs: dict[str, StackRun], stack: st
 
 
 @pytest.mark.parametrize("stack", GCE_STACKS)
-def test_firewall_opens_only_web_and_iap_ssh(runs: dict[str, StackRun], stack: str) -> None:
+def test_firewall_opens_only_web_turn_and_iap_ssh(runs: dict[str, StackRun], stack: str) -> None:
     run = runs[stack]
     rules = {r.plain["name"]: r.plain for r in run.of_type(FIREWALL)}
     tag = run.one(INSTANCE).plain["tags"]
@@ -199,16 +199,17 @@ def test_firewall_opens_only_web_and_iap_ssh(runs: dict[str, StackRun], stack: s
         assert rule["direction"] == "INGRESS"
         assert rule["targetTags"] == tag
         for allow in rule["allows"]:
-            assert allow["protocol"] == "tcp"
             for port in allow["ports"]:
-                opened.setdefault(port, set()).update(rule["sourceRanges"])
-    assert opened.keys() == {"22", "80", "443"}
+                opened.setdefault(f"{port}/{allow['protocol']}", set()).update(rule["sourceRanges"])
+    # Media: the TURN relay's UDP and TLS listeners only; not its relay range, not the runtime's ICE ports.
+    assert opened.keys() == {"22/tcp", "80/tcp", "443/tcp", "3478/udp", "5349/tcp"}
     from infra.components.gce_node import IAP_SOURCE_RANGE
 
-    assert opened["22"] == {IAP_SOURCE_RANGE} == {IAP_RANGE}
+    assert opened["22/tcp"] == {IAP_SOURCE_RANGE} == {IAP_RANGE}
     stack_ranges = set(load_stack_file(stack)["duplexops:publicSourceRanges"])
-    assert opened["443"] == opened["80"] == stack_ranges
-    assert "9090" not in opened and "3000" not in opened
+    assert opened["443/tcp"] == opened["80/tcp"] == stack_ranges
+    assert opened["3478/udp"] == opened["5349/tcp"] == stack_ranges
+    assert "9090/tcp" not in opened and "3000/tcp" not in opened
     # A network of its own: the default network's allow-ssh-from-anywhere rule does not apply.
     assert run.one("gcp:compute/network:Network").plain["autoCreateSubnetworks"] is False
 
@@ -353,13 +354,19 @@ def test_secret_manager_holds_the_node_secrets(runs: dict[str, StackRun], stack:
     ]
     assert payloads["secrets-redis-password-version"] == redis_pw
     assert payloads["secrets-redis-auth-conf-version"] == f"requirepass {redis_pw}\n"
-    assert payloads["secrets-runtime-env-version"] == f"DUPLEX_REDIS_URL=redis://:{redis_pw}@redis:6379/0\n"
+    # The runtime and coturn share the TURN secret (runtime/frontend/turn.py, infra.node.coturn).
+    turn = pulumi_harness._mock_password("secrets-turn-secret")
+    assert payloads["secrets-runtime-env-version"] == (
+        f"DUPLEX_REDIS_URL=redis://:{redis_pw}@redis:6379/0\nDUPLEX_TURN_SECRET={turn}\n"
+    )
+    assert f"\nstatic-auth-secret={turn}\n" in payloads["secrets-turnserver-conf-version"]
     assert payloads["secrets-hf-token-version"] == pulumi_harness.FAKE_SECRETS["gce-node"]["hfToken"]
     generated = run.of_type("random:index/randomPassword:RandomPassword")
     assert {r.name: r.plain["length"] for r in generated} == {
         "secrets-redis-password": 32,
         "secrets-grafana-admin-password": 32,
         "secrets-token-signing-key": 48,
+        "secrets-turn-secret": 48,
     }
     assert all(r.plain["special"] is False for r in generated)
     [token_secret] = [pulumi_harness._mock_password(r.name) for r in generated if "token" in r.name]
@@ -375,7 +382,9 @@ def test_configured_passwords_are_used_and_stay_secret(tmp_path: Path) -> None:
         "hfToken": "hf_FromConfig0123456789",
     }
     run = run_stack("dev", secrets=given, build_dir=tmp_path)
-    assert not run.of_type("random:index/randomPassword:RandomPassword")
+    # Only the TURN secret is generated whatever is configured (no key for it: nobody outside needs it).
+    generated = run.of_type("random:index/randomPassword:RandomPassword")
+    assert [r.name for r in generated] == ["secrets-turn-secret"]
     versions = {v.name: v for v in run.of_type("gcp:secretmanager/secretVersion:SecretVersion")}
     assert versions["secrets-redis-password-version"].plain["secretData"] == given["redisPassword"]
     assert (

@@ -191,6 +191,7 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:storage/bucket:Bucket",
     "gcp:storage/bucketIAMMember:BucketIAMMember",
     "kubernetes:apiregistration.k8s.io/v1:APIService",
+    "kubernetes:apps/v1:DaemonSet",
     "kubernetes:apps/v1:Deployment",
     "kubernetes:autoscaling/v2:HorizontalPodAutoscaler",
     "kubernetes:batch/v1:Job",

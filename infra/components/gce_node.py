@@ -36,6 +36,7 @@ from infra.node.cloud_init import (
 )
 from infra.node.compose import node_stop_timeout_s
 from infra.node.profile import NodeProfile
+from infra.node.relay import media_firewall_allows
 from infra.node.rollout import DATA_DISK_DEVICE, ROLLOUT_METADATA_KEY, add_rollout, pending_image
 from infra.stack_config import GceSettings
 
@@ -275,6 +276,25 @@ class GceGpuNode(pulumi.ComponentResource):
             description="nginx: HTTPS (WebSocket sessions) and HTTP (redirect) from the configured ranges",
             opts=child_options(self, deps),
         )
+        media = media_firewall_allows(profile.relay)
+        firewalls = [web]
+        if media:  # WebRTC media through the TURN relay: its two listeners, never its relay range
+            firewalls.append(
+                compute.Firewall(
+                    f"{name}-allow-turn",
+                    name=f"{prefix}-allow-turn",
+                    project=project,
+                    network=network.id,
+                    direction="INGRESS",
+                    allows=[
+                        compute.FirewallAllowArgs(protocol=a["protocol"], ports=a["ports"]) for a in media
+                    ],
+                    source_ranges=list(gce.public_source_ranges),
+                    target_tags=[args.network_tag],
+                    description="coturn: TURN over UDP and TLS (WebRTC media) from the configured ranges",
+                    opts=child_options(self, deps),
+                )
+            )
         ssh = compute.Firewall(
             f"{name}-allow-iap-ssh",
             name=f"{prefix}-allow-iap-ssh",
@@ -399,7 +419,7 @@ class GceGpuNode(pulumi.ComponentResource):
             allow_stopping_for_update=True,
             opts=child_options(
                 self,
-                [*deps, *grants, *args.boot_after, web, ssh],
+                [*deps, *grants, *args.boot_after, *firewalls, ssh],
                 replace_on_changes=['metadata["user-data"]'],
                 ignore_changes=list(IGNORED_INSTANCE_CHANGES),
                 delete_before_replace=True,

@@ -6,6 +6,8 @@
 - The session-token signing keys (``tokenSigningKeys``, JSON ``{"kid": "secret", ...}``) from secret
   configuration when given, else one key ``<name_prefix>-1`` whose secret is a ``random.RandomPassword``
   (48 letters and digits). The application backend mints session tokens with them.
+- The TURN relay's shared secret (coturn's ``static-auth-secret``, the runtime's ``DUPLEX_TURN_SECRET``)
+  from a ``random.RandomPassword`` (48 letters and digits), where the profile's relay is on.
 - The Hugging Face token (``hfToken``) only from secret configuration; absent when not given.
 - ``files``: the node's secret files (``infra.node.services.secret_files``, plus ``secrets/hf-token.env``
   when there is a token), ``{bundle path: content}``, a secret Output: the on-premises stack writes them
@@ -85,6 +87,7 @@ class StackSecrets(pulumi.ComponentResource):
     redis_password: pulumi.Output[str] | None
     grafana_admin_password: pulumi.Output[str]
     token_keys: pulumi.Output[str]
+    turn_secret: pulumi.Output[str] | None
     hf_token: pulumi.Output[str] | None
     files: pulumi.Output[dict[str, str]] | None
     secret_ids: dict[str, str]
@@ -107,18 +110,22 @@ class StackSecrets(pulumi.ComponentResource):
             key = self._password(name, "token-signing-key", None, deps, length=TOKEN_KEY_LENGTH)
             self.token_keys = pulumi.Output.secret(key.apply(lambda secret: json.dumps({kid: secret})))
         self.hf_token = None if args.hf_token is None else pulumi.Output.secret(args.hf_token)
+        self.turn_secret = None
+        if args.profile.relay.enabled:
+            self.turn_secret = self._password(name, "turn-secret", None, deps, length=TOKEN_KEY_LENGTH)
 
         profile = args.profile
 
         alert_roles = sorted(args.alert_secrets)
 
         def render(values: list[str | None]) -> dict[str, str]:
-            redis, grafana, keys, token, *alerts = values
+            redis, grafana, keys, token, turn, *alerts = values
             assert redis is not None and grafana is not None and keys is not None
             node_secrets = NodeSecrets(
                 redis_password=redis,
                 grafana_admin_password=grafana,
                 token_keys=json.loads(keys),
+                turn_secret=turn,
                 **dict(zip(alert_roles, alerts, strict=True)),
             )
             files = {path: content.decode() for path, content in secret_files(profile, node_secrets).items()}
@@ -127,6 +134,7 @@ class StackSecrets(pulumi.ComponentResource):
             return files
 
         token_input: pulumi.Input[str | None] = self.hf_token if self.hf_token is not None else None
+        turn_input: pulumi.Input[str | None] = self.turn_secret
         self.files = None
         if self.redis_password is None:
             if args.secret_manager_project is not None:
@@ -139,6 +147,7 @@ class StackSecrets(pulumi.ComponentResource):
                 self.grafana_admin_password,
                 self.token_keys,
                 token_input,
+                turn_input,
                 *(pulumi.Output.secret(args.alert_secrets[role]) for role in alert_roles),
             ).apply(render)
         )

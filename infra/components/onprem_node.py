@@ -27,7 +27,7 @@ from infra.node.acme import TIMER as ACME_TIMER
 from infra.node.acme import render_acme_host_files
 from infra.node.bundle import render_bundle, write_bundle
 from infra.node.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
-from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS
+from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS, tls_reload_command
 from infra.node.profile import NodeProfile
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR
 
@@ -233,7 +233,7 @@ packages on a host it does not own: it checks, and names the package)."""
 def _acme_files(profile: NodeProfile, install_dir: str) -> dict[str, tuple[str, str]]:
     """``render_acme_host_files`` for this host: nginx reloaded in Compose with SIGHUP (open sessions go
     on), as the GCE node's cloud-init does."""
-    return render_acme_host_files(profile, reload_command=f"{_compose(install_dir)} kill --signal HUP nginx")
+    return render_acme_host_files(profile, reload_command=tls_reload_command(profile, _compose(install_dir)))
 
 
 def acme_install_script(profile: NodeProfile, install_dir: str) -> str:

@@ -256,6 +256,12 @@ class RegionWorkload:
             (secret); None: none (``infra.k8s.alerting``).
         neg_name: the standalone NEG's name (the same in every zone of the region).
         page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
+        turn_secret: the TURN REST secret (secret) of the region's TURN gateway (``infra.k8s.turn``), or None:
+            no gateway, and the runtime gives WebRTC callers no relay.
+        turn_peer_ranges: the pod ranges (CIDRs) coturn may relay to: the region's own (the stack).
+        turn_source_ranges: the callers' addresses the TURN load balancer admits
+            (``loadBalancerSourceRanges``: GKE's firewall rule; Cloud Armor does not cover a passthrough load
+            balancer); empty: any.
         namespace: the runtime's namespace (``duplex``).
         target_slot_utilization: the HPA's target share of slots in use per pod, 0 < u <= 1 (0.8).
     """
@@ -284,6 +290,9 @@ class RegionWorkload:
     hf_token: Any = field(default=None, repr=False)
     alert_secrets: Any = field(default=None, repr=False)
     weights_service_account: Any = None
+    turn_secret: Any = field(default=None, repr=False)
+    turn_peer_ranges: tuple[str, ...] = ()
+    turn_source_ranges: tuple[str, ...] = ()
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8
 

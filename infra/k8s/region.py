@@ -27,6 +27,7 @@ from infra.k8s.monitoring import (
 from infra.k8s.page import page_objects
 from infra.k8s.prefetch import weights_job, weights_service_account
 from infra.k8s.scaling import horizontal_pod_autoscaler
+from infra.k8s.turn import turn_objects
 from infra.k8s.workload import (
     namespace,
     pod_disruption_budget,
@@ -70,7 +71,8 @@ def apply_rank(obj: Mapping[str, Any]) -> int:
 def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     """Every Kubernetes object of one region, in apply order: the runtime's (``workload``), the weights
     Job's (``prefetch``), the autoscaler (``scaling``), the browser client's (``page``), the Custom Metrics
-    Stackdriver Adapter's (``metrics_adapter``) and the monitoring ones (``monitoring``), stably sorted so
+    Stackdriver Adapter's (``metrics_adapter``), the monitoring ones (``monitoring``) and, with a TURN
+    secret, the TURN gateway's (``turn``), stably sorted so
     that the kinds of ``APPLY_FIRST`` come first, in that order.
 
     Raises:
@@ -90,6 +92,7 @@ def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         *page_objects(workload),
         *adapter_objects(workload),
         *monitoring_objects(workload),
+        *turn_objects(workload),
     ]
     seen: set[tuple[str, str, str]] = set()
     for obj in objects:

@@ -37,6 +37,7 @@ from infra.k8s.base import (
     standard_labels,
     weights_dir,
 )
+from infra.k8s.turn import TURN_SECRET_KEY, turn_env
 from infra.names import GPU_TAINT_KEY
 from infra.node.profile import NodeProfile
 from infra.node.services import runtime_settings
@@ -144,6 +145,8 @@ def runtime_secret(workload: RegionWorkload) -> dict[str, Any]:
     }
     if workload.hf_token is not None:
         data[SECRET_KEYS["hf_token"]] = workload.hf_token
+    if workload.turn_secret is not None:  # DUPLEX_TURN_SECRET (infra.k8s.turn)
+        data[TURN_SECRET_KEY] = workload.turn_secret
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -181,6 +184,9 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     (``HF_HOME``, ``XDG_CACHE_HOME``, ``TRITON_CACHE_DIR``) on an emptyDir (the root filesystem is
     read-only)."""
     settings = dict(runtime_settings(workload.profile))
+    # TURN: the region's gateway when it has one (turn_env, below), not the single node's own relay.
+    for name in ("DUPLEX_TURN_URLS", "DUPLEX_TURN_TTL_S"):
+        settings.pop(name, None)
     settings.update(
         {
             "DUPLEX_HOST": "0.0.0.0",
@@ -203,6 +209,7 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEYS["redis_url"]}},
         }
     )
+    env += turn_env(workload)
     env += [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HF_HOME", "value": "/var/cache/duplex/huggingface"},

@@ -25,6 +25,7 @@ from infra.node.compose import (
     CONTAINER_READ_SECRETS,
     host_directories,
     node_stop_timeout_s,
+    tls_reload_command,
 )
 from infra.node.profile import NodeProfile
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
@@ -178,7 +179,7 @@ def render_cloud_init(
     )
     runcmd_acme: list[list[str]] = []
     if profile.tls.mode == "acme":
-        acme_files = render_acme_host_files(profile, reload_command=f"{compose} kill --signal HUP nginx")
+        acme_files = render_acme_host_files(profile, reload_command=tls_reload_command(profile, compose))
         for path, (mode, content) in acme_files.items():
             write_files.append({"path": path, "owner": "root:root", "permissions": mode, "content": content})
         install_certbot = (

@@ -17,6 +17,8 @@ from typing import Any
 from infra.images import NODE_IMAGES
 from infra.node.acme import WEBROOT_CONTAINER, acme_dirs
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
+from infra.node.coturn import CONTAINER_CONFIG_PATH as COTURN_CONFIG_PATH
+from infra.node.coturn import coturn_args
 from infra.node.profile import NodeProfile
 from infra.node.prometheus import prometheus_args
 from infra.node.services import (
@@ -55,6 +57,7 @@ __all__ = [
     "node_stop_timeout_s",
     "render_compose",
     "runtime_stop_grace_s",
+    "tls_reload_command",
 ]
 
 COMPOSE_FILE = "compose.yaml"
@@ -87,7 +90,7 @@ _MODELS_DIR = "/models"
 _SECRETS_MOUNT = "/run/secrets"
 
 CONTAINER_READ_SECRETS: frozenset[str] = frozenset(
-    {"redis_auth_conf", "redis_password", "grafana_admin_password", "token_keys"}
+    {"redis_auth_conf", "redis_password", "grafana_admin_password", "token_keys", "turnserver_conf"}
 )
 """Roles of ``SECRET_FILES`` that a container opens itself (bind-mounted): they must be ``root:root``
 mode 0640 on the host (the reading containers run with group 0). The others (``runtime_env``,
@@ -171,6 +174,17 @@ def host_directories(profile: NodeProfile) -> list[HostDirectory]:
     return dirs
 
 
+def tls_reload_command(profile: NodeProfile, compose: str) -> str:
+    """The shell command that makes the node's TLS servers read a renewed certificate (ACME deploy hook,
+    ``infra.node.acme``): SIGHUP to nginx and, where the relay runs, SIGUSR2 to coturn (coturn 4.6 reloads
+    its certificate on SIGUSR2 with its allocations kept: tried here on Debian's 4.6.1). ``compose`` is the
+    ``docker compose ...`` prefix of the node's project."""
+    command = f"{compose} kill --signal HUP nginx"
+    if profile.relay.enabled:
+        command += f" && {compose} kill --signal USR2 coturn"
+    return command
+
+
 def render_compose(profile: NodeProfile) -> dict[str, bytes]:
     """``{"compose.yaml": ...}`` for a ``compose`` node; the same profile always gives the same bytes.
 
@@ -208,15 +222,20 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
     }
     if profile.gpu is not None:
         services["dcgm-exporter"] = _dcgm_exporter(profile)
+    if profile.relay.enabled:
+        services["coturn"] = _coturn(profile)
     for service in services.values():
         service["restart"] = "unless-stopped"
         service["networks"] = [NETWORK]
         service["logging"] = _LOGGING
+    # The runtime at a fixed address: coturn's peer rule names it and nothing else (infra.node.coturn).
+    services["runtime"]["networks"] = {NETWORK: {"ipv4_address": profile.relay.runtime_address}}
+    subnet = {"subnet": profile.relay.compose_subnet, "ip_range": profile.relay.dynamic_range}
 
     document = {
         "name": PROJECT_NAME,
         "services": services,
-        "networks": {NETWORK: {"name": NETWORK, "driver": "bridge"}},
+        "networks": {NETWORK: {"name": NETWORK, "driver": "bridge", "ipam": {"config": [subnet]}}},
         "secrets": {
             "grafana_admin_password": {"file": "./" + SECRET_FILES["grafana_admin_password"]},
             "redis_password": {"file": "./" + SECRET_FILES["redis_password"]},
@@ -421,6 +440,41 @@ def _redis_exporter(profile: NodeProfile) -> dict[str, Any]:
         },
         "healthcheck": {
             "test": ["CMD", "wget", "-q", "-O", "/dev/null", f"http://127.0.0.1:{port}/health"],
+            **_HEALTH_TIMING,
+        },
+    }
+
+
+def _coturn(profile: NodeProfile) -> dict[str, Any]:
+    # On the bridge network like the rest: its relay addresses are its own (private) address, which the
+    # runtime reaches directly, so only the two listeners are published (docs/node.md, "The TURN relay").
+    relay = profile.relay
+    volumes = [f"./{SECRET_FILES['turnserver_conf']}:{COTURN_CONFIG_PATH}:ro"]
+    volumes += [f"{d}:{d}:ro" for d in _tls_dirs(profile)]  # nginx's certificate, renewed in place
+    return {
+        "image": IMAGES["coturn"],
+        # Root without capabilities: reads the root-owned 0600 key and 0640 configuration as their owner,
+        # binds unprivileged ports only.
+        "user": "0:0",
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges:true"],
+        "read_only": True,
+        "tmpfs": ["/tmp", "/var/lib/coturn"],
+        "entrypoint": ["turnserver"],
+        "command": coturn_args(COTURN_CONFIG_PATH, "/tmp/turnserver.pid"),
+        "ports": [
+            {
+                "target": relay.port,
+                "published": str(relay.port),
+                "host_ip": profile.public_address,
+                "protocol": "udp",
+            },
+            _port(profile.public_address, relay.tls_port),
+        ],
+        "volumes": volumes,
+        # A STUN Binding request on the UDP listener (the image ships turnutils_stunclient).
+        "healthcheck": {
+            "test": ["CMD", "turnutils_stunclient", "-p", str(relay.port), "127.0.0.1"],
             **_HEALTH_TIMING,
         },
     }

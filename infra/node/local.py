@@ -1,6 +1,6 @@
-"""Bring a node up on this machine as real processes: redis-server, redis_exporter, node-exporter, the
-runtime (``duplex serve``), Alertmanager, Prometheus and nginx, all on loopback, from the ``local``
-profile's bundle.
+"""Bring a node up on this machine as real processes: redis-server, redis_exporter, node-exporter, coturn
+(the TURN relay for WebRTC media), the runtime (``duplex serve``), Alertmanager, Prometheus and nginx, all
+on loopback, from the ``local`` profile's bundle.
 
 ``LocalNode`` renders the bundle into a node directory, writes fresh secrets and a self-signed certificate,
 starts each process in its own process group with its log in ``logs/<name>.log``, waits until each one
@@ -12,8 +12,8 @@ Node directory::
     nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle)
     alertmanager/                         Alertmanager's configuration (infra.node.alertmanager), data/
     web/                                  the browser client nginx serves at / (infra.node.webclient)
-    secrets/                              0700: Redis password, runtime env, token signing keys
-                                          (infra.node.services)
+    secrets/                              0700: Redis password, runtime env, token signing keys,
+                                          coturn's turnserver.conf (infra.node.services)
     tls/node.crt, tls/node.key            self-signed certificate (infra.node.tls)
     logs/                                 one log per process, nginx's access and error logs
     run/                                  nginx's pid and temp files
@@ -23,14 +23,18 @@ Node directory::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
+import ipaddress
 import logging
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
@@ -42,12 +46,14 @@ from pathlib import Path
 
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.bundle import render_bundle, write_bundle, write_secrets
+from infra.node.coturn import coturn_args
 from infra.node.nginx import NGINX_CONF
 from infra.node.profile import NodeProfile, get_profile
 from infra.node.prometheus import prometheus_args, prometheus_config
 from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
 from infra.node.redis_conf import REDIS_CONF
-from infra.node.services import NodeSecrets, endpoint, runtime_settings, token_audience
+from infra.node.relay import relay_port_range
+from infra.node.services import SECRET_FILES, NodeSecrets, endpoint, runtime_settings, token_audience
 from infra.node.tls import write_self_signed_certificate
 from runtime.frontend.tokens import mint_token
 from runtime.tools.local_redis import free_loopback_port
@@ -58,7 +64,9 @@ __all__ = [
     "MissingBinaryError",
     "NodeStartError",
     "free_port_profile",
+    "host_ipv4_addresses",
     "missing_binaries",
+    "stun_binding_ok",
     "nginx_global_directives",
 ]
 
@@ -71,6 +79,7 @@ REQUIRED_BINARIES: dict[str, str] = {
     "prometheus-node-exporter": "prometheus-node-exporter",
     "prometheus-redis-exporter": "prometheus-redis-exporter",
     "prometheus-alertmanager": "prometheus-alertmanager",
+    "turnserver": "coturn",
 }
 """Executable -> the Debian/Ubuntu package that provides it."""
 
@@ -105,7 +114,73 @@ def free_port_profile(**overrides: object) -> NodeProfile:
     while len(set(ports.values())) < len(names):
         ports = {name: free_loopback_port() for name in names}
     ports["dcgm_exporter"] = 1 + max(ports.values())  # unused on a CPU node, must merely be distinct
+    if "relay" not in overrides:
+        relay_port = _free_udp_port(exclude=set(ports.values()))
+        tls_port = free_loopback_port()
+        while tls_port in {*ports.values(), relay_port}:
+            tls_port = free_loopback_port()
+        # A free block of relay ports above Linux's ephemeral range (infra.node.relay), from a random start
+        # so that nodes started at once (parallel test runs) rarely pick the same one.
+        wanted = overrides.get("max_sessions")
+        sessions = wanted if isinstance(wanted, int) else 5
+        base = get_profile("local").relay
+        size = 1 + relay_port_range(base, sessions)[1] - base.relay_min_port
+        blocks = list(range(base.relay_min_port, 65536 - size, size))
+        first = random.randrange(len(blocks))
+        start = next(b for b in blocks[first:] + blocks[:first] if _udp_ports_free(b, size))
+        overrides["relay"] = {"port": relay_port, "tls_port": tls_port, "relay_min_port": start}
     return get_profile("local", ports=ports, **overrides)
+
+
+def _udp_ports_free(first: int, count: int) -> bool:
+    for port in range(first, first + count):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def _free_udp_port(exclude: set[int]) -> int:
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in exclude:
+            return port
+
+
+def host_ipv4_addresses() -> tuple[str, ...]:
+    """This host's IPv4 interface addresses but loopback (``SIOCGIFADDR``, one per interface): the host
+    candidates the runtime's ICE agent gathers (aioice 0.13 skips only 127.0.0.1), so the peers the local
+    node's relay may reach. Empty where no interface has one."""
+    found: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            address = socket.inet_ntoa(answer[20:24])
+            if not ipaddress.ip_address(address).is_loopback and address not in found:
+                found.append(address)
+    return tuple(found)
+
+
+def stun_binding_ok(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """A STUN Binding request (RFC 8489 section 5: type 0x0001, the magic cookie, a random transaction id)
+    to ``host:port`` over UDP is answered with a Binding success response carrying the same id."""
+    transaction = os.urandom(12)
+    request = struct.pack("!HHI", 0x0001, 0, 0x2112A442) + transaction
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.sendto(request, (host, port))
+            answer = sock.recv(2048)
+        except OSError:
+            return False
+    return len(answer) >= 20 and answer[:2] == b"\x01\x01" and answer[8:20] == transaction
 
 
 def nginx_global_directives(node_dir: Path) -> str:
@@ -213,6 +288,11 @@ class LocalNode:
                 f"profile {self.profile.name!r} has deployment {self.profile.deployment!r}; a local node "
                 "needs deployment 'processes' (use the 'local' profile)"
             )
+        relay = self.profile.relay
+        if relay.enabled and not relay.peer_networks:
+            # The relay reaches the runtime's ICE host candidates: this host's own addresses.
+            peers = relay.model_copy(update={"peer_networks": host_ipv4_addresses()})
+            self.profile = self.profile.model_copy(update={"relay": peers})
         self.node_dir = node_dir.resolve()
         self.secrets = node_secrets or NodeSecrets.generate()
         self.runtime_args = runtime_args or []
@@ -277,6 +357,14 @@ class LocalNode:
             for name, port in p.ports.model_dump().items()
             if name not in ("grafana", "dcgm_exporter") and _port_in_use(p.public_address, port)
         ]
+        if p.relay.enabled:
+            low, high = relay_port_range(p.relay, p.sessions)
+            if not _udp_ports_free(p.relay.port, 1):
+                busy.append(f"relay.port {p.relay.port}/udp")
+            if not _udp_ports_free(low, high - low + 1):
+                busy.append(f"relay range {low}-{high}/udp")
+            if _port_in_use(p.public_address, p.relay.tls_port):
+                busy.append(f"relay.tls_port {p.relay.tls_port}")
         if busy:
             raise NodeStartError(
                 f"ports in use on this machine: {', '.join(busy)}; stop what holds them, or pass --free-ports"
@@ -315,8 +403,18 @@ class LocalNode:
             except redis.RedisError:
                 return False
 
-        return [
-            ManagedProcess("redis", ["redis-server", REDIS_CONF], redis_ready),
+        turn_env = {}
+        processes = [ManagedProcess("redis", ["redis-server", REDIS_CONF], redis_ready)]
+        if p.relay.enabled:
+            turn_env["DUPLEX_TURN_SECRET"] = self.secrets.turn_secret or ""
+            processes.append(
+                ManagedProcess(
+                    "coturn",
+                    ["turnserver", *coturn_args(SECRET_FILES["turnserver_conf"], "run/turnserver.pid")],
+                    lambda: stun_binding_ok(p.public_address, p.relay.port),
+                )
+            )
+        return processes + [
             ManagedProcess(
                 "redis-exporter",
                 [
@@ -336,7 +434,7 @@ class LocalNode:
                 "runtime",
                 [sys.executable, "-m", "runtime.tools.cli", "serve", *self.runtime_args],
                 lambda: _http_ok(f"{self.runtime_url}/readyz"),
-                env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url},
+                env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url, **turn_env},
                 stop_timeout_s=p.limits.drain_grace_s + 10.0,
             ),
             ManagedProcess(

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from infra.capacity import InfeasibleConfiguration, max_sessions, require_feasible
 from infra.capacity.gpus import GPUS
 from infra.capacity.plan import first_audio_check
+from infra.node.relay import RelaySettings
 from runtime.engine.model_presets import FRAME_MS, check_preset_name
 
 __all__ = [
@@ -307,6 +308,7 @@ class NodeProfile(_Strict):
         stagger_groups: the runtime's ``DUPLEX_STAGGER_GROUPS`` (1 off, 2 on), planned with it.
         frontend_workers: the runtime's front-end processes (``runtime/multiproc.py``; about 40 Opus
             sessions per worker, issue 16).
+        relay: the TURN relay (coturn) WebRTC media goes through (``infra.node.relay``).
     """
 
     name: str
@@ -342,6 +344,7 @@ class NodeProfile(_Strict):
     limits: NodeLimits = NodeLimits()
     retention: Retention = Retention()
     alerting: AlertReceivers = AlertReceivers()
+    relay: RelaySettings = RelaySettings()
 
     @field_validator("name")
     @classmethod
@@ -393,6 +396,12 @@ class NodeProfile(_Strict):
             raise ValueError(
                 f"tls.mode 'acme' needs a public DNS name as domain, not {self.domain!r}: an ACME CA "
                 "validates the name over the internet (HTTP-01 on port 80)"
+            )
+        taken = {port: name for name, port in self.ports.model_dump().items()}
+        if self.relay.enabled and self.relay.tls_port in taken:
+            raise ValueError(
+                f"relay.tls_port {self.relay.tls_port} is also ports.{taken[self.relay.tls_port]}; "
+                "each needs its own"
             )
         address = ipaddress.ip_address(self.private_address)
         if not (address.is_loopback or address.is_private):

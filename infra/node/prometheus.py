@@ -678,12 +678,16 @@ def prometheus_config(profile: NodeProfile) -> dict[str, Any]:
     """``prometheus.yml`` as a dict: ``profile.scrape_interval_s`` scrape and evaluation intervals,
     ``rule_files: [rules/*.yml]`` (relative to the configuration's directory), and one job per scraped
     service with its static target from ``endpoint(profile, service)`` and the label ``node`` =
-    ``profile.name``. dcgm-exporter is scraped only when ``profile.gpu`` is set. ``alerting`` sends the
-    alerts to the node's Alertmanager (``infra.node.alertmanager``)."""
+    ``profile.name``. dcgm-exporter is scraped only when ``profile.gpu`` is set, coturn (the TURN relay's
+    exporter) only in a ``compose`` node with the relay on (Debian's coturn, which the local node runs, is
+    built without one). ``alerting`` sends the alerts to the node's Alertmanager
+    (``infra.node.alertmanager``)."""
     # Job names are the service names.
     jobs: list[Service] = ["runtime", "prometheus", "node-exporter", "redis-exporter"]
     if profile.gpu is not None:
         jobs.append("dcgm-exporter")
+    if profile.relay.enabled and profile.deployment == "compose":
+        jobs.append("coturn")
     return {
         "global": {
             "scrape_interval": scrape_interval(profile),

@@ -14,11 +14,14 @@ on-premises host. ``SECRET_FILES`` names them; renderers reference them by these
 from __future__ import annotations
 
 import json
+import re
 import secrets as _stdlib_secrets
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from infra.node.coturn import render_turnserver_conf
 from infra.node.profile import NodeProfile
+from infra.node.relay import turn_urls
 from runtime.frontend.tokens import SigningKey, generate_signing_key
 
 __all__ = [
@@ -48,6 +51,7 @@ Service = Literal[
     "redis-exporter",
     "dcgm-exporter",
     "alertmanager",
+    "coturn",
 ]
 SERVICES: tuple[Service, ...] = get_args(Service)
 
@@ -61,6 +65,7 @@ _PORT_FIELD: dict[Service, str] = {
     "redis-exporter": "redis_exporter",
     "dcgm-exporter": "dcgm_exporter",
     "alertmanager": "alertmanager",
+    "coturn": "",  # its metrics port is relay.metrics_port
 }
 
 SECRETS_DIR = "secrets"
@@ -73,12 +78,15 @@ SECRET_FILES = {
     "redis_exporter_env": "secrets/redis-exporter.env",
     "grafana_admin_password": "secrets/grafana_admin_password",
     "token_keys": "secrets/token_keys.json",
+    "turnserver_conf": "secrets/turnserver.conf",
 }
 """What ``secret_files`` writes, by role: the Redis password alone; ``requirepass`` for redis.conf's
 ``include``; ``DUPLEX_REDIS_URL`` for the runtime; ``REDIS_PASSWORD`` for redis_exporter; Grafana's admin
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
 ``{"kid": "secret", ...}``, which the runtime reads (``DUPLEX_TOKEN_KEYS_FILE``) and the application
-backend mints with (``duplex token mint --key-file``, ``runtime.frontend.tokens.mint_token``)."""
+backend mints with (``duplex token mint --key-file``, ``runtime.frontend.tokens.mint_token``); coturn's
+whole configuration (``infra.node.coturn``), which holds the TURN secret the runtime also gets in
+``runtime.env`` (``DUPLEX_TURN_SECRET``), or a comment where the relay is off."""
 
 OPTIONAL_SECRET_FILES = {
     "alert_email_password": "secrets/alert_email_password",
@@ -88,6 +96,8 @@ OPTIONAL_SECRET_FILES = {
 password (``email_password``) and the PagerDuty Events API v2 routing key (``pagerduty``), each the bare
 value; Alertmanager reads them itself (``auth_password_file``, ``routing_key_file``)."""
 
+_TURN_SECRET_RE = re.compile(r"[A-Za-z0-9_-]{32,256}")
+
 TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
 """Where a ``compose`` node's runtime container reads ``secrets/token_keys.json`` (a Compose secret)."""
 
@@ -95,14 +105,21 @@ TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
 def endpoint(profile: NodeProfile, service: Service) -> str:
     """``host:port`` at which other parts of the node reach ``service``.
 
+    ``coturn``: its Prometheus exporter (``relay.metrics_port``), which only a ``compose`` node has.
+
     Raises:
-        ValueError: unknown service (lists the allowed ones), or ``dcgm-exporter`` on a CPU node.
+        ValueError: unknown service (lists the allowed ones), ``dcgm-exporter`` on a CPU node, ``coturn``
+            where the relay is off or has no exporter (Debian's coturn, the local node).
     """
     if service not in _PORT_FIELD:
         raise ValueError(f"unknown service {service!r}; allowed: {', '.join(SERVICES)}")
     if service == "dcgm-exporter" and profile.gpu is None:
         raise ValueError(f"profile {profile.name!r} has no GPU: it runs no dcgm-exporter")
-    port = getattr(profile.ports, _PORT_FIELD[service])
+    if service == "coturn" and not (profile.relay.enabled and profile.deployment == "compose"):
+        raise ValueError(
+            f"profile {profile.name!r}: coturn's exporter runs only in a compose node with the relay on"
+        )
+    port = profile.relay.metrics_port if service == "coturn" else getattr(profile.ports, _PORT_FIELD[service])
     host = service if profile.deployment == "compose" else profile.private_address
     return f"{host}:{port}"
 
@@ -147,6 +164,12 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
         # Engine process + front-end workers on the one port (runtime/multiproc.py).
         "DUPLEX_WORKERS": str(profile.frontend_workers),
     }
+    if profile.relay.enabled:  # the secret is in secrets/runtime.env
+        # Host processes: the relay listens on the public (loopback) address itself, whatever "localhost"
+        # resolves to first (::1 in some clients); a host: its DNS name (the turns: URL's certificate).
+        host = profile.public_address if profile.deployment == "processes" else profile.domain
+        settings["DUPLEX_TURN_URLS"] = ",".join(turn_urls(profile.relay, host))
+        settings["DUPLEX_TURN_TTL_S"] = str(profile.relay.credential_ttl_s)
     if profile.runtime_dtype is not None:
         settings["DUPLEX_DTYPE"] = profile.runtime_dtype
     settings["DUPLEX_QUANTIZE"] = profile.runtime_quantize
@@ -156,8 +179,12 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
 
 
 def services_of(profile: NodeProfile) -> tuple[Service, ...]:
-    """The services this node runs (``dcgm-exporter`` only where there is a GPU)."""
-    return tuple(s for s in SERVICES if s != "dcgm-exporter" or profile.gpu is not None)
+    """The services this node runs (``dcgm-exporter`` only where there is a GPU, ``coturn`` where the
+    relay is on)."""
+    skip = {"dcgm-exporter"} if profile.gpu is None else set()
+    if not profile.relay.enabled:
+        skip.add("coturn")
+    return tuple(s for s in SERVICES if s not in skip)
 
 
 @dataclass(frozen=True)
@@ -169,6 +196,9 @@ class NodeSecrets:
     rotation; ``duplex token keygen`` makes one). Required: a node without keys refuses every session.
     ``alert_email_password``, ``alert_pagerduty_routing_key``: the alert receivers' secrets, where the
     profile's ``alerting`` uses them (``OPTIONAL_SECRET_FILES``).
+    ``turn_secret``: the TURN REST shared secret of the relay (coturn's ``static-auth-secret``, the
+    runtime's ``DUPLEX_TURN_SECRET``): at least 32 characters of ``[A-Za-z0-9_-]``; required where the
+    profile's relay is on.
     """
 
     redis_password: str = field(repr=False)
@@ -176,6 +206,7 @@ class NodeSecrets:
     token_keys: dict[str, str] = field(default_factory=dict, repr=False)
     alert_email_password: str | None = field(default=None, repr=False)
     alert_pagerduty_routing_key: str | None = field(default=None, repr=False)
+    turn_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("redis_password", "grafana_admin_password"):
@@ -191,6 +222,11 @@ class NodeSecrets:
                 "(`duplex token keygen` makes one)"
             )
         self.signing_keys()  # kids and secret lengths
+        if self.turn_secret is not None and not _TURN_SECRET_RE.fullmatch(self.turn_secret):
+            raise ValueError(
+                "turn_secret must be at least 32 characters of letters, digits, '_' and '-' (it goes into "
+                "turnserver.conf and an env file unquoted)"
+            )
 
     def signing_keys(self) -> list[SigningKey]:
         """``token_keys`` as ``runtime.frontend.tokens.SigningKey`` objects (the first is the one to mint
@@ -199,12 +235,14 @@ class NodeSecrets:
 
     @classmethod
     def generate(cls) -> NodeSecrets:
-        """Fresh random secrets: 32 URL-safe characters each (192 bits); one token signing key (256 bits)."""
+        """Fresh random secrets: 32 URL-safe characters each (192 bits); one token signing key (256 bits);
+        a TURN secret of 43 URL-safe characters (256 bits)."""
         key = generate_signing_key()
         return cls(
             redis_password=_stdlib_secrets.token_urlsafe(24),
             grafana_admin_password=_stdlib_secrets.token_urlsafe(24),
             token_keys={key.kid: key.secret.decode()},
+            turn_secret=_stdlib_secrets.token_urlsafe(32),
         )
 
 
@@ -223,7 +261,8 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
     receivers need, as {path relative to the bundle root: content}.
 
     Raises:
-        ValueError: the profile's ``alerting`` needs a secret that ``node_secrets`` lacks.
+        ValueError: the profile's ``alerting`` needs a secret that ``node_secrets`` lacks, or its relay is on
+            and ``node_secrets`` has no ``turn_secret``.
     """
     redis_host, redis_port = endpoint(profile, "redis").rsplit(":", 1)
     password = node_secrets.redis_password
@@ -236,14 +275,22 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
                 "alerting.pagerduty is set) and none was given"
             )
         optional[OPTIONAL_SECRET_FILES[role]] = value.encode()
+    runtime_env = f"DUPLEX_REDIS_URL=redis://:{password}@{redis_host}:{redis_port}/0\n"
+    turnserver_conf = "# relay.enabled is false: this node runs no coturn\n"
+    if profile.relay.enabled:
+        if node_secrets.turn_secret is None:
+            raise ValueError(
+                "turn_secret: the profile's relay is on (relay.enabled) and no TURN secret was given"
+            )
+        runtime_env += f"DUPLEX_TURN_SECRET={node_secrets.turn_secret}\n"
+        turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret)
     files = {
         SECRET_FILES["redis_password"]: password.encode(),
         SECRET_FILES["redis_auth_conf"]: f"requirepass {password}\n".encode(),
-        SECRET_FILES[
-            "runtime_env"
-        ]: f"DUPLEX_REDIS_URL=redis://:{password}@{redis_host}:{redis_port}/0\n".encode(),
+        SECRET_FILES["runtime_env"]: runtime_env.encode(),
         SECRET_FILES["redis_exporter_env"]: f"REDIS_PASSWORD={password}\n".encode(),
         SECRET_FILES["grafana_admin_password"]: node_secrets.grafana_admin_password.encode(),
         SECRET_FILES["token_keys"]: (json.dumps(node_secrets.token_keys, indent=2) + "\n").encode(),
+        SECRET_FILES["turnserver_conf"]: turnserver_conf.encode(),
     }
     return files | optional

@@ -10,7 +10,15 @@ from typing import Any
 import pulumi
 
 from infra.node.cloud_init import GUEST_ATTRIBUTE_TLS_SHA256
-from infra.program.shared import capacity_summary, enable_apis, endpoint, labels, mint_command, stack_secrets
+from infra.program.shared import (
+    capacity_summary,
+    enable_apis,
+    endpoint,
+    labels,
+    mint_command,
+    stack_secrets,
+    turn_summary,
+)
 from infra.stack_config import StackConfig
 
 __all__ = ["GCP_APIS", "declare"]
@@ -104,6 +112,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "tokenKeys": "gcloud secrets versions access latest "
         f"--secret={secrets.secret_ids['token_keys']} --project={gce.project}",
         "mintToken": mint_command(profile),
+        "turn": turn_summary(config, profile),
         "ssh": node.ssh_command(),
         "capacity": capacity_summary(profile, machine_type=gce.machine_type),
         "image": image.image_ref,

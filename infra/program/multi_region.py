@@ -249,12 +249,15 @@ def _region(
     capacity: dict[str, Any],
 ) -> tuple[Any, dict[str, Any]]:
     """One region: its ``GkeRegion``, the Workload Identity bindings, the runtime's Kubernetes objects
-    (``RegionalRuntime``); returns the region's backend for the global entry and its outputs."""
+    (``RegionalRuntime``, with the TURN gateway of ``infra.k8s.turn``, whose only peers are the region's own
+    pods: adding a region changes none of the others); returns the region's backend for the global entry and
+    its outputs."""
     from infra.components.gke_region import GkeRegion, GkeRegionArgs, ca_bundle
     from infra.components.global_entry import RegionBackend
     from infra.components.regional_runtime import RegionalRuntime
     from infra.k8s import region as k8s_region
     from infra.k8s.base import RegionWorkload
+    from infra.k8s.turn import TURN_NAME, turn_host
 
     mr = config.multi_region
     assert mr is not None
@@ -302,6 +305,9 @@ def _region(
         alert_secrets=alert_secrets(config),
         neg_name=f"{prefix}-runtime",
         page_neg_name=f"{prefix}-page",
+        turn_secret=secrets.turn_secret,
+        turn_peer_ranges=(settings.pods_cidr,),
+        turn_source_ranges=tuple(mr.public_source_ranges),
     )
     runtime = RegionalRuntime(
         f"runtime-{region_name}",
@@ -329,6 +335,18 @@ def _region(
         "weightsBucket": gke.weights_bucket.name,
         "image": image_ref,
         "capacity": capacity,
+        **(
+            {}
+            if secrets.turn_secret is None
+            else {
+                "turn": {
+                    "host": turn_host(workload),
+                    "address": f"kubectl -n {workload.namespace} get service {TURN_NAME} "
+                    "-o jsonpath='{.status.loadBalancer.ingress[0].ip}'",
+                    "dns": f"an A record {turn_host(workload)} at that address (callers relay through it)",
+                }
+            }
+        ),
     }
 
 

@@ -16,6 +16,7 @@ from infra.program.shared import (
     endpoint,
     mint_command,
     stack_secrets,
+    turn_summary,
 )
 from infra.stack_config import StackConfig
 
@@ -87,6 +88,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
         },
         "tokenKeys": f"{ssh} {sudo}cat {onprem.install_dir}/secrets/token_keys.json",
         "mintToken": mint_command(profile),
+        "turn": turn_summary(config, profile),
         "ssh": ssh,
         "capacity": capacity_summary(profile, machine_type=None),
         "image": onprem.runtime_image,

@@ -16,6 +16,7 @@ from infra.capacity import plan
 from infra.capacity.power import DEFAULT_USD_PER_KWH, HOURS_PER_MONTH
 from infra.components._util import REPO_ROOT
 from infra.node.profile import NodeProfile
+from infra.node.relay import media_firewall_allows, relay_port_range, turn_urls
 from infra.node.services import token_audience
 from infra.stack_config import StackConfig
 
@@ -32,6 +33,7 @@ __all__ = [
     "mint_command",
     "secret",
     "stack_secrets",
+    "turn_summary",
 ]
 
 BUILD_DIR_ENV = "DUPLEXOPS_BUILD_DIR"
@@ -97,6 +99,30 @@ def mint_command(profile: NodeProfile) -> str:
 def endpoint(host: pulumi.Input[str], profile: NodeProfile) -> pulumi.Output[str]:
     port = "" if profile.ports.https == 443 else f":{profile.ports.https}"
     return pulumi.Output.from_input(host).apply(lambda h: f"wss://{h}{port}/api/chat")
+
+
+def turn_summary(config: StackConfig, profile: NodeProfile) -> dict[str, Any] | None:
+    """The ``turn`` output of a single-node stack: the TURN URLs the runtime gives WebRTC callers, the
+    public ports a firewall must open for media, and the relay range (never public: only the runtime on the
+    node sends to it). None when the relay is off. Warns when the stack has no ``duplexops:domain``: the
+    URLs then name the profile's domain, which callers cannot resolve, and ``turns:`` needs a certificate
+    for the name."""
+    relay = profile.relay
+    if not relay.enabled:
+        return None
+    if config.domain is None:
+        pulumi.log.warn(
+            f"no duplexops:domain: the TURN URLs WebRTC callers get name {profile.domain!r}; set "
+            "duplexops:domain (an A record to the node's address) for callers that must relay"
+        )
+    low, high = relay_port_range(relay, profile.sessions)
+    return {
+        "urls": turn_urls(relay, profile.domain),
+        "publicPorts": [
+            f"{port}/{a['protocol']}" for a in media_firewall_allows(relay) for port in a["ports"]
+        ],
+        "relayRange": f"{low}-{high}/udp (private: the runtime on the node is the only peer)",
+    }
 
 
 def secret(value: Any) -> pulumi.Output[str] | None:

@@ -1,0 +1,90 @@
+"""A region's TURN gateway (``infra.k8s.turn``): rendered only with a TURN secret, strictly valid manifests,
+coturn on the GPU pool under Pod Security ``restricted`` (no host network), a passthrough load balancer for
+TURN over UDP only, peers the regions' pod ranges, the runtime told the region's TURN name and the secret
+kept in Secrets."""
+
+from __future__ import annotations
+
+import json
+
+from k8s_fixtures import make_workload, one
+
+from infra.k8s.base import SECRET_NAME
+from infra.k8s.manifest import validate_manifests
+from infra.k8s.region import region_objects
+from infra.k8s.turn import TURN_CONFIG_SECRET, TURN_NAME, TURN_SECRET_KEY, turn_host
+
+TURN_SECRET = "TurnSecretForTheRegions0123456789abcdefghij"
+POD_RANGES = ("10.4.0.0/14", "10.8.0.0/14")
+
+
+def _objects() -> list[dict]:
+    return region_objects(make_workload(turn_secret=TURN_SECRET, turn_peer_ranges=POD_RANGES))
+
+
+def _env(objects: list[dict]) -> dict[str, dict]:
+    deployment = one(objects, "Deployment")
+    (runtime,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "runtime"]
+    return {e["name"]: e for e in runtime["env"]}
+
+
+def test_no_turn_secret_no_gateway_and_no_turn_urls() -> None:
+    objects = region_objects(make_workload())
+    assert not [o for o in objects if o["metadata"]["name"] in (TURN_NAME, TURN_CONFIG_SECRET)]
+    assert not [name for name in _env(objects) if name.startswith("DUPLEX_TURN_")]
+
+
+def test_gateway_manifests_validate_strictly() -> None:
+    objects = _objects()
+    assert validate_manifests(objects) == []
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert {("Secret", TURN_CONFIG_SECRET), ("DaemonSet", TURN_NAME), ("Service", TURN_NAME)} <= kinds
+    assert ("PodMonitoring", TURN_NAME) in kinds
+
+
+def test_coturn_runs_on_the_gpu_pool_without_host_network() -> None:
+    workload = make_workload(turn_secret=TURN_SECRET, turn_peer_ranges=POD_RANGES)
+    spec = one(region_objects(workload), "DaemonSet", TURN_NAME)["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"cloud.google.com/gke-accelerator": workload.accelerator}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert "hostNetwork" not in spec and spec["securityContext"]["runAsNonRoot"] is True
+    (container,) = spec["containers"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_load_balancer_carries_turn_over_udp_only() -> None:
+    service = one(_objects(), "Service", TURN_NAME)
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["externalTrafficPolicy"] == "Local"  # the caller's address reaches coturn
+    assert [(p["port"], p["protocol"]) for p in service["spec"]["ports"]] == [(3478, "UDP")]
+    assert service["metadata"]["annotations"] == {"cloud.google.com/l4-rbs": "enabled"}
+
+
+def test_configuration_allows_only_the_pod_ranges_and_keeps_the_secret_in_secrets() -> None:
+    objects = _objects()
+    conf = one(objects, "Secret", TURN_CONFIG_SECRET)["stringData"]["turnserver.conf"]
+    lines = conf.splitlines()
+    assert "use-auth-secret" in lines and f"static-auth-secret={TURN_SECRET}" in lines
+    assert [line for line in lines if line.startswith("allowed-peer-ip=")] == [
+        "allowed-peer-ip=10.4.0.0-10.7.255.255",
+        "allowed-peer-ip=10.8.0.0-10.11.255.255",
+    ]
+    assert "denied-peer-ip=0.0.0.0-255.255.255.255" in lines
+    assert "no-tls" in lines and not [line for line in lines if line.startswith("cert=")]
+    assert "prometheus" in lines and "no-cli" in lines
+    runtime_secret = one(objects, "Secret", SECRET_NAME)
+    assert runtime_secret["stringData"][TURN_SECRET_KEY] == TURN_SECRET
+    for obj in objects:
+        if obj["kind"] != "Secret":
+            assert TURN_SECRET not in json.dumps(obj), (obj["kind"], obj["metadata"]["name"])
+
+
+def test_runtime_names_the_region_turn_and_reads_the_secret() -> None:
+    workload = make_workload(turn_secret=TURN_SECRET, turn_peer_ranges=POD_RANGES)
+    env = _env(region_objects(workload))
+    assert turn_host(workload) == f"turn-us-central1.{workload.profile.domain}"
+    assert env["DUPLEX_TURN_URLS"]["value"] == f"turn:{turn_host(workload)}:3478?transport=udp"
+    assert env["DUPLEX_TURN_SECRET"]["valueFrom"] == {
+        "secretKeyRef": {"name": SECRET_NAME, "key": TURN_SECRET_KEY}
+    }
