@@ -509,3 +509,45 @@ async def test_calls_from_another_thread(redis_server) -> None:
     await _flushed(store)
     assert await store.get_transcript(rec.session_id) == "".join(f"{i};" for i in range(2000))
     await store.close()
+
+
+async def test_writers_of_one_node_keep_each_others_sessions(redis_server, raw) -> None:
+    """Two workers of one node (a store each, ``--workers 2``) write the same node set: each keeps its own
+    writer token, so neither takes the other's writes for a Redis data loss, and neither's resync drops
+    the other's sessions from the node set.
+
+    Planted bugs it catches: one writer key per node (every write of one worker then sees the other's
+    token and resyncs everything, and each resync deleted the node set, so the other worker's live
+    sessions vanished from it until that worker wrote again); a resync that deletes the shared set."""
+    first = _store(redis_server.url, _Probe(), writer_id="w0")
+    second = _store(redis_server.url, _Probe(), writer_id="w1")
+    resyncs = {"w0": 0, "w1": 0}
+    for store in (first, second):
+        resync = store._resync
+
+        async def counted(store: SessionStore = store, resync=resync) -> None:  # noqa: ANN001
+            resyncs[store.writer_id] += 1
+            await resync()
+
+        store._resync = counted  # type: ignore[method-assign]
+    await first.start()
+    one = _record()
+    first.register_session(one)
+    await _flushed(first)
+    await second.start()
+    two = _record(slot=1)
+    second.register_session(two)
+    await _flushed(second)
+    for piece in ("a ", "b ", "c"):
+        first.append_transcript(one.session_id, piece)
+        await _flushed(first)
+        second.append_transcript(two.session_id, piece)
+        await _flushed(second)
+    assert await raw.smembers("duplex:node:node-a:sessions") == {one.session_id, two.session_id}
+    assert resyncs == {"w0": 1, "w1": 1}  # each writer's first write only
+    assert await first.get_transcript(one.session_id) == "a b c"
+    second.end_session(two.session_id, "client_closed")
+    await _flushed(second)
+    assert await raw.smembers("duplex:node:node-a:sessions") == {one.session_id}
+    await first.close()
+    await second.close()

@@ -352,8 +352,9 @@ async def loading_status(
         metrics.loading.set(0)
 
 
-def build_store(config: RuntimeConfig, metrics: RuntimeMetrics) -> SessionStore | None:
-    """The Redis session store of ``config.redis_url`` (not started), or None without one."""
+def build_store(config: RuntimeConfig, metrics: RuntimeMetrics, writer_id: str = "") -> SessionStore | None:
+    """The Redis session store of ``config.redis_url`` (not started), or None without one; ``writer_id``: the
+    worker's id where several share the node (``SessionWriter.writer_key``)."""
     if not config.redis_url:
         return None
     return SessionStore(
@@ -364,4 +365,5 @@ def build_store(config: RuntimeConfig, metrics: RuntimeMetrics) -> SessionStore 
         on_error=lambda op: metrics.redis_errors.labels(op=op).inc(),
         on_backlog=metrics.redis_backlog.set,
         events_maxlen=config.events_maxlen,
+        writer_id=writer_id,
     )

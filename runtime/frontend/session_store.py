@@ -86,6 +86,9 @@ class SessionStore(SessionWriter):
         on_backlog: called with the pending op count (ops) whenever it changes. Same rules.
         socket_timeout_s: connect and per-command socket timeout (s); small, so a dead Redis is noticed
             quickly.
+        writer_id: this store among the node's (the worker's id with ``--workers N``: each worker has one
+            store): names its writer token, so that one worker's writes are not taken by another for a
+            Redis data loss (which would make every write a full resync).
 
     Raises:
         ValueError: a TTL, ``max_backlog_ops`` or a retry delay is not positive.

@@ -149,6 +149,7 @@ class SessionWriter:
         on_backlog: Callable[[int], None] | None = None,
         socket_timeout_s: float = 0.5,
         events_maxlen: int = 100_000,
+        writer_id: str = "",
     ) -> None:
         if events_maxlen < 0:
             raise ValueError("events_maxlen must be >= 0 entries (0: no events stream)")
@@ -158,7 +159,7 @@ class SessionWriter:
             raise ValueError("max_backlog_ops must be > 0 ops")
         if retry_initial_s <= 0 or retry_max_s < retry_initial_s:
             raise ValueError("need 0 < retry_initial_s <= retry_max_s (s)")
-        self.url, self.node_id, self.key_prefix = url, node_id, key_prefix
+        self.url, self.node_id, self.key_prefix, self.writer_id = url, node_id, key_prefix, writer_id
         self.session_ttl_s = int(session_ttl_s)
         self.transcript_ttl_s = int(transcript_ttl_s)
         self.max_backlog_ops = int(max_backlog_ops)
@@ -233,8 +234,10 @@ class SessionWriter:
         pipe.xadd(events_key(self.key_prefix), fields, maxlen=self.events_maxlen, approximate=True)
 
     def writer_key(self) -> str:
-        """``{prefix}:node:{node}:writer`` (string, the writer token)."""
-        return f"{self.key_prefix}:node:{self.node_id}:writer"
+        """``{prefix}:node:{node}:writer[:{writer_id}]`` (string, the writer token): one per writer, so the
+        workers of one node (one store each) do not take each other's token for a Redis data loss."""
+        suffix = f":{self.writer_id}" if self.writer_id else ""
+        return f"{self.key_prefix}:node:{self.node_id}:writer{suffix}"
 
     # ------------------------------------------------------------- internals
 
@@ -452,14 +455,14 @@ class SessionWriter:
         pipe.zremrangebyscore(index_key(self.key_prefix), "-inf", f"({horizon!r}")
 
     async def _resync(self) -> None:
-        """Rewrite every tracked session and this node's set from the mirror in one MULTI/EXEC."""
+        """Rewrite every tracked session and its node-set membership from the mirror in one MULTI/EXEC (the
+        set is shared by the node's writers, one per worker: others' members are left alone)."""
         await self._redis.ping()  # cheap reachability check before building a large transaction
         node_key = self.node_sessions_key()
         pipe = self._redis.pipeline(transaction=True)
         with self._lock:
             upto = self._seq
             self._inflight_upto = upto
-            pipe.delete(node_key)
             active: list[str] = []
             for sid, sess in self._sessions.items():
                 hkey, tkey, lkey = (
@@ -479,6 +482,8 @@ class SessionWriter:
                     pipe.set(lkey, "".join(entries), ex=self.transcript_ttl_s)
                 if not sess.ended:
                     active.append(sid)
+                else:
+                    pipe.srem(node_key, sid)
             if active:
                 pipe.sadd(node_key, *active)
                 pipe.expire(node_key, self.session_ttl_s)

@@ -57,7 +57,7 @@ def build_worker(config: RuntimeConfig, address: str, worker_id: str) -> DuplexS
     )
     backend.on_loaded = lambda: metrics.loading.set(0)
     return DuplexServer(
-        config, backend, store=build_store(config, metrics), metrics=metrics, worker_id=worker_id
+        config, backend, store=build_store(config, metrics, worker_id), metrics=metrics, worker_id=worker_id
     )
 
 
