@@ -136,6 +136,32 @@ test("clock drift (sender 0.2 % fast) and a step in path delay: no runaway, no r
   assert.ok(max(leads(tail)) <= 60, `lead ${max(leads(tail))}`);
 });
 
+test("a sender that falls behind for 2 s: gaps it cannot avoid, no seconds of delay left after it", () => {
+  const playout = new Playout();
+  // Frames 100..124 come 135 ms apart (a node overloaded for 2 s: its stream falls 1.4 s behind).
+  let t = 1000;
+  const times = [];
+  for (let i = 0; i < 500; i++) times.push((t += i >= 100 && i < 125 ? 135 : FRAME_MS));
+  const frames = play(playout, times);
+  assert.ok(count(frames, "underrun") >= 1 && count(frames, "underrun") <= 25);
+  // Each gap raises the target by UNDERRUN_STEP_MAX_MS at most, not by the time lost.
+  assert.ok(playout.targetMaxMs <= 20 + 25 * 40 && playout.targetMaxMs < CAP_MS, `${playout.targetMaxMs}`);
+  assert.ok(max(leads(frames.slice(100, 150))) <= playout.targetMaxMs + MAX_STRETCH_MS);
+  // 10 s after it: back under the goal, no gap.
+  assert.deepEqual(playout.recent.underruns, 0);
+  assert.ok(playout.recent.leadMaxMs <= 60, `${playout.recent.leadMaxMs}`);
+});
+
+test("the recent counters cover the last 125 frames", () => {
+  const playout = new Playout();
+  play(playout, arrivals(100, () => 0));
+  assert.equal(playout.recent.frames, 100);
+  assert.equal(playout.recent.leadMaxMs, START_MS);
+  play(playout, arrivals(125, () => 0, 1000 + 100 * FRAME_MS));
+  assert.equal(playout.recent.frames, 125);
+  assert.ok(playout.recent.leadMaxMs <= FLOOR_MS + 5 && playout.recent.underruns === 0);
+});
+
 test("the lead a frame gets covers 99 % of late frames: underruns are rare under steady jitter", () => {
   const rand = random(3);
   const playout = new Playout();

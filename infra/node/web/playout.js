@@ -12,8 +12,11 @@
 //   jitter samples in 2 ms buckets that forgets old samples exponentially (NetEq forgets the same way).
 // - Target. The lead a frame needs on arrival (audio still queued ahead of the playhead) so that frames as
 //   late as the estimate still start in time: the quantile plus a start margin, clamped to a floor and a
-//   cap. An underrun (a frame came after the queue ran dry: an audible gap) counts its jitter with a heavy
-//   weight, so the target covers it at once, and forgets it like any other sample.
+//   cap. An underrun (a frame came after the queue ran dry: an audible gap) counts the lead that frame
+//   needed with a heavy weight, so the target covers it at once (by UNDERRUN_STEP_MAX_MS more at most: a
+//   sender that stalled for seconds, say a node that fell behind, must not leave seconds of delay), and
+//   forgets it like any other sample. The stall also restarts the 2 s window: the frames after it are
+//   measured against the new timeline, not against the lost time.
 // - Level. The lead at each arrival, `lead`, moves with that frame's jitter; lead + jitter is the lead a
 //   frame on time would have found, and changes only when the player stretches audio. When it stands
 //   above the target the frame is shortened (time-compressed: NetEq's accelerate); below it, lengthened
@@ -35,6 +38,8 @@ export const BUCKET_MS = 2; // histogram bucket width
 export const HYSTERESIS_MS = 5; // lead error left alone (no stretching for a few ms)
 export const MAX_STRETCH_MS = 10; // the most audio one frame is shortened or lengthened by
 export const EXCESS_MAX_MS = 160; // a frame finding target + this queued is dropped
+export const UNDERRUN_STEP_MAX_MS = 40; // an underrun raises the target by this much at most
+export const RECENT_FRAMES = 125; // the "recent" counters cover the last 10 s of 80 ms frames
 
 /** A decaying histogram of jitter samples (ms), read as a quantile. */
 export class JitterHistogram {
@@ -80,7 +85,7 @@ export class Playout {
     this.nextStartMs = null; // where the next frame starts on the clock; null: nothing scheduled yet
     this.senderMs = 0; // audio the sender has sent before the next frame (its timeline)
     this.firstArrivalMs = null;
-    this.recent = []; // [arrivalMs, relativeDelayMs] of the last WINDOW_MS
+    this.window = []; // [arrivalMs, relativeDelayMs] of the last WINDOW_MS
     // Counters (the page shows them; tests read them).
     this.frames = 0; // frames arrived
     this.framesScheduled = 0;
@@ -93,6 +98,18 @@ export class Playout {
     this.leadSumMs = 0; // over the scheduled frames, for the mean
     this.leadMaxMs = 0;
     this.targetMaxMs = this.targetMs;
+    this.recentLeads = []; // [leadMs, underrun] of the last RECENT_FRAMES scheduled frames
+  }
+
+  /** Largest lead (ms) and underruns among the last RECENT_FRAMES scheduled frames (fewer at the start). */
+  get recent() {
+    let leadMaxMs = 0;
+    let underruns = 0;
+    for (const [lead, underrun] of this.recentLeads) {
+      leadMaxMs = Math.max(leadMaxMs, lead);
+      if (underrun) underruns += 1;
+    }
+    return { frames: this.recentLeads.length, leadMaxMs, underruns };
   }
 
   /** Mean lead of the scheduled frames (ms): the delay the buffer adds, frame by frame. */
@@ -128,9 +145,14 @@ export class Playout {
       const underrun = this.framesScheduled > 0;
       if (underrun) {
         this.underruns += 1;
-        this.histogram.add(jitter, UNDERRUN_WEIGHT);
+        // The lead this frame needed: START_MARGIN_MS more than it found, on top of what it found.
+        const needed = this.targetMs + START_MARGIN_MS - queued;
+        const covered = Math.min(needed, this.targetMs + UNDERRUN_STEP_MAX_MS) - START_MARGIN_MS;
+        this.histogram.add(covered, UNDERRUN_WEIGHT);
         this.updateTarget();
+        this.window = this.window.slice(-1); // this frame starts the new timeline
       }
+      this.pendingUnderrun = underrun;
       return { action: "play", startMs: nowMs + this.targetMs, stretchMs: 0, underrun };
     }
     if (queued > this.targetMs + EXCESS_MAX_MS) {
@@ -143,6 +165,7 @@ export class Playout {
     if (Math.abs(error) > HYSTERESIS_MS) {
       stretchMs = Math.sign(error) * Math.min(Math.abs(error), MAX_STRETCH_MS, durationMs / 4);
     }
+    this.pendingUnderrun = false;
     return { action: "play", startMs: this.nextStartMs, stretchMs, underrun: false };
   }
 
@@ -155,6 +178,8 @@ export class Playout {
     this.leadMs = Math.max(0, startMs - nowMs);
     this.leadSumMs += this.leadMs;
     this.leadMaxMs = Math.max(this.leadMaxMs, this.leadMs);
+    this.recentLeads.push([this.leadMs, this.pendingUnderrun === true]);
+    if (this.recentLeads.length > RECENT_FRAMES) this.recentLeads.shift();
   }
 
   /** Forget the schedule (the player stopped); counters and the jitter estimate stay. */
@@ -166,10 +191,10 @@ export class Playout {
   measure(nowMs) {
     if (this.firstArrivalMs === null) this.firstArrivalMs = nowMs;
     const relative = nowMs - this.firstArrivalMs - this.senderMs;
-    this.recent.push([nowMs, relative]);
-    while (this.recent[0][0] < nowMs - WINDOW_MS) this.recent.shift();
+    this.window.push([nowMs, relative]);
+    while (this.window[0][0] < nowMs - WINDOW_MS) this.window.shift();
     let fastest = relative;
-    for (const [, delay] of this.recent) fastest = Math.min(fastest, delay);
+    for (const [, delay] of this.window) fastest = Math.min(fastest, delay);
     const jitter = relative - fastest;
     this.jitterMs = jitter;
     if (this.frames > 0) {
