@@ -98,6 +98,7 @@ def measure(
     pace_ms: float = 0.0,
     player_from: str | None = None,
     seed: int = 0,
+    model: str = "tiny",
 ) -> dict[str, Any]:
     """Run one conversation of ``seconds`` of received audio (frames received x 80 ms) and return the
     page's figures: ``leads`` (summarize_leads), ``stats`` (the page's ``window.duplexClient.stats`` at the
@@ -112,7 +113,7 @@ def measure(
         raise RuntimeError(f"missing programs: chromium={chromium}, node: {missing}")
     frames_wanted = int(seconds * 1000 / 80)
     with tempfile.TemporaryDirectory(prefix="playout-bench-") as tmp:
-        node = LocalNode(Path(tmp) / "node", free_port_profile(max_sessions=1))
+        node = LocalNode(Path(tmp) / "node", free_port_profile(max_sessions=1, model=model))
         node.start()
         try:
             if player_from:
@@ -141,13 +142,14 @@ def measure(
                     timeout=int(seconds * 3000) + 60_000,
                 )
                 stats = page.evaluate("({...window.duplexClient.stats})")
+                relayed = {"audio_records": relay.audio_records, "late_for_pace": relay.late_for_pace}
                 leads = page.evaluate("[...window.__playoutLeads]")
                 times = page.evaluate("[...window.__playoutTimes]")
                 page.click("#talk")
                 browser.close()
         finally:
             node.stop()
-    return {"leads": summarize_leads(leads), "stats": stats, "frames": len(leads), "raw": [leads, times]}
+    return {"leads": summarize_leads(leads), "stats": stats, "relay": relayed, "raw": [leads, times]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace-ms", type=float, default=0.0, help="re-time the audio on an 80 ms clock, this far behind")
     parser.add_argument("--player-from", default=None, help="git revision of player.js/app.js to measure")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="tiny", help="the node's model: tiny (real compute) or sim")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.seconds <= 0 or args.jitter_ms < 0 or args.pace_ms < 0:
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             pace_ms=args.pace_ms,
             player_from=args.player_from,
             seed=args.seed,
+            model=args.model,
         )
     except (RuntimeError, subprocess.CalledProcessError) as error:
         print(f"playout bench failed: {error}", file=sys.stderr)

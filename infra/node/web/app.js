@@ -72,6 +72,9 @@ const stats = {
   playoutJitterMs: 0,
   playoutShortenedMs: 0,
   playoutLengthenedMs: 0,
+  playoutRecentFrames: 0, // the last 125 frames (10 s): how many, their largest lead, their underruns
+  playoutRecentLeadMaxMs: 0,
+  playoutRecentUnderruns: 0,
   rttMs: null, // last ping round trip (ms): page -> nginx -> runtime -> page
   transcriptChars: 0,
   inputRateHz: null, // the AudioContext's rate the worklet resamples from
@@ -297,6 +300,7 @@ function end(s, reason, message = "") {
   release(s);
   if (session === s) session = null;
   setState("idle");
+  refreshReadout(); // the session's report: the playout buffer's mean and max lead
   if (reason) {
     showProblem(reason, message);
     setStatus("Not connected.");

@@ -46,7 +46,11 @@ export class Player {
   /** What the page shows and reports about the buffer (ms and counts; playout.js Playout's counters). */
   get report() {
     const p = this.playout;
+    const recent = p.recent; // the last 125 frames (10 s)
     return {
+      playoutRecentFrames: recent.frames,
+      playoutRecentLeadMaxMs: recent.leadMaxMs,
+      playoutRecentUnderruns: recent.underruns,
       playoutTargetMs: p.targetMs,
       playoutTargetMaxMs: p.targetMaxMs,
       playoutLeadMs: p.leadMs,

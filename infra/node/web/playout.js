@@ -31,9 +31,9 @@ export const START_MS = 40; // the target before any jitter is known: half a fra
 export const CAP_MS = 400; // the largest target lead
 export const START_MARGIN_MS = 10; // a frame started closer than this to the playhead may start late
 export const QUANTILE = 0.99; // of the jitter histogram: the target covers 99 % of the frames
-export const FORGET = 0.98; // per frame: a sample's weight halves in 34 frames (2.7 s of 80 ms frames)
-export const UNDERRUN_WEIGHT = 0.05; // an underrun's jitter counts this much at once (5 x 1 - QUANTILE)
-export const WINDOW_MS = 2000; // jitter is measured against the fastest frame of this window
+export const FORGET = 0.98; // per frame: one late frame holds the target for 34 frames (2.7 s)
+export const UNDERRUN_WEIGHT = 0.03; // an underrun holds the target for 54 frames (4.3 s)
+export const WINDOW_MS = 500; // jitter is measured against the fastest frame of this window
 export const BUCKET_MS = 2; // histogram bucket width
 export const HYSTERESIS_MS = 5; // lead error left alone (no stretching for a few ms)
 export const MAX_STRETCH_MS = 10; // the most audio one frame is shortened or lengthened by
@@ -141,6 +141,12 @@ export class Playout {
     this.senderMs += durationMs;
     this.frames += 1;
     const queued = this.nextStartMs === null ? -Infinity : this.nextStartMs - nowMs;
+    const underran = queued < START_MARGIN_MS && this.framesScheduled > 0;
+    if (this.frames > 1 && !underran) {
+      // The first frame has nothing to be late against; an underrun counts below instead.
+      this.histogram.add(jitter);
+      this.updateTarget();
+    }
     if (queued < START_MARGIN_MS) {
       const underrun = this.framesScheduled > 0;
       if (underrun) {
@@ -187,7 +193,7 @@ export class Playout {
     this.nextStartMs = null;
   }
 
-  // Jitter of a frame arriving now (ms), recorded in the histogram; the target follows.
+  // Jitter of a frame arriving now (ms), against the fastest frame of the window.
   measure(nowMs) {
     if (this.firstArrivalMs === null) this.firstArrivalMs = nowMs;
     const relative = nowMs - this.firstArrivalMs - this.senderMs;
@@ -197,11 +203,6 @@ export class Playout {
     for (const [, delay] of this.window) fastest = Math.min(fastest, delay);
     const jitter = relative - fastest;
     this.jitterMs = jitter;
-    if (this.frames > 0) {
-      // The first frame has nothing to be late against.
-      this.histogram.add(jitter);
-      this.updateTarget();
-    }
     return jitter;
   }
 
