@@ -371,7 +371,9 @@ def test_capture_worklet_resamples_to_24k(
 def sim_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
     """A local node with one slot and the ``sim`` model (a flat step that sleeps: no compute), so that its
     80 ms stream keeps real time on a loaded 2-core machine, where the tiny model's node falls behind."""
-    local = LocalNode(tmp_path_factory.mktemp("sim-node") / "node", free_port_profile(max_sessions=1, model="sim"))
+    local = LocalNode(
+        tmp_path_factory.mktemp("sim-node") / "node", free_port_profile(max_sessions=1, model="sim")
+    )
     local.start()
     try:
         yield local
@@ -425,7 +427,9 @@ def test_adaptive_playout_buffer_clean_then_jittered(sim_node: LocalNode, browse
         assert calm["dropped"] <= calm["framesReceived"] // 100
 
         page.click("#talk")
-        page.wait_for_function("() => document.getElementById('status').textContent === 'Conversation ended.'")
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent === 'Conversation ended.'"
+        )
         end = stats(page)
         report = page.text_content("#stat-buffer")
         assert report == f"mean {round(end['playoutLeadMeanMs'])} ms, max {round(end['playoutLeadMaxMs'])} ms"
@@ -436,7 +440,8 @@ def test_adaptive_playout_buffer_clean_then_jittered(sim_node: LocalNode, browse
         f"target {clean['playoutTargetMs']:.0f} ms, {clean['underruns']} gaps before); 0-150 ms jitter for "
         f"{frames} frames: {gaps} gaps, target up to {jittered['playoutTargetMaxMs']:.0f} ms, lead up to "
         f"{jittered['playoutRecentLeadMaxMs']:.0f} ms; calm again after "
-        f"{calm['framesReceived'] - jittered['framesReceived']} frames (lead {calm['playoutLeadMs']:.0f} ms); "
+        f"{calm['framesReceived'] - jittered['framesReceived']} frames "
+        f"(lead {calm['playoutLeadMs']:.0f} ms); "
         f"session: {report}, {end['underruns']} gaps, {end['dropped']} dropped, "
         f"{end['playoutShortenedMs']:.0f} ms compressed, {end['playoutLengthenedMs']:.0f} ms stretched"
     )

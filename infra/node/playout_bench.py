@@ -105,7 +105,7 @@ def measure(
     end). ``player_from``: a git revision whose ``infra/node/web/player.js`` and ``app.js`` replace this
     tree's in the node's served files (the "before" of a change). Raises RuntimeError when a program is
     missing or the conversation does not reach ``seconds``."""
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import ProxySettings, sync_playwright
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     missing = missing_binaries()
@@ -128,7 +128,7 @@ def measure(
             wav = speech_wav(Path(tmp) / "speech.wav")
             with JitterRelay(seed=seed) as relay, sync_playwright() as playwright:
                 browser = playwright.chromium.launch(executable_path=chromium, args=chromium_args(wav))
-                proxy = {"server": relay.url, "bypass": "<-loopback>"}
+                proxy: ProxySettings = {"server": relay.url, "bypass": "<-loopback>"}
                 context = browser.new_context(ignore_https_errors=True, proxy=proxy)
                 context.add_init_script(LEAD_HOOK)
                 page = context.new_page()
@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.node.playout_bench", description=__doc__)
     parser.add_argument("--seconds", type=float, default=60.0, help="received audio to measure (s)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="relay delay: random 0-N ms")
-    parser.add_argument("--pace-ms", type=float, default=0.0, help="re-time the audio on an 80 ms clock, this far behind")
+    parser.add_argument(
+        "--pace-ms", type=float, default=0.0, help="re-time the audio on an 80 ms clock, this far behind"
+    )
     parser.add_argument("--player-from", default=None, help="git revision of player.js/app.js to measure")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="tiny", help="the node's model: tiny (real compute) or sim")

@@ -7,9 +7,10 @@
 // time_stretch.cc), cut down to one reliable, in-order stream of 80 ms frames:
 // - Jitter. Frame i should arrive at t0 + (audio before it), the sender's own timeline; its relative delay
 //   is how much later it came. Its jitter is that delay minus the smallest relative delay of the frames of
-//   the last 2 s (NetEq: delay relative to the fastest packet of a 2 s window), so a slow clock drift or a
-//   shift of the whole path does not count. The estimate is a high quantile (99 %) of a histogram of
-//   jitter samples in 2 ms buckets that forgets old samples exponentially (NetEq forgets the same way).
+//   the last 500 ms (NetEq: delay relative to the fastest packet of a 2 s window; with 80 ms frames a 2 s
+//   window counts a step in path delay, such as the lost time of a stall, as jitter 25 times over), so a
+//   slow clock drift or a shift of the whole path does not count. The estimate is a high quantile (99 %)
+//   of a histogram of jitter samples in 2 ms buckets that forgets old samples exponentially (as NetEq's).
 // - Target. The lead a frame needs on arrival (audio still queued ahead of the playhead) so that frames as
 //   late as the estimate still start in time: the quantile plus a start margin, clamped to a floor and a
 //   cap. An underrun (a frame came after the queue ran dry: an audible gap) counts the lead that frame
