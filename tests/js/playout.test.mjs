@@ -13,6 +13,7 @@ import {
   Playout,
   START_MARGIN_MS,
   START_MS,
+  UNDERRUN_STEP_MAX_MS,
   stretch,
 } from "../../infra/node/web/playout.js";
 
@@ -168,7 +169,8 @@ test("the lead a frame gets covers 99 % of late frames: underruns are rare under
   const frames = play(playout, arrivals(3000, () => 40 * rand() ** 2)); // 4 minutes
   const late = count(frames.slice(250), "underrun");
   assert.ok(late <= 0.01 * 2750, `underruns ${late}`);
-  assert.ok(playout.targetMs <= 40 + START_MARGIN_MS + 2);
+  // At most one underrun's step above what the jitter itself calls for.
+  assert.ok(playout.targetMs <= 40 + START_MARGIN_MS + UNDERRUN_STEP_MAX_MS + 2, `${playout.targetMs}`);
 });
 
 test("arrive() refuses what is not a frame", () => {

@@ -14,9 +14,10 @@
 // - Target. The lead a frame needs on arrival (audio still queued ahead of the playhead) so that frames as
 //   late as the estimate still start in time: the quantile plus a start margin, clamped to a floor and a
 //   cap. An underrun (a frame came after the queue ran dry: an audible gap) counts the lead that frame
-//   needed with a heavy weight, so the target covers it at once (by UNDERRUN_STEP_MAX_MS more at most: a
-//   sender that stalled for seconds, say a node that fell behind, must not leave seconds of delay), and
-//   forgets it like any other sample. The stall also restarts the 2 s window: the frames after it are
+//   needed with a heavy weight, so the target covers it at once and for about 12 s (by 20 ms more at least:
+//   in a browser the gap may come from the audio clock itself, a render thread that stalled and caught
+//   up; by 40 ms more at most: a sender that stalled for seconds, say a node that fell behind, must not
+//   leave seconds of delay), then forgets it like any other sample. The stall also restarts the 2 s window: the frames after it are
 //   measured against the new timeline, not against the lost time.
 // - Level. The lead at each arrival, `lead`, moves with that frame's jitter; lead + jitter is the lead a
 //   frame on time would have found, and changes only when the player stretches audio. When it stands
@@ -33,13 +34,14 @@ export const CAP_MS = 400; // the largest target lead
 export const START_MARGIN_MS = 10; // a frame started closer than this to the playhead may start late
 export const QUANTILE = 0.99; // of the jitter histogram: the target covers 99 % of the frames
 export const FORGET = 0.98; // per frame: one late frame holds the target for 34 frames (2.7 s)
-export const UNDERRUN_WEIGHT = 0.03; // an underrun holds the target for 54 frames (4.3 s)
+export const UNDERRUN_WEIGHT = 0.2; // an underrun holds the target for 148 frames (12 s)
 export const WINDOW_MS = 500; // jitter is measured against the fastest frame of this window
 export const BUCKET_MS = 2; // histogram bucket width
 export const HYSTERESIS_MS = 5; // lead error left alone (no stretching for a few ms)
 export const MAX_STRETCH_MS = 10; // the most audio one frame is shortened or lengthened by
 export const EXCESS_MAX_MS = 160; // a frame finding target + this queued is dropped
-export const UNDERRUN_STEP_MAX_MS = 40; // an underrun raises the target by this much at most
+export const UNDERRUN_STEP_MIN_MS = 20; // an underrun raises the target by this much at least...
+export const UNDERRUN_STEP_MAX_MS = 40; // ...and by this much at most
 export const RECENT_FRAMES = 125; // the "recent" counters cover the last 10 s of 80 ms frames
 
 /** A decaying histogram of jitter samples (ms), read as a quantile. */
@@ -154,7 +156,8 @@ export class Playout {
         this.underruns += 1;
         // The lead this frame needed: START_MARGIN_MS more than it found, on top of what it found.
         const needed = this.targetMs + START_MARGIN_MS - queued;
-        const covered = Math.min(needed, this.targetMs + UNDERRUN_STEP_MAX_MS) - START_MARGIN_MS;
+        const step = Math.min(Math.max(needed - this.targetMs, UNDERRUN_STEP_MIN_MS), UNDERRUN_STEP_MAX_MS);
+        const covered = this.targetMs + step - START_MARGIN_MS;
         this.histogram.add(covered, UNDERRUN_WEIGHT);
         this.updateTarget();
         this.window = this.window.slice(-1); // this frame starts the new timeline
