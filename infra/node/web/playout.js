@@ -17,8 +17,8 @@
 //   needed with a heavy weight, so the target covers it at once and for about 12 s (by 20 ms more at least:
 //   in a browser the gap may come from the audio clock itself, a render thread that stalled and caught
 //   up; by 40 ms more at most: a sender that stalled for seconds, say a node that fell behind, must not
-//   leave seconds of delay), then forgets it like any other sample. The stall also restarts the 2 s window: the frames after it are
-//   measured against the new timeline, not against the lost time.
+//   leave seconds of delay), then forgets it like any other sample. The gap also restarts the jitter
+//   window: the frames after it are measured against the new timeline, not against the lost time.
 // - Level. The lead at each arrival, `lead`, moves with that frame's jitter; lead + jitter is the lead a
 //   frame on time would have found, and changes only when the player stretches audio. When it stands
 //   above the target the frame is shortened (time-compressed: NetEq's accelerate); below it, lengthened
@@ -102,6 +102,7 @@ export class Playout {
     this.leadMaxMs = 0;
     this.targetMaxMs = this.targetMs;
     this.recentLeads = []; // [leadMs, underrun] of the last RECENT_FRAMES scheduled frames
+    this.pendingUnderrun = false; // whether the frame of the last arrive() underran
   }
 
   /** Largest lead (ms) and underruns among the last RECENT_FRAMES scheduled frames (fewer at the start). */
@@ -130,7 +131,8 @@ export class Playout {
    * finer clock for the jitter (the page's performance.now(); the AudioContext's clock moves in steps of
    * its render buffer), by default nowMs. Returns what to do with the frame:
    *   {action: "play", startMs, stretchMs, underrun}: shorten the frame by stretchMs (negative: lengthen
-   *     it by -stretchMs), then call scheduled(startMs, the duration it now has);
+   *     it by -stretchMs), then call scheduled(nowMs, startMs, the duration it now has, the ms it was
+   *     actually shortened by);
    *   {action: "drop"}: discard it (too much queued).
    * Throws RangeError for a duration that is not a positive number.
    */
@@ -188,7 +190,7 @@ export class Playout {
     this.leadMs = Math.max(0, startMs - nowMs);
     this.leadSumMs += this.leadMs;
     this.leadMaxMs = Math.max(this.leadMaxMs, this.leadMs);
-    this.recentLeads.push([this.leadMs, this.pendingUnderrun === true]);
+    this.recentLeads.push([this.leadMs, this.pendingUnderrun]);
     if (this.recentLeads.length > RECENT_FRAMES) this.recentLeads.shift();
   }
 
