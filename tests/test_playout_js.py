@@ -24,7 +24,12 @@ def test_playout_logic_under_node() -> None:
     files = sorted(str(path) for path in TESTS.glob("*.test.mjs"))
     assert files, f"no node tests under {TESTS}"
     result = subprocess.run(
-        [NODE, "--test", *files], capture_output=True, text=True, timeout=300, check=False, cwd=TESTS
+        [NODE, "--test", "--test-reporter=tap", *files],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=TESTS,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
