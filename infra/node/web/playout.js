@@ -28,7 +28,7 @@
 //   now, a full buffer after). A frame that finds more than target + EXCESS_MAX_MS queued (a burst after a
 //   stall) is dropped: the conversation's delay stays bounded.
 
-export const FLOOR_MS = 20; // the smallest target lead: a clean loopback path needs about this much
+export const FLOOR_MS = 40; // the smallest target lead: 30 ms of lateness hidden (a browser's own hiccups)
 export const START_MS = 40; // the target before any jitter is known: half a frame
 export const CAP_MS = 400; // the largest target lead
 export const START_MARGIN_MS = 10; // a frame started closer than this to the playhead may start late
