@@ -14,7 +14,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	promtool:prometheus prometheus-node-exporter:prometheus-node-exporter \
 	prometheus-redis-exporter:prometheus-redis-exporter cloud-init:cloud-init chromium:chromium curl:curl \
 	prometheus-alertmanager:prometheus-alertmanager amtool:prometheus-alertmanager certbot:certbot \
-	pebble:pebble pebble-challtestsrv:pebble openssl:openssl turnserver:coturn turnutils_uclient:coturn ss:iproute2
+	pebble:pebble pebble-challtestsrv:pebble openssl:openssl turnserver:coturn turnutils_uclient:coturn ss:iproute2 node:nodejs
 STAMP := $(VENV)/.installed
 
 .PHONY: setup system-deps pip-check deploy-deps demo test lint bench lock clean mutation

@@ -10,7 +10,9 @@ after a refused upgrade (which a browser sees as close code 1006 only); the chec
 page's token, which then opens a conversation; a used, expired, malformed, foreign or missing token gets
 its own words; a connection cut mid-conversation (no close frame) is resumed by the page by itself, which
 says so; the page fits a 360 px screen with every control labelled; the capture worklet's 24 kHz
-resampling keeps speech-band tones and removes what would alias.
+resampling keeps speech-band tones and removes what would alias; the adaptive playout buffer
+(``playout.js``, through ``infra.node.jitter_relay``) stays within the 60 ms goal without a gap on a clean
+path, grows under injected jitter with few gaps, and shrinks back when the jitter stops.
 
 A screenshot of the page mid-conversation goes to ``artifacts/browser-client.png`` (git-ignored), and one
 of the phone layout to ``artifacts/browser-client-360.png``.
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from infra.node.jitter_relay import JitterRelay
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
 from infra.node.services import token_audience
 from runtime.frontend.tokens import mint_token
@@ -48,6 +51,8 @@ pytestmark = [
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 TIMEOUT_MS = 30_000
+PLAYOUT_GOAL_MS = 60  # issue 24: the playout buffer's lead on a clean path
+RECENT_FRAMES = 125  # playout.js RECENT_FRAMES: the page's "recent" counters cover this many frames
 
 
 @pytest.fixture(scope="module")
@@ -392,3 +397,83 @@ def test_capture_worklet_resamples_to_24k(
         assert abs(rms - input_rms) / input_rms < 0.02, rms
     else:
         assert rms < 0.01 * input_rms, rms  # 40 dB down at least
+
+
+@pytest.fixture(scope="module")
+def sim_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
+    """A local node with one slot and the ``sim`` model (a flat step that sleeps: no compute), so that its
+    80 ms stream keeps real time on a loaded 2-core machine, where the tiny model's node falls behind."""
+    local = LocalNode(
+        tmp_path_factory.mktemp("sim-node") / "node", free_port_profile(max_sessions=1, model="sim")
+    )
+    local.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.mark.timeout(1500)  # hang guard: two waits for a clean stretch of 10 s on a loaded machine
+def test_adaptive_playout_buffer_clean_then_jittered(sim_node: LocalNode, browser: Any) -> None:
+    """One conversation through the jitter relay. The relay first re-times the node's audio on an exact
+    80 ms clock (300 ms behind it), so that the path is clean whatever the node's own tick jitter on this
+    loaded machine; then adds random 0-150 ms to every record (in order); then stops adding it.
+
+    Clean: the page reaches 125 frames in a row (10 s) without a gap, each started at most 60 ms ahead of
+    the playhead. Jittered, for 150 frames: the buffer grows (a lead past the goal), with gaps on at most a
+    tenth of the frames. Calm again: back to 125 frames without a gap within the goal, by time compression.
+    No bound is a time: each is a count of frames or a lead the page itself reports. The waits for a clean
+    stretch are long hang guards: a hiccup of the machine (a stalled browser) only restarts the count."""
+    node = sim_node
+    with JitterRelay(seed=24) as relay:
+        page = open_page(
+            browser,
+            node,
+            f"#token={node.mint_token()}",
+            proxy={"server": relay.url, "bypass": "<-loopback>"},  # Chromium bypasses loopback otherwise
+        )
+        page.click("#talk")
+        wait_stats(page, "s.state === 'live'")
+        relay.pace_lead_ms = 300.0
+        clean_path = (
+            f"s.playoutRecentFrames >= {RECENT_FRAMES} && s.playoutRecentUnderruns === 0 "
+            f"&& s.playoutRecentLeadMaxMs <= {PLAYOUT_GOAL_MS}"
+        )
+        clean = wait_stats(page, clean_path, timeout_ms=600_000)
+        assert relay.audio_records >= clean["framesReceived"]  # the audio did pass through the relay
+        assert re.fullmatch(r"\d+ ms \(target \d+ ms\)", page.text_content("#stat-buffer") or "")
+
+        relay.max_delay_ms = 150.0
+        jittered = wait_stats(page, f"s.framesReceived >= {clean['framesReceived'] + 150}")
+        relay.max_delay_ms = 0.0
+        frames = jittered["framesReceived"] - clean["framesReceived"]
+        gaps = jittered["underruns"] - clean["underruns"]
+        assert jittered["playoutRecentLeadMaxMs"] > PLAYOUT_GOAL_MS, jittered  # it grew
+        assert jittered["playoutTargetMaxMs"] > PLAYOUT_GOAL_MS, jittered
+        assert gaps <= frames // 10, (gaps, frames)
+
+        calm = wait_stats(
+            page, f"s.framesReceived >= {jittered['framesReceived'] + RECENT_FRAMES} && {clean_path}", 600_000
+        )
+        assert calm["playoutShortenedMs"] > jittered["playoutShortenedMs"]  # shrunk by compressing audio
+        assert calm["dropped"] <= calm["framesReceived"] // 100
+
+        page.click("#talk")
+        page.wait_for_function(
+            "() => document.getElementById('status').textContent === 'Conversation ended.'"
+        )
+        end = stats(page)
+        report = page.text_content("#stat-buffer")
+        assert report == f"mean {round(end['playoutLeadMeanMs'])} ms, max {round(end['playoutLeadMaxMs'])} ms"
+        assert page.errors == [], page.errors
+        page.context.close()
+    print(
+        f"\nplayout: clean after {clean['framesReceived']} frames (lead {clean['playoutLeadMs']:.0f} ms, "
+        f"target {clean['playoutTargetMs']:.0f} ms, {clean['underruns']} gaps before); 0-150 ms jitter for "
+        f"{frames} frames: {gaps} gaps, target up to {jittered['playoutTargetMaxMs']:.0f} ms, lead up to "
+        f"{jittered['playoutRecentLeadMaxMs']:.0f} ms; calm again after "
+        f"{calm['framesReceived'] - jittered['framesReceived']} frames "
+        f"(lead {calm['playoutLeadMs']:.0f} ms); "
+        f"session: {report}, {end['underruns']} gaps, {end['dropped']} dropped, "
+        f"{end['playoutShortenedMs']:.0f} ms compressed, {end['playoutLengthenedMs']:.0f} ms stretched"
+    )

@@ -4,7 +4,8 @@ node bundle under ``web/`` and served by nginx (``infra.node.nginx``).
 Plain ES modules, no build step, nothing fetched from elsewhere (the page's Content-Security-Policy allows
 only the node itself): ``index.html``, ``style.css``, ``app.js`` (the page), ``protocol.js`` (the wire
 protocol, the admission check and the refusal reasons in plain words), ``audio-worklet.js`` (microphone
-capture resampled to 24 kHz Int16 frames), ``player.js`` (jitter-buffered playback), ``favicon.svg``.
+capture resampled to 24 kHz Int16 frames), ``player.js`` (playback through an AudioContext),
+``playout.js`` (the adaptive playout buffer's logic, docs/node.md), ``favicon.svg``.
 
 Where nginx finds them: ``web/`` under its prefix (the node directory) on a ``processes`` node; on a
 ``compose`` node the bundle's ``web/`` is mounted read-only at ``WEB_CONTAINER_ROOT`` in the nginx

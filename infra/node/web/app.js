@@ -65,6 +65,20 @@ const stats = {
   underruns: 0, // times playback ran dry mid-conversation (an audible gap)
   dropped: 0, // frames dropped by the player to keep the latency bounded
   bufferedMs: 0, // audio queued ahead of the playhead (ms)
+  // The adaptive playout buffer (player.js report, playout.js): the lead a frame finds when it arrives (how
+  // long its first sample waits to be played), last / mean / max over the session, its target (from the
+  // measured jitter) now and at most, the last frame's jitter, audio removed or added by time stretching.
+  playoutLeadMs: 0,
+  playoutLeadMeanMs: 0,
+  playoutLeadMaxMs: 0,
+  playoutTargetMs: 0,
+  playoutTargetMaxMs: 0,
+  playoutJitterMs: 0,
+  playoutShortenedMs: 0,
+  playoutLengthenedMs: 0,
+  playoutRecentFrames: 0, // the last 125 frames (10 s): how many, their largest lead, their underruns
+  playoutRecentLeadMaxMs: 0,
+  playoutRecentUnderruns: 0,
   rttMs: null, // last ping round trip (ms): page -> nginx -> runtime -> page
   transcriptChars: 0,
   inputRateHz: null, // the AudioContext's rate the worklet resamples from
@@ -108,6 +122,7 @@ function readPlayer(s) {
   stats.underruns = player.underruns;
   stats.dropped = player.dropped;
   stats.bufferedMs = player.bufferedMs;
+  Object.assign(stats, player.report);
   stats.contextTimeS = s.context.currentTime;
   stats.scheduledUntilS = player.nextStartS;
 }
@@ -118,8 +133,16 @@ function refreshReadout() {
   ui["stat-received"].textContent = String(stats.framesReceived);
   ui["stat-lost"].textContent = String(stats.framesLost + stats.dropped);
   ui["stat-underruns"].textContent = String(stats.underruns);
-  ui["stat-buffer"].textContent = stats.state === "live" ? `${Math.round(stats.bufferedMs)} ms` : "–";
+  ui["stat-buffer"].textContent = describeBuffer();
   ui["stat-sent"].textContent = String(stats.framesSent);
+}
+
+/** The playout buffer in words: now (live), or the session's report once it ended. */
+function describeBuffer() {
+  const ms = (value) => `${Math.round(value)} ms`;
+  if (stats.state === "live") return `${ms(stats.playoutLeadMs)} (target ${ms(stats.playoutTargetMs)})`;
+  if (stats.framesScheduled === 0) return "–";
+  return `mean ${ms(stats.playoutLeadMeanMs)}, max ${ms(stats.playoutLeadMaxMs)}`;
 }
 
 // --- one conversation ----------------------------------------------------------------------------------
@@ -150,6 +173,7 @@ async function start() {
   Object.assign(stats, {
     framesSent: 0, framesReceived: 0, framesLost: 0, rttMs: null, transcriptChars: 0, resumes: 0,
   });
+  Object.assign(stats, { framesScheduled: 0, underruns: 0, dropped: 0 });
   ui.transcript.textContent = "";
   setState("connecting");
   try {
@@ -253,7 +277,7 @@ function onMessage(s, data) {
       }
       s.lastAudioMs = now;
       stats.framesReceived += 1;
-      s.player.push(message.samples);
+      s.player.push(message.samples, now);
       readPlayer(s);
       break;
     }
@@ -315,6 +339,7 @@ function end(s, reason, message = "") {
   release(s);
   if (session === s) session = null;
   setState("idle");
+  refreshReadout(); // the session's report: the playout buffer's mean and max lead
   if (reason) {
     showProblem(reason, message);
     setStatus("Not connected.");

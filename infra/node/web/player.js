@@ -1,54 +1,78 @@
-// Gap-free playback of the node's 24 kHz audio frames through an AudioContext, with a small jitter buffer.
+// Gap-free playback of the node's 24 kHz audio frames through an AudioContext, behind an adaptive playout
+// buffer (playout.js decides; this file applies its decisions to the AudioContext).
 //
 // Each 80 ms frame becomes an AudioBuffer (24 kHz; the browser resamples it to the context's rate) played
 // by an AudioBufferSourceNode scheduled to start exactly where the previous frame ends, so consecutive
-// frames join without a gap. The first frame (and the first after an underrun) starts `targetMs` after it
-// arrives: that lead is the jitter buffer, how late a frame may come without being heard as a gap.
+// frames join without a gap. The first frame (and the first after an underrun) starts the playout target
+// after it arrives: that lead is the buffer, how late a frame may come without being heard as a gap. The
+// target follows the measured jitter (low on a clean path, up after underruns, down again when the path
+// calms); frames are shortened or lengthened by a few ms to bring the lead to it (playout.js stretch()).
 
 import { SAMPLE_RATE_HZ } from "./protocol.js";
-
-export const JITTER_START_MS = 120; // initial lead: 1.5 frames of 80 ms
-export const JITTER_STEP_MS = 40; // added to the lead after each underrun...
-export const JITTER_MAX_MS = 400; // ...up to this
-// A burst after a stall (frames held up, then delivered at once) would leave that much extra delay in the
-// conversation for good: a frame arriving with more than the lead plus this queued is dropped instead.
-export const EXCESS_MAX_MS = 160; // two frames
+import { Playout, stretch } from "./playout.js";
 
 export class Player {
-  /** context: the page's AudioContext; output: where the audio goes (default the speakers). */
-  constructor(context, output = context.destination) {
+  /** context: the page's AudioContext; output: where the audio goes (default the speakers); options:
+   *  playout.js Playout's (floorMs, capMs, startMs, quantile, forget), for tests and tuning. */
+  constructor(context, output = context.destination, options = {}) {
     this.context = context;
     this.output = output;
-    this.targetMs = JITTER_START_MS;
-    this.nextStartS = 0; // context time (s) at which the next frame starts; 0: not started
-    this.framesScheduled = 0;
-    this.underruns = 0; // times the buffer ran dry mid-conversation (an audible gap)
-    this.dropped = 0; // frames dropped for arriving with too much queued (EXCESS_MAX_MS)
+    this.playout = new Playout(options);
     this.sources = new Set();
   }
 
   /** Audio queued ahead of the playhead (ms). */
   get bufferedMs() {
-    return Math.max(0, this.nextStartS - this.context.currentTime) * 1000;
+    return this.playout.queuedMs(this.context.currentTime * 1000);
   }
 
-  /** Schedule one frame of Float32 samples at 24 kHz. */
-  push(samples) {
+  /** Context time (s) at which the next frame starts; 0 before the first. */
+  get nextStartS() {
+    return (this.playout.nextStartMs ?? 0) / 1000;
+  }
+
+  get framesScheduled() {
+    return this.playout.framesScheduled;
+  }
+
+  get underruns() {
+    return this.playout.underruns;
+  }
+
+  get dropped() {
+    return this.playout.dropped;
+  }
+
+  /** What the page shows and reports about the buffer (ms and counts; playout.js Playout's counters). */
+  get report() {
+    const p = this.playout;
+    const recent = p.recent; // the last 125 frames (10 s)
+    return {
+      playoutRecentFrames: recent.frames,
+      playoutRecentLeadMaxMs: recent.leadMaxMs,
+      playoutRecentUnderruns: recent.underruns,
+      playoutTargetMs: p.targetMs,
+      playoutTargetMaxMs: p.targetMaxMs,
+      playoutLeadMs: p.leadMs,
+      playoutLeadMeanMs: p.leadMeanMs,
+      playoutLeadMaxMs: p.leadMaxMs,
+      playoutJitterMs: p.jitterMs,
+      playoutShortenedMs: p.shortenedMs,
+      playoutLengthenedMs: p.lengthenedMs,
+    };
+  }
+
+  /** Schedule one frame of Float32 samples at 24 kHz, received at performance.now() = arrivalMs. */
+  push(samples, arrivalMs = undefined) {
     if (samples.length === 0) return;
-    const now = this.context.currentTime;
-    const marginS = 0.01; // a start closer than 10 ms to the playhead may already be late
-    if (this.nextStartS < now + marginS) {
-      if (this.framesScheduled > 0) {
-        this.underruns += 1;
-        this.targetMs = Math.min(JITTER_MAX_MS, this.targetMs + JITTER_STEP_MS);
-      }
-      this.nextStartS = now + this.targetMs / 1000; // (re)fill the jitter buffer
-    } else if (this.nextStartS - now > (this.targetMs + EXCESS_MAX_MS) / 1000) {
-      this.dropped += 1; // keep the conversation's delay bounded: lead + 160 ms at most
-      return;
-    }
-    const buffer = this.context.createBuffer(1, samples.length, SAMPLE_RATE_HZ);
-    buffer.copyToChannel(samples, 0);
+    const nowMs = this.context.currentTime * 1000;
+    const durationMs = (1000 * samples.length) / SAMPLE_RATE_HZ;
+    const decision = this.playout.arrive(nowMs, durationMs, arrivalMs ?? nowMs);
+    if (decision.action === "drop") return;
+    const stretchSamples = Math.round((decision.stretchMs * SAMPLE_RATE_HZ) / 1000);
+    const played = stretch(samples, stretchSamples);
+    const buffer = this.context.createBuffer(1, played.length, SAMPLE_RATE_HZ);
+    buffer.copyToChannel(played, 0);
     const source = this.context.createBufferSource();
     source.buffer = buffer;
     source.connect(this.output);
@@ -56,10 +80,10 @@ export class Player {
       source.disconnect();
       this.sources.delete(source);
     };
-    source.start(this.nextStartS);
+    source.start(decision.startMs / 1000);
     this.sources.add(source);
-    this.nextStartS += buffer.duration; // 0.08 s: the next frame starts where this one ends
-    this.framesScheduled += 1;
+    const actualStretchMs = ((samples.length - played.length) * 1000) / SAMPLE_RATE_HZ;
+    this.playout.scheduled(nowMs, decision.startMs, buffer.duration * 1000, actualStretchMs);
   }
 
   /** Stop everything scheduled. */
@@ -73,6 +97,6 @@ export class Player {
       source.disconnect();
     }
     this.sources.clear();
-    this.nextStartS = 0;
+    this.playout.reset();
   }
 }
