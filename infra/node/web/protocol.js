@@ -32,6 +32,8 @@ export const REASONS = Object.freeze({
   wrong_audience: "That session token is for a different node.",
   replayed: "That session token was already used. Each token opens one conversation: ask for a new one.",
   persona_not_allowed: "Your session token does not allow this voice. Pick another voice.",
+  wrong_token_kind: "That is an application token (for reading conversations back), not a session token. Ask for a session token.",
+  insufficient_scope: "That token does not allow this. Ask for a token with the right scope.",
   origin_not_allowed:
     "This page's address is not allowed to open conversations on this node (origin refused).",
   replay_check_unavailable: "The node cannot check session tokens right now. Try again in a moment.",
