@@ -1,4 +1,5 @@
 """nginx in front of the runtime: TLS termination, the WebSocket proxy and the node's session cap.
+
 ``render_nginx(profile)`` gives ``nginx/nginx.conf``: TLS 1.2/1.3 only, plain HTTP redirected except the
 ACME HTTP-01 webroot (``infra.node.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn`` per
 node and per client address (503) and ``limit_req`` on handshakes (429), WebRTC signalling (``/api/rtc``:
