@@ -67,13 +67,16 @@ def _transport_table(rows: list[dict[str, object]]) -> Table:
     def ms(value: object) -> str:
         return "-" if value is None else f"{float(value):.0f}"  # type: ignore[arg-type]
 
-    table = Table(title="WebSocket and WebRTC side by side (ms; first audio: client's first frame -> audio)")
-    for column in ("transport", "served", "1st audio p50", "p99", "lost", "ICE p50", "ICE p99", "concealed"):
+    table = Table(
+        title="WebSocket and WebRTC side by side",
+        caption="ms; 1st: the client's first frame sent -> first audio back; ICE: POST -> connected; "
+        "PLC: 20 ms packets concealed; webrtc/turn: relay-only through the node's coturn",
+    )
+    for column in ("transport", "served", "1st p50", "1st p99", "lost", "ICE p50", "ICE p99", "PLC"):
         table.add_column(column, justify="right", no_wrap=True)
     for row in rows:
-        relay = " (relay)" if row["relay_only"] else ""
         table.add_row(
-            f"{row['transport']}{relay}",
+            f"{row['transport']}{'/turn' if row['relay_only'] else ''}",
             f"{row['served']}/{row['sessions']}",
             ms(row["first_audio_ms_p50"]),
             ms(row["first_audio_ms_p99"]),
