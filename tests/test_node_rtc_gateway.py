@@ -29,6 +29,8 @@ from infra.node.profile import PROFILES
 from infra.node.tls import write_self_signed_certificate
 from runtime.frontend import rtc
 from runtime.frontend.server import DuplexServer
+from runtime.tools.cli import app as runtime_app
+from runtime.tools.loadgen_rtc import fetch_ice_servers
 from runtime.tools.rtc_client import RtcCall, encode_packets
 
 PROXY_HEADERS = (
@@ -68,10 +70,11 @@ async def gateway(bundle, tmp_path_factory) -> AsyncIterator[tuple[DuplexServer,
     """The in-process server (sim model, 2 slots) behind the local profile's rendered nginx."""
     directory = tmp_path_factory.mktemp("rtc-gateway")
     async with running_server(bundle, max_sessions=2, **rtc_settings()) as server:
-        profile = free_port_profile()
+        # 1 offer a second past a burst of 12: the tests before the flood stay inside it, the flood does not.
+        limits = {"handshakes_per_second_per_client": 1.0, "handshake_burst": 12}
+        profile = free_port_profile(limits=limits)
         ports = profile.ports.model_copy(update={"runtime": server.port})
-        limits = profile.limits.model_copy(update={"handshake_burst": 4})
-        profile = profile.model_copy(update={"ports": ports, "limits": limits})
+        profile = profile.model_copy(update={"ports": ports})
         write_bundle(render_nginx(profile), directory)
         for sub in ("logs", "run", "web"):
             (directory / sub).mkdir(exist_ok=True)
@@ -129,6 +132,17 @@ async def test_a_call_through_nginx_gets_its_answer_audio_and_ends_with_delete(g
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_the_relay_clients_ice_servers_come_through_nginx(gateway) -> None:
+    """What ``duplex loadgen --transport webrtc --relay`` asks first: the TURN servers, token checked."""
+    _, base, context = gateway
+    servers = await fetch_ice_servers(base, token(), context)
+    turn = [s for s in servers if s.get("username")]
+    assert turn and all(str(url).startswith("turn") for s in turn for url in s["urls"])  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="answered 401"):
+        await fetch_ice_servers(base, None, context)
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_nginx_refuses_what_the_runtime_would(gateway) -> None:
     server, base, context = gateway
     sdp = {"Content-Type": "application/sdp", "Authorization": f"Bearer {token()}"}
@@ -150,7 +164,7 @@ async def test_nginx_refuses_what_the_runtime_would(gateway) -> None:
             assert response.status == 401  # the runtime's token check, passed through
         # A flood of offers from one address: 429 with a plain reason at nginx, nothing taken.
         statuses = []
-        for _ in range(12):
+        for _ in range(30):
             async with http.post(base + "/api/rtc", data=b"v=0\r\n", headers=sdp) as response:
                 statuses.append(response.status)
                 if response.status == 429:
@@ -161,3 +175,10 @@ async def test_nginx_refuses_what_the_runtime_would(gateway) -> None:
         timeout_s=WAIT_S,
         what="every slot free",
     )
+
+
+def test_relay_needs_the_webrtc_transport() -> None:
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(runtime_app, ["loadgen", "--url", "wss://localhost:1", "--relay"])
+    assert result.exit_code == 2 and "--relay needs --transport webrtc" in result.output

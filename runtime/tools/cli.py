@@ -335,6 +335,9 @@ def loadgen(
     if not url.startswith(("ws://", "wss://")):
         console.print(f"[red]--url must start with ws:// or wss://, got {url!r}[/red]")
         raise typer.Exit(2)
+    if relay and transport != "webrtc":
+        console.print("[red]--relay needs --transport webrtc (the WebSocket has no relay)[/red]")
+        raise typer.Exit(2)
     try:
         fmt = AudioFormat(audio_format)
         speech = load_speech(wav, sessions)
@@ -352,9 +355,6 @@ def loadgen(
         tokens = _token_factory(token_key_file, kid, audience=audience, personas=persona)
     if transport not in ("websocket", "webrtc"):
         console.print(f"[red]--transport must be websocket or webrtc, got {transport!r}[/red]")
-        raise typer.Exit(2)
-    if relay and transport != "webrtc":
-        console.print("[red]--relay needs --transport webrtc (the WebSocket has no relay)[/red]")
         raise typer.Exit(2)
     if transport == "webrtc":
         from runtime.tools.loadgen_rtc import run_rtc_load
