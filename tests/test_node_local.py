@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_server_e2e import AFTER_FRAMES, WAIT_S, LiveClient, Metrics, assert_healthy, live
 
-from infra.node.bringup import bring_up_and_check
+from infra.node.bringup import bring_up_and_check, transport_rows
 from infra.node.local import (
     LocalNode,
     MissingBinaryError,
@@ -64,8 +64,9 @@ def _wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:  # 
 
 
 def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
-    """What the README's main job does: 5 sessions through wss://, the 6th refused, Prometheus saw it,
-    and nothing is left behind."""
+    """What the README's main job does: 5 sessions through wss://, the 6th refused, 5 more over WebRTC
+    (signalling through nginx, media relay-only through the node's coturn), Prometheus saw them all, and
+    nothing is left behind."""
     node = LocalNode(tmp_path / "node", free_port_profile())
     node.start()
     pids = [p.popen.pid for p in node.processes if p.popen is not None]
@@ -82,9 +83,21 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     for r in check.load.served:  # served end to end (how much audio per second: docs/benchmarks.md)
         assert r.audio_messages > 0 and r.text.strip() and r.first_audio_ms is not None
         assert r.connect_ms is not None and r.bytes_received > 0 and r.bytes_sent > 0
+    # WebRTC: every session answered, connected through the relay (relay-only: no other candidate) and got
+    # audio and text back on the node's RTP and DataChannel.
+    assert check.rtc_relay and check.rtc_load is not None
+    assert len(check.rtc_load.sessions) == len(check.rtc_load.served) == 5
+    for r in check.rtc_load.served:
+        assert r.audio_messages > 0 and r.text.strip() and r.first_audio_ms is not None
+        assert r.ice_connect_ms is not None and r.answer_ms is not None and r.close_code == 1000
+    rows = {row["transport"]: row for row in transport_rows(check)}
+    assert set(rows) == {"websocket", "webrtc"}
+    assert rows["webrtc"]["served"] == rows["websocket"]["served"] == 5
+    assert rows["webrtc"]["relay_only"] and rows["webrtc"]["ice_connect_ms_p99"] is not None
+    assert check.scraped["webrtc_sessions_started"] == 5
+    assert check.scraped["sessions_started"] >= 10
     extra = check.extra_caller
     assert extra.http_status == 503 and "node full" in extra.http_body, extra.refusal_reason
-    assert check.scraped["sessions_started"] >= 5
     assert check.scraped["peak_active_sessions"] == 5
     assert check.scraped["targets_up"] == check.scraped["targets"] == 4
     assert check.scraped["tick_p99_ms"] is not None and check.scraped["first_audio_p99_ms"] is not None

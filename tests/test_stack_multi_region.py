@@ -184,7 +184,15 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert matcher["defaultService"] == page_id
     [rule] = matcher["pathRules"]
     assert rule["service"] == runtime_id
-    assert sorted(rule["paths"]) == ["/api/admission", "/api/chat", "/api/personas"]
+    assert sorted(rule["paths"]) == [
+        "/api/admission",
+        "/api/chat",
+        "/api/personas",
+        "/api/rtc",
+        "/api/rtc/*",  # the ICE servers and DELETE of a WebRTC session
+        "/api/sessions",
+        "/api/sessions/*",
+    ]
 
     # Every region's page pods serve the shipped files.
     shipped = {path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()}

@@ -44,8 +44,20 @@ longest the connection may live, so it is the longest session plus ``BACKEND_TIM
 MAX_CONNECTION_DRAINING_S = 3600
 """The longest connection-draining timeout a backend service takes (1 h)."""
 
-RUNTIME_PATHS = ("/api/chat", "/api/admission", "/api/personas")
-"""The runtime's paths the global entry routes to the pods; every other path is the browser client's."""
+RUNTIME_PATHS = (
+    "/api/chat",
+    "/api/admission",
+    "/api/personas",
+    "/api/rtc",
+    "/api/rtc/*",
+    "/api/sessions",
+    "/api/sessions/*",
+)
+"""The runtime's public paths the global entry routes to the pods (a URL map path rule's trailing ``/*`` is
+a prefix match); every other path is the browser client's. WebRTC signalling (``/api/rtc``: the offer, the
+ICE servers, ``DELETE`` of a session) passes here; its media goes through the region's TURN gateway
+(``infra.k8s.turn``). A ``DELETE /api/rtc/<session>/<key>`` or a sessions API call is balanced per request:
+it may reach another pod than the session's (then 404); the session still ends when its peer closes."""
 
 PAGE_REQUESTS_PER_ENDPOINT_S = 100
 """Requests per second the load balancer sends one page pod (``RATE`` balancing) before it spills to the
@@ -161,9 +173,10 @@ class GlobalEntry(pulumi.ComponentResource):
       needs ``allUsers`` read, which secure-by-default organizations (created since May 2024) refuse. Its
       timeout is the runtime's only because the policy pack's ``backend-timeout-fits-websockets`` applies to
       every HTTP backend service; a file is answered in milliseconds. The URL map sends only the runtime's
-      public paths (``RUNTIME_PATHS``: ``/api/chat``, ``/api/admission``, ``/api/personas``) to the runtime
-      pods and everything else to the page, so ``/metrics``, ``/healthz`` and ``/readyz`` are not reachable
-      from the internet (the health checks reach the pods directly);
+      public paths (``RUNTIME_PATHS``: ``/api/chat``, ``/api/admission``, ``/api/personas``, ``/api/rtc``,
+      ``/api/sessions``) to the runtime pods and everything else to the page, so ``/metrics``,
+      ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach the pods
+      directly);
     - the HTTPS proxy (SSL policy ``SSL_POLICY``: TLS 1.2 or later) and forwarding rule on 443, and a
       port-80 rule that redirects to HTTPS;
     - a firewall rule on the stack's VPC admitting Google's front ends and health checkers

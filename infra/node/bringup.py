@@ -13,6 +13,12 @@ p99, egress p99, ingress p99, the total p50/p99). The load generator reads the r
 before and after the run too, so its report carries the same split for exactly the run's sessions, with the
 means that add up (docs/benchmarks.md, "First-audio latency budget"). A process of the node that died during
 the run is reported, not waited on.
+
+Then the same number of sessions over WebRTC (``runtime.tools.loadgen_rtc``, aiortc clients in two
+processes): signalling through nginx (``POST /api/rtc``, ``DELETE`` of its ``Location``), media through the
+node's coturn, relay-only (each client asks ``GET /api/rtc/ice-servers`` for its TURN credentials first),
+when the profile's relay is on. :func:`transport_rows` sets both runs side by side (first audio p50/p99,
+frames lost, ICE connect time), as ``duplex node up`` prints them.
 """
 
 from __future__ import annotations
@@ -29,8 +35,16 @@ import numpy as np
 from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
 from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
+from runtime.tools.loadgen_rtc import RtcLoadReport, run_rtc_load
 
-__all__ = ["NodeCheck", "bring_up_and_check", "scraped_figures"]
+__all__ = ["NodeCheck", "bring_up_and_check", "scraped_figures", "transport_rows"]
+
+RTC_PROCESSES = 2
+"""Load generator processes the WebRTC sessions share (aiortc's media stack is pure Python: one process
+would measure itself)."""
+
+QUIET_TIMEOUT_S = 30.0
+"""How long the WebRTC run waits for the WebSocket run's sessions to leave their slots (s)."""
 
 EXTRA_CALLER_DELAY_S = 1.5
 """When the extra caller knocks (s after the load starts): every session is connected by then."""
@@ -64,6 +78,9 @@ SCRAPED_QUERIES = {
     "peak_active_sessions": 'max_over_time(duplex_active_sessions{job="runtime"}[5m])',
     "slots": 'duplex_slots_total{job="runtime"}',
     "sessions_started": 'duplex_sessions_started_total{job="runtime"}',
+    "webrtc_sessions_started": (
+        'sum(duplex_transport_sessions_started_total{job="runtime",transport="webrtc"})'
+    ),
     "tick_p99_ms": _quantile(0.99, "duplex_tick_duration_seconds"),
     "first_audio_p50_ms": _quantile(0.5, "duplex_first_audio_latency_seconds"),
     "first_audio_p99_ms": _quantile(0.99, "duplex_first_audio_latency_seconds"),
@@ -99,6 +116,8 @@ class NodeCheck:
     went wrong (``problems`` empty means the node works)."""
 
     load: LoadReport | None = None
+    rtc_load: RtcLoadReport | None = None
+    rtc_relay: bool = False
     extra_caller: SessionResult | None = None
     scraped: dict[str, float | None] = field(default_factory=dict)
     dead_processes: dict[str, int] = field(default_factory=dict)
@@ -115,6 +134,14 @@ class NodeCheck:
             "summary": self.load.summary() if self.load else None,
             "first_audio_budget": self.load.budget if self.load else None,
             "sessions": self.load.session_rows() if self.load else [],
+            "transports": transport_rows(self),
+            "webrtc": {
+                "relay_only": self.rtc_relay,
+                "summary": self.rtc_load.summary(),
+                "sessions": self.rtc_load.session_rows(),
+            }
+            if self.rtc_load
+            else None,
             "extra_caller": {
                 "refused": self.extra_caller.refused,
                 "reason": self.extra_caller.refusal_reason,
@@ -125,6 +152,53 @@ class NodeCheck:
             "prometheus": self.scraped,
             "dead_processes": self.dead_processes,
         }
+
+
+def transport_rows(check: NodeCheck) -> list[dict[str, object]]:
+    """One row per transport the check ran (``websocket``, then ``webrtc``): sessions served of those
+    launched, first audio p50/p99 (ms, the client's: first frame sent -> first audio back), frames lost,
+    and for WebRTC the POST -> connected (ICE and DTLS) p50/p99 (ms), concealed 20 ms packets and whether
+    the media was relay-only."""
+    rows: list[dict[str, object]] = []
+    for transport, report in (("websocket", check.load), ("webrtc", check.rtc_load)):
+        if report is None:
+            continue
+        total = report.summary()
+        row: dict[str, object] = {
+            "transport": transport,
+            "sessions": len(report.sessions),
+            "served": len(report.served),
+            "first_audio_ms_p50": total["first_audio_ms_p50"],
+            "first_audio_ms_p99": total["first_audio_ms_p99"],
+            "frames_lost": total["frames_lost"],
+            "ice_connect_ms_p50": total.get("ice_connect_ms_p50"),
+            "ice_connect_ms_p99": total.get("ice_connect_ms_p99"),
+            "concealed_packets": total.get("concealed_packets"),
+            "relay_only": check.rtc_relay if transport == "webrtc" else None,
+        }
+        rows.append(row)
+    return rows
+
+
+def _active_sessions(runtime_url: str) -> float | None:
+    """The runtime's ``duplex_active_sessions`` from its ``/metrics``; None when it does not answer."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"{runtime_url}/metrics", timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("duplex_active_sessions"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _wait_until_quiet(runtime_url: str, timeout_s: float) -> None:
+    """Until the runtime holds no session (the WebSocket run's slots freed), or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _active_sessions(runtime_url) not in (0.0, None):
+        time.sleep(0.2)
 
 
 def runtime_health_problem(runtime_url: str, *, timeout_s: float = 5.0) -> str | None:
@@ -152,6 +226,12 @@ def _check_load(check: NodeCheck, sessions: int) -> None:
             check.problems.append(f"session {i} got no audio")
         elif not r.text.strip():
             check.problems.append(f"session {i} got no text")
+    if check.rtc_load is not None:
+        for i, r in enumerate(check.rtc_load.sessions):
+            if r.failure:
+                check.problems.append(f"WebRTC session {i} {r.failure}")
+            elif r.audio_messages == 0:
+                check.problems.append(f"WebRTC session {i} got no audio")
     extra = check.extra_caller
     if extra is not None and not extra.refused:
         check.problems.append(f"caller {sessions + 1} was served although the node has {sessions} slots")
@@ -165,9 +245,11 @@ def bring_up_and_check(
     on_frame: Callable[[], None] | None = None,
     progress: Callable[[str], None] | None = None,
     max_duration_s: float = 120.0,
+    webrtc: bool = True,
 ) -> NodeCheck:
     """Drive the (started) ``node``: ``sessions`` (default: its slot count) concurrent sessions through
-    nginx over TLS, one extra caller while they run, then Prometheus's figures. Never raises for a node
+    nginx over TLS, one extra caller while they run, then (``webrtc``) as many WebRTC sessions, relay-only
+    through the node's coturn when its relay is on, then Prometheus's figures. Never raises for a node
     failure: what went wrong is in ``NodeCheck.problems``."""
     say = progress or (lambda message: None)
     sessions = sessions or node.profile.sessions
@@ -196,6 +278,23 @@ def bring_up_and_check(
 
     say(f"streaming {sessions} sessions through {node.wss_url}")
     check.load, check.extra_caller = asyncio.run(drive())
+    if webrtc and not node.dead_processes():
+        check.rtc_relay = node.profile.relay.enabled
+        route = "relay-only through its TURN relay" if check.rtc_relay else "direct"
+        say(f"streaming {sessions} WebRTC sessions through {node.https_url}/api/rtc ({route})")
+        _wait_until_quiet(node.runtime_url, QUIET_TIMEOUT_S)
+        check.rtc_load = asyncio.run(
+            run_rtc_load(
+                node.https_url,
+                speech,
+                sessions=sessions,
+                processes=RTC_PROCESSES,
+                token=node.mint_token,
+                cafile=str(node.certificate_path),
+                max_duration_s=max_duration_s,
+                relay=check.rtc_relay,
+            )
+        )
     _check_load(check, sessions)
     health = runtime_health_problem(node.runtime_url)
     if health is not None:
@@ -209,14 +308,14 @@ def bring_up_and_check(
         return check
     say("reading the node's figures back from Prometheus")
     try:
-        served = len(check.load.served)
+        served = len(check.load.served) + (len(check.rtc_load.served) if check.rtc_load else 0)
         check.scraped = scraped_figures(
             node.prometheus_url, want_sessions=served, scrape_interval_s=node.profile.scrape_interval_s
         )
     except Exception as exc:  # PrometheusQueryError, or anything Prometheus's API surprises us with
         check.problems.append(f"Prometheus: {exc}")
         return check
-    if (check.scraped.get("sessions_started") or 0) < len(check.load.served):
+    if (check.scraped.get("sessions_started") or 0) < served:
         check.problems.append(
             f"Prometheus saw {check.scraped.get('sessions_started')} sessions started, the clients {served}"
         )

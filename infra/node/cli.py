@@ -61,13 +61,48 @@ def render_command(
         console.print(f"warning: {warning}", style="yellow", markup=False)
 
 
+def _transport_table(rows: list[dict[str, object]]) -> Table:
+    """``bringup.transport_rows`` as a table: the two transports side by side (times in ms)."""
+
+    def ms(value: object) -> str:
+        return "-" if value is None else f"{float(value):.0f}"  # type: ignore[arg-type]
+
+    table = Table(
+        title="WebSocket and WebRTC side by side",
+        caption="ms; 1st: the client's first frame sent -> first audio back; ICE: POST -> connected; "
+        "PLC: 20 ms packets concealed; webrtc/turn: relay-only through the node's coturn",
+    )
+    for column in ("transport", "served", "1st p50", "1st p99", "lost", "ICE p50", "ICE p99", "PLC"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(
+            f"{row['transport']}{'/turn' if row['relay_only'] else ''}",
+            f"{row['served']}/{row['sessions']}",
+            ms(row["first_audio_ms_p50"]),
+            ms(row["first_audio_ms_p99"]),
+            str(row["frames_lost"]),
+            ms(row["ice_connect_ms_p50"]),
+            ms(row["ice_connect_ms_p99"]),
+            "-" if row["concealed_packets"] is None else str(row["concealed_packets"]),
+        )
+    return table
+
+
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
+    from infra.node.bringup import transport_rows
     from runtime.tools.loadgen import load_table
 
     if check.load is not None:
         console.print(load_table(f"sessions through {node.wss_url}/api/chat", check.load))
     if check.extra_caller is not None:
         console.print(f"extra caller at the cap: {check.extra_caller.refusal_reason or 'served (!)'}")
+    if check.rtc_load is not None:
+        route = "relay-only via coturn" if check.rtc_relay else "direct"
+        title = f"WebRTC sessions through {node.https_url}/api/rtc ({route})"
+        console.print(load_table(title, check.rtc_load))
+    rows = transport_rows(check)
+    if rows:
+        console.print(_transport_table(rows))
     if check.scraped:
         table = Table(title=f"the node's figures, from Prometheus ({node.prometheus_url})")
         table.add_column("figure")
@@ -114,10 +149,18 @@ def up_command(
     ] = None,
     keep_running: Annotated[bool, typer.Option(help="Leave the node running until Ctrl-C")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the outcome as JSON")] = False,
+    webrtc: Annotated[
+        bool,
+        typer.Option(
+            help="After the wss:// run, stream as many sessions over WebRTC (signalling through nginx, "
+            "media relay-only through the node's coturn) and print both transports side by side"
+        ),
+    ] = True,
 ) -> None:
     """The main job: bring the local node up (redis, exporters, runtime with the tiny model, Prometheus,
-    nginx with a self-signed certificate, all on loopback), stream sessions of real speech through
-    wss:// at real-time pace plus one extra caller that must be refused, show Prometheus's figures, stop."""
+    nginx with a self-signed certificate, coturn, all on loopback), stream sessions of real speech through
+    wss:// at real-time pace plus one extra caller that must be refused, then as many over WebRTC through
+    the node's TURN relay, print both transports side by side, show Prometheus's figures, stop."""
     logging.basicConfig(level=logging.WARNING)
     from infra.node.bringup import bring_up_and_check
     from infra.node.local import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
@@ -156,6 +199,7 @@ def up_command(
                     sessions=count,
                     on_frame=lambda: progress.advance(task),
                     progress=lambda message: progress.update(task, description=message),
+                    webrtc=webrtc,
                 )
             if json_out:
                 print(json.dumps(check.as_dict(), default=str))

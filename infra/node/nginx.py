@@ -1,11 +1,12 @@
 """nginx in front of the runtime: TLS termination, the WebSocket proxy and the node's session cap.
 
-``render_nginx(profile)`` gives ``nginx/nginx.conf``: TLS 1.2/1.3 only, plain HTTP redirected except the ACME
-HTTP-01 webroot (``infra.node.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn`` per node and
-per client address (503) and ``limit_req`` on handshakes (429), the sessions API (``/api/sessions``, GET and
-DELETE), ``/metrics`` 404 on the public side, the browser client (``infra.node.webclient``) at ``/`` under a
-CSP that allows only the node itself, no session token in the access log. The same profile always gives the
-same bytes.
+``render_nginx(profile)`` gives ``nginx/nginx.conf``: TLS 1.2/1.3 only, plain HTTP redirected except the
+ACME HTTP-01 webroot (``infra.node.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn`` per
+node and per client address (503) and ``limit_req`` on handshakes (429), WebRTC signalling (``/api/rtc``:
+POST of an offer under the same limits, the ICE servers, DELETE of a session), the sessions API
+(``/api/sessions``, GET and DELETE), ``/metrics`` 404 on the public side, the browser client
+(``infra.node.webclient``) at ``/`` under a CSP that allows only the node itself, no session token in the
+access log. The same profile always gives the same bytes.
 
 What each directive does, and why: docs/node.md, "The bundle"."""
 
@@ -19,7 +20,13 @@ from infra.node.services import endpoint, public_origin
 from infra.node.webclient import WEB_TYPES, page_headers, web_root
 from infra.node.webclient import content_security_policy as page_csp
 
-__all__ = ["NGINX_CONF", "SESSION_TIMEOUT_MARGIN_S", "content_security_policy", "render_nginx"]
+__all__ = [
+    "NGINX_CONF",
+    "RTC_OFFER_MAX_BYTES",
+    "SESSION_TIMEOUT_MARGIN_S",
+    "content_security_policy",
+    "render_nginx",
+]
 
 NGINX_CONF = "nginx/nginx.conf"
 """The bundle path of the rendered configuration."""
@@ -38,6 +45,26 @@ _TLS12_CIPHERS = ":".join(
         "ECDHE-RSA-AES256-GCM-SHA384",
         "ECDHE-ECDSA-CHACHA20-POLY1305",
         "ECDHE-RSA-CHACHA20-POLY1305",
+    )
+)
+
+
+RTC_OFFER_MAX_BYTES = 32_768
+"""nginx's body cap on ``POST /api/rtc`` (bytes): the runtime's ``rtc.MAX_OFFER_BYTES`` (its own 413), so an
+oversized offer stops at the edge (the node bundle does not import the runtime; a test checks they match)."""
+
+# The /api/rtc locations' proxying: a level that sets proxy_set_header inherits none from the server level.
+_RTC_PROXY = "\n".join(
+    "            " + line
+    for line in (
+        "proxy_pass http://duplex_runtime;",
+        "proxy_http_version 1.1;",
+        "proxy_set_header Host $host;",
+        "proxy_set_header X-Real-IP $remote_addr;",
+        "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",
+        "proxy_set_header X-Forwarded-Proto https;",
+        'proxy_set_header Connection "";',
+        "proxy_connect_timeout 5s;",
     )
 )
 
@@ -246,6 +273,49 @@ http {{
             proxy_buffering off;
         }}
 
+        # WebRTC signalling (runtime/frontend/rtc.py; docs/protocol.md, "WebRTC"): one POST of the SDP offer
+        # per session, capped at the runtime's limit (its own 413, the same sentence), rate-limited as
+        # handshakes are. The media never passes here: UDP through the node's TURN relay (coturn). The
+        # connection caps hold only while the POST is open (a waiting room's wait included): the runtime caps
+        # the sessions.
+        location = /api/rtc {{
+            limit_except POST {{
+                deny all;
+            }}
+            client_max_body_size {RTC_OFFER_MAX_BYTES};
+            client_body_buffer_size {RTC_OFFER_MAX_BYTES};
+            limit_conn duplex_node_sessions {profile.sessions};
+            limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};
+            limit_req zone=duplex_handshakes burst={limits.handshake_burst} nodelay;
+            error_page 503 @node_full;
+            error_page 429 @too_many_handshakes;
+            error_page 413 @offer_too_large;
+            error_page 502 504 @runtime_unavailable;
+{_RTC_PROXY}
+            # A waiting room holds the POST until a slot frees: as long as a WebSocket may stay open.
+            proxy_read_timeout {timeout_s}s;
+        }}
+
+        # TURN credentials before the offer (the token is checked, not spent): rate-limited the same way.
+        location = /api/rtc/ice-servers {{
+            limit_except GET {{
+                deny all;
+            }}
+            limit_req zone=duplex_handshakes burst={limits.handshake_burst} nodelay;
+            error_page 429 @too_many_handshakes;
+            error_page 502 504 @runtime_unavailable;
+{_RTC_PROXY}
+        }}
+
+        # DELETE of the Location a 201 gave (/api/rtc/<session>/<key>) ends the session.
+        location ^~ /api/rtc/ {{
+            limit_except DELETE {{
+                deny all;
+            }}
+            error_page 502 504 @runtime_unavailable;
+{_RTC_PROXY}
+        }}
+
         # Never public: Prometheus scrapes the runtime on the private address.
         location = /metrics {{
             return 404;
@@ -259,6 +329,11 @@ http {{
         location @too_many_handshakes {{
             default_type text/plain;
             return 429 "{too_many}";
+        }}
+
+        location @offer_too_large {{
+            default_type text/plain;
+            return 413 "the SDP offer is over {RTC_OFFER_MAX_BYTES} bytes\\n";
         }}
 
         location @runtime_unavailable {{

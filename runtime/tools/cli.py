@@ -307,6 +307,13 @@ def loadgen(
     processes: Annotated[
         int, typer.Option(min=1, max=64, help="--transport webrtc: generator processes the sessions share")
     ] = 2,
+    relay: Annotated[
+        bool,
+        typer.Option(
+            help="--transport webrtc: relay-only (iceTransportPolicy relay) through the node's TURN server, "
+            "from GET /api/rtc/ice-servers"
+        ),
+    ] = False,
 ) -> None:
     """Drive SESSIONS concurrent sessions of speech at real-time pace against a node (this one, a GCP
     node, a GKE endpoint) and report per session and in total: connect time, first-audio latency
@@ -327,6 +334,9 @@ def loadgen(
 
     if not url.startswith(("ws://", "wss://")):
         console.print(f"[red]--url must start with ws:// or wss://, got {url!r}[/red]")
+        raise typer.Exit(2)
+    if relay and transport != "webrtc":
+        console.print("[red]--relay needs --transport webrtc (the WebSocket has no relay)[/red]")
         raise typer.Exit(2)
     try:
         fmt = AudioFormat(audio_format)
@@ -359,6 +369,7 @@ def loadgen(
                 cafile=str(ca_cert) if ca_cert else None,
                 max_duration_s=max_duration_s,
                 stagger_s=stagger_s,
+                relay=relay,
             )
         )
         _print_report(rtc_report, None, f"{sessions} WebRTC sessions against {url}", json_out)

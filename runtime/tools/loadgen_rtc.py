@@ -7,13 +7,16 @@ until it hangs up, as a live microphone's would), then hangs up (``DELETE``); it
 generator's usual figures (``runtime.tools.loadgen.SessionResult``: an 80 ms frame is four packets; first
 audio from the first packet sent to the first packet back) plus the POST -> answer and POST -> connected
 (ICE and DTLS) times and the packets its own jitter buffer (``runtime.frontend.jitter``, run on arrivals)
-had to conceal.
+had to conceal. With ``relay`` each session first asks ``GET /api/rtc/ice-servers`` (its token checked,
+not spent) and gathers relay candidates only (``iceTransportPolicy: "relay"``): its media then goes through
+the node's TURN relay, as a firewalled caller's would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import math
 import multiprocessing
 import ssl
@@ -30,7 +33,14 @@ from runtime.frontend.refusals import CLOSE_NORMAL
 from runtime.tools.loadgen import MAX_LOAD_SESSIONS, LoadReport, SessionResult, _percentile
 from runtime.tools.rtc_client import RtcCall, encode_packets
 
-__all__ = ["RtcLoadReport", "RtcSessionResult", "http_base", "run_rtc_load", "run_rtc_session"]
+__all__ = [
+    "RtcLoadReport",
+    "RtcSessionResult",
+    "fetch_ice_servers",
+    "http_base",
+    "run_rtc_load",
+    "run_rtc_session",
+]
 
 PACKETS_PER_FRAME = 4
 TAIL_S = 1.0
@@ -64,6 +74,30 @@ def http_base(url: str) -> str:
     return {"ws": "http", "wss": "https"}.get(scheme, scheme) + "://" + host
 
 
+async def fetch_ice_servers(
+    base: str, token: str | None, ssl_context: ssl.SSLContext | None = None
+) -> list[dict[str, object]]:
+    """``GET <base>/api/rtc/ice-servers``'s ``iceServers`` (the token checked, not spent).
+
+    Raises:
+        ValueError: not 200 (the status and the node's sentence), or no TURN server among them.
+        aiohttp.ClientError: the node did not answer.
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    connector = aiohttp.TCPConnector(ssl=ssl_context) if ssl_context is not None else None
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.get(f"{base}/api/rtc/ice-servers", headers=headers) as response,
+    ):
+        body = await response.text()
+        if response.status != 200:
+            raise ValueError(f"/api/rtc/ice-servers answered {response.status}: {body.strip()[:200]}")
+    servers: list[dict[str, object]] = json.loads(body)["iceServers"]
+    if not any(s.get("username") for s in servers):
+        raise ValueError("the node named no TURN server (is its relay on? DUPLEX_TURN_URLS)")
+    return servers
+
+
 async def run_rtc_session(
     base: str,
     packets: Sequence[bytes],
@@ -72,10 +106,21 @@ async def run_rtc_session(
     query: str = "",
     ssl_context: ssl.SSLContext | None = None,
     connect_timeout_s: float = 10.0,
+    relay: bool = False,
 ) -> RtcSessionResult:
-    """One WebRTC session against ``base`` (``http(s)://host:port``) replaying ``packets`` once."""
+    """One WebRTC session against ``base`` (``http(s)://host:port``) replaying ``packets`` once; ``relay``:
+    through the node's TURN relay only (the ICE servers from ``GET /api/rtc/ice-servers``)."""
     result = RtcSessionResult(frames_planned=len(packets) // PACKETS_PER_FRAME)
-    call = RtcCall(base, packets, token=token, query=query, loop=False)
+    ice_servers: list[dict[str, object]] = []
+    if relay:
+        try:
+            ice_servers = await fetch_ice_servers(base, token, ssl_context)
+        except (aiohttp.ClientError, ValueError) as exc:
+            result.connect_error = f"ICE servers: {type(exc).__name__}: {exc}"
+            return result
+    call = RtcCall(
+        base, packets, token=token, query=query, loop=False, ice_servers=ice_servers, relay_only=relay
+    )
     call.track.after = _silence()  # as a live client: audio goes on (silence) until it hangs up
     buffer = JitterBuffer(time.monotonic)
     arrivals: list[float] = []
@@ -160,6 +205,7 @@ def _process_share(
     stagger_s: float,
     max_duration_s: float,
     cafile: str | None,
+    relay: bool = False,
 ) -> tuple[list[RtcSessionResult], float]:
     """One generator process: its sessions concurrently; (results in ``indices`` order, CPU seconds)."""
     context = ssl.create_default_context(cafile=cafile) if cafile else None
@@ -169,7 +215,7 @@ def _process_share(
         async def one(n: int, i: int, token: str | None) -> RtcSessionResult:
             await asyncio.sleep(i * stagger_s)
             return await run_rtc_session(
-                base, clips[i % len(clips)], token=token, query=query, ssl_context=context
+                base, clips[i % len(clips)], token=token, query=query, ssl_context=context, relay=relay
             )
 
         tasks = [
@@ -206,10 +252,11 @@ async def run_rtc_load(
     cafile: str | None = None,
     max_duration_s: float = 120.0,
     stagger_s: float = 0.0,
+    relay: bool = False,
 ) -> RtcLoadReport:
     """``sessions`` concurrent WebRTC sessions against ``url`` (``ws(s)://`` or ``http(s)://host:port``),
     spread round-robin over ``processes`` generator processes; session ``i`` replays ``speech[i %
-    len(speech)]`` pre-encoded.
+    len(speech)]`` pre-encoded; ``relay``: every session through the node's TURN relay only.
 
     Raises:
         ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, ``processes`` < 1, no speech, a bad duration,
@@ -244,6 +291,7 @@ async def run_rtc_load(
                 stagger_s,
                 max_duration_s,
                 cafile,
+                relay,
             )
             for share in shares
         ]

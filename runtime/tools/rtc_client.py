@@ -21,7 +21,13 @@ from typing import Any
 import aiohttp
 import av
 import numpy as np
-from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc import (
+    RTCConfiguration,
+    RTCIceServer,
+    RTCIceTransportPolicy,
+    RTCPeerConnection,
+    RTCSessionDescription,
+)
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from runtime.engine.model_presets import FRAME_SAMPLES
@@ -128,6 +134,8 @@ class RtcCall:
         offer_filter: rewrites the offer's SDP before the POST (tests: drop candidates, break it).
         answer_filter: rewrites the answer's SDP before it is applied (tests: route through a relay).
         datachannel: offer a DataChannel (a browser client does).
+        relay_only: gather relay candidates only (``iceTransportPolicy: "relay"``, as a firewalled browser):
+            needs a TURN server in ``ice_servers``, else the offer has no candidate and ICE never connects.
     """
 
     def __init__(
@@ -142,6 +150,7 @@ class RtcCall:
         answer_filter: Callable[[str], str] | None = None,
         datachannel: bool = True,
         loop: bool = True,
+        relay_only: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
@@ -152,7 +161,8 @@ class RtcCall:
             RTCIceServer(urls=s["urls"], username=s.get("username"), credential=s.get("credential"))
             for s in ice_servers
         ]
-        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=servers))
+        policy = RTCIceTransportPolicy.RELAY if relay_only else RTCIceTransportPolicy.ALL
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=servers, iceTransportPolicy=policy))
         self.track = PacketReplayTrack(packets, loop=loop)
         self.transceiver = self.pc.addTransceiver(self.track, direction="sendrecv")
         self.channel = self.pc.createDataChannel("duplex") if datachannel else None
