@@ -690,6 +690,15 @@ class MaintenanceWindowKeys(BaseModel):
         return MaintenanceWindow(start=self.start, hours=self.hours, days=days)
 
 
+def _not_on_gcp(gpu: str) -> str | None:
+    """Why ``gpu`` cannot be a region's GPU (it is not offered on GCP), or None."""
+    if gpu in gcp_catalog.GCP_GPUS:
+        return None
+    return f"{gpu!r} is not offered on GCP (on-premises only); allowed: " + ", ".join(
+        sorted(gcp_catalog.GCP_GPUS)
+    )
+
+
 def _region_settings(item: RegionKeys, position: int, profile: NodeProfile) -> RegionSettings:
     """The region's settings for ``profile`` (already carrying the region's GPU).
 
@@ -698,12 +707,8 @@ def _region_settings(item: RegionKeys, position: int, profile: NodeProfile) -> R
     """
     at = f"[{position}]"
     gpu = profile.gpu or ""
-    if gpu not in gcp_catalog.GCP_GPUS:
-        raise problem(
-            f"{gpu!r} is not offered on GCP (on-premises only); allowed: "
-            + ", ".join(sorted(gcp_catalog.GCP_GPUS)),
-            where=f"{at}.gpu",
-        )
+    if why := _not_on_gcp(gpu):
+        raise problem(why, where=f"{at}.gpu")
     name = item.machine_type or gcp_catalog.DEFAULT_MACHINE_TYPE[gpu]
     if name not in gcp_catalog.MACHINE_TYPES:
         raise problem(
@@ -813,6 +818,11 @@ class MultiRegionKeys(_Keys):
         for i, item in enumerate(self.regions):
             where = f"{pulumi_key('regions')}[{i}]"
             region_overrides = {**overrides, **({"gpu": item.gpu} if item.gpu is not None else {})}
+            # The GPU first: a profile built for a GPU the region cannot have would only add noise (its
+            # first-audio budget checked against a GPU that will never run it).
+            if item.gpu is not None and (why := _not_on_gcp(item.gpu)):
+                found.append((f"{where}.gpu", why))
+                continue
             try:
                 region_profile = get_profile(
                     self.profile, **{**region_overrides, "runtime_image": PLACEHOLDER_IMAGE}
