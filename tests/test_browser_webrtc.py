@@ -91,10 +91,15 @@ def browser(speech_wav: Path) -> Iterator[Any]:
 
 
 def open_page(
-    browser: Any, node: LocalNode, query: str, ice_servers: list[dict[str, Any]] | None = None
+    browser: Any,
+    node: LocalNode,
+    query: str,
+    ice_servers: list[dict[str, Any]] | None = None,
+    refuse_post: int | None = None,
 ) -> Any:
     """A page of the client at ``/?<query>#token=<fresh token>``; its ``/api/rtc`` requests go to the
-    runtime (``ice_servers``: the ICE server list to answer instead of the node's). ``page.rtc_requests``
+    runtime (``ice_servers``: the ICE server list to answer instead of the node's;
+    ``refuse_post``: the status to answer the offer's POST with instead of the runtime). ``page.rtc_requests``
     lists the (method, path) of each."""
     context = browser.new_context(ignore_https_errors=True)
     page = context.new_page()
@@ -106,6 +111,9 @@ def open_page(
     def to_runtime(route: Any) -> None:
         path = RTC_PATH.match(route.request.url).group(1)  # type: ignore[union-attr]
         page.rtc_requests.append((route.request.method, path.split("?")[0]))
+        if refuse_post is not None and route.request.method == "POST":
+            route.fulfill(status=refuse_post, content_type="text/plain", body="not_found: no such location\n")
+            return
         if ice_servers is not None and path == "/api/rtc/ice-servers":
             route.fulfill(
                 status=200, content_type="application/json", body=json.dumps({"iceServers": ice_servers})
@@ -149,7 +157,7 @@ def end_conversation(page: Any, node: LocalNode) -> None:
     page.click("#talk")
     page.wait_for_function("() => document.getElementById('status').textContent === 'Conversation ended.'")
     wait_slot_free(node)  # the DELETE (or the WebSocket's close) freed the slot
-    if ("POST", "/api/rtc") in page.rtc_requests:  # let the DELETE's answer come before the page goes
+    if ("POST", "/api/rtc") in page.rtc_answered:  # let the DELETE's answer come before the page goes
         deadline = time.monotonic() + TIMEOUT_MS / 1000
         while not any(m == "DELETE" for m, _ in page.rtc_answered) and time.monotonic() < deadline:
             page.wait_for_timeout(100)
@@ -218,3 +226,16 @@ def test_ice_failure_falls_back_to_the_websocket(node: LocalNode, browser: Any) 
     )
     end_conversation(page, node)
     print(f"\nfallback: WebRTC given up after {end['rtcAttemptMs']:.0f} ms ({end['fallbackReason']})")
+
+
+def test_a_post_refused_for_a_transport_reason_falls_back(node: LocalNode, browser: Any) -> None:
+    """The default transport (WebRTC first) against a node whose proxy does not know ``/api/rtc`` (the
+    POST answered 404, as nginx without the location does): the page opens the WebSocket at once with the
+    same token (no slot was taken, no token spent), gets audio and text, and says why."""
+    wait_slot_free(node)
+    page = open_page(browser, node, "", refuse_post=404)
+    page.click("#talk")
+    end = wait_stats(page, "s.state === 'live' && s.framesReceived >= 20 && s.transcriptChars > 0")
+    assert end["transport"] == "websocket" and "HTTP 404" in end["fallbackReason"], end
+    assert end["reason"] == "" and ("POST", "/api/rtc") in page.rtc_requests
+    end_conversation(page, node)

@@ -9,6 +9,9 @@
 import { sessionQuery } from "./protocol.js";
 
 export const CONNECT_LIMIT_MS = 3000; // from the first ICE server request to "connected": then the WebSocket
+// Gathering waits for every ICE server; an unreachable one would hold it to the limit and leave ICE no time
+// to connect: at this point the offer goes with the candidates gathered so far (none: the WebSocket).
+export const GATHER_LIMIT_MS = 2000;
 const REFUSAL_STATUSES = new Set([401, 403, 429, 503]); // access, persona, rate and capacity refusals
 
 /** The page's transport figures (window.duplexClient.stats), as each conversation starts. */
@@ -110,7 +113,7 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
     rtc.channel.binaryType = "arraybuffer";
     rtc.channel.onmessage = (event) => onMessage(event.data);
     await pc.setLocalDescription(await pc.createOffer());
-    await gathered(pc, deadline);
+    await gathered(pc, startedMs + GATHER_LIMIT_MS);
     const offer = pc.localDescription.sdp;
     // No candidate at all (relay-only and no TURN server answered): ICE cannot connect. Say so before the
     // POST, which would spend the token.
