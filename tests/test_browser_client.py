@@ -102,12 +102,14 @@ def browser(speech_wav: Path) -> Iterator[Any]:
 
 def open_page(browser: Any, node: LocalNode, fragment: str = "", **context_args: Any) -> Any:
     """A page of the client in a fresh browser context (its own cookies, its own connections), trusting
-    the node's self-signed certificate; uncaught page errors fail the test at ``page_errors``."""
+    the node's self-signed certificate, with the transport forced to the WebSocket; uncaught page errors
+    fail the test at ``page_errors``."""
     context = browser.new_context(ignore_https_errors=True, **context_args)
     page = context.new_page()
     page.errors = []
     page.on("pageerror", lambda error: page.errors.append(str(error)))
-    page.goto(f"{node.https_url}/{fragment}")
+    # WebSocket only: tests/test_browser_webrtc.py covers WebRTC and the fallback.
+    page.goto(f"{node.https_url}/?transport=websocket{fragment}")
     # Functions, not expression strings: Playwright evaluates strings with eval, which the page's CSP forbids.
     page.wait_for_function("() => window.duplexClient !== undefined")
     return page

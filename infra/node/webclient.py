@@ -5,7 +5,8 @@ Plain ES modules, no build step, nothing fetched from elsewhere (the page's Cont
 only the node itself): ``index.html``, ``style.css``, ``app.js`` (the page), ``protocol.js`` (the wire
 protocol, the admission check and the refusal reasons in plain words), ``audio-worklet.js`` (microphone
 capture resampled to 24 kHz Int16 frames), ``player.js`` (playback through an AudioContext),
-``playout.js`` (the adaptive playout buffer's logic, docs/node.md), ``favicon.svg``.
+``playout.js`` (the adaptive playout buffer's logic, docs/node.md), ``rtc.js`` (the WebRTC transport:
+``/api/rtc`` signalling, ICE, getStats), ``favicon.svg``.
 
 Where nginx finds them: ``web/`` under its prefix (the node directory) on a ``processes`` node; on a
 ``compose`` node the bundle's ``web/`` is mounted read-only at ``WEB_CONTAINER_ROOT`` in the nginx

@@ -6,6 +6,11 @@
 // playing the frames that come down (player.js) and showing the text pieces. A connection lost without a
 // close frame (a Wi-Fi blip, a new network) is resumed with the session's single-use credential while the
 // node holds its slot (docs/protocol.md, "Resume"), and the page says so.
+//
+// WebRTC first (rtc.js): the microphone track and a DataChannel on one RTCPeerConnection, the node's audio
+// played by an <audio> element, the DataChannel's messages read by the same handler as the WebSocket's.
+// The page falls back to the WebSocket (with the same token) when the POST is refused for a transport
+// reason or ICE does not connect within 3 s. ?transport=websocket|webrtc forces one; ?relay=1 relays only.
 
 import {
   FRAME_MS,
@@ -22,6 +27,7 @@ import {
   reasonOfError,
 } from "./protocol.js";
 import { Player } from "./player.js";
+import { RTC_STATS, closeRtc, connectRtc, readRtcStats, transportOptions } from "./rtc.js";
 
 const PING_INTERVAL_MS = 1000; // one round-trip probe per second
 const READOUT_INTERVAL_MS = 250; // how often the numbers on the page are refreshed
@@ -50,7 +56,7 @@ const PERSONAS = [
 
 const ui = Object.fromEntries(
   ["token", "token-info", "voice", "persona", "prompt", "settings", "talk", "status", "problem", "transcript",
-    "level", "stat-rtt", "stat-received", "stat-lost", "stat-underruns", "stat-buffer", "stat-sent",
+    "level", "stat-transport", "stat-rtt", "stat-received", "stat-lost", "stat-underruns", "stat-buffer", "stat-sent",
   ].map((id) => [id, document.getElementById(id)]),
 );
 
@@ -86,6 +92,7 @@ const stats = {
   contextTimeS: 0, // AudioContext.currentTime (s)
   scheduledUntilS: 0, // context time (s) up to which audio is scheduled
   resumes: 0, // times the conversation was resumed after a lost connection
+  ...RTC_STATS, // the transport and the WebRTC figures (rtc.js)
 };
 window.duplexClient = { stats };
 
@@ -129,12 +136,27 @@ function readPlayer(s) {
 
 function refreshReadout() {
   if (session?.player) readPlayer(session);
+  if (session?.rtc && !session.rtc.closed) {
+    readRtcStats(session.rtc.pc).then((figures) => Object.assign(stats, figures)).catch(() => {});
+  }
+  ui["stat-transport"].textContent = describeTransport();
   ui["stat-rtt"].textContent = stats.rttMs === null ? "–" : `${Math.round(stats.rttMs)} ms`;
-  ui["stat-received"].textContent = String(stats.framesReceived);
+  ui["stat-received"].textContent =
+    stats.transport === "webrtc" ? `${stats.rtcPacketsReceived} packets` : String(stats.framesReceived);
   ui["stat-lost"].textContent = String(stats.framesLost + stats.dropped);
   ui["stat-underruns"].textContent = String(stats.underruns);
   ui["stat-buffer"].textContent = describeBuffer();
-  ui["stat-sent"].textContent = String(stats.framesSent);
+  ui["stat-sent"].textContent =
+    stats.transport === "webrtc" ? `${stats.rtcPacketsSent} packets` : String(stats.framesSent);
+}
+
+/** The transport in words, with why WebRTC was given up when it was. */
+function describeTransport() {
+  if (stats.transport === "webrtc") {
+    return stats.rtcCandidateType === "relay" ? "WebRTC (through the relay)" : "WebRTC";
+  }
+  if (stats.transport === "websocket") return stats.fallbackReason ? "WebSocket (WebRTC failed)" : "WebSocket";
+  return "–";
 }
 
 /** The playout buffer in words: now (live), or the session's report once it ended. */
@@ -174,6 +196,7 @@ async function start() {
     framesSent: 0, framesReceived: 0, framesLost: 0, rttMs: null, transcriptChars: 0, resumes: 0,
   });
   Object.assign(stats, { framesScheduled: 0, underruns: 0, dropped: 0 });
+  Object.assign(stats, RTC_STATS);
   ui.transcript.textContent = "";
   setState("connecting");
   try {
@@ -202,11 +225,61 @@ async function start() {
     s.source = context.createMediaStreamSource(s.stream);
     s.source.connect(s.capture);
 
-    setStatus("Connecting…");
+    const options = transportOptions(location.search);
+    if (options.transport !== "websocket" && window.RTCPeerConnection) {
+      setStatus(options.relay ? "Connecting over WebRTC (relay only)…" : "Connecting over WebRTC…");
+      const result = await connectRtc({
+        token, persona, stream: s.stream, relay: options.relay,
+        onMessage: (data) => onMessage(s, data),
+        onTrack: (remote) => playRemote(s, remote),
+      });
+      if (s.ended) return result.rtc && closeRtc(result.rtc);
+      if (result.ok) return useRtc(s, result.rtc);
+      if (!result.fallback) return end(s, result.reason || "connection_failed", result.message);
+      stats.fallbackReason = result.message;
+      stats.rtcAttemptMs = result.afterMs;
+      if (options.transport === "webrtc") return end(s, "connection_failed", result.message);
+    }
+    stats.transport = "websocket";
+    setStatus(stats.fallbackReason ? "WebRTC did not connect: connecting over the WebSocket…" : "Connecting…");
     const protocols = token ? [TOKEN_SUBPROTOCOL_PREFIX + token] : [];
     openSocket(s, `${chatUrl(location, persona)}&resumable=1`, protocols);
   } catch (error) {
     end(s, "unsupported", String(error));
+  }
+}
+
+/** WebRTC connected: the DataChannel brings the handshake; the peer connection's end ends the session. */
+function useRtc(s, rtc) {
+  s.rtc = rtc;
+  stats.transport = "webrtc";
+  stats.rtcConnectMs = rtc.connectMs;
+  setStatus("Connected over WebRTC. The node is getting the persona ready…");
+  const lost = () => {
+    if (s.ended) return;
+    if (s.error) return end(s, s.error.reason, s.error.message);
+    end(s, s.handshake ? "connection_lost" : "connection_failed", "");
+  };
+  rtc.pc.addEventListener("connectionstatechange", () => {
+    if (rtc.pc.connectionState === "failed" || rtc.pc.connectionState === "closed") lost();
+  });
+  rtc.channel.addEventListener("close", lost);
+}
+
+/** The node's audio over WebRTC: played by an <audio> element (the browser's own jitter buffer). */
+function playRemote(s, remote) {
+  if (s.ended) return;
+  s.audio = new Audio();
+  s.audio.srcObject = remote;
+  s.audio.play().catch(() => {}); // the click was the user gesture
+}
+
+/** Send one message on whichever transport is in use (dropped when it is not open). */
+function send(s, buffer) {
+  if (s.rtc) {
+    if (s.rtc.channel.readyState === "open") s.rtc.channel.send(buffer);
+  } else if (s.ws?.readyState === WebSocket.OPEN) {
+    s.ws.send(buffer);
   }
 }
 
@@ -245,7 +318,8 @@ function onCapture(s, data) {
   }
   ui.level.value = Math.min(1, data.rms * LEVEL_GAIN);
   // Audio sent before the handshake would be dropped by the node: start with the conversation.
-  if (s.handshake && !s.ended && s.ws.readyState === WebSocket.OPEN) {
+  // Over WebRTC the microphone track carries the audio (the worklet only drives the level meter).
+  if (s.handshake && !s.ended && !s.rtc && s.ws?.readyState === WebSocket.OPEN) {
     s.ws.send(encodeAudio(data.samples));
     stats.framesSent += 1;
   }
@@ -265,9 +339,7 @@ function onMessage(s, data) {
         setStatus("Live: speak now. Press “Stop talking” to end the conversation.");
       }
       s.resuming = 0;
-      s.pingTimer = setInterval(() => {
-        if (s.ws.readyState === WebSocket.OPEN) s.ws.send(encodePing(++s.pings, performance.now()));
-      }, PING_INTERVAL_MS);
+      s.pingTimer = setInterval(() => send(s, encodePing(++s.pings, performance.now())), PING_INTERVAL_MS);
       break;
     case Kind.AUDIO: {
       const now = performance.now();
@@ -321,6 +393,11 @@ async function onClose(s, event) {
 function release(s) {
   clearInterval(s.pingTimer);
   if (s.ws && s.ws.readyState <= WebSocket.OPEN) s.ws.close(1000, "client ended");
+  if (s.rtc) closeRtc(s.rtc);
+  if (s.audio) {
+    s.audio.pause();
+    s.audio.srcObject = null;
+  }
   s.stream?.getTracks().forEach((track) => track.stop());
   s.source?.disconnect();
   if (s.capture) {

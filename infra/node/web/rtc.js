@@ -1,0 +1,202 @@
+// The page's WebRTC transport (docs/protocol.md, "WebRTC (`/api/rtc`)"): the microphone track and a
+// DataChannel on one RTCPeerConnection, signalled by one POST of the offer (WHIP-shaped), non-trickle ICE.
+//
+// connectRtc() resolves to {ok: true, rtc} once ICE connected, or {ok: false, fallback, reason, message}:
+// `fallback` true when the page should use the WebSocket instead (the POST was refused for a transport
+// reason, or ICE did not connect within CONNECT_LIMIT_MS); false for a refusal the person must be told
+// (401/403/429/503: the body is "<reason>: <sentence>", the same reasons as /api/chat).
+
+import { sessionQuery } from "./protocol.js";
+
+export const CONNECT_LIMIT_MS = 3000; // from the first ICE server request to "connected": then the WebSocket
+// Gathering waits for every ICE server; an unreachable one would hold it to the limit and leave ICE no time
+// to connect: at this point the offer goes with the candidates gathered so far (none: the WebSocket).
+export const GATHER_LIMIT_MS = 2000;
+const REFUSAL_STATUSES = new Set([401, 403, 429, 503]); // access, persona, rate and capacity refusals
+
+/** The page's transport figures (window.duplexClient.stats), as each conversation starts. */
+export const RTC_STATS = Object.freeze({
+  // The transport (rtc.js): "webrtc" or "websocket" once chosen, "" before; why WebRTC was given up, and
+  // after how long (ms from the first ICE server request); WebRTC: connect time and getStats() figures.
+  transport: "",
+  fallbackReason: "",
+  rtcAttemptMs: null,
+  rtcConnectMs: null, // first ICE server request -> ICE connected (ms)
+  rtcPacketsReceived: 0,
+  rtcPacketsLost: 0,
+  rtcPacketsSent: 0,
+  rtcSamplesReceived: 0, // decoded samples played out (the browser's rate, 48 kHz for Opus)
+  rtcConcealedSamples: 0, // of which concealed (loss or late packets)
+  rtcJitterBufferMs: null, // mean jitter buffer delay per emitted sample (ms)
+  rtcRttMs: null, // the selected ICE candidate pair's current round trip (ms)
+  rtcCandidateType: "", // the local candidate in use: host, srflx or relay
+});
+
+/** The transport the page's address asks for: ?transport=websocket|webrtc, else "auto"; ?relay=1. */
+export function transportOptions(search) {
+  const query = new URLSearchParams(search);
+  const asked = query.get("transport");
+  const transport = asked === "websocket" || asked === "webrtc" ? asked : "auto";
+  return { transport, relay: ["1", "true"].includes(query.get("relay") ?? "") };
+}
+
+function authHeaders(token) {
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
+/** {reason, message} of a refusal body "<reason>: <sentence>" (reason: snake_case). */
+export function parseRefusal(body) {
+  const found = /^([a-z_]+): ?(.*)$/s.exec(body.trim());
+  return found ? { reason: found[1], message: found[2] } : { reason: "", message: body.trim() };
+}
+
+function delay(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/** Resolves when ICE gathering completed, or at `deadline` (performance.now() ms), whichever first. */
+function gathered(pc, deadline) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve(true);
+  return Promise.race([
+    new Promise((resolve) =>
+      pc.addEventListener("icegatheringstatechange", () => {
+        if (pc.iceGatheringState === "complete") resolve(true);
+      }),
+    ),
+    delay(Math.max(0, deadline - performance.now())).then(() => false),
+  ]);
+}
+
+/** Resolves true when the peer connection is connected, false when it failed or at `deadline`. */
+function connected(pc, deadline) {
+  const done = () => pc.connectionState === "connected";
+  if (done()) return Promise.resolve(true);
+  return Promise.race([
+    new Promise((resolve) =>
+      pc.addEventListener("connectionstatechange", () => {
+        if (done()) resolve(true);
+        else if (pc.connectionState === "failed" || pc.connectionState === "closed") resolve(false);
+      }),
+    ),
+    delay(Math.max(0, deadline - performance.now())).then(() => false),
+  ]);
+}
+
+/**
+ * Open a WebRTC session. options: {token, persona, stream (getUserMedia's), relay (bool: relay-only ICE),
+ * onMessage(ArrayBuffer) for DataChannel messages, onTrack(MediaStream) for the node's audio}.
+ * Never rejects. On success `rtc` = {pc, channel, location, token, startedMs, connectMs, close()}.
+ */
+export async function connectRtc({ token, persona, stream, relay, onMessage, onTrack }) {
+  const startedMs = performance.now();
+  const deadline = startedMs + CONNECT_LIMIT_MS;
+  const fallback = (message) => ({ ok: false, fallback: true, reason: "", message, afterMs: performance.now() - startedMs });
+  let iceServers = [];
+  try {
+    const response = await fetch("/api/rtc/ice-servers", { headers: authHeaders(token), cache: "no-store" });
+    if (REFUSAL_STATUSES.has(response.status)) {
+      return { ok: false, fallback: false, ...parseRefusal(await response.text()) };
+    }
+    if (!response.ok) return fallback(`ICE servers: HTTP ${response.status}`);
+    ({ iceServers } = await response.json());
+  } catch (error) {
+    return fallback(`ICE servers: ${error}`);
+  }
+  const pc = new RTCPeerConnection({ iceServers, iceTransportPolicy: relay ? "relay" : "all" });
+  const rtc = { pc, channel: null, location: null, token, startedMs, connectMs: null, closed: false };
+  rtc.close = () => closeRtc(rtc);
+  try {
+    for (const track of stream.getAudioTracks()) pc.addTrack(track, stream);
+    pc.getTransceivers().forEach((t) => (t.direction = "sendrecv"));
+    pc.ontrack = (event) => onTrack(event.streams[0] ?? new MediaStream([event.track]));
+    rtc.channel = pc.createDataChannel("duplex"); // before the offer, so that it is negotiated in it
+    rtc.channel.binaryType = "arraybuffer";
+    rtc.channel.onmessage = (event) => onMessage(event.data);
+    await pc.setLocalDescription(await pc.createOffer());
+    await gathered(pc, startedMs + GATHER_LIMIT_MS);
+    const offer = pc.localDescription.sdp;
+    // No candidate at all (relay-only and no TURN server answered): ICE cannot connect. Say so before the
+    // POST, which would spend the token.
+    if (!/^a=candidate:/m.test(offer)) {
+      rtc.close();
+      return fallback(relay ? "no relay candidate (TURN server unreachable)" : "no ICE candidate");
+    }
+    let response;
+    try {
+      response = await fetch(`/api/rtc?${sessionQuery(persona)}`, {
+        method: "POST",
+        headers: { "Content-Type": "application/sdp", ...authHeaders(token) },
+        body: offer,
+        cache: "no-store",
+      });
+    } catch (error) {
+      rtc.close();
+      return fallback(`POST /api/rtc: ${error}`);
+    }
+    const body = await response.text();
+    if (response.status !== 201) {
+      rtc.close();
+      const refused = parseRefusal(body);
+      if (REFUSAL_STATUSES.has(response.status) && refused.reason) return { ok: false, fallback: false, ...refused };
+      return fallback(`POST /api/rtc: HTTP ${response.status} ${body.slice(0, 200)}`);
+    }
+    rtc.location = response.headers.get("Location");
+    await pc.setRemoteDescription({ type: "answer", sdp: body });
+    if (!(await connected(pc, deadline))) {
+      rtc.close();
+      return fallback(`ICE did not connect within ${CONNECT_LIMIT_MS} ms`);
+    }
+    rtc.connectMs = performance.now() - startedMs;
+    return { ok: true, rtc };
+  } catch (error) {
+    rtc.close();
+    return fallback(String(error));
+  }
+}
+
+/** End the session: DELETE its Location (the node frees the slot at once), close the peer connection. */
+export function closeRtc(rtc) {
+  if (rtc.closed) return;
+  rtc.closed = true;
+  if (rtc.location) {
+    fetch(rtc.location, { method: "DELETE", headers: authHeaders(rtc.token), keepalive: true }).catch(() => {});
+  }
+  try {
+    rtc.channel?.close();
+    rtc.pc.close();
+  } catch {
+    // already closed
+  }
+}
+
+/**
+ * What getStats() says (ms, counts): the inbound audio's jitter buffer delay (mean per emitted sample),
+ * concealed and received samples, packets received and lost; packets sent; the selected candidate pair's
+ * round trip and local candidate type ("host", "srflx", "relay"). Source: W3C webrtc-stats,
+ * RTCInboundRtpStreamStats and RTCIceCandidatePairStats.
+ */
+export async function readRtcStats(pc) {
+  const out = {};
+  const report = await pc.getStats();
+  let pair = null;
+  report.forEach((s) => {
+    if (s.type === "inbound-rtp" && s.kind === "audio") {
+      out.rtcPacketsReceived = s.packetsReceived ?? 0;
+      out.rtcPacketsLost = s.packetsLost ?? 0;
+      out.rtcSamplesReceived = s.totalSamplesReceived ?? 0;
+      out.rtcConcealedSamples = s.concealedSamples ?? 0;
+      if (s.jitterBufferEmittedCount) {
+        out.rtcJitterBufferMs = (1000 * s.jitterBufferDelay) / s.jitterBufferEmittedCount;
+      }
+    } else if (s.type === "outbound-rtp" && s.kind === "audio") {
+      out.rtcPacketsSent = s.packetsSent ?? 0;
+    } else if (s.type === "transport" && s.selectedCandidatePairId) {
+      pair = report.get(s.selectedCandidatePairId);
+    }
+  });
+  if (pair) {
+    if (pair.currentRoundTripTime !== undefined) out.rtcRttMs = 1000 * pair.currentRoundTripTime;
+    out.rtcCandidateType = report.get(pair.localCandidateId)?.candidateType ?? "";
+  }
+  return out;
+}
