@@ -25,6 +25,8 @@ __all__ = [
     "Frame",
     "Hangup",
     "HangupResult",
+    "SpendToken",
+    "TokenSpent",
     "Hello",
     "HoldExpired",
     "Message",
@@ -217,6 +219,29 @@ class HangupResult(msgspec.Struct, tag=True):
     requester: bytes = b""
 
 
+class SpendToken(msgspec.Struct, tag=True):
+    """Worker -> engine: record a session token as spent now (``DUPLEX_TOKEN_REPLAY_CHECK=memory`` with
+    workers: the engine keeps the node's one memory). A WebRTC session's token is spent when its transport
+    connects, not when its slot is granted (docs/protocol.md, "WebRTC"). Answered with :class:`TokenSpent`.
+
+    Attributes:
+        request_id: the asking worker's number for this request (echoed in the answer).
+        token_id: the token's ``jti``.
+        expires_at: the token's ``exp`` (Unix s): kept spent until then plus the leeway.
+    """
+
+    request_id: int
+    token_id: str
+    expires_at: float
+
+
+class TokenSpent(msgspec.Struct, tag=True):
+    """Engine -> worker: whether :class:`SpendToken` spent the token (False: it was spent already)."""
+
+    request_id: int
+    fresh: bool
+
+
 Message = (
     Hello
     | Admit
@@ -230,6 +255,8 @@ Message = (
     | Status
     | Hangup
     | HangupResult
+    | SpendToken
+    | TokenSpent
     | Detach
     | Resume
     | Resumed

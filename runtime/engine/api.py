@@ -356,6 +356,16 @@ class SlotBackend(abc.ABC):
         every session itself: False."""
         return False
 
+    async def spend_token(self, token_id: str, expires_at: float) -> bool:
+        """Record the session token ``token_id`` (``exp`` ``expires_at``, Unix s) as spent now, apart from
+        a grant: a WebRTC session's token is spent when its transport connects. Only called when
+        :attr:`spends_tokens` is set. True when it was fresh, False when it was spent already.
+
+        Raises:
+            Refusal: ``not_ready`` when the backend does not answer.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not spend tokens")
+
     def detach(self, lease: SlotLease) -> bool:
         """The session's transport was lost without a normal close: hold its slot, paused (not stepped),
         for the node's ``resume_s``, for :meth:`resume`. The sink gets ``on_hold_expired`` when nobody

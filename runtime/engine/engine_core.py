@@ -211,6 +211,9 @@ class EngineCore:
                 asyncio.create_task(self._resume(identity, message))
             elif isinstance(message, ipc.Hangup | ipc.HangupResult):
                 self._route_hangup(identity, message)
+            elif isinstance(message, ipc.SpendToken):
+                fresh = self.slots.record_token(message.token_id, message.expires_at)
+                self._send(identity, ipc.TokenSpent(message.request_id, fresh))
 
     def _admit(self, worker: bytes, message: ipc.Admit) -> None:
         sid = message.session_id

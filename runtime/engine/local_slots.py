@@ -188,7 +188,7 @@ class LocalSlots(SlotBackend):
             raise Refusal(reason, f"node full: {exc}") from None
         except NodeFull:
             raise Refusal("node_full", node_full_message(self.engine.slots)) from None
-        if request.token_id and not self._spend_token(request.token_id, request.token_expires_at):
+        if request.token_id and not self.record_token(request.token_id, request.token_expires_at):
             self.scheduler.release(slot_session)
             raise Refusal("replayed", replayed_message(request.token_id))
         lease = _LocalLease(request.session_id, slot, slot_session=slot_session)
@@ -196,7 +196,10 @@ class LocalSlots(SlotBackend):
             lease.resume_credential = self.holds.open(slot_session, route, request.meta)
         return lease
 
-    def _spend_token(self, token_id: str, expires_at: float) -> bool:
+    async def spend_token(self, token_id: str, expires_at: float) -> bool:
+        return self.record_token(token_id, expires_at)
+
+    def record_token(self, token_id: str, expires_at: float) -> bool:
         """Record ``token_id`` as spent until its expiry plus the leeway; False when it was spent already."""
         now = time.time()
         if len(self._spent_tokens) > 1024:

@@ -99,6 +99,7 @@ class EngineClient(SlotBackend):
         self._tasks: list[asyncio.Task[None]] = []
         self._hangups: dict[int, asyncio.Future[bool]] = {}
         self._hangup_ids = 0
+        self._spends: dict[int, asyncio.Future[bool]] = {}
 
     # --- lifecycle ------------------------------------------------------------------------------------
 
@@ -245,6 +246,26 @@ class EngineClient(SlotBackend):
         finally:
             self._hangups.pop(request_id, None)
 
+    async def spend_token(self, token_id: str, expires_at: float) -> bool:
+        """Through the engine, which keeps the node's spent tokens (``runtime.ipc.SpendToken``).
+
+        Raises:
+            Refusal: ``not_ready`` when the engine does not answer within ``HANGUP_TIMEOUT_S``.
+        """
+        self._hangup_ids += 1
+        request_id = self._hangup_ids
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._spends[request_id] = future
+        try:
+            if not self.send(ipc.SpendToken(request_id, token_id, expires_at)):
+                raise Refusal("not_ready", "node not ready: the engine's queue is full")
+            async with asyncio.timeout(HANGUP_TIMEOUT_S):
+                return await future
+        except TimeoutError:
+            raise Refusal("not_ready", NOT_ANSWERING) from None
+        finally:
+            self._spends.pop(request_id, None)
+
     def _hangup_asked(self, message: ipc.Hangup) -> None:
         """Another worker asks this one to end one of its sessions: answer whether it did."""
         handler = self.on_hangup
@@ -365,6 +386,10 @@ class EngineClient(SlotBackend):
                 waiting = self._hangups.get(message.request_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(message.ended)
+            elif isinstance(message, ipc.TokenSpent):
+                spending = self._spends.get(message.request_id)
+                if spending is not None and not spending.done():
+                    spending.set_result(message.fresh)
             elif isinstance(message, ipc.Refused):
                 reason = message.reason if message.reason in REFUSAL_REASONS else "not_ready"
                 resuming = self._resuming.get(message.session_id)  # a resume's Refused names its ref

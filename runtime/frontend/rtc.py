@@ -12,7 +12,8 @@
   answer, as a plain HTTP status with ``/api/chat``'s reasons (``runtime.frontend.refusals``): 400 (bad
   query, malformed SDP, no audio, no Opus), 401/403 (token, origin), 413 (offer over
   :data:`MAX_OFFER_BYTES`), 415 (not ``application/sdp``), 429 and 503 with ``Retry-After``. A refused offer
-  takes no slot and spends no token (the token is spent when the slot is granted, as on ``/api/chat``).
+  takes no slot and spends no token. An answered one spends it when ICE and DTLS connect
+  (``runtime.frontend.rtc_session``), so a caller whose ICE fails can fall back to ``/api/chat`` with it.
 - ``DELETE /api/rtc/<session id>/<key>``: ends the session (200), 404 when no such session (or a wrong key).
   With ``--workers N`` the DELETE may reach another worker than the POST (``SO_REUSEPORT``): a worker that
   does not hold the session asks the engine, which forwards the request to the worker that does
@@ -225,6 +226,7 @@ async def serve_offer(
     session_request = dataclasses.replace(session_request, format=AudioFormat.PCM)
     session = ChatSession(front, RtcTransport(peer), session_request, sampling, claims, client)
     session.encoder = Float32Frames()
+    session.spend_on_connect = True  # spent when ICE and DTLS connect (RtcPeer): a failed ICE leaves it
     try:
         await session.admit()
     except SessionRefused as exc:

@@ -11,6 +11,11 @@ The session ends (its slot freed at once) on: ``DELETE`` of its resource; the pe
 failure (aiortc's ``connectionState`` ``closed``/``failed``); no connection within
 ``rtc_connect_timeout_s`` of the answer; no RTP for ``rtc_media_timeout_s`` once connected; the session's
 ``max_session_s``; a drain or the engine's loss (``Transport.close``).
+
+The session token is spent when the peer connection connects (ICE and DTLS), not when the answer is sent:
+a session that never connects leaves it unspent, for the caller's WebSocket fallback. Until it is spent,
+no audio flows either way and no 0x00 is sent; a token spent meanwhile (by that fallback) ends this session
+with a 0x05 ``replayed`` error, so of two uses of one token at most one carries on.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from runtime.frontend.protocol import (
     encode_text,
     parse_client_message,
 )
-from runtime.frontend.refusals import CLOSE_NORMAL
+from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.rtc_media import OpusPacketTrack, RtpInbound
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport
 
@@ -153,6 +158,9 @@ class RtcPeer:
         self._bucket = _Bucket(CHANNEL_RATE_PER_S, CHANNEL_BURST, CHANNEL_BURST, clock())
         self._last_flood_error = -1.0
         self._task: asyncio.Task[None] | None = None
+        self.spent = asyncio.Event()
+        """Set once the session's token is spent (the connection is up): media flows from then on."""
+        self._spender: asyncio.Task[None] | None = None
         self.pc.on("datachannel", self._on_datachannel)
         self.pc.on("connectionstatechange", self._on_state)
 
@@ -194,6 +202,7 @@ class RtcPeer:
         """Run the admitted ``session`` until it ends (a task of its own, beyond the POST)."""
         self.session = session
         self._task = asyncio.create_task(self._run(session, on_done), name=f"rtc {session.session_id}")
+        self._spend_once_connected()
 
     async def _run(self, session: ChatSession, on_done: Callable[[RtcPeer], None]) -> None:
         front = self.front
@@ -209,8 +218,9 @@ class RtcPeer:
                 self.send(encode_error(f"session reached max_session_s={limit:g}"))
                 self.end(SessionOutcome("max_session_length"))
         finally:
-            for task in (watchdog, starter):
-                task.cancel()
+            for task in (watchdog, starter, self._spender):
+                if task is not None:
+                    task.cancel()
             front.sessions.discard(session)
             session.finish(self.outcome or SessionOutcome("client_closed"))
             on_done(self)
@@ -223,8 +233,27 @@ class RtcPeer:
         except TimeoutError:
             self.end(SessionOutcome("prompt_timeout", 1013))
             return
+        await self.spent.wait()
         self.send(encode_handshake())
         await session.send_loop()
+
+    def _spend_once_connected(self) -> None:
+        """Once connected and started (either may come first), spend the token, once."""
+        if self.connected_at is None or self.session is None or self._spender is not None:
+            return
+        self._spender = asyncio.create_task(self._spend(self.session))
+
+    async def _spend(self, session: ChatSession) -> None:
+        """Spend the token; when it was spent meanwhile (or cannot be checked), a 0x05 and the end."""
+        try:
+            await session.spend_token()
+        except SessionRefused as exc:
+            self.front.metrics.admissions_refused.labels(reason=exc.reason).inc()
+            log.info("WebRTC session %s connected but refused: %s", session.session_id, exc.message)
+            self.send(encode_error(f"{exc.reason}: {exc.message}"))
+            self.end(SessionOutcome(exc.reason, exc.kind.close_code))
+            return
+        self.spent.set()
 
     async def _watch(self) -> None:
         """Connect and media timeouts; the RTP counters into the metrics once a second."""
@@ -270,12 +299,13 @@ class RtcPeer:
         if state == "connected" and self.connected_at is None:
             self.connected_at = self.clock()
             self.front.metrics.rtc_connect.observe(self.connected_at - self.posted_at)
+            self._spend_once_connected()
         elif state in ("failed", "closed") and self.session is not None:
             self.end(SessionOutcome("rtc_failed" if state == "failed" else "client_closed"))
 
     def _on_pcm(self, pcm: np.ndarray) -> None:
         session = self.session
-        if session is None:
+        if session is None or not self.spent.is_set():
             return
         try:
             session.push_audio(pcm.astype("<i2").tobytes())

@@ -36,6 +36,7 @@ from runtime.engine.api import (
     SamplingParams,
     SlotBackend,
     SlotLease,
+    replayed_message,
 )
 from runtime.frontend.access import Access
 from runtime.frontend.audio_codec import make_codec
@@ -229,6 +230,9 @@ class ChatSession(ResumableSession):
         self.moved = False
         """Resumed through another connection: this one no longer holds the slot or ends the session."""
         self._hold: asyncio.Future[bool] | None = None
+        self.spend_on_connect = False
+        """Admit without spending the token; the transport calls :meth:`spend_token` once it connects
+        (WebRTC: an answered offer whose ICE never connects leaves its token for a WebSocket fallback)."""
 
     @property
     def max_session_s(self) -> float:
@@ -263,7 +267,7 @@ class ChatSession(ResumableSession):
         """
         backend = self.front.backend
         token_id, expires_at = "", 0.0
-        if backend.spends_tokens and self.claims is not None:
+        if backend.spends_tokens and self.claims is not None and not self.spend_on_connect:
             token_id, expires_at = self.claims.token_id, self.claims.expires_at
         resumable = bool(self.request.resumable) and self.front.config.resume_s > 0
         meta = self.resume_meta() if resumable else ""
@@ -284,7 +288,7 @@ class ChatSession(ResumableSession):
             raise SessionRefused(exc.reason, exc.message) from None
         # The token is spent now that the session holds a slot, and not before: a refused upgrade or a
         # full node leaves it unspent (issue 16). With backend.spends_tokens the backend did it on grant.
-        if not backend.spends_tokens:
+        if not backend.spends_tokens and not self.spend_on_connect:
             try:
                 await self.front.access.spend(self.claims)
             except TokenRejected as exc:
@@ -312,6 +316,29 @@ class ChatSession(ResumableSession):
             )
             store.register_session(self.record)
         return self.lease.slot
+
+    async def spend_token(self) -> None:
+        """Spend the token of a session admitted with :attr:`spend_on_connect` (its transport has
+        connected): through the backend when it spends tokens (the engine with workers and ``memory``),
+        else the front end's replay guard (Redis ``SET NX`` or this process's memory). Of two sessions
+        holding one token, the first to spend it carries on; the other gets ``replayed``.
+
+        Raises:
+            SessionRefused: ``replayed`` (spent meanwhile), ``replay_check_unavailable`` or ``not_ready``.
+        """
+        claims = self.claims
+        if claims is None:
+            return
+        backend = self.front.backend
+        try:
+            if not backend.spends_tokens:
+                await self.front.access.spend(claims)
+            elif not await backend.spend_token(claims.token_id, claims.expires_at):
+                raise SessionRefused("replayed", replayed_message(claims.token_id))
+        except TokenRejected as exc:
+            raise SessionRefused(exc.reason, str(exc)) from None
+        except Refusal as exc:
+            raise SessionRefused(exc.reason, exc.message) from None
 
     async def wait_prompt(self) -> None:
         """Until the persona prompt has run (the slot is live).
