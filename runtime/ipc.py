@@ -228,11 +228,13 @@ class SpendToken(msgspec.Struct, tag=True):
         request_id: the asking worker's number for this request (echoed in the answer).
         token_id: the token's ``jti``.
         expires_at: the token's ``exp`` (Unix s): kept spent until then plus the leeway.
+        check_only: only ask whether it is unspent (record nothing): the offer's check before its answer.
     """
 
     request_id: int
     token_id: str
     expires_at: float
+    check_only: bool = False
 
 
 class TokenSpent(msgspec.Struct, tag=True):

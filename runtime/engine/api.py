@@ -356,10 +356,11 @@ class SlotBackend(abc.ABC):
         every session itself: False."""
         return False
 
-    async def spend_token(self, token_id: str, expires_at: float) -> bool:
+    async def spend_token(self, token_id: str, expires_at: float, check_only: bool = False) -> bool:
         """Record the session token ``token_id`` (``exp`` ``expires_at``, Unix s) as spent now, apart from
         a grant: a WebRTC session's token is spent when its transport connects. Only called when
-        :attr:`spends_tokens` is set. True when it was fresh, False when it was spent already.
+        :attr:`spends_tokens` is set. True when it was fresh, False when it was spent already;
+        ``check_only``: record nothing (the offer's check before its answer).
 
         Raises:
             Refusal: ``not_ready`` when the backend does not answer.

@@ -212,7 +212,7 @@ class EngineCore:
             elif isinstance(message, ipc.Hangup | ipc.HangupResult):
                 self._route_hangup(identity, message)
             elif isinstance(message, ipc.SpendToken):
-                fresh = self.slots.record_token(message.token_id, message.expires_at)
+                fresh = self.slots.record_token(message.token_id, message.expires_at, message.check_only)
                 self._send(identity, ipc.TokenSpent(message.request_id, fresh))
 
     def _admit(self, worker: bytes, message: ipc.Admit) -> None:

@@ -196,17 +196,20 @@ class LocalSlots(SlotBackend):
             lease.resume_credential = self.holds.open(slot_session, route, request.meta)
         return lease
 
-    async def spend_token(self, token_id: str, expires_at: float) -> bool:
-        return self.record_token(token_id, expires_at)
+    async def spend_token(self, token_id: str, expires_at: float, check_only: bool = False) -> bool:
+        return self.record_token(token_id, expires_at, check_only)
 
-    def record_token(self, token_id: str, expires_at: float) -> bool:
-        """Record ``token_id`` as spent until its expiry plus the leeway; False when it was spent already."""
+    def record_token(self, token_id: str, expires_at: float, check_only: bool = False) -> bool:
+        """Record ``token_id`` as spent until its expiry plus the leeway (``check_only``: record nothing);
+        False when it was spent already."""
         now = time.time()
         if len(self._spent_tokens) > 1024:
             self._spent_tokens = {t: until for t, until in self._spent_tokens.items() if until > now}
         until = self._spent_tokens.get(token_id)
         if until is not None and until > now:
             return False
+        if check_only:
+            return True
         self._spent_tokens[token_id] = expires_at + self.config.token_leeway_s
         return True
 

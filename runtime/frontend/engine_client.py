@@ -246,7 +246,7 @@ class EngineClient(SlotBackend):
         finally:
             self._hangups.pop(request_id, None)
 
-    async def spend_token(self, token_id: str, expires_at: float) -> bool:
+    async def spend_token(self, token_id: str, expires_at: float, check_only: bool = False) -> bool:
         """Through the engine, which keeps the node's spent tokens (``runtime.ipc.SpendToken``).
 
         Raises:
@@ -257,7 +257,7 @@ class EngineClient(SlotBackend):
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._spends[request_id] = future
         try:
-            if not self.send(ipc.SpendToken(request_id, token_id, expires_at)):
+            if not self.send(ipc.SpendToken(request_id, token_id, expires_at, check_only)):
                 raise Refusal("not_ready", "node not ready: the engine's queue is full")
             async with asyncio.timeout(HANGUP_TIMEOUT_S):
                 return await future

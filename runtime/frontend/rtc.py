@@ -228,6 +228,7 @@ async def serve_offer(
     session.encoder = Float32Frames()
     session.spend_on_connect = True  # spent when ICE and DTLS connect (RtcPeer): a failed ICE leaves it
     try:
+        await session.spend_token(check_only=True)  # a token spent already: 403 before any answer
         await session.admit()
     except SessionRefused as exc:
         await peer.close()

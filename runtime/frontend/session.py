@@ -317,11 +317,13 @@ class ChatSession(ResumableSession):
             store.register_session(self.record)
         return self.lease.slot
 
-    async def spend_token(self) -> None:
+    async def spend_token(self, check_only: bool = False) -> None:
         """Spend the token of a session admitted with :attr:`spend_on_connect` (its transport has
         connected): through the backend when it spends tokens (the engine with workers and ``memory``),
         else the front end's replay guard (Redis ``SET NX`` or this process's memory). Of two sessions
-        holding one token, the first to spend it carries on; the other gets ``replayed``.
+        holding one token, the first to spend it carries on; the other gets ``replayed``. ``check_only``:
+        spend nothing, only refuse a token spent already (the engine's ledger; the front end's replay
+        guard was read by ``Access.check``).
 
         Raises:
             SessionRefused: ``replayed`` (spent meanwhile), ``replay_check_unavailable`` or ``not_ready``.
@@ -332,8 +334,9 @@ class ChatSession(ResumableSession):
         backend = self.front.backend
         try:
             if not backend.spends_tokens:
-                await self.front.access.spend(claims)
-            elif not await backend.spend_token(claims.token_id, claims.expires_at):
+                if not check_only:
+                    await self.front.access.spend(claims)
+            elif not await backend.spend_token(claims.token_id, claims.expires_at, check_only):
                 raise SessionRefused("replayed", replayed_message(claims.token_id))
         except TokenRejected as exc:
             raise SessionRefused(exc.reason, str(exc)) from None
