@@ -135,3 +135,40 @@ async def test_an_unconnected_call_and_a_websocket_with_one_token_make_one_conve
         await asyncio.gather(starting, return_exceptions=True)
         await call.close()
     await all_free(node)
+
+
+async def test_one_token_holds_one_connecting_call_at_a_time(
+    node,  # noqa: F811
+    http,  # noqa: F811
+    packets,  # noqa: F811
+) -> None:
+    """A token is spent only when its call connects, so without a cap one token could hold a slot per POST
+    until each call's connect timeout (every slot, from one token and a few offers). A second offer with a
+    token whose call is still connecting gets 429 and takes no slot; once that call has ended, the token
+    makes a call again.
+
+    Planted bug it catches: no cap (the second offer is answered 201 and holds a second slot)."""
+    value = token()
+    first = RtcCall(url(node), packets, token=value)
+    first.pc.setRemoteDescription = _never  # type: ignore[method-assign]  # never connects
+    second = RtcCall(url(node), packets, token=value)
+    second.pc.setRemoteDescription = _never  # type: ignore[method-assign]
+    try:
+        assert (await first.start(http)).status == 201
+        free = node.backend.status().free_slots
+        refused = await second.start(http)
+        assert refused.status == 429 and "still connecting" in refused.body, (refused.status, refused.body)
+        assert node.backend.status().free_slots == free  # the refused offer took no slot
+        assert await first.hang_up(http) == 200
+        await all_free(node)
+        third = RtcCall(url(node), packets, token=value)
+        third.pc.setRemoteDescription = _never  # type: ignore[method-assign]
+        try:
+            assert (await third.start(http)).status == 201
+            assert await third.hang_up(http) == 200
+        finally:
+            await third.close()
+    finally:
+        await first.close()
+        await second.close()
+    await all_free(node)

@@ -36,11 +36,12 @@ import weakref
 
 from aiohttp import web
 
+from runtime.engine.api import SamplingParams
 from runtime.frontend.protocol import AudioFormat
 from runtime.frontend.refusals import SessionRefused
 from runtime.frontend.rtc_session import Float32Frames, OfferRejected, RtcPeer, RtcTransport
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, plan_session
-from runtime.frontend.session_query import TEXT_PROMPT_IN_METADATA
+from runtime.frontend.session_query import TEXT_PROMPT_IN_METADATA, SessionRequest
 from runtime.frontend.tokens import TokenClaims
 from runtime.frontend.turn import IceServer, ice_servers, mint_turn_credentials
 
@@ -69,6 +70,10 @@ MAX_OFFER_BYTES = 32_768
 """Largest SDP offer read (bytes): a browser's offer with audio and a DataChannel is 2-6 KB."""
 RETRY_AFTER_S = 5
 """``Retry-After`` of a 503 (node full, waiting room full or timed out, draining, not ready)."""
+ONE_CONNECTING_MESSAGE = (
+    "rate limited: a WebRTC call with this token is still connecting; retry when it has connected or ended"
+)
+"""The sentence of a second offer with one token while the first's call connects (429)."""
 _RESOURCE_RE = re.compile(r"(?P<sid>[0-9a-f]{32})/(?P<key>[A-Za-z0-9_-]{16,64})")
 
 
@@ -77,12 +82,20 @@ class RtcRegistry:
 
     def __init__(self, front: FrontEnd) -> None:
         self.peers: dict[str, RtcPeer] = {}
+        self.connecting: set[str] = set()
+        """Token ids of this process's answered calls not connected yet (their tokens unspent): one each."""
         front.backend.on_hangup = self.hang_up_local
 
     def forget(self, peer: RtcPeer) -> None:
         """``peer``'s session has ended."""
         if peer.session is not None:
             self.peers.pop(peer.session.session_id, None)
+            self.settled(peer.session.claims)
+
+    def settled(self, claims: TokenClaims | None) -> None:
+        """The call holding ``claims`` has connected (its token spent or refused) or ended."""
+        if claims is not None:
+            self.connecting.discard(claims.token_id)
 
     def hang_up_local(self, session_id: str, key: str) -> bool:
         """End this process's session ``session_id`` if ``key`` is its key (compared in constant time)."""
@@ -217,6 +230,32 @@ async def serve_offer(
         return _refused(front, exc)
     if front.draining:
         return _refused(front, SessionRefused("draining"))
+    # A token is spent when its call connects, so one token could hold a slot per POST until each timed
+    # out: one call connecting per token (per worker) at a time.
+    sessions = registry(front)
+    if claims is not None and claims.token_id in sessions.connecting:
+        return _refused(front, SessionRefused("rate_limited", ONE_CONNECTING_MESSAGE))
+    if claims is not None:
+        sessions.connecting.add(claims.token_id)
+    try:
+        return await _answer(front, sessions, sdp, session_request, sampling, claims, client, posted_at)
+    finally:
+        peer = next((p for p in sessions.peers.values() if p.session and p.session.claims is claims), None)
+        if peer is None:  # refused, or failed before the answer: nothing connecting holds the token
+            sessions.settled(claims)
+
+
+async def _answer(
+    front: FrontEnd,
+    sessions: RtcRegistry,
+    sdp: str,
+    session_request: SessionRequest,
+    sampling: SamplingParams,
+    claims: TokenClaims | None,
+    client: str,
+    posted_at: float,
+) -> web.StreamResponse:
+    """The offer's session admitted and its answer (201), or the refusal: ``serve_offer``'s second half."""
     peer = RtcPeer(front, posted_at)
     try:
         await peer.accept_offer(sdp)
@@ -244,8 +283,8 @@ async def serve_offer(
         session.finish(SessionOutcome("rtc_failed"))
         await peer.close()
         raise
-    sessions = registry(front)
     sessions.peers[session.session_id] = peer
+    peer.on_token_settled = lambda: sessions.settled(claims)
     peer.start(session, sessions.forget)
     front.metrics.rtc_answer.observe(time.monotonic() - posted_at)
     response = web.Response(status=201, text=answer, content_type="application/sdp")

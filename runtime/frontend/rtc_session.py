@@ -149,6 +149,8 @@ class RtcPeer:
         self.outcome: SessionOutcome | None = None
         self.ended = asyncio.Event()
         self.connected_at: float | None = None
+        self.on_token_settled: Callable[[], None] | None = None
+        """Called once the token's spend is decided (spent, or refused): the signalling's one-call cap."""
         self.track = OpusPacketTrack(
             front.config.opus_complexity,
             on_dropped=lambda n: front.metrics.frames_dropped.labels(reason="slow_client").inc(n / 4),
@@ -253,6 +255,9 @@ class RtcPeer:
             self.send(encode_error(f"{exc.reason}: {exc.message}"))
             self.end(SessionOutcome(exc.reason, exc.kind.close_code))
             return
+        finally:
+            if self.on_token_settled is not None:
+                self.on_token_settled()
         self.spent.set()
 
     async def _watch(self) -> None:
