@@ -13,6 +13,7 @@ import pytest
 from infra.policy.rules import (
     BACKEND_SERVICE,
     CLUSTER,
+    FIREWALL,
     INSTANCE,
     INSTANCE_TEMPLATE,
     NODE_POOL,
@@ -21,9 +22,15 @@ from infra.policy.rules import (
     StackResource,
     apis_enabled_for_features,
     backend_timeout_fits_websockets,
+    check_resources,
+    firewall_no_public_monitoring,
+    firewall_no_world_ssh,
     gpu_instance_graceful_shutdown,
+    gpu_instance_terminates_on_maintenance,
+    gpu_node_pool_tainted,
     gpu_node_pool_upgrade_needs_no_extra_gpu,
     https_proxy_tls_1_2,
+    machine_type_carries_gpu,
     provisioning_model_sold,
     session_affinity_needs_hash_policy,
 )
@@ -661,3 +668,190 @@ def test_ssl_policy_before_tls_1_2_is_refused(version, now):
 def test_ssl_policy_from_tls_1_2_passes(props):
     """Kills ``resource_type == SSL_POLICY`` and the unknown version judged (``is_unknown`` negated)."""
     assert https_proxy_tls_1_2(SSL_POLICY, props) == []
+
+
+# ------------------------------------------------------------------------------------------------------
+# Survivors of the first rerun in the other rules and helpers
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_unknown_reads_as_such():
+    """Kills ``_Unknown.__repr__``'s text (no selected test printed it): what an operator sees in a
+    message that names an unknown value."""
+    assert repr(UNKNOWN) == "<unknown during preview>"
+
+
+def test_check_resources_hands_names_inputs_and_dependencies_to_the_stack_rules():
+    """Kills ``check_resources``' stack: ``deps = item[3] if len(item) > 3`` (dropped, ``item[4]``, ``> 4``),
+    ``tuple(deps)`` (-> None), and each ``StackResource`` field dropped or None: a Service and a resource
+    that waits for it, given as quadruples, pass; the same resource without the dependency is named."""
+    service_props = {"service": "compute.googleapis.com"}
+    vm_props = {"machineType": "e2-standard-4"}
+    assert (
+        check_resources(
+            [(SERVICE, service_props, "api-compute", []), (INSTANCE, vm_props, "vm", ["api-compute"])]
+        )
+        == []
+    )
+    assert check_resources([(SERVICE, service_props, "api-compute", []), (INSTANCE, vm_props, "vm", [])]) == [
+        f"[apis-enabled-for-features] {INSTANCE} vm needs compute.googleapis.com (gcp:compute/ resources) "
+        "but does not depend on its enablement (api-compute): pass the APIs' ResourceOptions (depends_on)."
+    ]
+    pool = {"nodeConfig": {"gcfsConfig": {"enabled": True}}}
+    assert check_resources([(SERVICE, service_props, "api-compute"), (NODE_POOL, pool, "pool")]) == [
+        f"[apis-enabled-for-features] {NODE_POOL} pool needs container.googleapis.com (gcp:container/ "
+        "resources), which the stack does not enable: add it to the APIs the program enables.",
+        f"[apis-enabled-for-features] {NODE_POOL} pool needs containerfilesystem.googleapis.com (image "
+        "streaming (nodeConfig.gcfsConfig)), which the stack does not enable: add it to the APIs the program "
+        "enables.",
+    ]
+
+
+def test_apis_walk_past_a_dependency_outside_the_stack():
+    """Kills ``waits_for``'s ``continue`` -> ``break`` for a dependency outside the stack: the walk goes on
+    to the resource's other dependencies."""
+    compute = service("compute.googleapis.com", "api-compute")
+    node = StackResource(
+        INSTANCE, {}, "node", ("api-compute", "urn:pulumi:dev::x::random:index:RandomId::id")
+    )
+    assert apis_enabled_for_features([compute, node]) == []
+
+
+def fw(ports: list[Any], sources: list[str]) -> dict[str, Any]:
+    return {"direction": "INGRESS", "allows": [{"protocol": "tcp", "ports": ports}], "sourceRanges": sources}
+
+
+def test_firewall_messages_name_the_allow_block():
+    """Kills ``opening.where.split('.')[0]`` (-> ``split(None)``, ``'XX.XX'``) in both firewall rules, and
+    the monitoring rule's two kinds of source (``"public range"``, ``"source that is not a CIDR range"``,
+    ``network is not None`` negated)."""
+    assert firewall_no_world_ssh(FIREWALL, fw(["80", "20-30"], ["0.0.0.0/0"])) == [
+        'INGRESS rule opens SSH (tcp/22) via allows[0].ports[1] "20-30" to 0.0.0.0/0 (sourceRanges[0]). '
+        "Restrict sourceRanges to IAP's 35.235.240.0/20 (gcloud compute ssh --tunnel-through-iap) or a "
+        "private/VPN range, or drop port 22 from allows[0]."
+    ]
+    tail = (
+        "Monitoring stays private: limit sourceRanges to 10.0.0.0/8, 172.16.0.0/12, 192.168.0.0/16 or IAP's "
+        "35.235.240.0/20 (or reach it through an SSH/IAP tunnel), or take tcp/9090 out of allows[0]."
+    )
+    assert firewall_no_public_monitoring(FIREWALL, fw(["9090"], ["8.8.8.0/24", "my-tag"])) == [
+        'INGRESS rule opens Prometheus (tcp/9090) via allows[0].ports[0] "9090" to public range 8.8.8.0/24 '
+        f"(sourceRanges[0]). {tail}",
+        'INGRESS rule opens Prometheus (tcp/9090) via allows[0].ports[0] "9090" to source that is not a CIDR '
+        f"range my-tag (sourceRanges[1]). {tail}",
+    ]
+
+
+def test_an_inverted_port_range_is_unreadable():
+    """Kills ``_port_range``'s ``(low, high) if low <= high else None`` -> ``or True``: "9095-9090" is no
+    range; the monitoring rule refuses it as unreadable rather than passing it."""
+    assert firewall_no_public_monitoring(FIREWALL, fw(["9095-9090"], ["0.0.0.0/0"])) == [
+        'allows[0].ports[0] = "9095-9090" is not a port or a port range ("3000", "3000-3100") and this rule '
+        "is open to 0.0.0.0/0; write the port as a number or a low-high range."
+    ]
+
+
+def test_maintenance_message_when_unset():
+    """Kills ``gpu_instance_terminates_on_maintenance``'s "is not set" text (changed, lower-cased)."""
+    assert gpu_instance_terminates_on_maintenance(INSTANCE, {"machineType": "a2-ultragpu-1g"}) == [
+        "GPU instance (machineType a2-ultragpu-1g, whose GPU is built in): scheduling.onHostMaintenance is "
+        "not set (GCE defaults to MIGRATE). GPU VMs cannot live-migrate; set scheduling.onHostMaintenance = "
+        '"TERMINATE" (Python: scheduling={"on_host_maintenance": "TERMINATE", "automatic_restart": True}).'
+    ]
+
+
+GPU_TAINT_OK = {"key": "nvidia.com/gpu", "value": "present", "effect": "NO_SCHEDULE"}
+
+
+def l4_config(*taints: Any) -> dict[str, Any]:
+    return {"machineType": "g2-standard-8", "taints": list(taints)}
+
+
+@pytest.mark.parametrize(
+    "default_pool",
+    [
+        {"machineType": "e2-standard-4"},  # no GPU: skipped (continue, not break)
+        l4_config(GPU_TAINT_OK),  # tainted: passes, the next pool is still judged
+        {"machineType": "g2-standard-8", "taints": UNKNOWN_STRING},  # taints unknown: skipped
+    ],
+)
+def test_taint_rule_judges_every_pool_of_a_cluster(default_pool):
+    """Kills ``gpu_node_pool_tainted``'s ``continue`` -> ``break`` after a pool without a GPU, with
+    unknown taints, or that passes: the cluster's next pool (inline ``nodePools[0]``) is judged."""
+    props = {"nodeConfig": default_pool, "nodePools": [{"nodeConfig": l4_config()}]}
+    messages = gpu_node_pool_tainted(CLUSTER, props)
+    assert len(messages) == 1 and messages[0].startswith(
+        "GPU node pool (nodePools[0].nodeConfig.machineType g2-standard-8, whose GPU is built in) has no "
+        'nodePools[0].nodeConfig.taints entry with key "nvidia.com/gpu" and effect "NO_SCHEDULE".'
+    )
+
+
+def test_taint_rule_reads_each_taint():
+    """Kills ``gpu_node_pool_tainted``'s taint loop: a taint unknown as a whole leaves the pool undecided
+    (``undecided = None``, ``or`` -> ``and``, ``is UNKNOWN`` -> ``is not``), a malformed one is skipped,
+    not the end of the list (``continue`` -> ``break``), and an unknown effect leaves it undecided
+    (``is_unknown(effect)`` -> ``is_unknown(None)``)."""
+    pool = lambda *taints: {"nodeConfig": l4_config(*taints)}  # noqa: E731
+    assert gpu_node_pool_tainted(NODE_POOL, pool(UNKNOWN_OBJECT)) == []
+    assert gpu_node_pool_tainted(NODE_POOL, pool("junk", GPU_TAINT_OK)) == []
+    assert len(gpu_node_pool_tainted(NODE_POOL, pool("junk"))) == 1
+    assert gpu_node_pool_tainted(NODE_POOL, pool({"key": "nvidia.com/gpu", "effect": UNKNOWN_STRING})) == []
+
+
+def test_machine_type_rule_messages_and_every_accelerator():
+    """Kills ``machine_type_carries_gpu``: the unset machine type's message (``None``, ``_q(None)``) and
+    ``continue`` -> ``break`` after it, after an unknown accelerator (with the catalog's list: ``", "``)
+    and after an unknown entry; ``_gpu_homes`` (the ``-*`` family of each type carrying the GPU:
+    ``rsplit("-", 1)[0]`` changed, ``m.gpu == gpu`` negated, ``" types"``, the T4 case forced)."""
+    two = [{"type": "nvidia-tesla-t4", "count": 1.0}, {"type": "nvidia-l4", "count": 1.0}]
+    assert machine_type_carries_gpu(INSTANCE, {"guestAccelerators": two}) == [
+        'guestAccelerators[0] attaches "nvidia-tesla-t4" but machineType is not set; set it.',
+        'guestAccelerators[1] attaches "nvidia-l4" but machineType is not set; set it.',
+    ]
+    l4 = {"machineType": "zz-standard-8", "guestAccelerators": [{"type": "nvidia-l4", "count": 1.0}]}
+    assert machine_type_carries_gpu(INSTANCE, l4) == [
+        'machineType "zz-standard-8" cannot carry guestAccelerators[0] (1 x nvidia-l4): zz-standard-8 cannot '
+        'carry l4: on GCP L4 comes only with g2-standard-* types; use machineType "g2-standard-8".'
+    ]
+    a100 = {"machineType": "zz-standard-8", "guestAccelerators": [{"type": "nvidia-a100-80gb", "count": 1.0}]}
+    assert machine_type_carries_gpu(INSTANCE, a100) == [
+        'machineType "zz-standard-8" cannot carry guestAccelerators[0] (1 x nvidia-a100-80gb): zz-standard-8 '
+        "cannot carry a100-80gb-sxm: on GCP A100 80 GB comes only with a2-ultragpu-* types; use machineType "
+        '"a2-ultragpu-1g".'
+    ]
+    unknown_first = [{"type": "nvidia-tesla-v100", "count": 1.0}, {"type": "nvidia-tesla-a100", "count": 1.0}]
+    assert machine_type_carries_gpu(
+        INSTANCE, {"machineType": "n1-standard-8", "guestAccelerators": unknown_first}
+    ) == [
+        'guestAccelerators[0].type "nvidia-tesla-v100" is not in the capacity planner\'s GCP catalog '
+        "(infra/capacity/gcp.py knows nvidia-a100-80gb, nvidia-h100-80gb, nvidia-h200-141gb, nvidia-l4, "
+        "nvidia-tesla-a100, nvidia-tesla-t4); use one of those or add it to the catalog.",
+        'machineType "n1-standard-8" cannot carry guestAccelerators[1] (1 x nvidia-tesla-a100): '
+        "n1-standard-8 (N1) cannot carry a100-40gb: on GCP A100 40 GB comes only with a2-highgpu-* types; "
+        'use machineType "a2-highgpu-1g".',
+    ]
+    unknown_entry = [UNKNOWN_OBJECT, {"type": "nvidia-tesla-a100", "count": 1.0}]
+    assert (
+        len(
+            machine_type_carries_gpu(
+                INSTANCE, {"machineType": "n1-standard-8", "guestAccelerators": unknown_entry}
+            )
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize(
+    "default_pool",
+    [{"machineType": "e2-standard-4"}, {"machineType": UNKNOWN_STRING, "guestAccelerators": T4}],
+)
+def test_machine_type_rule_judges_every_pool_of_a_cluster(default_pool):
+    """Kills ``machine_type_carries_gpu``'s ``continue`` -> ``break`` after a pool without accelerators
+    and after one whose machine type is unknown: the next pool is judged."""
+    bad = {"machineType": "g2-standard-8", "guestAccelerators": [{"type": "nvidia-tesla-t4", "count": 1.0}]}
+    props = {"nodeConfig": default_pool, "nodePools": [{"nodeConfig": bad}]}
+    messages = machine_type_carries_gpu(CLUSTER, props)
+    assert len(messages) == 1 and messages[0].startswith(
+        'nodePools[0].nodeConfig.machineType "g2-standard-8" cannot carry nodePools[0].nodeConfig.'
+        "guestAccelerators[0] (1 x nvidia-tesla-t4)"
+    )
