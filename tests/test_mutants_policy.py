@@ -855,3 +855,90 @@ def test_machine_type_rule_judges_every_pool_of_a_cluster(default_pool):
         'nodePools[0].nodeConfig.machineType "g2-standard-8" cannot carry nodePools[0].nodeConfig.'
         "guestAccelerators[0] (1 x nvidia-tesla-t4)"
     )
+
+
+# ------------------------------------------------------------------------------------------------------
+# Survivors of the second rerun (the helpers every rule reads through)
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_a_nested_object_that_is_not_one_counts_as_missing():
+    """Kills ``_obj``'s ``isinstance(value, dict) or True`` (a string taken for the object) and
+    ``_gpu_configs``' ``isinstance(pool, dict) or True`` (a malformed inline pool read as one)."""
+    assert gpu_instance_terminates_on_maintenance(INSTANCE, t4_vm("junk")) == [
+        "GPU instance (guestAccelerators nvidia-tesla-t4): scheduling.onHostMaintenance is not set (GCE "
+        'defaults to MIGRATE). GPU VMs cannot live-migrate; set scheduling.onHostMaintenance = "TERMINATE" '
+        '(Python: scheduling={"on_host_maintenance": "TERMINATE", "automatic_restart": True}).'
+    ]
+    assert gpu_node_pool_tainted(CLUSTER, {"nodePools": ["junk", {"nodeConfig": l4_config()}]}) != []
+
+
+def test_every_accelerator_entry_is_read():
+    """Kills ``_accelerators``' ``continue`` -> ``break`` after a malformed entry and after a zero count,
+    ``_gpu_evidence``'s ``isinstance(acc, dict) or True``, its unknown accelerator's text (``"an unknown
+    accelerator"`` changed, ``is_unknown(kind)`` -> ``is_unknown(None)`` or ``and False``) and the ``", "``
+    join of several; ``machine_type_carries_gpu``'s ``continue`` -> ``break`` after an unknown type."""
+    junk_first = {"machineType": "n1-standard-8", "guestAccelerators": ["junk", T4[0]]}
+    assert gpu_instance_terminates_on_maintenance(INSTANCE, junk_first)[0].startswith(
+        "GPU instance (guestAccelerators nvidia-tesla-t4): "
+    )
+    zero_first = {"machineType": "n1-standard-8", "guestAccelerators": [{**T4[0], "count": 0.0}, T4[0]]}
+    assert gpu_instance_terminates_on_maintenance(INSTANCE, zero_first)[0].startswith(
+        "GPU instance (guestAccelerators nvidia-tesla-t4): "
+    )
+    mixed = {
+        "machineType": "n1-standard-8",
+        "guestAccelerators": [UNKNOWN_OBJECT, {"type": UNKNOWN_STRING}, T4[0]],
+    }
+    assert gpu_instance_terminates_on_maintenance(INSTANCE, mixed)[0].startswith(
+        "GPU instance (guestAccelerators an unknown accelerator, an unknown accelerator, nvidia-tesla-t4): "
+    )
+    unknown_type = [{"type": UNKNOWN_STRING}, {"type": "nvidia-tesla-a100", "count": 1.0}]
+    assert (
+        len(
+            machine_type_carries_gpu(
+                INSTANCE, {"machineType": "n1-standard-8", "guestAccelerators": unknown_type}
+            )
+        )
+        == 1
+    )
+
+
+def test_firewall_reads_every_allow_block_and_names_the_default_source():
+    """Kills ``_tcp_openings``' ``continue`` -> ``break`` after each block it skips (malformed, unknown or
+    non-TCP protocol, unknown ports, a whole-range block, an unknown port), ``is_unknown(protocol) or not
+    isinstance(protocol, str)`` -> ``and`` (a numeric protocol), protocol ``"all"`` (renamed: its ports are
+    then read as if TCP) and its text; ``_ingress_sources``' default source text and ``strict=False`` ->
+    ``True``/left out (a range with host bits set is still a range)."""
+    ssh = {"protocol": "tcp", "ports": ["22"]}
+    for skipped in (
+        "junk",
+        {"protocol": UNKNOWN_STRING},
+        {"protocol": 6},
+        {"protocol": "udp", "ports": ["22"]},
+        {"protocol": "tcp", "ports": UNKNOWN_STRING},
+        {"protocol": "tcp", "ports": [UNKNOWN_STRING, "22"]},
+        {"protocol": "tcp", "ports": ["80"]},
+    ):
+        props = {"direction": "INGRESS", "allows": [skipped, ssh], "sourceRanges": ["0.0.0.0/0"]}
+        assert any(
+            "opens SSH (tcp/22) via allows[1].ports" in m for m in firewall_no_world_ssh(FIREWALL, props)
+        )
+    whole = {"direction": "INGRESS", "allows": [{"protocol": "all", "ports": ["80"]}, ssh]}
+    assert [m.split(" to ")[0] for m in firewall_no_world_ssh(FIREWALL, whole)] == [
+        'INGRESS rule opens SSH (tcp/22) via allows[0] protocol "all" (every port)',
+        'INGRESS rule opens SSH (tcp/22) via allows[1].ports[0] "22"',
+    ]
+    bare = {"direction": "INGRESS", "allows": [{"protocol": "tcp"}]}
+    assert firewall_no_world_ssh(FIREWALL, bare) == [
+        'INGRESS rule opens SSH (tcp/22) via allows[0] protocol "tcp" without ports (every port) to '
+        "0.0.0.0/0 (the default source: the rule sets no sourceRanges, sourceTags or sourceServiceAccounts). "
+        "Restrict sourceRanges to IAP's 35.235.240.0/20 (gcloud compute ssh --tunnel-through-iap) or a "
+        "private/VPN range, or drop port 22 from allows[0]."
+    ]
+    host_bits = {
+        "direction": "INGRESS",
+        "allows": [{"protocol": "tcp", "ports": ["9090"]}],
+        "sourceRanges": ["10.1.2.3/8"],
+    }
+    assert firewall_no_public_monitoring(FIREWALL, host_bits) == []
