@@ -157,3 +157,28 @@ def test_the_callers_context_overhead_and_headroom_count():
     assert plan.required_bytes == 10**9 + plan.shared_bytes + 2 * plan.per_slot_bytes
     room = L40S.memory_bytes - 10**9 - plan.shared_bytes
     assert plan.max_sessions == room // plan.per_slot_bytes
+
+
+def test_the_depformer_fallbacks_read_hidden_scale_layers_and_heads():
+    """Kills ``activation_bytes_per_slot``: the feed-forward fallback's ``hidden_scale`` key (``get(None,
+    4)``, renamed: a config with ``hidden_scale`` 2 and no ``depformer_dim_feedforward`` is not read as 4)
+    and the defaults ``depformer_num_layers`` 2 and ``depformer_num_heads`` 8 (-> 3, 9, None, left out)."""
+    narrow = with_lm("tiny", hidden_scale=2, depformer_dim_feedforward=None)
+    assert activation_bytes_per_slot(narrow, 2) == activation_bytes_per_slot(
+        with_lm("tiny", hidden_scale=2, depformer_dim_feedforward=2 * narrow.lm["depformer_dim"]), 2
+    )
+    bare = with_lm("tiny", depformer_num_layers=None, depformer_num_heads=None)
+    explicit = with_lm("tiny", depformer_num_layers=2, depformer_num_heads=8)
+    assert activation_bytes_per_slot(bare, 2) == activation_bytes_per_slot(explicit, 2)
+
+
+def test_a_plan_that_exactly_fills_the_gpu_fits():
+    """Kills ``fits=required <= usable`` -> ``<``: with no overhead and no headroom, a CUDA context sized so
+    that two sessions need exactly the GPU's memory fits, with no shortfall."""
+    two = memory_plan(MOSHI, L40S, "int8", "bf16", 2, allocator_overhead=0.0, headroom=0.0)
+    context = L40S.memory_bytes - two.shared_bytes - 2 * two.per_slot_bytes
+    exact = memory_plan(
+        MOSHI, L40S, "int8", "bf16", 2, cuda_context_bytes=context, allocator_overhead=0.0, headroom=0.0
+    )
+    assert exact.required_bytes == exact.usable_bytes and exact.fits and exact.shortfall_bytes == 0
+    assert exact.max_sessions == 2
