@@ -271,3 +271,21 @@ def test_sim_step_table_format_and_defaults():
     assert sim_step_table(MOSHI, h100, "int8", "fp8", (3,), tick_model=roof) == (
         f"3:{tick_ms(MOSHI, h100, 'int8', 'fp8', 3, tick_model=roof):.1f}"
     )
+
+
+def test_no_session_fits_when_one_does_not():
+    """Kills ``tick_plan``'s start ``lo, hi = 0, 1`` -> ``1, 1``: moshi-7b with fp32 weights on a T4 needs
+    148 ms a tick for one session, past the 64 ms budget: none fits, not one."""
+    assert tick_ms(MOSHI, T4, "fp32", "bf16", 1) > 64.0
+    assert tick_plan(MOSHI, T4, "fp32", "bf16", 1).max_sessions == 0
+
+
+def test_a_tick_of_exactly_the_budget_fits():
+    """Kills ``fits``' ``<= budget`` -> ``<``: a tick model whose overhead brings three sessions' tick to
+    exactly the 64 ms budget fits three."""
+    base = dataclasses.replace(TICK_MODELS["planning"], overhead_ms=0.0)
+    exact = dataclasses.replace(
+        base, overhead_ms=64.0 - tick_ms(MOSHI, L40S, "int8", "bf16", 3, tick_model=base)
+    )
+    assert tick_ms(MOSHI, L40S, "int8", "bf16", 3, tick_model=exact) == 64.0
+    assert tick_plan(MOSHI, L40S, "int8", "bf16", 1, tick_model=exact).max_sessions == 3
