@@ -346,3 +346,83 @@ def test_the_thread_runs_ticks_and_stops(loop):
     finally:
         scheduler.stop(timeout_s=60)
     assert not scheduler.alive
+
+
+class Stop:
+    """Stands in for the tick loop's stop event: set after ``loops`` checks; ``wait`` records the delay
+    and moves the clock by it (a sleep on the injected clock)."""
+
+    def __init__(self, clock: Clock, loops: int) -> None:
+        self.clock, self.loops, self.waits = clock, loops, []
+
+    def is_set(self) -> bool:
+        self.loops -= 1
+        return self.loops < 0
+
+    def set(self) -> None:
+        self.loops = 0
+
+    def wait(self, delay: float) -> bool:
+        self.waits.append(round(delay, 6))
+        self.clock.now += delay
+        return False
+
+
+class Wake:
+    def __init__(self) -> None:
+        self.waits: list[float | None] = []
+        self.cleared = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits.append(timeout)
+        return False
+
+    def clear(self) -> None:
+        self.cleared += 1
+
+    def set(self) -> None:
+        pass
+
+
+def test_the_tick_loop_paces_on_the_clock(loop):
+    """Kills ``_run``'s pacing, run on the test's thread with an injected clock: ``next_tick`` from the
+    clock (not None), ``+= frame_s`` (``=``, ``-=``), ``delay = next_tick - clock()`` (``+``), the wait only
+    when ``delay > 0`` (``>= 0``: a tick of exactly 80 ms waits 0 s; ``> 1``), a tick loop more than a frame
+    behind re-anchored, the idle branch (``tick_once()`` negated, ``wait(timeout=0.5)``, ``continue`` ->
+    ``break``, ``next_tick`` re-read). Ticks take 30, 30, 80, 100 and 250 ms by the clock."""
+    scheduler, engine, metrics, clock = make(loop, 1)
+    durations = iter([0.03, 0.03, 0.08, 0.10, 0.25, 0.03])
+    original = engine.tick
+
+    def tick(pcm_in, active):
+        clock.now += next(durations)
+        return original(pcm_in, active)
+
+    engine.tick = tick  # type: ignore[method-assign]
+    scheduler._stop = stop = Stop(clock, 7)  # type: ignore[assignment]
+    scheduler._wake = wake = Wake()  # type: ignore[assignment]
+    scheduler._run()  # idle: nothing admitted yet
+    assert wake.waits == [0.5] * 7 and wake.cleared == 7 and stop.waits == []
+    scheduler.admit(Session("a").s)
+    clock.now = 100.0
+    stop.loops = 6
+    scheduler._run()
+    # 30 ms: wait 50; 30 ms: wait 50; 80 ms: on time, no wait; 100 ms: 20 late, no wait;
+    # 250 ms: 190 late, more than a frame: re-anchored at the clock, so the last 30 ms tick waits 50.
+    assert stop.waits == [0.05, 0.05, 0.05]
+    assert clock.now == pytest.approx(100.0 + 0.03 + 0.05 + 0.03 + 0.05 + 0.08 + 0.10 + 0.25 + 0.03 + 0.05)
+
+
+def test_stop_joins_the_thread_for_its_timeout(loop):
+    """Kills ``stop``'s default ``timeout_s`` 5.0 (-> 6.0) and ``join(timeout_s)`` -> ``join(None)``."""
+    scheduler, *_ = make(loop, 1)
+    joined: list[float | None] = []
+
+    class Thread:
+        def join(self, timeout: float | None = None) -> None:
+            joined.append(timeout)
+
+    scheduler._thread = Thread()  # type: ignore[assignment]
+    scheduler.stop()
+    scheduler.stop(timeout_s=1.5)
+    assert joined == [5.0, 1.5]
