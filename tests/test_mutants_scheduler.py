@@ -426,3 +426,55 @@ def test_stop_joins_the_thread_for_its_timeout(loop):
     scheduler.stop()
     scheduler.stop(timeout_s=1.5)
     assert joined == [5.0, 1.5]
+
+
+def test_first_audio_ticks_count_from_the_taking_tick(loop):
+    """Kills ``ticks=tick - session.taken_tick`` -> ``+`` (a session taken at tick 1, first audio at tick
+    3: 2 ticks) and ``on_first_audio is None or ...`` -> ``and`` (a session without the callback gets no
+    call: the loop reports no failed callback)."""
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    scheduler, engine, metrics, clock = make(loop, 2)
+    a, b = Session("a"), Session("bb", first_audio=False)
+    scheduler.admit(a.s)
+    scheduler.admit(b.s)
+    b.s.push_frame(frame(1.0))
+    scheduler.tick_once()  # tick 0: b only
+    a.s.push_frame(frame(1.0))
+    scheduler.tick_once()  # tick 1 takes a's first frame
+    scheduler.tick_once()  # tick 2
+    engine.audio = {0: 0.5, 1: 0.5}
+    scheduler.tick_once()  # tick 3: first audio of both
+    drain(loop)
+    assert [t.ticks for t in a.timings] == [2] and a.s.taken_tick == 1
+    assert errors == []
+
+
+def test_a_session_that_has_not_started_does_not_stop_the_others(loop):
+    """Kills ``if not session.started_input: continue`` -> ``break``: the first slot's session has sent
+    nothing yet; the second's frame is still taken."""
+    scheduler, engine, metrics, clock = make(loop, 2)
+    a, b = Session("a"), Session("bb")
+    scheduler.admit(a.s)
+    scheduler.admit(b.s)
+    b.s.push_frame(frame(2.0))
+    scheduler.tick_once()
+    pcm, active = engine.inputs[-1]
+    assert active.tolist() == [False, True] and pcm[:, 0].tolist() == [0.0, 2.0]
+
+
+def test_a_failing_tick_is_logged_and_raised(loop, caplog):
+    """Kills ``tick_once``'s ``log.exception`` text (None, changed): the operator reads why the tick loop
+    stopped; the error still propagates."""
+    scheduler, engine, metrics, clock = make(loop, 1)
+
+    def broken(pcm_in, active):
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    engine.tick = broken  # type: ignore[method-assign]
+    scheduler.admit(Session("a").s)
+    with pytest.raises(RuntimeError), caplog.at_level("ERROR"):
+        scheduler.tick_once()
+    assert [r.getMessage() for r in caplog.records] == [
+        "tick failed; the tick loop stops and /healthz turns unhealthy"
+    ]
