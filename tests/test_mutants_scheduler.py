@@ -478,3 +478,18 @@ def test_a_failing_tick_is_logged_and_raised(loop, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "tick failed; the tick loop stops and /healthz turns unhealthy"
     ]
+
+
+def test_the_tick_thread_and_the_input_rows_are_what_the_engine_expects(loop):
+    """Kills ``__init__``'s thread (the name ``tick-loop`` seen in thread dumps, ``daemon=True`` so that a
+    stuck model cannot keep the process alive: ``None``, ``False``, left out) and the input rows' dtypes
+    (float32 PCM and bool ``active``, as ``BatchEngine.tick`` takes them: ``dtype=None``, left out)."""
+    scheduler, engine, metrics, clock = make(loop, 2)
+    assert scheduler._thread.name == "tick-loop" and scheduler._thread.daemon is True
+    a = Session("a")
+    scheduler.admit(a.s)
+    a.s.push_frame(frame(1.0))
+    scheduler.tick_once()
+    pcm, active = engine.inputs[-1]
+    assert pcm.dtype == np.float32 and pcm.shape == (2, FRAME_SAMPLES)
+    assert active.dtype == bool and active.tolist() == [True, False]
