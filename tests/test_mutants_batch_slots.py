@@ -271,3 +271,49 @@ def test_chunk_steps(tiny, total, done, spare_ms, at_least_min, steps):
     step, chunks 8..256."""
     e = engine(tiny, 1, prefill_ms_per_step=2.0)
     assert chunk(e, total, done, spare_ms, at_least_min) == steps
+
+
+def streaming_offsets(module, slots: int) -> dict[str, torch.Tensor]:
+    """The per-row integer offsets of ``module``'s streaming states (name -> ``[slots]`` tensor)."""
+    found = {}
+    for name, state in module.get_streaming_state().items():
+        for key, value in vars(state).items():
+            if (
+                isinstance(value, torch.Tensor)
+                and "offset" in key
+                and value.shape == (slots,)
+                and not value.dtype.is_floating_point
+                and value.dtype != torch.bool
+            ):
+                found[f"{name}.{key}"] = value
+    return found
+
+
+def test_join_resets_the_joining_slots_rows_alone(tiny):
+    """Kills ``join``'s reset: ``mask = self._mask([slot])`` (None, ``_mask(None)``) and
+    ``reset_streaming(mask)`` -> ``reset_streaming(None)`` for the LM and for Mimi: a joiner must not
+    reset its neighbours' KV caches and conv states (every live conversation would lose its context).
+    Each per-row streaming offset is set to 7; after slot 1 joins, only row 1 is back to 0."""
+    e = engine(tiny, 3)
+    offsets = {**streaming_offsets(e.lm_gen, 3), **streaming_offsets(e.bundle.mimi, 3)}
+    assert any(name.startswith(".") for name in offsets) and len(offsets) >= 2  # the LM's and Mimi's
+    for value in offsets.values():
+        value.fill_(7)
+    e.join(1, SamplingParams())
+    assert {name: v.tolist() for name, v in offsets.items()} == {name: [7, 0, 7] for name in offsets}
+
+
+@pytest.mark.parametrize(
+    "per_step, total, done, spare_ms, steps",
+    [
+        (0.1, 1000, 0, 0.0, 0),  # no time: nothing, however cheap a step (max(spare, 0.0), not 1.0)
+        (0.5, 1000, 0, 8.0, 16),  # 16 steps fit at 0.5 ms (the cost divisor is not floored at 1 ms)
+        (2.0, 1000, 0, 1200.0, 256),  # 600 fit: capped at the 256 maximum, not rounded to 512
+        (2.0, 1000, 999, 100.0, 1),  # one step left: one, not none
+    ],
+)
+def test_chunk_steps_bounds(tiny, per_step, total, done, spare_ms, steps):
+    """Kills ``_chunk_steps``: ``max(spare_ms, 0.0)`` -> ``1.0``, ``max(prefill_ms_per_step, 1e-6)`` ->
+    ``1.000001``, ``min(fits, prefill_max_chunk, left)`` without the maximum, and ``steps > 0`` -> ``> 1``."""
+    e = engine(tiny, 1, prefill_ms_per_step=per_step)
+    assert chunk(e, total, done, spare_ms) == steps
