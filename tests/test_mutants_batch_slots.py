@@ -317,3 +317,15 @@ def test_chunk_steps_bounds(tiny, per_step, total, done, spare_ms, steps):
     ``1.000001``, ``min(fits, prefill_max_chunk, left)`` without the maximum, and ``steps > 0`` -> ``> 1``."""
     e = engine(tiny, 1, prefill_ms_per_step=per_step)
     assert chunk(e, total, done, spare_ms) == steps
+
+
+def test_engine_wires_its_parts_together(tiny):
+    """Kills ``__init__``: ``self.device`` (None), the LM generator built without the engine's sampling
+    table or forcing tensors (``SlotLMGen(lm, None, ...)``, ``(..., None)``), the pre-roll's silence
+    (None, or shaped other than ``[B, 1, 1920]``) and the empty exec mask (``_no_rows``: bool, one row per
+    slot, all False; ``dtype`` dropped)."""
+    e = engine(tiny, 3)
+    assert e.device == tiny.lm.device
+    assert e.lm_gen.sampling is e.sampling and e.lm_gen.forcing is e._forcing
+    assert tuple(e._silence.shape) == (3, 1, 1920) and not e._silence.any()
+    assert e._no_rows.dtype == torch.bool and e._no_rows.tolist() == [False] * 3
