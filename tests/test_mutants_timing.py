@@ -289,3 +289,14 @@ def test_a_tick_of_exactly_the_budget_fits():
     )
     assert tick_ms(MOSHI, L40S, "int8", "bf16", 3, tick_model=exact) == 64.0
     assert tick_plan(MOSHI, L40S, "int8", "bf16", 1, tick_model=exact).max_sessions == 3
+
+
+def test_the_weights_phase_runs_at_the_weights_compute_precision():
+    """Kills ``peak_lin = gpu.flops_per_s(compute_precision(precision))`` with the precision dropped
+    (``flops_per_s(None)``, ``compute_precision(None)``): with traffic free, INT8 weights' linear FLOPs run
+    at the L40S's INT8 peak, not its fp16 one."""
+    compute = dataclasses.replace(L40S, bandwidth_gb_s=1e9)
+    weights = tick_phases(MOSHI, compute, "int8", "bf16", 1)[1]
+    assert weights.bound == "compute"
+    assert weights.roofline_ms == pytest.approx(weights.flops / compute.flops_per_s("int8") * 1e3)
+    assert compute.flops_per_s("int8") != compute.flops_per_s("fp16")
