@@ -329,3 +329,15 @@ def test_engine_wires_its_parts_together(tiny):
     assert e.lm_gen.sampling is e.sampling and e.lm_gen.forcing is e._forcing
     assert tuple(e._silence.shape) == (3, 1, 1920) and not e._silence.any()
     assert e._no_rows.dtype == torch.bool and e._no_rows.tolist() == [False] * 3
+
+
+def test_forcing_and_masks_stay_on_the_engines_device(tiny):
+    """Kills the device dropped in ``_Forcing.__init__`` (``device=None`` or left out) and ``_mask``
+    (``.to(None)``): on a GPU they would sit on the CPU beside a CUDA model. PyTorch's ``meta`` device
+    stands in for the GPU."""
+    meta = torch.device("meta")
+    f = _Forcing(2, 3, meta)
+    assert f.text.device == meta and f.audio.device == meta
+    e = engine(tiny, 2)
+    e.device = meta
+    assert e._mask([1]).device == meta

@@ -215,3 +215,17 @@ def test_table_sample_text_and_audio_read_their_own_settings_and_streams():
     fixed[:, 59] = 1e6  # this noise picks the last token wherever it is a candidate
     assert t.sample_audio(logits, 0, fixed).tolist()[1] == 59
     assert t.sample_audio(logits, 0).tolist()[1] != 59
+
+
+def test_draws_and_the_table_stay_on_the_models_device():
+    """Kills the device dropped (``device=None`` or left out) in ``counter_uniform`` (``device =
+    seed.device``), ``SlotSamplingTable.__init__`` and ``audio_noise``: on a GPU those tensors would sit on
+    the CPU beside a CUDA model. PyTorch's ``meta`` device stands in for the GPU: every tensor made here
+    must be on the device it was given."""
+    meta = torch.device("meta")
+    seed = torch.zeros(2, dtype=torch.int64, device=meta)
+    assert counter_uniform(seed, seed, 0, 5).device == meta
+    table = SlotSamplingTable(2, meta)
+    fields = ("audio_temperature", "audio_top_k", "text_temperature", "text_top_k", "seed", "step")
+    assert {name: getattr(table, name).device for name in fields} == dict.fromkeys(fields, meta)
+    assert table.audio_noise(3, 7).device == meta
