@@ -942,3 +942,12 @@ def test_firewall_reads_every_allow_block_and_names_the_default_source():
         "sourceRanges": ["10.1.2.3/8"],
     }
     assert firewall_no_public_monitoring(FIREWALL, host_bits) == []
+
+
+def test_an_unreadable_port_does_not_hide_the_next():
+    """Kills ``_tcp_openings``' ``continue`` -> ``break`` after an unreadable port spec: port 22 listed
+    after it is still an opening."""
+    props = {"direction": "INGRESS", "allows": [{"protocol": "tcp", "ports": ["ssh", "22"]}]}
+    assert [m.split(" to ")[0] for m in firewall_no_world_ssh(FIREWALL, props)] == [
+        'INGRESS rule opens SSH (tcp/22) via allows[0].ports[1] "22"'
+    ]
