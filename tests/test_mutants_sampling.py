@@ -229,3 +229,17 @@ def test_draws_and_the_table_stay_on_the_models_device():
     fields = ("audio_temperature", "audio_top_k", "text_temperature", "text_top_k", "seed", "step")
     assert {name: getattr(table, name).device for name in fields} == dict.fromkeys(fields, meta)
     assert table.audio_noise(3, 7).device == meta
+
+
+def test_a_temperature_below_one_sharpens_and_a_bound_of_one_keeps_the_best():
+    """Kills ``sample_rows``' ``temperature > 0`` -> ``> 1`` in ``safe_temperature`` (a temperature of 0.5
+    read as 1) and ``max(1, min(vocab, top_k_bound))`` -> ``max(2, ...)`` (a bound of 1 keeping two)."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    noise = torch.tensor([[0.0, 1.5, 0.0, 0.0]])
+    zero = torch.zeros(1, dtype=torch.int64)
+    # T = 0.5: [6, 4, 2, 0] + noise -> 0 (at T = 1: [3, 3.5, ...] -> 1)
+    assert sample_rows(
+        logits, torch.tensor([0.5]), torch.tensor([4]), zero, zero, 0, gumbel=noise
+    ).tolist() == [0]
+    # a bound of 1: the best token only, whatever the noise favours
+    assert sample_rows(logits, torch.ones(1), torch.tensor([4]), zero, zero, 0, 1, noise).tolist() == [0]
