@@ -9,6 +9,7 @@ event loop's callbacks are run by ``drain``."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 import numpy as np
@@ -126,15 +127,15 @@ def make(loop, slots: int = 3, **kw):
 def test_push_frame_keeps_at_most_max_inbox_frames_and_stamps_the_first(loop):
     """Kills ``SlotSession.push_frame``: ``len(inbox) > max_inbox_frames`` (-> ``>=``), the oldest dropped
     (``popleft`` -> ``pop``), the return values, the default of 8 frames, and ``first_input_at`` set
-    once, on the clock, after the append."""
-    times = iter([5.0, 6.0, 7.0])
+    once, on the clock, after the append; ``last_input_at`` (a resume's gap starts there) at every frame."""
+    times = itertools.count(5.0)
     s = Session("a", clock=lambda: next(times)).s
     assert s.max_inbox_frames == 8 and not s.started_input
     assert [s.push_frame(frame(k)) for k in range(8)] == [True] * 8
-    assert s.first_input_at == 5.0 and s.started_input
+    assert s.first_input_at == 5.0 and s.started_input and s.last_input_at == 12.0
     assert s.push_frame(frame(8)) is False
     assert len(s.inbox) == 8 and float(s.inbox[0][0]) == 1.0 and float(s.inbox[-1][0]) == 8.0
-    assert s.first_input_at == 5.0
+    assert s.first_input_at == 5.0 and s.last_input_at == 13.0
 
 
 def test_admit_hands_out_the_lowest_free_slot_and_refuses_a_full_node(loop):

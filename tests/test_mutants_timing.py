@@ -13,13 +13,12 @@ import dataclasses
 import pytest
 
 from infra.capacity.gpus import get_gpu
+from infra.capacity.latency import LatencyAssumptions, latency_budget
 from infra.capacity.models import get_model
 from infra.capacity.timing import (
     TICK_MODELS,
-    LatencyAssumptions,
     TickModel,
     _phase,
-    latency_budget,
     sim_step_table,
     tick_ms,
     tick_phases,
@@ -215,8 +214,9 @@ def test_tick_plan_stops_at_the_search_limit():
 
 
 def test_latency_budget_rows_and_totals():
-    """Kills ``latency_budget``: each row's name, low, high and note, the default assumptions (5-20 ms each
-    way, 0-80 ms tick alignment, 20-30 ms playback buffer), the LM row (both LM phases, plus the overhead
+    """Kills ``latency_budget`` (``infra.capacity.latency``): each row's name, low, high and note, the
+    default assumptions (5-20 ms each way, 20-30 ms playback buffer; the 0-80 ms tick alignment is the tick
+    period), the LM row (both LM phases, plus the overhead
     at the high end only), the acoustic delay, the floor (80 + 80 = 160 ms for moshi-7b: Moshi's
     "160 ms theoretical latency") and the totals as sums."""
     tick = tick_plan(MOSHI, L40S, "int8", "bf16", 4)
@@ -245,19 +245,19 @@ def test_latency_budget_rows_and_totals():
     assert budget.floor_ms == 160.0
     assert budget.low_ms == pytest.approx(sum(e[1] for e in expected))
     assert budget.high_ms == pytest.approx(sum(e[2] for e in expected))
-    assert LatencyAssumptions() == LatencyAssumptions((5.0, 20.0), (5.0, 20.0), (0.0, 80.0), (20.0, 30.0))
+    assert LatencyAssumptions() == LatencyAssumptions((5.0, 20.0), (5.0, 20.0), (20.0, 30.0))
 
 
 def test_latency_budget_takes_the_callers_assumptions():
     """Kills ``a = assumptions or LatencyAssumptions()`` -> ``and``, and each assumption's ``[0]``/``[1]``
     swapped or read from another field."""
     tick = tick_plan(MOSHI, L40S, "int8", "bf16", 1)
-    mine = LatencyAssumptions((1.0, 2.0), (3.0, 4.0), (6.0, 7.0), (8.0, 9.0))
+    mine = LatencyAssumptions((1.0, 2.0), (3.0, 4.0), (8.0, 9.0))
     budget = latency_budget(MOSHI, tick, mine)
     by_name = {r.name: (r.low_ms, r.high_ms) for r in budget.rows}
     assert by_name["Network, client to server"] == (1.0, 2.0)
     assert by_name["Network, server to client"] == (3.0, 4.0)
-    assert by_name["Wait for the batch tick"] == (6.0, 7.0)
+    assert by_name["Wait for the batch tick"] == (0.0, 80.0)  # not an assumption: the tick period
     assert by_name["Client playback buffer"] == (8.0, 9.0)
 
 
