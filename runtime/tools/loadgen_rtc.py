@@ -30,7 +30,7 @@ import numpy as np
 
 from runtime.frontend.jitter import JitterBuffer
 from runtime.frontend.refusals import CLOSE_NORMAL
-from runtime.tools.loadgen import MAX_LOAD_SESSIONS, LoadReport, SessionResult, _percentile
+from runtime.tools.loadgen import MAX_LOAD_SESSIONS, LoadReport, SessionResult, _percentile, gather_sessions
 from runtime.tools.rtc_client import RtcCall, encode_packets
 
 __all__ = [
@@ -221,21 +221,7 @@ def _process_share(
         tasks = [
             asyncio.create_task(one(n, i, t)) for n, (i, t) in enumerate(zip(indices, tokens, strict=True))
         ]
-        done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        out = []
-        for task in tasks:
-            if task in done and task.exception() is None:
-                out.append(task.result())
-            else:
-                failed = RtcSessionResult()
-                failed.connect_error = (
-                    f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
-                )
-                out.append(failed)
-        return out
+        return await gather_sessions(tasks, max_duration_s, RtcSessionResult)
 
     results = asyncio.run(main())
     return results, time.process_time() - cpu
