@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 from fake_clock import FakeClock
-from test_latency_budget import _fake_bundle, _histogram
+from test_latency_budget import _fake_bundle, _histogram, _Tokenizer
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import FirstAudioTiming
@@ -35,16 +35,6 @@ from runtime.tools.local_redis import free_loopback_port
 
 FRAME_S = 0.08
 HALF_S = 0.04
-
-
-class _Tokenizer:
-    """What the scheduler asks of a sentencepiece tokenizer."""
-
-    def vocab_size(self) -> int:
-        return 256
-
-    def id_to_piece(self, token: int) -> str:
-        return f"<{token}>"
 
 
 class _RecordingEngine:

@@ -651,6 +651,20 @@ MAX_LOAD_SESSIONS = 256
 """Most sessions one ``run_load`` drives (a node has at most 256 slots)."""
 
 
+def check_load_args(sessions: int, speech: Sequence[Any], max_duration_s: float, token: object) -> None:
+    """Check a load run's arguments (``run_load``'s, ``run_rtc_load``'s): ``sessions`` in
+    1..MAX_LOAD_SESSIONS, at least one speech clip, ``max_duration_s`` a positive finite number of seconds,
+    and a single ``str`` token only for a single session. Raises ValueError naming the first that is not."""
+    if not 1 <= sessions <= MAX_LOAD_SESSIONS:
+        raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
+    if not speech:
+        raise ValueError("no speech to stream: give at least one WAV file")
+    if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
+        raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
+    if isinstance(token, str) and sessions > 1:
+        raise ValueError("a session token opens one session: pass a token factory for several sessions")
+
+
 ResultT = TypeVar("ResultT", bound=SessionResult)
 
 
@@ -713,14 +727,7 @@ async def run_load(
         ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, no speech, a non-positive duration, or one
             token for several sessions.
     """
-    if not 1 <= sessions <= MAX_LOAD_SESSIONS:
-        raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
-    if not speech:
-        raise ValueError("no speech to stream: give at least one WAV file")
-    if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
-        raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
-    if isinstance(token, str) and sessions > 1:
-        raise ValueError("a session token opens one session: pass a token factory for several sessions")
+    check_load_args(sessions, speech, max_duration_s, token)
     encoded: list[list[bytes]] | None = None
     if pre_encode:
         encoded = [encode_messages(clip, audio_format) for clip in speech[: min(len(speech), sessions)]]
