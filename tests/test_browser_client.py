@@ -22,26 +22,28 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import time
 import urllib.error
 import urllib.request
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from browser_fixtures import (  # noqa: F401 (fixtures)
+    CHROMIUM,
+    browser_fixture,
+    node_fixture,
+    speech_wav_fixture,
+    wait_slot_free,
+)
 
 from infra.node.jitter_relay import JitterRelay
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
 from infra.node.services import token_audience
 from runtime.frontend.tokens import mint_token
-from runtime.tools.loadgen import DEMO_SENTENCES, synthesize_speech
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = [
     pytest.mark.slow,
@@ -53,51 +55,6 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 TIMEOUT_MS = 30_000
 PLAYOUT_GOAL_MS = 60  # issue 24: the playout buffer's lead on a clean path
 RECENT_FRAMES = 125  # playout.js RECENT_FRAMES: the page's "recent" counters cover this many frames
-
-
-@pytest.fixture(scope="module")
-def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two sentences of espeak-ng speech as a 16-bit PCM WAV (what Chromium's fake capture device reads;
-    it loops the file)."""
-    pcm = np.concatenate([synthesize_speech(sentence) for sentence in DEMO_SENTENCES[:2]])
-    path = tmp_path_factory.mktemp("speech") / "speech.wav"
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(24000)
-        out.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
-    return path
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
-    """The local node with one slot: one conversation fills it."""
-    local = LocalNode(tmp_path_factory.mktemp("node") / "node", free_port_profile(max_sessions=1))
-    local.start()
-    try:
-        yield local
-    finally:
-        local.stop()
-
-
-@pytest.fixture(scope="module")
-def browser(speech_wav: Path) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--use-fake-ui-for-media-stream",  # grant the microphone without a prompt
-                "--use-fake-device-for-media-stream",
-                f"--use-file-for-fake-audio-capture={speech_wav}",
-                "--autoplay-policy=no-user-gesture-required",
-            ],
-        )
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def open_page(browser: Any, node: LocalNode, fragment: str = "", **context_args: Any) -> Any:
@@ -129,19 +86,6 @@ def problem(page: Any, reason: str) -> str:
     """Wait for the alert region to show ``reason``; its words."""
     page.wait_for_selector(f'#problem[data-reason="{reason}"]', timeout=TIMEOUT_MS)
     return page.text_content("#problem")
-
-
-def wait_slot_free(node: LocalNode, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{node.runtime_url}/readyz", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the node's slot was not freed")
 
 
 def test_conversation_node_full_and_single_use(node: LocalNode, browser: Any) -> None:

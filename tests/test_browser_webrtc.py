@@ -16,24 +16,21 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import time
-import urllib.error
-import urllib.request
-import wave
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from browser_fixtures import (  # noqa: F401 (fixtures)
+    CHROMIUM,
+    browser_fixture,
+    node_fixture,
+    speech_wav_fixture,
+    wait_slot_free,
+)
 from playwright.sync_api import Error as PlaywrightError
 
-from infra.node.local import LocalNode, free_port_profile, missing_binaries
-from runtime.tools.loadgen import DEMO_SENTENCES, synthesize_speech
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+from infra.node.local import LocalNode, missing_binaries
 
 pytestmark = [
     pytest.mark.slow,
@@ -45,49 +42,6 @@ TIMEOUT_MS = 60_000  # hang guard for each wait
 CONNECT_LIMIT_MS = 3000  # rtc.js CONNECT_LIMIT_MS: ICE must connect within this, else the WebSocket
 SLACK_MS = 2000  # timers on a loaded 2-core machine
 RTC_PATH = re.compile(r"^https://[^/]+(/api/rtc(?:/.*|\?.*)?)$")
-
-
-@pytest.fixture(scope="module")
-def speech_wav(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two sentences of espeak-ng speech as a 16-bit PCM WAV (Chromium's fake capture device loops it)."""
-    pcm = np.concatenate([synthesize_speech(sentence) for sentence in DEMO_SENTENCES[:2]])
-    path = tmp_path_factory.mktemp("speech") / "speech.wav"
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(24000)
-        out.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
-    return path
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNode]:
-    local = LocalNode(tmp_path_factory.mktemp("node") / "node", free_port_profile(max_sessions=1))
-    local.start()
-    try:
-        yield local
-    finally:
-        local.stop()
-
-
-@pytest.fixture(scope="module")
-def browser(speech_wav: Path) -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            args=[
-                "--use-fake-ui-for-media-stream",
-                "--use-fake-device-for-media-stream",
-                f"--use-file-for-fake-audio-capture={speech_wav}",
-                "--autoplay-policy=no-user-gesture-required",
-            ],
-        )
-        try:
-            yield chromium
-        finally:
-            chromium.close()
 
 
 def open_page(
@@ -138,19 +92,6 @@ def stats(page: Any) -> dict[str, Any]:
 def wait_stats(page: Any, condition: str, timeout_ms: int = TIMEOUT_MS) -> dict[str, Any]:
     page.wait_for_function(f"() => (s => {condition})(window.duplexClient.stats)", timeout=timeout_ms)
     return stats(page)
-
-
-def wait_slot_free(node: LocalNode, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{node.runtime_url}/readyz", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the node's slot was not freed")
 
 
 def end_conversation(page: Any, node: LocalNode) -> None:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from fake_clock import FakeClock
 from inproc_node import InProcessNode
 
 from runtime.config import RuntimeConfig
@@ -49,19 +50,6 @@ STEP_MS = 30.0
 """The sim engine's step time here: the compute of every tick."""
 
 
-class Clock:
-    """Monotonic seconds that move only when told (``advance`` is also the sim engine's ``sleep``)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
 class _Tokenizer:
     """What the scheduler and the sim engine ask of a sentencepiece tokenizer."""
 
@@ -72,7 +60,7 @@ class _Tokenizer:
         return f"<{token}>"
 
 
-def _sim(clock: Clock, slots: int = 2) -> SimEngine:
+def _sim(clock: FakeClock, slots: int = 2) -> SimEngine:
     return SimEngine(slots, StepTime(((1, STEP_MS),)), text_vocab=256, sleep=clock.advance)
 
 
@@ -80,7 +68,7 @@ def sim_delay_ticks() -> int:
     """The sim engine's own delay, stepping it alone: ticks from the one that takes a live slot's first frame
     to the one whose output has audio for it (1 while the engine drops each session's first frame, as
     ``batch.py`` did before its encoder pre-roll; 0 without the drop)."""
-    engine = _sim(Clock(), slots=1)
+    engine = _sim(FakeClock(), slots=1)
     engine.join(0, SamplingParams())
     pcm = np.full((1, FRAME_SAMPLES), 0.1, dtype=np.float32)
     for tick in range(10):
@@ -93,7 +81,7 @@ class _DelayEngine:
     """An engine whose audio for a slot comes ``delay`` ticks after the tick that first stepped it (the tick
     that took its first frame), each tick costing ``compute_s`` on the clock."""
 
-    def __init__(self, slots: int, delay: int, clock: Clock, compute_s: float = 0.012) -> None:
+    def __init__(self, slots: int, delay: int, clock: FakeClock, compute_s: float = 0.012) -> None:
         self.slots = slots
         self.delay = delay
         self.clock = clock
@@ -125,7 +113,7 @@ class _DelayEngine:
         return None
 
 
-def _scheduler(engine: object, clock: Clock, metrics: RuntimeMetrics | None = None) -> SlotScheduler:
+def _scheduler(engine: object, clock: FakeClock, metrics: RuntimeMetrics | None = None) -> SlotScheduler:
     loop = asyncio.get_running_loop()
     return SlotScheduler(engine, _Tokenizer(), metrics or RuntimeMetrics(), loop, clock=clock)  # type: ignore[arg-type]
 
@@ -151,7 +139,7 @@ class _Session:
         return found[0] if found else None  # type: ignore[return-value]
 
 
-async def _tick_at(scheduler: SlotScheduler, clock: Clock, at: float) -> None:
+async def _tick_at(scheduler: SlotScheduler, clock: FakeClock, at: float) -> None:
     """Set the clock to ``at``, run one tick, let the event loop run what it handed over."""
     clock.now = at
     scheduler.tick_once()
@@ -160,7 +148,7 @@ async def _tick_at(scheduler: SlotScheduler, clock: Clock, at: float) -> None:
 
 
 async def _first_audio_timing(
-    scheduler: SlotScheduler, clock: Clock, session: _Session, arrive_before_tick_s: float
+    scheduler: SlotScheduler, clock: FakeClock, session: _Session, arrive_before_tick_s: float
 ) -> FirstAudioTiming:
     """Ticks on the 80 ms grid from t0: the session joins at tick 0, its first frame arrives
     ``arrive_before_tick_s`` before tick 2, and one frame comes every tick after; ticks until its first
@@ -184,7 +172,7 @@ async def test_a_frame_arriving_x_ms_before_a_tick_waits_x_ms(wait_ms: float) ->
     """Phase wait = the start of the tick that takes the first frame minus its arrival. A scheduler that
     stamped the tick's end instead (or the frame's own tick as its arrival) would be off by the step time
     (30 ms) or by the whole wait."""
-    clock = Clock()
+    clock = FakeClock()
     scheduler = _scheduler(_sim(clock), clock)
     session = _Session()
     timing = await _first_audio_timing(scheduler, clock, session, wait_ms / 1e3)
@@ -200,7 +188,7 @@ async def test_the_tick_count_is_the_sim_engines_delay() -> None:
     """Ticks to first audio, counted from the tick that takes the first frame (not from the join, not from
     1): exactly the sim engine's own delay (``sim_delay_ticks``), however many ticks the slot spent joined
     and idle before its caller's first frame."""
-    clock = Clock()
+    clock = FakeClock()
     scheduler = _scheduler(_sim(clock), clock)
     session = _Session()
     timing = await _first_audio_timing(scheduler, clock, session, 0.02)
@@ -210,7 +198,7 @@ async def test_the_tick_count_is_the_sim_engines_delay() -> None:
 @pytest.mark.parametrize("delay", [0, 1, 2, 5])
 async def test_the_tick_count_follows_the_engine(delay: int) -> None:
     """The count is the engine's, whatever it is: an engine with a known delay of ``delay`` ticks."""
-    clock = Clock()
+    clock = FakeClock()
     scheduler = _scheduler(_DelayEngine(2, delay, clock), clock)
     session = _Session()
     timing = await _first_audio_timing(scheduler, clock, session, 0.05)
@@ -222,7 +210,7 @@ async def test_a_frame_that_arrives_while_a_tick_computes_waits_for_the_next() -
     """A tick takes the frames that are there when it starts; one pushed while it computes (the event loop
     runs beside the tick thread) is the next tick's, and its phase wait runs from its arrival to that tick's
     start (never negative, never counted from the tick it missed)."""
-    clock = Clock()
+    clock = FakeClock()
     engine = _DelayEngine(1, 0, clock, compute_s=0.03)
     scheduler = _scheduler(engine, clock)
     session = _Session()
@@ -292,7 +280,7 @@ async def test_the_terms_add_up_to_the_first_audio_latency(wait_ms: float, egres
     once, and ingress + phase wait + ticks x 80 ms + tick compute + egress is exactly the first-audio
     latency observed with them, when the ticks keep time. Each term is also checked against what the test
     did: a term computed from the wrong timestamps breaks the sum or its own value."""
-    clock = Clock()
+    clock = FakeClock()
     metrics = RuntimeMetrics()
     config = RuntimeConfig(model="sim", auth_mode="off")
     slots = LocalSlots(config, _fake_bundle(), metrics)  # type: ignore[arg-type]

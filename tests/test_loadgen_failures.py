@@ -9,6 +9,7 @@ of frames: by dropping the TCP connection (the client sees 1006) or with a close
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import wave
 from collections.abc import Iterator
@@ -22,7 +23,15 @@ from websockets.asyncio.server import ServerConnection, serve
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.tools.cli import app as runtime_app
-from runtime.tools.loadgen import STARTUP_FRAMES, run_load, run_session, session_url
+from runtime.tools.loadgen import (
+    STARTUP_FRAMES,
+    SessionResult,
+    check_load_args,
+    gather_sessions,
+    run_load,
+    run_session,
+    session_url,
+)
 
 FRAMES = 20
 
@@ -141,3 +150,44 @@ def test_frames_lost_never_exceed_the_frames_planned() -> None:
     result = SessionResult(handshake=True, frames_planned=10, frames_sent=10, audio_messages=10)
     result.audio_arrival_s = [0.0, 2.0, *(2.0 + 0.001 * i for i in range(1, 9))]  # a 2 s gap, then a burst
     assert result.frames_lost() == 10
+
+
+async def test_gather_sessions_keeps_order_and_marks_failed_and_cut_sessions() -> None:
+    """One result per task in task order: a finished session's own, a raising one's error, and one still
+    running at the deadline cancelled and marked cut (the deadline is a hang guard for the others)."""
+    never = asyncio.Event()
+
+    async def served() -> SessionResult:
+        result = SessionResult()
+        result.bytes_received = 7
+        return result
+
+    async def broken() -> SessionResult:
+        raise ConnectionResetError("gone")
+
+    async def stuck() -> SessionResult:
+        await never.wait()
+        return SessionResult()
+
+    tasks = [asyncio.create_task(coro) for coro in (stuck(), served(), broken())]
+    cut, ok, failed = await gather_sessions(tasks, 2.0, SessionResult)
+    assert cut.connect_error == "cut at max_duration_s=2.0" and tasks[0].cancelled()
+    assert ok.bytes_received == 7 and not ok.connect_error
+    assert failed.connect_error == "ConnectionResetError('gone')"
+
+
+@pytest.mark.parametrize(
+    ("sessions", "speech", "max_duration_s", "token", "words"),
+    [
+        (0, [_clip()], 5.0, None, "sessions must be between 1 and 256, got 0"),
+        (1, [], 5.0, None, "no speech to stream"),
+        (1, [_clip()], float("inf"), None, "max_duration_s must be a positive number of seconds, got inf"),
+        (2, [_clip()], 5.0, "one-token", "a session token opens one session"),
+    ],
+)
+def test_a_load_run_refuses_bad_arguments_by_name(
+    sessions: int, speech: list[np.ndarray], max_duration_s: float, token: str | None, words: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)):
+        check_load_args(sessions, speech, max_duration_s, token)
+    check_load_args(1, [_clip()], 5.0, token)  # the same token for one session is fine

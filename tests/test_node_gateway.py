@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from nginx_front import start_nginx
 
 from infra.node.bundle import write_bundle, write_secrets
 from infra.node.local import free_port_profile, nginx_global_directives
@@ -231,7 +232,6 @@ def test_browser_client_location_has_its_headers(profile_name: str) -> None:
 def test_nginx_serves_the_browser_client_with_its_headers(tmp_path: Path) -> None:
     """The rendered local config in a real nginx: the page, its modules as JavaScript, the headers, GET only,
     a plain-text 404."""
-    import ssl
     import urllib.error
     import urllib.request
 
@@ -239,19 +239,7 @@ def test_nginx_serves_the_browser_client_with_its_headers(tmp_path: Path) -> Non
 
     profile = free_port_profile()
     files = {**render_nginx(profile), **render_web()}
-    write_bundle(files, tmp_path)
-    for sub in ("logs", "run"):
-        (tmp_path / sub).mkdir()
-    cert = tmp_path / profile.tls.certificate_path
-    write_self_signed_certificate(cert, tmp_path / profile.tls.private_key_path, domain=profile.domain)
-    process = subprocess.Popen(
-        ["nginx", "-p", f"{tmp_path}/", "-c", NGINX_CONF, "-e", "logs/error.log"]
-        + ["-g", nginx_global_directives(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    context = ssl.create_default_context(cafile=str(cert))
-    base = f"https://{profile.domain}:{profile.ports.https}"
+    process, context, base = start_nginx(profile, tmp_path, files)
     opener = urllib.request.build_opener(
         urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
     )

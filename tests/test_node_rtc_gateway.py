@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import ssl
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,16 +16,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from nginx_front import start_nginx
 from test_access_control import token
 from test_node_gateway import _block
 from test_rtc import rtc_settings
 from test_server_e2e import WAIT_S, bundle, running_server, speech, wait_until  # noqa: F401 (fixtures)
 
-from infra.node.bundle import write_bundle
-from infra.node.local import free_port_profile, nginx_global_directives
+from infra.node.local import free_port_profile
 from infra.node.nginx import NGINX_CONF, RTC_OFFER_MAX_BYTES, render_nginx
 from infra.node.profile import PROFILES
-from infra.node.tls import write_self_signed_certificate
 from runtime.frontend import rtc
 from runtime.frontend.server import DuplexServer
 from runtime.tools.cli import app as runtime_app
@@ -75,19 +73,7 @@ async def gateway(bundle, tmp_path_factory) -> AsyncIterator[tuple[DuplexServer,
         profile = free_port_profile(limits=limits)
         ports = profile.ports.model_copy(update={"runtime": server.port})
         profile = profile.model_copy(update={"ports": ports})
-        write_bundle(render_nginx(profile), directory)
-        for sub in ("logs", "run", "web"):
-            (directory / sub).mkdir(exist_ok=True)
-        cert = directory / profile.tls.certificate_path
-        write_self_signed_certificate(cert, directory / profile.tls.private_key_path, domain=profile.domain)
-        process = subprocess.Popen(
-            ["nginx", "-p", f"{directory}/", "-c", NGINX_CONF, "-e", "logs/error.log"]
-            + ["-g", nginx_global_directives(directory)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-        )
-        context = ssl.create_default_context(cafile=str(cert))
-        base = f"https://{profile.domain}:{profile.ports.https}"
+        process, context, base = start_nginx(profile, directory, render_nginx(profile))
         try:
             deadline = time.monotonic() + WAIT_S
             while True:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from fake_clock import FakeClock
 from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
     AFTER_FRAMES,
     SLOTS,
@@ -40,19 +41,6 @@ from runtime.engine.resume import credential_session
 from runtime.frontend.server import DuplexServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-class FakeClock:
-    """The hold's clock: moves only when a test says so."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def session_of(server: DuplexServer, session_id: str) -> Any:

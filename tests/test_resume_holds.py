@@ -7,22 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fake_clock import FakeClock
 
 from runtime.engine.api import Refusal, SessionSink
 from runtime.engine.resume import SinkRoute, SlotHolds, credential_session
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SlotSession
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class _Sink(SessionSink):

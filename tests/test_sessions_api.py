@@ -347,30 +347,15 @@ async def test_the_api_through_the_local_nodes_nginx(api_node: DuplexServer, tmp
     """The local profile's rendered nginx (TLS) in front of the server: the API passes with its
     Authorization header, refusals keep their status, methods other than GET and DELETE stop at nginx, and a
     dotted path is normalised by nginx before any location matches."""
-    import ssl
-    import subprocess
+    from nginx_front import start_nginx
 
-    from infra.node.bundle import write_bundle
-    from infra.node.local import free_port_profile, nginx_global_directives
-    from infra.node.nginx import NGINX_CONF, render_nginx
-    from infra.node.tls import write_self_signed_certificate
+    from infra.node.local import free_port_profile
+    from infra.node.nginx import render_nginx
 
     server = api_node
     profile = free_port_profile()
     profile = profile.model_copy(update={"ports": profile.ports.model_copy(update={"runtime": server.port})})
-    write_bundle(render_nginx(profile), tmp_path)
-    for sub in ("logs", "run", "web"):
-        (tmp_path / sub).mkdir(exist_ok=True)
-    cert = tmp_path / profile.tls.certificate_path
-    write_self_signed_certificate(cert, tmp_path / profile.tls.private_key_path, domain=profile.domain)
-    process = subprocess.Popen(
-        ["nginx", "-p", f"{tmp_path}/", "-c", NGINX_CONF, "-e", "logs/error.log"]
-        + ["-g", nginx_global_directives(tmp_path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
-    context = ssl.create_default_context(cafile=str(cert))
-    base = f"https://{profile.domain}:{profile.ports.https}"
+    process, context, base = start_nginx(profile, tmp_path, render_nginx(profile))
 
     async def call(path: str, token: str | None = None, method: str = "GET") -> tuple[int, bytes]:
         headers = {} if token is None else {"Authorization": f"Bearer {token}"}

@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 import pytest
-from test_latency_budget import _fake_bundle, _histogram
+from fake_clock import FakeClock
+from test_latency_budget import _fake_bundle, _histogram, _Tokenizer
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import FirstAudioTiming
@@ -36,31 +37,11 @@ FRAME_S = 0.08
 HALF_S = 0.04
 
 
-class Clock:
-    """Monotonic seconds that move only when set."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class _Tokenizer:
-    """What the scheduler asks of a sentencepiece tokenizer."""
-
-    def vocab_size(self) -> int:
-        return 256
-
-    def id_to_piece(self, token: int) -> str:
-        return f"<{token}>"
-
-
 class _RecordingEngine:
     """An engine that records which slots each tick stepped and which input frame it took for them; audio
     for a slot ``delay`` of its own steps after its first, each tick costing ``compute_s`` on the clock."""
 
-    def __init__(self, slots: int, clock: Clock, *, delay: int = 1, compute_s: float = 0.012) -> None:
+    def __init__(self, slots: int, clock: FakeClock, *, delay: int = 1, compute_s: float = 0.012) -> None:
         self.slots = slots
         self.clock = clock
         self.delay = delay
@@ -120,7 +101,7 @@ class _Caller:
 
 
 def _scheduler(
-    engine: object, clock: Clock, groups: int, metrics: RuntimeMetrics | None = None
+    engine: object, clock: FakeClock, groups: int, metrics: RuntimeMetrics | None = None
 ) -> SlotScheduler:
     loop = asyncio.get_running_loop()
     return SlotScheduler(
@@ -133,7 +114,7 @@ def _scheduler(
     )
 
 
-async def _tick_at(scheduler: SlotScheduler, clock: Clock, at: float) -> None:
+async def _tick_at(scheduler: SlotScheduler, clock: FakeClock, at: float) -> None:
     clock.now = at
     scheduler.tick_once()
     for _ in range(3):
@@ -147,7 +128,7 @@ async def test_a_first_frame_is_taken_by_the_nearest_sub_tick(arrival_ms: float)
     phase of the 80 ms cycle (0-80 ms on the plain tick), and the session joins that sub-tick's group.
     A scheduler that kept groups fixed by slot (slot 0 = group 0) would make the 40.5-79.5 ms arrivals wait
     for the sub-tick after next (up to 79.5 ms)."""
-    clock = Clock()
+    clock = FakeClock()
     engine = _RecordingEngine(2, clock)
     scheduler = _scheduler(engine, clock, 2)
     caller = _Caller("a")
@@ -182,7 +163,7 @@ async def test_each_group_is_stepped_once_per_frame_in_turn() -> None:
     sub-tick steps one group alone, so each caller is stepped every 80 ms (every second sub-tick), its
     frames taken in order, one per step; a caller that pushed nothing by its sub-tick is stepped on
     silence (``late_input``), never on the other group's turn."""
-    clock = Clock()
+    clock = FakeClock()
     engine = _RecordingEngine(2, clock)
     metrics = RuntimeMetrics()
     scheduler = _scheduler(engine, clock, 2, metrics)
@@ -216,7 +197,7 @@ async def test_ticks_to_first_audio_count_the_sessions_own_steps() -> None:
     reads 1 tick and the audio tick starts 80 ms after the taking one, staggered or not: sub-ticks of the
     other group do not count (a count of sub-ticks would say 2)."""
     for groups in (1, 2):
-        clock = Clock()
+        clock = FakeClock()
         scheduler = _scheduler(_RecordingEngine(1, clock, delay=1), clock, groups)
         caller = _Caller("a")
         t0 = clock.now
@@ -237,7 +218,7 @@ async def test_a_sub_tick_is_over_budget_past_its_own_period() -> None:
     counts against the period the node runs at."""
     counts = {}
     for groups in (1, 2):
-        clock = Clock()
+        clock = FakeClock()
         metrics = RuntimeMetrics()
         scheduler = _scheduler(_RecordingEngine(1, clock, compute_s=0.05), clock, groups, metrics)
         caller = _Caller("a")
@@ -249,7 +230,7 @@ async def test_a_sub_tick_is_over_budget_past_its_own_period() -> None:
 
 
 async def test_bad_group_counts_are_refused_by_name() -> None:
-    clock = Clock()
+    clock = FakeClock()
     for bad in (0, 3, -1):
         with pytest.raises(ValueError, match=r"stagger_groups must be one of 1, 2, got"):
             _scheduler(_RecordingEngine(1, clock), clock, bad)
@@ -321,7 +302,7 @@ async def _tiny_run(
     """Callers by name (admitted in order: slots 0, 1) -> (the sub-tick, 0 or 1, before which their first
     frame arrives; the seed of their speech, None: never sends); each sender pushes one frame of its speech
     every 80 ms from then. Their token streams."""
-    clock = Clock()
+    clock = FakeClock()
     tap = _TokenTap(BatchEngine(copy.deepcopy(bundle), 2, clock=clock))
     scheduler = _scheduler(tap, clock, groups)
     sessions = {name: _Caller(name) for name in callers}

@@ -19,23 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import wave
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from infra.node.browser_launch import chromium_args, chromium_binary, speech_wav
 from infra.node.jitter_relay import JitterRelay
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
-from runtime.tools.loadgen import DEMO_SENTENCES, synthesize_speech
 
-__all__ = ["LEAD_HOOK", "chromium_args", "main", "measure", "speech_wav", "summarize_leads"]
+__all__ = ["LEAD_HOOK", "main", "measure", "summarize_leads"]
 
 LEAD_HOOK = """(() => {
   // Every frame's lead (ms): how far ahead of the AudioContext's playhead it is scheduled.
@@ -53,28 +49,6 @@ LEAD_HOOK = """(() => {
 })();"""
 """A Playwright init script (runs before the page's own): records each scheduled frame's lead in
 ``window.__playoutLeads``."""
-
-
-def speech_wav(path: Path) -> Path:
-    """Two sentences of espeak-ng speech at 24 kHz as a 16-bit PCM WAV at ``path`` (Chromium's fake capture
-    device reads it and loops it)."""
-    pcm = np.concatenate([synthesize_speech(sentence) for sentence in DEMO_SENTENCES[:2]])
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(24000)
-        out.writeframes((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes())
-    return path
-
-
-def chromium_args(wav: Path) -> list[str]:
-    """Chromium's flags for a conversation without a person: microphone granted, fed from ``wav``."""
-    return [
-        "--use-fake-ui-for-media-stream",
-        "--use-fake-device-for-media-stream",
-        f"--use-file-for-fake-audio-capture={wav}",
-        "--autoplay-policy=no-user-gesture-required",
-    ]
 
 
 def summarize_leads(leads: list[float]) -> dict[str, float]:
@@ -107,7 +81,7 @@ def measure(
     missing or the conversation does not reach ``seconds``."""
     from playwright.sync_api import ProxySettings, sync_playwright
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    chromium = chromium_binary()
     missing = missing_binaries()
     if chromium is None or missing:
         raise RuntimeError(f"missing programs: chromium={chromium}, node: {missing}")

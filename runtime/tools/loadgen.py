@@ -24,7 +24,7 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlencode, urlsplit
 
 import numpy as np
@@ -651,6 +651,47 @@ MAX_LOAD_SESSIONS = 256
 """Most sessions one ``run_load`` drives (a node has at most 256 slots)."""
 
 
+def check_load_args(sessions: int, speech: Sequence[Any], max_duration_s: float, token: object) -> None:
+    """Check a load run's arguments (``run_load``'s, ``run_rtc_load``'s): ``sessions`` in
+    1..MAX_LOAD_SESSIONS, at least one speech clip, ``max_duration_s`` a positive finite number of seconds,
+    and a single ``str`` token only for a single session. Raises ValueError naming the first that is not."""
+    if not 1 <= sessions <= MAX_LOAD_SESSIONS:
+        raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
+    if not speech:
+        raise ValueError("no speech to stream: give at least one WAV file")
+    if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
+        raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
+    if isinstance(token, str) and sessions > 1:
+        raise ValueError("a session token opens one session: pass a token factory for several sessions")
+
+
+ResultT = TypeVar("ResultT", bound=SessionResult)
+
+
+async def gather_sessions(
+    tasks: Sequence[asyncio.Task[ResultT]], max_duration_s: float, failed: Callable[[], ResultT]
+) -> list[ResultT]:
+    """Wait up to ``max_duration_s`` (seconds) for the session ``tasks``, cancel those still running, and
+    return one result per task, in ``tasks`` order: the task's own result, or else ``failed()`` with its
+    ``connect_error`` set to ``"cut at max_duration_s=..."`` (cancelled at the deadline) or to the repr of
+    the exception the task raised. Raises nothing of the tasks' own."""
+    done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    results = []
+    for task in tasks:
+        if task in done and task.exception() is None:
+            results.append(task.result())
+        else:
+            result = failed()
+            result.connect_error = (
+                f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
+            )
+            results.append(result)
+    return results
+
+
 async def run_load(
     url: str,
     speech: Sequence[np.ndarray],
@@ -686,14 +727,7 @@ async def run_load(
         ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, no speech, a non-positive duration, or one
             token for several sessions.
     """
-    if not 1 <= sessions <= MAX_LOAD_SESSIONS:
-        raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
-    if not speech:
-        raise ValueError("no speech to stream: give at least one WAV file")
-    if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
-        raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
-    if isinstance(token, str) and sessions > 1:
-        raise ValueError("a session token opens one session: pass a token factory for several sessions")
+    check_load_args(sessions, speech, max_duration_s, token)
     encoded: list[list[bytes]] | None = None
     if pre_encode:
         encoded = [encode_messages(clip, audio_format) for clip in speech[: min(len(speech), sessions)]]
@@ -722,20 +756,7 @@ async def run_load(
         )
 
     tasks = [asyncio.create_task(one(i)) for i in range(sessions)]
-    done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-    results = []
-    for task in tasks:
-        if task in done and task.exception() is None:
-            results.append(task.result())
-        else:
-            failed = SessionResult()
-            failed.connect_error = (
-                f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
-            )
-            results.append(failed)
+    results = await gather_sessions(tasks, max_duration_s, SessionResult)
     report = LoadReport(results, time.monotonic() - started, time.process_time() - cpu_started)
     if metrics_url and before is not None:
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import math
 import multiprocessing
 import ssl
 import time
@@ -30,7 +29,13 @@ import numpy as np
 
 from runtime.frontend.jitter import JitterBuffer
 from runtime.frontend.refusals import CLOSE_NORMAL
-from runtime.tools.loadgen import MAX_LOAD_SESSIONS, LoadReport, SessionResult, _percentile
+from runtime.tools.loadgen import (
+    LoadReport,
+    SessionResult,
+    _percentile,
+    check_load_args,
+    gather_sessions,
+)
 from runtime.tools.rtc_client import RtcCall, encode_packets
 
 __all__ = [
@@ -221,21 +226,7 @@ def _process_share(
         tasks = [
             asyncio.create_task(one(n, i, t)) for n, (i, t) in enumerate(zip(indices, tokens, strict=True))
         ]
-        done, pending = await asyncio.wait(tasks, timeout=max_duration_s)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        out = []
-        for task in tasks:
-            if task in done and task.exception() is None:
-                out.append(task.result())
-            else:
-                failed = RtcSessionResult()
-                failed.connect_error = (
-                    f"cut at max_duration_s={max_duration_s}" if task in pending else repr(task.exception())
-                )
-                out.append(failed)
-        return out
+        return await gather_sessions(tasks, max_duration_s, RtcSessionResult)
 
     results = asyncio.run(main())
     return results, time.process_time() - cpu
@@ -262,16 +253,9 @@ async def run_rtc_load(
         ValueError: ``sessions`` outside 1..MAX_LOAD_SESSIONS, ``processes`` < 1, no speech, a bad duration,
             or one token for several sessions.
     """
-    if not 1 <= sessions <= MAX_LOAD_SESSIONS:
-        raise ValueError(f"sessions must be between 1 and {MAX_LOAD_SESSIONS}, got {sessions}")
+    check_load_args(sessions, speech, max_duration_s, token)
     if processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
-    if not speech:
-        raise ValueError("no speech to stream: give at least one WAV file")
-    if not (max_duration_s > 0 and math.isfinite(max_duration_s)):
-        raise ValueError(f"max_duration_s must be a positive number of seconds, got {max_duration_s}")
-    if isinstance(token, str) and sessions > 1:
-        raise ValueError("a session token opens one session: pass a token factory for several sessions")
     base = http_base(url)
     clips = [encode_packets(clip) for clip in speech[: min(len(speech), sessions)]]
     tokens = [token() if callable(token) else token for _ in range(sessions)]
