@@ -173,3 +173,13 @@ def test_a_machine_type_without_a_price_gives_a_region_without_one(monkeypatch: 
         None,
         None,
     )
+
+
+def test_the_one_gpu_types_offered_are_each_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kills ``_region_settings__mutmut_47`` (the one-GPU types joined with ``"XX, XX"``): the catalog has
+    one one-GPU type per GPU that also has several-GPU types, so a join of one cannot tell; with a second
+    one-GPU A2 type (a copy of a2-highgpu-1g under another name) both are named, ``", "``-separated."""
+    twin = dataclasses.replace(gcp_catalog.MACHINE_TYPES["a2-highgpu-1g"], name="a2-highgpu-1g-twin")
+    monkeypatch.setitem(gcp_catalog.MACHINE_TYPES, twin.name, twin)
+    [(_, message)] = _refusal(_item(machineType="a2-highgpu-2g"), 0, "a100-40gb")
+    assert message.endswith("(one runtime pod per GPU node): a2-highgpu-1g, a2-highgpu-1g-twin")
