@@ -100,10 +100,10 @@ bench: setup
 # survivors: `$(BIN)/mutmut results`, one diff: `$(BIN)/mutmut show <name>`. Not in CI (too slow). Niced,
 # MUTATION_JOBS workers (1: shared machines), one OpenMP thread (torch's OpenMP pool, started in mutmut's
 # process by its first test run, hangs a forked mutant). The stack configuration's GCP rules: keys.py's GCP
-# functions (_gcp_profiles, _profile_gpu, _region_settings; mutmut leaves the decorated pydantic validators
-# alone) and the catalog they read (infra/capacity/gcp.py); the policy rules: the infra/policy/rules package;
-# the batch engine: its slot bookkeeping alone (TickBuffers, _Forcing, BatchEngine's constructor, phase, join,
-# leave, _check_slot, _mask, _chunk_steps; mutmut mutates the whole file, the patterns pick these).
+# functions (_gcp_profiles, _profile_gpu, _not_on_gcp, _region_settings; mutmut leaves the decorated pydantic
+# validators alone) and the catalog they read (infra/capacity/gcp.py); the policy rules: the infra/policy/rules
+# package; the batch engine: its slot bookkeeping alone (TickBuffers, _Forcing, BatchEngine's constructor,
+# phase, join, leave, _check_slot, _mask, _chunk_steps; mutmut mutates the whole file, the patterns pick these).
 MUTATION_MODULES := runtime/frontend/ratelimit.py runtime/frontend/replay.py runtime/frontend/tokens.py \
 	runtime/engine/sampling.py runtime/engine/scheduler.py runtime/engine/batch.py infra/capacity/memory.py \
 	infra/capacity/timing.py \
@@ -116,7 +116,8 @@ mutation: $(STAMP)
 	for module in $(or $(MODULE),$(MUTATION_MODULES)); do \
 	  dotted="$${module%.py}"; dotted="$${dotted//\//.}"; \
 	  case "$$module" in \
-	    infra/stack_config/keys.py) patterns="$$dotted.x__gcp_profiles__* $$dotted.x__profile_gpu__* $$dotted.x__region_settings__*";; \
+	    infra/stack_config/keys.py) patterns="$$dotted.x__gcp_profiles__* $$dotted.x__profile_gpu__* $$dotted.x__not_on_gcp__* \
+	      $$dotted.x__region_settings__*";; \
 	    runtime/engine/batch.py) patterns="$$dotted.xǁTickBuffersǁ* $$dotted.xǁ_Forcingǁ* \
 	      $$dotted.xǁBatchEngineǁ__init__* $$dotted.xǁBatchEngineǁphase__* $$dotted.xǁBatchEngineǁjoin__* \
 	      $$dotted.xǁBatchEngineǁleave__* $$dotted.xǁBatchEngineǁ_check_slot__* $$dotted.xǁBatchEngineǁ_mask__* \
