@@ -59,6 +59,9 @@ class RtcSessionResult(SessionResult):
     Attributes:
         answer_ms: POST -> the 201's answer; ice_connect_ms: POST -> connected (ICE and DTLS).
         concealed_packets: 20 ms packets of the node's audio its jitter buffer concealed (lost or late).
+        first_audio_ms: as the WebSocket generator's, from the first audio the node takes: the later of
+            the connection and the 0x00 handshake on the DataChannel (the node drops audio before it: its
+            token is spent, and its slot live, only then) to the first RTP packet back.
     """
 
     answer_ms: float | None = None
@@ -169,6 +172,10 @@ async def run_rtc_session(
             result.audio_messages = len(frames)
             result.audio_arrival_s = frames
             if arrivals:
+                # As /api/chat's generator counts from its first frame after the handshake: audio sent
+                # before the 0x00 is dropped by the node, so the clock starts at the later of the two.
+                if outcome.handshake_s is not None:
+                    sent_from = max(sent_from, call.started_at + outcome.handshake_s)
                 result.first_audio_ms = (arrivals[0] - sent_from) * 1e3
             result.bytes_sent = sum(len(p) for p in packets[: call.track.sent])
             result.concealed_packets = buffer.stats.concealed

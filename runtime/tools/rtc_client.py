@@ -177,6 +177,11 @@ class RtcCall:
             self.channel.on("message", self._on_message)
         self.pc.on("connectionstatechange", self._on_state)
 
+    @property
+    def started_at(self) -> float:
+        """Monotonic seconds of the POST (:class:`RtcOutcome`'s times count from it)."""
+        return self._t0
+
     def _elapsed(self) -> float:
         return time.monotonic() - self._t0
 
