@@ -237,11 +237,12 @@ async def serve_offer(
         return _refused(front, SessionRefused("rate_limited", ONE_CONNECTING_MESSAGE))
     if claims is not None:
         sessions.connecting.add(claims.token_id)
+    response: web.StreamResponse | None = None
     try:
-        return await _answer(front, sessions, sdp, session_request, sampling, claims, client, posted_at)
+        response = await _answer(front, sessions, sdp, session_request, sampling, claims, client, posted_at)
+        return response
     finally:
-        peer = next((p for p in sessions.peers.values() if p.session and p.session.claims is claims), None)
-        if peer is None:  # refused, or failed before the answer: nothing connecting holds the token
+        if response is None or response.status != 201:  # no call answered: nothing connecting holds it
             sessions.settled(claims)
 
 
