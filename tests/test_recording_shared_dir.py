@@ -2,7 +2,7 @@
 is (mounted by Cloud Storage FUSE in each runtime pod: docs/sessions-api.md, "Recording").
 
 What differs from a node's own disk, and matters to the recorder (GoogleCloudPlatform/gcsfuse,
-docs/semantics.md): a new file is written locally (staged, or streamed into an unfinished upload) and becomes
+semantics.md): a new file is written locally (staged, or streamed into an unfinished upload) and becomes
 an object, visible to the other mounts, only when it is closed. So the ``.part`` file of a recording in
 progress on pod A does not exist for pod B. ``SharedBucket`` below behaves that way: each "mount" writes
 into its own staging folder and publishes the file into the shared folder on close. What gcsfuse does

@@ -3,7 +3,7 @@ bucket as a Cloud Storage FUSE CSI ephemeral volume, mounted read-write at ``REC
 container, and the runtime settings that record there (``DUPLEX_RECORDING_DIR``). Present only when the
 stack records (``RegionWorkload.recordings_bucket``). docs/sessions-api.md, "Recording".
 
-Mount options (GoogleCloudPlatform/gcsfuse docs/semantics.md; GKE, "Mount Cloud Storage buckets as CSI
+Mount options (GoogleCloudPlatform/gcsfuse semantics.md; GKE, "Mount Cloud Storage buckets as CSI
 ephemeral volumes"):
 
 - ``uid``/``gid`` ``RUNTIME_UID``, ``file-mode=600``, ``dir-mode=700``: the runtime (non-root) owns the
