@@ -107,6 +107,21 @@ def test_the_runtime_alone_may_use_its_regions_bucket(run: StackRun) -> None:
 
 
 @pytest.mark.parametrize("region", REGIONS)
+def test_the_pods_start_after_the_grant(run: StackRun, region: str) -> None:
+    """The Deployment is created once the runtime may use the bucket: a pod mounting it without the grant
+    would fail its mount until IAM caught up."""
+    [deployment] = [
+        r
+        for r in run.of_type("kubernetes:apps/v1:Deployment")
+        if r.name == f"runtime-{region}-deployment-duplex-duplex-runtime"
+    ]
+    [grant] = [
+        r for r in run.of_type(BUCKET_MEMBER) if r.name == f"region-{region}-recordings-runtime-object-user"
+    ]
+    assert grant.urn in run.ordered_after(deployment)
+
+
+@pytest.mark.parametrize("region", REGIONS)
 def test_runtime_pods_mount_the_bucket_where_they_record(run: StackRun, region: str) -> None:
     from infra.k8s.manifest import validate_manifests
 
