@@ -23,7 +23,7 @@ transcript retention (``DUPLEX_TRANSCRIPT_TTL_S``).
 
 The directory may be shared by every pod of a region: on the multi-region stack it is the region's bucket,
 mounted by Cloud Storage FUSE (docs/sessions-api.md, "Recording"). There a file being written is not seen
-by the other mounts until it is closed (gcsfuse uploads new files on close: semantics.md of
+by the other mounts until it is closed (gcsfuse makes a new file an object only on close: semantics.md of
 GoogleCloudPlatform/gcsfuse, "Writes"), so an erase answered by another pod cannot delete a recording still
 being finished: :meth:`LocalRecordings.erase` first leaves a marker ``<id>.erased``, and a recorder that
 finishes after it deletes its own files (:meth:`LocalRecordings.commit`). Markers go with the sweep.
