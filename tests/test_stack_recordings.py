@@ -200,3 +200,40 @@ def test_recordings_key_errors(value: dict, expected: str) -> None:
     with pytest.raises(StackConfigError) as error:
         run_stack(STACK, overrides={"duplexops:recordings": value})
     assert expected in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        (
+            "duplexops:maintenanceWindow",
+            {"hour": 5},
+            "maintenanceWindow.hour: unknown key; allowed keys: start, hours, days",
+        ),
+        (
+            "duplexops:recordings",
+            {"enable": True},
+            "recordings.enable: unknown key; allowed keys: enabled, retentionDays",
+        ),
+        (
+            "duplexops:regions",
+            [{"region": "us-central1", "zones": ["us-central1-a"], "minNode": 1}],
+            "allowed keys: region, zones",
+        ),
+    ],
+)
+def test_an_unknown_nested_key_lists_its_own_objects_keys(key: str, value: object, expected: str) -> None:
+    """An object key's unknown member names that object's keys (it named the region keys for every object)."""
+    import json
+
+    import yaml
+    from pulumi_harness import STACKS_DIR
+
+    from infra.stack_config import parse_stack_config
+
+    config = yaml.safe_load((STACKS_DIR / f"Pulumi.{STACK}.yaml").read_text())["config"]
+    values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in {**config, key: value}.items()}
+    values["duplexops:hfToken"] = "hf_" + "x" * 20
+    with pytest.raises(StackConfigError) as error:
+        parse_stack_config(values, stack=STACK)
+    assert expected in str(error.value)
