@@ -645,7 +645,7 @@ def test_unknown_sentinels_are_the_sdks() -> None:
 
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r.name)
 def test_rules_pass_empty_and_foreign_resources(rule: rules.Rule) -> None:
-    assert rule.check("gcp:storage/bucket:Bucket", {"location": "US"}) == []
+    assert rule.check("gcp:compute/network:Network", {"name": "vpc"}) == []
     for resource_type in rule.resource_types:
         rule.check(resource_type, {})  # no crash on an empty resource
         rule.check(resource_type, {"scheduling": None, "allows": None, "nodeConfig": None, "taints": None})
@@ -715,6 +715,8 @@ EXPECTED_POLICIES = [
     "session-affinity-needs-hash-policy",
     "https-proxy-tls-1-2",
     "gpu-node-pool-upgrade-needs-no-extra-gpu",
+    "storage-bucket-private",
+    "recordings-bucket-retention",
 ]
 EXPECTED_STACK_POLICIES = ["apis-enabled-for-features"]
 

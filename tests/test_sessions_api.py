@@ -226,7 +226,8 @@ async def test_a_consenting_session_is_read_back_recorded_and_erased(
     assert status == 403 and json.loads(body)["error"] == "insufficient_scope"
     status, _, _ = await api(server, f"/api/sessions/{sid}", token=app_token(), method="DELETE")
     assert status == 204
-    assert not [p for p in recording_dir(server).iterdir() if p.name.startswith(sid)]
+    # Only the erase marker is left (no audio): a recorder finishing on another pod deletes its files.
+    assert [p.name for p in recording_dir(server).iterdir() if p.name.startswith(sid)] == [f"{sid}.erased"]
     for path in (f"/api/sessions/{sid}", f"/api/sessions/{sid}/recording/caller"):
         status, _, body = await api(server, path, token=app_token())
         assert status == 404 and json.loads(body)["error"] == "unknown_session", body

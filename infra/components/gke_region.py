@@ -1,6 +1,7 @@
 """``GkeRegion``: one region of the multi-region stack on Google Cloud, put together from its parts
 (``infra.components.gke_parts``): the network, the service accounts, the cluster, the node pools,
-Memorystore and the model bucket; and a Kubernetes provider built from the cluster's outputs
+Memorystore and the model bucket, and, when the stack records, the recordings bucket
+(``infra.components.recording_bucket``); and a Kubernetes provider built from the cluster's outputs
 (``gke-gcloud-auth-plugin`` with Application Default Credentials, the GCP provider's own). The Kubernetes
 objects themselves are ``RegionalRuntime``'s. docs/deploying.md, "Stack multi-region".
 """
@@ -28,6 +29,7 @@ from infra.components.gke_parts import (
     RegionNodePools,
     RegionRedis,
 )
+from infra.components.recording_bucket import RegionRecordingBucket
 from infra.stack_config import MaintenanceWindow, RegionSettings
 
 __all__ = [
@@ -143,6 +145,8 @@ class GkeRegionArgs:
         image_repository: the region's Artifact Registry repository (its nodes may read it).
         image_repository_location: its location (the region).
         labels: labels of every resource that takes them.
+        recording_retention_days: the region gets a recordings bucket with this lifecycle age (days)
+            (``infra.components.recording_bucket``); None: no recordings bucket.
     """
 
     name_prefix: str
@@ -157,6 +161,7 @@ class GkeRegionArgs:
     image_repository: pulumi.Input[str]
     image_repository_location: str
     labels: Mapping[str, str] = field(default_factory=dict)
+    recording_retention_days: int | None = None
 
 
 class GkeRegion(pulumi.ComponentResource):
@@ -166,6 +171,7 @@ class GkeRegion(pulumi.ComponentResource):
     gpu_pool: container.NodePool
     redis: redis.Instance
     weights_bucket: storage.Bucket
+    recordings_bucket: storage.Bucket | None
     provider: kubernetes.Provider
     runtime_service_account: serviceaccount.Account
     weights_service_account: serviceaccount.Account
@@ -256,6 +262,19 @@ class GkeRegion(pulumi.ComponentResource):
             labels=labels,
             protect=args.deletion_protection,
         ).bucket
+        self.recordings_bucket = None
+        if args.recording_retention_days is not None:
+            self.recordings_bucket = RegionRecordingBucket(
+                f"{name}-recordings",
+                project=project,
+                region=s.region,
+                writer=accounts.runtime,
+                retention_days=args.recording_retention_days,
+                labels=labels,
+                protect=args.deletion_protection,
+                depends_on=deps,
+                opts=pulumi.ResourceOptions(parent=self),
+            ).bucket
 
         config = pulumi.Output.all(
             self.cluster.name, self.cluster.endpoint, self.cluster.master_auth.cluster_ca_certificate

@@ -259,6 +259,8 @@ class RegionWorkload:
         turn_secret: the TURN REST secret (secret) of the region's TURN gateway (``infra.k8s.turn``), or None:
             no gateway, and the runtime gives WebRTC callers no relay.
         turn_peer_ranges: the pod ranges (CIDRs) coturn may relay to: the region's own (the stack).
+        recordings_bucket: the region's recordings bucket (name), which the runtime pods mount and record
+            into (``infra.k8s.recordings``), or None: the region does not record.
         turn_source_ranges: the callers' addresses the TURN load balancer admits
             (``loadBalancerSourceRanges``: GKE's firewall rule; Cloud Armor does not cover a passthrough load
             balancer); empty: any.
@@ -293,6 +295,7 @@ class RegionWorkload:
     turn_secret: Any = field(default=None, repr=False)
     turn_peer_ranges: tuple[str, ...] = ()
     turn_source_ranges: tuple[str, ...] = ()
+    recordings_bucket: Any = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8
 
@@ -378,8 +381,10 @@ class RegionWorkload:
             isinstance(self.redis_port, int) and not 1 <= self.redis_port <= 65535
         ):
             raise bad("redis_port", self.redis_port, "must be a TCP port, 1-65535 (Memorystore TLS: 6378)")
-        if isinstance(self.weights_bucket, str) and not _BUCKET_RE.match(self.weights_bucket):
-            raise bad("weights_bucket", self.weights_bucket, "must be a Cloud Storage bucket name")
+        for name in ("weights_bucket", "recordings_bucket"):
+            value = getattr(self, name)
+            if isinstance(value, str) and not _BUCKET_RE.match(value):
+                raise bad(name, value, "must be a Cloud Storage bucket name")
         for name in ("runtime_service_account", "monitoring_service_account", "weights_service_account"):
             value = getattr(self, name)
             if isinstance(value, str) and not _EMAIL_RE.match(value):

@@ -37,6 +37,7 @@ from infra.k8s.base import (
     standard_labels,
     weights_dir,
 )
+from infra.k8s.recordings import recordings_env, recordings_volume, recordings_volume_mounts
 from infra.k8s.turn import TURN_SECRET_KEY, turn_env
 from infra.names import GPU_TAINT_KEY
 from infra.node.profile import NodeProfile
@@ -180,7 +181,8 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     ``DUPLEX_DRAIN_GRACE_S`` = ``drain_seconds(profile)`` (the longest session, so that a drain never cuts
     one); ``DUPLEX_TOKEN_KEYS_FILE`` = ``TOKEN_KEYS_PATH``; ``DUPLEX_WEIGHTS`` = ``weights_dir``;
     ``DUPLEX_WORKERS`` = ``RUNTIME_FRONTEND_WORKERS``;
-    ``DUPLEX_REDIS_URL`` from the Secret; then ``HF_HUB_OFFLINE=1`` (the weights are local) and the caches
+    ``DUPLEX_REDIS_URL`` from the Secret; the recording settings (``infra.k8s.recordings``, when the
+    region records); then ``HF_HUB_OFFLINE=1`` (the weights are local) and the caches
     (``HF_HOME``, ``XDG_CACHE_HOME``, ``TRITON_CACHE_DIR``) on an emptyDir (the root filesystem is
     read-only)."""
     settings = dict(runtime_settings(workload.profile))
@@ -210,6 +212,7 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
         }
     )
     env += turn_env(workload)
+    env += recordings_env(workload)
     env += [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HF_HOME", "value": "/var/cache/duplex/huggingface"},
@@ -276,6 +279,8 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
       Cloud Storage FUSE sidecar as the first init container, so the mount is there).
     - Security: uid/gid 10001, non-root, no privilege escalation, all capabilities dropped, seccomp
       RuntimeDefault, read-only root filesystem with emptyDirs for ``/tmp`` and the caches.
+    - Recordings (when the region records: ``workload.recordings_bucket``): the region's recordings bucket,
+      read-write, at ``DUPLEX_RECORDING_DIR`` (``infra.k8s.recordings``).
     """
     profile = workload.profile
     port = profile.ports.runtime
@@ -290,6 +295,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
         {"name": "redis-ca", "mountPath": REDIS_CA_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "cache", "mountPath": "/var/cache/duplex"},
+        *recordings_volume_mounts(workload),
     ]
     runtime = {
         "name": "runtime",
@@ -372,6 +378,7 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
                         {"name": "redis-ca", "configMap": {"name": REDIS_CA_CONFIGMAP, "defaultMode": 0o444}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "2Gi"}},
                         {"name": "cache", "emptyDir": {"sizeLimit": "4Gi"}},
+                        *recordings_volume(workload),
                     ],
                 },
             },

@@ -33,7 +33,7 @@ DESCRIPTION = (
     "pools are tainted, HTTP load balancers keep WebSockets open past 30 s, GPU VMs shut down gracefully and "
     "use a provisioning model GCE sells, session affinity only with a hashing locality policy, every API a "
     "resource needs enabled first, HTTPS proxies with TLS 1.2 or later, GPU node pools that upgrade without "
-    "an extra GPU."
+    "an extra GPU, private buckets, recordings buckets that expire and keep nothing erased."
 )
 
 _SEVERITY = {
@@ -50,6 +50,8 @@ _SEVERITY = {
     "apis-enabled-for-features": Severity.HIGH,
     "https-proxy-tls-1-2": Severity.HIGH,
     "gpu-node-pool-upgrade-needs-no-extra-gpu": Severity.MEDIUM,
+    "storage-bucket-private": Severity.CRITICAL,
+    "recordings-bucket-retention": Severity.HIGH,
 }
 
 

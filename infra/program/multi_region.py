@@ -277,9 +277,11 @@ def _region(
             image_repository=repository.name,
             image_repository_location=region_name,
             labels=labels(config),
+            recording_retention_days=mr.recordings.retention_days if mr.recordings.enabled else None,
         ),
         opts=after_apis,
     )
+    recordings = gke.recordings_bucket
     bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
     workload = RegionWorkload(
         region=region_name,
@@ -308,6 +310,7 @@ def _region(
         turn_secret=secrets.turn_secret,
         turn_peer_ranges=(settings.pods_cidr,),
         turn_source_ranges=tuple(mr.public_source_ranges),
+        recordings_bucket=None if recordings is None else recordings.name,
     )
     runtime = RegionalRuntime(
         f"runtime-{region_name}",
@@ -333,6 +336,7 @@ def _region(
         "kubectl": credentials,
         "grafana": k8s_region.grafana_port_forward(workload),
         "weightsBucket": gke.weights_bucket.name,
+        **({} if recordings is None else {"recordingsBucket": recordings.name}),
         "image": image_ref,
         "capacity": capacity,
         **(

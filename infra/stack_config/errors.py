@@ -10,9 +10,9 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from infra.stack_config.keys import KNOWN_KEYS, MultiRegionKeys, RegionKeys, _Keys, _NodeKeys, _pulumi_keys
+from infra.stack_config.keys import KNOWN_KEYS, RegionKeys, _Keys, _NodeKeys, _pulumi_keys
 from infra.stack_config.settings import GCP_NAMESPACE, NAMESPACE, SECRET_KEYS
-from infra.stack_config.values import PROBLEM, pulumi_key
+from infra.stack_config.values import PROBLEM
 
 __all__ = ["describe", "drop_echoes"]
 
@@ -24,21 +24,38 @@ def _where(loc: tuple[Any, ...]) -> str:
     return text
 
 
-def _field(model: type[BaseModel], loc: tuple[Any, ...]) -> FieldInfo | None:
-    """The field a location names (through ``regions[i]`` into ``RegionKeys``)."""
-    info: FieldInfo | None = None
+def _nested(info: FieldInfo | None) -> type[BaseModel] | None:
+    """The keys model a field holds (``regions`` -> ``RegionKeys``, ``recordings`` -> ``RecordingsKeys``),
+    or None for a plain value."""
+    stack: list[Any] = [] if info is None else [info.annotation]
+    while stack:
+        arg = stack.pop()
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+        stack.extend(get_args(arg))
+    return None
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The keys model whose field ``loc``'s last part names (``regions[0].minNodes`` -> ``RegionKeys``)."""
     current: type[BaseModel] | None = model
-    for part in loc:
+    for part in loc[:-1]:
         if isinstance(part, int):
             continue
         if current is None:
             return None
         by_alias = {(f.alias or n): f for n, f in current.model_fields.items()}
-        info = by_alias.get(str(part))
-        if info is None:
-            return None
-        current = RegionKeys if current is MultiRegionKeys and part == pulumi_key("regions") else None
-    return info
+        current = _nested(by_alias.get(str(part)))
+    return current
+
+
+def _field(model: type[BaseModel], loc: tuple[Any, ...]) -> FieldInfo | None:
+    """The field a location names (through ``regions[i]`` into ``RegionKeys``, through an object key such as
+    ``maintenanceWindow`` into its model)."""
+    parent = _model_at(model, loc)
+    if parent is None or not loc:
+        return None
+    return {(f.alias or n): f for n, f in parent.model_fields.items()}.get(str(loc[-1]))
 
 
 def _allowed_text(info: FieldInfo | None) -> str:
@@ -98,7 +115,8 @@ def describe(model: type[_Keys], error: Mapping[str, Any]) -> list[str]:
             ]
         return [f"{key}: unknown key; allowed keys: {', '.join(KNOWN_KEYS)}"]
     if kind == "extra_forbidden":
-        keys = ", ".join((f.alias or n) for n, f in RegionKeys.model_fields.items())
+        parent = _model_at(model, loc) or RegionKeys
+        keys = ", ".join((f.alias or n) for n, f in parent.model_fields.items())
         return [f"{where}: unknown key; allowed keys: {keys}"]
     if kind == "missing" and len(loc) == 1:
         how = "--secret " if secret else ""

@@ -32,6 +32,7 @@ from infra.capacity import gcp as gcp_catalog
 from infra.names import PROJECT_ID_RE, REGION_RE, ZONE_RE
 from infra.node.profile import PROFILES, NodeProfile, get_profile
 from infra.node.services import NodeSecrets
+from infra.stack_config.recordings import RecordingsKeys, retention_days
 from infra.stack_config.settings import (
     NAMESPACE,
     PLACEHOLDER_IMAGE,
@@ -39,6 +40,7 @@ from infra.stack_config.settings import (
     MaintenanceWindow,
     MultiRegionSettings,
     OnPremSettings,
+    RecordingSettings,
     RegionSettings,
     StackConfig,
     StackSecretsConfig,
@@ -782,6 +784,11 @@ class MultiRegionKeys(_Keys):
     maintenance_window: Annotated[MaintenanceWindowKeys, BeforeValidator(json_value)] = (
         MaintenanceWindowKeys.model_validate({})  # the defaults: Saturday and Sunday, 02:00-08:00 UTC
     )
+    # Recording with consent into each region's bucket, and the retention of transcripts and recordings.
+    recordings: Annotated[RecordingsKeys, BeforeValidator(json_value)] = RecordingsKeys.model_validate({})
+
+    def _overrides(self) -> dict[str, Any]:
+        return {**super()._overrides(), **self.recordings.profile_overrides(PROFILES[self.profile])}
 
     @field_validator("regions")
     @classmethod
@@ -852,6 +859,9 @@ class MultiRegionKeys(_Keys):
             system_machine_type=self.system_machine_type,
             enable_apis=self.enable_apis,
             maintenance_window=self.maintenance_window.settings(),
+            recordings=RecordingSettings(
+                enabled=self.recordings.enabled, retention_days=retention_days(profile)
+            ),
         )
         self._result = self._config(info, profile, overrides, multi_region=settings)
         return self

@@ -24,6 +24,7 @@ __all__ = [
     "MaintenanceWindow",
     "MultiRegionSettings",
     "OnPremSettings",
+    "RecordingSettings",
     "RegionSettings",
     "StackConfig",
     "StackConfigError",
@@ -212,6 +213,15 @@ class MaintenanceWindow(_Frozen):
         }
 
 
+class RecordingSettings(_Frozen):
+    """Recordings on the multi-region stack (``duplexops:recordings``): ``enabled``: each region gets a
+    recordings bucket its runtime pods mount; ``retention_days``: its lifecycle rule's age, the profile's
+    transcript retention rounded up to days (``infra.stack_config.recordings``)."""
+
+    enabled: bool = False
+    retention_days: int = 7
+
+
 class MultiRegionSettings(_Frozen):
     """The multi-region stack: one GKE cluster per region behind one global HTTPS load balancer."""
 
@@ -224,6 +234,7 @@ class MultiRegionSettings(_Frozen):
     system_machine_type: str
     enable_apis: bool
     maintenance_window: MaintenanceWindow
+    recordings: RecordingSettings = RecordingSettings()
 
 
 class StackConfig(_Frozen):

@@ -19,8 +19,14 @@ recording (``duplex_recording_errors_total{reason="queue_full"}``); a disk error
 Files: ``<dir>/<session id>.<side>.opus`` (side ``caller`` or ``agent``), written as ``.opus.part`` and
 renamed when the session ends; only finished files are served (``GET /api/sessions/<id>/recording/<side>``).
 They are erased with the session (``DELETE /api/sessions/<id>``) and swept once older than the
-transcript retention (``DUPLEX_TRANSCRIPT_TTL_S``). :class:`RecordingStore` is the seam a region bucket
-would implement (docs/sessions-api.md, "Recording").
+transcript retention (``DUPLEX_TRANSCRIPT_TTL_S``).
+
+The directory may be shared by every pod of a region: on the multi-region stack it is the region's bucket,
+mounted by Cloud Storage FUSE (docs/sessions-api.md, "Recording"). There a file being written is not seen
+by the other mounts until it is closed (gcsfuse makes a new file an object only on close: semantics.md of
+GoogleCloudPlatform/gcsfuse, "Writes"), so an erase answered by another pod cannot delete a recording still
+being finished: :meth:`LocalRecordings.erase` first leaves a marker ``<id>.erased``, and a recorder that
+finishes after it deletes its own files (:meth:`LocalRecordings.commit`). Markers go with the sweep.
 """
 
 from __future__ import annotations
@@ -75,12 +81,13 @@ PCM_RECORDING_COMPLEXITY = 5
 """libopus complexity for encoding PCM sessions' recordings (0.6 ms per frame here: FIELD notes)."""
 
 _PART = ".part"
+_ERASED = ".erased"
 
 
 class RecordingStore(abc.ABC):
-    """Where recordings live. The local disk (:class:`LocalRecordings`) here; a region bucket would write
-    the finished file with :meth:`commit`, serve :meth:`local_path`'s equivalent as a signed URL and
-    leave the retention to the bucket's lifecycle rule (docs/sessions-api.md, "Recording")."""
+    """Where recordings live: a directory (:class:`LocalRecordings`), the node's disk or a region's bucket
+    mounted by Cloud Storage FUSE (docs/sessions-api.md, "Recording"). Another kind of store (an object
+    store's own API) would implement these five calls."""
 
     @abc.abstractmethod
     def create(self, session_id: str, side: str) -> BinaryIO:
@@ -115,7 +122,8 @@ def _check(session_id: str, side: str) -> None:
 
 
 class LocalRecordings(RecordingStore):
-    """Recordings in one directory of the node's disk (created when missing; mode 0700).
+    """Recordings in one directory (created when missing; mode 0700): the node's disk, or a bucket mounted
+    by Cloud Storage FUSE that every pod of a region shares (see the module doc for what differs there).
 
     Raises:
         OSError: the directory cannot be created.
@@ -129,21 +137,46 @@ class LocalRecordings(RecordingStore):
         _check(session_id, side)
         return self.directory / f"{session_id}.{side}.opus"
 
+    def _marker(self, session_id: str) -> Path:
+        _check(session_id, SIDES[0])
+        return self.directory / f"{session_id}{_ERASED}"
+
     def create(self, session_id: str, side: str) -> BinaryIO:
         part = self._path(session_id, side).with_name(self._path(session_id, side).name + _PART)
         return open(part, "wb")  # noqa: SIM115 (closed by commit)
 
     def commit(self, session_id: str, side: str, handle: BinaryIO) -> None:
+        """Close ``handle`` and rename the ``.part`` file to its final name; when the session was erased
+        meanwhile (its marker exists, left by any pod sharing the directory), delete both instead.
+
+        Raises:
+            OSError: closing (on Cloud Storage FUSE: the upload) or renaming failed.
+        """
         handle.close()
         final = self._path(session_id, side)
-        with contextlib.suppress(FileNotFoundError):  # erased while it was written: stays erased
-            os.replace(final.with_name(final.name + _PART), final)
+        part = final.with_name(final.name + _PART)
+        with contextlib.suppress(FileNotFoundError):  # erased here while it was written: stays erased
+            os.replace(part, final)
+        if self._marker(session_id).exists():  # erased (maybe by another pod) before it was visible there
+            for path in (final, part):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
 
     def local_path(self, session_id: str, side: str) -> Path | None:
         path = self._path(session_id, side)
-        return path if path.is_file() else None
+        if not path.is_file() or self._marker(session_id).exists():
+            return None
+        return path
 
     def erase(self, session_id: str) -> int:
+        """Leave the session's erase marker (a recorder still finishing deletes its files when it
+        commits), then delete every file of the session; returns how many files were deleted (the marker
+        not counted).
+
+        Raises:
+            ValueError: a bad session id. OSError: the marker cannot be written or a file deleted.
+        """
+        self._marker(session_id).touch()
         removed = 0
         for side in SIDES:
             final = self._path(session_id, side)
@@ -154,16 +187,31 @@ class LocalRecordings(RecordingStore):
         return removed
 
     def sweep(self, max_age_s: float, now: float | None = None) -> int:
+        """Delete the recordings (finished or left ``.part``) and erase markers last written more than
+        ``max_age_s`` (s) ago; returns how many recordings were deleted (markers not counted). A file that
+        cannot be deleted is logged and left for the next sweep; a file another pod deleted first is
+        skipped.
+
+        Raises:
+            OSError: the directory cannot be listed.
+        """
         cutoff = (time.time() if now is None else now) - max_age_s
         removed = 0
         with os.scandir(self.directory) as entries:
             for entry in entries:
-                if not entry.name.endswith((".opus", ".opus" + _PART)) or not entry.is_file():
+                marker = entry.name.endswith(_ERASED)
+                if not (marker or entry.name.endswith((".opus", ".opus" + _PART))):
                     continue
-                with contextlib.suppress(FileNotFoundError):
-                    if entry.stat().st_mtime < cutoff:
-                        os.unlink(entry.path)
-                        removed += 1
+                try:
+                    if not entry.is_file() or entry.stat().st_mtime >= cutoff:
+                        continue
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    log.warning("recording sweep: %s not deleted: %s", entry.name, exc)
+                    continue
+                removed += 0 if marker else 1
         return removed
 
 

@@ -237,8 +237,9 @@ async def _recording(
         return _error(
             404,
             "no_recording",
-            f"no {side} recording of session {session_id}: "
-            "not consented, recording off on this node, or erased",
+            f"no {side} recording of session {session_id}: not consented, recording off on this node, "
+            "stopped by a write error, or not finished yet (its files are closed just after the session "
+            "ends: retry in a few seconds)",
         )
     answer = web.FileResponse(
         path, headers={"Content-Type": OGG_OPUS_CONTENT_TYPE, "Cache-Control": "no-store"}

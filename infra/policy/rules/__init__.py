@@ -21,6 +21,7 @@ from infra.capacity.gcp import IAP_SOURCE_RANGE
 from infra.names import GPU_TAINT
 from infra.policy.rules._common import (
     BACKEND_SERVICE,
+    BUCKET,
     CLUSTER,
     FIREWALL,
     INSTANCE,
@@ -61,10 +62,12 @@ from infra.policy.rules.load_balancing import (
 from infra.policy.rules.machine_types import machine_type_carries_gpu
 from infra.policy.rules.memorystore import redis_requires_auth
 from infra.policy.rules.project_apis import apis_enabled_for_features
+from infra.policy.rules.storage import bucket_private, recordings_bucket_retention
 
 __all__ = [
     "ACCELERATOR_GPUS",
     "BACKEND_SERVICE",
+    "BUCKET",
     "CLUSTER",
     "MIN_WEBSOCKET_BACKEND_TIMEOUT_S",
     "FIREWALL",
@@ -81,6 +84,7 @@ __all__ = [
     "StackRule",
     "apis_enabled_for_features",
     "backend_timeout_fits_websockets",
+    "bucket_private",
     "check_resources",
     "gpu_instance_graceful_shutdown",
     "provisioning_model_sold",
@@ -93,6 +97,7 @@ __all__ = [
     "https_proxy_tls_1_2",
     "is_unknown",
     "machine_type_carries_gpu",
+    "recordings_bucket_retention",
     "redis_requires_auth",
 ]
 
@@ -203,6 +208,21 @@ RULES: tuple[Rule, ...] = (
         (NODE_POOL,),
         gpu_node_pool_upgrade_needs_no_extra_gpu,
         'Set upgradeSettings = {"strategy": "SURGE", "maxSurge": 0, "maxUnavailable": 1}.',
+    ),
+    Rule(
+        "storage-bucket-private",
+        "Cloud Storage buckets use uniform bucket-level access and enforce public access prevention.",
+        (BUCKET,),
+        bucket_private,
+        'Set uniformBucketLevelAccess = true and publicAccessPrevention = "enforced".',
+    ),
+    Rule(
+        "recordings-bucket-retention",
+        "A recordings bucket deletes objects by age, keeps no versions and has soft delete off.",
+        (BUCKET,),
+        recordings_bucket_retention,
+        'Add a lifecycle rule {"action": {"type": "Delete"}, "condition": {"age": <retention days>}}, set '
+        'versioning = {"enabled": false} and softDeletePolicy = {"retentionDurationSeconds": 0}.',
     ),
 )
 """The pack's resource rules, in the order the pack lists its policies."""

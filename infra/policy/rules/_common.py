@@ -17,6 +17,7 @@ REDIS = "gcp:redis/instance:Instance"
 BACKEND_SERVICE = "gcp:compute/backendService:BackendService"
 TARGET_HTTPS_PROXY = "gcp:compute/targetHttpsProxy:TargetHttpsProxy"
 SSL_POLICY = "gcp:compute/sSLPolicy:SSLPolicy"
+BUCKET = "gcp:storage/bucket:Bucket"
 
 # --------------------------------------------------------------------------------------------------------
 # Unknown values
