@@ -59,7 +59,15 @@ from infra.stack_config.values import (
 from runtime.engine.model_presets import get_preset
 from runtime.frontend.tokens import keys_from_mapping
 
-__all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
+__all__ = [
+    "KEYS_OF",
+    "KNOWN_KEYS",
+    "TURN_SECRET_PATTERN",
+    "GceNodeKeys",
+    "MultiRegionKeys",
+    "OnPremNodeKeys",
+    "RegionKeys",
+]
 
 # --- the keys --------------------------------------------------------------------------------------------
 
@@ -106,6 +114,15 @@ _SSH_KEY_ALLOWED = (
     "an SSH private key in PEM/OpenSSH form, set with "
     "`pulumi config set --secret onpremSshPrivateKey < ~/.ssh/id_ed25519`"
 )
+TURN_SECRET_PATTERN = r"^[A-Za-z0-9_-]{32,256}$"
+"""``turnSecret``'s form: what ``infra.node.services.NodeSecrets`` and ``infra.node.coturn`` accept (coturn's
+``static-auth-secret`` and the runtime's env file take it unquoted) and at least the runtime's 32 bytes
+(``runtime.frontend.turn.MIN_SECRET_BYTES``)."""
+_TURN_SECRET_ALLOWED = (
+    "32 to 256 letters, digits, '_' or '-' (e.g. `python3 -c 'import secrets; "
+    "print(secrets.token_urlsafe(32))'`), set with `pulumi config set --secret turnSecret ...`; or leave it "
+    "unset to generate one"
+)
 _TOKEN_KEYS_ALLOWED = (
     'a JSON object {"<kid>": "<secret of 32+ characters>", ...} (`duplex token keygen` makes a key); '
     "or leave it unset to generate one"
@@ -135,6 +152,8 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+    # The TURN relay's shared secret (coturn's static-auth-secret, DUPLEX_TURN_SECRET); unset: generated.
+    turn_secret: Annotated[Secret, secret_matching(TURN_SECRET_PATTERN, _TURN_SECRET_ALLOWED)] | None = None
     # The runtime image CI built once for this push (.github/workflows/pulumi-up.yml sets it for the update),
     # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
     # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
@@ -231,6 +250,7 @@ class _Keys(BaseModel):
             hf_token=self.hf_token,
             alert_email_password=self.alert_email_password,
             alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
+            turn_secret=self.turn_secret,
         )
 
     def _config(
@@ -242,6 +262,12 @@ class _Keys(BaseModel):
             PydanticCustomError: the profile's model is gated and ``hfToken`` is not set.
         """
         _require_hf_token(profile, self.hf_token)
+        if self.turn_secret is not None and not profile.relay.enabled:
+            raise problem(
+                f"set, but profile {profile.name!r} runs no TURN relay (relay.enabled is false); allowed: "
+                "unset it, or a profile with the relay on",
+                where=pulumi_key("turn_secret"),
+            )
         context = info.context or {}
         stack = context.get("stack", "stack")
         return StackConfig(

@@ -53,6 +53,7 @@ SECRET_KEYS: frozenset[str] = frozenset(
         "onpremSshPrivateKey",
         "alertEmailPassword",
         "alertPagerdutyRoutingKey",
+        "turnSecret",
     }
 )
 """Keys whose values are secrets: they must be set with ``pulumi config set --secret``."""
@@ -89,6 +90,9 @@ class StackSecretsConfig(_Frozen):
     """The SMTP password of the e-mail alert receiver (``alertEmailPassword``)."""
     alert_pagerduty_routing_key: SecretStr | None = None
     """The PagerDuty Events API v2 routing key (``alertPagerdutyRoutingKey``)."""
+    turn_secret: SecretStr | None = None
+    """The TURN REST shared secret (``turnSecret``: coturn's ``static-auth-secret``, the runtime's
+    ``DUPLEX_TURN_SECRET``); None: generated."""
 
 
 class GceSettings(_Frozen):
