@@ -123,6 +123,21 @@ _TURN_SECRET_ALLOWED = (
     "print(secrets.token_urlsafe(32))'`), set with `pulumi config set --secret turnSecret ...`; or leave it "
     "unset to generate one"
 )
+_DNS_ZONE_ALLOWED = (
+    "the name (not the DNS name) of a Cloud DNS managed zone in gcp:project that holds duplexops:domain, "
+    "e.g. example-com (`gcloud dns managed-zones list`); or leave it unset and make the records by hand"
+)
+_DNS_ZONE = Field(
+    None,
+    pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$",
+    json_schema_extra=allowed(_DNS_ZONE_ALLOWED),
+)
+_TURN_TLS_SECRET_ALLOWED = (
+    "the name of a kubernetes.io/tls Secret (lower case letters, digits, '-'; at most 63) in namespace "
+    "duplex of every region's cluster, holding the certificate of turn-<region>.<domain> (e.g. a "
+    "cert-manager Certificate's secretName: docs/deploying.md, TURN over TLS in the regions); or leave it "
+    "unset for TURN over UDP only"
+)
 _TOKEN_KEYS_ALLOWED = (
     'a JSON object {"<kid>": "<secret of 32+ characters>", ...} (`duplex token keygen` makes a key); '
     "or leave it unset to generate one"
@@ -436,6 +451,17 @@ class GceNodeKeys(_NodeKeys):
     )
     enable_apis: Boolean = True
     provisioning_model: Literal[tuple(gcp_catalog.PROVISIONING_MODELS)] = "standard"  # type: ignore[valid-type]
+    dns_zone: str | None = _DNS_ZONE
+
+    @model_validator(mode="after")
+    def _dns_zone_needs_a_domain(self) -> GceNodeKeys:
+        if self.dns_zone is not None and self.domain is None:
+            raise problem(
+                "the stack makes the A record of duplexops:domain in this zone; allowed: set "
+                "duplexops:domain too (a name inside the zone), or leave dnsZone unset",
+                where=pulumi_key("dns_zone"),
+            )
+        return self
 
     @field_validator("gcp_zone")
     @classmethod
@@ -515,6 +541,7 @@ class GceNodeKeys(_NodeKeys):
             price_read_on=price.read_on if price else None,
             provisioning_model=self.provisioning_model,
             bundled_local_ssd=machine.bundled_local_ssd,
+            dns_zone=self.dns_zone,
         )
         self._result = self._config(info, profile, overrides, gce=gce)
         return self
@@ -808,6 +835,13 @@ class MultiRegionKeys(_Keys):
     maintenance_window: Annotated[MaintenanceWindowKeys, BeforeValidator(json_value)] = (
         MaintenanceWindowKeys.model_validate({})  # the defaults: Saturday and Sunday, 02:00-08:00 UTC
     )
+    dns_zone: str | None = _DNS_ZONE
+    # An existing kubernetes.io/tls Secret in each region's runtime namespace: TURN over TLS (infra.k8s.turn).
+    turn_tls_secret: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        json_schema_extra=allowed(_TURN_TLS_SECRET_ALLOWED),
+    )
 
     @field_validator("regions")
     @classmethod
@@ -841,6 +875,14 @@ class MultiRegionKeys(_Keys):
         profile = self._profile(overrides)
         regions: list[RegionSettings] = []
         found: list[tuple[str, str]] = []
+        if self.turn_tls_secret is not None and not profile.relay.enabled:
+            found.append(
+                (
+                    pulumi_key("turn_tls_secret"),
+                    f"set, but profile {profile.name!r} runs no TURN relay (relay.enabled is false); "
+                    "allowed: unset it",
+                )
+            )
         for i, item in enumerate(self.regions):
             where = f"{pulumi_key('regions')}[{i}]"
             region_overrides = {**overrides, **({"gpu": item.gpu} if item.gpu is not None else {})}
@@ -878,6 +920,8 @@ class MultiRegionKeys(_Keys):
             system_machine_type=self.system_machine_type,
             enable_apis=self.enable_apis,
             maintenance_window=self.maintenance_window.settings(),
+            dns_zone=self.dns_zone,
+            turn_tls_secret=self.turn_tls_secret,
         )
         self._result = self._config(info, profile, overrides, multi_region=settings)
         return self

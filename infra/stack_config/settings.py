@@ -121,6 +121,9 @@ class GceSettings(_Frozen):
     type is sold as."""
     bundled_local_ssd: bool = False
     """GCE attaches Local SSDs to this machine type by itself (A2 Ultra, A3)."""
+    dns_zone: str | None = None
+    """A Cloud DNS managed zone of ``project`` (``dnsZone``): the stack makes the A record of the node's
+    domain (nginx and coturn share that name) in it; None: the operator makes it by hand."""
 
 
 class OnPremSettings(_Frozen):
@@ -228,6 +231,14 @@ class MultiRegionSettings(_Frozen):
     system_machine_type: str
     enable_apis: bool
     maintenance_window: MaintenanceWindow
+    dns_zone: str | None = None
+    """A Cloud DNS managed zone of ``project`` (``dnsZone``): the stack makes the A records of ``domain``
+    (the global address) and of each region's ``turn-<region>.<domain>`` (its TURN address) in it; None:
+    the operator makes them by hand from the outputs."""
+    turn_tls_secret: str | None = None
+    """The ``kubernetes.io/tls`` Secret (``turnTlsSecret``) in each region's runtime namespace holding the
+    certificate of ``turn-<region>.<domain>``: coturn serves TURN over TLS (5349/tcp) with it; None: TURN
+    over UDP only."""
 
 
 class StackConfig(_Frozen):
