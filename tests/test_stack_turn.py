@@ -1,5 +1,7 @@
-"""The stacks' TURN relay keys (issue 22, items 4-5): ``turnSecret`` (a given TURN secret used instead of
-the generated one on every stack that runs a relay, checked without being shown), under Pulumi's mocks."""
+"""The stacks' TURN relay keys (issue 22, items 4-5), under Pulumi's mocks: ``turnSecret`` (a given TURN
+secret used instead of the generated one on every stack that runs a relay, checked without being shown),
+``dnsZone`` (the stack's A records in Cloud DNS, or the records to make by hand), ``turnTlsSecret`` (TURN
+over TLS in the regions)."""
 
 from __future__ import annotations
 
@@ -106,3 +108,120 @@ def test_multi_region_gives_every_region_the_given_secret() -> None:
     runtime = [r for r in run.of_type(K8S_SECRET) if r.name.endswith("-duplex-duplex-secrets")]
     assert runtime and all(r.plain["stringData"]["turn-secret"] == GIVEN for r in runtime)
     assert GIVEN not in json.dumps(run.outputs)
+
+
+# --- DNS records (dnsZone) and TURN over TLS in the regions (turnTlsSecret) -----------------------------
+
+RECORD_SET = "gcp:dns/recordSet:RecordSet"
+ZONE = "example-com"
+
+
+def _records(run: StackRun) -> dict[str, tuple[str, list[str], str]]:
+    return {
+        r.plain["name"]: (r.plain["type"], r.plain["rrdatas"], r.plain["managedZone"])
+        for r in run.of_type(RECORD_SET)
+    }
+
+
+def _dns_api(run: StackRun) -> list[str]:
+    return [
+        r.name
+        for r in run.of_type("gcp:projects/service:Service")
+        if r.plain["service"] == "dns.googleapis.com"
+    ]
+
+
+def test_multi_region_makes_its_records_in_the_zone() -> None:
+    """The global entry's name at its address, each region's TURN name at its reserved TURN address; the DNS
+    API enabled first; the policy pack has nothing to say."""
+    from pulumi_harness import MOCK_GLOBAL_IP, MOCK_IP
+
+    from infra.policy.rules import check_resources
+
+    run = run_stack("multi-region", overrides={"duplexops:dnsZone": ZONE})
+    assert _records(run) == {
+        "duplex.example.com.": ("A", [MOCK_GLOBAL_IP], ZONE),
+        "turn-us-central1.duplex.example.com.": ("A", [MOCK_IP], ZONE),
+        "turn-europe-west4.duplex.example.com.": ("A", [MOCK_IP], ZONE),
+    }
+    assert all(
+        r.plain["ttl"] == 300 and r.plain["project"] == "my-gcp-project" for r in run.of_type(RECORD_SET)
+    )
+    assert _dns_api(run) == ["api-dns"]
+    assert (
+        check_resources([(r.type, r.plain, r.name, r.dependencies) for r in run.resources if r.custom]) == []
+    )
+    assert run.outputs["dns"]["zone"] == ZONE and run.outputs["dns"]["made"].startswith("by the stack")
+
+
+def test_without_a_zone_the_stack_lists_the_records_to_make() -> None:
+    from pulumi_harness import MOCK_GLOBAL_IP, MOCK_IP
+
+    run = run_stack("multi-region")
+    assert run.of_type(RECORD_SET) == [] and _dns_api(run) == []
+    dns = run.outputs["dns"]
+    assert dns["zone"] is None and dns["made"].startswith("by hand")
+    assert dns["records"] == {
+        "duplex.example.com": MOCK_GLOBAL_IP,
+        "turn-europe-west4.duplex.example.com": MOCK_IP,
+        "turn-us-central1.duplex.example.com": MOCK_IP,
+    }
+
+
+def test_gce_node_makes_the_record_its_nginx_and_coturn_share() -> None:
+    from pulumi_harness import MOCK_IP
+
+    run = run_stack("dev", overrides={"duplexops:dnsZone": ZONE, "duplexops:domain": "dev.example.com"})
+    assert _records(run) == {"dev.example.com.": ("A", [MOCK_IP], ZONE)}
+    assert _dns_api(run) == ["api-dns"]
+    assert run.outputs["turn"]["urls"][0] == "turn:dev.example.com:3478?transport=udp"
+    plain = run_stack("dev").outputs["dns"]
+    assert plain["zone"] is None and plain["records"] == {} and plain["made"].startswith("by hand")
+
+
+def test_dns_zone_problems() -> None:
+    values, secret_keys = stack_config("dev", overrides={"duplexops:dnsZone": ZONE})
+    with pytest.raises(StackConfigError) as caught:
+        parse_stack_config(values, stack="dev", secret_keys=set(secret_keys))
+    assert caught.value.problems == [
+        "duplexops:dnsZone: the stack makes the A record of duplexops:domain in this zone; allowed: set "
+        "duplexops:domain too (a name inside the zone), or leave dnsZone unset"
+    ]
+    values, secret_keys = stack_config("multi-region", overrides={"duplexops:dnsZone": "example.com."})
+    with pytest.raises(StackConfigError) as caught:
+        parse_stack_config(values, stack="multi-region", secret_keys=set(secret_keys))
+    [problem] = caught.value.problems
+    assert problem.startswith(
+        "duplexops:dnsZone: 'example.com.' is not valid; allowed: the name (not the DNS"
+    )
+
+
+def test_turn_tls_secret_turns_on_turns_in_every_region() -> None:
+    from infra.k8s.manifest import to_manifest, validate_manifests
+
+    run = run_stack("multi-region", overrides={"duplexops:turnTlsSecret": "turn-tls"})
+    for region in ("us-central1", "europe-west4"):
+        turn = run.outputs["regions"][region]["turn"]
+        host = f"turn-{region}.duplex.example.com"
+        assert turn["tls"] is True
+        assert turn["urls"] == [f"turn:{host}:3478?transport=udp", f"turns:{host}:5349?transport=tcp"]
+        manifests = [
+            to_manifest(r.type, r.plain)
+            for r in run.resources
+            if r.type.startswith("kubernetes:") and r.custom and r.name.startswith(f"runtime-{region}-")
+        ]
+        assert validate_manifests(manifests) == []
+        services = {m["metadata"]["name"]: m for m in manifests if m["kind"] == "Service"}
+        assert (
+            services["coturn-tls"]["spec"]["loadBalancerIP"] == services["coturn"]["spec"]["loadBalancerIP"]
+        )
+
+
+def test_a_bad_turn_tls_secret_name_is_refused() -> None:
+    values, secret_keys = stack_config("multi-region", overrides={"duplexops:turnTlsSecret": "Turn_TLS"})
+    with pytest.raises(StackConfigError) as caught:
+        parse_stack_config(values, stack="multi-region", secret_keys=set(secret_keys))
+    [problem] = caught.value.problems
+    assert problem.startswith(
+        "duplexops:turnTlsSecret: 'Turn_TLS' is not valid; allowed: the name of a kubernetes.io/tls Secret"
+    )
