@@ -225,3 +225,49 @@ def test_a_bad_turn_tls_secret_name_is_refused() -> None:
     assert problem.startswith(
         "duplexops:turnTlsSecret: 'Turn_TLS' is not valid; allowed: the name of a kubernetes.io/tls Secret"
     )
+
+
+# --- rotation: turnSecretPrevious -------------------------------------------------------------------------
+
+OLD = "OldTurnSecretBeingRotatedOut_0123456789-abcdefgh"
+
+
+def test_during_a_rotation_coturn_accepts_both_and_the_runtime_mints_with_the_new() -> None:
+    run = run_stack(
+        "multi-region", secrets=_secrets("multi-region", turnSecret=GIVEN, turnSecretPrevious=OLD)
+    )
+    for config in [r for r in run.of_type(K8S_SECRET) if r.name.endswith("-coturn-config")]:
+        lines = config.plain["stringData"]["turnserver.conf"].splitlines()
+        assert [line for line in lines if line.startswith("static-auth-secret=")] == [
+            f"static-auth-secret={GIVEN}",
+            f"static-auth-secret={OLD}",
+        ]
+    for runtime in [r for r in run.of_type(K8S_SECRET) if r.name.endswith("-duplex-duplex-secrets")]:
+        assert runtime.plain["stringData"]["turn-secret"] == GIVEN
+    run = run_stack("dev", secrets=_secrets("dev", turnSecret=GIVEN, turnSecretPrevious=OLD))
+    versions = {
+        r.name: r.plain["secretData"] for r in run.of_type("gcp:secretmanager/secretVersion:SecretVersion")
+    }
+    assert f"static-auth-secret={OLD}" in versions["secrets-turnserver-conf-version"].splitlines()
+    assert OLD not in versions["secrets-runtime-env-version"]
+    assert OLD not in json.dumps(run.outputs)
+
+
+@pytest.mark.parametrize(
+    ("secrets", "expected"),
+    [
+        ({"turnSecretPrevious": OLD}, "duplexops:turnSecretPrevious: set without duplexops:turnSecret"),
+        (
+            {"turnSecret": GIVEN, "turnSecretPrevious": GIVEN},
+            "duplexops:turnSecretPrevious: the same value (not shown) as turnSecret",
+        ),
+        (
+            {"turnSecret": GIVEN, "turnSecretPrevious": "short"},
+            "duplexops:turnSecretPrevious: the value (not",
+        ),
+    ],
+)
+def test_rotation_problems(secrets: dict[str, str], expected: str) -> None:
+    [problem] = _problems("multi-region", **secrets)
+    assert problem.startswith(expected)
+    assert GIVEN not in problem and OLD not in problem

@@ -266,6 +266,7 @@ class RegionWorkload:
             balancers take (``loadBalancerIP``: the UDP and the TLS Service share it, and the DNS record
             of ``turn-<region>.<domain>`` stays put across Service re-creations); None: GKE picks an
             ephemeral one.
+        turn_secret_previous: the TURN secret being rotated out (secret): coturn still accepts it; None: none.
         turn_tls_secret: a ``kubernetes.io/tls`` Secret in ``namespace`` holding the certificate of
             ``turn-<region>.<domain>``: coturn serves TURN over TLS with it (``infra.k8s.turn``); None: UDP
             only.
@@ -301,6 +302,7 @@ class RegionWorkload:
     turn_peer_ranges: tuple[str, ...] = ()
     turn_source_ranges: tuple[str, ...] = ()
     turn_address: Any = None
+    turn_secret_previous: Any = field(default=None, repr=False)
     turn_tls_secret: str | None = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8

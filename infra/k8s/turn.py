@@ -120,14 +120,19 @@ def turn_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     ]
 
 
-def _conf(workload: RegionWorkload, secret: str) -> str:
+def _conf(workload: RegionWorkload, secret: str, previous: str | None = None) -> str:
     profile = workload.profile
     relay = profile.relay.model_copy(update={"peer_networks": tuple(workload.turn_peer_ranges)})
     tls = profile.tls.model_copy(
         update={"certificate_path": f"{TLS_MOUNT}/tls.crt", "private_key_path": f"{TLS_MOUNT}/tls.key"}
     )
     profile = profile.model_copy(update={"relay": relay, "tls": tls})
-    return render_turnserver_conf(profile, secret, tls=workload.turn_tls_secret is not None)
+    return render_turnserver_conf(
+        profile,
+        secret,
+        tls=workload.turn_tls_secret is not None,
+        previous_secrets=(previous,) if previous else (),
+    )
 
 
 def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
@@ -151,7 +156,11 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         "kind": "Secret",
         "metadata": object_meta(workload, TURN_CONFIG_SECRET, "turn", app=TURN_NAME),
         "type": "Opaque",
-        "stringData": {"turnserver.conf": lift(lambda s: _conf(workload, s), workload.turn_secret)},
+        "stringData": {
+            "turnserver.conf": lift(lambda s: _conf(workload, s), workload.turn_secret)
+            if workload.turn_secret_previous is None
+            else lift(lambda s, p: _conf(workload, s, p), workload.turn_secret, workload.turn_secret_previous)
+        },
     }
     mounts = [
         {"name": "config", "mountPath": "/etc/coturn", "readOnly": True},

@@ -319,6 +319,7 @@ def _region(
         neg_name=f"{prefix}-runtime",
         page_neg_name=f"{prefix}-page",
         turn_secret=secrets.turn_secret,
+        turn_secret_previous=secrets.turn_secret_previous,
         turn_peer_ranges=(settings.pods_cidr,),
         turn_source_ranges=tuple(mr.public_source_ranges),
         turn_address=None if address is None else address.address,  # type: ignore[attr-defined]

@@ -172,6 +172,7 @@ def stack_secrets(
             token_keys=secret(given.token_keys),
             hf_token=secret(given.hf_token),
             turn_secret=secret(given.turn_secret),
+            turn_secret_previous=secret(given.turn_secret_previous),
             alert_secrets={
                 role: value
                 for role in ("alert_email_password", "alert_pagerduty_routing_key")

@@ -169,6 +169,10 @@ class _Keys(BaseModel):
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
     # The TURN relay's shared secret (coturn's static-auth-secret, DUPLEX_TURN_SECRET); unset: generated.
     turn_secret: Annotated[Secret, secret_matching(TURN_SECRET_PATTERN, _TURN_SECRET_ALLOWED)] | None = None
+    # The secret turnSecret replaces, still accepted by coturn during a rotation (docs/deploying.md).
+    turn_secret_previous: (
+        Annotated[Secret, secret_matching(TURN_SECRET_PATTERN, _TURN_SECRET_ALLOWED)] | None
+    ) = None
     # The runtime image CI built once for this push (.github/workflows/pulumi-up.yml sets it for the update),
     # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
     # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
@@ -266,6 +270,7 @@ class _Keys(BaseModel):
             alert_email_password=self.alert_email_password,
             alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
             turn_secret=self.turn_secret,
+            turn_secret_previous=self.turn_secret_previous,
         )
 
     def _config(
@@ -277,6 +282,7 @@ class _Keys(BaseModel):
             PydanticCustomError: the profile's model is gated and ``hfToken`` is not set.
         """
         _require_hf_token(profile, self.hf_token)
+        _check_turn_rotation(self.turn_secret, self.turn_secret_previous)
         if self.turn_secret is not None and not profile.relay.enabled:
             raise problem(
                 f"set, but profile {profile.name!r} runs no TURN relay (relay.enabled is false); allowed: "
@@ -315,6 +321,27 @@ def _require_hf_token(profile: NodeProfile, token: SecretStr | None) -> None:
             "Hugging Face Hub; accept its licence there with your account, then set a token of that account "
             "with `pulumi config set --secret hfToken hf_...`",
             where=pulumi_key("hf_token"),
+        )
+
+
+def _check_turn_rotation(current: SecretStr | None, previous: SecretStr | None) -> None:
+    """``turnSecretPrevious`` makes sense only beside a given ``turnSecret`` that differs from it.
+
+    Raises:
+        PydanticCustomError: under ``turnSecretPrevious``; no value shown.
+    """
+    if previous is None:
+        return
+    where = pulumi_key("turn_secret_previous")
+    if current is None:
+        raise problem(
+            "set without duplexops:turnSecret; allowed: the secret turnSecret replaces, beside it (a "
+            "rotation: docs/deploying.md, The TURN secret and its rotation)",
+            where=where,
+        )
+    if current.get_secret_value() == previous.get_secret_value():
+        raise problem(
+            "the same value (not shown) as turnSecret; allowed: the old secret, or unset", where=where
         )
 
 

@@ -54,6 +54,7 @@ SECRET_KEYS: frozenset[str] = frozenset(
         "alertEmailPassword",
         "alertPagerdutyRoutingKey",
         "turnSecret",
+        "turnSecretPrevious",
     }
 )
 """Keys whose values are secrets: they must be set with ``pulumi config set --secret``."""
@@ -93,6 +94,8 @@ class StackSecretsConfig(_Frozen):
     turn_secret: SecretStr | None = None
     """The TURN REST shared secret (``turnSecret``: coturn's ``static-auth-secret``, the runtime's
     ``DUPLEX_TURN_SECRET``); None: generated."""
+    turn_secret_previous: SecretStr | None = None
+    """The TURN secret being rotated out (``turnSecretPrevious``): coturn still accepts it; None: none."""
 
 
 class GceSettings(_Frozen):
