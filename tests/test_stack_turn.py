@@ -56,14 +56,31 @@ def test_a_turn_secret_in_plain_text_is_refused() -> None:
     assert "pulumi config set --secret turnSecret" in problem and GIVEN not in problem
 
 
-def test_what_the_key_accepts_the_node_accepts() -> None:
-    """The key's rule is NodeSecrets' (the renderer of turnserver.conf and runtime.env): 32 characters pass
-    both, the shortest the key refuses is refused by neither check alone."""
-    values, secret_keys = stack_config("dev", secrets=_secrets("dev", turnSecret="a" * 32))
-    config = parse_stack_config(values, stack="dev", secret_keys=set(secret_keys))
-    assert config.secrets.turn_secret is not None
-    NodeSecrets(redis_password="p" * 16, grafana_admin_password="g" * 16, token_keys={"k": "s" * 32},
-                turn_secret=config.secrets.turn_secret.get_secret_value())  # fmt: skip
+@pytest.mark.parametrize("value", ["a" * 32, "A-b_9" * 51 + "x", "a" * 31, "a" * 32 + "!", "a" * 257])
+def test_what_the_key_accepts_the_node_accepts(value: str) -> None:
+    """The key's rule is NodeSecrets' (the renderer of turnserver.conf and runtime.env): a value the key
+    accepts renders, one it refuses would have been refused there too (so no bad value gets that far)."""
+    values, secret_keys = stack_config("dev", secrets=_secrets("dev", turnSecret=value))
+    try:
+        parse_stack_config(values, stack="dev", secret_keys=set(secret_keys))
+        key_accepts = True
+    except StackConfigError:
+        key_accepts = False
+    try:
+        NodeSecrets(
+            redis_password="p" * 16,
+            grafana_admin_password="g" * 16,
+            token_keys={"k": "s" * 32},
+            turn_secret=value,
+        )
+        node_accepts = True
+    except ValueError:
+        node_accepts = False
+    assert (
+        key_accepts
+        == node_accepts
+        == (32 <= len(value) <= 256 and value.replace("-", "").replace("_", "").isalnum())
+    )
 
 
 def _turn_passwords(run: StackRun) -> list[str]:
