@@ -433,6 +433,7 @@ _ALL_SECRET_KEYS = {
     "tokenSigningKeys",
     "hfToken",
     "onpremSshPrivateKey",
+    "turnSecret",
 }
 
 LAST_MOCKS: RecordingMocks | None = None

@@ -89,10 +89,12 @@ PROTECTED = {
     "gcp:storage/bucket:Bucket": 2,
     "gcp:artifactregistry/repository:Repository": 1,
     "gcp:compute/globalAddress:GlobalAddress": 1,
+    "gcp:compute/address:Address": 2,
 }
 """Stateful or global resources ``protect``ed while ``deletionProtection`` is on (the default stack): both
 regions' Memorystore and model buckets, the second region's repository (the first is the image
-component's), the global IP the domain points at."""
+component's), the global IP the domain points at, each region's TURN address (``turn-<region>``'s A
+record points at it)."""
 
 
 def _protected(requests: dict[tuple[str, str], Any]) -> dict[str, int]:

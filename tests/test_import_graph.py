@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # Pulumi components; the policy pack (a program of its own, beside them).
     ("infra.components", "infra.policy"),
     # What the topologies share.
-    ("infra.program.shared",),
+    ("infra.program.shared", "infra.program.dns"),
     # One module per topology, independent of each other.
     ("infra.program.gce", "infra.program.onprem", "infra.program.multi_region"),
     # The program: picks the stack's topology.

@@ -30,6 +30,8 @@ from runtime.frontend.turn import TurnCredentials, mint_turn_credentials
 from runtime.tools.local_redis import free_loopback_port
 
 SECRET = "coturn-test-secret-0123456789abcdefghijklmnop"
+PREVIOUS = "coturn-previous-secret-0123456789abcdefghijkl"
+"""The secret ``SECRET`` replaced (a rotation in progress: ``turnSecretPrevious``), still accepted."""
 WAIT_S = 60.0
 """Hang guard for a process to answer (not a speed bound)."""
 
@@ -63,7 +65,8 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
     write_self_signed_certificate(
         directory / profile.tls.certificate_path, directory / profile.tls.private_key_path, domain="localhost"
     )
-    (directory / "turnserver.conf").write_text(render_turnserver_conf(profile, SECRET))
+    conf = render_turnserver_conf(profile, SECRET, previous_secrets=(PREVIOUS,))
+    (directory / "turnserver.conf").write_text(conf)
     log = directory / "coturn.log"
     peer_port = free_loopback_port()
     with open(log, "wb") as out, open(directory / "peer.log", "wb") as peer_out:
@@ -150,6 +153,13 @@ def test_bad_credentials_are_refused(relay: Relay, case: str) -> None:
         output = _uclient(relay, _mint("session-foreign", secret="another-secret-" + "x" * 32))
     assert "Cannot complete Allocation" in output, output
     assert _received(output) == 0, output
+
+
+def test_during_a_rotation_the_previous_secret_still_relays(relay: Relay) -> None:
+    """Credentials a runtime minted before the rotation (the previous secret) keep working; the other-secret
+    case above shows a secret coturn was not given is still refused."""
+    output = _uclient(relay, _mint("session-rotated", secret=PREVIOUS))
+    assert _received(output) >= 1, output
 
 
 @pytest.mark.parametrize("peer_host", ["127.0.0.1", "10.20.30.40", "169.254.169.254"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pulumi_harness import RecordedResource, StackRun, run_stack
+from pulumi_harness import MOCK_IP, RecordedResource, StackRun, run_stack
 
 from infra.policy.rules import check_resources
 from infra.stack_config import StackConfigError
@@ -819,4 +819,8 @@ def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
     assert service["spec"]["loadBalancerSourceRanges"] == ranges
     turn = run.outputs["regions"][region]["turn"]
     assert turn["host"] == f"turn-{region}.duplex.example.com"
-    assert "get service coturn" in turn["address"]
+    # The region's reserved address: the Service takes it, the DNS record names it (infra.program.dns).
+    address = _one_in_region(run, "gcp:compute/address:Address", region, "turn-address").plain
+    assert address["region"] == region and address["addressType"] == "EXTERNAL"
+    assert turn["address"] == service["spec"]["loadBalancerIP"] == MOCK_IP
+    assert turn["urls"] == [f"turn:turn-{region}.duplex.example.com:3478?transport=udp"]

@@ -6,8 +6,9 @@
 - The session-token signing keys (``tokenSigningKeys``, JSON ``{"kid": "secret", ...}``) from secret
   configuration when given, else one key ``<name_prefix>-1`` whose secret is a ``random.RandomPassword``
   (48 letters and digits). The application backend mints session tokens with them.
-- The TURN relay's shared secret (coturn's ``static-auth-secret``, the runtime's ``DUPLEX_TURN_SECRET``)
-  from a ``random.RandomPassword`` (48 letters and digits), where the profile's relay is on.
+- The TURN relay's shared secret (coturn's ``static-auth-secret``, the runtime's ``DUPLEX_TURN_SECRET``),
+  where the profile's relay is on: from secret configuration when given (``turnSecret``: to share one with
+  an existing coturn fleet, or to rotate it), else from a ``random.RandomPassword`` (48 letters and digits).
 - The Hugging Face token (``hfToken``) only from secret configuration; absent when not given.
 - ``files``: the node's secret files (``infra.node.services.secret_files``, plus ``secrets/hf-token.env``
   when there is a token), ``{bundle path: content}``, a secret Output: the on-premises stack writes them
@@ -62,6 +63,10 @@ class StackSecretsArgs:
         token_keys: the session-token signing keys as JSON ``{"kid": "secret"}`` (secret Output), or None to
             generate one key.
         hf_token: the Hugging Face token (secret Output), or None.
+        turn_secret: the TURN REST shared secret (secret Output), or None to generate one (where the
+            profile's relay is on; ignored where it is off).
+        turn_secret_previous: the TURN secret being rotated out (secret Output): coturn still accepts it,
+            nothing mints with it; None: none.
         secret_manager_project: the project to store the secrets in (GCE); None: no Secret Manager.
         labels: labels of the Secret Manager secrets.
         node_files: False where no node bundle runs (the multi-region stack: Memorystore makes the Redis
@@ -74,6 +79,8 @@ class StackSecretsArgs:
     grafana_admin_password: pulumi.Input[str] | None = None
     token_keys: pulumi.Input[str] | None = None
     hf_token: pulumi.Input[str] | None = None
+    turn_secret: pulumi.Input[str] | None = None
+    turn_secret_previous: pulumi.Input[str] | None = None
     alert_secrets: Mapping[str, pulumi.Input[str]] = field(default_factory=dict)
     """The alert receivers' secrets the profile uses, ``{role of OPTIONAL_SECRET_FILES: value}``."""
     secret_manager_project: str | None = None
@@ -88,6 +95,7 @@ class StackSecrets(pulumi.ComponentResource):
     grafana_admin_password: pulumi.Output[str]
     token_keys: pulumi.Output[str]
     turn_secret: pulumi.Output[str] | None
+    turn_secret_previous: pulumi.Output[str] | None
     hf_token: pulumi.Output[str] | None
     files: pulumi.Output[dict[str, str]] | None
     secret_ids: dict[str, str]
@@ -111,21 +119,27 @@ class StackSecrets(pulumi.ComponentResource):
             self.token_keys = pulumi.Output.secret(key.apply(lambda secret: json.dumps({kid: secret})))
         self.hf_token = None if args.hf_token is None else pulumi.Output.secret(args.hf_token)
         self.turn_secret = None
+        self.turn_secret_previous = None
+        if args.profile.relay.enabled and args.turn_secret_previous is not None:
+            self.turn_secret_previous = pulumi.Output.secret(args.turn_secret_previous)
         if args.profile.relay.enabled:
-            self.turn_secret = self._password(name, "turn-secret", None, deps, length=TOKEN_KEY_LENGTH)
+            self.turn_secret = self._password(
+                name, "turn-secret", args.turn_secret, deps, length=TOKEN_KEY_LENGTH
+            )
 
         profile = args.profile
 
         alert_roles = sorted(args.alert_secrets)
 
         def render(values: list[str | None]) -> dict[str, str]:
-            redis, grafana, keys, token, turn, *alerts = values
+            redis, grafana, keys, token, turn, turn_previous, *alerts = values
             assert redis is not None and grafana is not None and keys is not None
             node_secrets = NodeSecrets(
                 redis_password=redis,
                 grafana_admin_password=grafana,
                 token_keys=json.loads(keys),
                 turn_secret=turn,
+                turn_secret_previous=turn_previous,
                 **dict(zip(alert_roles, alerts, strict=True)),
             )
             files = {path: content.decode() for path, content in secret_files(profile, node_secrets).items()}
@@ -148,6 +162,7 @@ class StackSecrets(pulumi.ComponentResource):
                 self.token_keys,
                 token_input,
                 turn_input,
+                self.turn_secret_previous,
                 *(pulumi.Output.secret(args.alert_secrets[role]) for role in alert_roles),
             ).apply(render)
         )

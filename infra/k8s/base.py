@@ -264,6 +264,14 @@ class RegionWorkload:
         turn_source_ranges: the callers' addresses the TURN load balancer admits
             (``loadBalancerSourceRanges``: GKE's firewall rule; Cloud Armor does not cover a passthrough load
             balancer); empty: any.
+        turn_address: the region's reserved external IPv4 address (``compute.Address``) its TURN load
+            balancers take (``loadBalancerIP``: the UDP and the TLS Service share it, and the DNS record
+            of ``turn-<region>.<domain>`` stays put across Service re-creations); None: GKE picks an
+            ephemeral one.
+        turn_secret_previous: the TURN secret being rotated out (secret): coturn still accepts it; None: none.
+        turn_tls_secret: a ``kubernetes.io/tls`` Secret in ``namespace`` holding the certificate of
+            ``turn-<region>.<domain>``: coturn serves TURN over TLS with it (``infra.k8s.turn``); None: UDP
+            only.
         namespace: the runtime's namespace (``duplex``).
         target_slot_utilization: the HPA's target share of slots in use per pod, 0 < u <= 1 (0.8).
     """
@@ -296,6 +304,9 @@ class RegionWorkload:
     turn_peer_ranges: tuple[str, ...] = ()
     turn_source_ranges: tuple[str, ...] = ()
     recordings_bucket: Any = None
+    turn_address: Any = None
+    turn_secret_previous: Any = field(default=None, repr=False)
+    turn_tls_secret: str | None = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8
 
@@ -317,6 +328,10 @@ class RegionWorkload:
                 "a GCE resource name: a letter, then letters, digits, '-' (<= 63)",
             ),
         ]
+        if self.turn_tls_secret is not None:
+            checks.append(
+                ("turn_tls_secret", _DNS_LABEL_RE, "a Secret name (lower case, digits, '-', <= 63)")
+            )
         for name, pattern, allowed in checks:
             value = getattr(self, name)
             if not isinstance(value, str) or not pattern.match(value):

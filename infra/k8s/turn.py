@@ -9,8 +9,14 @@ pods stay under the namespace's Pod Security ``restricted`` level, which forbids
 per GPU node (a DaemonSet): relay capacity grows with the runtime pods. Peers: the region's own pod range
 (``RegionWorkload.turn_peer_ranges``), which GKE's cluster firewall rule already lets reach the pods; a
 caller whose offer spilled to another region cannot relay there and falls back to the WebSocket protocol.
-TURN over UDP only: TLS would need a certificate for the region's TURN name as a Secret (the global entry's
-certificate is Google-managed). Rendered only when the workload has a TURN secret.
+
+TURN over TLS (5349/tcp) when the workload names a ``kubernetes.io/tls`` Secret for ``turn-<region>.<domain>``
+(``turn_tls_secret``; the global entry's certificate is Google-managed and never leaves its load balancer):
+mounted into the pods, served by coturn, a second ``LoadBalancer`` Service (TCP) on the same reserved
+address, and a ``tls-reload`` sidecar that sends coturn SIGUSR2 when the mounted certificate changes (a
+renewal: the kubelet updates a Secret volume in place; coturn 4.6 reloads its certificate on SIGUSR2 with
+its allocations kept, as on a node: ``infra.node.compose``). Rendered only when the workload has a TURN
+secret.
 """
 
 from __future__ import annotations
@@ -32,9 +38,13 @@ from infra.node.coturn import CONTAINER_CONFIG_PATH, coturn_args, render_turnser
 from infra.node.relay import turn_urls
 
 __all__ = [
+    "TLS_MOUNT",
+    "TLS_RELOAD_INTERVAL_S",
     "TURN_CONFIG_SECRET",
     "TURN_NAME",
     "TURN_SECRET_KEY",
+    "TURN_TLS_NAME",
+    "tls_reload_script",
     "turn_env",
     "turn_host",
     "turn_objects",
@@ -46,7 +56,42 @@ TURN_CONFIG_SECRET = "coturn-config"
 """The Secret holding ``turnserver.conf`` (it carries the TURN secret)."""
 TURN_SECRET_KEY = "turn-secret"
 """The key of the runtime's Secret (``SECRET_NAME``) holding ``DUPLEX_TURN_SECRET``."""
+TURN_TLS_NAME = "coturn-tls"
+"""The TURN-over-TLS Service's name (a second Service: GKE's mixed-protocol Services need clusters created
+at 1.34.1-gke.2190000 or later; two Services sharing one reserved address work on every version)."""
+TLS_MOUNT = "/etc/coturn/tls"
+"""Where the coturn pods mount the TLS Secret (``tls.crt``, ``tls.key``)."""
+TLS_RELOAD_INTERVAL_S = 60
+"""How often the ``tls-reload`` sidecar compares the mounted certificate (s). The kubelet itself refreshes
+a Secret volume about once a minute (its sync period plus cache TTL), so a renewal reaches coturn within
+about two minutes, long before the old certificate expires (cert-manager renews 30 days ahead)."""
+_PID_FILE = "/tmp/turnserver.pid"
 _COTURN_UID = 65534  # nobody: binds unprivileged ports only
+
+
+def tls_reload_script(certificate: str, pid_file: str, interval_s: int = TLS_RELOAD_INTERVAL_S) -> str:
+    """The ``tls-reload`` sidecar's POSIX sh script: every ``interval_s`` s, when the checksum of
+    ``certificate`` changed, send SIGUSR2 to the process in ``pid_file`` (coturn reloads its certificate and
+    key; allocations are kept). Needs ``cksum``, ``cat``, ``sleep``: coreutils of the coturn image itself.
+
+    Raises:
+        ValueError: ``interval_s`` < 1, or a path with characters the script does not quote.
+    """
+    if interval_s < 1:
+        raise ValueError(f"interval_s must be >= 1 s, got {interval_s}")
+    for path in (certificate, pid_file):
+        if not path.startswith("/") or not set(path) <= set("abcdefghijklmnopqrstuvwxyz0123456789/._-"):
+            raise ValueError(f"{path!r}: an absolute path of lower case letters, digits, '/', '.', '_', '-'")
+    return (
+        f"last=$(cksum < {certificate})\n"
+        f"while sleep {interval_s}; do\n"
+        f"  now=$(cksum < {certificate}) || continue\n"
+        '  [ "$now" = "$last" ] && continue\n'
+        f'  if kill -USR2 "$(cat {pid_file})"; then\n'
+        '    last=$now; echo "certificate changed: coturn reloaded"\n'
+        "  fi\n"
+        "done\n"
+    )
 
 
 def turn_host(workload: RegionWorkload) -> str:
@@ -56,13 +101,17 @@ def turn_host(workload: RegionWorkload) -> str:
 
 
 def turn_env(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """The runtime container's TURN environment: ``DUPLEX_TURN_URLS`` naming the region's TURN over UDP,
-    ``DUPLEX_TURN_TTL_S``, ``DUPLEX_TURN_SECRET`` from the runtime's Secret. Empty without a TURN secret."""
+    """The runtime container's TURN environment: ``DUPLEX_TURN_URLS`` naming the region's TURN over UDP
+    (and ``turns:`` over TLS with ``turn_tls_secret``), ``DUPLEX_TURN_TTL_S``, ``DUPLEX_TURN_SECRET`` from
+    the runtime's Secret. Empty without a TURN secret."""
     if workload.turn_secret is None:
         return []
     relay = workload.profile.relay
+    urls = turn_urls(relay, turn_host(workload))
+    if workload.turn_tls_secret is None:
+        urls = urls[:1]
     return [
-        {"name": "DUPLEX_TURN_URLS", "value": turn_urls(relay, turn_host(workload))[0]},
+        {"name": "DUPLEX_TURN_URLS", "value": ",".join(urls)},
         {"name": "DUPLEX_TURN_TTL_S", "value": str(relay.credential_ttl_s)},
         {
             "name": "DUPLEX_TURN_SECRET",
@@ -71,15 +120,26 @@ def turn_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     ]
 
 
-def _conf(workload: RegionWorkload, secret: str) -> str:
-    relay = workload.profile.relay.model_copy(update={"peer_networks": tuple(workload.turn_peer_ranges)})
-    return render_turnserver_conf(workload.profile.model_copy(update={"relay": relay}), secret, tls=False)
+def _conf(workload: RegionWorkload, secret: str, previous: str | None = None) -> str:
+    profile = workload.profile
+    relay = profile.relay.model_copy(update={"peer_networks": tuple(workload.turn_peer_ranges)})
+    tls = profile.tls.model_copy(
+        update={"certificate_path": f"{TLS_MOUNT}/tls.crt", "private_key_path": f"{TLS_MOUNT}/tls.key"}
+    )
+    profile = profile.model_copy(update={"relay": relay, "tls": tls})
+    return render_turnserver_conf(
+        profile,
+        secret,
+        tls=workload.turn_tls_secret is not None,
+        previous_secrets=(previous,) if previous else (),
+    )
 
 
 def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     """The region's TURN gateway: Secret ``coturn-config``, DaemonSet ``coturn``, Service ``coturn``
-    (LoadBalancer, UDP ``relay.port``, ``externalTrafficPolicy: Local``), PodMonitoring ``coturn`` (its
-    exporter). Empty when ``workload.turn_secret`` is None.
+    (LoadBalancer, UDP ``relay.port``, ``externalTrafficPolicy: Local``), with ``turn_tls_secret`` Service
+    ``coturn-tls`` (LoadBalancer, TCP ``relay.tls_port``) on the same ``turn_address``, PodMonitoring
+    ``coturn`` (its exporter). Empty when ``workload.turn_secret`` is None.
 
     Raises:
         ValueError: a TURN secret without ``turn_peer_ranges`` (the relay would reach nothing).
@@ -89,23 +149,46 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     if not workload.turn_peer_ranges:
         raise ValueError("RegionWorkload.turn_peer_ranges: the pod ranges coturn may relay to are needed")
     relay = workload.profile.relay
+    tls = workload.turn_tls_secret is not None
     labels = selector_labels(TURN_NAME)
     secret = {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": object_meta(workload, TURN_CONFIG_SECRET, "turn", app=TURN_NAME),
         "type": "Opaque",
-        "stringData": {"turnserver.conf": lift(lambda s: _conf(workload, s), workload.turn_secret)},
+        "stringData": {
+            "turnserver.conf": lift(lambda s: _conf(workload, s), workload.turn_secret)
+            if workload.turn_secret_previous is None
+            else lift(lambda s, p: _conf(workload, s, p), workload.turn_secret, workload.turn_secret_previous)
+        },
     }
+    mounts = [
+        {"name": "config", "mountPath": "/etc/coturn", "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "state", "mountPath": "/var/lib/coturn"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "secret": {"secretName": TURN_CONFIG_SECRET, "defaultMode": 0o440}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "state", "emptyDir": {}},
+    ]
+    ports = [
+        {"name": "turn-udp", "containerPort": relay.port, "protocol": "UDP"},
+        {"name": "metrics", "containerPort": relay.metrics_port, "protocol": "TCP"},
+    ]
+    if tls:
+        ports.insert(1, {"name": "turn-tls", "containerPort": relay.tls_port, "protocol": "TCP"})
+        mounts.append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        # Not a subPath mount: the kubelet updates a whole Secret volume in place on renewal.
+        volumes.append(
+            {"name": "tls", "secret": {"secretName": workload.turn_tls_secret, "defaultMode": 0o440}}
+        )
     container = {
         "name": TURN_NAME,
         "image": IMAGES["coturn"],
         "command": ["turnserver"],
-        "args": coturn_args(CONTAINER_CONFIG_PATH, "/tmp/turnserver.pid"),
-        "ports": [
-            {"name": "turn-udp", "containerPort": relay.port, "protocol": "UDP"},
-            {"name": "metrics", "containerPort": relay.metrics_port, "protocol": "TCP"},
-        ],
+        "args": coturn_args(CONTAINER_CONFIG_PATH, _PID_FILE),
+        "ports": ports,
         # coturn's exporter answers "/" as its health check (README.turnserver, --prometheus).
         "readinessProbe": {"httpGet": {"path": "/", "port": "metrics"}, "periodSeconds": 10},
         "livenessProbe": {
@@ -115,12 +198,33 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         },
         "resources": {"requests": {"cpu": "250m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
         "securityContext": container_security(),
-        "volumeMounts": [
-            {"name": "config", "mountPath": "/etc/coturn", "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "state", "mountPath": "/var/lib/coturn"},
-        ],
+        "volumeMounts": mounts,
     }
+    containers = [container]
+    if tls:
+        containers.append(
+            {
+                "name": "tls-reload",
+                "image": IMAGES["coturn"],
+                "command": ["sh", "-c", tls_reload_script(f"{TLS_MOUNT}/tls.crt", _PID_FILE)],
+                "resources": {"requests": {"cpu": "5m", "memory": "8Mi"}, "limits": {"memory": "32Mi"}},
+                "securityContext": container_security(),
+                "volumeMounts": [
+                    {"name": "tmp", "mountPath": "/tmp"},
+                    {"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True},
+                ],
+            }
+        )
+    pod_spec: dict[str, Any] = {
+        "nodeSelector": {"cloud.google.com/gke-accelerator": workload.accelerator},
+        "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+        "automountServiceAccountToken": False,
+        "securityContext": pod_security(_COTURN_UID),
+        "containers": containers,
+        "volumes": volumes,
+    }
+    if tls:  # the sidecar signals coturn: same user, one process namespace (no capability needed)
+        pod_spec["shareProcessNamespace"] = True
     daemon_set = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -130,39 +234,13 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "template": {
                 "metadata": {"labels": {**labels, "app.kubernetes.io/component": "turn"}},
-                "spec": {
-                    "nodeSelector": {"cloud.google.com/gke-accelerator": workload.accelerator},
-                    "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security(_COTURN_UID),
-                    "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "config",
-                            "secret": {"secretName": TURN_CONFIG_SECRET, "defaultMode": 0o440},
-                        },
-                        {"name": "tmp", "emptyDir": {}},
-                        {"name": "state", "emptyDir": {}},
-                    ],
-                },
+                "spec": pod_spec,
             },
         },
     }
-    service: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": object_meta(
-            workload, TURN_NAME, "turn", annotations={"cloud.google.com/l4-rbs": "enabled"}
-        ),
-        "spec": {
-            "type": "LoadBalancer",
-            "externalTrafficPolicy": "Local",
-            "selector": labels,
-            "ports": [{"name": "turn-udp", "port": relay.port, "targetPort": "turn-udp", "protocol": "UDP"}],
-        },
-    }
-    if workload.turn_source_ranges:  # GKE opens the node firewall to these only
-        service["spec"]["loadBalancerSourceRanges"] = list(workload.turn_source_ranges)
+    services = [_service(workload, TURN_NAME, "turn-udp", relay.port, "UDP")]
+    if tls:
+        services.append(_service(workload, TURN_TLS_NAME, "turn-tls", relay.tls_port, "TCP"))
     monitoring = {
         "apiVersion": "monitoring.googleapis.com/v1",
         "kind": "PodMonitoring",
@@ -174,4 +252,26 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             ],
         },
     }
-    return [secret, daemon_set, service, monitoring]
+    return [secret, daemon_set, *services, monitoring]
+
+
+def _service(workload: RegionWorkload, name: str, port_name: str, port: int, protocol: str) -> dict[str, Any]:
+    """A ``LoadBalancer`` Service of the coturn pods: a regional external passthrough Network Load Balancer
+    (backend-service based) for one protocol, on ``turn_address`` when reserved, admitting
+    ``turn_source_ranges`` only."""
+    service: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(workload, name, "turn", annotations={"cloud.google.com/l4-rbs": "enabled"}),
+        "spec": {
+            "type": "LoadBalancer",
+            "externalTrafficPolicy": "Local",
+            "selector": selector_labels(TURN_NAME),
+            "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": protocol}],
+        },
+    }
+    if workload.turn_address is not None:  # the reserved address, shared by both Services
+        service["spec"]["loadBalancerIP"] = workload.turn_address
+    if workload.turn_source_ranges:  # GKE opens the node firewall to these only
+        service["spec"]["loadBalancerSourceRanges"] = list(workload.turn_source_ranges)
+    return service

@@ -26,6 +26,7 @@ and why (coturn 4.6 option names; README.turnserver of the Debian package ``cotu
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 
 from infra.node.profile import NodeProfile
 from infra.node.relay import relay_port_range, relay_quota
@@ -64,8 +65,15 @@ def peer_ranges(profile: NodeProfile) -> list[str]:
     ]
 
 
-def render_turnserver_conf(profile: NodeProfile, secret: str, *, tls: bool = True) -> str:
+def render_turnserver_conf(
+    profile: NodeProfile, secret: str, *, tls: bool = True, previous_secrets: Sequence[str] = ()
+) -> str:
     """``turnserver.conf`` for ``profile`` (see the module docstring), holding ``secret``. Deterministic.
+
+    ``previous_secrets``: secrets coturn still accepts after ``secret`` during a rotation (one
+    ``static-auth-secret`` line each; coturn 4.6 checks a credential against every one: README.turnserver,
+    and tried here on Debian's 4.6.1), so that credentials minted with the old secret keep working while
+    the runtime mints with the new one (docs/deploying.md, "The TURN secret and its rotation").
 
     Paths: the certificate and key as the profile names them (a ``compose`` node mounts their directories
     at the same paths; the local node runs coturn from its node directory, so relative paths resolve there).
@@ -78,11 +86,12 @@ def render_turnserver_conf(profile: NodeProfile, secret: str, *, tls: bool = Tru
     relay = profile.relay
     if not relay.enabled:
         raise ValueError(f"profile {profile.name!r} has relay.enabled false: it runs no coturn")
-    if len(secret.encode()) < 32 or _SECRET_FORBIDDEN & set(secret):
-        raise ValueError(
-            "the TURN secret must be at least 32 bytes without whitespace, quotes or '#' "
-            "(it is written into turnserver.conf unquoted)"
-        )
+    for value in (secret, *previous_secrets):
+        if len(value.encode()) < 32 or _SECRET_FORBIDDEN & set(value):
+            raise ValueError(
+                "the TURN secret must be at least 32 bytes without whitespace, quotes or '#' "
+                "(it is written into turnserver.conf unquoted)"
+            )
     low, high = relay_port_range(relay, profile.sessions)
     user_quota, total_quota = relay_quota(profile.sessions)
     lines = [
@@ -93,6 +102,7 @@ def render_turnserver_conf(profile: NodeProfile, secret: str, *, tls: bool = Tru
         "fingerprint",
         "use-auth-secret",
         f"static-auth-secret={secret}",
+        *(f"static-auth-secret={old}" for old in previous_secrets if old != secret),
         f"realm={profile.domain}",
         f"server-name={profile.domain}",
         "stale-nonce=600",

@@ -198,7 +198,8 @@ class NodeSecrets:
     profile's ``alerting`` uses them (``OPTIONAL_SECRET_FILES``).
     ``turn_secret``: the TURN REST shared secret of the relay (coturn's ``static-auth-secret``, the
     runtime's ``DUPLEX_TURN_SECRET``): at least 32 characters of ``[A-Za-z0-9_-]``; required where the
-    profile's relay is on.
+    profile's relay is on. ``turn_secret_previous``: the secret it replaces during a rotation, still
+    accepted by coturn (not minted with), or None; the same form.
     """
 
     redis_password: str = field(repr=False)
@@ -207,6 +208,7 @@ class NodeSecrets:
     alert_email_password: str | None = field(default=None, repr=False)
     alert_pagerduty_routing_key: str | None = field(default=None, repr=False)
     turn_secret: str | None = field(default=None, repr=False)
+    turn_secret_previous: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("redis_password", "grafana_admin_password"):
@@ -222,11 +224,13 @@ class NodeSecrets:
                 "(`duplex token keygen` makes one)"
             )
         self.signing_keys()  # kids and secret lengths
-        if self.turn_secret is not None and not _TURN_SECRET_RE.fullmatch(self.turn_secret):
-            raise ValueError(
-                "turn_secret must be at least 32 characters of letters, digits, '_' and '-' (it goes into "
-                "turnserver.conf and an env file unquoted)"
-            )
+        for name in ("turn_secret", "turn_secret_previous"):
+            value = getattr(self, name)
+            if value is not None and not _TURN_SECRET_RE.fullmatch(value):
+                raise ValueError(
+                    f"{name} must be at least 32 characters of letters, digits, '_' and '-' (it goes into "
+                    "turnserver.conf and an env file unquoted)"
+                )
 
     def signing_keys(self) -> list[SigningKey]:
         """``token_keys`` as ``runtime.frontend.tokens.SigningKey`` objects (the first is the one to mint
@@ -283,7 +287,8 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
                 "turn_secret: the profile's relay is on (relay.enabled) and no TURN secret was given"
             )
         runtime_env += f"DUPLEX_TURN_SECRET={node_secrets.turn_secret}\n"
-        turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret)
+        previous = () if node_secrets.turn_secret_previous is None else (node_secrets.turn_secret_previous,)
+        turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret, previous_secrets=previous)
     files = {
         SECRET_FILES["redis_password"]: password.encode(),
         SECRET_FILES["redis_auth_conf"]: f"requirepass {password}\n".encode(),

@@ -10,6 +10,7 @@ from typing import Any
 import pulumi
 
 from infra.node.cloud_init import GUEST_ATTRIBUTE_TLS_SHA256
+from infra.program.dns import a_records, records_summary
 from infra.program.shared import (
     capacity_summary,
     enable_apis,
@@ -45,6 +46,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
     assert gce is not None
     prefix, profile, stack_labels = config.name_prefix, config.profile, labels(config)
     apis = GCP_APIS + (SPOT_APIS if gce.provisioning_model == "spot" else ())
+    apis += ("dns.googleapis.com",) if gce.dns_zone is not None else ()
     after_apis = enable_apis(gce.project, apis if gce.enable_apis else ())
     if gce.provisioning_model == "flex-start":
         pulumi.log.warn(
@@ -92,6 +94,10 @@ def declare(config: StackConfig) -> dict[str, Any]:
             "no duplexops:domain and duplexops:acmeEmail: the node serves a self-signed certificate, which "
             f"browsers refuse for wss://; read its SHA-256 fingerprint with: {fingerprint}"
         )
+    # The node's one public name (nginx and coturn share it): its A record, made here with a zone.
+    records: dict[str, Any] = {} if config.domain is None else {config.domain: node.external_ip}
+    if gce.dns_zone is not None:
+        a_records(gce.project, gce.dns_zone, records, after_apis)
     local = profile.private_address
     password_id = secrets.secret_ids["grafana_admin_password"]
     read_password = f"gcloud secrets versions access latest --secret={password_id} --project={gce.project}"
@@ -113,6 +119,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
         f"--secret={secrets.secret_ids['token_keys']} --project={gce.project}",
         "mintToken": mint_command(profile),
         "turn": turn_summary(config, profile),
+        "dns": records_summary(gce.dns_zone, records),
         "ssh": node.ssh_command(),
         "capacity": capacity_summary(profile, machine_type=gce.machine_type),
         "image": image.image_ref,

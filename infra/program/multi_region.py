@@ -17,6 +17,7 @@ import pulumi
 from infra.capacity.power import HOURS_PER_MONTH
 from infra.node.services import public_origin
 from infra.node.webclient import page_headers
+from infra.program.dns import a_records, records_summary, turn_address
 from infra.program.shared import (
     capacity_summary,
     enable_apis,
@@ -124,7 +125,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
     assert mr is not None and config.domain is not None
     prefix, stack_labels, project = config.name_prefix, labels(config), mr.project
     first = mr.regions[0]
-    after_apis = enable_apis(project, GKE_APIS if mr.enable_apis else ())
+    apis = GKE_APIS + (("dns.googleapis.com",) if mr.dns_zone is not None else ())
+    after_apis = enable_apis(project, apis if mr.enable_apis else ())
     image_args = RuntimeImageArgs(
         project=project,
         location=first.region,
@@ -199,6 +201,10 @@ def declare(config: StackConfig) -> dict[str, Any]:
         ),
         opts=after_apis,
     )
+    records: dict[str, Any] = {config.domain: entry.address.address}
+    records |= {turn["host"]: turn["address"] for out in regions_out.values() if (turn := out.get("turn"))}
+    if mr.dns_zone is not None:
+        a_records(project, mr.dns_zone, records, after_apis)
     return {
         "endpoint": f"wss://{config.domain}/api/chat",
         "page": f"https://{config.domain}/",
@@ -215,6 +221,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "image": image.image_ref,
         "registries": registries,
         "capacity": _capacity_total(config, capacities),
+        "dns": records_summary(mr.dns_zone, records),
     }
 
 
@@ -257,7 +264,6 @@ def _region(
     from infra.components.regional_runtime import RegionalRuntime
     from infra.k8s import region as k8s_region
     from infra.k8s.base import RegionWorkload
-    from infra.k8s.turn import TURN_NAME, turn_host
 
     mr = config.multi_region
     assert mr is not None
@@ -283,6 +289,13 @@ def _region(
     )
     recordings = gke.recordings_bucket
     bindings = gke.bind_workload_identity(project, k8s_region.workload_identity_bindings())
+    address = None  # the region's TURN address (infra.program.dns), reserved where it runs a relay
+    if secrets.turn_secret is not None:
+        protect = pulumi.ResourceOptions(protect=mr.deletion_protection)
+        name = f"region-{region_name}-turn-address"
+        address = turn_address(
+            name, project, region_name, labels(config), pulumi.ResourceOptions.merge(after_apis, protect)
+        )
     workload = RegionWorkload(
         region=region_name,
         zones=tuple(settings.zones),
@@ -308,9 +321,12 @@ def _region(
         neg_name=f"{prefix}-runtime",
         page_neg_name=f"{prefix}-page",
         turn_secret=secrets.turn_secret,
+        turn_secret_previous=secrets.turn_secret_previous,
         turn_peer_ranges=(settings.pods_cidr,),
         turn_source_ranges=tuple(mr.public_source_ranges),
         recordings_bucket=None if recordings is None else recordings.name,
+        turn_address=None if address is None else address.address,  # type: ignore[attr-defined]
+        turn_tls_secret=mr.turn_tls_secret,
     )
     runtime = RegionalRuntime(
         f"runtime-{region_name}",
@@ -339,18 +355,21 @@ def _region(
         **({} if recordings is None else {"recordingsBucket": recordings.name}),
         "image": image_ref,
         "capacity": capacity,
-        **(
-            {}
-            if secrets.turn_secret is None
-            else {
-                "turn": {
-                    "host": turn_host(workload),
-                    "address": f"kubectl -n {workload.namespace} get service {TURN_NAME} "
-                    "-o jsonpath='{.status.loadBalancer.ingress[0].ip}'",
-                    "dns": f"an A record {turn_host(workload)} at that address (callers relay through it)",
-                }
-            }
-        ),
+        **({} if address is None else {"turn": _turn_output(workload, address)}),
+    }
+
+
+def _turn_output(workload: Any, address: Any) -> dict[str, Any]:
+    """A region's ``turn`` output: its TURN name, reserved address and the URLs its runtime gives callers
+    (``turns:`` only with ``turnTlsSecret``)."""
+    from infra.k8s.turn import turn_env, turn_host
+
+    urls = next(e["value"] for e in turn_env(workload) if e["name"] == "DUPLEX_TURN_URLS")
+    return {
+        "host": turn_host(workload),
+        "address": address.address,
+        "urls": urls.split(","),
+        "tls": workload.turn_tls_secret is not None,
     }
 
 

@@ -156,9 +156,9 @@ def stack_secrets(
     config: StackConfig, profile: NodeProfile, opts: pulumi.ResourceOptions | None = None, **args: Any
 ) -> StackSecrets:
     """The stack's secrets (``StackSecrets`` named ``secrets``): the configured Redis password, Grafana
-    password, session-token keys and Hugging Face token (secret Outputs; None: generated or absent), for
-    ``profile``; ``args``: the rest of ``StackSecretsArgs`` (``secret_manager_project``, ``labels``,
-    ``node_files``)."""
+    password, session-token keys, Hugging Face token and TURN secret (secret Outputs; None: generated or
+    absent), for ``profile``; ``args``: the rest of ``StackSecretsArgs`` (``secret_manager_project``,
+    ``labels``, ``node_files``)."""
     from infra.components.node_secrets import StackSecrets, StackSecretsArgs
 
     given = config.secrets
@@ -171,6 +171,8 @@ def stack_secrets(
             grafana_admin_password=secret(given.grafana_admin_password),
             token_keys=secret(given.token_keys),
             hf_token=secret(given.hf_token),
+            turn_secret=secret(given.turn_secret),
+            turn_secret_previous=secret(given.turn_secret_previous),
             alert_secrets={
                 role: value
                 for role in ("alert_email_password", "alert_pagerduty_routing_key")

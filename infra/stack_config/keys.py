@@ -61,7 +61,15 @@ from infra.stack_config.values import (
 from runtime.engine.model_presets import get_preset
 from runtime.frontend.tokens import keys_from_mapping
 
-__all__ = ["KEYS_OF", "KNOWN_KEYS", "GceNodeKeys", "MultiRegionKeys", "OnPremNodeKeys", "RegionKeys"]
+__all__ = [
+    "KEYS_OF",
+    "KNOWN_KEYS",
+    "TURN_SECRET_PATTERN",
+    "GceNodeKeys",
+    "MultiRegionKeys",
+    "OnPremNodeKeys",
+    "RegionKeys",
+]
 
 # --- the keys --------------------------------------------------------------------------------------------
 
@@ -108,6 +116,30 @@ _SSH_KEY_ALLOWED = (
     "an SSH private key in PEM/OpenSSH form, set with "
     "`pulumi config set --secret onpremSshPrivateKey < ~/.ssh/id_ed25519`"
 )
+TURN_SECRET_PATTERN = r"^[A-Za-z0-9_-]{32,256}$"
+"""``turnSecret``'s form: what ``infra.node.services.NodeSecrets`` and ``infra.node.coturn`` accept (coturn's
+``static-auth-secret`` and the runtime's env file take it unquoted) and at least the runtime's 32 bytes
+(``runtime.frontend.turn.MIN_SECRET_BYTES``)."""
+_TURN_SECRET_ALLOWED = (
+    "32 to 256 letters, digits, '_' or '-' (e.g. `python3 -c 'import secrets; "
+    "print(secrets.token_urlsafe(32))'`), set with `pulumi config set --secret turnSecret ...`; or leave it "
+    "unset to generate one"
+)
+_DNS_ZONE_ALLOWED = (
+    "the name (not the DNS name) of a Cloud DNS managed zone in gcp:project that holds duplexops:domain, "
+    "e.g. example-com (`gcloud dns managed-zones list`); or leave it unset and make the records by hand"
+)
+_DNS_ZONE = Field(
+    None,
+    pattern=r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$",
+    json_schema_extra=allowed(_DNS_ZONE_ALLOWED),
+)
+_TURN_TLS_SECRET_ALLOWED = (
+    "the name of a kubernetes.io/tls Secret (lower case letters, digits, '-'; at most 63) in namespace "
+    "duplex of every region's cluster, holding the certificate of turn-<region>.<domain> (e.g. a "
+    "cert-manager Certificate's secretName: docs/deploying.md, TURN over TLS in the regions); or leave it "
+    "unset for TURN over UDP only"
+)
 _TOKEN_KEYS_ALLOWED = (
     'a JSON object {"<kid>": "<secret of 32+ characters>", ...} (`duplex token keygen` makes a key); '
     "or leave it unset to generate one"
@@ -137,6 +169,12 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+    # The TURN relay's shared secret (coturn's static-auth-secret, DUPLEX_TURN_SECRET); unset: generated.
+    turn_secret: Annotated[Secret, secret_matching(TURN_SECRET_PATTERN, _TURN_SECRET_ALLOWED)] | None = None
+    # The secret turnSecret replaces, still accepted by coturn during a rotation (docs/deploying.md).
+    turn_secret_previous: (
+        Annotated[Secret, secret_matching(TURN_SECRET_PATTERN, _TURN_SECRET_ALLOWED)] | None
+    ) = None
     # The runtime image CI built once for this push (.github/workflows/pulumi-up.yml sets it for the update),
     # digest-pinned. The GCE and GKE topologies copy it into their own registry (infra/components/image.py);
     # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
@@ -233,6 +271,8 @@ class _Keys(BaseModel):
             hf_token=self.hf_token,
             alert_email_password=self.alert_email_password,
             alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
+            turn_secret=self.turn_secret,
+            turn_secret_previous=self.turn_secret_previous,
         )
 
     def _config(
@@ -244,6 +284,13 @@ class _Keys(BaseModel):
             PydanticCustomError: the profile's model is gated and ``hfToken`` is not set.
         """
         _require_hf_token(profile, self.hf_token)
+        _check_turn_rotation(self.turn_secret, self.turn_secret_previous)
+        if self.turn_secret is not None and not profile.relay.enabled:
+            raise problem(
+                f"set, but profile {profile.name!r} runs no TURN relay (relay.enabled is false); allowed: "
+                "unset it, or a profile with the relay on",
+                where=pulumi_key("turn_secret"),
+            )
         context = info.context or {}
         stack = context.get("stack", "stack")
         return StackConfig(
@@ -276,6 +323,27 @@ def _require_hf_token(profile: NodeProfile, token: SecretStr | None) -> None:
             "Hugging Face Hub; accept its licence there with your account, then set a token of that account "
             "with `pulumi config set --secret hfToken hf_...`",
             where=pulumi_key("hf_token"),
+        )
+
+
+def _check_turn_rotation(current: SecretStr | None, previous: SecretStr | None) -> None:
+    """``turnSecretPrevious`` makes sense only beside a given ``turnSecret`` that differs from it.
+
+    Raises:
+        PydanticCustomError: under ``turnSecretPrevious``; no value shown.
+    """
+    if previous is None:
+        return
+    where = pulumi_key("turn_secret_previous")
+    if current is None:
+        raise problem(
+            "set without duplexops:turnSecret; allowed: the secret turnSecret replaces, beside it (a "
+            "rotation: docs/deploying.md, The TURN secret and its rotation)",
+            where=where,
+        )
+    if current.get_secret_value() == previous.get_secret_value():
+        raise problem(
+            "the same value (not shown) as turnSecret; allowed: the old secret, or unset", where=where
         )
 
 
@@ -412,6 +480,17 @@ class GceNodeKeys(_NodeKeys):
     )
     enable_apis: Boolean = True
     provisioning_model: Literal[tuple(gcp_catalog.PROVISIONING_MODELS)] = "standard"  # type: ignore[valid-type]
+    dns_zone: str | None = _DNS_ZONE
+
+    @model_validator(mode="after")
+    def _dns_zone_needs_a_domain(self) -> GceNodeKeys:
+        if self.dns_zone is not None and self.domain is None:
+            raise problem(
+                "the stack makes the A record of duplexops:domain in this zone; allowed: set "
+                "duplexops:domain too (a name inside the zone), or leave dnsZone unset",
+                where=pulumi_key("dns_zone"),
+            )
+        return self
 
     @field_validator("gcp_zone")
     @classmethod
@@ -491,6 +570,7 @@ class GceNodeKeys(_NodeKeys):
             price_read_on=price.read_on if price else None,
             provisioning_model=self.provisioning_model,
             bundled_local_ssd=machine.bundled_local_ssd,
+            dns_zone=self.dns_zone,
         )
         self._result = self._config(info, profile, overrides, gce=gce)
         return self
@@ -784,6 +864,13 @@ class MultiRegionKeys(_Keys):
     maintenance_window: Annotated[MaintenanceWindowKeys, BeforeValidator(json_value)] = (
         MaintenanceWindowKeys.model_validate({})  # the defaults: Saturday and Sunday, 02:00-08:00 UTC
     )
+    dns_zone: str | None = _DNS_ZONE
+    # An existing kubernetes.io/tls Secret in each region's runtime namespace: TURN over TLS (infra.k8s.turn).
+    turn_tls_secret: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        json_schema_extra=allowed(_TURN_TLS_SECRET_ALLOWED),
+    )
     # Recording with consent into each region's bucket, and the retention of transcripts and recordings.
     recordings: Annotated[RecordingsKeys, BeforeValidator(json_value)] = RecordingsKeys.model_validate({})
 
@@ -822,6 +909,14 @@ class MultiRegionKeys(_Keys):
         profile = self._profile(overrides)
         regions: list[RegionSettings] = []
         found: list[tuple[str, str]] = []
+        if self.turn_tls_secret is not None and not profile.relay.enabled:
+            found.append(
+                (
+                    pulumi_key("turn_tls_secret"),
+                    f"set, but profile {profile.name!r} runs no TURN relay (relay.enabled is false); "
+                    "allowed: unset it",
+                )
+            )
         for i, item in enumerate(self.regions):
             where = f"{pulumi_key('regions')}[{i}]"
             region_overrides = {**overrides, **({"gpu": item.gpu} if item.gpu is not None else {})}
@@ -859,6 +954,8 @@ class MultiRegionKeys(_Keys):
             system_machine_type=self.system_machine_type,
             enable_apis=self.enable_apis,
             maintenance_window=self.maintenance_window.settings(),
+            dns_zone=self.dns_zone,
+            turn_tls_secret=self.turn_tls_secret,
             recordings=RecordingSettings(
                 enabled=self.recordings.enabled, retention_days=retention_days(profile)
             ),

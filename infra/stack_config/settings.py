@@ -54,6 +54,8 @@ SECRET_KEYS: frozenset[str] = frozenset(
         "onpremSshPrivateKey",
         "alertEmailPassword",
         "alertPagerdutyRoutingKey",
+        "turnSecret",
+        "turnSecretPrevious",
     }
 )
 """Keys whose values are secrets: they must be set with ``pulumi config set --secret``."""
@@ -90,6 +92,11 @@ class StackSecretsConfig(_Frozen):
     """The SMTP password of the e-mail alert receiver (``alertEmailPassword``)."""
     alert_pagerduty_routing_key: SecretStr | None = None
     """The PagerDuty Events API v2 routing key (``alertPagerdutyRoutingKey``)."""
+    turn_secret: SecretStr | None = None
+    """The TURN REST shared secret (``turnSecret``: coturn's ``static-auth-secret``, the runtime's
+    ``DUPLEX_TURN_SECRET``); None: generated."""
+    turn_secret_previous: SecretStr | None = None
+    """The TURN secret being rotated out (``turnSecretPrevious``): coturn still accepts it; None: none."""
 
 
 class GceSettings(_Frozen):
@@ -118,6 +125,9 @@ class GceSettings(_Frozen):
     type is sold as."""
     bundled_local_ssd: bool = False
     """GCE attaches Local SSDs to this machine type by itself (A2 Ultra, A3)."""
+    dns_zone: str | None = None
+    """A Cloud DNS managed zone of ``project`` (``dnsZone``): the stack makes the A record of the node's
+    domain (nginx and coturn share that name) in it; None: the operator makes it by hand."""
 
 
 class OnPremSettings(_Frozen):
@@ -235,6 +245,14 @@ class MultiRegionSettings(_Frozen):
     enable_apis: bool
     maintenance_window: MaintenanceWindow
     recordings: RecordingSettings = RecordingSettings()
+    dns_zone: str | None = None
+    """A Cloud DNS managed zone of ``project`` (``dnsZone``): the stack makes the A records of ``domain``
+    (the global address) and of each region's ``turn-<region>.<domain>`` (its TURN address) in it; None:
+    the operator makes them by hand from the outputs."""
+    turn_tls_secret: str | None = None
+    """The ``kubernetes.io/tls`` Secret (``turnTlsSecret``) in each region's runtime namespace holding the
+    certificate of ``turn-<region>.<domain>``: coturn serves TURN over TLS (5349/tcp) with it; None: TURN
+    over UDP only."""
 
 
 class StackConfig(_Frozen):
