@@ -101,6 +101,15 @@ def pin(pid: int, cores: set[int]) -> int:
     return pinned
 
 
+def _allowed(pid: int) -> set[int]:
+    """Every core some thread of ``pid`` may run on."""
+    cores: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            cores |= os.sched_getaffinity(int(task))
+    return cores
+
+
 def _cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads), from ``/proc/<pid>/stat``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -206,12 +215,14 @@ class WorkerFigures:
     """The front-end worker's CPU, in % of its one core: ``steady_pct`` over the steady window (every
     session streaming), ``run_pct`` over the whole run, ``peak_1s_pct`` the busiest second; ``wait_pct``:
     how much of the steady window its main thread was runnable but waited for the core (another process
-    held it: 0 on a machine left to the bench)."""
+    held it: 0 on a machine left to the bench); ``cores``: every core any of its threads was allowed, as
+    read at the samples (the pinning, checked)."""
 
     steady_pct: float
     run_pct: float
     peak_1s_pct: float
     wait_pct: float
+    cores: tuple[int, ...] = ()
 
 
 @dataclass
@@ -277,6 +288,7 @@ class CountResult:
                 "run": self.worker.run_pct,
                 "peak_1s": self.worker.peak_1s_pct,
                 "waiting_for_core": self.worker.wait_pct,
+                "cores": list(self.worker.cores),
             },
             "worker_ms_per_session_s": round(10 * self.worker.steady_pct / self.sessions, 2),
             "engine_and_supervisor_cpu_pct": self.engine_pct,
@@ -348,11 +360,13 @@ def _one_count(
             for task in os.listdir(f"/proc/{worker}/task"):  # nice is per thread too
                 os.setpriority(os.PRIO_PROCESS, int(task), layout.worker_nice)
         samples: list[tuple[float, float, float]] = []  # (time, CPU s, run-queue wait s)
+        seen: set[int] = set()  # the cores the worker's threads were allowed, before each re-pin
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
                 with contextlib.suppress(OSError):
+                    seen.update(_allowed(worker))
                     pin(worker, {layout.worker_core})  # threads aiortc started since
                     samples.append((time.monotonic(), _cpu_s(worker), _wait_s(worker)))
                 done.wait(SAMPLE_S)
@@ -387,6 +401,7 @@ def _one_count(
             run_pct=round(100 * worker_cpu / (samples[-1][0] - samples[0][0]), 1),
             peak_1s_pct=round(100 * max(per_s, default=0.0), 1),
             wait_pct=round(100 * (w1 - w0) / (t1 - t0), 1),
+            cores=tuple(sorted(seen)),
         ),
         engine_pct=round(100 * (group - worker_cpu) / wall, 1),
         server=server,
