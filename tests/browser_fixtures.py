@@ -1,6 +1,7 @@
-"""The browser tests' shared fixtures (``tests/test_browser_client.py``, ``tests/test_browser_webrtc.py``):
-a local node with one slot, and Debian's headless Chromium (Playwright) whose fake microphone plays a WAV
-of espeak-ng speech. Import the ``*_fixture`` functions into a test module: each registers under its
+"""The browser tests' shared fixtures and helpers (``tests/test_browser_client.py``,
+``tests/test_browser_webrtc.py``, ``tests/test_browser_connects.py``): a local node with one slot, Debian's
+headless Chromium (Playwright) whose fake microphone plays a WAV of espeak-ng speech, and the page's stats
+(``stats``, ``wait_stats``). Import the ``*_fixture`` functions into a test module: each registers under its
 ``name`` (``speech_wav``, ``node``, ``browser``), so that a test's parameters do not shadow an import.
 ``CHROMIUM`` is None where there is no ``chromium`` on PATH (the modules then skip, which
 tests/conftest.py turns into a failure)."""
@@ -21,6 +22,9 @@ from infra.node.browser_launch import speech_wav as write_speech_wav
 from infra.node.local import LocalNode, free_port_profile
 
 CHROMIUM = chromium_binary()
+STATS_TIMEOUT_MS = 60_000
+"""``wait_stats``'s hang guard (ms): a bound on a stuck test, never a speed check (a loaded 2-core machine
+needs the slack)."""
 
 
 @pytest.fixture(scope="module", name="speech_wav")
@@ -67,3 +71,16 @@ def wait_slot_free(node: LocalNode, timeout_s: float = 20.0) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError("the node's slot was not freed")
+
+
+def stats(page: Any) -> dict[str, Any]:
+    """A copy of the page's ``window.duplexClient.stats`` (app.js and rtc.js: transport, frames, getStats()
+    figures)."""
+    return page.evaluate("({...window.duplexClient.stats})")
+
+
+def wait_stats(page: Any, condition: str, timeout_ms: int = STATS_TIMEOUT_MS) -> dict[str, Any]:
+    """Wait until ``condition`` (a JS expression over ``s``, the page's stats) holds; the stats then.
+    Raises Playwright's TimeoutError after ``timeout_ms`` (a hang guard)."""
+    page.wait_for_function(f"() => (s => {condition})(window.duplexClient.stats)", timeout=timeout_ms)
+    return stats(page)

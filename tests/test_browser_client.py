@@ -37,7 +37,9 @@ from browser_fixtures import (  # noqa: F401 (fixtures)
     browser_fixture,
     node_fixture,
     speech_wav_fixture,
+    stats,
     wait_slot_free,
+    wait_stats,
 )
 
 from infra.node.jitter_relay import JitterRelay
@@ -70,16 +72,6 @@ def open_page(browser: Any, node: LocalNode, fragment: str = "", **context_args:
     # Functions, not expression strings: Playwright evaluates strings with eval, which the page's CSP forbids.
     page.wait_for_function("() => window.duplexClient !== undefined")
     return page
-
-
-def stats(page: Any) -> dict[str, Any]:
-    return page.evaluate("({...window.duplexClient.stats})")
-
-
-def wait_stats(page: Any, condition: str, timeout_ms: int = TIMEOUT_MS) -> dict[str, Any]:
-    """Wait until ``condition`` (JS over ``s``, the page's stats) holds; the stats then."""
-    page.wait_for_function(f"() => (s => {condition})(window.duplexClient.stats)", timeout=timeout_ms)
-    return stats(page)
 
 
 def problem(page: Any, reason: str) -> str:

@@ -27,6 +27,7 @@ from browser_fixtures import (  # noqa: F401 (fixtures)
     node_fixture,
     speech_wav_fixture,
     wait_slot_free,
+    wait_stats,
 )
 from playwright.sync_api import Error as PlaywrightError
 
@@ -83,15 +84,6 @@ def open_page(
     page.goto(f"{node.https_url}/?{query}#token={node.mint_token()}")
     page.wait_for_function("() => window.duplexClient !== undefined")
     return page
-
-
-def stats(page: Any) -> dict[str, Any]:
-    return page.evaluate("({...window.duplexClient.stats})")
-
-
-def wait_stats(page: Any, condition: str, timeout_ms: int = TIMEOUT_MS) -> dict[str, Any]:
-    page.wait_for_function(f"() => (s => {condition})(window.duplexClient.stats)", timeout=timeout_ms)
-    return stats(page)
 
 
 def end_conversation(page: Any, node: LocalNode) -> None:

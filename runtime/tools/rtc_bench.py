@@ -6,12 +6,12 @@ asserted (docs/benchmarks.md, "WebRTC").
   last of its audio (WebSocket: the 0x01 message that completed the frame; WebRTC: the RTP packet that
   completed it, through the jitter buffer and libopus). p50/p99 each, and the difference: what WebRTC adds.
   Also POST -> answer and POST -> connected over ``--calls`` sequential calls.
-- ``capacity``: a ``duplex serve --workers 1`` node on the ``sim`` model (one front-end worker process: one
-  core at most) and ``duplex loadgen --transport webrtc`` at each ``--sessions`` count: frames lost, first
-  audio p99, and the worker process's own CPU (``/proc/<pid>/stat``), so sessions per front-end core =
-  sessions / the worker's cores used, at 0 frames lost.
+- ``capacity``: WebRTC sessions per front-end core on the ``sim`` model, with the front-end worker alone on
+  one core and the load generator kept off it (``runtime.tools.rtc_capacity``: the layout, the figures and
+  when a run is invalid).
 
-``python -m runtime.tools.rtc_bench latency``; ``python -m runtime.tools.rtc_bench capacity --sessions 8 16``.
+``python -m runtime.tools.rtc_bench latency``;
+``python -m runtime.tools.rtc_bench capacity --sessions 16 24 32 40``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
-import urllib.request
-from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -33,12 +30,9 @@ from runtime.frontend.protocol import AudioFormat
 from runtime.frontend.rtc_media import RtpInbound
 from runtime.frontend.server import DuplexServer
 from runtime.frontend.session import ChatSession
-from runtime.tools.bench_frontend import node
+from runtime.tools import rtc_capacity
 from runtime.tools.loadgen import _percentile, run_session, session_url, synthesize_speech
-from runtime.tools.loadgen_rtc import run_rtc_load
 from runtime.tools.rtc_client import RtcCall, encode_packets
-
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class _EchoSlots(SlotBackend):
@@ -176,72 +170,44 @@ async def bench_latency(seconds: float, calls: int) -> dict[str, object]:
     }
 
 
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def _worker_pid(port: int) -> int:
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-        f"http://127.0.0.1:{port}/healthz", timeout=10
-    ) as response:
-        return int(response.headers["Server"].split("pid=", 1)[1])
-
-
-def bench_capacity(
-    counts: list[int], seconds: float, step_ms: str, processes: int
-) -> list[dict[str, object]]:
-    """The ``capacity`` figures (module docstring), one row per session count."""
-    clip = _clip(seconds)
-    rows: list[dict[str, object]] = []
-    for sessions in counts:
-        with node(1, sessions, step_ms, env={"DUPLEX_RTC_MEDIA_TIMEOUT_S": "10"}) as port:
-            pid = _worker_pid(port)
-            cpu0, wall0 = _cpu_s(pid), time.monotonic()
-            report = asyncio.run(
-                run_rtc_load(
-                    f"ws://127.0.0.1:{port}",
-                    [clip],
-                    sessions=sessions,
-                    processes=processes,
-                    max_duration_s=seconds + 90,
-                )  # fmt: skip
-            )
-            cores = (_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
-        summary = report.summary()
-        rows.append(
-            {
-                "sessions": sessions,
-                "served": summary["served"],
-                "cut": summary["cut"],
-                "frames_lost": summary["frames_lost"],
-                "concealed_packets": summary["concealed_packets"],
-                "first_audio_ms_p99": summary["first_audio_ms_p99"],
-                "ice_connect_ms_p99": summary["ice_connect_ms_p99"],
-                "worker_cores": round(cores, 3),
-                "sessions_per_worker_core": round(sessions / cores, 1) if cores else None,
-            }
-        )
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     latency = sub.add_parser("latency")
     latency.add_argument("--seconds", type=float, default=20.0)
     latency.add_argument("--calls", type=int, default=30)
-    capacity = sub.add_parser("capacity")
-    capacity.add_argument("--sessions", type=int, nargs="+", default=[8, 16, 24])
-    capacity.add_argument("--seconds", type=float, default=20.0)
-    capacity.add_argument("--step-ms", default="30")
-    capacity.add_argument("--processes", type=int, default=2)
+    capacity = sub.add_parser("capacity", description=rtc_capacity.__doc__.split("\n\n")[1])
+    capacity.add_argument("--sessions", type=int, nargs="+", default=[16, 24, 32, 40])
+    capacity.add_argument("--seconds", type=float, default=30.0, help="speech each session streams (s)")
+    capacity.add_argument("--step-ms", default="30", help="the sim model's step (ms)")
+    capacity.add_argument("--worker-core", type=int, default=None, help="default: the highest core")
+    capacity.add_argument("--worker-nice", type=int, default=None, help="default: the bench's own nice")
+    capacity.add_argument("--generator-nice", type=int, default=5, help="added to the bench's nice")
+    capacity.add_argument("--stagger-ms", type=float, default=50.0, help="between session starts")
     args = parser.parse_args()
     if args.command == "latency":
         print(json.dumps(asyncio.run(bench_latency(args.seconds, args.calls))))
-    else:
-        for row in bench_capacity(args.sessions, args.seconds, args.step_ms, args.processes):
-            print(json.dumps(row), flush=True)
+        return
+    try:
+        print("machine:", json.dumps(rtc_capacity.describe_machine()), flush=True)
+        results = []
+        for count in args.sessions:  # one count at a time, each line as soon as it is measured
+            [result] = rtc_capacity.bench_capacity(
+                [count],
+                seconds=args.seconds,
+                step_ms=args.step_ms,
+                worker_core=args.worker_core,
+                worker_nice=args.worker_nice,
+                generator_nice=args.generator_nice,
+                stagger_s=args.stagger_ms / 1e3,
+                clip=_clip(args.seconds),
+            )
+            results.append(result)
+            print(rtc_capacity.dumps(result), flush=True)
+    except (ValueError, PermissionError) as error:
+        parser.error(str(error))
+    print("machine after:", json.dumps(rtc_capacity.describe_machine()))
+    print(rtc_capacity.markdown(results))
 
 
 if __name__ == "__main__":
