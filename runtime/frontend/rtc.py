@@ -87,9 +87,10 @@ class RtcRegistry:
         front.backend.on_hangup = self.hang_up_local
 
     def forget(self, peer: RtcPeer) -> None:
-        """``peer``'s session has ended."""
+        """``peer``'s session has ended (or was resumed: a new peer of this process may hold its id now)."""
         if peer.session is not None:
-            self.peers.pop(peer.session.session_id, None)
+            if self.peers.get(peer.session.session_id) is peer:
+                del self.peers[peer.session.session_id]
             self.settled(peer.session.claims)
 
     def settled(self, claims: TokenClaims | None) -> None:
@@ -102,7 +103,7 @@ class RtcRegistry:
         peer = self.peers.get(session_id)
         if peer is None or not hmac.compare_digest(peer.key.encode(), key.encode()):
             return False
-        peer.end(SessionOutcome("client_closed"))
+        peer.end(SessionOutcome("client_closed"), hang_up=True)  # a hang-up: no hold, or the hold ended
         return True
 
 
@@ -125,7 +126,7 @@ async def end_all(front: FrontEnd) -> None:
         return
     peers = list(found.peers.values())
     for peer in peers:
-        peer.end(SessionOutcome("server_closed", 1001))
+        peer.end(SessionOutcome("server_closed", 1001), hang_up=True)
     await asyncio.gather(*(peer.wait_closed() for peer in peers), return_exceptions=True)
 
 
@@ -268,8 +269,11 @@ async def _answer(
     session.encoder = Float32Frames()
     session.spend_on_connect = True  # spent when ICE and DTLS connect (RtcPeer): a failed ICE leaves it
     try:
-        await session.spend_token(check_only=True)  # a token spent already: 403 before any answer
-        await session.admit()
+        if session_request.resume:  # the credential is the right to the slot: no token (claims None)
+            await session.resume()
+        else:
+            await session.spend_token(check_only=True)  # a token spent already: 403 before any answer
+            await session.admit()
     except SessionRefused as exc:
         await peer.close()
         return _refused(front, exc)
