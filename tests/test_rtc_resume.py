@@ -373,3 +373,42 @@ async def test_resume_off_refuses_before_the_answer(bundle, packets, http):  # n
             assert value(srv, "duplex_sessions_ended_total", reason="rtc_media_timeout") == 1
         finally:
             await closed(call)
+
+
+async def test_a_resume_whose_ice_never_connects_is_held_again_with_the_next_credential(
+    bundle,  # noqa: F811
+    packets,
+    http,
+):
+    """The 201 of a resume carries the next credential (``Duplex-Resume-Credential``); that resume's ICE
+    never connects (the answer is never applied): the session is held again, and the next try with the
+    header's credential takes it over; the spent one is refused."""
+    async with running_server(bundle, workers=0, **rtc_settings()) as srv:
+        a = await live_call(srv, http, packets, "resumable=1")
+        stuck = RtcCall(url(srv), packets, query=f"resume={a.outcome.metadata[0]['resume']}")
+        stuck.pc.setRemoteDescription = _never  # type: ignore[method-assign]
+        a3: RtcCall | None = None
+        try:
+            session_id = a.outcome.metadata[0]["session_id"]
+            a.drop()
+            await detached(srv, 1)
+            outcome = await stuck.start(http)
+            assert outcome.status == 201, outcome.body
+            following = outcome.headers["Duplex-Resume-Credential"][0]
+            assert following.startswith(session_id + ".") and following != a.outcome.metadata[0]["resume"]
+            await detached(srv, 2)  # rtc_connect_timeout_s later: held again, not ended
+            assert srv.backend.status().free_slots == SLOTS - 1
+            assert value(srv, "duplex_sessions_ended_total", reason="rtc_connect_timeout") == 0
+            spent = await refused(srv, http, packets, a.outcome.metadata[0]["resume"])
+            assert spent.status == 403 and spent.body.startswith("resume_replayed: "), spent.body
+            a3 = await live_call(srv, http, packets, f"resume={following}")
+            assert a3.outcome.metadata[0]["session_id"] == session_id
+            assert a3.outcome.metadata[0]["resume"] == a3.outcome.headers["Duplex-Resume-Credential"][0]
+            assert await a3.hang_up(http) == 200
+        finally:
+            await closed(a, stuck, *([a3] if a3 else []))
+        await free_slots(srv, SLOTS)
+
+
+async def _never(*_: object) -> None:
+    return None

@@ -320,7 +320,10 @@ class RtcPeer:
             now = self.clock()
             if self.connected_at is None:
                 if now - answered_at > config.rtc_connect_timeout_s:
-                    self.end(SessionOutcome("rtc_connect_timeout"))
+                    # A resume's answer carried its next credential (rtc.RESUME_HEADER): a resume whose ICE
+                    # never connects is held again, for the caller's next try. A new call is ended.
+                    resumed = self.session is not None and self.session.resumed is not None
+                    self.end(SessionOutcome("rtc_connect_timeout", lost=resumed))
                 continue
             last = self.inbound.last_packet_at or self.connected_at
             if now - last > config.rtc_media_timeout_s:  # a dropped path: no word from the client
