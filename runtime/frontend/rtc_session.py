@@ -8,7 +8,7 @@ label) before its offer; a second one is closed. Audio travels as RTP only: a 0x
 0x05 error.
 
 The session ends (its slot freed at once) on a normal close: ``DELETE`` of its resource; the peer's DTLS
-``close_notify`` while its ICE path is up (the client's ``RTCPeerConnection.close()``); the client closing
+``close_notify`` (the client's ``RTCPeerConnection.close()``); the client closing
 the DataChannel while connected (a client that means to stay keeps its channel: a hang-up); no connection
 within ``rtc_connect_timeout_s`` of the answer; the session's ``max_session_s``; a drain or the engine's
 loss (``Transport.close``). It is *lost* (:class:`SessionOutcome` ``lost``), and a resumable session
@@ -17,7 +17,8 @@ loss (``Transport.close``). It is *lost* (:class:`SessionOutcome` ``lost``), and
 from the client: no RTP for ``rtc_media_timeout_s`` once connected (``rtc_media_timeout``: a dropped UDP path,
 a phone changing networks; aiortc has no ``disconnected`` state, so this timeout is the grace), ICE failed
 (consent freshness, RFC 7675: aioice gives up after 6 unanswered checks 5 s apart), or the DTLS transport
-closed because its ICE path did (``rtc_failed``). With ``resumable=1`` the 0x00 is followed by a 0x04
+closed without a ``close_notify`` (its ICE path closed: ``rtc_failed``); a resumed call's connect timeout
+too (its 201 carried the next credential). With ``resumable=1`` the 0x00 is followed by a 0x04
 metadata message with the session id and its single-use credential, as on ``/api/chat``.
 
 The session token is spent when the peer connection connects (ICE and DTLS), not when the answer is sent:
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcdatachannel import RTCDataChannel
+from OpenSSL import SSL
 
 from runtime.frontend.protocol import (
     AudioMessage,
@@ -373,15 +375,15 @@ class RtcPeer:
             self.end(SessionOutcome("client_closed"))  # a lost path was named by _on_dtls_state first
 
     def _on_dtls_state(self, dtls: Any) -> None:
-        """The DTLS transport closed: by the peer's ``close_notify`` while its ICE path is up (a hang-up),
-        or because its ICE path closed (consent expired: lost). Runs before aiortc's own ``closed``
-        ``connectionState`` (which it triggers), so it names the outcome first. aioice clears its nominated
-        pairs when its connection closes; they are read through aiortc 1.16's private ``_connection``."""
+        """The DTLS transport closed: by the peer's ``close_notify`` (a hang-up: a browser's ``pc.close()``),
+        or without one (its ICE path closed, consent expired: lost). Runs before aiortc's own ``closed``
+        ``connectionState`` (which it triggers), so it names the outcome first. Whether a ``close_notify``
+        came is OpenSSL's ``SSL_RECEIVED_SHUTDOWN``, read through aiortc 1.16's private ``_ssl``."""
         if dtls.state != "closed" or self.session is None or self.outcome is not None:
             return
-        ice = getattr(getattr(dtls, "transport", None), "_connection", None)
-        path_up = bool(getattr(ice, "_nominated", None))
-        if path_up:
+        ssl = getattr(dtls, "_ssl", None)
+        told = ssl is not None and bool(ssl.get_shutdown() & SSL.RECEIVED_SHUTDOWN)
+        if told:
             self.end(SessionOutcome("client_closed"))
         else:
             self.end(SessionOutcome("rtc_failed", lost=True))
