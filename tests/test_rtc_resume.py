@@ -44,6 +44,7 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
 
 from runtime.engine.resume import credential_session
 from runtime.frontend.server import DuplexServer
+from runtime.tools.resume_bench_rtc import run_rtc_trial
 from runtime.tools.rtc_client import RtcCall, encode_packets
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -412,3 +413,16 @@ async def test_a_resume_whose_ice_never_connects_is_held_again_with_the_next_cre
 
 async def _never(*_: object) -> None:
     return None
+
+
+async def test_the_resume_bench_times_a_webrtc_resume(bundle, packets):  # noqa: F811
+    """``resume_bench --transport webrtc``'s trial against a node: held (the drop outlasts the media
+    timeout), resumed, and its times in order."""
+    async with running_server(bundle, workers=0, **rtc_settings(auth_mode="off")) as srv:
+        trial = await run_rtc_trial(url(srv), packets, before_s=0.3, drop_s=1.6, after_s=0.3)
+        assert value(srv, "duplex_sessions_detached_total") == 1
+        assert value(srv, "duplex_sessions_resumed_total") == 1
+        await free_slots(srv, SLOTS)
+    assert 0 < trial.answer_ms <= trial.connected_ms <= trial.handshake_ms, trial
+    assert trial.connected_ms <= trial.first_audio_ms < WAIT_S * 1e3, trial
+    assert trial.gap_ms >= 1000 * srv.config.rtc_media_timeout_s, trial
