@@ -26,7 +26,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from fake_clock import FakeClock
 from test_access_control import token
-from test_rtc import rtc_settings, url
+from test_rtc import delete_from_another_worker, rtc_settings, url
 from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
     AFTER_FRAMES,
     SLOTS,
@@ -426,3 +426,26 @@ async def test_the_resume_bench_times_a_webrtc_resume(bundle, packets):  # noqa:
     assert 0 < trial.answer_ms <= trial.connected_ms <= trial.handshake_ms, trial
     assert trial.connected_ms <= trial.first_audio_ms < WAIT_S * 1e3, trial
     assert trial.gap_ms >= 1000 * srv.config.rtc_media_timeout_s, trial
+
+
+async def test_a_delete_through_the_other_worker_ends_a_held_call(bundle, packets, http):  # noqa: F811
+    """``--workers 2``: a held call's ``DELETE`` reaching the worker that does not hold it is forwarded
+    through the engine to the one that does: 200, the held slot freed, the session ended ``client_closed``."""
+    async with running_server(bundle, workers=2, **rtc_settings()) as srv:
+        call = await live_call(srv, http, packets, "resumable=1")
+        try:
+            call.drop()
+            await detached(srv)
+            assert srv.backend.status().free_slots == SLOTS - 1
+            owner = call.outcome.headers["Server"][0].split()[1]
+            assert await delete_from_another_worker(srv, call.outcome.headers["Location"][0], owner) == 200
+            await free_slots(srv, SLOTS)
+            await wait_until(
+                lambda: value(srv, "duplex_sessions_ended_total", reason="client_closed") == 1,
+                timeout_s=WAIT_S,
+                what="the held call ended by its DELETE",
+            )
+            gone = await refused(srv, http, packets, call.outcome.metadata[0]["resume"])
+            assert gone.status == 410, (gone.status, gone.body)
+        finally:
+            await closed(call)
