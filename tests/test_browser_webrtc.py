@@ -14,10 +14,15 @@ Bounds are the page's own counters; the timeouts are hang guards.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import socket
+import subprocess
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,4 +176,66 @@ def test_a_post_refused_for_a_transport_reason_falls_back(node: LocalNode, brows
     end = wait_stats(page, "s.state === 'live' && s.framesReceived >= 20 && s.transcriptChars > 0")
     assert end["transport"] == "websocket" and "HTTP 404" in end["fallbackReason"], end
     assert end["reason"] == "" and ("POST", "/api/rtc") in page.rtc_requests
+    end_conversation(page, node)
+
+
+def _descendants(root: int) -> set[int]:
+    """The pids under ``root`` (this test's Chromium, never another job's), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def drop_browser_udp() -> int:
+    """Destroy this test's Chromium UDP sockets (``ss -K``: the kernel aborts them, nothing is sent), as a
+    phone's network going away: its ICE path is gone, no DTLS close, no ``DELETE``. Returns how many."""
+    ours = _descendants(os.getpid())
+    listing = subprocess.run(
+        ["ss", "-u", "-a", "-n", "-p"], capture_output=True, text=True, check=True
+    ).stdout
+    ports = set()
+    for line in listing.splitlines():
+        pids = {int(p) for p in re.findall(r"pid=(\d+)", line)}
+        if pids & ours and "chrom" in line:
+            ports.add(line.split()[3].rsplit(":", 1)[1])
+    for port in ports:
+        subprocess.run(["ss", "-K", "-u", "-a", "sport", "=", f":{port}"], check=True, capture_output=True)
+    return len(ports)
+
+
+def runtime_counter(node: LocalNode, name: str) -> float:
+    with urllib.request.urlopen(f"{node.runtime_url}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    found = re.search(rf"^{name} (\S+)$", text, flags=re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_dropped_webrtc_call_is_resumed_by_the_page(node: LocalNode, browser: Any) -> None:
+    """Mid-call, the page's UDP sockets are destroyed (its network gone): the page sees ICE go, closes that
+    peer connection without ``DELETE``, posts a fresh offer with the session's credential (no token), says
+    so, and the conversation goes on over WebRTC in the same session (the runtime counts one resume)."""
+    wait_slot_free(node)
+    resumed_before = runtime_counter(node, "duplex_sessions_resumed_total")
+    page = open_page(browser, node, "transport=webrtc")
+    page.click("#talk")
+    wait_stats(page, "s.state === 'live' && s.transport === 'webrtc' && s.rtcSamplesReceived >= 48000")
+    assert drop_browser_udp() > 0
+    page.wait_for_function(
+        "() => document.getElementById('status').textContent.startsWith('Live again')", timeout=TIMEOUT_MS
+    )
+    after = wait_stats(page, "s.resumes === 1 && s.state === 'live' && s.rtcSamplesReceived >= 48000")
+    assert after["transport"] == "webrtc" and page.text_content("#problem") == "", after
+    assert runtime_counter(node, "duplex_sessions_resumed_total") == resumed_before + 1
+    posts = [path for method, path in page.rtc_requests if method == "POST"]
+    assert len(posts) >= 2 and not any(m == "DELETE" for m, _ in page.rtc_requests)  # the old call: no DELETE
     end_conversation(page, node)

@@ -191,15 +191,20 @@ async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResp
 
 async def _rtc_checked(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     """``/api/rtc`` (POST an offer) and ``/api/rtc/ice-servers`` (GET): the handshake rate limits, then the
-    access check with the token as ``Authorization: Bearer`` (``?token=`` too), as ``/api/chat``'s upgrade;
-    then ``runtime.frontend.rtc``."""
+    access check with the token as ``Authorization: Bearer`` (``?token=`` too), as ``/api/chat``'s upgrade
+    (a resume, ``POST /api/rtc?resume=<credential>``: the origin only, no token: the single-use credential
+    is the right to the session, as on ``/api/chat``); then ``runtime.frontend.rtc``."""
     view = request_view(request)
     limited = front.access.rate_limited(view)
     if limited is not None:
         return _refuse_rate_limited(front, limited, as_admission=False)
     try:
-        token = bearer_token(view) or session_token(view)
-        claims = await front.access.check(view, origin=view.get("Origin"), token=token)
+        if request.path == rtc.RTC_PATH and view.param("resume"):  # as /api/chat: the credential is the right
+            front.access.check_origin(view.get("Origin"))
+            claims = None
+        else:
+            token = bearer_token(view) or session_token(view)
+            claims = await front.access.check(view, origin=view.get("Origin"), token=token)
     except TokenRejected as exc:
         return _refuse_handshake(front, exc)
     if request.path == rtc.ICE_SERVERS_PATH:

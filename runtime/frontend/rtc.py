@@ -17,7 +17,16 @@
 - ``DELETE /api/rtc/<session id>/<key>``: ends the session (200), 404 when no such session (or a wrong key).
   With ``--workers N`` the DELETE may reach another worker than the POST (``SO_REUSEPORT``): a worker that
   does not hold the session asks the engine, which forwards the request to the worker that does
-  (``runtime.ipc.Hangup``).
+  (``runtime.ipc.Hangup``). A ``DELETE`` of a call held for a resume ends the hold (the slot freed).
+- Resume (docs/runtime.md, "Resume"): with ``resumable=1`` the DataChannel's 0x00 is followed by a 0x04
+  metadata message with the session id and a single-use credential, as on ``/api/chat``. ``POST
+  /api/rtc?resume=<credential>`` with a fresh offer and no token (the credential is the right, as on
+  ``/api/chat``: nothing is spent or capped per token) takes over the slot of a session held after its
+  transport was lost, whichever transport it had and through any worker; the session id, slot and
+  transcript go on, the 201 carries the next credential in :data:`RESUME_HEADER` and the 0x04 after the
+  0x00 says ``resumed`` and ``gap_ms``. Its refusals come before the answer, with ``/api/chat``'s reasons
+  and statuses: 404 ``resume_off``, 403 ``resume_invalid`` and ``resume_replayed``, 410 ``resume_expired``;
+  they take no slot. The offer is read before the credential, so a malformed one spends nothing.
 
 The rate limits and the token check run in ``runtime.frontend.http`` before these handlers, as for
 ``/api/chat``. The session itself: ``runtime.frontend.rtc_session``.
@@ -49,6 +58,7 @@ __all__ = [
     "ICE_SERVERS_PATH",
     "MAX_OFFER_BYTES",
     "RESOURCE_PREFIX",
+    "RESUME_HEADER",
     "RETRY_AFTER_S",
     "RTC_PATH",
     "RtcRegistry",
@@ -74,6 +84,10 @@ ONE_CONNECTING_MESSAGE = (
     "rate limited: a WebRTC call with this token is still connecting; retry when it has connected or ended"
 )
 """The sentence of a second offer with one token while the first's call connects (429)."""
+RESUME_HEADER = "Duplex-Resume-Credential"
+"""The 201 of a resume (``POST /api/rtc?resume=``) carries the session's next credential in this header, as
+its 0x04 will once connected: when that resume's ICE does not connect, the session is held again and the
+caller's next try presents it (the one it presented is spent)."""
 _RESOURCE_RE = re.compile(r"(?P<sid>[0-9a-f]{32})/(?P<key>[A-Za-z0-9_-]{16,64})")
 
 
@@ -87,9 +101,10 @@ class RtcRegistry:
         front.backend.on_hangup = self.hang_up_local
 
     def forget(self, peer: RtcPeer) -> None:
-        """``peer``'s session has ended."""
+        """``peer``'s session has ended (or was resumed: a new peer of this process may hold its id now)."""
         if peer.session is not None:
-            self.peers.pop(peer.session.session_id, None)
+            if self.peers.get(peer.session.session_id) is peer:
+                del self.peers[peer.session.session_id]
             self.settled(peer.session.claims)
 
     def settled(self, claims: TokenClaims | None) -> None:
@@ -102,7 +117,7 @@ class RtcRegistry:
         peer = self.peers.get(session_id)
         if peer is None or not hmac.compare_digest(peer.key.encode(), key.encode()):
             return False
-        peer.end(SessionOutcome("client_closed"))
+        peer.end(SessionOutcome("client_closed"), hang_up=True)  # a hang-up: no hold, or the hold ended
         return True
 
 
@@ -125,7 +140,7 @@ async def end_all(front: FrontEnd) -> None:
         return
     peers = list(found.peers.values())
     for peer in peers:
-        peer.end(SessionOutcome("server_closed", 1001))
+        peer.end(SessionOutcome("server_closed", 1001), hang_up=True)
     await asyncio.gather(*(peer.wait_closed() for peer in peers), return_exceptions=True)
 
 
@@ -268,8 +283,11 @@ async def _answer(
     session.encoder = Float32Frames()
     session.spend_on_connect = True  # spent when ICE and DTLS connect (RtcPeer): a failed ICE leaves it
     try:
-        await session.spend_token(check_only=True)  # a token spent already: 403 before any answer
-        await session.admit()
+        if session_request.resume:  # the credential is the right to the slot: no token (claims None)
+            await session.resume()
+        else:
+            await session.spend_token(check_only=True)  # a token spent already: 403 before any answer
+            await session.admit()
     except SessionRefused as exc:
         await peer.close()
         return _refused(front, exc)
@@ -291,6 +309,10 @@ async def _answer(
     response = web.Response(status=201, text=answer, content_type="application/sdp")
     response.headers["Location"] = f"{RESOURCE_PREFIX}{session.session_id}/{peer.key}"
     response.headers["Cache-Control"] = "no-store"
+    if session.resumed is not None:  # the next credential, before ICE: a resume that never connects is held
+        credential = session.resume_metadata().get("resume")
+        if isinstance(credential, str):
+            response.headers[RESUME_HEADER] = credential
     for link in link_headers(ice_servers_for(front, session.session_id)):
         response.headers.add("Link", link)
     return response

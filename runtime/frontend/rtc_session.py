@@ -7,10 +7,19 @@ control, 0x04 metadata (ignored, as on ``/api/chat``) and 0x06 ping (echoed). Th
 label) before its offer; a second one is closed. Audio travels as RTP only: a 0x01 on the channel gets a
 0x05 error.
 
-The session ends (its slot freed at once) on: ``DELETE`` of its resource; the peer's DTLS close or an ICE
-failure (aiortc's ``connectionState`` ``closed``/``failed``); no connection within
-``rtc_connect_timeout_s`` of the answer; no RTP for ``rtc_media_timeout_s`` once connected; the session's
-``max_session_s``; a drain or the engine's loss (``Transport.close``).
+The session ends (its slot freed at once) on a normal close: ``DELETE`` of its resource; the peer's DTLS
+``close_notify`` (the client's ``RTCPeerConnection.close()``); the client closing
+the DataChannel while connected (a client that means to stay keeps its channel: a hang-up); no connection
+within ``rtc_connect_timeout_s`` of the answer; the session's ``max_session_s``; a drain or the engine's
+loss (``Transport.close``). It is *lost* (:class:`SessionOutcome` ``lost``), and a resumable session
+(``resumable=1``, or resumed) is detached instead, its slot held paused for ``resume_s``
+(``runtime.frontend.session_resume``; docs/runtime.md, "Resume"), when the transport goes without a word
+from the client: no RTP for ``rtc_media_timeout_s`` once connected (``rtc_media_timeout``: a dropped UDP path,
+a phone changing networks; aiortc has no ``disconnected`` state, so this timeout is the grace), ICE failed
+(consent freshness, RFC 7675: aioice gives up after 6 unanswered checks 5 s apart), or the DTLS transport
+closed without a ``close_notify`` (its ICE path closed: ``rtc_failed``); a resumed call's connect timeout
+too (its 201 carried the next credential). With ``resumable=1`` the 0x00 is followed by a 0x04
+metadata message with the session id and its single-use credential, as on ``/api/chat``.
 
 The session token is spent when the peer connection connects (ICE and DTLS), not when the answer is sent:
 a session that never connects leaves it unspent, for the caller's WebSocket fallback. Until it is spent,
@@ -27,10 +36,12 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcdatachannel import RTCDataChannel
+from OpenSSL import SSL
 
 from runtime.frontend.protocol import (
     AudioMessage,
@@ -38,6 +49,7 @@ from runtime.frontend.protocol import (
     ProtocolError,
     encode_error,
     encode_handshake,
+    encode_metadata,
     encode_ping,
     encode_text,
     parse_client_message,
@@ -99,7 +111,7 @@ class RtcTransport(Transport):
         if code != CLOSE_NORMAL:
             self.peer.send(encode_error(reason))
         outcome = "drained" if code == 1001 else "closed_by_server"
-        self.peer.end(SessionOutcome(outcome, code))
+        self.peer.end(SessionOutcome(outcome, code), hang_up=True)
 
 
 @dataclass
@@ -163,6 +175,10 @@ class RtcPeer:
         self.spent = asyncio.Event()
         """Set once the session's token is spent (the connection is up): media flows from then on."""
         self._spender: asyncio.Task[None] | None = None
+        self._decided = False
+        """``_run`` has read the outcome (ended, or detached): only a hang-up acts on it from then on."""
+        self._hung_up: SessionOutcome | None = None
+        """The hang-up (``DELETE``, the server's close) that ended a detached session's hold."""
         self.pc.on("datachannel", self._on_datachannel)
         self.pc.on("connectionstatechange", self._on_state)
 
@@ -196,6 +212,9 @@ class RtcPeer:
         """The SDP answer, with every ICE candidate in it (non-trickle: gathering is done)."""
         answer = await self.pc.createAnswer()
         await self.pc.setLocalDescription(answer)
+        for transceiver in self.pc.getTransceivers():
+            dtls = transceiver.receiver.transport
+            dtls.on("statechange", lambda dtls=dtls: self._on_dtls_state(dtls))
         return str(self.pc.localDescription.sdp)
 
     # --- running --------------------------------------------------------------------------------------
@@ -211,12 +230,13 @@ class RtcPeer:
         front.sessions.add(session)
         watchdog = asyncio.create_task(self._watch())
         starter = asyncio.create_task(self._start_media(session))
+        held = False
         try:
             try:
-                async with asyncio.timeout(session.max_session_s):
+                async with asyncio.timeout(session.remaining_s):  # a resumed session keeps the first's
                     await self.ended.wait()
             except TimeoutError:
-                limit = session.max_session_s
+                limit = session.limit_s
                 self.send(encode_error(f"session reached max_session_s={limit:g}"))
                 self.end(SessionOutcome("max_session_length"))
         finally:
@@ -224,9 +244,39 @@ class RtcPeer:
                 if task is not None:
                     task.cancel()
             front.sessions.discard(session)
-            session.finish(self.outcome or SessionOutcome("client_closed"))
-            on_done(self)
+            self._decided = True
+            outcome = self.outcome or SessionOutcome("client_closed")
+            # Lost without a word from the client: a resumable session keeps its slot, paused, for a resume
+            # through any connection (either transport); this peer connection is closed all the same.
+            held = outcome.lost and session.detach()
+            if held:
+                self.ended.clear()  # from now on: set by a hang-up of the held session
+            else:
+                session.finish(outcome)
+                on_done(self)
             await self.close()
+        if held:
+            try:
+                session.finish(await self._hold(session))
+            finally:
+                on_done(self)
+
+    async def _hold(self, session: ChatSession) -> SessionOutcome:
+        """While the detached ``session``'s slot is held: its outcome once resumed elsewhere (that connection
+        ends the session: this one counts nothing), the hold ran out (``resume_expired``), or a ``DELETE``
+        of this peer's ``Location`` came meanwhile (``client_closed``: the held slot is given back)."""
+        resumed = asyncio.ensure_future(session.held())
+        deleted = asyncio.ensure_future(self.ended.wait())
+        try:
+            await asyncio.wait({resumed, deleted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            deleted.cancel()
+        if not resumed.done():
+            resumed.cancel()
+            return self._hung_up or SessionOutcome("client_closed")
+        if resumed.result():
+            return SessionOutcome("resumed_elsewhere")
+        return SessionOutcome("resume_expired", lost=True)
 
     async def _start_media(self, session: ChatSession) -> None:
         """Once the persona prompt has run: 0x00 on the channel, then the session's outputs to the peer."""
@@ -237,6 +287,8 @@ class RtcPeer:
             return
         await self.spent.wait()
         self.send(encode_handshake())
+        if session.offers_resume:  # resumable=1 or resumed: the session id and the (next) credential
+            self.send(encode_metadata(session.resume_metadata()))
         await session.send_loop()
 
     def _spend_once_connected(self) -> None:
@@ -270,23 +322,35 @@ class RtcPeer:
             now = self.clock()
             if self.connected_at is None:
                 if now - answered_at > config.rtc_connect_timeout_s:
-                    self.end(SessionOutcome("rtc_connect_timeout"))
+                    # A resume's answer carried its next credential (rtc.RESUME_HEADER): a resume whose ICE
+                    # never connects is held again, for the caller's next try. A new call is ended.
+                    resumed = self.session is not None and self.session.resumed is not None
+                    self.end(SessionOutcome("rtc_connect_timeout", lost=resumed))
                 continue
             last = self.inbound.last_packet_at or self.connected_at
-            if now - last > config.rtc_media_timeout_s:
-                self.end(SessionOutcome("rtc_media_timeout"))
+            if now - last > config.rtc_media_timeout_s:  # a dropped path: no word from the client
+                self.end(SessionOutcome("rtc_media_timeout", lost=True))
 
     async def wait_closed(self) -> None:
         """Until the session's task has ended (its peer connection closed)."""
         if self._task is not None:
             await asyncio.shield(self._task)
 
-    def end(self, outcome: SessionOutcome) -> None:
-        """End the session (the first outcome given stands); its slot is freed at once."""
-        if self.outcome is None:
+    def end(self, outcome: SessionOutcome, *, hang_up: bool = False) -> None:
+        """End the session (the first outcome given stands); its slot is freed at once, unless the outcome
+        is ``lost`` and the session resumable (``_run`` then detaches it, its slot held for a resume).
+        ``hang_up``: a ``DELETE`` or the server's own close, which turns a lost outcome not yet acted on
+        into a normal end (nothing to hold)."""
+        if self._decided:  # detached: only a hang-up (DELETE, the server's close) ends the hold
+            if hang_up:
+                self._hung_up = outcome
+                self.ended.set()
+            return
+        if self.outcome is None or (hang_up and self.outcome.lost):
             self.outcome = outcome
-        if self.session is not None:
-            self.session.release()
+        session = self.session
+        if session is not None and not (self.outcome.lost and session.offers_resume):
+            session.release()
         self.ended.set()
 
     async def close(self) -> None:
@@ -305,8 +369,24 @@ class RtcPeer:
             self.connected_at = self.clock()
             self.front.metrics.rtc_connect.observe(self.connected_at - self.posted_at)
             self._spend_once_connected()
-        elif state in ("failed", "closed") and self.session is not None:
-            self.end(SessionOutcome("rtc_failed" if state == "failed" else "client_closed"))
+        elif state == "failed" and self.session is not None:
+            self.end(SessionOutcome("rtc_failed", lost=True))  # ICE failed (consent expired)
+        elif state == "closed" and self.session is not None:
+            self.end(SessionOutcome("client_closed"))  # a lost path was named by _on_dtls_state first
+
+    def _on_dtls_state(self, dtls: Any) -> None:
+        """The DTLS transport closed: by the peer's ``close_notify`` (a hang-up: a browser's ``pc.close()``),
+        or without one (its ICE path closed, consent expired: lost). Runs before aiortc's own ``closed``
+        ``connectionState`` (which it triggers), so it names the outcome first. Whether a ``close_notify``
+        came is OpenSSL's ``SSL_RECEIVED_SHUTDOWN``, read through aiortc 1.16's private ``_ssl``."""
+        if dtls.state != "closed" or self.session is None or self.outcome is not None:
+            return
+        ssl = getattr(dtls, "_ssl", None)
+        told = ssl is not None and bool(ssl.get_shutdown() & SSL.RECEIVED_SHUTDOWN)
+        if told:
+            self.end(SessionOutcome("client_closed"))
+        else:
+            self.end(SessionOutcome("rtc_failed", lost=True))
 
     def _on_pcm(self, pcm: np.ndarray) -> None:
         session = self.session
@@ -323,9 +403,15 @@ class RtcPeer:
             return
         self.channel = channel
         channel.on("message", self._on_message)
+        channel.on("close", self._on_channel_closed)
         channel.on("open", self._flush)
         if channel.readyState == "open":
             self._flush()
+
+    def _on_channel_closed(self) -> None:
+        """The client closed the DataChannel while connected: a hang-up (its transport is not lost)."""
+        if self.session is not None and self.pc.connectionState == "connected":
+            self.end(SessionOutcome("client_closed"))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []

@@ -10,6 +10,11 @@ output frame names the input frame it answers.
 Per trial: reconnect (the new connection's start) to the ``0x00`` handshake, to the first audio message,
 and to the first audio answering a frame sent after the resume; and the share of the conversation's frames
 (every frame spoken, the dropped seconds included) never answered. Printed as p50 / p99 over the trials.
+
+``--transport webrtc --url http://127.0.0.1:8998``: the same over ``/api/rtc`` (an aiortc caller whose UDP
+path is dropped, then a fresh offer with the credential: ``runtime.tools.resume_bench_rtc``): reconnect to
+the answer, to connected, to the 0x00 and to the first audio packet back. Opus does not carry the frames'
+levels through, so the share lost is not measured there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
@@ -29,6 +35,9 @@ from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.frontend.audio_codec import make_codec
 from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
 from runtime.tools.loadgen import session_url
+
+if TYPE_CHECKING:
+    from runtime.tools.resume_bench_rtc import RtcTrial
 
 __all__ = ["Trial", "frame_index", "indexed_frame", "main", "run_trial"]
 
@@ -164,7 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--before-s", type=float, default=3.0, help="streamed before the drop (s)")
     parser.add_argument("--drop-s", type=float, default=2.0, help="how long the connection stays down (s)")
     parser.add_argument("--after-s", type=float, default=2.0, help="streamed after the resume (s)")
+    parser.add_argument(
+        "--transport",
+        choices=("websocket", "webrtc"),
+        default="websocket",
+        help="websocket: /api/chat at --url ws://...; webrtc: /api/rtc at --url http://...",
+    )
     args = parser.parse_args(argv)
+    if args.transport == "webrtc":
+        _main_rtc(args)
+        return
 
     async def run() -> list[Trial]:
         return [
@@ -185,6 +203,35 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name:40s} p50 {_pct(values, 50):8.1f}   p99 {_pct(values, 99):8.1f}")
     drop_share = 100 * round(args.drop_s / FRAME_S) / max(1, trials[0].spoken)
     print(f"  (the drop's own frames, never sent: {drop_share:.1f} % of those spoken)")
+
+
+def _main_rtc(args: argparse.Namespace) -> None:
+    from runtime.tools.resume_bench_rtc import run_rtc_trial
+    from runtime.tools.rtc_client import encode_packets
+
+    url = args.url.replace("ws://", "http://", 1).replace("wss://", "https://", 1)
+    t = np.arange(round(SAMPLE_RATE_HZ * 2.0)) / SAMPLE_RATE_HZ
+    packets = encode_packets((0.3 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32))
+
+    async def run() -> list[RtcTrial]:
+        return [
+            await run_rtc_trial(
+                url, packets, before_s=args.before_s, drop_s=args.drop_s, after_s=args.after_s
+            )
+            for _ in range(args.trials)
+        ]
+
+    trials = asyncio.run(run())
+    shape = f"{args.before_s:g} s + drop {args.drop_s:g} s + {args.after_s:g} s"
+    print(f"{len(trials)} WebRTC trials, {shape}, {url}")
+    for name, values in (
+        ("reconnect -> answer (ms)", [t.answer_ms for t in trials]),
+        ("reconnect -> connected (ms)", [t.connected_ms for t in trials]),
+        ("reconnect -> handshake 0x00 (ms)", [t.handshake_ms for t in trials]),
+        ("reconnect -> first audio (ms)", [t.first_audio_ms for t in trials]),
+        ("gap the server measured (ms)", [t.gap_ms for t in trials]),
+    ):
+        print(f"  {name:40s} p50 {_pct(values, 50):8.1f}   p99 {_pct(values, 99):8.1f}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fractions
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +106,7 @@ class RtcOutcome:
         answer_s: POST -> answer received; connected_s: POST -> connectionState ``connected``.
         handshake_s: POST -> 0x00 on the DataChannel; first_audio_s: POST -> first RTP packet back.
         packets_in: RTP audio packets received; texts: 0x02 pieces; errors: 0x05 sentences; pongs: 0x06.
+        metadata: the 0x04 objects (``resumable=1``: session id and resume credential; docs/protocol.md).
         answer_sdp: the answer as received (201).
     """
 
@@ -119,6 +121,7 @@ class RtcOutcome:
     texts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     pongs: int = 0
+    metadata: list[dict[str, Any]] = field(default_factory=list)
     answer_sdp: str = ""
 
 
@@ -171,6 +174,7 @@ class RtcCall:
         self.audio_arrived = asyncio.Event()
         self.handshake = asyncio.Event()
         self.connected = asyncio.Event()
+        self.got_metadata = asyncio.Event()
         self._t0 = 0.0
         self.transceiver.receiver._handle_rtp_packet = self._on_rtp  # type: ignore[method-assign]
         if self.channel is not None:
@@ -206,6 +210,10 @@ class RtcCall:
             self.outcome.errors.append(payload.decode("utf-8", "replace"))
         elif kind == MessageKind.PING:
             self.outcome.pongs += 1
+        elif kind == MessageKind.METADATA:
+            with contextlib.suppress(ValueError):
+                self.outcome.metadata.append(json.loads(payload))
+            self.got_metadata.set()
 
     async def _on_state(self) -> None:
         if self.pc.connectionState == "connected" and self.outcome.connected_s is None:
@@ -257,6 +265,18 @@ class RtcCall:
         assert self.location is not None
         async with http.delete(self.base_url + self.location) as response:
             return response.status
+
+    def drop(self) -> None:
+        """Lose the call's UDP path, as a phone changing networks does: stop sending and close the ICE
+        sockets at once, with no DTLS ``close_notify`` and no ``DELETE``: the server hears nothing more.
+        Reads aioice's sockets through aiortc 1.16's private ``RTCIceTransport._connection``."""
+        self.track.stop()
+        for transceiver in self.pc.getTransceivers():
+            connection = transceiver.receiver.transport.transport._connection
+            for protocol in list(connection._protocols):
+                transport = getattr(protocol, "transport", None)
+                if transport is not None:
+                    transport.abort()
 
     async def close(self) -> None:
         """Close the peer connection (a DTLS close to the server), stop sending."""

@@ -11,6 +11,8 @@
 // played by an <audio> element, the DataChannel's messages read by the same handler as the WebSocket's.
 // The page falls back to the WebSocket (with the same token) when the POST is refused for a transport
 // reason or ICE does not connect within 3 s. ?transport=websocket|webrtc forces one; ?relay=1 relays only.
+// A WebRTC call whose path is lost (ICE failed, or disconnected past RTC_LOST_GRACE_MS, or the DataChannel
+// gone without a 0x05 from the node) is resumed the same way: a fresh offer with the credential (rtc.js).
 
 import {
   FRAME_MS,
@@ -27,13 +29,14 @@ import {
   reasonOfError,
 } from "./protocol.js";
 import { Player } from "./player.js";
-import { RTC_STATS, closeRtc, connectRtc, readRtcStats, transportOptions } from "./rtc.js";
+import { RTC_STATS, closeRtc, connectRtc, dropRtc, readRtcStats, transportOptions } from "./rtc.js";
 
 const PING_INTERVAL_MS = 1000; // one round-trip probe per second
 const READOUT_INTERVAL_MS = 250; // how often the numbers on the page are refreshed
 const LEVEL_GAIN = 4; // speech RMS around 0.05..0.2 fills a visible part of the meter
 const RESUME_TRIES = 5; // reconnections tried after a drop: at once, then 0.5, 1, 2, 4 s apart (7.5 s in all:
 const RESUME_DELAY_MS = 500; // within the 10 s the node holds the slot by default)
+const RTC_LOST_GRACE_MS = 2000; // WebRTC "disconnected" this long (ICE consent unanswered): the path is lost
 
 // Personas: role prompts in PersonaPlex's style. The voices come from the node (GET /api/personas).
 const PERSONAS = [
@@ -252,23 +255,55 @@ async function start() {
 /** WebRTC connected: the DataChannel brings the handshake; the peer connection's end ends the session. */
 function useRtc(s, rtc) {
   s.rtc = rtc;
+  if (rtc.resume) s.resume = rtc.resume; // a resume's next credential (its 0x04 brings it too)
   stats.transport = "webrtc";
   stats.rtcConnectMs = rtc.connectMs;
-  setStatus("Connected over WebRTC. The node is getting the persona ready…");
+  setStatus(s.resuming ? "Reconnected: resuming the conversation…" : "Connected over WebRTC. The node is getting the persona ready…");
   const lost = () => {
-    if (s.ended) return;
+    if (s.ended || s.rtc !== rtc || rtc.closed) return; // closed: dropped for a resume, or ended here
     if (s.error) return end(s, s.error.reason, s.error.message);
+    // Gone without a word from the node (its ends send a 0x05 first): resume with the credential.
+    if (s.resume && s.handshake) return resumeRtc(s);
     end(s, s.handshake ? "connection_lost" : "connection_failed", "");
   };
+  let grace = null;
   rtc.pc.addEventListener("connectionstatechange", () => {
-    if (rtc.pc.connectionState === "failed" || rtc.pc.connectionState === "closed") lost();
+    const state = rtc.pc.connectionState;
+    clearTimeout(grace);
+    if (state === "failed" || state === "closed") lost();
+    else if (state === "disconnected") grace = setTimeout(lost, RTC_LOST_GRACE_MS);
   });
   rtc.channel.addEventListener("close", lost);
+}
+
+/** A WebRTC call lost without a word from the node: a fresh offer with the credential, the tries as resume's. */
+function resumeRtc(s) {
+  clearInterval(s.pingTimer);
+  s.handshake = false;
+  if (s.rtc) dropRtc(s.rtc); // no DELETE: the node holds the slot for the resume
+  s.resuming = (s.resuming ?? 0) + 1;
+  if (s.resuming > RESUME_TRIES) return end(s, "connection_lost", "");
+  setState("connecting");
+  setStatus(`Connection lost: reconnecting over WebRTC (try ${s.resuming} of ${RESUME_TRIES})…`);
+  const delay = s.resuming === 1 ? 0 : RESUME_DELAY_MS * 2 ** (s.resuming - 2);
+  setTimeout(async () => {
+    if (s.ended) return;
+    const result = await connectRtc({
+      token: s.token, stream: s.stream, relay: transportOptions(location.search).relay, resume: s.resume,
+      iceServers: s.rtc?.iceServers, onMessage: (data) => onMessage(s, data), onTrack: (remote) => playRemote(s, remote),
+    });
+    if (s.ended) return result.rtc && closeRtc(result.rtc);
+    if (result.resume) s.resume = result.resume; // answered but not connected: the node holds it again
+    if (result.ok) return useRtc(s, result.rtc);
+    if (!result.fallback) return end(s, result.reason || "connection_lost", result.message);
+    resumeRtc(s);
+  }, delay);
 }
 
 /** The node's audio over WebRTC: played by an <audio> element (the browser's own jitter buffer). */
 function playRemote(s, remote) {
   if (s.ended) return;
+  if (s.audio) s.audio.srcObject = null; // a resumed call's new track replaces the dropped one's
   s.audio = new Audio();
   s.audio.srcObject = remote;
   s.audio.play().catch(() => {}); // the click was the user gesture

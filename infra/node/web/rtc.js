@@ -5,6 +5,12 @@
 // `fallback` true when the page should use the WebSocket instead (the POST was refused for a transport
 // reason, or ICE did not connect within CONNECT_LIMIT_MS); false for a refusal the person must be told
 // (401/403/429/503: the body is "<reason>: <sentence>", the same reasons as /api/chat).
+//
+// Resume (docs/protocol.md, "Resume"): the offer asks for resumable=1, so the DataChannel's 0x00 is followed
+// by a 0x04 with the session's single-use credential. connectRtc({resume, iceServers}) reconnects a dropped
+// call with it: POST /api/rtc?resume=<credential> with a fresh offer and no token (the credential is the
+// right), the ICE servers of the first connection (the token is spent: /api/rtc/ice-servers would refuse
+// it). Its 201 carries the next credential (Duplex-Resume-Credential): rtc.resume.
 
 import { sessionQuery } from "./protocol.js";
 
@@ -13,6 +19,8 @@ export const CONNECT_LIMIT_MS = 3000; // from the first ICE server request to "c
 // to connect: at this point the offer goes with the candidates gathered so far (none: the WebSocket).
 export const GATHER_LIMIT_MS = 2000;
 const REFUSAL_STATUSES = new Set([401, 403, 429, 503]); // access, persona, rate and capacity refusals
+const RESUME_REFUSALS = new Set([404, 410]); // resume_off, resume_expired (a resume's 403: invalid, replayed)
+export const RESUME_HEADER = "Duplex-Resume-Credential"; // a resume's 201: the session's next credential
 
 /** The page's transport figures (window.duplexClient.stats), as each conversation starts. */
 export const RTC_STATS = Object.freeze({
@@ -85,25 +93,21 @@ function connected(pc, deadline) {
 /**
  * Open a WebRTC session. options: {token, persona, stream (getUserMedia's), relay (bool: relay-only ICE),
  * onMessage(ArrayBuffer) for DataChannel messages, onTrack(MediaStream) for the node's audio}.
- * Never rejects. On success `rtc` = {pc, channel, location, token, startedMs, connectMs, close()}.
+ * resume: a credential (reconnect a dropped call, no token); iceServers: skip GET /api/rtc/ice-servers.
+ * Never rejects. On success `rtc` = {pc, channel, location, token, startedMs, connectMs, iceServers, resume,
+ * close()}; `resume` (and a fallback's `resume`): a resume's next credential from its 201, else null.
  */
-export async function connectRtc({ token, persona, stream, relay, onMessage, onTrack }) {
+export async function connectRtc({ token, persona, stream, relay, onMessage, onTrack, resume, iceServers }) {
   const startedMs = performance.now();
   const deadline = startedMs + CONNECT_LIMIT_MS;
   const fallback = (message) => ({ ok: false, fallback: true, reason: "", message, afterMs: performance.now() - startedMs });
-  let iceServers = [];
-  try {
-    const response = await fetch("/api/rtc/ice-servers", { headers: authHeaders(token), cache: "no-store" });
-    if (REFUSAL_STATUSES.has(response.status)) {
-      return { ok: false, fallback: false, ...parseRefusal(await response.text()) };
-    }
-    if (!response.ok) return fallback(`ICE servers: HTTP ${response.status}`);
-    ({ iceServers } = await response.json());
-  } catch (error) {
-    return fallback(`ICE servers: ${error}`);
+  if (!iceServers) {
+    const got = await fetchIceServers(token, fallback);
+    if (got.refused) return got.refused;
+    iceServers = got.iceServers;
   }
   const pc = new RTCPeerConnection({ iceServers, iceTransportPolicy: relay ? "relay" : "all" });
-  const rtc = { pc, channel: null, location: null, token, startedMs, connectMs: null, closed: false };
+  const rtc = { pc, channel: null, location: null, token, startedMs, connectMs: null, closed: false, iceServers };
   rtc.close = () => closeRtc(rtc);
   try {
     for (const track of stream.getAudioTracks()) pc.addTrack(track, stream);
@@ -123,9 +127,10 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
     }
     let response;
     try {
-      response = await fetch(`/api/rtc?${sessionQuery(persona)}`, {
+      const query = resume ? `resume=${encodeURIComponent(resume)}` : `${sessionQuery(persona)}&resumable=1`;
+      response = await fetch(`/api/rtc?${query}`, {
         method: "POST",
-        headers: { "Content-Type": "application/sdp", ...authHeaders(token) },
+        headers: { "Content-Type": "application/sdp", ...(resume ? {} : authHeaders(token)) },
         body: offer,
         cache: "no-store",
       });
@@ -137,14 +142,18 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
     if (response.status !== 201) {
       rtc.close();
       const refused = parseRefusal(body);
-      if (REFUSAL_STATUSES.has(response.status) && refused.reason) return { ok: false, fallback: false, ...refused };
+      const refusal = REFUSAL_STATUSES.has(response.status) || (resume && RESUME_REFUSALS.has(response.status));
+      if (refusal && refused.reason) return { ok: false, fallback: false, ...refused };
       return fallback(`POST /api/rtc: HTTP ${response.status} ${body.slice(0, 200)}`);
     }
     rtc.location = response.headers.get("Location");
+    rtc.resume = response.headers.get(RESUME_HEADER); // a resume's next credential (null on a new call)
     await pc.setRemoteDescription({ type: "answer", sdp: body });
     if (!(await connected(pc, deadline))) {
-      rtc.close();
-      return fallback(`ICE did not connect within ${CONNECT_LIMIT_MS} ms`);
+      // A resume that did not connect is held again by the node, for the next try with rtc.resume: no DELETE.
+      if (resume) dropRtc(rtc);
+      else rtc.close();
+      return { ...fallback(`ICE did not connect within ${CONNECT_LIMIT_MS} ms`), resume: rtc.resume };
     }
     rtc.connectMs = performance.now() - startedMs;
     return { ok: true, rtc };
@@ -152,6 +161,26 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
     rtc.close();
     return fallback(String(error));
   }
+}
+
+/** {iceServers} for the token (GET /api/rtc/ice-servers), or {refused: connectRtc's answer} when refused. */
+async function fetchIceServers(token, fallback) {
+  try {
+    const response = await fetch("/api/rtc/ice-servers", { headers: authHeaders(token), cache: "no-store" });
+    if (REFUSAL_STATUSES.has(response.status)) {
+      return { refused: { ok: false, fallback: false, ...parseRefusal(await response.text()) } };
+    }
+    if (!response.ok) return { refused: fallback(`ICE servers: HTTP ${response.status}`) };
+    return { iceServers: (await response.json()).iceServers };
+  } catch (error) {
+    return { refused: fallback(`ICE servers: ${error}`) };
+  }
+}
+
+/** Close a dropped call's peer connection without DELETE: its slot stays held for a resume. */
+export function dropRtc(rtc) {
+  rtc.location = null;
+  closeRtc(rtc);
 }
 
 /** End the session: DELETE its Location (the node frees the slot at once), close the peer connection. */
