@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -43,7 +44,7 @@ from runtime.frontend.protocol import (
     parse_client_message,
 )
 from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
-from runtime.frontend.rtc_media import OpusPacketTrack, RtpInbound
+from runtime.frontend.rtc_media import FirstAudioTrace, OpusPacketTrack, RtpInbound
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport
 
 __all__ = [
@@ -151,11 +152,14 @@ class RtcPeer:
         self.connected_at: float | None = None
         self.on_token_settled: Callable[[], None] | None = None
         """Called once the token's spend is decided (spent, or refused): the signalling's one-call cap."""
+        self.trace = FirstAudioTrace()
+        """The first audio's way through the node, logged when the session ends (docs/benchmarks.md)."""
         self.track = OpusPacketTrack(
             front.config.opus_complexity,
             on_dropped=lambda n: front.metrics.frames_dropped.labels(reason="slow_client").inc(n / 4),
+            trace=self.trace,
         )
-        self.inbound = RtpInbound(self._on_pcm, front.metrics)
+        self.inbound = RtpInbound(self._on_pcm, front.metrics, trace=self.trace)
         self._pending: list[bytes] = []
         self._bucket = _Bucket(CHANNEL_RATE_PER_S, CHANNEL_BURST, CHANNEL_BURST, clock())
         self._last_flood_error = -1.0
@@ -225,6 +229,7 @@ class RtcPeer:
                     task.cancel()
             front.sessions.discard(session)
             session.finish(self.outcome or SessionOutcome("client_closed"))
+            log.info("WebRTC session %s first audio: %s", session.session_id, json.dumps(self.trace.stamps()))
             on_done(self)
             await self.close()
 
@@ -236,6 +241,7 @@ class RtcPeer:
             self.end(SessionOutcome("prompt_timeout", 1013))
             return
         await self.spent.wait()
+        self.trace.handshake_at = self.clock()
         self.send(encode_handshake())
         await session.send_loop()
 
@@ -258,6 +264,7 @@ class RtcPeer:
         finally:
             if self.on_token_settled is not None:
                 self.on_token_settled()
+        self.trace.spent_at = self.clock()
         self.spent.set()
 
     async def _watch(self) -> None:
@@ -302,20 +309,22 @@ class RtcPeer:
     async def _on_state(self) -> None:
         state = self.pc.connectionState
         if state == "connected" and self.connected_at is None:
-            self.connected_at = self.clock()
+            self.connected_at = self.trace.connected_at = self.clock()
             self.front.metrics.rtc_connect.observe(self.connected_at - self.posted_at)
             self._spend_once_connected()
         elif state in ("failed", "closed") and self.session is not None:
             self.end(SessionOutcome("rtc_failed" if state == "failed" else "client_closed"))
 
-    def _on_pcm(self, pcm: np.ndarray) -> None:
+    def _on_pcm(self, pcm: np.ndarray) -> bool:
+        """Inbound samples to the session; whether it took them (it drops them before its handshake)."""
         session = self.session
         if session is None or not self.spent.is_set():
-            return
+            return False
         try:
             session.push_audio(pcm.astype("<i2").tobytes())
         except ProtocolError as exc:  # too_fast cannot happen at 20 ms a push; counted all the same
             self.front.metrics.protocol_errors.labels(reason=exc.reason).inc()
+        return session.ready.is_set() and session.lease is not None
 
     def _on_datachannel(self, channel: RTCDataChannel) -> None:
         if self.channel is not None:
