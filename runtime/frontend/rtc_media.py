@@ -3,13 +3,20 @@
 Outbound (:class:`OpusPacketTrack`): the session's 80 ms frames, encoded by our own mono Opus encoder
 (``runtime.frontend.opus_rtp``) into four 20 ms packets, handed to aiortc's RTP sender as pre-encoded
 ``av.Packet`` objects, paced 20 ms apart: aiortc's sender packs them as they are (no 48 kHz stereo
-96 kbps re-encode, which costs a thread and several times the CPU).
+96 kbps re-encode, which costs a thread and several times the CPU). A frame's first packet is due at
+once and each packet is encoded when it is taken, so the first leaves after one encode (~0.5 ms), not
+four.
 
 Inbound (:class:`RtpInbound`): every RTP packet of the audio receiver goes straight into our jitter buffer
 (``runtime.frontend.jitter``) instead of aiortc's (which adds ~80 ms and stays 280 ms behind after a loss:
 aiortc issue 543), then is decoded by libopus at 24 kHz (a missing packet: libopus' concealment) and
-handed on as int16 samples, 20 ms at a time. The hook is the receiver's ``_handle_rtp_packet``, replaced on
+handed on as int16 samples, 20 ms at a time: an in-order packet within the hook's own call, a missing one
+at its deadline by a playout task. The hook is the receiver's ``_handle_rtp_packet``, replaced on
 the instance (aiortc 1.16.0 routes each packet to it; aiortc's decoder thread is started and stays idle).
+
+:class:`FirstAudioTrace` stamps a session's first audio at each step on the node (logged when the session
+ends, ``WebRTC session <id> first audio: {...}``): docs/benchmarks.md reads it beside the load generator's
+own stamps.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import fractions
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -110,6 +117,7 @@ class OpusPacketTrack(MediaStreamTrack):
         clock: monotonic seconds (the event loop's by default).
         on_dropped: called with a count when packets are dropped (the queue was full).
         trace: where the first frame's put and its first packet's send are stamped.
+        sleep: waits that many seconds (``asyncio.sleep``; injected in tests with ``clock``).
     """
 
     kind = "audio"
@@ -121,10 +129,12 @@ class OpusPacketTrack(MediaStreamTrack):
         clock: Callable[[], float] = time.monotonic,
         on_dropped: Callable[[int], None] | None = None,
         trace: FirstAudioTrace | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         super().__init__()
         self.encoder = OpusEncoder(complexity)
         self.clock = clock
+        self.sleep = sleep
         self.on_dropped = on_dropped
         self.trace = trace or FirstAudioTrace()
         self._queue: deque[tuple[np.ndarray, float]] = deque()
@@ -168,7 +178,7 @@ class OpusPacketTrack(MediaStreamTrack):
         pcm, due = self._queue.popleft()
         delay = due - self.clock()
         if delay > 0:
-            await asyncio.sleep(delay)
+            await self.sleep(delay)
         if self.readyState != "live":
             raise MediaStreamError
         packet = av.Packet(self.encoder.encode_packet(pcm))
@@ -246,15 +256,20 @@ class RtpInbound:
         if self.trace.frame_at is None and len(self._arrivals) < _TRACED_ARRIVALS:
             self._arrivals[packet.sequence_number] = now
         self.buffer.push(packet.sequence_number, packet.timestamp, packet.payload)
-        self._arrived.set()
+        self._deliver()  # in order: handed on now, not one event-loop turn later in the playout task
+        self._arrived.set()  # the playout task re-reads the deadline
+
+    def _deliver(self) -> None:
+        """Pop whatever is due now; decode and hand it on."""
+        for slot in self.buffer.pop():
+            self._decode(slot.payload, slot.seq)
+        self.metrics.rtp_jitter_depth.observe(self.buffer.depth)
 
     async def _playout(self) -> None:
-        """Pop whatever is due on every arrival and at every deadline; decode and hand it on."""
+        """Conceal a missing packet at its deadline (arrivals are delivered by the hook itself)."""
         buffer = self.buffer
         while True:
-            for slot in buffer.pop():
-                self._decode(slot.payload, slot.seq)
-            self.metrics.rtp_jitter_depth.observe(buffer.depth)
+            self._deliver()
             deadline = buffer.deadline()
             self._arrived.clear()
             if deadline is None:
