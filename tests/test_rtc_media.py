@@ -2,12 +2,15 @@
 frame's first packet goes at once (one encode, no wait) and the rest 20 ms apart; an in-order inbound packet
 is handed to the session within the RTP hook's own call (no event-loop turn, no jitter-buffer wait); and
 the first-audio trace stamps the first packet, the first one taken and the one completing the first frame.
-The load generator's first-audio reference (runtime/tools/loadgen_rtc.py) is checked on made-up stamps.
+The load generator's first-audio reference (runtime/tools/loadgen_rtc.py) and the join of the node's trace
+with the client's stamps (runtime/tools/rtc_trace.py) are checked on made-up stamps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,8 +20,10 @@ from fake_clock import FakeClock
 from runtime.frontend.opus_rtp import OpusDecoder, OpusEncoder
 from runtime.frontend.rtc_media import OUTBOUND_QUEUE_PACKETS, FirstAudioTrace, OpusPacketTrack, RtpInbound
 from runtime.metrics import RuntimeMetrics
+from runtime.tools import rtc_trace
 from runtime.tools.loadgen_rtc import RtcSessionResult, _first_audio
 from runtime.tools.rtc_client import PacketReplayTrack
+from runtime.tools.rtc_trace import TERMS, join_traces, node_traces, summarize
 
 WAIT_S = 30.0
 """Hang guard for event waits (a loaded 2-core machine)."""
@@ -185,3 +190,35 @@ def test_first_audio_counts_from_the_packet_that_completes_the_nodes_first_frame
     call.track.sent_at = sent_at[:2]
     _first_audio(short, call, [10.21])  # type: ignore[arg-type]
     assert short.first_audio_ms is None and short.first_audio_first_packet_ms == pytest.approx(210.0)
+
+
+def test_the_trace_joins_the_nodes_log_and_the_clients_report_into_contiguous_terms(tmp_path, capsys) -> None:
+    node = {
+        "connected_at": 99.9, "spent_at": 99.99, "handshake_at": 100.0, "first_rtp_at": 100.004,
+        "taken_arrived_at": 100.004, "taken_at": 100.0041, "frame_arrived_at": 100.065, "frame_at": 100.0655,
+        "audio_put_at": 100.2, "audio_sent_at": 100.203,
+    }  # fmt: skip
+    client = {"handshake": 100.002, "packet0": 100.0025, "packet3": 100.0625, "first_audio": 100.204}
+    row = {"session_id": "abc", "stamps": client, "first_audio_ms": (100.204 - 100.0625) * 1e3}
+    log = tmp_path / "runtime.log"
+    log.write_text(
+        "2026-11-27 00:48:59,788 INFO worker-1 runtime.frontend.rtc_session: WebRTC session abc first audio: "
+        + json.dumps(node)
+        + "\nunrelated line\n"
+    )
+    report = tmp_path / "run.json"
+    report.write_text("progress text\n" + json.dumps({"webrtc": {"sessions": [row, {"session_id": "gone"}]}}))
+    traces = node_traces(log.read_text().splitlines())
+    assert list(traces) == ["abc"]
+    (terms,) = join_traces([row, {"session_id": "gone", "stamps": {}}], traces)
+    assert terms["handshake_trip"] == pytest.approx(2.0) and terms["first_packet_trip"] == pytest.approx(1.5)
+    assert terms["frame_packetisation"] == pytest.approx(60.0) and terms["inbound_transit"] == pytest.approx(
+        2.5
+    )
+    assert terms["jitter_hold"] == pytest.approx(0.5) and terms["engine"] == pytest.approx(134.5)
+    parts = [name for name, _, _, part in TERMS if part == "first_audio"]
+    assert sum(terms[name] for name in parts) == pytest.approx(terms["first_audio"])  # contiguous, no gap
+    assert summarize([terms])["pacing"] == pytest.approx({"p50": 3.0, "p99": 3.0, "mean": 3.0})
+    rtc_trace.main(["--log", str(log), "--report", str(report)])
+    out = capsys.readouterr().out
+    assert out.startswith("1 sessions (ms)") and re.search(r"engine\s+134\.5\s+134\.5\s+134\.5", out)
