@@ -226,6 +226,7 @@ class RtpInbound:
         self.trace = trace or FirstAudioTrace()
         self._arrivals: dict[int, float] = {}  # 16-bit seq -> arrival, until the first frame is traced
         self._taken_samples = 0
+        self._seq_out = 0  # the extended sequence number of the slot being decoded
         self.buffer = JitterBuffer(clock)
         self.decoder = OpusDecoder()
         self.last_packet_at: float | None = None
@@ -262,7 +263,8 @@ class RtpInbound:
     def _deliver(self) -> None:
         """Pop whatever is due now; decode and hand it on."""
         for slot in self.buffer.pop():
-            self._decode(slot.payload, slot.seq)
+            self._seq_out = slot.seq
+            self._decode(slot.payload)
         self.metrics.rtp_jitter_depth.observe(self.buffer.depth)
 
     async def _playout(self) -> None:
@@ -279,7 +281,8 @@ class RtpInbound:
                 async with asyncio.timeout(max(0.0, deadline - self.clock())):
                     await self._arrived.wait()
 
-    def _decode(self, payload: bytes | None, seq: int) -> None:
+    def _decode(self, payload: bytes | None) -> None:
+        """Decode (or conceal) the slot ``_seq_out`` and hand it on; stamp the trace."""
         conceal = max(PACKET_SAMPLES // 8, int(round(self.buffer.packet_s * 24_000)))
         try:
             pcm = self.decoder.decode(payload, conceal)
@@ -291,7 +294,7 @@ class RtpInbound:
         if not taken or trace.frame_at is not None:
             return
         now = self.clock()
-        arrived = self._arrivals.get(seq % (1 << 16)) if payload is not None else None
+        arrived = self._arrivals.get(self._seq_out % (1 << 16)) if payload is not None else None
         if trace.taken_at is None:
             trace.taken_at, trace.taken_arrived_at = now, arrived
         self._taken_samples += len(pcm)
