@@ -14,6 +14,8 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import json
+import logging
 import re
 from collections.abc import AsyncIterator
 
@@ -367,9 +369,10 @@ async def test_closing_the_server_ends_its_live_calls(bundle, http, packets) -> 
         await call.close()
 
 
-async def test_the_load_generator_drives_webrtc_sessions_over_several_processes(node, speech) -> None:  # noqa: F811
+async def test_the_load_generator_drives_webrtc_sessions_over_several_processes(node, speech, caplog) -> None:  # noqa: F811
     from runtime.tools.loadgen_rtc import run_rtc_load
 
+    caplog.set_level(logging.INFO, logger="runtime.frontend.rtc_session")
     clip = speech[1][: 24_000 * 2]
     report = await run_rtc_load(
         f"ws://127.0.0.1:{node.port}", [clip], sessions=2, processes=2, token=token, max_duration_s=WAIT_S * 2
@@ -379,7 +382,37 @@ async def test_the_load_generator_drives_webrtc_sessions_over_several_processes(
     assert summary["served"] == 2 and summary["frames_sent"] >= 2 * 24
     assert summary["ice_connect_ms_p50"] is not None and summary["answer_ms_p99"] is not None
     assert summary["concealed_packets"] is not None and summary["frames_received"] > 0
+    assert summary["bytes_received"] > 0 and summary["bytes_sent"] > 0
     await all_free(node)
+    traces = {
+        m.group(1): json.loads(m.group(2))
+        for m in (
+            re.search(r"WebRTC session (\w+) first audio: (\{.*\})", r.getMessage()) for r in caplog.records
+        )
+        if m
+    }
+    for row in report.session_rows():
+        client = row["stamps"]
+        assert isinstance(client, dict) and isinstance(row["first_audio_ms"], float)
+        # The clock starts at the 4th packet: the one that completes the node's first frame (sent >= 60 ms
+        # after the first: the replay sleeps until each packet's time).
+        assert row["first_audio_first_packet_ms"] >= row["first_audio_ms"] + 59.9  # type: ignore[operator]
+        assert client["handshake"] <= client["packet0"] < client["packet3"] < client["first_audio"]
+        # The node's view of the same session, on the same monotonic clock: it took the client's first
+        # packet (nothing was sent before the 0x00) and completed its frame with the client's 4th.
+        node_side = traces[str(row["session_id"])]
+        order = [
+            "connected_at", "spent_at", "handshake_at", "first_rtp_at", "taken_arrived_at",
+            "frame_arrived_at", "frame_at", "audio_put_at", "audio_sent_at",
+        ]  # fmt: skip
+        stamps = [node_side[name] for name in order]
+        assert stamps == sorted(stamps), node_side
+        assert node_side["first_rtp_at"] == node_side["taken_arrived_at"]
+        assert (
+            node_side["handshake_at"] < client["handshake"] <= client["packet0"] <= node_side["first_rtp_at"]
+        )
+        assert client["packet3"] <= node_side["frame_arrived_at"]
+        assert node_side["audio_sent_at"] <= client["first_audio"]
 
 
 async def test_a_drain_tells_the_call_on_its_channel_and_ends_it(bundle, http, packets) -> None:  # noqa: F811

@@ -197,24 +197,32 @@ class OpusEncoder:
         Raises:
             ValueError: ``frame`` is not 1920 samples.
         """
-        assert self._handle is not None, "encoder closed"
         flat = np.asarray(frame, dtype=np.float32).reshape(-1)
         if flat.size != FRAME_SAMPLES:
             raise ValueError(f"expected one frame of {FRAME_SAMPLES} samples, got {flat.size}")
+        return [
+            self.encode_packet(flat[s : s + PACKET_SAMPLES]) for s in range(0, FRAME_SAMPLES, PACKET_SAMPLES)
+        ]
+
+    def encode_packet(self, pcm: np.ndarray) -> bytes:
+        """One ``[480]`` float32 slice (20 ms at 24 kHz) -> one Opus packet (clipped to [-1, 1], NaN -> 0).
+
+        Raises:
+            ValueError: ``pcm`` is not 480 samples.
+            OpusError: libopus refused it.
+        """
+        assert self._handle is not None, "encoder closed"
+        flat = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if flat.size != PACKET_SAMPLES:
+            raise ValueError(f"expected one packet of {PACKET_SAMPLES} samples, got {flat.size}")
         samples = np.ascontiguousarray(np.clip(np.nan_to_num(flat), -1.0, 1.0), dtype=np.float32)
-        packets = []
         pointer = samples.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        for start in range(0, FRAME_SAMPLES, PACKET_SAMPLES):
-            chunk = ctypes.cast(
-                ctypes.addressof(pointer.contents) + start * 4, ctypes.POINTER(ctypes.c_float)
-            )
-            size = self._lib.opus_encode_float(
-                self._handle, chunk, PACKET_SAMPLES, self._out, _MAX_PACKET_BYTES
-            )
-            if size < 0:
-                raise _error("opus_encode_float", size)
-            packets.append(self._out.raw[:size])
-        return packets
+        size = self._lib.opus_encode_float(
+            self._handle, pointer, PACKET_SAMPLES, self._out, _MAX_PACKET_BYTES
+        )
+        if size < 0:
+            raise _error("opus_encode_float", size)
+        return self._out.raw[:size]
 
     def close(self) -> None:
         """Free the encoder (idempotent)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
 import time
@@ -55,7 +56,7 @@ from runtime.frontend.protocol import (
     parse_client_message,
 )
 from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
-from runtime.frontend.rtc_media import OpusPacketTrack, RtpInbound
+from runtime.frontend.rtc_media import FirstAudioTrace, OpusPacketTrack, RtpInbound
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport
 
 __all__ = [
@@ -163,11 +164,14 @@ class RtcPeer:
         self.connected_at: float | None = None
         self.on_token_settled: Callable[[], None] | None = None
         """Called once the token's spend is decided (spent, or refused): the signalling's one-call cap."""
+        self.trace = FirstAudioTrace()
+        """The first audio's way through the node, logged when the session ends (docs/benchmarks.md)."""
         self.track = OpusPacketTrack(
             front.config.opus_complexity,
             on_dropped=lambda n: front.metrics.frames_dropped.labels(reason="slow_client").inc(n / 4),
+            trace=self.trace,
         )
-        self.inbound = RtpInbound(self._on_pcm, front.metrics)
+        self.inbound = RtpInbound(self._on_pcm, front.metrics, trace=self.trace)
         self._pending: list[bytes] = []
         self._bucket = _Bucket(CHANNEL_RATE_PER_S, CHANNEL_BURST, CHANNEL_BURST, clock())
         self._last_flood_error = -1.0
@@ -248,6 +252,7 @@ class RtcPeer:
             outcome = self.outcome or SessionOutcome("client_closed")
             # Lost without a word from the client: a resumable session keeps its slot, paused, for a resume
             # through any connection (either transport); this peer connection is closed all the same.
+            log.info("WebRTC session %s first audio: %s", session.session_id, json.dumps(self.trace.stamps()))
             held = outcome.lost and session.detach()
             if held:
                 self.ended.clear()  # from now on: set by a hang-up of the held session
@@ -286,6 +291,7 @@ class RtcPeer:
             self.end(SessionOutcome("prompt_timeout", 1013))
             return
         await self.spent.wait()
+        self.trace.handshake_at = self.clock()
         self.send(encode_handshake())
         if session.offers_resume:  # resumable=1 or resumed: the session id and the (next) credential
             self.send(encode_metadata(session.resume_metadata()))
@@ -310,6 +316,7 @@ class RtcPeer:
         finally:
             if self.on_token_settled is not None:
                 self.on_token_settled()
+        self.trace.spent_at = self.clock()
         self.spent.set()
 
     async def _watch(self) -> None:
@@ -366,7 +373,7 @@ class RtcPeer:
     async def _on_state(self) -> None:
         state = self.pc.connectionState
         if state == "connected" and self.connected_at is None:
-            self.connected_at = self.clock()
+            self.connected_at = self.trace.connected_at = self.clock()
             self.front.metrics.rtc_connect.observe(self.connected_at - self.posted_at)
             self._spend_once_connected()
         elif state == "failed" and self.session is not None:
@@ -388,14 +395,16 @@ class RtcPeer:
         else:
             self.end(SessionOutcome("rtc_failed", lost=True))
 
-    def _on_pcm(self, pcm: np.ndarray) -> None:
+    def _on_pcm(self, pcm: np.ndarray) -> bool:
+        """Inbound samples to the session; whether it took them (it drops them before its handshake)."""
         session = self.session
         if session is None or not self.spent.is_set():
-            return
+            return False
         try:
             session.push_audio(pcm.astype("<i2").tobytes())
         except ProtocolError as exc:  # too_fast cannot happen at 20 ms a push; counted all the same
             self.front.metrics.protocol_errors.labels(reason=exc.reason).inc()
+        return session.ready.is_set() and session.lease is not None
 
     def _on_datachannel(self, channel: RTCDataChannel) -> None:
         if self.channel is not None:

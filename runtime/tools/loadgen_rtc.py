@@ -2,12 +2,19 @@
 (``runtime.tools.rtc_client``), spread over several processes (aiortc's RTP, SRTP and DTLS are pure
 Python on the generator's side too: one process would measure itself, not the node).
 
-Each session replays its clip pre-encoded as 20 ms Opus packets, once, at real-time pace (then silence
-until it hangs up, as a live microphone's would), then hangs up (``DELETE``); it reports the load
-generator's usual figures (``runtime.tools.loadgen.SessionResult``: an 80 ms frame is four packets; first
-audio from the first packet sent to the first packet back) plus the POST -> answer and POST -> connected
-(ICE and DTLS) times and the packets its own jitter buffer (``runtime.frontend.jitter``, run on arrivals)
-had to conceal. With ``relay`` each session first asks ``GET /api/rtc/ice-servers`` (its token checked,
+Each session replays its clip pre-encoded as 20 ms Opus packets, once, at real-time pace from the node's
+0x00 on (the node drops audio before it, as ``/api/chat``'s generator sends its first frame after the
+handshake), then silence until it hangs up (as a live microphone's would), then hangs up (``DELETE``); it
+reports the load generator's usual figures (``runtime.tools.loadgen.SessionResult``: an 80 ms frame is four
+packets) plus the POST -> answer and POST -> connected (ICE and DTLS) times and the packets its own jitter
+buffer (``runtime.frontend.jitter``, run on arrivals) had to conceal.
+
+First audio is counted from the packet that completes the node's first 1920-sample frame (the fourth, sent
+60 ms after the first): the WebSocket generator's clock starts when it sends a whole 80 ms frame, which the
+node takes on arrival, so this is the like-for-like figure; ``first_audio_first_packet_ms`` counts from
+the first packet too (60 ms more: the packetisation a 20 ms transport adds before the node has a frame).
+
+With ``relay`` each session first asks ``GET /api/rtc/ice-servers`` (its token checked,
 not spent) and gathers relay candidates only (``iceTransportPolicy: "relay"``): its media then goes through
 the node's TURN relay, as a firewalled caller's would.
 """
@@ -22,7 +29,7 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import numpy as np
@@ -59,14 +66,22 @@ class RtcSessionResult(SessionResult):
     Attributes:
         answer_ms: POST -> the 201's answer; ice_connect_ms: POST -> connected (ICE and DTLS).
         concealed_packets: 20 ms packets of the node's audio its jitter buffer concealed (lost or late).
-        first_audio_ms: as the WebSocket generator's, from the first audio the node takes: the later of
-            the connection and the 0x00 handshake on the DataChannel (the node drops audio before it: its
-            token is spent, and its slot live, only then) to the first RTP packet back.
+        first_audio_ms: like the WebSocket generator's: from the send of the packet that completes the
+            node's first frame (the fourth after the 0x00 handshake, before which nothing is sent) to the
+            first RTP packet back.
+        first_audio_first_packet_ms: from the send of the first packet (60 ms of packetisation more).
+        session_id: the node's session id (from the ``Location``), to match the node's log line of the
+            session's first audio (``runtime.frontend.rtc_media.FirstAudioTrace``).
+        stamps: monotonic seconds (the node's clock too, on one machine): ``handshake`` (0x00 received),
+            ``packet0`` .. ``packet3`` (sent), ``first_audio`` (first RTP packet back).
     """
 
     answer_ms: float | None = None
     ice_connect_ms: float | None = None
     concealed_packets: int = 0
+    first_audio_first_packet_ms: float | None = None
+    session_id: str = ""
+    stamps: dict[str, float] = field(default_factory=dict)
 
 
 @functools.cache
@@ -127,7 +142,14 @@ async def run_rtc_session(
             result.connect_error = f"ICE servers: {type(exc).__name__}: {exc}"
             return result
     call = RtcCall(
-        base, packets, token=token, query=query, loop=False, ice_servers=ice_servers, relay_only=relay
+        base,
+        packets,
+        token=token,
+        query=query,
+        loop=False,
+        ice_servers=ice_servers,
+        relay_only=relay,
+        audio_after_handshake=True,
     )
     call.track.after = _silence()  # as a live client: audio goes on (silence) until it hangs up
     buffer = JitterBuffer(time.monotonic)
@@ -160,7 +182,7 @@ async def run_rtc_session(
                 return result
             assert outcome.connected_s is not None
             result.ice_connect_ms = result.connect_ms = outcome.connected_s * 1e3
-            sent_from = time.monotonic()
+            result.session_id = (call.location or "").rstrip("/").split("/")[-2]
             while call.track.sent < len(packets) and call.pc.connectionState == "connected":
                 await asyncio.sleep(0.1)
             await asyncio.sleep(TAIL_S)
@@ -171,13 +193,9 @@ async def run_rtc_session(
             frames = arrivals[PACKETS_PER_FRAME - 1 :: PACKETS_PER_FRAME]
             result.audio_messages = len(frames)
             result.audio_arrival_s = frames
-            if arrivals:
-                # As /api/chat's generator counts from its first frame after the handshake: audio sent
-                # before the 0x00 is dropped by the node, so the clock starts at the later of the two.
-                if outcome.handshake_s is not None:
-                    sent_from = max(sent_from, call.started_at + outcome.handshake_s)
-                result.first_audio_ms = (arrivals[0] - sent_from) * 1e3
+            _first_audio(result, call, arrivals)
             result.bytes_sent = sum(len(p) for p in packets[: call.track.sent])
+            result.bytes_received = outcome.bytes_in
             result.concealed_packets = buffer.stats.concealed
             status = await call.hang_up(http)
             result.close_code = CLOSE_NORMAL if status == 200 else None
@@ -185,6 +203,21 @@ async def run_rtc_session(
     finally:
         await call.close()
     return result
+
+
+def _first_audio(result: RtcSessionResult, call: RtcCall, arrivals: Sequence[float]) -> None:
+    """``result``'s first-audio figures and stamps from the call's packet send times and ``arrivals``."""
+    sent_at = call.track.sent_at
+    if call.outcome.handshake_s is not None:
+        result.stamps["handshake"] = call.started_at + call.outcome.handshake_s
+    result.stamps.update({f"packet{i}": t for i, t in enumerate(sent_at[:PACKETS_PER_FRAME])})
+    if not arrivals:
+        return
+    result.stamps["first_audio"] = arrivals[0]
+    if sent_at:
+        result.first_audio_first_packet_ms = (arrivals[0] - sent_at[0]) * 1e3
+    if len(sent_at) >= PACKETS_PER_FRAME:
+        result.first_audio_ms = (arrivals[0] - sent_at[PACKETS_PER_FRAME - 1]) * 1e3
 
 
 @dataclass
@@ -195,9 +228,16 @@ class RtcLoadReport(LoadReport):
         totals = super().summary()
         rtc = [r for r in self.sessions if isinstance(r, RtcSessionResult)]
         answer = [r.answer_ms for r in rtc if r.answer_ms is not None]
+        first_packet = [
+            r.first_audio_first_packet_ms
+            for r in rtc
+            if r.handshake and r.first_audio_first_packet_ms is not None
+        ]
         ice = [r.ice_connect_ms for r in rtc if r.ice_connect_ms is not None]
         totals.update(
             {
+                "first_audio_first_packet_ms_p50": _percentile(first_packet, 50),
+                "first_audio_first_packet_ms_p99": _percentile(first_packet, 99),
                 "answer_ms_p50": _percentile(answer, 50),
                 "answer_ms_p99": _percentile(answer, 99),
                 "ice_connect_ms_p50": _percentile(ice, 50),
@@ -206,6 +246,15 @@ class RtcLoadReport(LoadReport):
             }
         )
         return totals
+
+    def session_rows(self) -> list[dict[str, object]]:
+        rows = super().session_rows()
+        for row, r in zip(rows, self.sessions, strict=True):
+            if isinstance(r, RtcSessionResult):
+                row["first_audio_first_packet_ms"] = r.first_audio_first_packet_ms
+                row["session_id"] = r.session_id
+                row["stamps"] = r.stamps
+        return rows
 
 
 def _process_share(

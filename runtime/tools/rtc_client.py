@@ -57,12 +57,21 @@ def encode_packets(pcm: np.ndarray, complexity: int = 5) -> list[bytes]:
         encoder.close()
 
 
+SENT_AT_KEPT = 64
+"""Packets whose send time :class:`PacketReplayTrack` keeps (the first: first audio counts from them)."""
+
+
 class PacketReplayTrack(MediaStreamTrack):
     """Pre-encoded Opus packets sent 20 ms apart, looped (``loop``) or once; after them, ``after`` (one
     packet, e.g. 20 ms of silence) again and again when set, else nothing (a peer that went quiet).
 
     Attributes:
         sent: packets handed to the RTP sender.
+        gate: when set to an event, nothing is sent until it is set (the load generator: the node's 0x00,
+            before which the node drops audio, as a WebSocket client sends its first frame after the
+            handshake); the first packet then goes at once.
+        sent_at: monotonic time (s) each of the first :data:`SENT_AT_KEPT` packets was handed to the RTP
+            sender (aiortc encrypts and sends it in the same step).
     """
 
     kind = "audio"
@@ -75,6 +84,8 @@ class PacketReplayTrack(MediaStreamTrack):
         self.loop = loop
         self.after: bytes | None = None
         self.sent = 0
+        self.gate: asyncio.Event | None = None
+        self.sent_at: list[float] = []
         self._start: float | None = None
 
     async def recv(self) -> av.Packet:  # type: ignore[override]
@@ -83,6 +94,8 @@ class PacketReplayTrack(MediaStreamTrack):
         done = not self.loop and self.sent >= len(self.packets)
         if done and self.after is None:
             await asyncio.Event().wait()  # nothing more: wait until stopped (the sender cancels)
+        if self.gate is not None:
+            await self.gate.wait()
         now = time.monotonic()
         if self._start is None:
             self._start = now
@@ -93,6 +106,8 @@ class PacketReplayTrack(MediaStreamTrack):
         packet.pts = self.sent * 960
         packet.time_base = _TIME_BASE
         self.sent += 1
+        if len(self.sent_at) < SENT_AT_KEPT:
+            self.sent_at.append(time.monotonic())
         return packet
 
 
@@ -105,7 +120,9 @@ class RtcOutcome:
         headers: the POST's response headers (``Location``, ``Link``, ``Retry-After``).
         answer_s: POST -> answer received; connected_s: POST -> connectionState ``connected``.
         handshake_s: POST -> 0x00 on the DataChannel; first_audio_s: POST -> first RTP packet back.
-        packets_in: RTP audio packets received; texts: 0x02 pieces; errors: 0x05 sentences; pongs: 0x06.
+        packets_in: RTP audio packets received; bytes_in: their payload bytes plus the DataChannel's
+            message bytes (what ``/api/chat``'s generator counts as bytes received).
+        texts: 0x02 pieces; errors: 0x05 sentences; pongs: 0x06.
         metadata: the 0x04 objects (``resumable=1``: session id and resume credential; docs/protocol.md).
         answer_sdp: the answer as received (201).
     """
@@ -118,6 +135,7 @@ class RtcOutcome:
     handshake_s: float | None = None
     first_audio_s: float | None = None
     packets_in: int = 0
+    bytes_in: int = 0
     texts: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     pongs: int = 0
@@ -139,6 +157,7 @@ class RtcCall:
         datachannel: offer a DataChannel (a browser client does).
         relay_only: gather relay candidates only (``iceTransportPolicy: "relay"``, as a firewalled browser):
             needs a TURN server in ``ice_servers``, else the offer has no candidate and ICE never connects.
+        audio_after_handshake: send no audio until the node's 0x00 (:attr:`PacketReplayTrack.gate`).
     """
 
     def __init__(
@@ -154,6 +173,7 @@ class RtcCall:
         datachannel: bool = True,
         loop: bool = True,
         relay_only: bool = False,
+        audio_after_handshake: bool = False,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.token = token
@@ -175,6 +195,8 @@ class RtcCall:
         self.handshake = asyncio.Event()
         self.connected = asyncio.Event()
         self.got_metadata = asyncio.Event()
+        if audio_after_handshake:
+            self.track.gate = self.handshake
         self._t0 = 0.0
         self.transceiver.receiver._handle_rtp_packet = self._on_rtp  # type: ignore[method-assign]
         if self.channel is not None:
@@ -193,11 +215,13 @@ class RtcCall:
         if not packet.payload:
             return
         self.outcome.packets_in += 1
+        self.outcome.bytes_in += len(packet.payload)
         if self.outcome.first_audio_s is None:
             self.outcome.first_audio_s = self._elapsed()
             self.audio_arrived.set()
 
     def _on_message(self, data: bytes | str) -> None:
+        self.outcome.bytes_in += len(data.encode() if isinstance(data, str) else data)
         if isinstance(data, str) or not data:
             return
         kind, payload = data[0], data[1:]
