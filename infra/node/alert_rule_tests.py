@@ -17,6 +17,7 @@ from infra.node.alert_rules import (
     RUNTIME_SELECTOR,
     TICKS_OVER_BUDGET_FRACTION,
     alert_rules,
+    coturn_rule_selector,
 )
 from infra.node.first_audio_rules import budget_test_group
 from infra.node.profile import NodeProfile
@@ -31,7 +32,15 @@ from infra.node.promql import (
     rate_per_s,
     series,
 )
+from infra.node.rtc_rules import (
+    rtc_expression_tests,
+    rtc_healthy_series,
+    rtc_test_groups,
+    turn_healthy_series,
+    turn_test_groups,
+)
 from infra.node.services import Service, endpoint
+from infra.node.session_rules import session_expression_tests, session_healthy_series, session_test_groups
 
 __all__ = ["rules_unit_tests"]
 
@@ -68,7 +77,10 @@ def rules_unit_tests(
     def labels_of(selector: str, service: Service, what: str, **extra: str) -> dict[str, str]:
         """The selector's labels, then the target labels the node's Prometheus adds (unless set)."""
         labels = equality_labels(selector, what)
-        for name, value in {"instance": endpoint(profile, service), "node": profile.name, **extra}.items():
+        instance = (  # coturn's exporter also where the node itself runs none (a region's selector)
+            f"coturn:{profile.relay.metrics_port}" if service == "coturn" else endpoint(profile, service)
+        )
+        for name, value in {"instance": instance, "node": profile.name, **extra}.items():
             labels.setdefault(name, value)
         return labels
 
@@ -77,6 +89,8 @@ def rules_unit_tests(
     dc = (
         labels_of(dcgm_selector, "dcgm-exporter", "dcgm_selector", gpu="0") if profile.gpu is not None else {}
     )
+    coturn = coturn_rule_selector(profile, coturn_selector)
+    tu = labels_of(coturn, "coturn", "coturn_selector") if coturn is not None else {}
 
     # First-audio histogram: three buckets around the target, all observations in one of them.
     target_s = limits.first_audio_p99_target_ms / 1000
@@ -130,6 +144,9 @@ def rules_unit_tests(
             ("DCGM_FI_DEV_FB_USED", dc, steady(good_used)),
             ("DCGM_FI_DEV_FB_FREE", dc, steady(fb_total - good_used)),
         ]
+    healthy += rtc_healthy_series(kit, rt) + session_healthy_series(kit, rt)
+    if coturn is not None:
+        healthy += turn_healthy_series(kit, tu)
     healthy_group = group("healthy node: no alert", healthy, *(check(alert, late) for alert in specs))
     healthy_group["promql_expr_test"] = [
         {
@@ -138,7 +155,9 @@ def rules_unit_tests(
             "exp_samples": [
                 {"labels": series("duplex:session_utilisation:ratio", rt), "value": (slots - 1) / slots}
             ],
-        }
+        },
+        *rtc_expression_tests(kit, rt),
+        *session_expression_tests(kit, rt),
     ]
 
     groups = [healthy_group]
@@ -252,5 +271,8 @@ def rules_unit_tests(
                 ),
             )
         )
+    groups += rtc_test_groups(kit, healthy, rt) + session_test_groups(kit, healthy, rt)
+    if coturn is not None:
+        groups += turn_test_groups(kit, healthy, tu, equality_labels(coturn, "coturn_selector"))
     groups.append(budget_test_group(rt, RATE_WINDOW, RATE_WINDOW_MIN, late))
     return {"rule_files": [rule_file], "evaluation_interval": "1m", "tests": groups}

@@ -5,8 +5,10 @@ refused.
 
 The node's own alerts (runtime up, ready and loading, Redis, first-audio latency, ticks over budget, slot cap,
 refusals, GPU memory) are here; the first-audio budget's recording rules come from
-``infra.node.first_audio_rules``. Their ``promtool test rules`` file: ``infra.node.alert_rule_tests``. The
-rules, each alert's condition and the selectors: docs/operations.md, "Alerts".
+``infra.node.first_audio_rules``, WebRTC's and the TURN relay's rules from ``infra.node.rtc_rules``,
+resume's and recordings' from ``infra.node.session_rules``. Their ``promtool test rules`` file:
+``infra.node.alert_rule_tests``. The rules, each alert's condition and the selectors: docs/operations.md,
+"Alerts".
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 from infra.node.first_audio_rules import budget_recording_rules
 from infra.node.profile import NodeProfile
 from infra.node.promql import RATE_WINDOW, AlertSpec, normalised, num, sel
+from infra.node.rtc_rules import coturn_exported, rtc_alert_specs, rtc_recording_rules, turn_alert_specs
+from infra.node.session_rules import session_alert_specs, session_recording_rules
 
 __all__ = [
     "COTURN_SELECTOR",
@@ -28,6 +32,7 @@ __all__ = [
     "TICKS_OVER_BUDGET_FRACTION",
     "alert_rules",
     "alert_specs",
+    "coturn_rule_selector",
 ]
 
 LOADING_ALERT_MINUTES = 20
@@ -192,7 +197,8 @@ def _recording_rules(runtime: str) -> list[dict[str, str]]:
             "expr": f"rate(duplex_frames_dropped_total{sel(runtime)}[{window}])",
         },
     ]
-    return rules + budget_recording_rules(sel(runtime), window)
+    rules += budget_recording_rules(sel(runtime), window)
+    return rules + rtc_recording_rules(runtime) + session_recording_rules(runtime)
 
 
 def alert_specs(
@@ -210,7 +216,21 @@ def alert_specs(
     runtime = normalised(runtime_selector, "runtime_selector")
     redis = normalised(redis_selector, "redis_selector")
     dcgm = normalised(dcgm_selector, "dcgm_selector")
-    return _node_alert_specs(profile, runtime, redis, dcgm)
+    specs = _node_alert_specs(profile, runtime, redis, dcgm) + rtc_alert_specs(runtime)
+    coturn = coturn_rule_selector(profile, coturn_selector)
+    if coturn is not None:
+        specs += turn_alert_specs(normalised(coturn, "coturn_selector"))
+    return specs + session_alert_specs(runtime)
+
+
+def coturn_rule_selector(
+    profile: NodeProfile, coturn_selector: str | None | EllipsisType = ...
+) -> str | None:
+    """The selector of the TURN relay's exporter that the rules use: ``coturn_selector``, or for ``...`` the
+    node's (``COTURN_SELECTOR`` where ``coturn_exported(profile)``, else None: no relay rules)."""
+    if coturn_selector is ...:
+        return COTURN_SELECTOR if coturn_exported(profile) else None
+    return coturn_selector
 
 
 def alert_rules(

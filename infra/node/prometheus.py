@@ -26,6 +26,7 @@ from infra.node.alert_rules import (
     alert_rules,
 )
 from infra.node.profile import NodeProfile
+from infra.node.rtc_rules import coturn_exported
 from infra.node.services import Service, endpoint
 
 __all__ = [
@@ -74,7 +75,7 @@ def prometheus_config(profile: NodeProfile) -> dict[str, Any]:
     jobs: list[Service] = ["runtime", "prometheus", "node-exporter", "redis-exporter"]
     if profile.gpu is not None:
         jobs.append("dcgm-exporter")
-    if profile.relay.enabled and profile.deployment == "compose":
+    if coturn_exported(profile):
         jobs.append("coturn")
     return {
         "global": {

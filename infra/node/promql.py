@@ -219,12 +219,14 @@ def series(metric: str, labels: Mapping[str, str]) -> str:
 
 def rate_per_s(increment_per_min: float, eval_min: int, window_min: int = RATE_WINDOW_MIN) -> float:
     """``rate(x[<window_min>m])`` at ``eval_min`` of a counter ``0+increment_per_min x N`` sampled each
-    minute, as Prometheus computes it (every sample in the window, no extrapolation needed), per second."""
+    minute, as Prometheus computes it, per second: every sample in the window, so no extrapolation, and the
+    increase times (extrapolated / sampled interval) / range, in that order (``extrapolatedRate``,
+    ``promql/functions.go``), so that a ratio of two rates is the same float as Prometheus's."""
     assert eval_min >= window_min
     first = increment_per_min * (eval_min - window_min)
     last = increment_per_min * eval_min
     sampled = window_min * 60.0
-    return (last - first) * (sampled / sampled) / sampled
+    return (last - first) * ((sampled / sampled) / sampled)
 
 
 def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
