@@ -31,6 +31,7 @@ from infra.k8s.base import (
     service_account,
     standard_labels,
 )
+from infra.k8s.turn import TURN_NAME
 from infra.node.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, GRAFANA_UID, IMAGES
 from infra.node.compose import _grafana as _compose_grafana
 from infra.node.grafana import dashboard_bytes, datasource_yaml, node_dashboard, provider_yaml
@@ -103,16 +104,21 @@ _FRONTEND_UID = 1000  # examples/frontend.yaml's runAsUser
 _SECRETS_MOUNT = "/run/secrets"  # where infra.node.compose's Grafana environment reads its password file
 
 
-def alert_selectors(workload: RegionWorkload) -> dict[str, str]:
+def alert_selectors(workload: RegionWorkload) -> dict[str, str | None]:
     """The label selectors of the node's rules (``alert_rules``/``rules_unit_tests`` keyword arguments):
     ``runtime_selector`` = ``namespace="<ns>", job="runtime"``, ``redis_selector`` =
-    ``namespace="<ns>", job="redis-exporter"``, ``dcgm_selector`` = ``DCGM_SELECTOR``. No ``cluster``
-    matcher: GMP scopes a ClusterRules object to its cluster."""
+    ``namespace="<ns>", job="redis-exporter"``, ``dcgm_selector`` = ``DCGM_SELECTOR``, ``coturn_selector`` =
+    ``namespace="<ns>", job="coturn"`` (the TURN gateway's PodMonitoring, ``infra.k8s.turn``) where the
+    region runs one (a TURN secret), else None (no relay rules). No ``cluster`` matcher: GMP scopes a
+    ClusterRules object to its cluster."""
     ns = workload.namespace
     return {
         "runtime_selector": f'namespace="{ns}", job="{RUNTIME_JOB}"',
         "redis_selector": f'namespace="{ns}", job="{REDIS_EXPORTER_NAME}"',
         "dcgm_selector": DCGM_SELECTOR,
+        "coturn_selector": f'namespace="{ns}", job="{TURN_NAME}"'
+        if workload.turn_secret is not None
+        else None,
     }
 
 
