@@ -309,6 +309,7 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         dashboard_selector(workload),
         uid=f"duplex-{workload.region}",
         title=f"Duplex {workload.region} ({workload.cluster_name})",
+        turn_relay=workload.turn_secret is not None,
     )
     environment = dict(_compose_grafana(profile)["environment"])
     environment["GF_LOG_MODE"] = "console"  # the image's default also writes /var/log/grafana (read-only)

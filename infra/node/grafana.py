@@ -11,9 +11,10 @@
 The dashboard is built with grafana-foundation-sdk's typed builders (the SDK release generated for Grafana
 11.6, ``GRAFANA_VERSION``; the panel kit: ``infra.node.grafana_panels``; the rows:
 ``infra.node.dashboard_*``): sessions against the slot cap, tick time against the 80 ms frame budget,
-first-audio latency against the profile's p99 target, refusals and drops by reason, GPU memory, utilisation
-and power from dcgm-exporter (GPU nodes only), Redis health from redis_exporter and the runtime's own
-session-store counters, readiness, draining and scrape health.
+first-audio latency against the profile's p99 target, refusals and drops by reason, sessions by transport
+and WebRTC's media and signalling, the TURN relay (coturn, where its exporter is scraped), resume and
+recordings, GPU memory, utilisation and power from dcgm-exporter (GPU nodes only), Redis health from
+redis_exporter and the runtime's own session-store counters, readiness, draining and scrape health.
 
 Every query is scoped by one label selector. On a node that is ``node="$node"`` (every scrape target carries
 ``node=<profile name>``, and the dashboard has a ``node`` variable defaulting to this node); a stack that
@@ -40,6 +41,8 @@ from infra.node.dashboard_node_rows import (
     refusals_and_drops_row,
     sessions_row,
 )
+from infra.node.dashboard_rtc_rows import turn_row, webrtc_row
+from infra.node.dashboard_session_rows import resume_and_recordings_row
 from infra.node.grafana_panels import (
     BYTES_PER_MIB,
     DATASOURCE_TYPE,
@@ -50,6 +53,7 @@ from infra.node.grafana_panels import (
 )
 from infra.node.profile import NodeProfile
 from infra.node.prometheus import scrape_interval
+from infra.node.rtc_rules import coturn_exported
 from infra.node.services import endpoint
 from runtime.engine.model_presets import FRAME_MS
 
@@ -120,6 +124,7 @@ def node_dashboard(
     *,
     uid: str | None = None,
     title: str | None = None,
+    turn_relay: bool | None = None,
 ) -> dashboard_models.Dashboard:
     """The node dashboard for ``profile``, every query scoped by ``selector`` (PromQL label matchers
     without braces, e.g. ``node="$node"`` or ``namespace="duplex"``).
@@ -128,6 +133,8 @@ def node_dashboard(
     profile's name. GPU rows (dcgm-exporter) appear only when ``profile.gpu`` is set. Thresholds follow the
     profile: the first-audio p99 target, Redis ``maxmemory`` and, on GPU nodes, the GPU-memory alert
     fraction of the catalog's memory. ``uid`` and ``title`` default to ones derived from the profile name.
+    The TURN relay's row (coturn's exporter, ``job="coturn"``) appears when ``turn_relay`` is true; None:
+    where the node scrapes one (``coturn_exported(profile)``).
     """
     kit = PanelKit(selector)
     builder = (
@@ -161,7 +168,11 @@ def node_dashboard(
             latency_row(kit, profile.limits.first_audio_p99_target_ms / 1000.0, profile.stagger_groups),
         ),
         ("Refusals and drops", refusals_and_drops_row(kit)),
+        ("Transports and WebRTC", webrtc_row(kit)),
     ]
+    if coturn_exported(profile) if turn_relay is None else turn_relay:
+        rows.append(("TURN relay (coturn)", turn_row(kit)))
+    rows.append(("Resume and recordings", resume_and_recordings_row(kit)))
     if profile.gpu is not None:
         memory_alert_mib = profile.limits.gpu_memory_alert_fraction * GPUS[profile.gpu].memory_mib
         rows.append(("GPU (dcgm-exporter)", gpu_row(kit, memory_alert_mib)))
