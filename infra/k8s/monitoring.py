@@ -9,7 +9,7 @@ node's dashboard (reached with ``kubectl port-forward``). docs/deploying.md, "St
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+from typing import Any, TypedDict
 
 from infra.k8s.alerting import alertmanager_secret
 from infra.k8s.base import (
@@ -38,6 +38,7 @@ from infra.node.grafana import dashboard_bytes, datasource_yaml, node_dashboard,
 from infra.node.prometheus import alert_rules, rules_unit_tests, scrape_interval
 
 __all__ = [
+    "AlertSelectors",
     "DCGM_JOB",
     "DCGM_NAMESPACE",
     "DCGM_SELECTOR",
@@ -104,7 +105,16 @@ _FRONTEND_UID = 1000  # examples/frontend.yaml's runAsUser
 _SECRETS_MOUNT = "/run/secrets"  # where infra.node.compose's Grafana environment reads its password file
 
 
-def alert_selectors(workload: RegionWorkload) -> dict[str, str | None]:
+class AlertSelectors(TypedDict):
+    """``alert_rules``' and ``rules_unit_tests``' selector arguments for a region (``alert_selectors``)."""
+
+    runtime_selector: str
+    redis_selector: str
+    dcgm_selector: str
+    coturn_selector: str | None
+
+
+def alert_selectors(workload: RegionWorkload) -> AlertSelectors:
     """The label selectors of the node's rules (``alert_rules``/``rules_unit_tests`` keyword arguments):
     ``runtime_selector`` = ``namespace="<ns>", job="runtime"``, ``redis_selector`` =
     ``namespace="<ns>", job="redis-exporter"``, ``dcgm_selector`` = ``DCGM_SELECTOR``, ``coturn_selector`` =
