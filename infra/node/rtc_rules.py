@@ -252,7 +252,11 @@ def rtc_test_groups(kit: RuleTestKit, healthy: list[Series], rt: Mapping[str, st
             check("RtpLossHigh", 5),
             check("RtpLossHigh", late, expect("RtpLossHigh", rt, concealed)),
         ),
-        group("RtpLossHigh: the same share on one call is quiet", quiet, check("RtpLossHigh", late)),
+        group(
+            "RtpLossHigh: a worse share on one call's packets (50 a second) is quiet",
+            quiet,
+            check("RtpLossHigh", late),
+        ),
         group(
             "RtcConnectSlow: one connect in eight between 1 and 2 s",
             slow,
