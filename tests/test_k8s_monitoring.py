@@ -44,6 +44,28 @@ def test_cluster_rules_pass_promtool(promtool: str, tmp_path: Path, profile) -> 
     _promtool(promtool, tmp_path, "test", "rules", "rules.test.yml")
 
 
+def test_turn_relay_rules_only_with_the_regions_turn_gateway(promtool: str, tmp_path: Path) -> None:
+    """A region with a TURN secret runs coturn (PodMonitoring ``coturn``): TurnRelayDown selects that job in
+    the runtime's namespace, and its unit tests pass; without one, no relay rule (it would fire on
+    absence)."""
+    plain = make_workload()
+    assert monitoring.alert_selectors(plain)["coturn_selector"] is None
+    alerts = {r["alert"] for g in monitoring.rule_groups(plain) for r in g["rules"] if "alert" in r}
+    assert "TurnRelayDown" not in alerts and "RtcCallsNotConnecting" in alerts
+    workload = make_workload(turn_secret="t" * 40, turn_peer_ranges=("10.8.0.0/14",))
+    assert one(region.region_objects(workload), "PodMonitoring", "coturn")
+    rules = {r["alert"]: r for g in monitoring.rule_groups(workload) for r in g["rules"] if "alert" in r}
+    assert rules["TurnRelayDown"]["expr"] == (
+        'up{namespace="duplex",job="coturn"} == 0 or absent(up{namespace="duplex",job="coturn"})'
+    )
+    (tmp_path / "rules.yml").write_text(
+        yaml.safe_dump({"groups": monitoring.rule_groups(workload)}, sort_keys=False)
+    )
+    tests = monitoring.alert_rules_unit_tests(workload, rule_file="rules.yml")
+    (tmp_path / "rules.test.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    _promtool(promtool, tmp_path, "test", "rules", "rules.test.yml")
+
+
 def test_rules_select_gmp_target_labels(objects: list[dict]) -> None:
     rules = one(objects, "ClusterRules", "duplex-rules")
     assert "namespace" not in rules["metadata"]  # cluster-scoped

@@ -53,9 +53,16 @@ EXPORTER_METRICS = {
     "redis_connected_clients",
     "redis_memory_used_bytes",
     "redis_commands_processed_total",
+    # coturn's exporter (coturn 4.6.3, src/apps/relay/prom_server.c; compose nodes and regions with TURN)
+    "turn_total_allocations",
+    "turn_total_traffic_rcvb",
+    "turn_total_traffic_sentb",
+    "turn_total_traffic_peer_rcvb",
+    "turn_total_traffic_peer_sentb",
     # Prometheus's own series for every scrape target
     "up",
 }
+TURN_METRICS = {name for name in EXPORTER_METRICS if name.startswith("turn_")}
 DCGM_METRICS = {name for name in EXPORTER_METRICS if name.startswith("DCGM_")}
 
 # Grafana's own variables in queries, and what promtool sees instead.
@@ -89,6 +96,15 @@ def metric_names(expr: str) -> set[str]:
             continue
         names.add(match.group())
     return names
+
+
+def scoped_by(matchers: str, selector: str) -> bool:
+    """Whether a query's matchers are the dashboard's ``selector``, then only matchers on the labels that
+    pick a series within it (``outcome``, ``job``)."""
+    if matchers == selector:
+        return True
+    extra = matchers.removeprefix(selector + ",")
+    return extra != matchers and all(re.fullmatch(r'(outcome|job)=~?"[a-z|]+"', m) for m in extra.split(","))
 
 
 def dashboard_of(profile: NodeProfile) -> dict[str, Any]:
@@ -314,6 +330,22 @@ def test_queries_read_only_known_metrics(name: str) -> None:
         "redis_up",
         "redis_memory_used_bytes",
         "redis_connected_clients",
+        # issue 22: sessions by transport, RTP, the jitter buffer, POST to answer and to connected
+        "duplex_transport_sessions_active",
+        "duplex_transport_sessions_started_total",
+        "duplex_rtp_packets_total",
+        "duplex_rtp_jitter_buffer_depth_packets_bucket",
+        "duplex_rtc_answer_seconds_bucket",
+        "duplex_rtc_connect_seconds_bucket",
+        # issue 23: resume and recordings
+        "duplex_sessions_detached_total",
+        "duplex_sessions_resumed_total",
+        "duplex_resume_refused_total",
+        "duplex_resume_gap_seconds_bucket",
+        "duplex_recordings_total",
+        "duplex_recording_bytes_total",
+        "duplex_recording_errors_total",
+        "duplex_recordings_swept_total",
     ):
         assert wanted in read, wanted
 
@@ -367,7 +399,7 @@ def test_node_variable_defaults_to_the_profile() -> None:
     assert variable["current"]["value"] == "a100-80gb"
     for expr in exprs(dashboard):
         for match in re.finditer(r"\{([^}]*)\}", expr):
-            assert match.group(1) == 'node="$node"', expr
+            assert scoped_by(match.group(1), 'node="$node"'), expr
 
 
 def test_dashboard_builder_takes_another_selector() -> None:
@@ -380,7 +412,7 @@ def test_dashboard_builder_takes_another_selector() -> None:
     assert "$node" not in text
     for expr in exprs(dashboard):
         selectors = re.findall(r"\{([^}]*)\}", expr)
-        assert selectors and all(s == 'namespace="duplex"' for s in selectors), expr
+        assert selectors and all(scoped_by(s, 'namespace="duplex"') for s in selectors), expr
         # Every metric read carries the selector: none is left once the selected ones are removed.
         assert metric_names(re.sub(r"[A-Za-z_:][A-Za-z0-9_:]*\{[^}]*\}", "0", expr)) == set(), expr
     # Same panels as the node dashboard, only the selector differs.
@@ -435,3 +467,109 @@ def test_a_staggered_node_draws_its_tick_budget_at_the_sub_tick_period() -> None
     assert threshold_line(panel(dashboard_of(PROFILES["a100-80gb"]), "Tick time p50 / p99")) == pytest.approx(
         0.08
     )
+
+
+# --- WebRTC, the TURN relay, resume and recordings (issues 22 and 23) ------------------------------------
+
+
+def test_the_turn_relay_row_only_where_coturn_is_scraped() -> None:
+    """coturn's panels read its exporter: on a compose node with the relay on (the coturn/coturn image), not
+    on the local node (Debian's coturn has none) nor with the relay off; a stack can ask for them."""
+    from infra.node.rtc_rules import coturn_exported
+
+    for name, profile in PROFILES.items():
+        read = set().union(*(metric_names(e) for e in exprs(dashboard_of(profile))))
+        assert bool(read & TURN_METRICS) == coturn_exported(profile), name
+        assert ("TURN relay (coturn)" in [p["title"] for p in dashboard_of(profile)["panels"]]) == (
+            coturn_exported(profile)
+        )
+    assert not coturn_exported(PROFILES["local"]) and coturn_exported(PROFILES["l40s"])
+    relay_off = get_profile("l40s", relay={"enabled": False})
+    assert not set().union(*(metric_names(e) for e in exprs(dashboard_of(relay_off)))) & TURN_METRICS
+    forced = json.loads(dashboard_bytes(node_dashboard(PROFILES["local"], turn_relay=True)))
+    up = panel(forced, "TURN relay up")["targets"][0]["expr"]
+    assert up == 'min(up{node="$node",job="coturn"})', up
+    assert read_metrics(panel(forced, "TURN allocations by type")) == {"turn_total_allocations"}
+
+
+def read_metrics(p: dict[str, Any]) -> set[str]:
+    return set().union(*(metric_names(target["expr"]) for target in p["targets"]))
+
+
+def test_webrtc_panels_read_their_series_and_draw_the_alert_thresholds() -> None:
+    from infra.node.rtc_rules import (
+        RTC_CONNECT_P99_ALERT_S,
+        RTC_UNCONNECTED_ALERT_FRACTION,
+        RTP_CONCEALED_ALERT_FRACTION,
+    )
+
+    dashboard = dashboard_of(PROFILES["l40s"])
+    by_transport = panel(dashboard, "Sessions by transport")
+    assert by_transport["targets"][0]["expr"] == (
+        'sum by (transport) (duplex_transport_sessions_active{node="$node"})'
+    )
+    assert by_transport["targets"][0]["legendFormat"] == "{{transport}}"
+    loss = panel(dashboard, "RTP concealment and loss")
+    concealed, lost = (target["expr"] for target in loss["targets"])
+    assert 'outcome=~"concealed"' in concealed and 'outcome=~"late"' in concealed
+    assert lost.startswith('sum(rate(duplex_rtp_packets_total{node="$node",outcome=~"lost"}')
+    assert lost.endswith(
+        '/ sum(rate(duplex_rtp_packets_total{node="$node",outcome=~"received|lost"}[$__rate_interval]))'
+    )
+    assert threshold_line(loss) == RTP_CONCEALED_ALERT_FRACTION
+    assert loss["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    depth = panel(dashboard, "Jitter buffer depth")
+    assert all(t["expr"].endswith(" * 0.02") for t in depth["targets"])  # packets x 20 ms
+    assert threshold_line(depth) == pytest.approx(0.12)
+    connect = panel(dashboard, "WebRTC POST to connected p50 / p99")
+    assert threshold_line(connect) == RTC_CONNECT_P99_ALERT_S
+    assert read_metrics(connect) == {"duplex_rtc_connect_seconds_bucket"}
+    assert [t["legendFormat"] for t in connect["targets"]] == ["p50", "p99"]
+    answer = panel(dashboard, "WebRTC POST to answer p50 / p99")
+    assert threshold_line(answer) == pytest.approx(0.05)
+    assert read_metrics(answer) == {"duplex_rtc_answer_seconds_bucket"}
+    unconnected = panel(dashboard, "Answered calls not connecting")
+    assert threshold_line(unconnected) == RTC_UNCONNECTED_ALERT_FRACTION
+    assert read_metrics(unconnected) == {
+        "duplex_rtc_answer_seconds_count",
+        "duplex_rtc_connect_seconds_count",
+    }
+
+
+def test_resume_and_recording_panels() -> None:
+    dashboard = dashboard_of(PROFILES["local"])
+    refusals = panel(dashboard, "Resume refusals by reason")
+    assert refusals["targets"][0]["expr"] == (
+        'sum by (reason) (rate(duplex_resume_refused_total{node="$node"}[$__rate_interval]))'
+    )
+    gap = panel(dashboard, "Resume gap p50 / p99")
+    assert [t["legendFormat"] for t in gap["targets"]] == ["p50", "p99"]
+    assert gap["targets"][1]["expr"].startswith("histogram_quantile(0.99, ")
+    assert read_metrics(panel(dashboard, "Sessions detached and resumed")) == {
+        "duplex_sessions_detached_total",
+        "duplex_sessions_resumed_total",
+    }
+    assert read_metrics(panel(dashboard, "Recording bytes by side")) == {"duplex_recording_bytes_total"}
+    assert panel(dashboard, "Recording bytes by side")["fieldConfig"]["defaults"]["unit"] == "Bps"
+    assert read_metrics(panel(dashboard, "Recording faults and sweeps")) == {
+        "duplex_recording_errors_total",
+        "duplex_recordings_swept_total",
+    }
+
+
+def test_the_regions_dashboard_shows_the_turn_gateway_where_it_runs() -> None:
+    from k8s_fixtures import make_workload
+
+    from infra.k8s import monitoring
+
+    def titles(workload: Any) -> list[str]:
+        (config_map,) = [
+            o
+            for o in monitoring.grafana_objects(workload)
+            if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "grafana-dashboards"
+        ]
+        return [p["title"] for p in json.loads(config_map["data"]["duplex-region.json"])["panels"]]
+
+    assert "TURN relay up" not in titles(make_workload())
+    with_turn = make_workload(turn_secret="t" * 40, turn_peer_ranges=("10.8.0.0/14",))
+    assert "TURN relay up" in titles(with_turn) and "Sessions by transport" in titles(with_turn)

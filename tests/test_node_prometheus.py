@@ -43,11 +43,19 @@ ALL_ALERTS = {
     "TicksOverBudget",
     "NodeAtSessionCap",
     "AdmissionsRefused",
+    "RtpLossHigh",
+    "RtcConnectSlow",
+    "RtcCallsNotConnecting",
+    "ResumeRefusalsHigh",
+    "RecordingErrors",
 }
+TURN_ALERTS = {"TurnRelayDown"}
+"""Only where the node scrapes coturn's exporter (a compose node with the relay on)."""
 K8S_SELECTORS = {
     "runtime_selector": 'namespace="duplex", job="runtime"',
     "redis_selector": 'namespace="duplex",job="redis-exporter"',
     "dcgm_selector": 'namespace="gpu-operator", job="dcgm-exporter"',
+    "coturn_selector": 'namespace="duplex", job="coturn"',
 }
 
 
@@ -115,6 +123,9 @@ def test_kubernetes_selectors_give_valid_rules_and_passing_unit_tests(promtool: 
         assert '{job="' not in alert["expr"], alert
     assert 'up{namespace="duplex",job="runtime"}' in _alerts(rules)["RuntimeDown"]["expr"]
     assert 'namespace="gpu-operator",job="dcgm-exporter"' in _alerts(rules)["GpuMemoryHigh"]["expr"]
+    assert 'absent(up{namespace="duplex",job="coturn"})' in _alerts(rules)["TurnRelayDown"]["expr"]
+    without_relay = _alerts(alert_rules(profile, **{**K8S_SELECTORS, "coturn_selector": None}))
+    assert set(without_relay) == set(_alerts(rules)) - TURN_ALERTS
     files = {
         RULES_FILE: _dump(rules),
         RULES_TEST_FILE: _dump(rules_unit_tests(profile, **K8S_SELECTORS)),
@@ -174,7 +185,7 @@ def _mutated(profile: NodeProfile, alert: str, expr: str) -> bytes:
     return _dump(rules)
 
 
-@pytest.mark.parametrize("alert", sorted(ALL_ALERTS | {"GpuMemoryHigh"}))
+@pytest.mark.parametrize("alert", sorted(ALL_ALERTS | TURN_ALERTS | {"GpuMemoryHigh"}))
 @pytest.mark.parametrize(
     ("kind", "expr"),
     [("never fires", "vector(1) == 0"), ("always fires", "vector(1)")],
@@ -205,6 +216,32 @@ def test_each_alert_has_positive_and_negative_cases(
         ("RedisDown", 'redis_up{job="redis-exporter"} == 0'),
         # A runtime missing from Prometheus must alert, not only a failing scrape.
         ("RuntimeDown", 'up{job="runtime"} == 0'),
+        # A missing coturn target must alert too.
+        ("TurnRelayDown", 'up{job="coturn"} == 0'),
+        # One call's loss is the caller's network: the traffic floor must hold the alert back.
+        (
+            "RtpLossHigh",
+            'sum without (outcome) (rate(duplex_rtp_packets_total{job="runtime",outcome="concealed"}[5m])) / '
+            'sum without (outcome) (rate(duplex_rtp_packets_total{job="runtime",'
+            'outcome=~"received|concealed"}[5m])) > 0.05',
+        ),
+        # A few unconnected calls in a quiet hour are not an outage: the answers floor must hold.
+        (
+            "RtcCallsNotConnecting",
+            '(rate(duplex_rtc_answer_seconds_count{job="runtime"}[10m]) - '
+            'rate(duplex_rtc_connect_seconds_count{job="runtime"}[10m])) / '
+            'rate(duplex_rtc_answer_seconds_count{job="runtime"}[10m]) > 0.25',
+        ),
+        # Counting refusals alone (no share of the attempts) alerts on a healthy node's expired holds.
+        (
+            "ResumeRefusalsHigh",
+            'sum without (reason) (increase(duplex_resume_refused_total{job="runtime"}[10m])) > 5',
+        ),
+        # A p50 instead of the p99 misses a slow tail.
+        (
+            "RtcConnectSlow",
+            'histogram_quantile(0.5, rate(duplex_rtc_connect_seconds_bucket{job="runtime"}[10m])) > 1',
+        ),
     ],
 )
 def test_unit_tests_catch_subtle_mistakes(promtool: str, tmp_path: Path, alert: str, expr: str) -> None:
@@ -263,7 +300,8 @@ def test_scrape_jobs_targets_and_gpu_only_parts(name: str) -> None:
         assert jobs["runtime"]["static_configs"][0]["targets"] == [f"127.0.0.1:{profile.ports.runtime}"]
 
     alerts = _alerts(yaml.safe_load(files[RULES_FILE]))
-    assert set(alerts) == ALL_ALERTS | ({"GpuMemoryHigh"} if profile.gpu is not None else set())
+    expected_alerts = ALL_ALERTS | ({"GpuMemoryHigh"} if profile.gpu is not None else set())
+    assert set(alerts) == expected_alerts | (TURN_ALERTS if "coturn" in jobs else set())
     for rule in alerts.values():
         assert rule["labels"]["severity"] in ("page", "ticket")
         assert set(rule["annotations"]) == {"summary", "description"}

@@ -9,7 +9,7 @@ node's dashboard (reached with ``kubectl port-forward``). docs/deploying.md, "St
 from __future__ import annotations
 
 import posixpath
-from typing import Any
+from typing import Any, TypedDict
 
 from infra.k8s.alerting import alertmanager_secret
 from infra.k8s.base import (
@@ -31,12 +31,14 @@ from infra.k8s.base import (
     service_account,
     standard_labels,
 )
+from infra.k8s.turn import TURN_NAME
 from infra.node.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, GRAFANA_UID, IMAGES
 from infra.node.compose import _grafana as _compose_grafana
 from infra.node.grafana import dashboard_bytes, datasource_yaml, node_dashboard, provider_yaml
 from infra.node.prometheus import alert_rules, rules_unit_tests, scrape_interval
 
 __all__ = [
+    "AlertSelectors",
     "DCGM_JOB",
     "DCGM_NAMESPACE",
     "DCGM_SELECTOR",
@@ -103,16 +105,30 @@ _FRONTEND_UID = 1000  # examples/frontend.yaml's runAsUser
 _SECRETS_MOUNT = "/run/secrets"  # where infra.node.compose's Grafana environment reads its password file
 
 
-def alert_selectors(workload: RegionWorkload) -> dict[str, str]:
+class AlertSelectors(TypedDict):
+    """``alert_rules``' and ``rules_unit_tests``' selector arguments for a region (``alert_selectors``)."""
+
+    runtime_selector: str
+    redis_selector: str
+    dcgm_selector: str
+    coturn_selector: str | None
+
+
+def alert_selectors(workload: RegionWorkload) -> AlertSelectors:
     """The label selectors of the node's rules (``alert_rules``/``rules_unit_tests`` keyword arguments):
     ``runtime_selector`` = ``namespace="<ns>", job="runtime"``, ``redis_selector`` =
-    ``namespace="<ns>", job="redis-exporter"``, ``dcgm_selector`` = ``DCGM_SELECTOR``. No ``cluster``
-    matcher: GMP scopes a ClusterRules object to its cluster."""
+    ``namespace="<ns>", job="redis-exporter"``, ``dcgm_selector`` = ``DCGM_SELECTOR``, ``coturn_selector`` =
+    ``namespace="<ns>", job="coturn"`` (the TURN gateway's PodMonitoring, ``infra.k8s.turn``) where the
+    region runs one (a TURN secret), else None (no relay rules). No ``cluster`` matcher: GMP scopes a
+    ClusterRules object to its cluster."""
     ns = workload.namespace
     return {
         "runtime_selector": f'namespace="{ns}", job="{RUNTIME_JOB}"',
         "redis_selector": f'namespace="{ns}", job="{REDIS_EXPORTER_NAME}"',
         "dcgm_selector": DCGM_SELECTOR,
+        "coturn_selector": f'namespace="{ns}", job="{TURN_NAME}"'
+        if workload.turn_secret is not None
+        else None,
     }
 
 
@@ -303,6 +319,7 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         dashboard_selector(workload),
         uid=f"duplex-{workload.region}",
         title=f"Duplex {workload.region} ({workload.cluster_name})",
+        turn_relay=workload.turn_secret is not None,
     )
     environment = dict(_compose_grafana(profile)["environment"])
     environment["GF_LOG_MODE"] = "console"  # the image's default also writes /var/log/grafana (read-only)

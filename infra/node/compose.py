@@ -3,7 +3,7 @@ project (``duplex``) on one bridge network running every service of ``infra.node
 name. Only nginx publishes on the public address (Prometheus, Alertmanager and Grafana on the private one);
 secrets are never in the file (env files and Compose secrets under ``secrets/``); the host directories the
 containers write are listed by ``host_directories``, and ``node_stop_timeout_s`` bounds a stop (nginx, then
-the runtime's drain).
+the runtime's drain): both in ``infra.node.compose_host``, re-exported here.
 
 Exposure, secrets and their owners, stopping: docs/node.md, "The bundle"."""
 
@@ -11,12 +11,25 @@ from __future__ import annotations
 
 import posixpath
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from infra.images import NODE_IMAGES
 from infra.node.acme import WEBROOT_CONTAINER, acme_dirs
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
+from infra.node.compose_host import (
+    CONTAINER_USERS,
+    GRAFANA_UID,
+    NGINX_STOP_MARGIN_S,
+    RUNTIME_STOP_MARGIN_S,
+    RUNTIME_UID,
+    HostDirectory,
+    host_directories,
+    nginx_stop_grace_s,
+    node_stop_timeout_s,
+    runtime_stop_grace_s,
+    tls_dirs,
+    tls_reload_command,
+)
 from infra.node.coturn import CONTAINER_CONFIG_PATH as COTURN_CONFIG_PATH
 from infra.node.coturn import coturn_args
 from infra.node.profile import NodeProfile
@@ -96,93 +109,20 @@ CONTAINER_READ_SECRETS: frozenset[str] = frozenset(
 mode 0640 on the host (the reading containers run with group 0). The others (``runtime_env``,
 ``redis_exporter_env``) are read by ``docker compose`` on the host and stay 0600."""
 
-RUNTIME_UID = 10001
-"""The runtime image's user (``images/runtime/Dockerfile``: ``useradd --uid 10001 duplex``): the Compose
-node's runtime container and the GKE pods run as it."""
-GRAFANA_UID = 472
-"""The grafana/grafana image's default user (its Compose container and its GKE pod)."""
-
-# Container users. Fixed so that host directories can be prepared with matching owners.
-_RUNTIME_USER = (RUNTIME_UID, 0)  # group 0 reads the token keys
-_REDIS_USER = (999, 0)  # the image's redis user, group 0 to read the 0640 secrets; skips the gosu step
-_PROMETHEUS_USER = (65534, 65534)  # the image's nobody
-_GRAFANA_USER = (GRAFANA_UID, 0)
-_REDIS_EXPORTER_USER = (59000, 59000)  # the scratch image's user, kept on the Alpine variant
-_ALERTMANAGER_USER = (65534, 0)  # the image's nobody, group 0 to read the 0640 receiver secrets
+_RUNTIME_USER = CONTAINER_USERS["runtime"]
+_REDIS_USER = CONTAINER_USERS["redis"]
+_PROMETHEUS_USER = CONTAINER_USERS["prometheus"]
+_GRAFANA_USER = CONTAINER_USERS["grafana"]
+_REDIS_EXPORTER_USER = CONTAINER_USERS["redis-exporter"]
+_ALERTMANAGER_USER = CONTAINER_USERS["alertmanager"]
 ALERTMANAGER_CONFIG_PATH = "/etc/alertmanager/alertmanager.yml"
 ALERTMANAGER_DATA_DIR = "/alertmanager"
-
-RUNTIME_STOP_MARGIN_S = 30
-"""After the drain grace the runtime closes the remaining sessions (up to 5 s) and flushes Redis."""
-
-NGINX_STOP_MARGIN_S = 10
-"""nginx's grace beyond the drain grace, before Docker kills it."""
 
 _LOGGING = {"driver": "json-file", "options": {"max-size": "20m", "max-file": "5"}}
 _HEALTH_TIMING = {"interval": "15s", "timeout": "5s", "retries": 3}
 
 # Compose bind mounts in short syntax split on ':'; interpolation acts on '$'.
 _SAFE_PATH = re.compile(r"^/[A-Za-z0-9._/-]*$")
-
-
-@dataclass(frozen=True)
-class HostDirectory:
-    """A directory the node needs on the host before ``docker compose up``: path, owner and mode."""
-
-    path: str
-    uid: int
-    gid: int
-    mode: int
-    purpose: str
-
-
-def runtime_stop_grace_s(profile: NodeProfile) -> int:
-    """The runtime's ``stop_grace_period`` (s): the drain grace plus ``RUNTIME_STOP_MARGIN_S``."""
-    return profile.limits.drain_grace_s + RUNTIME_STOP_MARGIN_S
-
-
-def nginx_stop_grace_s(profile: NodeProfile) -> int:
-    """nginx's ``stop_grace_period`` (s): SIGQUIT lets open sessions go on for the drain grace."""
-    return profile.limits.drain_grace_s + NGINX_STOP_MARGIN_S
-
-
-def node_stop_timeout_s(profile: NodeProfile) -> int:
-    """Upper bound (s) for ``docker compose down``: nginx, then the runtime, each within its grace
-    period, plus a minute for the rest (Redis's last save, removing containers and the network)."""
-    return nginx_stop_grace_s(profile) + runtime_stop_grace_s(profile) + 60
-
-
-def host_directories(profile: NodeProfile) -> list[HostDirectory]:
-    """Directories to create on the host (with these owners) before the first ``docker compose up``:
-    the containers run as fixed non-root users and Docker would create a missing bind source as root."""
-    data = profile.data_dir
-    dirs = [
-        HostDirectory(profile.model_cache_dir, *_RUNTIME_USER, 0o750, "model cache (/models)"),
-        HostDirectory(posixpath.join(data, "redis"), *_REDIS_USER, 0o750, "Redis data (/data)"),
-        HostDirectory(posixpath.join(data, "prometheus"), *_PROMETHEUS_USER, 0o750, "Prometheus TSDB"),
-        HostDirectory(posixpath.join(data, "grafana"), *_GRAFANA_USER, 0o750, "Grafana data"),
-        HostDirectory(
-            posixpath.join(data, "alertmanager"), *_ALERTMANAGER_USER, 0o750, "Alertmanager silences, log"
-        ),
-    ]
-    if profile.tls.mode == "acme":
-        dirs.append(
-            HostDirectory(acme_dirs(profile).webroot, 0, 0, 0o755, "ACME HTTP-01 webroot (nginx, certbot)")
-        )
-    for tls_dir in _tls_dirs(profile):
-        dirs.append(HostDirectory(tls_dir, 0, 0, 0o755, "TLS certificate and key (nginx)"))
-    return dirs
-
-
-def tls_reload_command(profile: NodeProfile, compose: str) -> str:
-    """The shell command that makes the node's TLS servers read a renewed certificate (ACME deploy hook,
-    ``infra.node.acme``): SIGHUP to nginx and, where the relay runs, SIGUSR2 to coturn (coturn 4.6 reloads
-    its certificate on SIGUSR2 with its allocations kept: tried here on Debian's 4.6.1). ``compose`` is the
-    ``docker compose ...`` prefix of the node's project."""
-    command = f"{compose} kill --signal HUP nginx"
-    if profile.relay.enabled:
-        command += f" && {compose} kill --signal USR2 coturn"
-    return command
 
 
 def render_compose(profile: NodeProfile) -> dict[str, bytes]:
@@ -256,7 +196,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
 def _nginx(profile: NodeProfile) -> dict[str, Any]:
     ports = profile.ports
     volumes = ["./nginx/nginx.conf:/etc/nginx/nginx.conf:ro", f"./{WEB_DIR}:{WEB_CONTAINER_ROOT}:ro"]
-    volumes += [f"{d}:{d}:ro" for d in _tls_dirs(profile)]
+    volumes += [f"{d}:{d}:ro" for d in tls_dirs(profile)]
     if profile.tls.mode == "acme":  # certbot writes HTTP-01 tokens here on the host (infra.node.acme)
         volumes.append(f"{acme_dirs(profile).webroot}:{WEBROOT_CONTAINER}:ro")
     return {
@@ -450,7 +390,7 @@ def _coturn(profile: NodeProfile) -> dict[str, Any]:
     # runtime reaches directly, so only the two listeners are published (docs/node.md, "The TURN relay").
     relay = profile.relay
     volumes = [f"./{SECRET_FILES['turnserver_conf']}:{COTURN_CONFIG_PATH}:ro"]
-    volumes += [f"{d}:{d}:ro" for d in _tls_dirs(profile)]  # nginx's certificate, renewed in place
+    volumes += [f"{d}:{d}:ro" for d in tls_dirs(profile)]  # nginx's certificate, renewed in place
     return {
         "image": IMAGES["coturn"],
         # Root without capabilities: reads the root-owned 0600 key and 0640 configuration as their owner,
@@ -510,11 +450,6 @@ def _port(host_ip: str, port: int) -> dict[str, Any]:
 
 def _user(user: tuple[int, int]) -> str:
     return f"{user[0]}:{user[1]}"
-
-
-def _tls_dirs(profile: NodeProfile) -> list[str]:
-    dirs = [posixpath.dirname(profile.tls.certificate_path), posixpath.dirname(profile.tls.private_key_path)]
-    return list(dict.fromkeys(dirs))
 
 
 def _dump(document: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ on loopback, from the ``local`` profile's bundle.
 starts each process in its own process group with its log in ``logs/<name>.log``, waits until each one
 answers its readiness probe, and stops them all (reverse order, SIGTERM then SIGKILL) on ``stop()``.
 A process that exits early is reported with its exit code and the tail of its log rather than waited on.
+Free ports, this host's addresses and the relay's STUN probe: ``infra.node.local_network`` (re-exported).
 
 Node directory::
 
@@ -23,18 +24,13 @@ Node directory::
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import grp
-import ipaddress
 import logging
 import os
 import pwd
-import random
 import shutil
 import signal
-import socket
 import ssl
-import struct
 import subprocess
 import sys
 import time
@@ -47,6 +43,13 @@ from pathlib import Path
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.bundle import render_bundle, write_bundle, write_secrets
 from infra.node.coturn import coturn_args
+from infra.node.local_network import (
+    free_port_profile,
+    host_ipv4_addresses,
+    port_in_use,
+    stun_binding_ok,
+    udp_ports_free,
+)
 from infra.node.nginx import NGINX_CONF
 from infra.node.profile import NodeProfile, get_profile
 from infra.node.prometheus import prometheus_args, prometheus_config
@@ -56,7 +59,6 @@ from infra.node.relay import relay_port_range
 from infra.node.services import SECRET_FILES, NodeSecrets, endpoint, runtime_settings, token_audience
 from infra.node.tls import write_self_signed_certificate
 from runtime.frontend.tokens import mint_token
-from runtime.tools.local_redis import free_loopback_port
 
 __all__ = [
     "REQUIRED_BINARIES",
@@ -97,92 +99,6 @@ def missing_binaries() -> dict[str, str]:
     return {binary: package for binary, package in REQUIRED_BINARIES.items() if shutil.which(binary) is None}
 
 
-def free_port_profile(**overrides: object) -> NodeProfile:
-    """The ``local`` profile with every port replaced by a free loopback port (tests, ``--free-ports``)."""
-    names = (
-        "https",
-        "http",
-        "runtime",
-        "redis",
-        "prometheus",
-        "grafana",
-        "node_exporter",
-        "redis_exporter",
-        "alertmanager",
-    )
-    ports: dict[str, int] = {}
-    while len(set(ports.values())) < len(names):
-        ports = {name: free_loopback_port() for name in names}
-    ports["dcgm_exporter"] = 1 + max(ports.values())  # unused on a CPU node, must merely be distinct
-    if "relay" not in overrides:
-        relay_port = _free_udp_port(exclude=set(ports.values()))
-        tls_port = free_loopback_port()
-        while tls_port in {*ports.values(), relay_port}:
-            tls_port = free_loopback_port()
-        # A free block of relay ports above Linux's ephemeral range (infra.node.relay), from a random start
-        # so that nodes started at once (parallel test runs) rarely pick the same one.
-        wanted = overrides.get("max_sessions")
-        sessions = wanted if isinstance(wanted, int) else 5
-        base = get_profile("local").relay
-        size = 1 + relay_port_range(base, sessions)[1] - base.relay_min_port
-        blocks = list(range(base.relay_min_port, 65536 - size, size))
-        first = random.randrange(len(blocks))
-        start = next(b for b in blocks[first:] + blocks[:first] if _udp_ports_free(b, size))
-        overrides["relay"] = {"port": relay_port, "tls_port": tls_port, "relay_min_port": start}
-    return get_profile("local", ports=ports, **overrides)
-
-
-def _udp_ports_free(first: int, count: int) -> bool:
-    for port in range(first, first + count):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
-
-
-def _free_udp_port(exclude: set[int]) -> int:
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port not in exclude:
-            return port
-
-
-def host_ipv4_addresses() -> tuple[str, ...]:
-    """This host's IPv4 interface addresses but loopback (``SIOCGIFADDR``, one per interface): the host
-    candidates the runtime's ICE agent gathers (aioice 0.13 skips only 127.0.0.1), so the peers the local
-    node's relay may reach. Empty where no interface has one."""
-    found: list[str] = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for _, name in socket.if_nameindex():
-            try:
-                answer = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address on this interface
-                continue
-            address = socket.inet_ntoa(answer[20:24])
-            if not ipaddress.ip_address(address).is_loopback and address not in found:
-                found.append(address)
-    return tuple(found)
-
-
-def stun_binding_ok(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    """A STUN Binding request (RFC 8489 section 5: type 0x0001, the magic cookie, a random transaction id)
-    to ``host:port`` over UDP is answered with a Binding success response carrying the same id."""
-    transaction = os.urandom(12)
-    request = struct.pack("!HHI", 0x0001, 0, 0x2112A442) + transaction
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.settimeout(timeout_s)
-        try:
-            sock.sendto(request, (host, port))
-            answer = sock.recv(2048)
-        except OSError:
-            return False
-    return len(answer) >= 20 and answer[:2] == b"\x01\x01" and answer[8:20] == transaction
-
-
 def nginx_global_directives(node_dir: Path) -> str:
     """nginx's ``-g`` directives for a node run from ``node_dir``: in the foreground and, when started as
     root, with workers running as the node directory's owner (nginx's default worker user, ``nobody``,
@@ -194,16 +110,6 @@ def nginx_global_directives(node_dir: Path) -> str:
         user, group = pwd.getpwuid(owner.st_uid).pw_name, grp.getgrgid(owner.st_gid).gr_name
         directives += f" user {user} {group};"
     return directives
-
-
-def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 @dataclass
@@ -355,15 +261,15 @@ class LocalNode:
         busy = [
             f"{name} {port}"
             for name, port in p.ports.model_dump().items()
-            if name not in ("grafana", "dcgm_exporter") and _port_in_use(p.public_address, port)
+            if name not in ("grafana", "dcgm_exporter") and port_in_use(p.public_address, port)
         ]
         if p.relay.enabled:
             low, high = relay_port_range(p.relay, p.sessions)
-            if not _udp_ports_free(p.relay.port, 1):
+            if not udp_ports_free(p.relay.port, 1):
                 busy.append(f"relay.port {p.relay.port}/udp")
-            if not _udp_ports_free(low, high - low + 1):
+            if not udp_ports_free(low, high - low + 1):
                 busy.append(f"relay range {low}-{high}/udp")
-            if _port_in_use(p.public_address, p.relay.tls_port):
+            if port_in_use(p.public_address, p.relay.tls_port):
                 busy.append(f"relay.tls_port {p.relay.tls_port}")
         if busy:
             raise NodeStartError(
