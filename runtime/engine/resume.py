@@ -6,7 +6,12 @@ the engine process (``--workers N``), where it is the one place that knows every
 resume may arrive through any worker of the node and no worker needs Redis to check a credential.
 
 - **Credentials**: ``<session_id>.<secret>``, the secret 32 random bytes (``secrets.token_urlsafe``); only
-  its SHA-256 is kept. Each is single-use: a successful resume spends it and issues the next. Random rather
+  its SHA-256 is kept. Each is single-use: a resume issues the next, and the one it presented is spent
+  once the new connection has the slot, i.e. at its first audio frame (:meth:`SlotHolds.confirm`). Until
+  then the presented credential stays **pending**: a resume cancelled mid-flight (the reconnecting client
+  left before its first frame: before or after the hand-over, before or after it was sent the next
+  credential) leaves the slot held and the client's retry with the same credential is granted, as is a
+  retry with the next one (which then spends the pending one). Random rather
   than HMAC-signed: the slot owner must remember what was spent anyway (single use), and a random secret
   needs no key to distribute or rotate. Nothing survives a restart of the slot owner, and nothing needs to:
   the slots (the model's state) do not survive it either.
@@ -101,6 +106,9 @@ class _Held:
     meta: str
     secret: bytes
     spent: list[bytes] = field(default_factory=list)
+    pending: bytes | None = None
+    """The credential a resume presented, until the new connection's first frame (:meth:`SlotHolds.confirm`)
+    spends it: a retry of a resume cancelled mid-flight presents it again."""
     deadline: float | None = None
     """While detached: when the hold ends (``clock`` s); None while attached."""
 
@@ -208,6 +216,14 @@ class SlotHolds:
         held.slot_session.inbox.clear()  # the tick takes no stale frame when the caller is back
         return True
 
+    def confirm(self, session_id: str) -> None:
+        """The resumed connection's first frame reached the slot: the credential its resume presented is
+        spent from now on (a replay of it is ``resume_replayed``)."""
+        held = self._held.get(session_id)
+        if held is not None and held.pending is not None:
+            held.spent = [*held.spent[-(_SPENT_KEPT - 1) :], held.pending]
+            held.pending = None
+
     def sweep(self) -> list[str]:
         """Free the holds past their deadline (their sinks get ``on_hold_expired``); their session ids."""
         now = self.clock()
@@ -221,8 +237,13 @@ class SlotHolds:
         return expired
 
     def resume(self, credential: str, sink: SessionSink) -> Resumed:
-        """Spend ``credential`` and point its session's slot at ``sink`` (the slot stays paused until a
-        frame arrives).
+        """Point the slot of ``credential``'s session at ``sink`` and issue the next credential (the slot
+        stays paused until a frame arrives; that frame spends ``credential``: :meth:`confirm`).
+
+        ``credential`` is the session's current one, or the pending one of a resume not confirmed yet (a
+        retry: the credential that resume issued is void from then on). The current one presented while
+        another is pending spends the pending one (the client got the next credential, so it needs the
+        older one no more).
 
         Raises:
             Refusal: ``resume_off``, ``resume_invalid``, ``resume_replayed`` or ``resume_expired``.
@@ -244,14 +265,18 @@ class SlotHolds:
                 raise Refusal("resume_expired", f"session {session_id} cannot be resumed: {why}")
             raise Refusal("resume_invalid", f"no session {session_id} on this node")
         digest = _digest(secret)
-        if any(hmac.compare_digest(digest, spent) for spent in held.spent):
-            raise Refusal(
-                "resume_replayed", f"this resume credential of session {session_id} was used already"
-            )
-        if not hmac.compare_digest(digest, held.secret):
+        current = hmac.compare_digest(digest, held.secret)
+        retry = held.pending is not None and hmac.compare_digest(digest, held.pending)
+        if not current and not retry:
+            if any(hmac.compare_digest(digest, spent) for spent in held.spent):
+                raise Refusal(
+                    "resume_replayed", f"this resume credential of session {session_id} was used already"
+                )
             raise Refusal("resume_invalid", f"not a resume credential of session {session_id}")
+        if current:
+            self.confirm(session_id)  # a pending one, if any, is spent: the client holds the next
+            held.pending = held.secret
         next_secret = secrets.token_urlsafe(32)
-        held.spent = [*held.spent[-(_SPENT_KEPT - 1) :], held.secret]
         held.secret = _digest(next_secret)
         held.deadline = None
         previous, held.route.sink = held.route.sink, sink
