@@ -81,13 +81,15 @@ class SinkRoute(SessionSink):
 
     def __init__(self, sink: SessionSink) -> None:
         self.sink = sink
-        self.transcript: list[str] = []
-        """The text pieces delivered so far (kept for resumable sessions only: ``keep_text``)."""
+        self.transcript: list[tuple[float, str]] = []
+        """The text pieces delivered so far, each with when it was delivered (unix s): kept for resumable
+        sessions only (``keep_text``); the store of the front end that resumes the session rewrites the
+        transcript from it (``runtime.frontend.session_store.SessionStore.adopt_session``)."""
         self.keep_text = False
 
     def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:
         if piece is not None and self.keep_text:
-            self.transcript.append(piece)
+            self.transcript.append((time.time(), piece))
         self.sink.on_output(pcm, piece)
 
     def on_prompt_done(self) -> None:
@@ -121,7 +123,8 @@ class Resumed:
         slot_session: the session's slot, now delivering to the new sink.
         previous: the sink it delivered to before (not told yet: the caller calls its ``on_taken_over``).
         gap_s: from the session's last input frame to now, on the scheduler's clock (0: no frame yet).
-        meta, transcript: the admission's ``meta``; the text pieces produced so far, joined.
+        meta: the admission's ``meta``.
+        transcript: every text piece produced so far, in order, with when it was produced (unix s).
         credential: the next single-use credential.
     """
 
@@ -129,7 +132,7 @@ class Resumed:
     previous: SessionSink
     gap_s: float
     meta: str
-    transcript: str
+    transcript: list[tuple[float, str]]
     credential: str
 
 
@@ -282,6 +285,6 @@ class SlotHolds:
         previous, held.route.sink = held.route.sink, sink
         last = held.slot_session.last_input_at  # on the scheduler's clock, as the gap's end
         gap_s = 0.0 if last is None else max(0.0, held.slot_session.clock() - last)
-        transcript = "".join(held.route.transcript)
+        transcript = list(held.route.transcript)
         credential = f"{session_id}.{next_secret}"
         return Resumed(held.slot_session, previous, gap_s, held.meta, transcript, credential)
