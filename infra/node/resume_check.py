@@ -132,6 +132,14 @@ class _Leg:
                     self.errors.append(payload.decode("utf-8", errors="replace"))
 
 
+async def _handshake(leg: _Leg) -> bool:
+    """Until the leg's ``0x00`` handshake (True) or its connection's end without one (False: refused)."""
+    waiter = asyncio.ensure_future(leg.handshake.wait())
+    await asyncio.wait({waiter, leg.task}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    return leg.handshake.is_set()
+
+
 def _api_session(
     https_url: str, session_id: str, app_token: str, context: ssl.SSLContext
 ) -> dict[str, object] | None:
@@ -213,7 +221,11 @@ async def check_resume(
                 **options,  # type: ignore[arg-type]
             )
             first = _Leg(ws, time.monotonic())
-            await first.handshake.wait()
+            if not await _handshake(first):
+                check.problems.append(
+                    f"resume: the first connection was refused: {first.errors} ({ws.close_code})"
+                )
+                return check
             metadata = await first.metadata
             check.session_id = str(metadata.get("session_id", ""))
             credential = str(metadata.get("resume", ""))
@@ -233,7 +245,9 @@ async def check_resume(
             started = time.monotonic()
             ws = await connect(session_url(wss_url, resume=credential), **options)  # type: ignore[arg-type]
             second = _Leg(ws, started)
-            await second.handshake.wait()
+            if not await _handshake(second):
+                check.problems.append(f"resume: refused: {second.errors} (closed {ws.close_code})")
+                return check
             resumed = await second.metadata
             check.resumed_session_id = str(resumed.get("session_id", ""))
             check.gap_ms = float(str(resumed.get("gap_ms", "nan")))
