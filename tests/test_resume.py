@@ -374,6 +374,33 @@ async def test_a_resume_flood_from_one_address_is_rate_limited(bundle, speech): 
             await live_client.discard()
 
 
+async def test_a_resume_while_draining_is_refused_and_counted_once_as_a_resume(bundle, speech):  # noqa: F811
+    """The node drains while a session is held: its resume is refused (``draining``, 1013), counted in
+    ``duplex_resume_refused_total`` and not in ``duplex_admissions_refused_total`` (each refusal once)."""
+    async with running_server(bundle) as srv:
+        a, meta = await open_resumable(srv, speech[0], resumable=1)
+        b = LiveClient(chat_url(srv, format="pcm"), speech[1])  # keeps the drain in its grace period
+        await b.open()
+        b.start_streaming()
+        try:
+            await a.wait_audio(AFTER_FRAMES)
+            a.abort()
+            await detached(srv)
+            drain = asyncio.create_task(srv.drain(grace_s=3600.0))
+            await asyncio.sleep(0)  # let the drain begin
+            assert srv.draining
+            late = await refused(srv, meta["resume"], speech[1])
+            assert late.result.close_code == 1013 and "draining" in late.result.errors[0], late.result.errors
+            metrics = local_metrics(srv)
+            assert metrics.value("duplex_resume_refused_total", reason="draining") == 1
+            assert metrics.total("duplex_admissions_refused_total") == 0
+            await asyncio.wait_for(srv.drain(grace_s=0.0), WAIT_S)
+            assert drain.done()
+        finally:
+            await a.discard()
+            await b.discard()
+
+
 async def test_resume_off_offers_no_credential_and_refuses_resumes(bundle, speech):  # noqa: F811
     """``DUPLEX_RESUME_S=0``: ``resumable=1`` gets the session id and no credential; a drop ends the session
     at once (slot free); ``resume=`` is refused ``resume_off``."""
