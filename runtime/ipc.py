@@ -116,7 +116,7 @@ class Resumed(msgspec.Struct, tag=True):
     credential: str
     gap_s: float
     meta: str
-    transcript: str
+    transcript: list[tuple[float, str]]
 
 
 class Moved(msgspec.Struct, tag=True):

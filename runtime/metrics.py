@@ -164,7 +164,10 @@ class RuntimeMetrics:
             registry=r,
         )
         self.admissions_refused = Counter(
-            "duplex_admissions_refused_total", "Sessions refused, by reason", ["reason"], registry=r
+            "duplex_admissions_refused_total",
+            "New sessions refused, by reason (a resume's refusals count in duplex_resume_refused_total only)",
+            ["reason"],
+            registry=r,
         )
         self.sessions_started = Counter("duplex_sessions_started_total", "Sessions admitted", registry=r)
         self.sessions_ended = Counter(
@@ -256,8 +259,8 @@ class RuntimeMetrics:
         )
         self.resume_refused = Counter(
             "duplex_resume_refused_total",
-            "Resumes refused: resume_off, resume_invalid, resume_replayed, resume_expired (and not_ready, "
-            "draining, engine_lost)",
+            "Resumes refused: resume_off, resume_invalid, resume_replayed, resume_expired (and any other "
+            "refusal of a connection presenting a resume credential: rate_limited, draining, not_ready...)",
             ["reason"],
             registry=r,
         )
@@ -326,6 +329,12 @@ class RuntimeMetrics:
             self.transport_sessions_active.labels(transport=transport)
         for outcome in ("received", "late", "concealed", "lost"):
             self.rtp_packets.labels(outcome=outcome)
+
+    def refused(self, reason: str, *, resume: bool = False) -> None:
+        """Count one refusal, once: a connection that presented a resume credential (``resume``) in
+        ``duplex_resume_refused_total``, any other in ``duplex_admissions_refused_total``, whatever the
+        reason (``rate_limited``, ``draining``, an access reason... count where the connection belongs)."""
+        (self.resume_refused if resume else self.admissions_refused).labels(reason=reason).inc()
 
     def observe_first_audio(
         self,

@@ -41,3 +41,40 @@ def test_a_session_closed_with_another_code_is_a_problem() -> None:
 def test_a_session_not_served_is_a_problem() -> None:
     [problem] = _problems(SessionResult(http_status=503, http_body="node full"))
     assert problem.startswith("session 0 not served: "), problem
+
+
+def _resumed(**fields: object) -> list[str]:
+    """The resume step's verdict (``infra.node.resume_check._judge``) on a run that went well but for
+    ``fields``."""
+    from infra.node.resume_check import ResumeCheck, _judge
+
+    base: dict[str, object] = dict(
+        session_id="a" * 32,
+        resumed_session_id="a" * 32,
+        slot=2,
+        resumed_slot=2,
+        handshake_ms=20.0,
+        audio_again_ms=60.0,
+        audio_before=6,
+        audio_after=12,
+        close_code=1000,
+        state="ended",
+    )
+    base.update(fields)
+    check = ResumeCheck(**base)  # type: ignore[arg-type]
+    _judge(check, [])
+    return check.problems
+
+
+def test_the_resume_step_fails_on_anything_but_the_same_session_in_the_same_slot_talking_again() -> None:
+    assert _resumed() == []
+    for fields, words in (
+        ({"resumed_session_id": "b" * 32}, "session id"),
+        ({"resumed_slot": 3}, "slot 3 after the resume, 2 before"),
+        ({"slot": None}, "slot"),
+        ({"audio_after": 0, "audio_again_ms": None}, "no audio after the resume"),
+        ({"close_code": 1006}, "closed with 1006"),
+        ({"state": "active"}, "state 'active'"),
+    ):
+        problems = _resumed(**fields)
+        assert len(problems) == 1 and words in problems[0], (fields, problems)

@@ -64,9 +64,9 @@ def _wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:  # 
 
 
 def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
-    """What the README's main job does: 5 sessions through wss://, the 6th refused, 5 more over WebRTC
-    (signalling through nginx, media relay-only through the node's coturn), Prometheus saw them all, and
-    nothing is left behind."""
+    """What the README's main job does: 5 sessions through wss://, the 6th refused, one dropped and resumed,
+    5 more over WebRTC (signalling through nginx, media relay-only through the node's coturn), Prometheus
+    saw them all, and nothing is left behind."""
     node = LocalNode(tmp_path / "node", free_port_profile())
     node.start()
     pids = [p.popen.pid for p in node.processes if p.popen is not None]
@@ -95,6 +95,20 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     assert rows["webrtc"]["served"] == rows["websocket"]["served"] == 5
     assert rows["webrtc"]["relay_only"] and rows["webrtc"]["ice_connect_ms_p99"] is not None
     assert check.scraped["webrtc_sessions_started"] == 5
+    # The resume step: one session's TCP connection cut without a close frame mid-conversation and resumed
+    # with its credential through nginx: audio again, the same session id and slot (read back through the
+    # sessions API), a normal close, one session record ended.
+    resume = check.resume
+    assert resume is not None and resume.ok, resume
+    assert resume.audio_before >= 5 and resume.audio_after > 0
+    assert resume.resumed_session_id == resume.session_id and len(resume.session_id) == 32
+    assert resume.slot is not None and resume.resumed_slot == resume.slot
+    assert resume.close_code == 1000 and resume.state == "ended"
+    assert resume.handshake_ms is not None and resume.audio_again_ms is not None
+    assert resume.audio_again_ms >= resume.handshake_ms
+    row = resume.as_row()
+    assert row["resumed"] and row["same_session"] and row["same_slot"]
+    assert check.as_dict()["resume"]["audio_again_ms"] == resume.audio_again_ms
     assert check.scraped["sessions_started"] >= 10
     extra = check.extra_caller
     assert extra.http_status == 503 and "node full" in extra.http_body, extra.refusal_reason

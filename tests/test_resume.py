@@ -218,6 +218,64 @@ async def test_after_the_hold_the_slot_is_free_and_the_credential_refused(bundle
             await a.discard()
 
 
+@pytest.mark.parametrize("workers", WORKER_MODES)
+async def test_a_resume_cancelled_before_its_first_frame_leaves_the_session_to_a_retry(
+    bundle,  # noqa: F811
+    speech,  # noqa: F811
+    workers,
+):
+    """The reconnecting client presents its credential, gets the handshake and the next credential, and is
+    gone before its first frame: the slot is held again, and its retry with the credential it presented is
+    granted (the same slot and session id, audio again). The retry's first frame spends that credential
+    (a replay: ``resume_replayed``); the one issued to the cancelled resume is void (``resume_invalid``)."""
+    async with running_server(bundle, workers=workers) as srv:
+        a, meta = await open_resumable(srv, speech[0], resumable=1)
+        sid, credential = meta["session_id"], meta["resume"]
+        clients = [a]
+        try:
+            await a.wait_audio(AFTER_FRAMES)
+            slot = session_of(srv, sid).lease.slot
+            a.abort()
+            await detached(srv)
+            gone = LiveClient(resume_url(srv, credential), speech[0])
+            clients.append(gone)
+            await gone.open()
+            assert gone.result.handshake, (gone.result.errors, gone.result.close_code)
+            await wait_until(lambda: bool(gone.metadata), timeout_s=WAIT_S, what="the resumed metadata")
+            gone.abort()  # no frame sent: the client went away mid-resume
+            await detached(srv, 2)
+            assert srv.backend.status().free_slots == SLOTS - 1, "the slot was given back"
+
+            retry = LiveClient(resume_url(srv, credential), speech[0])
+            clients.append(retry)
+            await retry.open()
+            assert retry.result.handshake, (retry.result.errors, retry.result.close_code)
+            await wait_until(lambda: bool(retry.metadata), timeout_s=WAIT_S, what="the retry's metadata")
+            assert retry.metadata[0]["session_id"] == sid and retry.metadata[0]["resumed"] is True
+            assert session_of(srv, sid).lease.slot == slot
+            retry.start_streaming()
+            await retry.wait_audio(AFTER_FRAMES)
+            replay = await refused(srv, credential, speech[2])
+            assert "used already" in replay.result.errors[0], replay.result.errors
+            void = await refused(srv, gone.metadata[0]["resume"], speech[2])
+            assert "not a resume credential" in void.result.errors[0], void.result.errors
+            result = await retry.finish(tail_s=0.3)
+            assert result.close_code == 1000 and result.errors == [], (result.close_code, result.errors)
+            metrics = local_metrics(srv)
+            assert metrics.value("duplex_sessions_resumed_total") == 2
+            assert metrics.value("duplex_sessions_started_total") == 1
+            assert metrics.value("duplex_resume_refused_total", reason="resume_replayed") == 1
+            assert metrics.value("duplex_resume_refused_total", reason="resume_invalid") == 1
+        finally:
+            for client in clients:
+                await client.discard()
+        await wait_until(
+            lambda: not srv.sessions and srv.backend.status().free_slots == SLOTS,
+            timeout_s=WAIT_S,
+            what="every slot free",
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad credentials, replays, takeover, a flood
 # --------------------------------------------------------------------------------------------------
@@ -270,6 +328,7 @@ async def test_wrong_replayed_and_foreign_credentials_are_refused_and_harm_nothi
             assert b.result.errors == [] and b.result.close_code == 1000
             metrics = local_metrics(srv)
             assert metrics.value("duplex_resume_refused_total", reason="resume_replayed") == 1
+            assert metrics.total("duplex_admissions_refused_total") == 0, "a resume refusal counted twice"
             assert metrics.value("duplex_sessions_resumed_total") == 1
             assert metrics.value("duplex_sessions_ended_total", reason="client_closed") == 2  # A once, B once
         finally:
@@ -305,12 +364,41 @@ async def test_a_resume_flood_from_one_address_is_rate_limited(bundle, speech): 
             assert statuses[:3] == [1008] * 3 and statuses[3:] == [429] * 9, statuses
             metrics = local_metrics(srv)
             assert metrics.value("duplex_resume_refused_total", reason="resume_invalid") == 3
-            assert metrics.value("duplex_admissions_refused_total", reason="rate_limited") == 9
+            # Each refusal counts once, where its connection belongs: resumes in duplex_resume_refused_total.
+            assert metrics.value("duplex_resume_refused_total", reason="rate_limited") == 9
+            assert metrics.total("duplex_admissions_refused_total") == 0
             await live_client.wait_audio(AFTER_FRAMES, after=mark)
             await live_client.finish()
             assert_healthy(live_client, after=mark, label="the session beside the flood")
         finally:
             await live_client.discard()
+
+
+async def test_a_resume_while_draining_is_refused_and_counted_once_as_a_resume(bundle, speech):  # noqa: F811
+    """The node drains while a session is held: its resume is refused (``draining``, 1013), counted in
+    ``duplex_resume_refused_total`` and not in ``duplex_admissions_refused_total`` (each refusal once)."""
+    async with running_server(bundle) as srv:
+        a, meta = await open_resumable(srv, speech[0], resumable=1)
+        b = LiveClient(chat_url(srv, format="pcm"), speech[1])  # keeps the drain in its grace period
+        await b.open()
+        b.start_streaming()
+        try:
+            await a.wait_audio(AFTER_FRAMES)
+            a.abort()
+            await detached(srv)
+            drain = asyncio.create_task(srv.drain(grace_s=3600.0))
+            await asyncio.sleep(0)  # let the drain begin
+            assert srv.draining
+            late = await refused(srv, meta["resume"], speech[1])
+            assert late.result.close_code == 1013 and "draining" in late.result.errors[0], late.result.errors
+            metrics = local_metrics(srv)
+            assert metrics.value("duplex_resume_refused_total", reason="draining") == 1
+            assert metrics.total("duplex_admissions_refused_total") == 0
+            await asyncio.wait_for(srv.drain(grace_s=0.0), WAIT_S)
+            assert drain.done()
+        finally:
+            await a.discard()
+            await b.discard()
 
 
 async def test_resume_off_offers_no_credential_and_refuses_resumes(bundle, speech):  # noqa: F811

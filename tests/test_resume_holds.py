@@ -52,8 +52,10 @@ def test_credentials_are_single_use_and_name_their_session() -> None:
     route.on_output(None, "hello")
     second = _Sink()
     got = holds.resume(credential, second)
-    assert got.previous is first and route.sink is second and got.meta == "meta" and got.transcript == "hello"
+    assert got.previous is first and route.sink is second and got.meta == "meta"
+    assert [piece for _, piece in got.transcript] == ["hello"]
     assert got.credential != credential and got.credential.startswith(sid + ".")
+    holds.confirm(sid)  # the resumed connection's first frame: the credential it presented is spent
     with pytest.raises(Refusal) as replay:
         holds.resume(credential, _Sink())
     assert replay.value.reason == "resume_replayed"
@@ -61,6 +63,42 @@ def test_credentials_are_single_use_and_name_their_session() -> None:
         holds.resume(f"{sid}.{'A' * 43}", _Sink())
     assert wrong.value.reason == "resume_invalid"
     assert route.sink is second and not released, "a refused resume changed the session"
+
+
+def test_a_resume_cancelled_before_its_first_frame_spends_nothing() -> None:
+    """The reconnecting client leaves after its resume was granted (and even after it was sent the next
+    credential) but before its first frame: the slot is held again and a retry with the credential it
+    presented is granted; the credential issued to the cancelled resume is then void; the retry's first
+    frame spends the presented one."""
+    holds, clock, released = _holds()
+    sid = "e" * 32
+    session = _slot_session(sid)
+    route = SinkRoute(_Sink())
+    first = holds.open(session, route, "")
+    assert holds.detach(sid)
+    cancelled = holds.resume(first, _Sink())  # granted, then its connection is lost before a frame
+    assert holds.detach(sid) and holds.detached == 1
+    retry_sink = _Sink()
+    retry = holds.resume(first, retry_sink)  # the client never got cancelled.credential
+    assert retry.slot_session is session and route.sink is retry_sink and not released
+    assert retry.credential not in (first, cancelled.credential)
+    with pytest.raises(Refusal) as void:
+        holds.resume(cancelled.credential, _Sink())
+    assert void.value.reason == "resume_invalid" and route.sink is retry_sink
+    holds.confirm(sid)  # the retry's first frame
+    with pytest.raises(Refusal) as spent:
+        holds.resume(first, _Sink())
+    assert spent.value.reason == "resume_replayed" and route.sink is retry_sink
+    # The next credential presented while an older one is pending spends the older one.
+    assert holds.detach(sid)
+    second = holds.resume(retry.credential, _Sink())
+    assert holds.detach(sid)
+    third = holds.resume(second.credential, _Sink())  # the client had received second.credential
+    with pytest.raises(Refusal) as older:
+        holds.resume(retry.credential, _Sink())
+    assert older.value.reason == "resume_replayed"
+    assert holds.resume(second.credential, _Sink()).slot_session is session  # still pending: a retry
+    assert third.credential != second.credential and not released
 
 
 def test_a_detached_hold_expires_on_its_clock_and_frees_the_slot() -> None:

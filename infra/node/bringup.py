@@ -19,6 +19,11 @@ processes): signalling through nginx (``POST /api/rtc``, ``DELETE`` of its ``Loc
 node's coturn, relay-only (each client asks ``GET /api/rtc/ice-servers`` for its TURN credentials first),
 when the profile's relay is on. :func:`transport_rows` sets both runs side by side (first audio p50/p99,
 frames lost, ICE connect time), as ``duplex node up`` prints them.
+
+Between the two runs, the resume step (``infra.node.resume_check``): one WebSocket session with
+``resumable=1`` through nginx, its TCP connection cut without a close frame mid-conversation, reconnected
+with its credential: audio again in the same slot under the same session id (read back through the
+sessions API), or the check fails.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ import numpy as np
 
 from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
+from infra.node.resume_check import ResumeCheck, check_resume
+from infra.node.services import token_audience
+from runtime.frontend.app_tokens import mint_app_token
 from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
 from runtime.tools.loadgen_rtc import RtcLoadReport, run_rtc_load
 
@@ -119,6 +127,7 @@ class NodeCheck:
     rtc_load: RtcLoadReport | None = None
     rtc_relay: bool = False
     extra_caller: SessionResult | None = None
+    resume: ResumeCheck | None = None
     scraped: dict[str, float | None] = field(default_factory=dict)
     dead_processes: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
@@ -149,6 +158,7 @@ class NodeCheck:
             }
             if self.extra_caller
             else None,
+            "resume": {**self.resume.as_row(), "problems": self.resume.problems} if self.resume else None,
             "prometheus": self.scraped,
             "dead_processes": self.dead_processes,
         }
@@ -246,9 +256,11 @@ def bring_up_and_check(
     progress: Callable[[str], None] | None = None,
     max_duration_s: float = 120.0,
     webrtc: bool = True,
+    resume: bool = True,
 ) -> NodeCheck:
     """Drive the (started) ``node``: ``sessions`` (default: its slot count) concurrent sessions through
-    nginx over TLS, one extra caller while they run, then (``webrtc``) as many WebRTC sessions, relay-only
+    nginx over TLS, one extra caller while they run, then (``resume``) one session dropped and resumed
+    (``infra.node.resume_check``), then (``webrtc``) as many WebRTC sessions, relay-only
     through the node's coturn when its relay is on, then Prometheus's figures. Never raises for a node
     failure: what went wrong is in ``NodeCheck.problems``."""
     say = progress or (lambda message: None)
@@ -278,6 +290,23 @@ def bring_up_and_check(
 
     say(f"streaming {sessions} sessions through {node.wss_url}")
     check.load, check.extra_caller = asyncio.run(drive())
+    if resume and not node.dead_processes():
+        say(f"dropping one resumable session's TCP connection through {node.wss_url} and resuming it")
+        _wait_until_quiet(node.runtime_url, QUIET_TIMEOUT_S)
+        app_token = mint_app_token(
+            node.secrets.signing_keys()[0], ttl_s=300, audience=token_audience(node.profile)
+        )
+        check.resume = asyncio.run(
+            check_resume(
+                node.wss_url,
+                node.https_url,
+                np.concatenate(list(speech)),
+                token=node.mint_token(),
+                app_token=app_token,
+                ssl_context=context,
+            )
+        )
+        check.problems.extend(check.resume.problems)
     if webrtc and not node.dead_processes():
         check.rtc_relay = node.profile.relay.enabled
         route = "relay-only through its TURN relay" if check.rtc_relay else "direct"

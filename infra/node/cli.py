@@ -88,6 +88,30 @@ def _transport_table(rows: list[dict[str, object]]) -> Table:
     return table
 
 
+def _resume_table(row: dict[str, object]) -> Table:
+    """``ResumeCheck.as_row``: the session dropped and resumed through nginx (times in ms)."""
+
+    def ms(value: object) -> str:
+        return "-" if value is None else f"{float(value):.0f}"  # type: ignore[arg-type]
+
+    table = Table(
+        title="one WebSocket session dropped (TCP cut, no close frame) and resumed",
+        caption="ms from the reconnect: handshake, audio again; gap: the server's, last frame -> resume",
+    )
+    for column in ("transport", "resumed", "same id", "same slot", "handshake", "audio again", "gap"):
+        table.add_column(column, justify="right", no_wrap=True)
+    table.add_row(
+        str(row["transport"]),
+        "yes" if row["resumed"] else "NO",
+        "yes" if row["same_session"] else "no",
+        "yes" if row["same_slot"] else "no",
+        ms(row["handshake_ms"]),
+        ms(row["audio_again_ms"]),
+        ms(row["gap_ms"]),
+    )
+    return table
+
+
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
     from infra.node.bringup import transport_rows
     from runtime.tools.loadgen import load_table
@@ -103,6 +127,8 @@ def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: im
     rows = transport_rows(check)
     if rows:
         console.print(_transport_table(rows))
+    if check.resume is not None:
+        console.print(_resume_table(check.resume.as_row()))
     if check.scraped:
         table = Table(title=f"the node's figures, from Prometheus ({node.prometheus_url})")
         table.add_column("figure")
@@ -159,8 +185,9 @@ def up_command(
 ) -> None:
     """The main job: bring the local node up (redis, exporters, runtime with the tiny model, Prometheus,
     nginx with a self-signed certificate, coturn, all on loopback), stream sessions of real speech through
-    wss:// at real-time pace plus one extra caller that must be refused, then as many over WebRTC through
-    the node's TURN relay, print both transports side by side, show Prometheus's figures, stop."""
+    wss:// at real-time pace plus one extra caller that must be refused, then one resumable session whose
+    TCP connection is cut and resumed, then as many over WebRTC through the node's TURN relay, print both
+    transports side by side and the resume, show Prometheus's figures, stop."""
     logging.basicConfig(level=logging.WARNING)
     from infra.node.bringup import bring_up_and_check
     from infra.node.local import LocalNode, MissingBinaryError, NodeStartError, free_port_profile

@@ -289,13 +289,15 @@ class ResumeGrant:
         gap_s: seconds from the session's last input frame before the drop to this resume (on the slot
             owner's clock); 0 when no frame had arrived.
         meta: the :attr:`AdmitRequest.meta` the session was admitted with.
-        transcript: the text pieces the slot produced so far, joined (the front end's store continues it).
+        transcript: every text piece the slot produced so far, in order, with when it was produced
+            (unix s, on the slot owner's clock): the front end's store rewrites the session's transcript
+            from it (``SessionStore.adopt_session``), so nothing queued elsewhere is lost.
     """
 
     lease: SlotLease
     gap_s: float
     meta: str
-    transcript: str
+    transcript: list[tuple[float, str]]
 
 
 class SlotBackend(abc.ABC):

@@ -48,6 +48,8 @@ DRAINING_MESSAGE = "node is draining for shutdown; connect to another node"
 @dataclass(eq=False)
 class _LocalLease(SlotLease):
     slot_session: SlotSession | None = None
+    unconfirmed: bool = False
+    """A resume's lease before its first frame (which spends the credential it presented)."""
 
 
 class LocalSlots(SlotBackend):
@@ -216,6 +218,9 @@ class LocalSlots(SlotBackend):
     def push_frame(self, lease: SlotLease, frame: np.ndarray) -> bool:
         assert isinstance(lease, _LocalLease) and lease.slot_session is not None
         lease.slot_session.paused = False  # a frame after a resume: the row steps again
+        if lease.unconfirmed:  # the new connection has the slot: its resume's credential is spent now
+            lease.unconfirmed = False
+            self.holds.confirm(lease.session_id)
         kept = lease.slot_session.push_frame(frame)
         if lease.first_input_at is None:  # one process: the front end's first frame is the engine's
             lease.first_input_at = lease.slot_session.first_input_at
@@ -241,5 +246,5 @@ class LocalSlots(SlotBackend):
             got.previous.on_taken_over()
         held = got.slot_session
         lease = _LocalLease(held.session_id, held.slot, held.first_input_at, got.credential)
-        lease.slot_session = held
+        lease.slot_session, lease.unconfirmed = held, True
         return ResumeGrant(lease, got.gap_s, got.meta, got.transcript)

@@ -6,7 +6,12 @@ the engine process (``--workers N``), where it is the one place that knows every
 resume may arrive through any worker of the node and no worker needs Redis to check a credential.
 
 - **Credentials**: ``<session_id>.<secret>``, the secret 32 random bytes (``secrets.token_urlsafe``); only
-  its SHA-256 is kept. Each is single-use: a successful resume spends it and issues the next. Random rather
+  its SHA-256 is kept. Each is single-use: a resume issues the next, and the one it presented is spent
+  once the new connection has the slot, i.e. at its first audio frame (:meth:`SlotHolds.confirm`). Until
+  then the presented credential stays **pending**: a resume cancelled mid-flight (the reconnecting client
+  left before its first frame: before or after the hand-over, before or after it was sent the next
+  credential) leaves the slot held and the client's retry with the same credential is granted, as is a
+  retry with the next one (which then spends the pending one). Random rather
   than HMAC-signed: the slot owner must remember what was spent anyway (single use), and a random secret
   needs no key to distribute or rotate. Nothing survives a restart of the slot owner, and nothing needs to:
   the slots (the model's state) do not survive it either.
@@ -76,13 +81,15 @@ class SinkRoute(SessionSink):
 
     def __init__(self, sink: SessionSink) -> None:
         self.sink = sink
-        self.transcript: list[str] = []
-        """The text pieces delivered so far (kept for resumable sessions only: ``keep_text``)."""
+        self.transcript: list[tuple[float, str]] = []
+        """The text pieces delivered so far, each with when it was delivered (unix s): kept for resumable
+        sessions only (``keep_text``); the store of the front end that resumes the session rewrites the
+        transcript from it (``runtime.frontend.session_store.SessionStore.adopt_session``)."""
         self.keep_text = False
 
     def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:
         if piece is not None and self.keep_text:
-            self.transcript.append(piece)
+            self.transcript.append((time.time(), piece))
         self.sink.on_output(pcm, piece)
 
     def on_prompt_done(self) -> None:
@@ -101,6 +108,9 @@ class _Held:
     meta: str
     secret: bytes
     spent: list[bytes] = field(default_factory=list)
+    pending: bytes | None = None
+    """The credential a resume presented, until the new connection's first frame (:meth:`SlotHolds.confirm`)
+    spends it: a retry of a resume cancelled mid-flight presents it again."""
     deadline: float | None = None
     """While detached: when the hold ends (``clock`` s); None while attached."""
 
@@ -113,7 +123,8 @@ class Resumed:
         slot_session: the session's slot, now delivering to the new sink.
         previous: the sink it delivered to before (not told yet: the caller calls its ``on_taken_over``).
         gap_s: from the session's last input frame to now, on the scheduler's clock (0: no frame yet).
-        meta, transcript: the admission's ``meta``; the text pieces produced so far, joined.
+        meta: the admission's ``meta``.
+        transcript: every text piece produced so far, in order, with when it was produced (unix s).
         credential: the next single-use credential.
     """
 
@@ -121,7 +132,7 @@ class Resumed:
     previous: SessionSink
     gap_s: float
     meta: str
-    transcript: str
+    transcript: list[tuple[float, str]]
     credential: str
 
 
@@ -208,6 +219,14 @@ class SlotHolds:
         held.slot_session.inbox.clear()  # the tick takes no stale frame when the caller is back
         return True
 
+    def confirm(self, session_id: str) -> None:
+        """The resumed connection's first frame reached the slot: the credential its resume presented is
+        spent from now on (a replay of it is ``resume_replayed``)."""
+        held = self._held.get(session_id)
+        if held is not None and held.pending is not None:
+            held.spent = [*held.spent[-(_SPENT_KEPT - 1) :], held.pending]
+            held.pending = None
+
     def sweep(self) -> list[str]:
         """Free the holds past their deadline (their sinks get ``on_hold_expired``); their session ids."""
         now = self.clock()
@@ -221,8 +240,13 @@ class SlotHolds:
         return expired
 
     def resume(self, credential: str, sink: SessionSink) -> Resumed:
-        """Spend ``credential`` and point its session's slot at ``sink`` (the slot stays paused until a
-        frame arrives).
+        """Point the slot of ``credential``'s session at ``sink`` and issue the next credential (the slot
+        stays paused until a frame arrives; that frame spends ``credential``: :meth:`confirm`).
+
+        ``credential`` is the session's current one, or the pending one of a resume not confirmed yet (a
+        retry: the credential that resume issued is void from then on). The current one presented while
+        another is pending spends the pending one (the client got the next credential, so it needs the
+        older one no more).
 
         Raises:
             Refusal: ``resume_off``, ``resume_invalid``, ``resume_replayed`` or ``resume_expired``.
@@ -244,19 +268,23 @@ class SlotHolds:
                 raise Refusal("resume_expired", f"session {session_id} cannot be resumed: {why}")
             raise Refusal("resume_invalid", f"no session {session_id} on this node")
         digest = _digest(secret)
-        if any(hmac.compare_digest(digest, spent) for spent in held.spent):
-            raise Refusal(
-                "resume_replayed", f"this resume credential of session {session_id} was used already"
-            )
-        if not hmac.compare_digest(digest, held.secret):
+        current = hmac.compare_digest(digest, held.secret)
+        retry = held.pending is not None and hmac.compare_digest(digest, held.pending)
+        if not current and not retry:
+            if any(hmac.compare_digest(digest, spent) for spent in held.spent):
+                raise Refusal(
+                    "resume_replayed", f"this resume credential of session {session_id} was used already"
+                )
             raise Refusal("resume_invalid", f"not a resume credential of session {session_id}")
+        if current:
+            self.confirm(session_id)  # a pending one, if any, is spent: the client holds the next
+            held.pending = held.secret
         next_secret = secrets.token_urlsafe(32)
-        held.spent = [*held.spent[-(_SPENT_KEPT - 1) :], held.secret]
         held.secret = _digest(next_secret)
         held.deadline = None
         previous, held.route.sink = held.route.sink, sink
         last = held.slot_session.last_input_at  # on the scheduler's clock, as the gap's end
         gap_s = 0.0 if last is None else max(0.0, held.slot_session.clock() - last)
-        transcript = "".join(held.route.transcript)
+        transcript = list(held.route.transcript)
         credential = f"{session_id}.{next_secret}"
         return Resumed(held.slot_session, previous, gap_s, held.meta, transcript, credential)

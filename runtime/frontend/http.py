@@ -142,9 +142,11 @@ def _loading_admission(loading: Loading) -> web.Response:
 # --- serving phase ------------------------------------------------------------------------------------
 
 
-def _refuse_rate_limited(front: FrontEnd, limited: RateLimited, *, as_admission: bool) -> web.Response:
+def _refuse_rate_limited(
+    front: FrontEnd, limited: RateLimited, *, as_admission: bool, resume: bool = False
+) -> web.Response:
     """429 with ``Retry-After`` (``/api/admission``: its usual JSON, status 200, reason rate_limited)."""
-    front.metrics.admissions_refused.labels(reason="rate_limited").inc()
+    front.metrics.refused("rate_limited", resume=resume)
     message = f"too many handshakes ({limited.scope} limit); retry after {limited.retry_after_header} s"
     if as_admission:
         body = Admission(False, 429, "rate_limited", message).as_json()
@@ -155,8 +157,8 @@ def _refuse_rate_limited(front: FrontEnd, limited: RateLimited, *, as_admission:
     return answer
 
 
-def _refuse_handshake(front: FrontEnd, exc: TokenRejected) -> web.Response:
-    front.metrics.admissions_refused.labels(reason=exc.reason).inc()
+def _refuse_handshake(front: FrontEnd, exc: TokenRejected, *, resume: bool = False) -> web.Response:
+    front.metrics.refused(exc.reason, resume=resume)
     log.debug("refused handshake: %s", exc)
     answer = text_response(exc.status, f"{exc.reason}: {exc.detail}\n")
     if exc.status == 401:  # RFC 6750, 3
@@ -174,18 +176,19 @@ async def _chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
 
 async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     view = request_view(request)
+    resume = bool(view.param("resume"))  # its refusals count in duplex_resume_refused_total only
     # First, before any work (token verify, Redis, persona): the handshake rate limits.
     limited = front.access.rate_limited(view)
     if limited is not None:
-        return _refuse_rate_limited(front, limited, as_admission=False)
+        return _refuse_rate_limited(front, limited, as_admission=False, resume=resume)
     try:
-        if view.param("resume"):  # the resume credential is the right to the session: no token is spent
+        if resume:  # the resume credential is the right to the session: no token is spent
             front.access.check_origin(view.get("Origin"))
             claims = None
         else:
             claims = await front.access.check(view, origin=view.get("Origin"), token=session_token(view))
     except TokenRejected as exc:
-        return _refuse_handshake(front, exc)
+        return _refuse_handshake(front, exc, resume=resume)
     return await ws.serve_chat(front, request, claims, front.access.client_address(view))
 
 

@@ -135,8 +135,10 @@ class ResumableSession(SessionSink):
 
     async def resume(self) -> int:
         """Take over the slot of the session that ``request.resume`` (a credential) names, instead of
-        :meth:`admit`: the same slot and session id, its outputs to this session from now on, the
-        credential spent and the next one in the lease. No token is spent: the credential is the right.
+        :meth:`admit`: the same slot and session id, its outputs to this session from now on, the next
+        credential in the lease. The credential presented is spent by this connection's first frame
+        (``runtime.engine.resume``): lost before it, the slot is held again and a retry may present it
+        again. No token is spent: the credential is the right.
 
         Raises:
             SessionRefused: ``resume_off``, ``resume_invalid``, ``resume_replayed``, ``resume_expired`` (or
@@ -178,12 +180,13 @@ class ResumableSession(SessionSink):
     def detach(self) -> bool:
         """The transport was lost without a normal close: hold the slot, paused, for ``resume_s`` (then
         await :meth:`held`). False when there is nothing to hold (not resumable, no credential given to
-        the client yet, released or resumed elsewhere already): finish the session as usual."""
+        the client yet and not a resume, released or resumed elsewhere already): finish the session as
+        usual."""
         lease = self.lease
         if self.moved or self._released or lease is None or not lease.resume_credential:
             return False
-        if not self.credential_given:  # lost before its credential was sent: nobody can resume it
-            return False
+        if not self.credential_given and self.resumed is None:  # lost before its credential was sent:
+            return False  # nobody can resume it (a resumed one: the credential it presented still can)
         self._hold = asyncio.get_running_loop().create_future()
         if not self.front.backend.detach(lease):
             self._hold = None

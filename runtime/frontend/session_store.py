@@ -44,6 +44,13 @@ Failure handling (Redis down must not stop the audio):
   transcript appends are dropped first, each counted with ``on_error("backlog_overflow")`` (their text
   is gone for good). Register and end ops are never dropped, and ops of an attempt in flight cannot be
   dropped, so the bound is soft by at most one batch plus the register/end ops.
+- A session resumed through another store (another worker; or this one, whose old record is forgotten
+  first) moves with its whole history: the new store writes the transcript and lines the slot owner
+  kept over what Redis holds (:meth:`SessionStore.adopt_session`), and the old store's queued appends
+  become events only (:meth:`SessionStore.forget_session`). So lines the old store could not send (Redis
+  down) are written by the new one, once; none is counted as written without being sent. The one window
+  left: an attempt of the old store in flight at the hand-over, applied after the new store's rewrite,
+  appends its pieces a second time (at most one batch).
 - Calls for a session that is not registered (or already ended) are ignored and counted with
   ``on_error("unknown_session")``; calls after :meth:`SessionStore.close` with ``on_error("closed")``;
   any unexpected exception inside a call with ``on_error("internal")``.
@@ -59,9 +66,11 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Sequence
 
-from runtime.frontend.session_events import EVENT_KINDS, line_entry
-from runtime.frontend.session_writer import SessionRecord, SessionWriter, _Op, _Session
+from runtime.frontend.session_events import EVENT_KINDS, SPEAKER_AGENT, line_entry
+from runtime.frontend.session_mirror import SessionRecord, _Op, _Session
+from runtime.frontend.session_writer import SessionWriter
 
 __all__ = ["SessionRecord", "SessionStore"]
 
@@ -158,13 +167,18 @@ class SessionStore(SessionWriter):
     # --------------------------------------------- audio path (sync, no raise)
 
     def register_session(
-        self, record: SessionRecord, event_kind: str = "started", extra: dict[str, str] | None = None
+        self,
+        record: SessionRecord,
+        event_kind: str = "started",
+        extra: dict[str, str] | None = None,
+        history: tuple[str, str] = ("", ""),
     ) -> None:
         """Queue the registration of ``record`` (state ``active``; adds it to the node set), published on the
         events stream as ``event_kind`` (``started``; ``resumed`` for a resume, with ``extra`` fields).
 
         Never blocks, never raises. Registering a tracked id again replaces its record and makes it
-        active again; its transcript continues.
+        active again; its transcript continues. ``history`` (text, timestamped lines), for an id this
+        store does not track: its transcript so far, written over what Redis holds (:meth:`adopt_session`).
         """
         try:
             with self._lock:
@@ -175,7 +189,10 @@ class SessionStore(SessionWriter):
                     if sess is None:
                         sess = _Session(record=record)
                         self._sessions[record.session_id] = sess
+                        text, lines = history
+                        sess.acked, sess.acked_lines = [text] if text else [], [lines] if lines else []
                     else:
+                        history = ("", "")
                         sess.record = record
                         sess.gen += 1
                         sess.ended = False
@@ -189,6 +206,8 @@ class SessionStore(SessionWriter):
                         at_unix_s=time.time(),
                         event_kind=event_kind,
                         extra=extra,
+                        piece=history[0],
+                        line=history[1],
                     )
                     errors = self._push(op)
                     backlog = self._live
@@ -268,34 +287,43 @@ class SessionStore(SessionWriter):
             self._internal_error("record_event")
 
     def adopt_session(
-        self, record: SessionRecord, transcript: str, extra: dict[str, str] | None = None
+        self,
+        record: SessionRecord,
+        transcript: Sequence[tuple[float, str]],
+        extra: dict[str, str] | None = None,
     ) -> None:
-        """A session resumed here (``runtime.frontend.session.ChatSession.resume``): register it again, and
-        when this store did not track it (resumed through another worker process) start its mirror from
-        ``transcript``, the text Redis holds already, so that a resync after a Redis failure rewrites the
-        whole transcript, not only what follows the resume. Published as a ``resumed`` event with ``extra``.
-        Never blocks, never raises."""
+        """A session resumed here (``runtime.frontend.session.ChatSession.resume``): register it again,
+        published as a ``resumed`` event with ``extra``. When this store does not track it (its last holder
+        forgot it: :meth:`forget_session`; or another worker process held it), its whole history so far,
+        ``transcript`` (every text piece with when the slot produced it, unix s, from the slot owner), is
+        written over what Redis holds with the registration, and starts the mirror: so the pieces its last
+        holder had queued and not sent (Redis down) are written, once, whatever that holder does (its
+        queued appends became events only), and a resync rewrites the whole transcript. The timestamps of
+        the lines are the slot owner's from then on. Never blocks, never raises."""
         try:
-            with self._lock:
-                fresh = record.session_id not in self._sessions
-            self.register_session(record, "resumed", extra)
-            if fresh and transcript:
-                with self._lock:
-                    sess = self._sessions.get(record.session_id)
-                    if sess is not None and not sess.acked and not sess.pending:
-                        sess.acked.append(transcript)
+            text = "".join(piece for _, piece in transcript)
+            lines = "".join(line_entry(at, piece) for at, piece in transcript)
+            self.register_session(record, "resumed", extra, history=(text, lines))
         except Exception:
             self._internal_error("adopt_session")
 
     def forget_session(self, record: SessionRecord) -> None:
-        """Stop tracking a session resumed elsewhere (its new holder writes it from now on): nothing is
-        written, its queued ops still are. Only when the tracked record is ``record`` itself (a resume
-        through this same store registered a new one, which stays). Never blocks, never raises."""
+        """Stop tracking a session resumed elsewhere (its new holder writes it from now on, its whole
+        transcript included: :meth:`adopt_session`). Its queued appends not in flight become events only
+        (``text``): their events are still published here, their text and lines are the new holder's to
+        write (so none is written twice, none counted as written without being sent). Only when the tracked
+        record is ``record`` itself (a resume through this same store registered a new one, which stays).
+        Never blocks, never raises."""
         try:
             with self._lock:
                 sess = self._sessions.get(record.session_id)
                 if sess is not None and sess.record is record:
                     del self._sessions[record.session_id]
+                    for op in sess.pending:
+                        if op.seq > self._inflight_upto:  # an attempt in flight sends it as it is
+                            op.kind, op.event_kind = "event", "text"
+                            op.extra = {"speaker": SPEAKER_AGENT, "text": op.piece}
+                    sess.pending.clear()
         except Exception:
             self._internal_error("forget_session")
 

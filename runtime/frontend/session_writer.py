@@ -16,13 +16,11 @@ import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.typing import EncodableT, FieldT
 
 from runtime.frontend.session_events import (
     INDEX_HORIZON_S,
@@ -31,87 +29,11 @@ from runtime.frontend.session_events import (
     index_key,
     lines_key,
 )
+from runtime.frontend.session_mirror import SessionRecord, _Op, _Session
 
 __all__ = ["SessionRecord", "SessionWriter"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SessionRecord:
-    """One session as the registry stores it.
-
-    Attributes:
-        session_id: unique id of the session (a UUID in the runtime).
-        node_id: the runtime node serving it.
-        slot: batch slot index on that node (0-based).
-        started_at_unix_s: wall-clock start time (unix s).
-        persona: voice/text prompt name, or "" when none.
-        audio_format: client audio format (e.g. ``"opus"``, ``"pcm_s16le_24k"``).
-        recording: the caller consented and the session is being recorded.
-    """
-
-    session_id: str
-    node_id: str
-    slot: int
-    started_at_unix_s: float
-    persona: str
-    audio_format: str
-    recording: bool = False
-
-
-@dataclass(eq=False)
-class _Session:
-    """Local mirror of one tracked session (the state Redis must end up with)."""
-
-    record: SessionRecord
-    gen: int = 0
-    ended: bool = False
-    end_reason: str = ""
-    ended_at_unix_s: float = 0.0
-    acked: list[str] = field(default_factory=list)
-    """Transcript pieces Redis acknowledged, in order (joined every ``_JOIN_EVERY`` pieces)."""
-    acked_lines: list[str] = field(default_factory=list)
-    """The same pieces as timestamped JSON lines (``session_events.line_entry``)."""
-    pending: deque[_Op] = field(default_factory=deque)
-    """Queued (not yet acknowledged, not dropped) append ops of this session, oldest first."""
-
-    def fields(self, node_id: str) -> dict[FieldT, EncodableT]:
-        rec = self.record
-        out: dict[FieldT, EncodableT] = {
-            "id": rec.session_id,
-            "node": rec.node_id or node_id,
-            "slot": str(rec.slot),
-            "started_at": repr(float(rec.started_at_unix_s)),
-            "persona": rec.persona,
-            "format": rec.audio_format,
-            "state": "ended" if self.ended else "active",
-            "recording": "1" if rec.recording else "0",
-        }
-        if self.ended:
-            out["end_reason"] = self.end_reason
-            out["ended_at"] = repr(self.ended_at_unix_s)
-        return out
-
-
-@dataclass(eq=False)
-class _Op:
-    """One queued write. ``kind`` is ``"register"``, ``"append"``, ``"end"`` or ``"event"`` (an event
-    only: ``event_kind`` and ``extra``)."""
-
-    kind: str
-    session: _Session
-    record: SessionRecord | None = None
-    piece: str = ""
-    line: str = ""
-    at_unix_s: float = 0.0
-    event_kind: str = ""
-    extra: dict[str, str] | None = None
-    reason: str = ""
-    ended_at_unix_s: float = 0.0
-    gen: int = 0
-    seq: int = 0
-    dropped: bool = False
 
 
 _JOIN_EVERY = 64
@@ -419,6 +341,11 @@ class SessionWriter:
                 self._index(pipe, op.record)
                 hashes.add(hkey)
                 node_touched = True
+                if op.line:  # adopted on a resume: the whole history, whatever its last holder wrote of it
+                    tkey, lkey = self.transcript_key(sid), lines_key(self.key_prefix, sid)
+                    texts.pop(tkey, None), lines.pop(lkey, None)  # (none: the history holds them anyway)
+                    pipe.set(tkey, op.piece, ex=self.transcript_ttl_s)
+                    pipe.set(lkey, op.line, ex=self.transcript_ttl_s)
             else:  # end
                 pipe.hset(
                     hkey,

@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
+from urllib.parse import parse_qs
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -186,9 +187,14 @@ async def serve_chat(
     return connection
 
 
-async def refuse(front: FrontEnd, connection: DuplexWebSocket, exc: SessionRefused) -> None:
-    """A refusal after the upgrade: counted, a 0x05 error with its sentence, then its close code."""
-    front.metrics.admissions_refused.labels(reason=exc.reason).inc()
+async def refuse(
+    front: FrontEnd, connection: DuplexWebSocket, exc: SessionRefused, *, resume: bool | None = False
+) -> None:
+    """A refusal after the upgrade: counted once (``RuntimeMetrics.refused``: ``resume`` True for a
+    connection that presented a resume credential; None: counted already), a 0x05 error with its sentence,
+    then its close code."""
+    if resume is not None:
+        front.metrics.refused(exc.reason, resume=resume)
     log.info("refused session: %s", exc.message)
     with contextlib.suppress(ConnectionClosed):
         await connection.send(encode_error(exc.message))
@@ -199,20 +205,21 @@ async def handle(
     front: FrontEnd, connection: DuplexWebSocket, query: str, claims: TokenClaims | None, client: str
 ) -> None:
     """One ``/api/chat`` connection, from the upgrade to the close."""
+    resume = bool(parse_qs(query).get("resume"))  # its refusals count in duplex_resume_refused_total only
     try:
         request, sampling = plan_session(front, query, await _metadata_prompt(front, connection, query))
     except ProtocolError as exc:
-        await refuse(front, connection, SessionRefused("bad_request", f"bad request: {exc}"))
+        await refuse(front, connection, SessionRefused("bad_request", f"bad request: {exc}"), resume=resume)
         return
     except SessionRefused as exc:
-        await refuse(front, connection, exc)
+        await refuse(front, connection, exc, resume=resume)
         return
     except ConnectionClosed:
         return
     if request.ignored_params:
         log.debug("ignored query parameters: %s", ", ".join(request.ignored_params))
     if front.draining:
-        await refuse(front, connection, SessionRefused("draining"))
+        await refuse(front, connection, SessionRefused("draining"), resume=resume)
         return
     session = ChatSession(front, _WsTransport(connection), request, sampling, claims, client)
     # Until its handshake the client is read and its messages dropped (Kyutai's client sends audio before
@@ -233,7 +240,8 @@ async def handle(
             left.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await left
-            await refuse(front, connection, exc)
+            # ChatSession.resume counted its refusals already (duplex_resume_refused_total)
+            await refuse(front, connection, exc, resume=None if request.resume else False)
             return
         front.sessions.add(session)
         try:
