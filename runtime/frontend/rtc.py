@@ -42,6 +42,7 @@ import re
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -182,14 +183,30 @@ def _plain(status: int, text: str, *, retry_after: int | None = None) -> web.Res
     return answer
 
 
-def _refused(front: FrontEnd, exc: SessionRefused) -> web.Response:
-    """A refusal before the answer: its status from the table, ``Retry-After`` on 429 and 503."""
-    front.metrics.admissions_refused.labels(reason=exc.reason).inc()
+def _refused(
+    front: FrontEnd, exc: SessionRefused, *, resume: bool = False, counted: bool = False
+) -> web.Response:
+    """A refusal before the answer: its status from the table, ``Retry-After`` on 429 and 503. Counted once
+    (``RuntimeMetrics.refused``: a call carrying ``resume=`` in ``duplex_resume_refused_total`` only),
+    unless ``counted`` (``ChatSession.resume`` counted it already)."""
+    if not counted:
+        front.metrics.refused(exc.reason, resume=resume)
     log.info("refused WebRTC session: %s", exc.message)
     status = exc.kind.status
     return _plain(
         status, f"{exc.reason}: {exc.message}", retry_after=RETRY_AFTER_S if status in (429, 503) else None
     )
+
+
+def _client_gone(request: web.Request) -> Callable[[], bool]:
+    """Whether ``request``'s connection has closed (aiohttp runs a handler to its end after its client left,
+    since ``handler_cancellation`` is off by default: aiohttp 3.9's "Web handler cancellation")."""
+
+    def gone() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing()
+
+    return gone
 
 
 async def _read_offer(request: web.Request) -> str:
@@ -228,10 +245,11 @@ async def serve_offer(
 ) -> web.StreamResponse:
     """``POST /api/rtc`` after the rate limits and the access check (``runtime.frontend.http``)."""
     posted_at = time.monotonic()
+    resume = bool(request.query.get("resume"))  # its refusals count in duplex_resume_refused_total only
     try:
         sdp = await _read_offer(request)
     except web.HTTPException as exc:
-        front.metrics.admissions_refused.labels(reason="bad_request").inc()
+        front.metrics.refused("bad_request", resume=resume)
         return _plain(exc.status, (exc.text or exc.reason).strip())
     try:
         session_request, sampling = plan_session(front, request.query_string)
@@ -242,9 +260,9 @@ async def serve_offer(
                 "with the answer): give text_prompt in the query",
             )
     except SessionRefused as exc:
-        return _refused(front, exc)
+        return _refused(front, exc, resume=resume)
     if front.draining:
-        return _refused(front, SessionRefused("draining"))
+        return _refused(front, SessionRefused("draining"), resume=resume)
     # A token is spent when its call connects, so one token could hold a slot per POST until each timed
     # out: one call connecting per token (per worker) at a time.
     sessions = registry(front)
@@ -254,7 +272,9 @@ async def serve_offer(
         sessions.connecting.add(claims.token_id)
     response: web.StreamResponse | None = None
     try:
-        response = await _answer(front, sessions, sdp, session_request, sampling, claims, client, posted_at)
+        response = await _answer(
+            front, sessions, sdp, session_request, sampling, claims, client, posted_at, _client_gone(request)
+        )
         return response
     finally:
         if response is None or response.status != 201:  # no call answered: nothing connecting holds it
@@ -270,14 +290,17 @@ async def _answer(
     claims: TokenClaims | None,
     client: str,
     posted_at: float,
+    client_gone: Callable[[], bool],
 ) -> web.StreamResponse:
-    """The offer's session admitted and its answer (201), or the refusal: ``serve_offer``'s second half."""
+    """The offer's session admitted and its answer (201), or the refusal: ``serve_offer``'s second half.
+    ``client_gone``: whether the POST's connection has closed (read after the waiting room)."""
+    resume = bool(session_request.resume)
     peer = RtcPeer(front, posted_at)
     try:
         await peer.accept_offer(sdp)
     except OfferRejected as exc:
         await peer.close()
-        return _refused(front, SessionRefused("bad_request", f"bad request: {exc}"))
+        return _refused(front, SessionRefused("bad_request", f"bad request: {exc}"), resume=resume)
     session_request = dataclasses.replace(session_request, format=AudioFormat.PCM)
     session = ChatSession(front, RtcTransport(peer), session_request, sampling, claims, client)
     session.encoder = Float32Frames()
@@ -290,11 +313,16 @@ async def _answer(
             await session.admit()
     except SessionRefused as exc:
         await peer.close()
-        return _refused(front, exc)
+        return _refused(front, exc, resume=resume, counted=resume)  # ChatSession.resume counts its own
     except BaseException:
         session.finish(SessionOutcome("client_closed"))
         await peer.close()
         raise
+    if client_gone():  # it left while waiting for a slot (aiohttp does not cancel the handler): no answer
+        log.info("WebRTC caller left before its answer: session %s not started", session.session_id)
+        session.finish(SessionOutcome("client_closed"))
+        await peer.close()
+        return _plain(499, "client closed the request before its answer")
     try:
         answer = await peer.answer()
     except BaseException:

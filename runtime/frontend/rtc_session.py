@@ -308,7 +308,7 @@ class RtcPeer:
         try:
             await session.spend_token()
         except SessionRefused as exc:
-            self.front.metrics.admissions_refused.labels(reason=exc.reason).inc()
+            self.front.metrics.refused(exc.reason)
             log.info("WebRTC session %s connected but refused: %s", session.session_id, exc.message)
             self.send(encode_error(f"{exc.reason}: {exc.message}"))
             self.end(SessionOutcome(exc.reason, exc.kind.close_code))
