@@ -78,6 +78,17 @@ async def detached(server: DuplexServer, count: int = 1) -> None:
     )
 
 
+async def first_frames_taken(server: DuplexServer, session_id: str, frames: int = 2) -> None:
+    """The live session ``session_id`` has pushed ``frames`` input frames to its slot: a resume's first frame
+    spends the credential it presented (runtime.engine.resume, ``confirm``), so a replay after this is
+    refused rather than taken for a retry."""
+
+    def pushed() -> bool:
+        return any(s.session_id == session_id and s.frames_in >= frames for s in server.sessions)
+
+    await wait_until(pushed, timeout_s=WAIT_S, what=f"{frames} input frames of session {session_id}")
+
+
 async def free_slots(server: DuplexServer, count: int) -> None:
     await wait_until(
         lambda: server.backend.status().free_slots == count,
@@ -300,6 +311,7 @@ async def test_replayed_foreign_and_malformed_credentials_are_refused_and_take_n
             await wait_until(
                 lambda: srv.backend.status().free_slots == SLOTS - 2, timeout_s=WAIT_S, what="2 slots"
             )
+            await first_frames_taken(srv, sid_a)
             replay = await refused(srv, http, packets, a.outcome.metadata[0]["resume"])
             assert replay.status == 403 and replay.body.startswith("resume_replayed: "), replay.body
             before = b.outcome.packets_in
@@ -383,7 +395,8 @@ async def test_a_resume_whose_ice_never_connects_is_held_again_with_the_next_cre
 ):
     """The 201 of a resume carries the next credential (``Duplex-Resume-Credential``); that resume's ICE
     never connects (the answer is never applied): the session is held again, and the next try with the
-    header's credential takes it over; the spent one is refused."""
+    header's credential takes it over; once its first frame is in, the one presented first is spent
+    (until then it stays valid for a retry: runtime.engine.resume)."""
     async with running_server(bundle, workers=0, **rtc_settings()) as srv:
         a = await live_call(srv, http, packets, "resumable=1")
         stuck = RtcCall(url(srv), packets, query=f"resume={a.outcome.metadata[0]['resume']}")
@@ -400,10 +413,11 @@ async def test_a_resume_whose_ice_never_connects_is_held_again_with_the_next_cre
             await detached(srv, 2)  # rtc_connect_timeout_s later: held again, not ended
             assert srv.backend.status().free_slots == SLOTS - 1
             assert value(srv, "duplex_sessions_ended_total", reason="rtc_connect_timeout") == 0
-            spent = await refused(srv, http, packets, a.outcome.metadata[0]["resume"])
-            assert spent.status == 403 and spent.body.startswith("resume_replayed: "), spent.body
             a3 = await live_call(srv, http, packets, f"resume={following}")
             assert a3.outcome.metadata[0]["session_id"] == session_id
+            await first_frames_taken(srv, session_id)
+            spent = await refused(srv, http, packets, a.outcome.metadata[0]["resume"])
+            assert spent.status == 403 and spent.body.startswith("resume_replayed: "), spent.body
             assert a3.outcome.metadata[0]["resume"] == a3.outcome.headers["Duplex-Resume-Credential"][0]
             assert await a3.hang_up(http) == 200
         finally:

@@ -88,7 +88,8 @@ ONE_CONNECTING_MESSAGE = (
 RESUME_HEADER = "Duplex-Resume-Credential"
 """The 201 of a resume (``POST /api/rtc?resume=``) carries the session's next credential in this header, as
 its 0x04 will once connected: when that resume's ICE does not connect, the session is held again and the
-caller's next try presents it (the one it presented is spent)."""
+caller's next try may present it (or the one it presented, which is spent only by the new connection's
+first frame: runtime.engine.resume)."""
 _RESOURCE_RE = re.compile(r"(?P<sid>[0-9a-f]{32})/(?P<key>[A-Za-z0-9_-]{16,64})")
 
 
