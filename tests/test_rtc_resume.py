@@ -237,6 +237,13 @@ async def test_the_credential_crosses_transports_both_ways(bundle, speech, packe
             assert over_rtc["session_id"] == session_id and over_rtc["resumed"] is True
             assert over_rtc["resume"] not in (meta["resume"], over_ws["resume"])
             assert session_of(srv, session_id).lease.slot == slot
+            # One live session, counted on the transport that carries it now (each transport it left
+            # counted it down: its part ended), and on no other.
+            await wait_until(
+                lambda: active(srv, "websocket") == 0 and active(srv, "webrtc") == 1,
+                timeout_s=WAIT_S,
+                what="the session active on WebRTC only",
+            )
             assert await a3.hang_up(http) == 200
         finally:
             await closed(a, *([a3] if a3 else []))
@@ -245,6 +252,16 @@ async def test_the_credential_crosses_transports_both_ways(bundle, speech, packe
         await free_slots(srv, SLOTS)
         assert value(srv, "duplex_sessions_resumed_total") == 2
         assert value(srv, "duplex_sessions_started_total") == 1
+        await wait_until(
+            lambda: active(srv, "websocket") == 0 and active(srv, "webrtc") == 0,
+            timeout_s=WAIT_S,
+            what="no session active on either transport",
+        )
+
+
+def active(server: DuplexServer, transport: str) -> float:
+    """``duplex_transport_sessions_active`` of ``transport`` (0 when never set)."""
+    return value(server, "duplex_transport_sessions_active", transport=transport) or 0.0
 
 
 @pytest.mark.parametrize("workers", WORKER_MODES)

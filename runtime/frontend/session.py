@@ -426,9 +426,10 @@ class ChatSession(ResumableSession):
         self._finished = True
         if self.recorder is not None:  # a resume elsewhere records no more: the files end at the drop
             self.recorder.close()
+        # Active on this transport in this process until now (a resume counts it where it goes on).
+        self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).dec()
         if self.moved:  # resumed through another connection: that one ends the session
             return
-        self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).dec()
         self.front.metrics.sessions_ended.labels(reason=outcome.reason).inc()
         if self.front.store is not None:
             self.front.store.end_session(self.session_id, outcome.reason)

@@ -50,6 +50,8 @@ class _Front(Protocol):
 
 
 class _Closer(Protocol):
+    name: str
+
     async def close(self, code: int, reason: str) -> None: ...
 
 
@@ -161,6 +163,7 @@ class ResumableSession(SessionSink):
             self.persona = str(meta["persona"])
         self.ready.set()  # the slot is live: no persona prompt to wait for
         metrics.sessions_resumed.inc()
+        metrics.transport_sessions_active.labels(transport=self.transport.name).inc()  # carried here now
         metrics.resume_gap.observe(grant.gap_s)
         store = self.front.store
         if store is not None:

@@ -280,7 +280,8 @@ async def handle(
         if not held:
             session.finish(outcome)
     if held:  # the slot waits, paused, for a resume through any connection; this one is gone
-        if await session.held():
+        if await session.held():  # resumed elsewhere: this transport's part ends (its recording, its gauge)
+            session.finish(SessionOutcome("resumed_elsewhere"))
             return
         outcome = SessionOutcome("resume_expired", lost=True)
         session.finish(outcome)
