@@ -50,7 +50,8 @@ async def test_a_caller_that_left_the_waiting_room_gets_no_slot(bundle, http, pa
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             writer.write(
                 f"POST /api/rtc HTTP/1.1\r\nHost: test\r\nContent-Type: application/sdp\r\n"
-                f"Authorization: Bearer {token()}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+                f"Authorization: Bearer {token()}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
             )
             await writer.drain()
             await wait_until(
