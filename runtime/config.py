@@ -16,6 +16,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from runtime.engine.model_presets import PRESETS, check_preset_name
+from runtime.gc_policy import DEFAULT_GC_THRESHOLDS, parse_gc_thresholds
 
 if TYPE_CHECKING:  # runtime.frontend.tokens (PyJWT) is imported when the keys are loaded
     from runtime.engine.models import ModelBundle
@@ -202,10 +203,21 @@ class RuntimeConfig(BaseSettings):
         description="A connected WebRTC session with no RTP from its peer for this long ends (s): the peer "
         "vanished without a DTLS close (a closed laptop, a lost network)",
     )
+    gc_thresholds: str = Field(
+        DEFAULT_GC_THRESHOLDS,
+        description="Python's garbage collector in a serving process (runtime/gc_policy.py): gen0,gen1,gen2 "
+        'thresholds after start-up objects are frozen, or "default" for Python\'s own (700,10,10)',
+    )
     sim_step_ms: str = Field(
         "30",
         description='model=sim only: step time, ms ("30") or batch:ms pairs ("1:28,8:32.6,16:45,32:70.2")',
     )
+
+    @field_validator("gc_thresholds")
+    @classmethod
+    def _gc_thresholds(cls, value: str) -> str:
+        parse_gc_thresholds(value)  # ValueError naming what is allowed
+        return value
 
     @field_validator("sim_step_ms")
     @classmethod

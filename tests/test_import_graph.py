@@ -22,7 +22,7 @@ PACKAGES = ("runtime", "infra")
 LAYERS: tuple[tuple[str, ...], ...] = (
     # The batched runtime, which knows nothing of the deployment. Inside it, the engine side (the model and
     # the tick) imports nothing of the front end or the tools (docs/runtime.md).
-    ("runtime.metrics", "runtime.ipc", "runtime.child_process"),
+    ("runtime.metrics", "runtime.ipc", "runtime.child_process", "runtime.gc_policy"),
     ("runtime.engine",),
     # the settings read signing keys with tokens, and check TURN URLs and secrets with turn
     ("runtime.frontend.tokens", "runtime.frontend.turn"),

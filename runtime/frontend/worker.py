@@ -17,6 +17,7 @@ import signal
 from runtime.config import RuntimeConfig
 from runtime.frontend.engine_client import EngineClient
 from runtime.frontend.server import DuplexServer, build_store
+from runtime.gc_policy import parse_gc_thresholds, tune_gc
 from runtime.metrics import RuntimeMetrics
 
 __all__ = ["build_worker", "worker_share", "worker_main"]
@@ -74,6 +75,7 @@ def worker_main(config: RuntimeConfig, address: str, worker_id: str) -> None:
 
     async def main() -> None:
         await server.start()
+        tune_gc(parse_gc_thresholds(config.gc_thresholds))
         await server.serve_until_signal()
 
     with contextlib.suppress(KeyboardInterrupt):

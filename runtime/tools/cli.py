@@ -128,6 +128,9 @@ def serve(
         async with loading_status(config, metrics):
             server = await asyncio.to_thread(load, metrics)
         await server.start()
+        from runtime.gc_policy import parse_gc_thresholds, tune_gc
+
+        tune_gc(parse_gc_thresholds(config.gc_thresholds))
         await server.serve_until_signal()
 
     asyncio.run(main())

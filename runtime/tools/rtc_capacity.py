@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -173,6 +174,11 @@ def _generator_share(
 ) -> tuple[list[RtcSessionResult], GeneratorShare]:
     """One generator process: ``count`` sessions replaying ``packets`` (started ``stagger_s`` apart)."""
     _metered_recv()
+    # No cyclic collection in the generator: its full collections stalled it 60-70 ms with 20+ sessions,
+    # which the kept-up rule calls invalid (a run is 30-60 s: the memory it keeps is small).
+    gc.collect()
+    gc.freeze()
+    gc.disable()
     cpu0, wait0 = time.process_time(), _wait_s(os.getpid())
     lags: list[float] = []
 
