@@ -235,7 +235,13 @@ def test_a_dropped_webrtc_call_is_resumed_by_the_page(node: LocalNode, browser: 
     )
     after = wait_stats(page, "s.resumes === 1 && s.state === 'live' && s.rtcSamplesReceived >= 48000")
     assert after["transport"] == "webrtc" and page.text_content("#problem") == "", after
-    assert runtime_counter(node, "duplex_sessions_resumed_total") == resumed_before + 1
+    # The page's "Live again" comes with the resume's answer; each worker's /metrics may serve its own
+    # rendering up to DUPLEX_METRICS_CACHE_S old (1 s; Prometheus's scrapes refresh them): wait for it.
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while (resumed := runtime_counter(node, "duplex_sessions_resumed_total")) < resumed_before + 1:
+        assert time.monotonic() < deadline, "the runtime never counted the page's resume"
+        time.sleep(0.2)
+    assert resumed == resumed_before + 1
     posts = [path for method, path in page.rtc_requests if method == "POST"]
     assert len(posts) >= 2 and not any(m == "DELETE" for m, _ in page.rtc_requests)  # the old call: no DELETE
     end_conversation(page, node)
