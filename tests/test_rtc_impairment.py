@@ -44,7 +44,8 @@ async def test_receive_lag_stays_within_60_ms_and_flat_under_loss_jitter_and_reo
 async def measure_receive_lag(loss: float, seconds: int) -> dict[str, object]:
     """One call through the impairment relay for ``seconds`` of packets (after a 1 s warm-up), asserting
     the lag bounds; returns the figures (lag in packets of 20 ms). Also run from the command line for the
-    issue's 10-minute figure: ``PYTHONPATH=. python tests/test_rtc_impairment.py --loss 0.05 --seconds 600``."""
+    issue's 10-minute figure:
+    ``PYTHONPATH=. python tests/test_rtc_impairment.py --loss 0.05 --seconds 600``."""
     config = RuntimeConfig(host="127.0.0.1", port=0, max_sessions=1, auth_mode="off", rtc_media_timeout_s=30)
     backend = FakeBackend(1)
     server = DuplexServer(config, backend)
