@@ -6,39 +6,31 @@ then silence, then the text prompt wrapped in ``<system>`` tags, one LM step per
 The engine runs these steps in the spare time of each tick (:class:`runtime.engine.batch.BatchEngine`), so the
 other slots' audio never waits for a prompt; the handshake is sent when the prompt is done.
 
-Voices are loaded once at start-up from a directory (``<name>.wav`` audio, any rate, resampled to 24 kHz
-and mixed to mono; or ``<name>.pt`` holding Mimi codes ``[K, T]``), encoded before the engine starts
-streaming. Clients name a voice; they never upload audio.
+Voices come from :class:`runtime.engine.voices.VoiceCatalog`, loaded once at start-up. Clients name a
+voice; they never upload audio.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import sentencepiece
 import torch
 
 from runtime.engine.batch import NOT_FORCED, PromptStep
-from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.engine.persona_limits import TEXT_PROMPT_LIMIT, TEXT_PROMPT_MAX_TOKENS, VOICE_PROMPT_RE
-
-log = logging.getLogger(__name__)
+from runtime.engine.persona_limits import (
+    TEXT_PROMPT_LIMIT,
+    TEXT_PROMPT_MAX_TOKENS,
+    PersonaError,
+)
+from runtime.engine.voices import VoiceCatalog
 
 TEXT_PADDING_ID = 3
 SILENCE_FRAMES = 6
 """Silence after the voice prompt and after the text prompt: 6 frames = 480 ms."""
-MAX_VOICE_PROMPT_FRAMES = 375
-"""30 s at 12.5 Hz: longer voice prompts are cut."""
 MAX_TEXT_PROMPT_TOKENS = TEXT_PROMPT_MAX_TOKENS
 """The limit stated once in ``runtime.frontend.protocol`` (``TEXT_PROMPT_LIMIT``): tokens, wrapper
 included."""
-
-
-class PersonaError(ValueError):
-    """A persona the node cannot serve (unknown voice, prompt too long); the message says what is allowed."""
 
 
 @dataclass(frozen=True)
@@ -57,68 +49,6 @@ class Persona:
         if self.text_prompt:
             parts.append(f"text={self.text_prompt[:60]}")
         return " ".join(parts)
-
-
-class VoiceCatalog:
-    """Voice prompts by name, as Mimi codes ``[K, T]`` (int64, K = Mimi codebooks, T frames)."""
-
-    def __init__(self, voices: dict[str, torch.Tensor] | None = None) -> None:
-        self._voices = dict(voices or {})
-
-    @property
-    def names(self) -> list[str]:
-        return sorted(self._voices)
-
-    def codes(self, name: str) -> torch.Tensor:
-        """The codes of voice ``name``.
-
-        Raises:
-            PersonaError: unknown voice; the message lists the known ones.
-        """
-        try:
-            return self._voices[name]
-        except KeyError:
-            known = ", ".join(self.names) or "none on this node"
-            raise PersonaError(f"unknown voice_prompt {name!r}; voices on this node: {known}") from None
-
-    @classmethod
-    @torch.no_grad()
-    def load(cls, directory: Path | None, mimi) -> VoiceCatalog:
-        """Load every ``*.wav`` and ``*.pt`` in ``directory`` and encode the audio with ``mimi``.
-
-        Must run before ``mimi`` enters streaming mode.
-
-        Raises:
-            PersonaError: a file whose name or content is not a usable voice (names the file).
-        """
-        voices: dict[str, torch.Tensor] = {}
-        if directory is None:
-            return cls(voices)
-        import sphn
-
-        for path in sorted(Path(directory).iterdir()):
-            if path.suffix not in (".wav", ".pt"):
-                continue
-            name = path.stem
-            if not VOICE_PROMPT_RE.fullmatch(name):  # the names clients may ask for
-                raise PersonaError(f"voice file {path.name}: name must match {VOICE_PROMPT_RE.pattern}")
-            if path.suffix == ".pt":
-                loaded = torch.load(path, map_location="cpu", weights_only=True)
-                codes = loaded["codes"] if isinstance(loaded, dict) else loaded
-                if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-                    raise PersonaError(f"voice file {path.name}: expected a [K, T] tensor of Mimi codes")
-            else:
-                pcm, rate = sphn.read(str(path))
-                mono = np.asarray(pcm, dtype=np.float32).mean(axis=0)
-                if rate != SAMPLE_RATE_HZ:
-                    mono = sphn.resample(mono, src_sample_rate=rate, dst_sample_rate=SAMPLE_RATE_HZ)
-                frames = max(1, len(mono) // FRAME_SAMPLES)
-                mono = np.resize(mono, frames * FRAME_SAMPLES).astype(np.float32)
-                device = next(mimi.parameters()).device
-                codes = mimi.encode(torch.from_numpy(mono)[None, None].to(device))[0].cpu()
-            voices[name] = codes[:, :MAX_VOICE_PROMPT_FRAMES].long()
-            log.info("voice %s: %d frames", name, voices[name].shape[1])
-        return cls(voices)
 
 
 def build_prompt(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 __all__ = [
+    "PersonaError",
     "TEXT_PROMPT_LIMIT",
     "TEXT_PROMPT_MAX_CHARS",
     "TEXT_PROMPT_MAX_TOKENS",
@@ -31,3 +32,7 @@ TEXT_PROMPT_LIMIT = (
 
 VOICE_PROMPT_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{VOICE_PROMPT_MAX_CHARS - 1}}}")
 """A voice prompt's name: a preset of the voice catalog, never a path."""
+
+
+class PersonaError(ValueError):
+    """A persona the node cannot serve (unknown voice, prompt too long); the message says what is allowed."""
