@@ -13,6 +13,7 @@ A voice is one of two kinds (:data:`Voice`):
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,26 +60,46 @@ Voice = CodesVoice | EmbeddingsVoice
 
 
 class VoiceCatalog:
-    """Voice prompts by name, as Mimi codes ``[K, T]`` (int64, K = Mimi codebooks, T frames)."""
+    """Voice prompts by name (:data:`Voice`: Mimi codes or NVIDIA's embedding presets).
 
-    def __init__(self, voices: dict[str, torch.Tensor] | None = None) -> None:
-        self._voices = dict(voices or {})
+    Args:
+        voices: name -> voice; a bare tensor is taken as Mimi codes ``[K, T]`` (a :class:`CodesVoice`).
+    """
+
+    def __init__(self, voices: Mapping[str, Voice | torch.Tensor] | None = None) -> None:
+        self._voices: dict[str, Voice] = {
+            name: CodesVoice(v) if isinstance(v, torch.Tensor) else v for name, v in (voices or {}).items()
+        }
 
     @property
     def names(self) -> list[str]:
         return sorted(self._voices)
 
-    def codes(self, name: str) -> torch.Tensor:
-        """The codes of voice ``name``.
+    def get(self, name: str) -> Voice:
+        """The voice called ``name``; NVIDIA's file name (``NATF2.pt``, as its server and LiveKit's
+        PersonaPlex plugin send it) names the voice ``NATF2``.
 
         Raises:
             PersonaError: unknown voice; the message lists the known ones.
         """
-        try:
-            return self._voices[name]
-        except KeyError:
+        voice = self._voices.get(name)
+        if voice is None and name.endswith(".pt"):
+            voice = self._voices.get(name[: -len(".pt")])
+        if voice is None:
             known = ", ".join(self.names) or "none on this node"
-            raise PersonaError(f"unknown voice_prompt {name!r}; voices on this node: {known}") from None
+            raise PersonaError(f"unknown voice_prompt {name!r}; voices on this node: {known}")
+        return voice
+
+    def codes(self, name: str) -> torch.Tensor:
+        """The Mimi codes ``[K, T]`` of voice ``name``.
+
+        Raises:
+            PersonaError: unknown voice (the known ones listed), or a voice held as embeddings.
+        """
+        voice = self.get(name)
+        if not isinstance(voice, CodesVoice):
+            raise PersonaError(f"voice_prompt {name!r} is a preset of input embeddings, not Mimi codes")
+        return voice.codes
 
     @classmethod
     @torch.no_grad()
