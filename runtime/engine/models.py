@@ -6,7 +6,8 @@ Three ways in, one result (:class:`ModelBundle`):
   bundled paragraph. No download; runs on a CPU.
 - :func:`load_checkpoint`: real weights from a local directory or a Hugging Face repo id, laid out as
   Kyutai's and NVIDIA's repos are (``model.safetensors``, the Mimi safetensors, the SentencePiece
-  model, an optional ``config.json``). PersonaPlex checkpoints store 16 depformer steps; they are adapted
+  model, an optional ``config.json``, read and checked before any weight file is fetched:
+  ``runtime.engine.checkpoint_config``). PersonaPlex checkpoints store 16 depformer steps; they are adapted
   to the number of steps the runtime builds (:func:`adapt_depformer_steps`).
 - :func:`write_checkpoint`: the inverse, used by the tests to write the tiny model in the real layout.
 
@@ -42,13 +43,18 @@ from moshi.models.loaders import get_mimi
 from moshi.utils.quantize import QLinear, replace_linear_with_qlinear
 from safetensors.torch import load_file, save_file
 
+from runtime.engine.checkpoint_config import (
+    LM_WEIGHTS_FILE,
+    MIMI_WEIGHTS_FILE,
+    TEXT_TOKENIZER_FILE,
+    CheckpointConfigError,
+    check_lm_kwargs,
+    resolve_checkpoint_config,
+)
 from runtime.engine.model_presets import TINY_TEXT_VOCAB, ModelPreset, get_preset
 
 log = logging.getLogger(__name__)
 
-LM_WEIGHTS_FILE = "model.safetensors"
-MIMI_WEIGHTS_FILE = "tokenizer-e351c8d8-checkpoint125.safetensors"
-TEXT_TOKENIZER_FILE = "tokenizer_spm_32k_3.model"
 LM_Q8_WEIGHTS_FILE = "model.q8.safetensors"
 """Kyutai's name for a pre-quantised LM (moshi ``loaders.MOSHI_Q8_NAME``)."""
 CONFIG_FILE = "config.json"
@@ -449,11 +455,29 @@ def _resolve_file(source: str, filename: str, revision: str | None) -> Path:
     return Path(hf_hub_download(source, filename, revision=revision))
 
 
-def _read_config(source: str, revision: str | None) -> dict[str, Any] | None:
+def _read_json(source: str, filename: str, revision: str | None) -> Any:
+    """Parse ``filename`` of the checkpoint (a directory's file or one downloaded from the repo).
+
+    Raises:
+        CheckpointConfigError: the file is not valid JSON.
+        FileNotFoundError: a directory without the file.
+    """
+    path = _resolve_file(source, filename, revision)
     try:
-        return json.loads(_resolve_file(source, CONFIG_FILE, revision).read_text())
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointConfigError(f"{source} {filename}: not valid JSON ({exc})") from None
+
+
+def _read_config(source: str, revision: str | None) -> Any:
+    """The checkpoint's parsed ``config.json``, or None where it has none (``kyutai/moshi*-pytorch-bf16``).
+    Only this file is fetched."""
+    try:
+        return _read_json(source, CONFIG_FILE, revision)
     except FileNotFoundError:
         return None
+    except CheckpointConfigError:
+        raise
     except Exception as exc:  # huggingface_hub raises EntryNotFoundError for a repo without config.json
         if type(exc).__name__ in {"EntryNotFoundError", "RemoteEntryNotFoundError"}:
             return None
@@ -470,17 +494,21 @@ def load_checkpoint(
     revision: str | None = None,
     quantize: str = "none",
 ) -> ModelBundle:
-    """Load real weights from a local directory or a Hugging Face repo id.
+    """Load real weights from a local directory or a Hugging Face repo id, laid out as published.
 
-    The layout is that of ``kyutai/moshiko-pytorch-bf16`` and ``nvidia/personaplex-7b-v1``:
-    ``model.safetensors`` (LM), ``tokenizer-e351c8d8-checkpoint125.safetensors`` (Mimi),
-    ``tokenizer_spm_32k_3.model`` (text), and optionally ``config.json`` (LM kwargs, with the file names
-    as moshi's ``CheckpointInfo.from_hf_repo`` reads them: ``moshi_name``, ``mimi_name``, ``tokenizer_name``,
-    ``mimi_config_name``). Without ``config.json`` the preset's configuration is used.
+    Reads the layouts of ``nvidia/personaplex-7b-v1`` (a metadata-only ``config.json``, a 16-step
+    depformer), ``kyutai/moshiko-pytorch-bf16`` and ``moshika`` (no ``config.json``) and the ``-q8`` repos
+    (``model.q8.safetensors``, ``"quantize": true``): ``model.safetensors`` (LM),
+    ``tokenizer-e351c8d8-checkpoint125.safetensors`` (Mimi), ``tokenizer_spm_32k_3.model`` (text), and
+    ``config.json`` where there is one. The configuration is the preset's with the ``LMModel`` keys of
+    ``config.json`` merged over it (``runtime.engine.checkpoint_config``: deprecated keys dropped as moshi
+    0.2.13 drops them, metadata ignored, file names and ``quantize`` read). ``config.json`` is fetched and
+    checked first, the LM skeleton built on the meta device from it, and INT8 support probed, all before
+    any weight file is fetched: a configuration that cannot be used costs no download.
 
     Args:
         source: directory path, or repo id such as ``nvidia/personaplex-7b-v1`` (token from ``HF_TOKEN``).
-        preset_name: the architecture to expect when the checkpoint has no ``config.json``.
+        preset_name: the architecture the runtime expects; ``config.json`` keys are merged over it.
         dtype: LM weight dtype (bf16 on Ampere and later; fp16 on a T4, which has no bf16).
         dep_q: depformer steps to build; default 8 (the agent's codebooks), whatever the checkpoint holds.
         quantize: ``int8``: a float checkpoint is quantised at load, layer by layer
@@ -488,33 +516,23 @@ def load_checkpoint(
             ``config.json``, int8 ``weight`` + fp32 ``weight_scb`` per linear layer) is loaded into
             ``LMModel(quantize=True)``. ``dtype`` is ignored (fp16). ``none``: float weights only.
     Raises:
+        CheckpointConfigError: ``config.json`` cannot be used (names the key and what is allowed); raised
+            before any weight file is fetched.
         FileNotFoundError: a file is missing from the directory.
         ValueError: unknown preset, or weights that do not match the configuration (names the keys).
-        QuantizationError: a ``-q8`` checkpoint with ``quantize="none"``, or INT8 where it cannot run.
+        QuantizationError: a ``-q8`` checkpoint with ``quantize="none"``, or INT8 where it cannot run;
+            raised before any weight file is fetched.
     """
     check_quantize(quantize)
     preset = get_preset(preset_name)
-    config = _read_config(source, revision)
-    lm_kwargs = dict(preset.lm_kwargs)
-    names = {
-        "moshi_name": LM_WEIGHTS_FILE,
-        "mimi_name": MIMI_WEIGHTS_FILE,
-        "tokenizer_name": TEXT_TOKENIZER_FILE,
-    }
+    plan = resolve_checkpoint_config(_read_config(source, revision), preset, where=f"{source} {CONFIG_FILE}")
+    names = plan.names
     mimi_config = preset.mimi_config
-    if config is not None:
-        config = dict(config)
-        for key in names:
-            names[key] = config.pop(key, names[key])
-        mimi_config_name = config.pop("mimi_config_name", None)
-        if mimi_config_name:
-            mimi_config = json.loads(_resolve_file(source, mimi_config_name, revision).read_text())
-        for key in ("model_type", "lm_gen_config", "tts_config", "stt_config", "model_id", "lora_name"):
-            config.pop(key, None)
-        prequantized = bool(config.pop("quantize", False))
-        lm_kwargs = config
-    else:
-        prequantized = False
+    if names["mimi_config_name"]:
+        mimi_config = _read_json(source, names["mimi_config_name"], revision)
+        if not isinstance(mimi_config, dict):
+            raise CheckpointConfigError(f"{source} {names['mimi_config_name']}: expected a JSON object")
+    prequantized = plan.prequantized
     if prequantized and quantize != "int8":
         raise QuantizationError(
             f'{source} holds INT8 weights (a -q8 checkpoint: config.json has "quantize": true); '
@@ -523,12 +541,16 @@ def load_checkpoint(
     if quantize == "int8":
         check_int8_support(device)
         dtype = INT8_COMPUTE_DTYPE
-    state = load_file(str(_resolve_file(source, names["moshi_name"], revision)), device="cpu")
+    lm_kwargs = dict(plan.lm_kwargs)
     target_steps = dep_q if dep_q is not None else min(lm_kwargs["dep_q"], 8)
-    state = adapt_depformer_steps(state, target_steps)
     lm_kwargs["dep_q"] = target_steps
-    with torch.device("meta"):
-        lm = LMModel(device="meta", dtype=dtype, quantize=prequantized, **lm_kwargs)
+    # The skeleton the weights are assigned into, built before any download: LMModel's own refusals too.
+    lm = check_lm_kwargs(lm_kwargs, quantize=prequantized, dtype=dtype, where=f"{source} {CONFIG_FILE}")
+    if plan.ignored:
+        log.info("%s %s: ignored %s", source, CONFIG_FILE, ", ".join(plan.ignored))
+    assert names["moshi_name"] and names["mimi_name"] and names["tokenizer_name"]
+    state = load_file(str(_resolve_file(source, names["moshi_name"], revision)), device="cpu")
+    state = adapt_depformer_steps(state, target_steps)
     state = {
         k: (v.to(dtype) if v.dtype.is_floating_point and not k.endswith("weight_scb") else v)
         for k, v in state.items()
@@ -553,29 +575,34 @@ def load_checkpoint(
     )
     lm, mimi = _finish(lm, mimi, device, cast_to)
     log.info(
-        "loaded %s from %s (depformer steps %d, quantize %s%s)",
+        "loaded %s from %s (depformer steps %d, quantize %s%s; from %s: %s)",
         preset_name,
         source,
         target_steps,
         quantize,
         ", pre-quantised" if prequantized else "",
+        CONFIG_FILE,
+        ", ".join(plan.taken) or "nothing",
     )
     return ModelBundle(preset, lm, mimi, tokenizer, source, quantize)
 
 
 def _stack_attention_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of moshi's load hook: ``in_projs.<i>.weight`` -> stacked ``in_proj_weight`` (real layout)."""
+    """Inverse of moshi's load hook: ``in_projs.<i>.weight`` -> stacked ``in_proj_weight`` (real layout); an
+    INT8 state's scales likewise, ``in_projs.<i>.weight_scb`` -> ``in_proj_weight_scb``, as Kyutai's February
+    2025 ``-q8`` export stored them (kyutai-labs/moshi ba92f01 ``quantize_transformer``)."""
     stacked: dict[str, torch.Tensor] = {}
-    groups: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    pattern = re.compile(r"^(.*\.self_attn\.)(in_projs|out_projs)\.(\d+)\.weight$")
+    groups: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
+    pattern = re.compile(r"^(.*\.self_attn\.)(in_projs|out_projs)\.(\d+)\.weight(_scb)?$")
     for key, tensor in state.items():
         match = pattern.match(key)
         if match:
-            groups.setdefault((match.group(1), match.group(2)), {})[int(match.group(3))] = tensor
+            group = (match.group(1), match.group(2), match.group(4) or "")
+            groups.setdefault(group, {})[int(match.group(3))] = tensor
         else:
             stacked[key] = tensor
-    for (prefix, kind), per_step in groups.items():
-        name = "in_proj_weight" if kind == "in_projs" else "out_proj.weight"
+    for (prefix, kind, suffix), per_step in groups.items():
+        name = ("in_proj_weight" if kind == "in_projs" else "out_proj.weight") + suffix
         stacked[prefix + name] = torch.cat([per_step[i] for i in sorted(per_step)], dim=0).contiguous()
     return stacked
 
