@@ -31,6 +31,7 @@ from runtime.engine.persona_limits import VOICE_PROMPT_RE
 from runtime.engine.voices import CodesVoice, EmbeddingsVoice, VoiceCatalog, voices_source
 from runtime.frontend.engine_client import EngineClient
 from runtime.frontend.session_query import parse_session_query
+from runtime.frontend.tokens import TokenClaims
 from runtime.tools.loadgen import run_session
 
 NVIDIA_VOICES = [f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]
@@ -398,3 +399,10 @@ async def test_a_wav_voice_joins_a_session_on_a_five_slot_node(bundle, tmp_path:
             run_session(chat_url(server, voice_prompt="anna"), pcm, realtime=False, tail_s=0.5), 60
         )
         assert result.handshake and not result.errors and result.audio_messages > 0, result
+
+
+def test_a_token_allowing_a_voice_allows_it_under_nvidias_file_name() -> None:
+    claims = TokenClaims("jti", "k1", "node", ("NATF2",), 0.0, 0.0, 1e12)
+    assert claims.allows_persona("NATF2.pt") and claims.allows_persona("NATF2")
+    assert not claims.allows_persona("NATM1.pt")
+    assert TokenClaims("jti", "k1", "node", ("NATF2.pt",), 0.0, 0.0, 1e12).allows_persona("NATF2")
