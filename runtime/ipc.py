@@ -190,6 +190,7 @@ class Status(msgspec.Struct, tag=True):
     draining: bool
     voices: list[str]
     engine_pid: int = 0
+    voices_refused: list[str] = []
 
 
 class Hangup(msgspec.Struct, tag=True):

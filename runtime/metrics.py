@@ -96,6 +96,13 @@ class RuntimeMetrics:
             "Failed requests to the metadata server's maintenance-event key (retried with backoff)",
             registry=r,
         )
+        self.voice_files_refused = Gauge(
+            "duplex_voice_files_refused",
+            "Voice files refused at start-up (unreadable, wrong keys or shapes, bad name; each logged with "
+            "its reason and listed in /api/personas voices_refused)",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.loading = Gauge(
             "duplex_loading",
             "1 while the model loads and warms up (/readyz 503 'loading')",

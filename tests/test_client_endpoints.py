@@ -210,6 +210,7 @@ async def test_personas_lists_the_nodes_voices(node):
     assert status == 200 and headers["Content-Type"] == "application/json"
     assert body == {
         "voices": [VOICE],
+        "voices_refused": [],
         "voice_prompt_max_chars": 64,
         "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
         "text_prompt_max_tokens": TEXT_PROMPT_MAX_TOKENS,

@@ -35,7 +35,9 @@ def test_catalog_loads_wav_at_any_rate_and_pt_codes(bundle, tmp_path: Path) -> N
     catalog = VoiceCatalog.load(tmp_path, bundle.mimi)
     assert catalog.names == ["anna", "bob"]
     anna = catalog.codes("anna")
-    assert anna.shape == (8, 25)  # 2 s at 12.5 Hz, resampled 16 kHz -> 24 kHz
+    # 2 s resampled 16 kHz -> 24 kHz: sphn's resampler gives 49152 samples (its latency and tail), 25.6
+    # frames; the last partial frame is zero-padded as NVIDIA's _iterate_audio(pad=True) does, not dropped
+    assert anna.shape == (8, 26)
     assert catalog.codes("bob").shape == (8, 5)
 
 
@@ -43,12 +45,6 @@ def test_unknown_voice_lists_the_known_ones() -> None:
     catalog = VoiceCatalog({"anna": torch.zeros(8, 2, dtype=torch.long)})
     with pytest.raises(PersonaError, match="voices on this node: anna"):
         catalog.codes("zoe")
-
-
-def test_voice_file_with_a_name_clients_cannot_ask_for_is_refused(bundle, tmp_path: Path) -> None:
-    torch.save(torch.zeros(8, 2, dtype=torch.long), tmp_path / "-bad name.pt")
-    with pytest.raises(PersonaError, match="-bad name.pt"):
-        VoiceCatalog.load(tmp_path, bundle.mimi)
 
 
 def test_prompt_sequence_follows_personaplex(bundle) -> None:

@@ -155,6 +155,7 @@ class BackendStatus:
         tick_alive: the tick loop runs.
         lost: the backend was reachable and is not any more (the engine process died): fatal.
         voices: the voice prompts the node has, sorted.
+        voices_refused: the voice files refused at start-up, each ``"<file>: <what was wrong>"``.
         detail: extra fields for ``/readyz`` (the engine's pid and the worker's id with ``--workers N``).
     """
 
@@ -165,6 +166,7 @@ class BackendStatus:
     tick_alive: bool
     lost: bool = False
     voices: tuple[str, ...] = ()
+    voices_refused: tuple[str, ...] = ()
     detail: dict[str, object] = field(default_factory=dict)
 
     def health(self) -> tuple[bool, str]:

@@ -344,6 +344,7 @@ class EngineCore:
                 draining=self.draining,
                 voices=list(status.voices),
                 engine_pid=os.getpid(),
+                voices_refused=list(status.voices_refused),
             )
             for identity in list(self.workers):
                 self._send(identity, message)

@@ -34,6 +34,7 @@ from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_pr
 from runtime.engine.resume import SinkRoute, SlotHolds
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.engine.sim import make_engine
+from runtime.engine.voices import voices_source
 from runtime.engine.waiting_room import SlotAdmission, WaitingRoomFull, WaitTimeout, open_slots
 from runtime.metrics import RuntimeMetrics
 
@@ -85,6 +86,11 @@ class LocalSlots(SlotBackend):
         self.config = config
         self.bundle = bundle
         self.metrics = metrics or RuntimeMetrics()
+        # Before make_engine: wav voices are encoded by Mimi, which the engine puts into B-row streaming mode
+        self.voices = VoiceCatalog.load(
+            voices_source(config.voices_dir, bundle.source), bundle.mimi, lm=bundle.lm
+        )
+        self.metrics.voice_files_refused.set(len(self.voices.refused))
         self.engine = make_engine(
             config.model,
             bundle,
@@ -93,7 +99,6 @@ class LocalSlots(SlotBackend):
             prefill=config.prompt_prefill,
             tick_period_ms=FRAME_MS / config.stagger_groups,
         )
-        self.voices = VoiceCatalog.load(config.voices_dir, bundle.mimi)
         self.scheduler: SlotScheduler | None = None
         self.admission: SlotAdmission | None = None
         self.draining = False
@@ -145,6 +150,7 @@ class LocalSlots(SlotBackend):
             waiting=self.admission.waiting if self.admission is not None else 0,
             tick_alive=scheduler is not None and scheduler.alive,
             voices=tuple(self.voices.names),
+            voices_refused=tuple(str(r) for r in self.voices.refused),
         )
 
     def prompt(self, voice_prompt: str | None, text_prompt: str | None) -> list[PromptStep]:

@@ -12,6 +12,7 @@ __all__ = [
     "TEXT_PROMPT_MAX_TOKENS",
     "VOICE_PROMPT_MAX_CHARS",
     "VOICE_PROMPT_RE",
+    "voice_name",
 ]
 
 VOICE_PROMPT_MAX_CHARS = 64
@@ -32,6 +33,13 @@ TEXT_PROMPT_LIMIT = (
 
 VOICE_PROMPT_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{VOICE_PROMPT_MAX_CHARS - 1}}}")
 """A voice prompt's name: a preset of the voice catalog, never a path."""
+
+
+def voice_name(voice_prompt: str) -> str:
+    """The catalog name ``voice_prompt`` asks for: NVIDIA's file name ``NATF2.pt`` (as its server and
+    LiveKit's PersonaPlex plugin send ``voice_prompt``) names the voice ``NATF2``; any other name is
+    itself."""
+    return voice_prompt.removesuffix(".pt")
 
 
 class PersonaError(ValueError):

@@ -41,6 +41,7 @@ from runtime.engine.api import (
     SlotBackend,
     SlotLease,
 )
+from runtime.engine.persona_limits import voice_name
 
 __all__ = ["ENGINE_TIMEOUT_S", "HEARTBEAT_S", "EngineClient"]
 
@@ -164,6 +165,7 @@ class EngineClient(SlotBackend):
             tick_alive=heard and message.tick_alive,
             lost=not heard,
             voices=tuple(message.voices),
+            voices_refused=tuple(message.voices_refused),
             detail=detail,
         )
 
@@ -172,7 +174,8 @@ class EngineClient(SlotBackend):
         prompt's tokens at admission and refuses ``bad_request`` past the limit)."""
         if voice_prompt and self.status_message is not None:
             voices = self.status_message.voices
-            if voice_prompt not in voices:  # the words of runtime.engine.persona.VoiceCatalog.codes
+            # the words of runtime.engine.voices.VoiceCatalog.get, which takes NVIDIA's NATF2.pt as NATF2
+            if voice_prompt not in voices and voice_name(voice_prompt) not in voices:
                 known = ", ".join(sorted(voices)) or "none on this node"
                 raise ValueError(f"unknown voice_prompt {voice_prompt!r}; voices on this node: {known}")
 

@@ -254,10 +254,14 @@ async def admission(front: FrontEnd, view: RequestView) -> Admission:
 
 
 async def _personas(front: FrontEnd, request: web.Request) -> web.Response:
-    """``{"voices": [names], "voice_prompt_max_chars", "text_prompt_max_chars", "text_prompt_max_tokens"}``.
-    A session may also name no voice (the model's own) and any text prompt within both text limits."""
+    """``{"voices": [names], "voices_refused": ["<file>: <reason>"], "voice_prompt_max_chars",
+    "text_prompt_max_chars", "text_prompt_max_tokens"}``. A session may also name no voice (the model's own)
+    and any text prompt within both text limits; NVIDIA's preset ``NATF2`` may be asked for as
+    ``NATF2.pt``."""
+    status = front.backend.status()
     body: dict[str, object] = {
-        "voices": list(front.backend.status().voices),
+        "voices": list(status.voices),
+        "voices_refused": list(status.voices_refused),
         "voice_prompt_max_chars": VOICE_PROMPT_MAX_CHARS,
         "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
         "text_prompt_max_tokens": TEXT_PROMPT_MAX_TOKENS,

@@ -43,6 +43,8 @@ from typing import Any
 
 import jwt
 
+from runtime.engine.persona_limits import voice_name
+
 __all__ = [
     "ALGORITHM",
     "ANY_PERSONA",
@@ -222,8 +224,11 @@ class TokenClaims:
     recording_consent: bool = False
 
     def allows_persona(self, voice_prompt: str | None) -> bool:
-        """The token allows this voice prompt (None: no voice prompt, always allowed)."""
-        return voice_prompt is None or ANY_PERSONA in self.personas or voice_prompt in self.personas
+        """The token allows this voice prompt (None: no voice prompt, always allowed). NVIDIA's file name
+        ``NATF2.pt`` and ``NATF2`` are one voice (``runtime.engine.persona_limits.voice_name``)."""
+        if voice_prompt is None or ANY_PERSONA in self.personas:
+            return True
+        return voice_name(voice_prompt) in {voice_name(p) for p in self.personas}
 
 
 class TokenVerifier:
