@@ -17,7 +17,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	pebble:pebble pebble-challtestsrv:pebble openssl:openssl turnserver:coturn turnutils_uclient:coturn ss:iproute2 node:nodejs
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps pip-check deploy-deps demo test lint bench lock clean mutation
+.PHONY: setup system-deps pip-check deploy-deps demo test lint bench gpu-wheels lock clean mutation
 
 setup: system-deps $(STAMP)
 
@@ -93,6 +93,16 @@ lint: $(STAMP)
 
 bench: setup
 	$(BIN)/duplex bench --threads 2 --json artifacts/bench-cpu.json
+
+# The wheels the GPU check installs on a GPU machine that has Python 3.12 and torch but no internet
+# (docs/benchmarks.md, "The GPU check"): moshi and everything the runtime's engine imports beyond torch, as
+# `python -m runtime.tools.gpu_check --requirements` pins them (requirements.lock, MOSHI_VERSION), for
+# CPython 3.12 on this machine's platform, into wheels/ (git-ignored). Copy the checkout with wheels/ over.
+GPU_PYTHON_VERSION ?= 3.12
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m runtime.tools.gpu_check --requirements > $(VENV)/gpu-requirements.txt
+	$(BIN)/pip download --no-deps --python-version $(GPU_PYTHON_VERSION) --only-binary=:all: -d wheels \
+	  -r $(VENV)/gpu-requirements.txt
 
 # Mutation testing (issue 25; docs/mutation.md): mutmut ([tool.mutmut] in pyproject.toml: the files it mutates,
 # the tests it picks from) over the modules where a bug costs users most, one after another, or one alone:

@@ -81,6 +81,39 @@ def test_cuda_comes_once_from_torchs_wheels(dockerfile: DockerfileParser) -> Non
     assert "int8" in next(r for r in _instructions(dockerfile, "RUN") if ".[runtime," in r)
 
 
+def _final_stage(parser: DockerfileParser) -> list[dict]:
+    """The instructions after the last FROM: what the image that runs is made of."""
+    structure = parser.structure
+    last_from = max(n for n, i in enumerate(structure) if i["instruction"] == "FROM")
+    return structure[last_from + 1 :]
+
+
+def test_the_final_stage_can_build_moshis_compiled_kernels(dockerfile: DockerfileParser) -> None:
+    """Issue 30, item 5: moshi 0.2.13 ``torch.compile``s ``_rms_norm``, ``apply_rope`` and the gating kernel
+    on first use, and on CUDA Triton builds its launcher with a host C compiler at run time: the slim base
+    has none ("Failed to find C compiler" at the first warm-up tick). The final stage installs gcc and
+    libc6-dev (gcc's Recommends, skipped by --no-install-recommends: crt1.o and libc's headers), or turns
+    torch.compile off with NO_TORCH_COMPILE; the Dockerfile says which and why."""
+    stage = _final_stage(dockerfile)
+    installed: set[str] = set()
+    for instruction in stage:
+        if instruction["instruction"] != "RUN":
+            continue
+        for command in re.split(r"&&|;", instruction["value"]):
+            words = command.split()
+            if words[:2] == ["apt-get", "install"]:
+                installed.update(w for w in words[2:] if not w.startswith("-"))
+    no_compile = [
+        i["value"]
+        for i in stage
+        if i["instruction"] == "ENV" and re.search(r"\bNO_TORCH_COMPILE=1\b", i["value"])
+    ]
+    compiler = {"gcc", "libc6-dev"} <= installed
+    assert compiler or no_compile, f"the final stage installs {sorted(installed)}: no C compiler for Triton"
+    text = DOCKERFILE.read_text()
+    assert "Failed to find C compiler" in text and "NO_TORCH_COMPILE" in text  # the choice, stated
+
+
 def test_entrypoint_is_the_installed_console_script(dockerfile: DockerfileParser) -> None:
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     entrypoint = json.loads(_instructions(dockerfile, "ENTRYPOINT")[-1])

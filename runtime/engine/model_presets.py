@@ -229,3 +229,22 @@ def get_preset(name: str) -> ModelPreset:
         raise ValueError(
             f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
         ) from None
+
+
+SERVED_DEPFORMER_STEPS = 8
+"""Depformer steps the runtime builds at most: the agent's 8 codebooks (Mimi's 8 of the 7B models).
+PersonaPlex's checkpoints store 16 (the user's 8 after the agent's); ``load_checkpoint`` keeps the first 8,
+which leaves ``n_q - dep_q = 8`` user codebooks reaching the LM from the caller's audio (NVIDIA/personaplex
+PR 103 argues the output is unchanged; ``runtime.engine.models.adapt_depformer_steps``)."""
+
+
+def served_depformer_steps(preset: ModelPreset) -> int:
+    """Depformer steps of ``preset`` as ``duplex serve`` builds it: ``min(checkpoint steps, 8)``
+    (:data:`SERVED_DEPFORMER_STEPS`); 8 for ``personaplex-7b`` (16 stored), ``moshi-7b`` and ``tiny``."""
+    return min(int(preset.lm_kwargs["dep_q"]), SERVED_DEPFORMER_STEPS)
+
+
+def served_lm_kwargs(preset: ModelPreset) -> dict[str, Any]:
+    """``LMModel`` keyword arguments of ``preset`` as served: the preset's, with
+    ``dep_q = served_depformer_steps(preset)`` (a copy; the preset is left as is)."""
+    return {**copy.deepcopy(preset.lm_kwargs), "dep_q": served_depformer_steps(preset)}

@@ -10,12 +10,18 @@ step,
   Mimi decode) per frame.
 - ``stock``: B independent batch-1 engines, each on its own model copy, stepped in turn, as B stock server
   processes would; one "tick" is the B steps together. On a GPU (real 7B size) the copies would not fit,
-  so there the stock figure is B times the measured batch-1 tick (``stock_mode="scaled"``).
+  so there the stock figure is B times the measured batch-1 tick of the one model (``stock(scaled)``).
 
 - ``staggered`` (``stagger=True``): the same B-slot engine ticked as the runtime's two staggered sub-batch
   groups do (``DUPLEX_STAGGER_GROUPS=2``, ``runtime.engine.scheduler``): each tick steps half of the slots
   (even slots, then odd ones), the others frozen by the exec mask; its figure is one sub-tick, which must fit
   40 ms, and two of them serve the B sessions for one frame.
+
+The model is built once (:func:`bench_bundle`: the served configuration, ``duplex serve``'s depformer steps,
+so that the user's codebooks reach the LM) and every engine runs on it in turn, its streaming state released
+before the next (:func:`release_engine`); only the CPU's stock design copies it (tiny sizes). On CUDA each
+row says whether moshi's CUDA graphs were captured and replayed during its ticks
+(``runtime.tools.cuda_graphs``).
 
 Times are wall-clock on the CPU; on a GPU each tick ends with ``torch.cuda.synchronize`` (the engine
 copies its outputs to the host every tick anyway). Warm-up ticks are excluded.
@@ -37,9 +43,10 @@ import numpy as np
 import torch
 
 from runtime.engine.batch import BatchEngine
-from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES
-from runtime.engine.models import ModelBundle
+from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, get_preset, served_depformer_steps
+from runtime.engine.models import ModelBundle, build_random, build_tiny
 from runtime.engine.sampling import SamplingParams
+from runtime.tools.cuda_graphs import GraphCounter, graph_summary
 
 
 @dataclass
@@ -54,6 +61,8 @@ class BenchRow:
     mean_ms: float
     realtime_sessions: float
     within_budget: bool
+    cuda_graphs_replayed: bool | None = None
+    """Every CUDA graph called during the row's ticks was captured and replayed (None off CUDA)."""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -62,7 +71,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def _row(design: str, batch: int, times_ms: list[float], groups: int = 1) -> BenchRow:
+def _row(
+    design: str, batch: int, times_ms: list[float], groups: int = 1, graphs: bool | None = None
+) -> BenchRow:
     """``groups``: ticks per frame (2 for staggered sub-ticks, each of which must fit 80 / 2 ms)."""
     p50 = statistics.median(times_ms)
     p99 = _percentile(times_ms, 99)
@@ -75,14 +86,48 @@ def _row(design: str, batch: int, times_ms: list[float], groups: int = 1) -> Ben
         statistics.fmean(times_ms),
         batch * FRAME_MS / (groups * p50),
         p99 < FRAME_MS / groups,
+        graphs,
     )
 
 
-def _live_engine(bundle: ModelBundle, slots: int) -> BatchEngine:
+def bench_bundle(model: str, device: str = "cpu", quantize: str = "none") -> ModelBundle:
+    """The model the benchmark runs: ``tiny`` seeded, any other preset with random weights in the served
+    configuration (``served_depformer_steps``: 8 for ``personaplex-7b``, whose checkpoints store 16, as
+    ``duplex serve`` builds it), so that ``n_q - dep_q`` user codebooks reach the LM.
+
+    Raises:
+        ValueError: unknown preset. QuantizationError: ``int8`` where bitsandbytes cannot run."""
+    if model == "tiny":
+        return build_tiny(device=device, quantize=quantize)
+    steps = served_depformer_steps(get_preset(model))
+    return build_random(model, device=device, dep_q=steps, quantize=quantize)
+
+
+def live_engine(bundle: ModelBundle, slots: int) -> BatchEngine:
+    """A :class:`BatchEngine` of ``slots`` slots on ``bundle``, every slot joined (no prompt) and LIVE."""
     engine = BatchEngine(bundle, slots)
     for slot in range(slots):
         engine.join(slot, SamplingParams(seed=slot))
     return engine
+
+
+def _exit_state(_name: str, module: torch.nn.Module) -> None:
+    state = getattr(module, "_streaming_state", None)
+    if state is not None:
+        state.__exit__(None, None, None)
+
+
+def release_engine(engine: BatchEngine) -> None:
+    """End ``engine``'s streaming state (its LMGen with the LM's KV caches, and Mimi's), as leaving
+    moshi's ``streaming()`` context does, so that another engine can stream on the same model; the CUDA
+    memory is returned to the allocator's cache (``torch.cuda.empty_cache`` gives it back)."""
+    for module in (engine.lm_gen, engine.bundle.mimi):
+        # What leaving ``module.streaming()`` does: exit each state (LMGen's closes the LM's own streaming,
+        # which it entered detached), then drop them.
+        module._apply_named_streaming(_exit_state)
+        module._stop_streaming()
+    if engine.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _time_ticks(step: Callable[[], object], ticks: int, warmup: int, cuda: bool) -> list[float]:
@@ -98,7 +143,7 @@ def _time_ticks(step: Callable[[], object], ticks: int, warmup: int, cuda: bool)
 
 
 def run_benchmark(
-    make_bundle: Callable[[], ModelBundle],
+    bundle: ModelBundle,
     batch_sizes: list[int],
     *,
     ticks: int = 200,
@@ -107,10 +152,10 @@ def run_benchmark(
     stagger: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
-    """Measure batched and stock tick times for each B in ``batch_sizes``.
+    """Measure batched and stock tick times for each B in ``batch_sizes``, all on ``bundle``.
 
     Args:
-        make_bundle: builds a fresh model bundle (each engine needs its own streaming state).
+        bundle: the one model (:func:`bench_bundle`); each engine streams on it in turn.
         ticks: measured ticks per configuration (after ``warmup``).
         stock: also measure the stock design.
         stagger: also measure the staggered sub-tick (module docstring).
@@ -119,14 +164,22 @@ def run_benchmark(
     """
     rows: list[BenchRow] = []
     rng = np.random.default_rng(0)
-    base = make_bundle()
-    cuda = base.device.type == "cuda"
+    cuda = bundle.device.type == "cuda"
+
+    def timed(
+        engine: BatchEngine, step: Callable[[], object], design: str, groups: int = 1, scale: int = 1
+    ) -> BenchRow:
+        with GraphCounter() as counter:
+            times = _time_ticks(step, ticks, warmup, cuda)
+        graphs = graph_summary(counter.report(engine))["all_replayed"] if cuda else None
+        return _row(design, batch, [t * scale for t in times], groups, graphs)
+
     for batch in batch_sizes:
         if progress:
             progress(f"batched B={batch}")
         pcm = (rng.standard_normal((batch, FRAME_SAMPLES)) * 0.05).astype(np.float32)
-        engine = _live_engine(copy.deepcopy(base) if not cuda else make_bundle(), batch)
-        rows.append(_row("batched", batch, _time_ticks(partial(engine.tick, pcm), ticks, warmup, cuda)))
+        engine = live_engine(bundle, batch)
+        rows.append(timed(engine, partial(engine.tick, pcm), "batched"))
         if stagger:
             if progress:
                 progress(f"staggered B={batch}")
@@ -137,19 +190,20 @@ def run_benchmark(
             ) -> None:
                 engine.tick(x, next(masks))
 
-            rows.append(_row("staggered", batch, _time_ticks(sub_tick, ticks, warmup, cuda), groups=2))
+            rows.append(timed(engine, sub_tick, "staggered", groups=2))
+        release_engine(engine)
         del engine
         if not stock:
             continue
         if progress:
             progress(f"stock B={batch}")
         if cuda:
-            single = _live_engine(make_bundle(), 1)
-            one = _time_ticks(partial(single.tick, pcm[:1]), ticks, warmup, cuda)
-            rows.append(_row("stock(scaled)", batch, [t * batch for t in one]))
+            single = live_engine(bundle, 1)
+            rows.append(timed(single, partial(single.tick, pcm[:1]), "stock(scaled)", scale=batch))
+            release_engine(single)
             del single
         else:
-            engines = [_live_engine(copy.deepcopy(base), 1) for _ in range(batch)]
+            engines = [live_engine(copy.deepcopy(bundle), 1) for _ in range(batch)]
 
             def step_in_turn(engines: list[BatchEngine] = engines, x: np.ndarray = pcm) -> None:
                 for i, engine in enumerate(engines):

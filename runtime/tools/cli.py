@@ -449,8 +449,8 @@ def bench(
     parameter and KV-cache bytes at the chosen weights (``--quantize int8`` against ``none``)."""
     import torch
 
-    from runtime.engine.models import build_random, build_tiny, check_quantize
-    from runtime.tools.bench import rows_as_dicts, run_benchmark, speedups
+    from runtime.engine.models import check_quantize
+    from runtime.tools.bench import bench_bundle, rows_as_dicts, run_benchmark, speedups
 
     try:
         check_quantize(quantize)
@@ -461,29 +461,28 @@ def bench(
         torch.set_num_threads(threads)
     sizes = batch or [1, 2, 4, 8]
 
-    def make_bundle():
-        if model == "tiny":
-            return build_tiny(device=device, quantize=quantize)
-        return build_random(model, device=device, quantize=quantize)
-
-    probe = make_bundle()
-    weights_mb = probe.lm_parameter_bytes() / 1e6
-    probe.lm.transformer.streaming_forever(1)
-    states = probe.lm.transformer.get_streaming_state().values()
+    bundle = bench_bundle(model, device=device, quantize=quantize)  # once: every engine runs on it
+    lm = bundle.lm
+    weights_mb = bundle.lm_parameter_bytes() / 1e6
+    lm.transformer.streaming_forever(1)
+    states = lm.transformer.get_streaming_state().values()
     kv_mb = sum(s.kv_cache.cache.nbytes for s in states if getattr(s, "kv_cache", None) is not None) / 1e6
-    del probe
+    lm.transformer._stop_streaming()
+    user_codebooks = lm.num_codebooks - lm.dep_q - 1
     console.print(
-        f"{model}, quantize={quantize}: LM parameters {weights_mb:.1f} MB, temporal KV cache "
-        f"{kv_mb:.2f} MB per slot"
+        f"{model}, quantize={quantize}: depformer steps {lm.dep_q}, user codebooks into the LM "
+        f"{user_codebooks}, LM parameters {weights_mb:.1f} MB, temporal KV cache {kv_mb:.2f} MB per slot"
     )
     rows = run_benchmark(
-        make_bundle, sizes, ticks=ticks, stock=stock, stagger=stagger, progress=lambda m: console.log(m)
+        bundle, sizes, ticks=ticks, stock=stock, stagger=stagger, progress=lambda m: console.log(m)
     )
     title = f"tick time, {model} ({quantize}) on {device} (torch threads {torch.get_num_threads()})"
     table = Table(title=title)
-    for column in ("design", "B", "p50 ms", "p99 ms", "real-time sessions", "p99 within its period"):
+    columns = ["design", "B", "p50 ms", "p99 ms", "real-time sessions", "p99 within its period"]
+    for column in [*columns, "CUDA graphs replayed"]:
         table.add_column(column)
     for r in rows:
+        graphs = "-" if r.cuda_graphs_replayed is None else ("yes" if r.cuda_graphs_replayed else "NO")
         table.add_row(
             r.design,
             str(r.batch),
@@ -491,13 +490,16 @@ def bench(
             f"{r.p99_ms:.1f}",
             f"{r.realtime_sessions:.1f}",
             "yes" if r.within_budget else "no",
+            graphs,
         )
     console.print(table)
     for b, ratio in speedups(rows).items():
         console.print(f"B={b}: batched throughput {ratio:.2f}x the stock design")
     if json_path:
-        summary = {"rows": rows_as_dicts(rows), "speedups": speedups(rows), "quantize": quantize}
+        summary: dict[str, object] = {"rows": rows_as_dicts(rows), "speedups": speedups(rows)}
+        summary["quantize"] = quantize
         summary.update({"lm_parameter_mb": weights_mb, "temporal_kv_mb_per_slot": kv_mb})
+        summary.update({"depformer_steps": lm.dep_q, "user_codebooks": user_codebooks})
         json_path.write_text(json.dumps(summary, indent=2))
 
 
