@@ -22,9 +22,10 @@ resume may arrive through any worker of the node and no worker needs Redis to ch
   a session whose connection is lost can be resumed: detached (the transport's own signal), or still
   attached but **failing the liveness probe**: no input frame from its owner for :data:`SILENCE_S` within
   :data:`PROBE_S` of the resume (:meth:`SlotHolds.probe_owner`; a connected caller sends one every 80 ms,
-  over the same connection a ping would use). Then the old sink, which had not noticed its loss, gets ``on_taken_over``. An owner
-  still sending keeps its call and its credential: the resume is refused ``resume_live`` (a takeover
-  with a stolen credential, or a client that opened a second connection while the first still streams).
+  over the same connection a ping would use). Then the old sink, which had not noticed its loss, gets
+  ``on_taken_over``. An owner still sending keeps its call and its credential: the resume is refused
+  ``resume_live`` (a takeover with a stolen credential, or a client that opened a second connection while
+  the first still streams).
 - **Expiry**: :meth:`SlotHolds.sweep` (every ``SWEEP_S`` on the owner's loop) frees holds past their
   deadline on the injected ``clock`` and tells their sink ``on_hold_expired``; a resume past the deadline
   is refused even before the sweep ran.
@@ -377,6 +378,6 @@ class SlotHolds:
 
 
 def _settle(held: _Held) -> None:
-    """Wake a resume probing ``held``'s owner (:meth:`SlotHolds.probe_owner`), if one is: detached or ended."""
+    """Wake a resume probing ``held``'s owner (:meth:`SlotHolds.probe_owner`), if any: detached or ended."""
     if held.probe is not None and not held.probe.done():
         held.probe.set_result(None)

@@ -72,7 +72,7 @@ REFUSALS: dict[str, RefusalKind] = {
     "waiting_room_full": RefusalKind(503, CLOSE_TRY_AGAIN_LATER),
     "wait_timeout": RefusalKind(503, CLOSE_TRY_AGAIN_LATER),
     "engine_lost": RefusalKind(503, CLOSE_INTERNAL_ERROR, ENGINE_LOST_MESSAGE),
-    # A resume (a connection presenting a credential) refused: the session cannot be resumed with it; start a new one.
+    # A resume (a connection presenting a credential) refused: the session cannot be resumed with it.
     "resume_off": RefusalKind(404, CLOSE_POLICY, RESUME_OFF_MESSAGE),
     "resume_invalid": RefusalKind(403, CLOSE_POLICY),
     "resume_replayed": RefusalKind(403, CLOSE_POLICY),
