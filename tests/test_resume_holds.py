@@ -250,3 +250,23 @@ def test_the_query_asks_for_resume_and_refuses_bad_values() -> None:
         with pytest.raises(ProtocolError) as bad:
             parse_session_query(query)
         assert bad.value.reason == "bad_query" and f"query parameter {named}=" in str(bad.value)
+
+
+def test_the_runtime_access_log_keeps_no_query(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 34: a resume credential (or a token) in the query stays out of the runtime's access log."""
+    import logging
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from runtime.frontend.server import ACCESS_LOG, AccessLog
+
+    credential = f"{'3' * 32}.{'S' * 43}"
+    request = make_mocked_request("GET", f"/api/chat?format=pcm&resume={credential}&token=eyJsecret")
+    access = AccessLog(ACCESS_LOG, "")
+    with caplog.at_level(logging.DEBUG, logger="runtime.access"):
+        assert access.enabled
+        access.log(request, web.Response(status=101), 0.25)
+    line = caplog.records[-1].getMessage()
+    assert '"GET /api/chat" 101' in line, line
+    assert credential not in caplog.text and "eyJsecret" not in caplog.text and "resume=" not in caplog.text
