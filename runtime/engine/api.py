@@ -380,7 +380,7 @@ class SlotBackend(abc.ABC):
 
     async def resume(self, credential: str, sink: SessionSink, client: str = "") -> ResumeGrant:
         """Attach ``sink`` to the session that ``credential`` names (detached, or still attached to a
-        transport that has not noticed its loss but whose input stopped for ``PROBE_S``: that sink gets
+        transport that has not noticed its loss but whose input stopped for ``SILENCE_S``: that sink gets
         ``on_taken_over``); spends the credential. A session whose owner is still sending is refused
         (``resume_live``), its owner and credential untouched (``runtime.engine.resume``).
 
