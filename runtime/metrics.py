@@ -266,12 +266,13 @@ class RuntimeMetrics:
         )
         self.resume_refused = Counter(
             "duplex_resume_refused_total",
-            "Resumes refused: resume_off, resume_invalid, resume_replayed, resume_expired (and any other "
+            "Resumes refused: resume_off, resume_invalid, resume_replayed, resume_expired, resume_live (a "
+            "takeover of a live session tried; and any other "
             "refusal of a connection presenting a resume credential: rate_limited, draining, not_ready...)",
             ["reason"],
             registry=r,
         )
-        for reason in ("resume_off", "resume_invalid", "resume_replayed", "resume_expired"):
+        for reason in ("resume_off", "resume_invalid", "resume_replayed", "resume_expired", "resume_live"):
             self.resume_refused.labels(reason=reason)
         for outcome in ("admitted", "timeout", "left", "full"):
             self.waiting_room.labels(outcome=outcome)

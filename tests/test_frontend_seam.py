@@ -110,6 +110,8 @@ def test_every_refusal_keeps_its_status_close_code_and_message():
         "resume_invalid": RefusalKind(403, 1008),
         "resume_replayed": RefusalKind(403, 1008),
         "resume_expired": RefusalKind(410, 1008),
+        # Issue 34: a resume while the session's owner is still connected and sending.
+        "resume_live": RefusalKind(409, 1008),
     }
     assert expected == REFUSALS
     assert set(REFUSAL_STATUS) <= set(REFUSALS) and set(REFUSAL_REASONS) <= set(REFUSALS)

@@ -277,15 +277,16 @@ async def test_a_resume_cancelled_before_its_first_frame_leaves_the_session_to_a
 
 
 # --------------------------------------------------------------------------------------------------
-# Bad credentials, replays, takeover, a flood
+# Bad credentials, replays, no takeover of a live session, a flood
 # --------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("workers", WORKER_MODES)
 async def test_wrong_replayed_and_foreign_credentials_are_refused_and_harm_nothing(bundle, speech, workers):  # noqa: F811
     """Malformed, unknown, another session's id with this secret, a credential used already: each refused
-    (1008, the reason named), and the live sessions go on; a still-open connection is taken over by a valid
-    resume (its old connection closed 1000)."""
+    (1008, the reason named), and the live sessions go on; a valid credential presented while its session's
+    connection is live and streaming is refused ``resume_live`` (issue 34, item 1: no takeover) and the same
+    credential resumes the session once that connection is lost."""
     async with running_server(bundle, workers=workers) as srv:
         a, meta_a = await open_resumable(srv, speech[0], resumable=1)
         b, meta_b = await open_resumable(srv, speech[1], resumable="true")
@@ -303,15 +304,27 @@ async def test_wrong_replayed_and_foreign_credentials_are_refused_and_harm_nothi
                 assert words in attempt.result.errors[0], (credential, attempt.result.errors)
             assert local_metrics(srv).value("duplex_resume_refused_total", reason="resume_invalid") == 3
 
-            # A valid resume while A's connection is still open: A's old connection is closed, not ended.
+            # Issue 34: a valid credential while A is connected and streaming (a takeover) is refused
+            # resume_live after the upgrade (1008); the taker gets no handshake, no audio, no text; A keeps
+            # its call, on the same connection, and its credential.
+            thief = await refused(srv, meta_a["resume"], speech[2])
+            assert thief.result.close_code == 1008, thief.result.close_code
+            assert "is live on its connection" in thief.result.errors[0], thief.result.errors
+            assert thief.result.audio_messages == 0 and thief.result.text == "" and thief.metadata == []
+            assert local_metrics(srv).value("duplex_resume_refused_total", reason="resume_live") == 1
+            mark = a.mark()
+            await a.wait_audio(AFTER_FRAMES, after=mark)
+            assert not a.closed.is_set() and session_of(srv, sid_a) is not None
+
+            # A's connection really drops (no close frame): its credential, untouched, resumes it.
+            a.abort()
+            await detached(srv)
             a2 = LiveClient(resume_url(srv, meta_a["resume"]), speech[0])
             await a2.open()
             try:
                 assert a2.result.handshake, a2.result.errors
-                await a.wait_closed()
-                assert (
-                    a.result.close_code == 1000 and "resumed on another connection" in a.result.close_reason
-                )
+                await wait_until(lambda: bool(a2.metadata), timeout_s=WAIT_S, what="the resumed metadata")
+                assert a2.metadata[0]["resumed"] is True and a2.metadata[0]["session_id"] == sid_a
                 a2.start_streaming()
                 await a2.wait_audio(AFTER_FRAMES)
                 replay = await refused(srv, meta_a["resume"], speech[2])  # the same credential again

@@ -4,13 +4,15 @@ real sockets in both process modes: ``tests/test_resume.py``."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 from fake_clock import FakeClock
 
 from runtime.engine.api import Refusal, SessionSink
-from runtime.engine.resume import SinkRoute, SlotHolds, credential_session
+from runtime.engine.resume import PROBE_S, SILENCE_S, SinkRoute, SlotHolds, credential_session
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SlotSession
 
@@ -32,14 +34,119 @@ class _Sink(SessionSink):
         self.events.append("expired")
 
 
-def _holds(hold_s: float = 10.0) -> tuple[SlotHolds, FakeClock, list[SlotSession]]:
+def _holds(
+    hold_s: float = 10.0, probe_s: float = PROBE_S, silence_s: float = SILENCE_S
+) -> tuple[SlotHolds, FakeClock, list[SlotSession]]:
     clock = FakeClock()
     released: list[SlotSession] = []
-    return SlotHolds(hold_s, released.append, clock=clock), clock, released
+    holds = SlotHolds(hold_s, released.append, clock=clock, probe_s=probe_s, silence_s=silence_s)
+    return holds, clock, released
 
 
-def _slot_session(sid: str) -> SlotSession:
-    return SlotSession(sid, SamplingParams(), [], on_output=lambda *_: None, on_prompt_done=lambda: None)
+def _slot_session(sid: str, clock: FakeClock | None = None) -> SlotSession:
+    session = SlotSession(sid, SamplingParams(), [], on_output=lambda *_: None, on_prompt_done=lambda: None)
+    if clock is not None:
+        session.clock = clock
+    return session
+
+
+_FRAME = np.zeros(1920, dtype=np.float32)
+
+
+async def _probe_while(holds: SlotHolds, credential: str, step: Any) -> None:
+    """Run :meth:`SlotHolds.probe_owner` while ``step()`` moves the slot session's clock (and sends frames);
+    the probe's own waits are the fake clock's seconds taken as real ones (tens of ms here)."""
+    probe = asyncio.ensure_future(holds.probe_owner(credential))
+    for _ in range(1000):
+        await asyncio.sleep(0.002)
+        if probe.done():
+            break
+        step()
+    await probe
+
+
+def test_a_resume_while_the_owner_sends_is_refused_and_changes_nothing() -> None:
+    """Issue 34, item 1: the owner is attached and its frames keep reaching the slot for the whole probe:
+    ``resume_live``; the owner keeps its sink and its credential, which resumes the session once the
+    transport reports the connection lost."""
+    holds, clock, released = _holds(probe_s=0.05, silence_s=0.02)
+    owner = _Sink()
+    route = SinkRoute(owner)
+    session = _slot_session("e" * 32, clock)
+    credential = holds.open(session, route, "")
+
+    def sending() -> None:
+        clock.advance(0.005)
+        session.push_frame(_FRAME)
+
+    with pytest.raises(Refusal) as live:
+        asyncio.run(_probe_while(holds, credential, sending))
+    assert live.value.reason == "resume_live" and "is live on its connection" in live.value.message
+    assert route.sink is owner and owner.events == [] and not released and holds.detached == 0
+
+    assert holds.detach(session.session_id)  # the owner's connection is lost (the transport says so)
+    asyncio.run(holds.probe_owner(credential))  # detached: nothing to probe
+    got = holds.resume(credential, _Sink())
+    assert got.previous is owner and got.slot_session is session
+
+
+def test_the_transport_reporting_the_loss_ends_the_probe() -> None:
+    holds, clock, _ = _holds(probe_s=100.0, silence_s=50.0)
+    owner = _Sink()
+    session = _slot_session("f" * 32, clock)
+    credential = holds.open(session, SinkRoute(owner), "")
+    session.push_frame(_FRAME)
+
+    async def attempt() -> None:
+        probe = asyncio.ensure_future(holds.probe_owner(credential))
+        await asyncio.sleep(0)
+        assert not probe.done(), "a resume went on while the owner's last frame was recent"
+        holds.detach(session.session_id)  # the old connection's loss is seen meanwhile
+        await probe
+
+    asyncio.run(attempt())
+    assert holds.resume(credential, _Sink()).previous is owner
+
+
+def test_an_owner_that_stopped_sending_is_taken_for_lost() -> None:
+    """The race the old takeover served: the caller's TCP connection died silently (no close, no reset) and
+    it reconnects before the server's heartbeat notices. Its frames stopped: once silent for ``silence_s``
+    the resume goes on (the caller then tells the old sink ``on_taken_over``); frames that stopped a
+    ``silence_s`` ago already: at once."""
+    holds, clock, _ = _holds(probe_s=0.2, silence_s=0.02)
+    owner = _Sink()
+    session = _slot_session("1" * 32, clock)
+    credential = holds.open(session, SinkRoute(owner), "")
+    session.push_frame(_FRAME)
+    sent = [0]
+
+    def tail_then_silence() -> None:  # a few frames still in flight after the drop, then nothing
+        clock.advance(0.005)
+        if sent[0] < 3:
+            sent[0] += 1
+            session.push_frame(_FRAME)
+
+    asyncio.run(_probe_while(holds, credential, tail_then_silence))
+    assert sent[0] == 3
+
+    async def at_once() -> None:
+        probe = asyncio.ensure_future(holds.probe_owner(credential))
+        await asyncio.sleep(0)
+        assert probe.done(), "an owner silent for silence_s already was probed again"
+        await probe
+
+    asyncio.run(at_once())
+    assert holds.resume(credential, _Sink()).previous is owner
+
+
+def test_a_bad_credential_is_refused_before_any_probe() -> None:
+    holds, clock, _ = _holds()
+    session = _slot_session("2" * 32, clock)
+    holds.open(session, SinkRoute(_Sink()), "")
+    session.push_frame(_FRAME)
+    with pytest.raises(Refusal) as wrong:
+        asyncio.run(holds.probe_owner(f"{session.session_id}.{'A' * 43}"))
+    assert wrong.value.reason == "resume_invalid"
 
 
 def test_credentials_are_single_use_and_name_their_session() -> None:
@@ -143,3 +250,23 @@ def test_the_query_asks_for_resume_and_refuses_bad_values() -> None:
         with pytest.raises(ProtocolError) as bad:
             parse_session_query(query)
         assert bad.value.reason == "bad_query" and f"query parameter {named}=" in str(bad.value)
+
+
+def test_the_runtime_access_log_keeps_no_query(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 34: a resume credential (or a token) in the query stays out of the runtime's access log."""
+    import logging
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from runtime.frontend.server import ACCESS_LOG, AccessLog
+
+    credential = f"{'3' * 32}.{'S' * 43}"
+    request = make_mocked_request("GET", f"/api/chat?format=pcm&resume={credential}&token=eyJsecret")
+    access = AccessLog(ACCESS_LOG, "")
+    with caplog.at_level(logging.DEBUG, logger="runtime.access"):
+        assert access.enabled
+        access.log(request, web.Response(status=101), 0.25)
+    line = caplog.records[-1].getMessage()
+    assert '"GET /api/chat" 101' in line, line
+    assert credential not in caplog.text and "eyJsecret" not in caplog.text and "resume=" not in caplog.text

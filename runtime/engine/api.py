@@ -107,6 +107,7 @@ REFUSAL_REASONS: tuple[str, ...] = (
     "resume_invalid",
     "resume_replayed",
     "resume_expired",
+    "resume_live",
 )
 """Every reason a backend refuses an admission with (the front end's refusal table maps each to an HTTP
 status, a close code and a message: ``runtime.frontend.refusals``)."""
@@ -116,7 +117,8 @@ RESUME_REFUSAL_REASONS: tuple[str, ...] = tuple(r for r in REFUSAL_REASONS if r.
 """Why a resume is refused (``duplex_resume_refused_total``'s ``reason``): ``resume_off`` (the node holds
 no slot for resume: ``DUPLEX_RESUME_S=0``), ``resume_invalid`` (not a credential, or not this session's),
 ``resume_replayed`` (a credential already used: each is single-use), ``resume_expired`` (the hold ran out,
-or the session ended)."""
+or the session ended), ``resume_live`` (the session's owner is still connected and answering: a resume is
+accepted only once its connection is lost; ``runtime.engine.resume.PROBE_S``)."""
 
 
 class Refusal(Exception):
@@ -380,7 +382,9 @@ class SlotBackend(abc.ABC):
 
     async def resume(self, credential: str, sink: SessionSink, client: str = "") -> ResumeGrant:
         """Attach ``sink`` to the session that ``credential`` names (detached, or still attached to a
-        transport that has not noticed its loss: that sink gets ``on_taken_over``); spends the credential.
+        transport that has not noticed its loss but whose input stopped for ``SILENCE_S``: that sink gets
+        ``on_taken_over``); spends the credential. A session whose owner is still sending is refused
+        (``resume_live``), its owner and credential untouched (``runtime.engine.resume``).
 
         Raises:
             Refusal: one of :data:`RESUME_REFUSAL_REASONS` (or ``not_ready``, ``engine_lost``).

@@ -247,6 +247,9 @@ class LocalSlots(SlotBackend):
     async def resume(self, credential: str, sink: SessionSink, client: str = "") -> ResumeGrant:
         if self.draining:
             raise Refusal("draining", DRAINING_MESSAGE)
+        await self.holds.probe_owner(credential)  # resume_live while the owner is connected and sending
+        if self.draining:
+            raise Refusal("draining", DRAINING_MESSAGE)
         got = self.holds.resume(credential, sink)
         if got.previous is not sink:
             got.previous.on_taken_over()

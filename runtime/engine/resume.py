@@ -18,8 +18,14 @@ resume may arrive through any worker of the node and no worker needs Redis to ch
 - **Detach**: the transport was lost without a normal close. The slot is held, **paused**
   (``SlotSession.paused``: the tick freezes the row, neither stepping it nor feeding it silence), for
   ``hold_s``; the first frame after a resume unpauses it. Why paused: docs/runtime.md, "Resume".
-- **Resume**: the credential names the session; the slot's outputs go to the new sink from then on (the
-  old sink, if it had not noticed its loss, gets ``on_taken_over``).
+- **Resume**: the credential names the session; the slot's outputs go to the new sink from then on. Only
+  a session whose connection is lost can be resumed: detached (the transport's own signal), or still
+  attached but **failing the liveness probe**: no input frame from its owner for :data:`SILENCE_S` within
+  :data:`PROBE_S` of the resume (:meth:`SlotHolds.probe_owner`; a connected caller sends one every 80 ms,
+  over the same connection a ping would use). Then the old sink, which had not noticed its loss, gets
+  ``on_taken_over``. An owner still sending keeps its call and its credential: the resume is refused
+  ``resume_live`` (a takeover with a stolen credential, or a client that opened a second connection while
+  the first still streams).
 - **Expiry**: :meth:`SlotHolds.sweep` (every ``SWEEP_S`` on the owner's loop) frees holds past their
   deadline on the injected ``clock`` and tells their sink ``on_hold_expired``; a resume past the deadline
   is refused even before the sweep ran.
@@ -31,6 +37,7 @@ session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -51,12 +58,32 @@ from runtime.engine.api import (
 )
 from runtime.engine.scheduler import SlotSession
 
-__all__ = ["ENDED_MEMORY", "SWEEP_S", "Resumed", "SinkRoute", "SlotHolds", "credential_session"]
+__all__ = [
+    "ENDED_MEMORY",
+    "PROBE_S",
+    "SILENCE_S",
+    "SWEEP_S",
+    "Resumed",
+    "SinkRoute",
+    "SlotHolds",
+    "credential_session",
+]
 
 log = logging.getLogger(__name__)
 
 SWEEP_S = 0.1
 """How often the holds are checked for expiry (s): a held slot frees at most this late."""
+SILENCE_S = 0.5
+"""The liveness probe of a resume whose session is still attached: an owner whose input frames stopped for
+this long (s) is taken for lost (a TCP connection that died silently: the WebSocket heartbeat would see it
+only after 20-30 s; a WebRTC path: after ``rtc_media_timeout_s``). A connected caller sends a frame every
+80 ms (Kyutai's protocol: 1920 samples at 24 kHz; WebRTC: 20 ms Opus packets, silence included), so this is
+6 missed frames; a dropped WebRTC path still yields frames for up to ~0.3 s (the jitter buffer's 120 ms of
+concealment, ``runtime.frontend.jitter.CAP_MS``, and a frame's assembly)."""
+PROBE_S = 2.0
+"""The longest a resume probes a still-attached owner (s): still sending by then, it is live and the resume
+is refused ``resume_live``. A silent drop adds at most :data:`SILENCE_S` after the owner's last frame to a
+resume; a refusal takes this long (issue 34 asked for "a liveness probe of about one second")."""
 ENDED_MEMORY = 4096
 """Sessions remembered after they ended (for a clear ``resume_expired`` instead of ``resume_invalid``)."""
 _CREDENTIAL_RE = re.compile(r"([0-9a-f]{32})\.([A-Za-z0-9_-]{43})")
@@ -113,6 +140,9 @@ class _Held:
     spends it: a retry of a resume cancelled mid-flight presents it again."""
     deadline: float | None = None
     """While detached: when the hold ends (``clock`` s); None while attached."""
+    probe: asyncio.Future[None] | None = None
+    """While a resume probes the attached owner (:meth:`SlotHolds.probe_owner`): done once the session is
+    detached or ended."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +173,8 @@ class SlotHolds:
         hold_s: how long a detached slot is held (``DUPLEX_RESUME_S``); 0: no resume at all.
         release: frees a slot session's slot (the scheduler's ``release``).
         clock: monotonic seconds (injected in tests: the hold never depends on the wall clock).
+        probe_s: the liveness probe's longest wait (s; :data:`PROBE_S`).
+        silence_s: the owner's silence that the probe takes for a lost connection (s; :data:`SILENCE_S`).
     """
 
     def __init__(
@@ -151,9 +183,13 @@ class SlotHolds:
         release: Callable[[SlotSession], None],
         *,
         clock: Callable[[], float] = time.monotonic,
+        probe_s: float = PROBE_S,
+        silence_s: float = SILENCE_S,
     ) -> None:
         self.hold_s = hold_s
         self.clock = clock
+        self.probe_s = probe_s
+        self.silence_s = silence_s
         self._release = release
         self._held: dict[str, _Held] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it cannot be resumed
@@ -204,7 +240,9 @@ class SlotHolds:
 
     def forget(self, session_id: str, why: str = "the session has ended") -> None:
         """The session ended (released): its credentials are void from now on."""
-        if self._held.pop(session_id, None) is not None:
+        held = self._held.pop(session_id, None)
+        if held is not None:
+            _settle(held)
             self._ended[session_id] = why
             while len(self._ended) > ENDED_MEMORY:
                 self._ended.popitem(last=False)
@@ -215,9 +253,48 @@ class SlotHolds:
         if held is None:
             return False
         held.deadline = self.clock() + self.hold_s
+        _settle(held)  # a resume probing the owner: the transport says it is lost
         held.slot_session.paused = True
         held.slot_session.inbox.clear()  # the tick takes no stale frame when the caller is back
         return True
+
+    async def probe_owner(self, credential: str) -> None:
+        """Before :meth:`resume`: when ``credential``'s session is still attached to a connection, watch its
+        owner's input for up to ``probe_s``. Silent for ``silence_s`` (no input frame reached the slot; a
+        connection that has not sent one yet counts from the probe's start) or the transport's loss signal
+        (:meth:`detach`): lost, go on. Still sending after ``probe_s``: the owner is live, the resume refused.
+        Nothing of the session changes here: a refused resume leaves the owner's call and credential as
+        they were. On the slot session's clock (the scheduler's, injected in tests).
+
+        Raises:
+            Refusal: ``resume_live``; the refusals of :meth:`resume` for a credential that is not good
+                (checked first, so a wrong credential learns nothing of the owner).
+        """
+        session_id, held, _ = self._check(credential)
+        slot_session = held.slot_session
+        clock = slot_session.clock
+        start = clock()
+        until = start + self.probe_s
+        while held.deadline is None and self._held.get(session_id) is held:
+            now = clock()
+            last = slot_session.last_input_at
+            quiet_at = (start if last is None else last) + self.silence_s
+            if now >= quiet_at:
+                return  # silent: the connection died without the transport noticing yet
+            if now >= until:
+                log.warning(
+                    "session %s: a resume while its owner is connected and sending refused", session_id
+                )
+                raise Refusal(
+                    "resume_live",
+                    f"session {session_id} is live on its connection: a resume is accepted only once that "
+                    "connection is lost (its owner keeps the call and its credential)",
+                )
+            if held.probe is None or held.probe.done():
+                held.probe = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(quiet_at, until) - now):
+                    await asyncio.shield(held.probe)  # detached or ended meanwhile
 
     def confirm(self, session_id: str) -> None:
         """The resumed connection's first frame reached the slot: the credential its resume presented is
@@ -251,6 +328,27 @@ class SlotHolds:
         Raises:
             Refusal: ``resume_off``, ``resume_invalid``, ``resume_replayed`` or ``resume_expired``.
         """
+        session_id, held, current = self._check(credential)
+        if current:
+            self.confirm(session_id)  # a pending one, if any, is spent: the client holds the next
+            held.pending = held.secret
+        next_secret = secrets.token_urlsafe(32)
+        held.secret = _digest(next_secret)
+        held.deadline = None
+        previous, held.route.sink = held.route.sink, sink
+        last = held.slot_session.last_input_at  # on the scheduler's clock, as the gap's end
+        gap_s = 0.0 if last is None else max(0.0, held.slot_session.clock() - last)
+        transcript = list(held.route.transcript)
+        credential = f"{session_id}.{next_secret}"
+        return Resumed(held.slot_session, previous, gap_s, held.meta, transcript, credential)
+
+    def _check(self, credential: str) -> tuple[str, _Held, bool]:
+        """``(session_id, held, current)`` of a good credential (``current``: the session's current one,
+        else the pending one of a resume not confirmed yet).
+
+        Raises:
+            Refusal: ``resume_off``, ``resume_invalid``, ``resume_replayed`` or ``resume_expired``.
+        """
         if self.hold_s <= 0:
             raise Refusal("resume_off", RESUME_OFF_MESSAGE)
         parsed = credential_session(credential)
@@ -276,15 +374,10 @@ class SlotHolds:
                     "resume_replayed", f"this resume credential of session {session_id} was used already"
                 )
             raise Refusal("resume_invalid", f"not a resume credential of session {session_id}")
-        if current:
-            self.confirm(session_id)  # a pending one, if any, is spent: the client holds the next
-            held.pending = held.secret
-        next_secret = secrets.token_urlsafe(32)
-        held.secret = _digest(next_secret)
-        held.deadline = None
-        previous, held.route.sink = held.route.sink, sink
-        last = held.slot_session.last_input_at  # on the scheduler's clock, as the gap's end
-        gap_s = 0.0 if last is None else max(0.0, held.slot_session.clock() - last)
-        transcript = list(held.route.transcript)
-        credential = f"{session_id}.{next_secret}"
-        return Resumed(held.slot_session, previous, gap_s, held.meta, transcript, credential)
+        return session_id, held, current
+
+
+def _settle(held: _Held) -> None:
+    """Wake a resume probing ``held``'s owner (:meth:`SlotHolds.probe_owner`), if any: detached or ended."""
+    if held.probe is not None and not held.probe.done():
+        held.probe.set_result(None)

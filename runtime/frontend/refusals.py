@@ -72,11 +72,14 @@ REFUSALS: dict[str, RefusalKind] = {
     "waiting_room_full": RefusalKind(503, CLOSE_TRY_AGAIN_LATER),
     "wait_timeout": RefusalKind(503, CLOSE_TRY_AGAIN_LATER),
     "engine_lost": RefusalKind(503, CLOSE_INTERNAL_ERROR, ENGINE_LOST_MESSAGE),
-    # A resume (?resume=<credential>) refused: the session cannot be resumed with it; start a new one.
+    # A resume (a connection presenting a credential) refused: the session cannot be resumed with it.
     "resume_off": RefusalKind(404, CLOSE_POLICY, RESUME_OFF_MESSAGE),
     "resume_invalid": RefusalKind(403, CLOSE_POLICY),
     "resume_replayed": RefusalKind(403, CLOSE_POLICY),
     "resume_expired": RefusalKind(410, CLOSE_POLICY),
+    # The session's owner is still connected and sending: a resume takes over a lost connection only
+    # (runtime.engine.resume.PROBE_S); the owner keeps its call and its credential.
+    "resume_live": RefusalKind(409, CLOSE_POLICY),
 }
 """Every refusal reason (the ``reason`` label of ``duplex_admissions_refused_total``) and its answers."""
 

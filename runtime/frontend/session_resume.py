@@ -143,7 +143,8 @@ class ResumableSession(SessionSink):
         again. No token is spent: the credential is the right.
 
         Raises:
-            SessionRefused: ``resume_off``, ``resume_invalid``, ``resume_replayed``, ``resume_expired`` (or
+            SessionRefused: ``resume_off``, ``resume_invalid``, ``resume_replayed``, ``resume_expired``,
+                ``resume_live`` (or
                 ``not_ready``, ``draining``, ``engine_lost``); counted in ``duplex_resume_refused_total``.
         """
         assert self.request.resume is not None
