@@ -206,3 +206,34 @@ def test_a_persona_too_long_for_the_window_is_not_rolled(tiny) -> None:
 def test_policy_bounds_are_checked(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         RolloverPolicy(**kwargs)
+
+
+def test_the_node_counts_rollovers_and_the_oldest_persona() -> None:
+    """The scheduler's share: a tick's rollovers by trigger and the largest age, in /metrics' names."""
+    from types import SimpleNamespace
+
+    from runtime.engine.batch import TickTimings
+    from runtime.engine.scheduler import SlotScheduler
+    from runtime.metrics import RuntimeMetrics
+
+    metrics = RuntimeMetrics()
+    count = SlotScheduler._count_rollovers
+    count(SimpleNamespace(metrics=metrics), TickTimings(rollovers_forced=2, persona_age_steps=2999))  # type: ignore[arg-type]
+    count(SimpleNamespace(metrics=metrics), TickTimings(rollovers_at_pause=1, persona_age_steps=612))  # type: ignore[arg-type]
+    text = metrics.render().decode()
+    assert 'duplex_persona_rollovers_total{trigger="forced"} 2.0' in text
+    assert 'duplex_persona_rollovers_total{trigger="pause"} 1.0' in text
+    assert "duplex_persona_age_steps 612.0" in text
+
+
+def test_the_settings_make_the_engines_policy() -> None:
+    from pydantic import ValidationError
+
+    from runtime.config import RuntimeConfig
+
+    config = RuntimeConfig(rollover_seek_fraction=0.5, rollover_memory_tokens=10, rollover_pause_ticks=3)
+    policy = RolloverPolicy.from_config(config)
+    assert (policy.enabled, policy.seek_fraction, policy.force_fraction) == (True, 0.5, 0.85)
+    assert (policy.memory_tokens, policy.pause_ticks, policy.pause_rms) == (10, 3, 0.01)
+    with pytest.raises(ValidationError, match="DUPLEX_ROLLOVER_SEEK_FRACTION=0.9 must be <="):
+        RuntimeConfig(rollover_seek_fraction=0.9, rollover_force_fraction=0.8)

@@ -124,7 +124,7 @@ class TickTimings:
     pre-roll of slots that joined since the last tick; ``prompt_steps``: step-by-step prompt steps;
     ``prefill_steps``: prompt steps run as prefill, in ``prefill_chunks`` chunks. Persona rollovers
     (``runtime.engine.rollover``; 0 without): ``rollover_steps`` prefilled, rollovers swapped in at a
-    caller pause or forced, and the largest ``persona_age_steps`` (steps since a live slot's persona began)."""
+    caller pause or forced, the largest ``persona_age_steps`` (steps since a live slot's persona began)."""
 
     encode_ms: float = 0.0
     lm_ms: float = 0.0

@@ -167,8 +167,8 @@ class RolloverEngine(BatchEngine):
     ) -> None:
         super().__init__(bundle, slots, clock=clock, **kwargs)  # type: ignore[arg-type]
         self.policy = rollover or RolloverPolicy()
-        context = bundle.lm.transformer.layers[0].self_attn.context
-        if context is None:
+        context = getattr(bundle.lm.transformer.layers[0].self_attn, "context", None)
+        if not isinstance(context, int):
             raise ValueError("persona rollover needs an attention context (the ring's size), got None")
         self.context = int(context)
         self.seek_steps = max(1, int(self.policy.seek_fraction * self.context))
