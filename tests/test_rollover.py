@@ -20,10 +20,13 @@ from runtime.engine.rollover import RolloverEngine, RolloverPolicy
 from runtime.engine.sampling import SamplingParams
 
 CONTEXT = 20
-"""The attention window in steps (the tiny preset's is 250): seek at 10 steps, forced at 15."""
-POLICY = RolloverPolicy(seek_fraction=0.5, force_fraction=0.75, memory_tokens=8, pause_ticks=2)
+"""The attention window in steps (the tiny preset's is 250)."""
+POLICY = RolloverPolicy(seek_fraction=0.4, force_fraction=0.9, memory_tokens=8, pause_ticks=2, chunk_steps=2)
+"""Seek at 8 steps, forced at 18; persona (3 steps) + memory cut to half of seek (1 token); 2 prefill steps
+a tick, so a rollover spans 2 ticks (the slot steps live meanwhile), and a forced one must catch up (2 ticks
+left before the window closes)."""
 ROLLING, NEIGHBOUR = 0, 1
-TICKS = 700
+TICKS = 800
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,16 +47,16 @@ def tiny() -> ModelBundle:
 
 
 def _persona(engine: BatchEngine) -> list[PromptStep]:
-    """4 fully forced steps: the prompt's user frame, the agent's silence, padding then two text ids."""
+    """3 fully forced steps: the prompt's user frame, the agent's silence; padding, a text id, padding."""
     user, silence = engine.sine_codes.cpu(), engine.silence_codes.cpu()
-    return [PromptStep(user[:, i], token, silence[:, i]) for i, token in enumerate((3, 40, 41, 3))]
+    return [PromptStep(user[:, i], token, silence[:, i]) for i, token in enumerate((3, 40, 3))]
 
 
 def _input(tick: int, rng: np.random.Generator) -> np.ndarray:
-    """Both slots talk; the rolling slot's caller is quiet 12 ticks in every 20 (some rollovers come at a
+    """Both slots talk; the rolling slot's caller is quiet 12 ticks in every 30 (some rollovers come at a
     pause, the others are forced)."""
     pcm = (rng.standard_normal((2, 1920)) * 0.1).astype(np.float32)
-    if tick % 20 >= 8:
+    if tick % 30 >= 18:
         pcm[ROLLING] = 0.0
     return pcm
 
@@ -96,7 +99,7 @@ def _run(engine: BatchEngine, reference: BatchEngine | None = None) -> dict:
     frames = {ROLLING: 0, NEIGHBOUR: 0}
     live_ticks = {ROLLING: 0, NEIGHBOUR: 0}
     rollovers = {"pause": 0, "forced": 0}
-    checked = 0
+    checked = prefill_ticks = 0
     for t in range(TICKS):
         live = engine.live_slots
         result = engine.tick(_input(t, rng))
@@ -106,6 +109,7 @@ def _run(engine: BatchEngine, reference: BatchEngine | None = None) -> dict:
             if slot in live:
                 live_ticks[slot] += 1
                 frames[slot] += int(result.audio_ready[slot])
+        prefill_ticks += result.timings.rollover_steps > 0
         rollovers["pause"] += result.timings.rollovers_at_pause
         rollovers["forced"] += result.timings.rollovers_forced
         if not isinstance(engine, RolloverEngine):
@@ -115,10 +119,10 @@ def _run(engine: BatchEngine, reference: BatchEngine | None = None) -> dict:
         if result.timings.rollovers_at_pause + result.timings.rollovers_forced and reference is not None:
             steps = engine.last_rollover_steps(ROLLING)
             persona = _persona(engine)
-            assert 4 < len(steps) <= POLICY.seek_fraction * CONTEXT // 2  # persona + memory cut to fit
-            assert [s.text_token for s in steps[:4]] == [s.text_token for s in persona]
+            assert len(steps) == int(POLICY.seek_fraction * CONTEXT) // 2  # persona + memory cut to fit
+            assert [s.text_token for s in steps[:3]] == [s.text_token for s in persona]
             last = persona[-1]
-            for memory in steps[4:]:  # the agent's own text over the persona's closing frame
+            for memory in steps[3:]:  # the agent's own text over the persona's closing frame
                 assert memory.text_token >= 0 and memory.text_token not in (0, 3)
                 assert torch.equal(memory.user_codes, last.user_codes)
                 assert memory.agent_codes is not None and last.agent_codes is not None
@@ -148,6 +152,7 @@ def _run(engine: BatchEngine, reference: BatchEngine | None = None) -> dict:
         "live_ticks": live_ticks,
         "rollovers": rollovers,
         "checked": checked,
+        "prefill_ticks": prefill_ticks,
     }
 
 
@@ -161,6 +166,7 @@ def test_a_long_session_rolls_over_and_its_neighbour_never_notices(tiny) -> None
     assert rollovers["pause"] + rollovers["forced"] >= 100, rollovers
     assert rollovers["pause"] > 0 and rollovers["forced"] > 0, rollovers  # both triggers were used
     assert run["checked"] == rollovers["pause"] + rollovers["forced"]
+    assert run["prefill_ticks"] >= 2 * run["checked"]  # each spanned several live ticks
     assert rolling.rollovers(ROLLING) == run["checked"]
     # 0 frames lost: every live tick of the rolling slot produced its frame (the persona used the acoustic
     # delay up: its first live step yields audio); it went live after its join tick.
@@ -186,7 +192,7 @@ def test_without_a_rollover_the_persona_leaves_the_window(tiny) -> None:
 def test_a_persona_too_long_for_the_window_is_not_rolled(tiny) -> None:
     engine = RolloverEngine(copy.deepcopy(tiny), 1, clock=FakeClock(), rollover=POLICY)
     user, silence = engine.sine_codes.cpu(), engine.silence_codes.cpu()
-    long_persona = [PromptStep(user[:, i % 8], 3, silence[:, i % 8]) for i in range(CONTEXT // 2)]
+    long_persona = [PromptStep(user[:, i % 8], 3, silence[:, i % 8]) for i in range(CONTEXT // 4)]
     engine.join(0, SamplingParams.greedy(), long_persona)
     for _ in range(CONTEXT):
         result = engine.tick(np.zeros((1, 1920), dtype=np.float32))

@@ -16,9 +16,10 @@ What a rollover does, for one LIVE slot whose persona was prefilled:
    rolls over whatever the caller does. ``seek`` and ``force`` are fractions of ``context``
    (:class:`RolloverPolicy`).
 2. **What is prefilled.** A fresh batch-1 side state of the temporal transformer
-   (``BatchEngine._new_side_state``) is fed, in chunks within the tick's spare time after the live step
-   and the persona prompts (``BatchEngine._chunk_steps``, at least ``prefill_min_chunk`` steps a tick, more
-   when needed to finish before the persona's first step would leave the window), the sequence
+   (``BatchEngine._new_side_state``) is fed, in chunks after the live step
+   and the persona prompts (``chunk_steps`` a tick, 8 by default: nobody waits for a rollover, so it
+   takes little of each tick; more when needed to finish before the persona's first step would leave the
+   window), the sequence
    ``BatchEngine._prefill_sequence`` builds from: the persona's own :class:`PromptStep` s, then one step
    per *memory* token: the last ``memory_tokens`` non-padding text tokens the agent produced (ids 0 and 3
    are padding, ``TEXT_PADDING_IDS``), each as a forced text token with the user and agent codes of the
@@ -86,6 +87,8 @@ class RolloverPolicy:
         memory_tokens: N, the most agent text tokens fed back after the persona (one forced step each).
         pause_ticks: live ticks in a row with a quiet caller that make a pause (6 = 480 ms).
         pause_rms: RMS of a quiet input frame, full scale 1.0 (0.01 = -40 dBFS).
+        chunk_steps: rollover prefill steps a tick runs (more only to finish before the window closes):
+            8, the persona prefill's least chunk; a 554-step rollover of the 7B then spreads over 70 ticks.
     Raises:
         ValueError: fractions not 0 < seek <= force < 1, or a negative count or level.
     """
@@ -96,6 +99,7 @@ class RolloverPolicy:
     memory_tokens: int = 64
     pause_ticks: int = 6
     pause_rms: float = 0.01
+    chunk_steps: int = 8
 
     def __post_init__(self) -> None:
         if not 0.0 < self.seek_fraction <= self.force_fraction < 1.0:
@@ -103,10 +107,10 @@ class RolloverPolicy:
                 "rollover fractions must satisfy 0 < seek <= force < 1 (of the model's context), got seek "
                 f"{self.seek_fraction!r}, force {self.force_fraction!r}"
             )
-        if self.memory_tokens < 0 or self.pause_ticks < 1 or self.pause_rms < 0:
+        if self.memory_tokens < 0 or self.pause_ticks < 1 or self.pause_rms < 0 or self.chunk_steps < 1:
             raise ValueError(
-                "rollover memory_tokens must be >= 0, pause_ticks >= 1 and pause_rms >= 0, got "
-                f"{self.memory_tokens!r}, {self.pause_ticks!r}, {self.pause_rms!r}"
+                "rollover memory_tokens must be >= 0, pause_ticks >= 1, pause_rms >= 0 and chunk_steps >= 1, "
+                f"got {self.memory_tokens!r}, {self.pause_ticks!r}, {self.pause_rms!r}, {self.chunk_steps!r}"
             )
 
     @classmethod
@@ -233,7 +237,7 @@ class RolloverEngine(BatchEngine):
         result = super().tick(pcm_in, active)
         timings = result.timings
         self._track(pcm_in, live)
-        self._run_rollovers(start, timings)
+        self._run_rollovers(timings)
         timings.persona_age_steps = max((self.persona_age(i) for i in self.live_slots), default=0)
         timings.total_ms = (self.clock() - start) * 1e3
         return result
@@ -272,53 +276,37 @@ class RolloverEngine(BatchEngine):
         state.forced = forced
         self._rollover_queue.append(slot)
 
-    def _run_rollovers(self, tick_start: float, timings: TickTimings) -> None:
-        """Prefill chunks of the rollovers in the queue, head first, while the tick's budget lasts; the
-        head gets at least ``prefill_min_chunk`` steps, and at least what keeps it on time: the rest of its
-        steps over the ticks left before its persona's first step would leave the window."""
-        before_ms = (self.clock() - tick_start) * 1e3
-        planned_ms = 0.0
-        first = True
-        owed = {slot: self._owed(slot) for slot in self._rollover_queue}
-        while self._rollover_queue:
-            slot = self._rollover_queue[0]
+    def _run_rollovers(self, timings: TickTimings) -> None:
+        """This tick's rollover prefill work: the head of the queue runs ``chunk_steps`` steps (a rollover
+        has nobody waiting for it, so it takes little of each tick: the tick's p99 barely moves); any
+        rollover that would otherwise not be swapped in before its persona's first step leaves the window
+        (the next live step reads position ``age``, which must stay below ``context``) runs what keeps it
+        on time. Complete ones are swapped in."""
+        chunk = self.policy.chunk_steps
+        for index, slot in enumerate(list(self._rollover_queue)):
             state = self._ages[slot]
             prefill = state.prefill
             assert prefill is not None
-            used_ms = max((self.clock() - tick_start) * 1e3, before_ms + planned_ms)
-            spare_ms = self.prompt_budget_ms - used_ms
-            if first:
-                spare_ms = max(spare_ms, self.prefill_floor_ms)
-            steps = self._chunk_steps(prefill, spare_ms, at_least_min=first)
-            steps = max(steps, min(owed.get(slot, 0), prefill.total - prefill.done))
+            left = prefill.total - prefill.done
+            ticks_left = max(1, self.context - state.age)
+            owed = math.ceil(left / ticks_left) if math.ceil(left / chunk) >= ticks_left else 0
+            steps = min(left, max(chunk if index == 0 else 0, owed))
             if steps <= 0:
-                break
-            owed[slot] = owed.get(slot, 0) - steps
-            planned_ms += steps * self.prefill_ms_per_step
+                continue
             self._rollover_chunk(prefill, steps)
             timings.rollover_steps += steps
-            if prefill.done == prefill.total:
-                self._swap(slot, prefill)
-                self._rollover_queue.popleft()
-                state.prefill = None
-                state.age = prefill.total
-                state.quiet = 0
-                state.rollovers += 1
-                if state.forced:
-                    timings.rollovers_forced += 1
-                else:
-                    timings.rollovers_at_pause += 1
-            first = False
-
-    def _owed(self, slot: int) -> int:
-        """Steps ``slot``'s rollover must run this tick to be swapped in while the persona's first step is
-        still in the window (the next live step reads position ``age``, which must stay below
-        ``context``)."""
-        state = self._ages[slot]
-        assert state.prefill is not None
-        left = state.prefill.total - state.prefill.done
-        ticks_left = max(1, self.context - state.age)
-        return math.ceil(left / ticks_left)
+            if prefill.done < prefill.total:
+                continue
+            self._swap(slot, prefill)
+            self._rollover_queue.remove(slot)
+            state.prefill = None
+            state.age = prefill.total
+            state.quiet = 0
+            state.rollovers += 1
+            if state.forced:
+                timings.rollovers_forced += 1
+            else:
+                timings.rollovers_at_pause += 1
 
     def _rollover_chunk(self, prefill: _Prefill, steps: int) -> None:
         """The next ``steps`` steps of ``prefill`` through the temporal transformer in its side state."""
@@ -326,7 +314,6 @@ class RolloverEngine(BatchEngine):
         transformer = lm.transformer
         if prefill.side is None:
             prefill.side = self._new_side_state(prefill.total)
-        t0 = self.clock()
         main = transformer.get_streaming_state()
         transformer.set_streaming_state(prefill.side)
         try:
@@ -334,10 +321,6 @@ class RolloverEngine(BatchEngine):
         finally:
             transformer.set_streaming_state(main)
         prefill.done += steps
-        if not self._prefill_cost_fixed:  # the persona prefill's estimate, updated the same way
-            measured = (self.clock() - t0) * 1e3 / steps
-            estimate = self.prefill_ms_per_step
-            self.prefill_ms_per_step = measured if measured < estimate else 0.75 * estimate + 0.25 * measured
 
     def _swap(self, slot: int, prefill: _Prefill) -> None:
         """Put the completed rollover state into ``slot``'s rows (module docstring, step 3)."""
