@@ -197,7 +197,10 @@ def test_a_persona_too_long_for_the_window_is_not_rolled(tiny) -> None:
     for _ in range(CONTEXT):
         result = engine.tick(np.zeros((1, 1920), dtype=np.float32))
         assert result.timings.rollover_steps == 0
-    assert engine.persona_age(0) == 0  # no rollable persona: reported as none
+    assert engine.rollovers(0) == 0
+    assert (
+        result.timings.persona_age_steps == CONTEXT // 4 + CONTEXT - 1 > CONTEXT
+    )  # reported, out of the window
 
 
 @pytest.mark.parametrize(

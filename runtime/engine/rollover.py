@@ -134,6 +134,8 @@ class _SlotAge:
 
     persona: list[PromptStep] | None = None
     """The persona's steps when it can be rolled over, else None."""
+    prompted: bool = False
+    """The slot joined with a prompt (its age is reported, rolled over or not)."""
     age: int = 0
     """LM steps in the slot's rows since its persona's first step (= LMGen's offset of the row)."""
     quiet: int = 0
@@ -193,6 +195,7 @@ class RolloverEngine(BatchEngine):
             persona = None  # too short to fill the acoustic delay, or too long to be worth rolling
         self._ages[slot] = _SlotAge(
             persona=persona,
+            prompted=bool(prompt),
             age=len(prompt or []),
             memory=deque(maxlen=self.policy.memory_tokens),
         )
@@ -209,8 +212,9 @@ class RolloverEngine(BatchEngine):
         self._ages[slot].prefill = None
 
     def persona_age(self, slot: int) -> int:
-        """Steps since ``slot``'s persona's first step (0 for a slot without a prompt or FREE)."""
-        return self._ages[slot].age if self._ages[slot].persona is not None else 0
+        """Steps since ``slot``'s persona's first step, rolled over or not (0 for a slot without a prompt, or
+        FREE)."""
+        return self._ages[slot].age if self._ages[slot].prompted else 0
 
     def rollovers(self, slot: int) -> int:
         """Rollovers ``slot``'s session has had."""
@@ -224,7 +228,7 @@ class RolloverEngine(BatchEngine):
 
     @torch.no_grad()
     def tick(self, pcm_in: np.ndarray, active: np.ndarray | None = None) -> TickResult:
-        """As :meth:`BatchEngine.tick`, then the rollovers' work in what is left of the prompt budget:
+        """As :meth:`BatchEngine.tick`, then the rollovers' work (``chunk_steps`` a tick, after the prompts):
         ages and memories updated from this tick's live step, rollovers started, prefill chunks run and
         complete ones swapped in. ``timings`` counts it (``rollover_steps``, ``rollovers_at_pause``,
         ``rollovers_forced``, ``persona_age_steps``) and its ``total_ms`` includes it.
