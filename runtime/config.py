@@ -53,6 +53,41 @@ class RuntimeConfig(BaseSettings):
         description="Run a persona's fully forced prompt through the temporal transformer in parallel "
         "chunks (false: one teacher-forced step at a time, the reference path)",
     )
+    # Persona rollover (runtime/engine/rollover.py; docs/runtime.md, "Long calls: the persona rollover").
+    rollover: bool = Field(
+        True,
+        description="Roll a live session with a prefilled persona over to a fresh state (persona and the "
+        "agent's last text re-prefilled) before the persona leaves the model's attention window",
+    )
+    rollover_seek_fraction: float = Field(
+        0.6,
+        gt=0,
+        lt=1,
+        description="From this fraction of the model's context (steps since the persona began; 0.6 = 1800 "
+        "steps, 2.4 min on the 7B) a session rolls over at the caller's first pause",
+    )
+    rollover_force_fraction: float = Field(
+        0.85,
+        gt=0,
+        lt=1,
+        description="From this fraction of the context (0.85 = 2550 steps, 3.4 min on the 7B) a session "
+        "rolls over whatever the caller does; >= DUPLEX_ROLLOVER_SEEK_FRACTION",
+    )
+    rollover_memory_tokens: int = Field(
+        64,
+        ge=0,
+        le=4096,
+        description="Agent text tokens (the last ones, padding left out) fed after the persona",
+    )
+    rollover_pause_ticks: int = Field(
+        6, ge=1, le=1000, description="Quiet input frames in a row (80 ms each) that make a caller pause"
+    )
+    rollover_pause_rms: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="RMS (full scale 1.0) below which an input frame is quiet (0.01 = -40 dBFS)",
+    )
     max_sessions: int = Field(5, ge=1, le=256, description="Batch slots B = concurrent sessions")
     stagger_groups: int = Field(
         1,
@@ -287,6 +322,16 @@ class RuntimeConfig(BaseSettings):
                 raise ValueError(
                     "DUPLEX_OPUS_ENCODER=pyav needs PyAV (pip install av; the runtime extra carries it)"
                 ) from None
+        return self
+
+    @model_validator(mode="after")
+    def _rollover_fractions(self) -> RuntimeConfig:
+        if self.rollover_seek_fraction > self.rollover_force_fraction:
+            raise ValueError(
+                f"DUPLEX_ROLLOVER_SEEK_FRACTION={self.rollover_seek_fraction} must be <= "
+                f"DUPLEX_ROLLOVER_FORCE_FRACTION={self.rollover_force_fraction} (a pause is sought "
+                "first, then the rollover is forced)"
+            )
         return self
 
     @model_validator(mode="after")

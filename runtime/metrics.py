@@ -163,6 +163,23 @@ class RuntimeMetrics:
             buckets=_HANDOFF_BUCKETS_S,
             registry=r,
         )
+        # Persona rollover (runtime/engine/rollover.py; docs/runtime.md, "Long calls: the persona rollover").
+        self.persona_rollovers = Counter(
+            "duplex_persona_rollovers_total",
+            "Live sessions rolled over to a fresh state (persona and the agent's last text re-prefilled), by "
+            "trigger: pause (a quiet caller past the seek threshold) or forced (past the force threshold)",
+            ["trigger"],
+            registry=r,
+        )
+        self.persona_age = Gauge(
+            "duplex_persona_age_steps",
+            "Largest, over live sessions with a persona, of the LM steps since the persona's first step "
+            "(80 ms each); past the model's context (3000 for the 7B) the persona has left the window",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        for trigger in ("pause", "forced"):
+            self.persona_rollovers.labels(trigger=trigger)
         self.frames_dropped = Counter(
             "duplex_frames_dropped_total",
             "Frames lost: late_input (silence fed instead), input_overflow (client faster than real time), "

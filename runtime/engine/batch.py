@@ -122,7 +122,9 @@ class SlotLMGen(LMGen):
 class TickTimings:
     """Wall time of one tick's parts, in ms (by the engine's clock). ``encode_ms`` includes the encoder
     pre-roll of slots that joined since the last tick; ``prompt_steps``: step-by-step prompt steps;
-    ``prefill_steps``: prompt steps run as prefill, in ``prefill_chunks`` chunks."""
+    ``prefill_steps``: prompt steps run as prefill, in ``prefill_chunks`` chunks. Persona rollovers
+    (``runtime.engine.rollover``; 0 without): ``rollover_steps`` prefilled, rollovers swapped in at a
+    caller pause or forced, the largest ``persona_age_steps`` (steps since a live slot's persona began)."""
 
     encode_ms: float = 0.0
     lm_ms: float = 0.0
@@ -131,6 +133,10 @@ class TickTimings:
     prompt_steps: int = 0
     prefill_steps: int = 0
     prefill_chunks: int = 0
+    rollover_steps: int = 0
+    rollovers_at_pause: int = 0
+    rollovers_forced: int = 0
+    persona_age_steps: int = 0
     total_ms: float = 0.0
 
 

@@ -32,6 +32,7 @@ from runtime.engine.model_presets import FRAME_MS
 from runtime.engine.models import ModelBundle
 from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
 from runtime.engine.resume import SinkRoute, SlotHolds
+from runtime.engine.rollover import RolloverPolicy
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
 from runtime.engine.sim import make_engine
 from runtime.engine.voices import voices_source
@@ -58,8 +59,8 @@ class LocalSlots(SlotBackend):
 
     Args:
         config: the node's settings (``max_sessions``, ``model``, ``sim_step_ms``, ``prompt_prefill``,
-            ``stagger_groups``, ``voices_dir``, waiting room, ``max_inbox_frames``, ``token_replay_check``,
-            ``token_leeway_s``).
+            ``stagger_groups``, ``voices_dir``, ``rollover*``, waiting room, ``max_inbox_frames``,
+            ``token_replay_check``, ``token_leeway_s``).
             Any object with those attributes (a ``RuntimeConfig``).
         bundle: the loaded models.
         metrics: where ticks, slots and the waiting room are counted.
@@ -98,6 +99,7 @@ class LocalSlots(SlotBackend):
             config.sim_step_ms,
             prefill=config.prompt_prefill,
             tick_period_ms=FRAME_MS / config.stagger_groups,
+            rollover=RolloverPolicy.from_config(config),
         )
         self.scheduler: SlotScheduler | None = None
         self.admission: SlotAdmission | None = None

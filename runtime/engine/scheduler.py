@@ -43,7 +43,7 @@ import numpy as np
 import sentencepiece
 
 from runtime.engine.api import FirstAudioTiming
-from runtime.engine.batch import TEXT_PADDING_IDS, BatchEngine, PromptStep
+from runtime.engine.batch import TEXT_PADDING_IDS, BatchEngine, PromptStep, TickTimings
 from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES
 from runtime.engine.sampling import SamplingParams
 from runtime.metrics import RuntimeMetrics
@@ -308,6 +308,7 @@ class SlotScheduler:
         self.metrics.tick_duration.observe(tick_s)
         if tick_s > self.period_s:
             self.metrics.ticks_over_budget.inc()
+        self._count_rollovers(result.timings)
         for session in busy:
             slot = session.slot
             if slot < 0:
@@ -327,6 +328,14 @@ class SlotScheduler:
         if memory is not None:
             self.metrics.gpu_memory_allocated.set(memory)
         return True
+
+    def _count_rollovers(self, timings: TickTimings) -> None:
+        """The tick's persona rollovers and the oldest persona's age (``runtime.engine.rollover``)."""
+        if timings.rollovers_at_pause:
+            self.metrics.persona_rollovers.labels(trigger="pause").inc(timings.rollovers_at_pause)
+        if timings.rollovers_forced:
+            self.metrics.persona_rollovers.labels(trigger="forced").inc(timings.rollovers_forced)
+        self.metrics.persona_age.set(timings.persona_age_steps)
 
     def _first_audio(self, session: SlotSession, tick: int, started_at: float, ended_at: float) -> None:
         """Hand ``session``'s :class:`FirstAudioTiming` to the event loop (before its first audio)."""

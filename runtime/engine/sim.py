@@ -11,6 +11,9 @@ session is inside the real model's acoustic delay (its first step, unless a pers
 up: the real engine steps a caller's first frame at once and LMGen's first audio comes at its second step,
 so the sim's first audio comes at the real engine's tick); and a text piece every fourth tick. Persona
 prompts are consumed at one step per step time within the tick's prompt budget, as the real engine does.
+Persona rollover (``runtime.engine.rollover``) is a no-op here: nothing is re-prefilled or swapped, only
+``TickTimings.persona_age_steps`` is reported (steps since the persona began, never reset), so a soak on
+the sim exercises the metrics and the node, not the rollover's compute.
 
 The step time is a :class:`StepTime`: a fixed figure (``"30"`` ms) or a table by batch size
 (``"1:28,8:32.6,16:45,32:70.2"``, linearly interpolated on the number of slots stepping, flat past its
@@ -43,6 +46,7 @@ from runtime.engine.batch import (
 )
 from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.engine.models import ModelBundle
+from runtime.engine.rollover import RolloverEngine, RolloverPolicy
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sim_timing import StepTime, parse_step_time
 
@@ -69,6 +73,7 @@ class _SimSlot:
     steps: int = 0
     """LM steps taken, prompt steps included (the acoustic delay)."""
     ticks: int = 0
+    prompted: bool = False
 
 
 class SimEngine:
@@ -124,6 +129,7 @@ class SimEngine:
         state.phase = SlotPhase.PROMPTING if state.prompt else SlotPhase.LIVE
         state.steps = 0
         state.ticks = 0
+        state.prompted = bool(state.prompt)
 
     def leave(self, slot: int) -> None:
         state = self._check_slot(slot)
@@ -176,6 +182,9 @@ class SimEngine:
                     out.text_tokens[i] = _TEXT_PADDING
             timings.lm_ms = (time.perf_counter() - start) * 1e3
         finished = self._prompt_steps(start, timings)
+        timings.persona_age_steps = max(
+            (s.steps for s in self._slots if s.phase is SlotPhase.LIVE and s.prompted), default=0
+        )
         timings.total_ms = (time.perf_counter() - start) * 1e3
         return out.result(finished, timings)
 
@@ -216,6 +225,7 @@ def make_engine(
     *,
     prefill: bool = True,
     tick_period_ms: float = FRAME_MS,
+    rollover: RolloverPolicy | None = None,
 ) -> BatchEngine:
     """The node's engine: a :class:`BatchEngine` over ``bundle`` with ``slots`` slots (``prefill``: persona
     prompts by prefill), or for ``model == "sim"`` a :class:`SimEngine` with the same surface stepping in
@@ -223,13 +233,15 @@ def make_engine(
 
     ``tick_period_ms``: time from one tick to the next (80 ms; 40 ms with two staggered sub-batch groups,
     ``runtime.engine.scheduler``): the prompt budget (60 % of it) and the prefill floor (10 %) scale with
-    it, so that persona prompts never push a tick past its period."""
+    it, so that persona prompts never push a tick past its period. ``rollover``: the persona rollover's
+    policy (default :class:`RolloverPolicy`'s: on); a :class:`RolloverEngine` is built (the sim: a no-op)."""
     if not 0 < tick_period_ms <= FRAME_MS:
         raise ValueError(f"tick_period_ms must be in (0, {FRAME_MS:g}] ms, got {tick_period_ms!r}")
     if model != "sim":
-        return BatchEngine(
+        return RolloverEngine(
             bundle,
             slots,
+            rollover=rollover,
             prefill=prefill,
             prompt_budget_ms=0.6 * tick_period_ms,
             prefill_floor_ms=0.1 * tick_period_ms,
