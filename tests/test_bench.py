@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+import runtime.engine.checkpoint_config as checkpoint_config
 import runtime.engine.models as models
 from runtime.config import RuntimeConfig
 from runtime.engine.models import LM_WEIGHTS_FILE
@@ -34,6 +35,7 @@ def _recorded_lm_kwargs(monkeypatch: pytest.MonkeyPatch, build: Any) -> dict[str
         raise _Built
 
     monkeypatch.setattr(models, "LMModel", record)
+    monkeypatch.setattr(checkpoint_config, "LMModel", record)  # the loader's skeleton, built before weights
     with pytest.raises(_Built):
         build()
     monkeypatch.undo()

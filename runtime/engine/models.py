@@ -51,7 +51,7 @@ from runtime.engine.checkpoint_config import (
     check_lm_kwargs,
     resolve_checkpoint_config,
 )
-from runtime.engine.model_presets import TINY_TEXT_VOCAB, ModelPreset, get_preset
+from runtime.engine.model_presets import SERVED_DEPFORMER_STEPS, TINY_TEXT_VOCAB, ModelPreset, get_preset
 
 log = logging.getLogger(__name__)
 
@@ -542,7 +542,7 @@ def load_checkpoint(
         check_int8_support(device)
         dtype = INT8_COMPUTE_DTYPE
     lm_kwargs = dict(plan.lm_kwargs)
-    target_steps = dep_q if dep_q is not None else min(lm_kwargs["dep_q"], 8)
+    target_steps = dep_q if dep_q is not None else min(lm_kwargs["dep_q"], SERVED_DEPFORMER_STEPS)
     lm_kwargs["dep_q"] = target_steps
     # The skeleton the weights are assigned into, built before any download: LMModel's own refusals too.
     lm = check_lm_kwargs(lm_kwargs, quantize=prequantized, dtype=dtype, where=f"{source} {CONFIG_FILE}")
