@@ -562,7 +562,7 @@ def test_fuzz_query_string_raises_only_protocol_error(query: str) -> None:
         ),
         audio_temperature=st.none() | st.floats(0.0, 2.0),
         text_temperature=st.none() | st.floats(0.0, 2.0),
-        audio_topk=st.none() | st.integers(1, 2048),
+        audio_topk=st.none() | st.integers(1, 250),
         text_topk=st.none() | st.integers(1, 32000),
         seed=st.none() | st.integers(0, 2**31 - 1),
     )
