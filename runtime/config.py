@@ -15,7 +15,12 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from runtime.engine.model_presets import PRESETS, check_preset_name
+from runtime.engine.model_presets import (
+    DEFAULT_TEXT_PROMPT,
+    DEFAULT_VOICE_PROMPT,
+    PRESETS,
+    check_preset_name,
+)
 from runtime.gc_policy import DEFAULT_GC_THRESHOLDS, parse_gc_thresholds
 
 if TYPE_CHECKING:  # runtime.frontend.tokens (PyJWT) is imported when the keys are loaded
@@ -122,6 +127,21 @@ class RuntimeConfig(BaseSettings):
         "(XADD MAXLEN ~); 0 writes no events",
     )
     voices_dir: Path | None = Field(None, description="Directory of voice prompts (*.wav, *.pt)")
+    default_voice: str = Field(
+        DEFAULT_VOICE_PROMPT,
+        min_length=1,
+        max_length=64,
+        description="Voice of a session that names none, on a model that always runs one (personaplex-7b; "
+        "NVIDIA's server always runs a voice prompt); sessions without a voice are refused if the catalog "
+        "lacks it",
+    )
+    default_text_prompt: str = Field(
+        DEFAULT_TEXT_PROMPT,
+        min_length=1,
+        max_length=4000,
+        description="Text prompt of a session that gives none, on a model that always runs one "
+        "(personaplex-7b): NVIDIA's default (its offline.py and web client)",
+    )
     drain_grace_s: float = Field(30.0, ge=0, description="After SIGTERM, how long running sessions may go on")
     max_session_s: float = Field(3600.0, gt=0, description="Longest session; it is closed after this")
     resume_s: float = Field(

@@ -180,8 +180,10 @@ def test_teacher_forcing_writes_the_prompt_tokens(tiny) -> None:
     assert engine.phase(0) is SlotPhase.LIVE
     cache = engine.lm_gen._streaming_state.cache  # [B, K, CT], ring of the last CT steps
     ct = cache.shape[-1]
-    written = [int(cache[0, 0, (i + 1) % ct]) for i in range(len(tokens))]
-    assert written[-(ct - 1) :] == tokens[-(ct - 1) :]
+    # Frame i's text sits at position i (NVIDIA's prepare_step_input, delay 0), and the position after the
+    # prompt holds the last frame's once more (runtime.engine.batch.prompt_positions).
+    written = [int(cache[0, 0, p % ct]) for p in range(len(tokens) + 1)]
+    assert written[-ct:] == [*tokens, tokens[-1]][-ct:]
 
 
 def test_result_buffers_are_allocated_once_and_cleared_every_tick(tiny, speech_like) -> None:

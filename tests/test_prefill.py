@@ -35,9 +35,9 @@ def noise() -> np.ndarray:
 
 def _prompt(bundle: ModelBundle, engine: BatchEngine, text: str, voice_frames: int = 0) -> list:
     silence = engine.silence_codes.cpu()
-    voices = (
-        VoiceCatalog({"anna": engine.sine_codes.cpu()[:, :voice_frames]}) if voice_frames else VoiceCatalog()
-    )
+    # A voice of distinct codes per frame and codebook ([8, voice_frames]), so the delays are visible.
+    voice_codes = (torch.arange(8 * voice_frames).reshape(8, voice_frames) * 37 + 5) % bundle.lm.card
+    voices = VoiceCatalog({"anna": voice_codes}) if voice_frames else VoiceCatalog()
     persona = Persona(voice_prompt="anna" if voice_frames else None, text_prompt=text)
     return build_prompt(
         persona, voices, bundle.text_tokenizer, silence_codes=silence, sine_codes=engine.sine_codes.cpu()

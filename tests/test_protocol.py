@@ -459,11 +459,11 @@ def test_format_is_case_insensitive() -> None:
         ("text_temperature", "inf", "[0, 2]"),
         ("text_temperature", "1e999", "[0, 2]"),
         ("text_temperature", "0x1", "[0, 2]"),
-        ("audio_topk", "0", "[1, 2048]"),
-        ("audio_topk", "2049", "[1, 2048]"),
-        ("audio_topk", "2.5", "[1, 2048]"),
-        ("audio_topk", "1_000", "[1, 2048]"),
-        ("audio_topk", "\u0665", "[1, 2048]"),  # an Arabic-Indic digit: int() would accept it
+        ("audio_topk", "0", "[1, 250]"),
+        ("audio_topk", "251", "[1, 250]"),
+        ("audio_topk", "2.5", "[1, 250]"),
+        ("audio_topk", "1_000", "[1, 250]"),
+        ("audio_topk", "\u0665", "[1, 250]"),  # an Arabic-Indic digit: int() would accept it
         ("text_topk", "32001", "[1, 32000]"),
         ("text_topk", "-1", "[1, 32000]"),
         ("seed", "-1", f"[0, {2**31 - 1}]"),
@@ -562,7 +562,7 @@ def test_fuzz_query_string_raises_only_protocol_error(query: str) -> None:
         ),
         audio_temperature=st.none() | st.floats(0.0, 2.0),
         text_temperature=st.none() | st.floats(0.0, 2.0),
-        audio_topk=st.none() | st.integers(1, 2048),
+        audio_topk=st.none() | st.integers(1, 250),
         text_topk=st.none() | st.integers(1, 32000),
         seed=st.none() | st.integers(0, 2**31 - 1),
     )

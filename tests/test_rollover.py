@@ -16,8 +16,10 @@ from test_engine import FakeClock
 
 from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, PromptStep
 from runtime.engine.models import ModelBundle, build_tiny
+from runtime.engine.persona import embeddings_voice_steps
 from runtime.engine.rollover import RolloverEngine, RolloverPolicy
 from runtime.engine.sampling import SamplingParams
+from runtime.engine.voices import EmbeddingsVoice
 
 CONTEXT = 20
 """The attention window in steps (the tiny preset's is 250)."""
@@ -48,8 +50,11 @@ def tiny() -> ModelBundle:
 
 def _persona(engine: BatchEngine) -> list[PromptStep]:
     """3 fully forced steps: the prompt's user frame, the agent's silence; padding, a text id, padding."""
-    user, silence = engine.sine_codes.cpu(), engine.silence_codes.cpu()
-    return [PromptStep(user[:, i], token, silence[:, i]) for i, token in enumerate((3, 40, 3))]
+    user, silence = engine.sine_codes.cpu(), engine.silence_codes.cpu()  # [K, F]: F = 1 for NVIDIA's frames
+    return [
+        PromptStep(user[:, i % user.shape[1]], token, silence[:, i % silence.shape[1]])
+        for i, token in enumerate((3, 40, 3))
+    ]
 
 
 def _input(tick: int, rng: np.random.Generator) -> np.ndarray:
@@ -192,7 +197,9 @@ def test_without_a_rollover_the_persona_leaves_the_window(tiny) -> None:
 def test_a_persona_too_long_for_the_window_is_not_rolled(tiny) -> None:
     engine = RolloverEngine(copy.deepcopy(tiny), 1, clock=FakeClock(), rollover=POLICY)
     user, silence = engine.sine_codes.cpu(), engine.silence_codes.cpu()
-    long_persona = [PromptStep(user[:, i % 8], 3, silence[:, i % 8]) for i in range(CONTEXT // 4)]
+    long_persona = [
+        PromptStep(user[:, 0], 3, silence[:, 0]) for _ in range(CONTEXT // 4)
+    ]  # NVIDIA's one frame
     engine.join(0, SamplingParams.greedy(), long_persona)
     for _ in range(CONTEXT):
         result = engine.tick(np.zeros((1, 1920), dtype=np.float32))
@@ -246,3 +253,40 @@ def test_the_settings_make_the_engines_policy() -> None:
     assert (policy.memory_tokens, policy.pause_ticks, policy.pause_rms) == (10, 3, 0.01)
     with pytest.raises(ValidationError, match="DUPLEX_ROLLOVER_SEEK_FRACTION=0.9 must be <="):
         RuntimeConfig(rollover_seek_fraction=0.9, rollover_force_fraction=0.8)
+
+
+def test_an_embeddings_voice_persona_rolls_over_with_its_embeddings_replayed(tiny) -> None:
+    """NVIDIA's presets (the PersonaPlex case): the rollover re-prefills the stored input embeddings, not
+    tokens, so after each rollover the slot's rows equal a fresh join-prefill of the same preset."""
+    engine = RolloverEngine(copy.deepcopy(tiny), 1, clock=FakeClock(), rollover=POLICY)
+    reference = BatchEngine(copy.deepcopy(tiny), 1, clock=FakeClock(), prompt_budget_ms=1e9)
+    gen = torch.Generator().manual_seed(3)
+    delays = list(tiny.lm.delays)
+    cache = torch.randint(0, 200, (1, len(delays), 4), generator=gen)  # NVIDIA's 4 columns, tiny vocabulary
+    voice = EmbeddingsVoice(torch.randn(2, 1, 1, tiny.lm.dim, generator=gen), cache)
+    steps = embeddings_voice_steps(
+        voice, sine=engine.sine_codes[:, 0].cpu(), silence=engine.silence_codes[:, 0].cpu(), delays=delays
+    )
+    assert [s.embedding is not None for s in steps] == [True, True, False]
+    engine.join(0, SamplingParams(seed=1), steps)
+    rng = np.random.default_rng(9)
+    checked = 0
+    for _ in range(120):
+        pcm = (rng.standard_normal((1, 1920)) * 0.1).astype(np.float32)
+        result = engine.tick(pcm)
+        if not result.timings.rollovers_at_pause + result.timings.rollovers_forced:
+            continue
+        rolled = engine.last_rollover_steps(0)
+        for got_step, persona_step in zip(rolled[:3], steps, strict=True):
+            assert (got_step.embedding is None) == (persona_step.embedding is None)
+            if persona_step.embedding is not None:
+                assert torch.equal(got_step.embedding, persona_step.embedding)
+        expected = _fresh_prefill_rows(reference, rolled)
+        got = _rows(engine, 0)
+        for key, value in expected.items():
+            if value.dtype.is_floating_point:
+                torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+            else:
+                assert torch.equal(got[key], value), key
+        checked += 1
+    assert checked >= 5 and engine.rollovers(0) == checked

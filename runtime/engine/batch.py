@@ -25,7 +25,12 @@ from moshi.models.lm import LMGen
 from moshi.modules.streaming import State
 from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
 
-from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES
+from runtime.engine.model_presets import (
+    FRAME_MS,
+    FRAME_SAMPLES,
+    NVIDIA_SILENCE_TOKENS,
+    NVIDIA_SINE_TOKENS,
+)
 from runtime.engine.models import ModelBundle
 from runtime.engine.sampling import SamplingParams, SlotSamplingTable
 
@@ -44,18 +49,63 @@ class SlotPhase(enum.Enum):
 
 @dataclass(frozen=True)
 class PromptStep:
-    """One teacher-forced LM step of a persona prompt.
+    """One frame of a persona prompt, as NVIDIA's ``LMGen.step(input_tokens, moshi_tokens, text_token)``
+    takes it (NVIDIA/personaplex ``moshi/moshi/models/lm.py``, ``prepare_step_input``): each codebook k of
+    the frame is written at token-cache position ``i + delay[k]`` (frame i), the agent's codebook 0 one
+    step ahead of its codebooks 1..7 as the user's are. How the engine lays the frames out over its steps:
+    :func:`prompt_position_tokens`.
 
     Attributes:
-        user_codes: ``[n_q - dep_q]`` int64 codes fed as the user's audio (PersonaPlex: a 440 Hz sine).
+        user_codes: ``[n_q - dep_q]`` int64 codes fed as the user's audio (PersonaPlex: ``SINE_TOKENS``).
         text_token: forced text token, or ``NOT_FORCED``.
         agent_codes: ``[dep_q]`` int64 forced agent audio codes (the voice prompt), or None to let the
             model generate.
+        embedding: ``[dim]`` float, the temporal transformer's input at step i given as it is (NVIDIA's
+            ``step_embeddings``: no token-embedding lookup), or None. Only the prefill path takes it
+            (:meth:`BatchEngine.join` refuses it otherwise); the frame's tokens still fill the token cache.
     """
 
     user_codes: torch.Tensor
     text_token: int = NOT_FORCED
     agent_codes: torch.Tensor | None = None
+    embedding: torch.Tensor | None = None
+
+
+def prompt_positions(
+    prompt: list[PromptStep], delays: list[int], dep_q: int, initial: torch.Tensor
+) -> torch.Tensor:
+    """``[K, T + 1]`` int64: the token each codebook holds at token-cache positions 0..T after a prompt of
+    T frames, as NVIDIA's ``prepare_step_input`` lays them out (NVIDIA/personaplex
+    ``moshi/moshi/models/lm.py``): position p of codebook k holds frame ``p - delay[k]``'s token, or the
+    initial token where ``p <= delay[k]`` (so frame 0 never reaches the model: NVIDIA overwrites it with
+    the initial tokens too); ``NOT_FORCED`` where a frame leaves the codebook free.
+
+    Position T's text and agent codebook 0 (delay 0) are what NVIDIA samples at its first live call; a
+    fully forced prefill cannot sample, so the engine forces the prompt's last frame (silence and text
+    padding in a persona) there once more. Position T's user codebook 0 is left ``NOT_FORCED``: the
+    caller's first frame goes there.
+
+    Args:
+        prompt: the frames (T of them).
+        delays: ``[K]`` the model's delays (``lm.delays``: text, dep_q agent codebooks, user codebooks).
+        dep_q: agent codebooks.
+        initial: ``[K]`` the model's initial tokens (``lm._get_initial_token()[0, :, 0]``).
+    """
+    total = len(prompt)
+    k_all = len(delays)
+    frames = torch.full((k_all, total + 1), NOT_FORCED, dtype=torch.int64)  # column i = frame i
+    for i, step in enumerate(prompt):
+        frames[0, i] = step.text_token
+        if step.agent_codes is not None:
+            frames[1 : 1 + dep_q, i] = step.agent_codes[:dep_q].to(torch.int64)
+        frames[1 + dep_q :, i] = step.user_codes[: k_all - 1 - dep_q].to(torch.int64)
+    if total:
+        frames[:2, total] = frames[:2, total - 1]
+    positions = torch.full((k_all, total + 1), NOT_FORCED, dtype=torch.int64)
+    for k, delay in enumerate(delays):
+        positions[k, delay:] = frames[k, : total + 1 - delay]
+        positions[k, : min(delay, total) + 1] = int(initial[k])
+    return positions
 
 
 class _Forcing:
@@ -208,6 +258,8 @@ class _Slot:
     preroll: bool = False
     """The slot's Mimi encoder rows still need their frame of silence (:meth:`BatchEngine._preroll`)."""
     prefill: _Prefill | None = None
+    positions: torch.Tensor | None = None
+    """``[K, T + 1]`` the prompt's tokens by token-cache position (:func:`prompt_positions`)."""
 
 
 @dataclass
@@ -219,12 +271,19 @@ class _Prefill:
         sequence: ``[1, K, T]`` int64, the temporal transformer's input at steps 0..T-1 exactly as
             ``LMGen._step`` would gather it from its token cache (delays applied, initial tokens where
             ``step <= delay``).
+        positions: ``[K, T + 1]`` the prompt's tokens by token-cache position (:func:`prompt_positions`).
+        embeddings: ``[T, dim]`` the steps' transformer inputs where given (``PromptStep.embedding``), used
+            instead of the summed token embeddings at the steps of ``embedded``; None when no step has one.
+        embedded: ``[T]`` bool, the steps whose input is taken from ``embeddings``.
         done: steps already run.
         side: batch-1 streaming states of ``lm.transformer`` (name -> state), created at the first chunk.
     """
 
     steps: list[PromptStep]
     sequence: torch.Tensor
+    positions: torch.Tensor
+    embeddings: torch.Tensor | None = None
+    embedded: torch.Tensor | None = None
     done: int = 0
     side: dict[str, State] | None = None
 
@@ -300,7 +359,11 @@ class BatchEngine:
         self.mimi_codebooks = bundle.mimi.num_codebooks
         self.sampling = SlotSamplingTable(slots, self.device)
         self._forcing = _Forcing(slots, self.dep_q, self.device)
-        self.silence_codes, self.sine_codes = self._reference_codes()
+        if bundle.preset.nvidia_prompt_frames:  # NVIDIA's constant frames (ModelPreset.nvidia_prompt_frames)
+            self.silence_codes = torch.tensor(NVIDIA_SILENCE_TOKENS, device=self.device)[:, None]  # [8, 1]
+            self.sine_codes = torch.tensor(NVIDIA_SINE_TOKENS, device=self.device)[:, None]
+        else:
+            self.silence_codes, self.sine_codes = self._reference_codes()
         self.lm_gen = SlotLMGen(lm, self.sampling, self._forcing)
         self.lm_gen.streaming_forever(slots)
         bundle.mimi.streaming_forever(slots)
@@ -333,22 +396,37 @@ class BatchEngine:
     def join(self, slot: int, sampling: SamplingParams, prompt: list[PromptStep] | None = None) -> None:
         """Start a conversation in ``slot``: reset its rows alone, then prompt it (if any) or go LIVE.
 
+        Frame i of ``prompt`` is laid out as NVIDIA's ``prepare_step_input`` lays it
+        (:func:`prompt_positions`): each codebook at position ``i + delay[k]``, so step s reads frame s's
+        delay-0 tokens and frame s-1's delayed ones, and forces the agent tokens of position s + 1.
+
         Raises:
-            ValueError: slot out of range or not FREE.
+            ValueError: slot out of range or not FREE, or a prompt with input embeddings
+                (``PromptStep.embedding``) that the prefill cannot take (prefill off, or a step left free):
+                the step-by-step path feeds tokens only.
         """
         state = self._check_slot(slot)
         if state.phase is not SlotPhase.FREE:
             raise ValueError(f"slot {slot} is {state.phase.value}, not free")
+        steps = list(prompt or [])
+        prefilled = bool(steps) and self.prefill and self._can_prefill(steps)
+        if not prefilled and any(s.embedding is not None for s in steps):
+            raise ValueError(
+                "a prompt with input embeddings (an embeddings voice preset) needs the prefill "
+                "(prompt_prefill on, every step forced); the step-by-step path feeds tokens only"
+            )
         mask = self._mask([slot])
         self.lm_gen.reset_streaming(mask)
         self.bundle.mimi.reset_streaming(mask)
         self.sampling.assign(slot, sampling)
-        state.prompt = deque(prompt or [])
+        state.prompt = deque(steps)
         state.phase = SlotPhase.PROMPTING if state.prompt else SlotPhase.LIVE
         state.preroll = True
         state.prefill = None
-        if state.prompt and self.prefill and self._can_prefill(state.prompt):
-            state.prefill = _Prefill(list(state.prompt), self._prefill_sequence(state.prompt))
+        state.positions = self._positions(steps) if steps else None
+        if prefilled:
+            assert state.positions is not None
+            state.prefill = self._new_prefill(steps, state.positions)
             state.prompt.clear()
             self._prefill_queue.append(slot)
 
@@ -506,16 +584,22 @@ class BatchEngine:
         return finished
 
     def _prompt_step(self, prompting: list[int]) -> list[int]:
-        """One teacher-forced LM step for the step-by-step ``prompting`` slots; the ones that finished."""
+        """One teacher-forced LM step for the step-by-step ``prompting`` slots; the ones that finished.
+
+        Step s feeds frame s's user codes (``LMGen`` writes them at ``s + delay``) and forces the text and
+        agent tokens of position s + 1 (:func:`prompt_positions`: frame s + 1's text and codebook 0, frame
+        s's codebooks 1..7)."""
         finished: list[int] = []
         user = torch.zeros(self.slots, self.user_codebooks, 1, dtype=torch.int64, device=self.device)
         self._forcing.clear()
         for i in prompting:
+            positions = self._slots[i].positions
+            assert positions is not None
+            s = positions.shape[1] - 1 - len(self._slots[i].prompt)
             step = self._slots[i].prompt.popleft()
             user[i, :, 0] = step.user_codes[: self.user_codebooks]
-            self._forcing.text[i] = step.text_token
-            if step.agent_codes is not None:
-                self._forcing.audio[i] = step.agent_codes[: self.dep_q]
+            self._forcing.text[i] = int(positions[0, s + 1])
+            self._forcing.audio[i] = positions[1 : self.dep_q + 1, s + 1].to(self.device)
             if not self._slots[i].prompt:
                 self._slots[i].phase = SlotPhase.LIVE
                 finished.append(i)
@@ -527,7 +611,7 @@ class BatchEngine:
 
     # --- prefill --------------------------------------------------------------------------------------
 
-    def _can_prefill(self, prompt: deque[PromptStep]) -> bool:
+    def _can_prefill(self, prompt: list[PromptStep]) -> bool:
         """Whether ``prompt`` is fully forced (text and every agent codebook at every step) and the
         temporal transformer's streaming state is made of the kinds :meth:`_finish_prefill` copies."""
         if any(
@@ -545,34 +629,54 @@ class BatchEngine:
             if isinstance(st, _MHAState)
         )
 
-    def _prefill_sequence(self, prompt: deque[PromptStep]) -> torch.Tensor:
-        """``[1, K, T]``: what ``LMGen._step`` feeds the temporal transformer at steps 0..T-1 of ``prompt``
-        from a freshly reset row. Codebook k reads, at step s, the token written for position s: text and
-        agent audio are the forced tokens of step s - 1, the user's codebook k those of step s - delay_k;
-        while s <= delay_k it reads the initial token instead (moshi's ``is_init``)."""
+    def _positions(self, prompt: list[PromptStep]) -> torch.Tensor:
+        """``[K, T + 1]``: ``prompt``'s tokens by token-cache position (:func:`prompt_positions`)."""
         lm = self.bundle.lm
-        total = len(prompt)
-        dq = self.dep_q
-        text = torch.tensor([s.text_token for s in prompt], dtype=torch.int64)  # [T]
-        forced = [s.agent_codes for s in prompt if s.agent_codes is not None]
-        if len(forced) != total:  # _can_prefill admits only fully forced prompts
-            raise ValueError("a prefilled prompt needs forced agent codes at every step")
-        agent = torch.stack([codes[:dq] for codes in forced]).to(torch.int64)  # [T, dep_q]
-        user = torch.stack([s.user_codes[: self.user_codebooks] for s in prompt]).to(torch.int64)  # [T, U]
-        seq = torch.zeros(lm.num_codebooks, total, dtype=torch.int64)
-        seq[0, 1:] = text[:-1]
-        seq[1 : dq + 1, 1:] = agent[:-1].T
-        delays = list(lm.delays)
-        for u in range(self.user_codebooks):
-            k = dq + 1 + u
-            d = delays[k]
-            if d < total:
-                seq[k, d:] = user[: total - d, u]
         initial = lm._get_initial_token()[0, :, 0].cpu()  # [K]
-        steps = torch.arange(total)[None, :]
-        is_init = steps <= torch.tensor(delays)[:, None]
-        seq = torch.where(is_init, initial[:, None], seq)
-        return seq[None].to(self.device)
+        return prompt_positions(prompt, list(lm.delays), self.dep_q, initial)
+
+    def _new_prefill(self, prompt: list[PromptStep], positions: torch.Tensor) -> _Prefill:
+        """The :class:`_Prefill` of a fully forced ``prompt``: its input sequence (positions 0..T-1, what
+        ``LMGen._step`` gathers at steps 0..T-1 from a freshly reset row) and its input embeddings where
+        given."""
+        total = len(prompt)
+        if bool((positions[:, :total] == NOT_FORCED).any()):  # _can_prefill admits only forced prompts
+            raise ValueError("a prefilled prompt needs forced text and agent codes at every step")
+        sequence = positions[None, :, :total].to(self.device)
+        embedded = torch.tensor([s.embedding is not None for s in prompt])
+        if not bool(embedded.any()):
+            return _Prefill(prompt, sequence, positions)
+        dim = self.bundle.lm.dim
+        weight = self.bundle.lm.text_emb.weight
+        embeddings = torch.zeros(total, dim, dtype=weight.dtype, device=self.device)
+        for i, step in enumerate(prompt):
+            if step.embedding is not None:
+                if step.embedding.numel() != dim:
+                    raise ValueError(
+                        f"step {i}'s input embedding has {step.embedding.numel()} values, not dim {dim}"
+                    )
+                embeddings[i] = step.embedding.reshape(dim).to(self.device, weight.dtype)
+        return _Prefill(prompt, sequence, positions, embeddings, embedded.to(self.device))
+
+    def _prefill_forward(self, prefill: _Prefill, start: int, steps: int) -> None:
+        """Run steps ``start .. start + steps - 1`` of ``prefill`` through the temporal transformer (in
+        whatever streaming state is set). Token steps embed as moshi 0.2.13's ``LMModel.forward_text`` does
+        (audio codebooks summed, then text); steps with a given embedding feed it to the transformer as it
+        is (NVIDIA's ``step_embeddings`` -> ``forward_embeddings``). No embeddings: ``forward_text``."""
+        lm = self.bundle.lm
+        chunk = prefill.sequence[:, :, start : start + steps]
+        if prefill.embeddings is None or prefill.embedded is None:
+            lm.forward_text(chunk)
+            return
+        input_ = None
+        for cb in range(lm.num_audio_codebooks):
+            audio = lm.emb[cb](chunk[:, cb + lm.audio_offset])
+            input_ = audio if input_ is None else input_ + audio
+        text = lm.text_emb(chunk[:, 0])
+        input_ = text if input_ is None else input_ + text  # [1, steps, dim]
+        given = prefill.embedded[start : start + steps]
+        input_ = torch.where(given[None, :, None], prefill.embeddings[None, start : start + steps], input_)
+        lm.transformer(input_)
 
     def _chunk_steps(self, prefill: _Prefill | None, spare_ms: float, *, at_least_min: bool) -> int:
         """Steps of the next chunk: what ``spare_ms`` pays for at the cost per step, within
@@ -631,7 +735,7 @@ class BatchEngine:
         main = transformer.get_streaming_state()
         transformer.set_streaming_state(prefill.side)
         try:
-            lm.forward_text(prefill.sequence[:, :, prefill.done : prefill.done + steps])
+            self._prefill_forward(prefill, prefill.done, steps)
         finally:
             transformer.set_streaming_state(main)
         prefill.done += steps
@@ -650,9 +754,11 @@ class BatchEngine:
         state.phase = SlotPhase.LIVE
         return True
 
-    def _finish_prefill(self, slot: int, prefill: _Prefill, main: dict[str, State]) -> None:
-        """Copy the side state into ``slot``'s rows and set LMGen's token cache, its offset and the
-        slot's sampling counter to what step-by-step forcing of ``prefill.steps`` leaves."""
+    def _copy_side_rows(self, slot: int, prefill: _Prefill, main: dict[str, State]) -> None:
+        """Put the temporal transformer's state of a completed ``prefill`` (its batch-1 side state) into
+        ``slot``'s rows of ``main`` (the engine's own states): position offsets of every layer, and of each
+        attention layer's KV ring the last ``min(T, capacity)`` positions ``[2, H, C, D]`` with its write
+        position. Other rows are neither read nor written. Used for a persona prompt and a rollover alike."""
         assert prefill.side is not None
         total = prefill.total
         for name, side in prefill.side.items():
@@ -669,21 +775,26 @@ class BatchEngine:
                     positions = torch.arange(max(0, total - ring.capacity), total, device=self.device)
                     rows = side_ring.cache[:, 0].index_select(2, positions % side_ring.capacity)
                     ring.cache[:, slot].index_copy_(2, positions % ring.capacity, rows)  # [2, H, C, D]
-                    ring.end_offset[slot] = side_ring.end_offset[0]
+                    ring.end_offset[slot] = side_ring.end_offset[0]  # older positions: masked invalid
+
+    def _finish_prefill(self, slot: int, prefill: _Prefill, main: dict[str, State]) -> None:
+        """Copy the side state into ``slot``'s rows and set LMGen's token cache, its offset and the
+        slot's sampling counter to what step-by-step forcing of ``prefill.steps`` leaves."""
+        total = prefill.total
+        self._copy_side_rows(slot, prefill, main)
         gen = self.lm_gen._streaming_state
         assert gen is not None
         cache = gen.cache  # [B, K, CT] ring of tokens, as LMGen._step writes it
         ct = cache.shape[-1]
         dq = self.dep_q
         delays = list(self.bundle.lm.delays)
-        for s in range(max(0, total - ct), total):
+        forced = prefill.positions.to(cache.device)  # [K, T + 1]
+        for s in range(max(0, total - ct), total):  # the writes of steps s, in order (the ring wraps)
             step = prefill.steps[s]
             for u in range(self.user_codebooks):
                 k = dq + 1 + u
                 cache[slot, k, (s + delays[k]) % ct] = int(step.user_codes[u])
-            assert step.agent_codes is not None
-            cache[slot, 0, (s + 1) % ct] = int(step.text_token)
-            cache[slot, 1 : dq + 1, (s + 1) % ct] = step.agent_codes[:dq].to(cache.device, torch.int64)
+            cache[slot, : dq + 1, (s + 1) % ct] = forced[: dq + 1, s + 1]
         gen.offsets[slot] += total
         self.sampling.step[slot] += total
 

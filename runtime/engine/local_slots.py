@@ -28,9 +28,15 @@ from runtime.engine.api import (
     replayed_message,
 )
 from runtime.engine.batch import PromptStep
-from runtime.engine.model_presets import FRAME_MS
+from runtime.engine.model_presets import DEFAULT_TEXT_PROMPT, DEFAULT_VOICE_PROMPT, FRAME_MS
 from runtime.engine.models import ModelBundle
-from runtime.engine.persona import Persona, PersonaError, VoiceCatalog, build_prompt
+from runtime.engine.persona import (
+    Persona,
+    PersonaError,
+    VoiceCatalog,
+    build_prompt,
+    with_defaults,
+)
 from runtime.engine.resume import SinkRoute, SlotHolds
 from runtime.engine.rollover import RolloverPolicy
 from runtime.engine.scheduler import NodeFull, SlotScheduler, SlotSession
@@ -161,13 +167,28 @@ class LocalSlots(SlotBackend):
         Raises:
             PersonaError: an unknown voice, a text prompt over the token limit.
         """
-        return build_prompt(
-            Persona(voice_prompt or None, text_prompt or None),
+        persona = Persona(voice_prompt or None, text_prompt or None)
+        if self.bundle.preset.persona_required:  # never live without a voice and a text prompt
+            persona = with_defaults(
+                persona,
+                self.voices,
+                default_voice=getattr(self.config, "default_voice", DEFAULT_VOICE_PROMPT),
+                default_text=getattr(self.config, "default_text_prompt", DEFAULT_TEXT_PROMPT),
+            )
+        steps = build_prompt(
+            persona,
             self.voices,
             self.bundle.text_tokenizer,
             silence_codes=self.engine.silence_codes.cpu(),
             sine_codes=self.engine.sine_codes.cpu(),
+            delays=list(self.bundle.lm.delays),
         )
+        if any(s.embedding is not None for s in steps) and not getattr(self.engine, "prefill", True):
+            raise PersonaError(
+                f"voice_prompt {persona.voice_prompt!r} is one of NVIDIA's embedding presets, which this "
+                "node replays only by prefill (DUPLEX_PROMPT_PREFILL=false here)"
+            )
+        return steps
 
     def check_persona(self, voice_prompt: str | None, text_prompt: str | None) -> None:
         self.prompt(voice_prompt, text_prompt)

@@ -26,6 +26,22 @@ FRAME_SAMPLES = 1920
 FRAME_MS = 80.0
 """Duration of one frame in milliseconds: the tick budget."""
 
+NVIDIA_SINE_TOKENS = (430, 1268, 381, 1611, 1095, 1495, 56, 472)
+"""The user stream's frame at every step of a PersonaPlex persona prompt: Mimi codes of NVIDIA's 440 Hz
+tone (NVIDIA/personaplex ``moshi/moshi/models/lm.py`` ``SINE_TOKENS``, line 57)."""
+NVIDIA_SILENCE_TOKENS = (948, 243, 1178, 546, 1736, 1030, 1978, 2008)
+"""The agent's silence frame in a PersonaPlex persona prompt (NVIDIA/personaplex
+``moshi/moshi/models/lm.py`` ``SILENCE_TOKENS``, line 56)."""
+
+DEFAULT_TEXT_PROMPT = (
+    "You are a wise and friendly teacher. Answer questions or provide advice in a clear and engaging way."
+)
+"""NVIDIA's default text prompt (NVIDIA/personaplex ``moshi/moshi/offline.py`` ``--text-prompt`` and its web
+client's ``DEFAULT_TEXT_PROMPT``): a PersonaPlex session that gives none gets it
+(``DUPLEX_DEFAULT_TEXT_PROMPT``)."""
+DEFAULT_VOICE_PROMPT = "NATF2"
+"""The default voice of a PersonaPlex node (``DUPLEX_DEFAULT_VOICE``; NVIDIA's README runs ``NATF2.pt``)."""
+
 _DELAYS_7B = [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1]
 
 MOSHI_7B_LM: dict[str, Any] = {
@@ -158,6 +174,15 @@ class ModelPreset:
             the runtime may build fewer (see ``runtime.engine.models.adapt_depformer_steps``).
         gated: whether ``default_source`` is gated on the Hugging Face Hub (a download needs a token of an
             account that accepted the model's licence; its model card says so).
+        nvidia_prompt_frames: persona prompts use NVIDIA's constant frames at every step
+            (:data:`NVIDIA_SINE_TOKENS` for the user, :data:`NVIDIA_SILENCE_TOKENS` for agent silence), as
+            PersonaPlex was trained and as NVIDIA's server feeds them; False: the engine's own Mimi encoding
+            of a 440 Hz sine and of silence, cycled (a model with another codec, where NVIDIA's codes mean
+            nothing). True for ``personaplex-7b`` and for ``tiny`` (and ``sim``), which keep its codebook
+            structure (8 codebooks of 2048 entries), so that the tests pin NVIDIA's sequence.
+        persona_required: a session never goes live without a voice and a text prompt: the node's default
+            voice and text prompt fill in what a session leaves out (NVIDIA's server always runs both;
+            ``personaplex-7b`` only).
     """
 
     name: str
@@ -168,6 +193,8 @@ class ModelPreset:
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     gated: bool = False
+    nvidia_prompt_frames: bool = False
+    persona_required: bool = False
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -178,6 +205,7 @@ PRESETS: dict[str, ModelPreset] = {
         None,
         8,
         "random weights, seeded; 7B codebook structure with small dims; runs on a CPU",
+        nvidia_prompt_frames=True,
     ),
     # A simulator for load tests (runtime/engine/sim.py): tiny's models for the tokenizer and voice prompts,
     # and a
@@ -190,6 +218,7 @@ PRESETS: dict[str, ModelPreset] = {
         8,
         "SIMULATED model for load tests: step time from DUPLEX_SIM_STEP_MS, a tone as audio; not for serving",
         extra={"simulated": True},
+        nvidia_prompt_frames=True,
     ),
     "moshi-7b": ModelPreset(
         "moshi-7b", MOSHI_7B_LM, MIMI, "kyutai/moshiko-pytorch-bf16", 8, "Kyutai Moshi 7B (Moshiko voice)"
@@ -202,6 +231,8 @@ PRESETS: dict[str, ModelPreset] = {
         16,
         "NVIDIA PersonaPlex-7B-v1 (gated on the Hub: accept the licence, set HF_TOKEN)",
         gated=True,
+        nvidia_prompt_frames=True,
+        persona_required=True,
     ),
 }
 

@@ -20,7 +20,8 @@ What a rollover does, for one LIVE slot whose persona was prefilled:
    and the persona prompts (``chunk_steps`` a tick, 8 by default: nobody waits for a rollover, so it
    takes little of each tick; more when needed to finish before the persona's first step would leave the
    window), the sequence
-   ``BatchEngine._prefill_sequence`` builds from: the persona's own :class:`PromptStep` s, then one step
+   ``BatchEngine._new_prefill`` builds from (NVIDIA's layout, the model's delays; an embeddings voice's
+   stored input embeddings replayed as at its join): the persona's own :class:`PromptStep` s, then one step
    per *memory* token: the last ``memory_tokens`` non-padding text tokens the agent produced (ids 0 and 3
    are padding, ``TEXT_PADDING_IDS``), each as a forced text token with the user and agent codes of the
    persona's last step (its closing silence: the agent's silence codes and the prompt's user frame). The
@@ -56,8 +57,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from moshi.modules.streaming import State
-from moshi.modules.transformer import _MHAState, _TransformerState
 
 from runtime.engine.batch import (
     TEXT_PADDING_IDS,
@@ -276,7 +275,7 @@ class RolloverEngine(BatchEngine):
         memory = [PromptStep(last.user_codes, token, last.agent_codes) for token in tokens]
         steps = state.persona + memory
         state.last_steps = steps
-        state.prefill = _Prefill(steps, self._prefill_sequence(deque(steps)))
+        state.prefill = self._new_prefill(steps, self._positions(steps))
         state.forced = forced
         self._rollover_queue.append(slot)
 
@@ -321,31 +320,15 @@ class RolloverEngine(BatchEngine):
         main = transformer.get_streaming_state()
         transformer.set_streaming_state(prefill.side)
         try:
-            lm.forward_text(prefill.sequence[:, :, prefill.done : prefill.done + steps])
+            self._prefill_forward(prefill, prefill.done, steps)
         finally:
             transformer.set_streaming_state(main)
         prefill.done += steps
 
     def _swap(self, slot: int, prefill: _Prefill) -> None:
         """Put the completed rollover state into ``slot``'s rows (module docstring, step 3)."""
-        assert prefill.side is not None
         total = prefill.total
-        main: dict[str, State] = self.bundle.lm.transformer.get_streaming_state()
-        for name, side in prefill.side.items():
-            state = main[name]
-            if isinstance(state, _TransformerState):
-                assert isinstance(side, _TransformerState)
-                state.offsets[slot] = side.offsets[0]
-            elif isinstance(state, _MHAState):
-                assert isinstance(side, _MHAState)
-                state.offset[slot] = side.offset[0]
-                if state.kv_cache is not None:
-                    assert side.kv_cache is not None
-                    ring, side_ring = state.kv_cache, side.kv_cache
-                    positions = torch.arange(max(0, total - ring.capacity), total, device=self.device)
-                    rows = side_ring.cache[:, 0].index_select(2, positions % side_ring.capacity)
-                    ring.cache[:, slot].index_copy_(2, positions % ring.capacity, rows)  # [2, H, C, D]
-                    ring.end_offset[slot] = side_ring.end_offset[0]  # older positions: masked invalid
+        self._copy_side_rows(slot, prefill, self.bundle.lm.transformer.get_streaming_state())
         gen = self.lm_gen._streaming_state
         assert gen is not None
         old = int(gen.offsets[slot])  # one device read per rollover

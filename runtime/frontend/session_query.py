@@ -35,7 +35,11 @@ TEXT_PROMPT_IN_METADATA = "metadata"
 metadata JSON object ``{"text_prompt": "..."}``, instead of in the URL (whose request line nginx and most
 servers cap at 8 KB: a long prompt, percent-encoded, does not fit)."""
 TEMPERATURE_RANGE = (0.0, 2.0)
-AUDIO_TOPK_RANGE = (1, 2048)
+AUDIO_TOPK_MAX = 250
+"""The largest ``audio_topk`` a session may ask for, the same on every device: the audio top-k bound
+(``runtime.engine.sampling.top_k_bound``) is fixed at moshi's default, 250, and baked into the depformer's
+captured CUDA graph on a GPU, where a larger value would silently act as 250."""
+AUDIO_TOPK_RANGE = (1, AUDIO_TOPK_MAX)
 TEXT_TOPK_RANGE = (1, 32000)
 SEED_RANGE = (0, 2**31 - 1)
 
@@ -71,7 +75,7 @@ class SessionRequest:
         text_prompt_in: ``metadata`` when the text prompt follows as a 0x04 metadata message
             (:func:`parse_prompt_metadata`) instead of in the query; None otherwise.
         audio_temperature, text_temperature: sampling temperatures in [0, 2].
-        audio_topk: top-k over audio codebook entries, 1..2048.
+        audio_topk: top-k over audio codebook entries, 1..:data:`AUDIO_TOPK_MAX` (250).
         text_topk: top-k over text tokens, 1..32000.
         seed: sampling seed, 0..2**31-1.
         resumable: ``resumable=1``: the client asks for a resume credential (a 0x04 metadata message right
@@ -129,6 +133,8 @@ def _parse_float(name: str, value: str, bounds: tuple[float, float]) -> float:
 def _parse_int(name: str, value: str, bounds: tuple[int, int]) -> int:
     low, high = bounds
     allowed = f"expected a whole number in [{low}, {high}]"
+    if name == "audio_topk":
+        allowed += " (the audio top-k bound of the depformer's captured step, the same on every device)"
     if not _INT_RE.fullmatch(value):
         raise _bad_query(name, value, allowed)
     number = int(value)
