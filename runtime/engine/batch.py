@@ -721,14 +721,12 @@ class BatchEngine:
                 )
         return side
 
-    def _prefill_chunk(self, slot: int, steps: int) -> bool:
-        """Run the next ``steps`` prompt steps of ``slot`` through the temporal transformer in its side
-        state; True when the prompt is complete (the slot's rows then hold its result and it is LIVE)."""
-        state = self._slots[slot]
-        prefill = state.prefill
-        assert prefill is not None
-        lm = self.bundle.lm
-        transformer = lm.transformer
+    def _run_side_chunk(self, prefill: _Prefill, steps: int) -> tuple[dict[str, State], float]:
+        """Run the next ``steps`` steps of ``prefill`` through the temporal transformer in its batch-1 side
+        state (made at the first chunk), the engine's own states swapped out meanwhile and back in after;
+        advances ``prefill.done``. Returns the engine's own states (``transformer.get_streaming_state()``)
+        and the chunk's time in ms by the engine's clock (the side state's making not included)."""
+        transformer = self.bundle.lm.transformer
         if prefill.side is None:
             prefill.side = self._new_side_state(prefill.total)
         t0 = self.clock()
@@ -739,11 +737,20 @@ class BatchEngine:
         finally:
             transformer.set_streaming_state(main)
         prefill.done += steps
+        return main, (self.clock() - t0) * 1e3
+
+    def _prefill_chunk(self, slot: int, steps: int) -> bool:
+        """Run the next ``steps`` prompt steps of ``slot`` through the temporal transformer in its side
+        state; True when the prompt is complete (the slot's rows then hold its result and it is LIVE)."""
+        state = self._slots[slot]
+        prefill = state.prefill
+        assert prefill is not None
+        main, chunk_ms = self._run_side_chunk(prefill, steps)
         if not self._prefill_cost_fixed:
             # Down at once, up slowly: a chunk preempted by the machine's other work must not shrink the
             # next ones for many ticks, and small chunks (whose fixed cost inflates the per-step figure)
             # must let the estimate fall as soon as a larger one shows the real cost.
-            measured = (self.clock() - t0) * 1e3 / steps
+            measured = chunk_ms / steps
             estimate = self.prefill_ms_per_step
             self.prefill_ms_per_step = measured if measured < estimate else 0.75 * estimate + 0.25 * measured
         if prefill.done < prefill.total:

@@ -296,7 +296,7 @@ class RolloverEngine(BatchEngine):
             steps = min(left, max(chunk if index == 0 else 0, owed))
             if steps <= 0:
                 continue
-            self._rollover_chunk(prefill, steps)
+            self._run_side_chunk(prefill, steps)
             timings.rollover_steps += steps
             if prefill.done < prefill.total:
                 continue
@@ -310,20 +310,6 @@ class RolloverEngine(BatchEngine):
                 timings.rollovers_forced += 1
             else:
                 timings.rollovers_at_pause += 1
-
-    def _rollover_chunk(self, prefill: _Prefill, steps: int) -> None:
-        """The next ``steps`` steps of ``prefill`` through the temporal transformer in its side state."""
-        lm = self.bundle.lm
-        transformer = lm.transformer
-        if prefill.side is None:
-            prefill.side = self._new_side_state(prefill.total)
-        main = transformer.get_streaming_state()
-        transformer.set_streaming_state(prefill.side)
-        try:
-            self._prefill_forward(prefill, prefill.done, steps)
-        finally:
-            transformer.set_streaming_state(main)
-        prefill.done += steps
 
     def _swap(self, slot: int, prefill: _Prefill) -> None:
         """Put the completed rollover state into ``slot``'s rows (module docstring, step 3)."""
