@@ -329,6 +329,7 @@ def test_voices_source_prefers_the_voices_dir_then_the_models_archive(tmp_path: 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
     assert voices_source(None, "nvidia/personaplex-7b-v1") == weights / "voices.tgz"
     assert voices_source(None, "kyutai/moshiko-pytorch-bf16") is None
+    assert voices_source(None, "kyutai/moshiko-pytorch-bf16", from_hub=False) is None  # Moshi: never asked
     assert asked == [
         ("nvidia/personaplex-7b-v1", "voices.tgz", None),
         ("kyutai/moshiko-pytorch-bf16", "voices.tgz", None),

@@ -95,7 +95,9 @@ class LocalSlots(SlotBackend):
         self.metrics = metrics or RuntimeMetrics()
         # Before make_engine: wav voices are encoded by Mimi, which the engine puts into B-row streaming mode
         self.voices = VoiceCatalog.load(
-            voices_source(config.voices_dir, bundle.source), bundle.mimi, lm=bundle.lm
+            voices_source(config.voices_dir, bundle.source, from_hub=bundle.preset.persona_required),
+            bundle.mimi,
+            lm=bundle.lm,
         )
         self.metrics.voice_files_refused.set(len(self.voices.refused))
         self.engine = make_engine(

@@ -221,7 +221,9 @@ class VoiceCatalog:
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
-def voices_source(voices_dir: Path | None, model_source: str, *, revision: str | None = None) -> Path | None:
+def voices_source(
+    voices_dir: Path | None, model_source: str, *, revision: str | None = None, from_hub: bool = True
+) -> Path | None:
     """Where the node's voices come from: ``voices_dir`` (``DUPLEX_VOICES_DIR``) when set; else the
     model's own ``voices.tgz``: in the weights directory, or downloaded from the model's Hugging Face repo
     (``nvidia/personaplex-7b-v1`` publishes one, as NVIDIA's server fetches it, its ``server.py``
@@ -229,6 +231,9 @@ def voices_source(voices_dir: Path | None, model_source: str, *, revision: str |
 
     Args:
         model_source: ``ModelBundle.source``: a directory, a repo id, or ``random(seed=N)``.
+        from_hub: ask the Hub for the repo's ``voices.tgz``; the node passes its preset's
+            ``persona_required`` (PersonaPlex publishes voices; Kyutai's repos have none, and an offline or
+            on-prem node should not make a request that can only fail).
     Never raises: a repo without the archive, or a failed download, is logged and gives None.
     """
     if voices_dir is not None:
@@ -237,7 +242,7 @@ def voices_source(voices_dir: Path | None, model_source: str, *, revision: str |
     if directory.is_dir():
         archive = directory / VOICES_ARCHIVE
         return archive if archive.is_file() else None
-    if not _REPO_ID.fullmatch(model_source):
+    if not from_hub or not _REPO_ID.fullmatch(model_source):
         return None
     try:
         from huggingface_hub import hf_hub_download
