@@ -65,6 +65,7 @@ def nvidia_preset(lm, frames: int = 5, *, seed: int = 0) -> dict[str, torch.Tens
                 embedding = embedding + lm.emb[cb](tokens[:, cb + lm.audio_offset])
             steps.append(embedding.to(torch.bfloat16))  # [1, 1, dim]
     cache = torch.randint(0, lm.card, (1, lm.num_codebooks, max(lm.delays) + 3), generator=generator)
+    cache[:, 0] = 3  # the text row: NVIDIA's voice steps feed zero_text_code (3) as the text
     return {"embeddings": torch.stack(steps, dim=0).detach().cpu(), "cache": cache}
 
 
@@ -377,7 +378,7 @@ def test_the_front_end_takes_nvidias_file_name_for_a_listed_voice() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_wav_voice_joins_a_session_on_a_five_slot_node(bundle, tmp_path: Path) -> None:
+async def test_a_wav_voice_and_an_nvidia_preset_go_live_on_a_five_slot_node(bundle, tmp_path: Path) -> None:
     t = np.arange(int(0.9 * SAMPLE_RATE_HZ)) / SAMPLE_RATE_HZ
     sphn.write_wav(
         str(tmp_path / "anna.wav"),
@@ -398,6 +399,11 @@ async def test_a_wav_voice_joins_a_session_on_a_five_slot_node(bundle, tmp_path:
         pcm = (0.05 * np.random.default_rng(0).standard_normal(SAMPLE_RATE_HZ)).astype(np.float32)
         result = await asyncio.wait_for(
             run_session(chat_url(server, voice_prompt="anna"), pcm, realtime=False, tail_s=0.5), 60
+        )
+        assert result.handshake and not result.errors and result.audio_messages > 0, result
+        # NVIDIA's preset joins a live session under its published file name, as LiveKit's plugin asks.
+        result = await asyncio.wait_for(
+            run_session(chat_url(server, voice_prompt="NATF2.pt"), pcm, realtime=False, tail_s=0.5), 60
         )
         assert result.handshake and not result.errors and result.audio_messages > 0, result
 
