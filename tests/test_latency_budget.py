@@ -26,7 +26,7 @@ from runtime.config import RuntimeConfig
 from runtime.engine.api import FirstAudioTiming, SamplingParams
 from runtime.engine.batch import TickBuffers, TickResult, TickTimings
 from runtime.engine.engine_core import LocalSlots
-from runtime.engine.model_presets import FRAME_SAMPLES
+from runtime.engine.model_presets import FRAME_SAMPLES, get_preset
 from runtime.engine.scheduler import SlotScheduler, SlotSession
 from runtime.engine.sim import SimEngine
 from runtime.engine.sim_timing import StepTime
@@ -253,7 +253,11 @@ class _Access:
 def _fake_bundle() -> SimpleNamespace:
     """What ``LocalSlots`` reads of a model bundle for the sim model."""
     return SimpleNamespace(
-        text_tokenizer=_Tokenizer(), lm=SimpleNamespace(num_codebooks=17, dep_q=8), mimi=None
+        text_tokenizer=_Tokenizer(),
+        lm=SimpleNamespace(num_codebooks=17, dep_q=8, delays=get_preset("sim").lm_kwargs["delays"]),
+        mimi=None,
+        source="sim",  # no weights directory, no repo: no voices.tgz to look for
+        preset=get_preset("sim"),
     )
 
 

@@ -242,7 +242,7 @@ def test_mask_marks_the_given_rows_only(tiny):
 
 
 def chunk(e: BatchEngine, total: int, done: int, spare_ms: float, at_least_min: bool = False) -> int:
-    prefill = _Prefill([], torch.zeros(1, 1, total, dtype=torch.int64), done=done)
+    prefill = _Prefill([], torch.zeros(1, 1, total, dtype=torch.int64), torch.zeros(1, total + 1), done=done)
     return e._chunk_steps(prefill, spare_ms, at_least_min=at_least_min)
 
 

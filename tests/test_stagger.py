@@ -23,7 +23,7 @@ from runtime.config import RuntimeConfig
 from runtime.engine.api import FirstAudioTiming
 from runtime.engine.batch import UNGENERATED_TOKEN, BatchEngine, TickBuffers, TickResult, TickTimings
 from runtime.engine.engine_core import LocalSlots
-from runtime.engine.model_presets import FRAME_SAMPLES
+from runtime.engine.model_presets import FRAME_SAMPLES, get_preset
 from runtime.engine.models import ModelBundle, build_tiny
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.scheduler import SlotScheduler, SlotSession
@@ -244,7 +244,10 @@ def test_the_engine_prompt_budget_follows_the_tick_period() -> None:
     """Persona prompt work must fit the period the engine is ticked at: 60 % of 40 ms staggered."""
     from types import SimpleNamespace
 
-    bundle = SimpleNamespace(text_tokenizer=_Tokenizer(), lm=SimpleNamespace(num_codebooks=17, dep_q=8))
+    bundle = SimpleNamespace(
+        text_tokenizer=_Tokenizer(),
+        lm=SimpleNamespace(num_codebooks=17, dep_q=8, delays=get_preset("sim").lm_kwargs["delays"]),
+    )
     plain = make_engine("sim", bundle, 2)  # type: ignore[arg-type]
     staggered = make_engine("sim", bundle, 2, tick_period_ms=40.0)  # type: ignore[arg-type]
     assert isinstance(plain, SimEngine) and isinstance(staggered, SimEngine)
