@@ -6,8 +6,9 @@ Each trial: an aiortc call (``runtime.tools.rtc_client``, no token: run the node
 with ``resumable=1`` streams speech (pre-encoded Opus, 20 ms packets) for ``before_s``, loses its UDP path
 (:meth:`RtcCall.drop`: its ICE sockets aborted, no DTLS close, no ``DELETE``), waits ``drop_s``, then a new
 call with a fresh offer and the credential (``POST /api/rtc`` with ``Duplex-Resume-Credential``) streams
-``after_s`` and hangs up. With ``drop_s`` longer than the node's ``DUPLEX_RTC_MEDIA_TIMEOUT_S`` the session was
-detached and held; shorter, the resume takes over a call the node had not yet seen lost (both are resumes).
+``after_s`` and hangs up. With ``drop_s`` longer than the node's ``DUPLEX_RTC_MEDIA_TIMEOUT_S`` the session
+was detached and held; shorter, the resume takes over a call the node had not yet seen lost (both are
+resumes).
 
 Times (ms) from the reconnect's start (the new peer connection made, before its offer is gathered): the 201
 answer, ICE+DTLS connected, the DataChannel's 0x00, and the first audio packet back (audio flowing again:
