@@ -194,7 +194,7 @@ def _refused(
     front: FrontEnd, exc: SessionRefused, *, resume: bool = False, counted: bool = False
 ) -> web.Response:
     """A refusal before the answer: its status from the table, ``Retry-After`` on 429 and 503. Counted once
-    (``RuntimeMetrics.refused``: a call presenting a resume credential in ``duplex_resume_refused_total`` only),
+    (``RuntimeMetrics.refused``: a resume (a credential presented) in ``duplex_resume_refused_total`` only),
     unless ``counted`` (``ChatSession.resume`` counted it already)."""
     if not counted:
         front.metrics.refused(exc.reason, resume=resume)
