@@ -20,13 +20,22 @@ from nginx_front import start_nginx
 from test_access_control import token
 from test_node_gateway import _block
 from test_rtc import rtc_settings
-from test_server_e2e import WAIT_S, bundle, running_server, speech, wait_until  # noqa: F401 (fixtures)
+from test_server_e2e import (  # noqa: F401 (fixtures)
+    WAIT_S,
+    LiveClient,
+    bundle,
+    local_metrics,
+    running_server,
+    speech,
+    wait_until,
+)
 
 from infra.node.local import free_port_profile
 from infra.node.nginx import NGINX_CONF, RTC_OFFER_MAX_BYTES, render_nginx
 from infra.node.profile import PROFILES
 from runtime.frontend import rtc
 from runtime.frontend.server import DuplexServer
+from runtime.frontend.session_query import RESUME_HEADER, RESUME_SUBPROTOCOL_PREFIX
 from runtime.tools.cli import app as runtime_app
 from runtime.tools.loadgen_rtc import fetch_ice_servers
 from runtime.tools.rtc_client import RtcCall, encode_packets
@@ -126,6 +135,55 @@ async def test_the_relay_clients_ice_servers_come_through_nginx(gateway) -> None
     assert turn and all(str(url).startswith("turn") for s in turn for url in s["urls"])  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="answered 401"):
         await fetch_ice_servers(base, None, context)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_resume_credentials_out_of_the_url_come_through_nginx(gateway, speech) -> None:  # noqa: F811
+    """Issue 34: nginx passes ``Sec-WebSocket-Protocol: duplex.resume.<credential>`` and its answer, and
+    the ``Duplex-Resume-Credential`` header, to and from the runtime: a WebSocket dropped at nginx (no close
+    frame) is resumed as the page resumes it, by subprotocol (selected), and a header that disagrees with it
+    is refused naming both places (each reached the runtime)."""
+    server, base, context = gateway
+    chat = base.replace("https://", "wss://") + "/api/chat?format=pcm"
+    first = LiveClient(chat + "&resumable=1", speech[0], ssl_context=context, token=token())
+    legs = [first]
+    try:
+        await first.open()
+        assert first.result.handshake, first.result.errors
+        await wait_until(lambda: bool(first.metadata), timeout_s=WAIT_S, what="the 0x04 resume metadata")
+        session_id, credential = first.metadata[0]["session_id"], first.metadata[0]["resume"]
+        first.abort()  # nginx closes its upstream connection: lost, no close frame
+        await wait_until(
+            lambda: local_metrics(server).value("duplex_sessions_detached_total") == 1,
+            timeout_s=WAIT_S,
+            what="the session detached",
+        )
+        offered = RESUME_SUBPROTOCOL_PREFIX + credential
+        sid, secret = credential.split(".")
+        clash = LiveClient(
+            chat,
+            speech[0],
+            ssl_context=context,
+            subprotocols=[offered],
+            headers={RESUME_HEADER: f"{sid}.{secret[::-1]}"},
+        )
+        legs.append(clash)
+        await clash.open()
+        await clash.wait_closed()
+        assert not clash.result.handshake and clash.result.close_code == 1008, clash.result.close_code
+        assert "Duplex-Resume-Credential header and the Sec-WebSocket-Protocol" in clash.result.errors[0]
+        again = LiveClient(chat, speech[0], ssl_context=context, subprotocols=[offered])
+        legs.append(again)
+        await again.open()
+        assert again.result.handshake, again.result.errors
+        assert again.ws is not None and again.ws.subprotocol == offered
+        await wait_until(lambda: bool(again.metadata), timeout_s=WAIT_S, what="the resumed metadata")
+        assert again.metadata[0]["session_id"] == session_id and again.metadata[0]["resumed"] is True
+        await again.ws.close()
+    finally:
+        for leg in legs:
+            await leg.discard()
+    await wait_until(lambda: not server.sessions, timeout_s=WAIT_S, what="the session ended")
 
 
 @pytest.mark.asyncio(loop_scope="module")

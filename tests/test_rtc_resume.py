@@ -495,3 +495,49 @@ async def test_a_delete_through_the_other_worker_ends_a_held_call(bundle, packet
             assert gone.status == 410, (gone.status, gone.body)
         finally:
             await closed(call)
+
+
+async def test_a_webrtc_resume_presents_its_credential_in_a_header_not_the_url(
+    bundle,  # noqa: F811
+    packets,
+    http,
+):
+    """Issue 34: ``POST /api/rtc`` with ``Duplex-Resume-Credential`` and no query resumes a dropped call
+    (the URL, which proxies log, holds nothing); the header and a deprecated ``?resume=`` giving different
+    credentials are refused 400 ``bad_request`` naming both places, before any answer or slot."""
+    async with running_server(bundle, workers=0, **rtc_settings()) as srv:
+        a = await live_call(srv, http, packets, "resumable=1")
+        calls = [a]
+        try:
+            session_id, credential = a.outcome.metadata[0]["session_id"], a.outcome.metadata[0]["resume"]
+            a.drop()
+            await detached(srv, 1)
+            sid, secret = credential_session(credential) or ("", "")
+            clash = RtcCall(url(srv), packets, resume=credential, query=f"resume={sid}.{secret[::-1]}")
+            calls.append(clash)
+            outcome = await clash.start(http)
+            assert outcome.status == 400 and not outcome.answer_sdp, (outcome.status, outcome.body)
+            assert (
+                "the query parameter resume (deprecated) and the Duplex-Resume-Credential header"
+                in outcome.body
+            )
+            assert srv.backend.status().free_slots == SLOTS - 1, (
+                "the held slot was given back or another taken"
+            )
+
+            a2 = RtcCall(url(srv), packets, resume=credential)
+            calls.append(a2)
+            assert a2.query == "" and a2.token is None
+            outcome = await a2.start(http)
+            assert outcome.status == 201, (outcome.status, outcome.body)
+            await asyncio.wait_for(a2.got_metadata.wait(), WAIT_S)
+            again = a2.outcome.metadata[0]
+            assert again["session_id"] == session_id and again["resumed"] is True, again
+            assert again["resume"] == outcome.headers["Duplex-Resume-Credential"][0]
+            await asyncio.wait_for(a2.audio_arrived.wait(), WAIT_S)
+            assert await a2.hang_up(http) == 200
+        finally:
+            await closed(*calls)
+        await free_slots(srv, SLOTS)
+        assert value(srv, "duplex_sessions_resumed_total") == 1
+        assert value(srv, "duplex_resume_refused_total", reason="bad_request") == 1

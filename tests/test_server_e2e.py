@@ -388,7 +388,8 @@ class LiveClient:
     To a server of this process (:func:`running_server`) it finds its session's :class:`SlotAccount` and the
     node's drop counters, for :func:`assert_healthy`'s exact accounting. ``frames``: stop after that many
     frames (None: loop the speech until :meth:`stop_streaming`). ``ssl_context`` and ``token`` (presented as a
-    subprotocol) reach a node through its TLS edge.
+    subprotocol) reach a node through its TLS edge; ``headers`` go on the upgrade request, ``subprotocols``
+    are offered (before the token's).
     """
 
     def __init__(
@@ -400,8 +401,12 @@ class LiveClient:
         frames: int | None = None,
         ssl_context: ssl.SSLContext | None = None,
         token: str | None = None,
+        headers: dict[str, str] | None = None,
+        subprotocols: list[str] | None = None,
     ) -> None:
         self.url = url
+        self.headers = headers
+        self.offered = subprotocols or []
         self.audio_format = audio_format
         self.frames = [
             pcm[i : i + FRAME_SAMPLES] for i in range(0, len(pcm) - FRAME_SAMPLES + 1, FRAME_SAMPLES)
@@ -437,7 +442,7 @@ class LiveClient:
             self.server, self._ledger = node
             before = {s.session_id for s in self.server.sessions}
             self._drops_before = self._drops()
-        subprotocols = None if self.token is None else [SUBPROTOCOL_PREFIX + self.token]
+        subprotocols = self.offered + ([] if self.token is None else [SUBPROTOCOL_PREFIX + self.token])
         self.ws = await connect(
             self.url,
             max_size=2**20,
@@ -445,7 +450,8 @@ class LiveClient:
             open_timeout=30,
             proxy=None,
             ssl=self.ssl_context,
-            subprotocols=subprotocols,  # type: ignore[arg-type]
+            subprotocols=subprotocols or None,  # type: ignore[arg-type]
+            additional_headers=self.headers,
         )
         self._receiver = asyncio.create_task(self._receive())
         await asyncio.wait_for(self.settled.wait(), timeout_s)

@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.frontend.audio_codec import make_codec
 from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.session_query import RESUME_HEADER
 from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
 from runtime.tools.loadgen import session_url
 
@@ -243,7 +244,11 @@ async def check_resume(
             ws.transport.abort()  # no close frame: a lost connection, as a phone changing cells
             first.task.cancel()
             started = time.monotonic()
-            ws = await connect(session_url(wss_url, resume=credential), **options)  # type: ignore[arg-type]
+            ws = await connect(  # the credential in a header, not the URL (issue 34: URLs are logged)
+                session_url(wss_url),
+                additional_headers={RESUME_HEADER: credential},
+                **options,  # type: ignore[arg-type]
+            )
             second = _Leg(ws, started)
             if not await _handshake(second):
                 check.problems.append(f"resume: refused: {second.errors} (closed {ws.close_code})")

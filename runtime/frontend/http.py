@@ -35,6 +35,7 @@ from runtime.frontend.access import RequestView, bearer_token, session_token
 from runtime.frontend.ratelimit import RateLimited
 from runtime.frontend.refusals import LOADING_MESSAGE, Admission, SessionRefused
 from runtime.frontend.session import FrontEnd, plan_session
+from runtime.frontend.session_query import RESUME_HEADER, ResumePresented
 from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
 from runtime.frontend.tokens import TokenRejected
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE
@@ -115,6 +116,14 @@ def request_view(request: web.Request) -> RequestView:
     return RequestView(peer, request.headers.items(), request.query_string)
 
 
+def resume_presented(view: RequestView, *, subprotocols: bool = True) -> ResumePresented:
+    """The resume credential as ``view`` presents it: the ``Duplex-Resume-Credential`` header, the
+    ``duplex.resume.<credential>`` subprotocol (``subprotocols``: a WebSocket upgrade) and the deprecated
+    ``?resume=`` (issue 34: a credential in the URL is kept by proxies' and load balancers' logs)."""
+    protocols = view.get_all("Sec-WebSocket-Protocol") if subprotocols else ()
+    return ResumePresented.of(view.param("resume"), view.get_all(RESUME_HEADER), protocols)
+
+
 # --- loading phase ------------------------------------------------------------------------------------
 
 
@@ -176,7 +185,8 @@ async def _chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
 
 async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     view = request_view(request)
-    resume = bool(view.param("resume"))  # its refusals count in duplex_resume_refused_total only
+    presented = resume_presented(view)
+    resume = presented.given  # its refusals count in duplex_resume_refused_total only
     # First, before any work (token verify, Redis, persona): the handshake rate limits.
     limited = front.access.rate_limited(view)
     if limited is not None:
@@ -189,20 +199,22 @@ async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResp
             claims = await front.access.check(view, origin=view.get("Origin"), token=session_token(view))
     except TokenRejected as exc:
         return _refuse_handshake(front, exc, resume=resume)
-    return await ws.serve_chat(front, request, claims, front.access.client_address(view))
+    return await ws.serve_chat(front, request, claims, front.access.client_address(view), presented)
 
 
 async def _rtc_checked(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     """``/api/rtc`` (POST an offer) and ``/api/rtc/ice-servers`` (GET): the handshake rate limits, then the
     access check with the token as ``Authorization: Bearer`` (``?token=`` too), as ``/api/chat``'s upgrade
-    (a resume, ``POST /api/rtc?resume=<credential>``: the origin only, no token: the single-use credential
-    is the right to the session, as on ``/api/chat``); then ``runtime.frontend.rtc``."""
+    (a resume, ``POST /api/rtc`` with ``Duplex-Resume-Credential: <credential>``, or the deprecated
+    ``?resume=``: the origin only, no token: the single-use credential is the right to the session, as on
+    ``/api/chat``); then ``runtime.frontend.rtc``."""
     view = request_view(request)
+    presented = resume_presented(view, subprotocols=False)
     limited = front.access.rate_limited(view)
     if limited is not None:
         return _refuse_rate_limited(front, limited, as_admission=False)
     try:
-        if request.path == rtc.RTC_PATH and view.param("resume"):  # as /api/chat: the credential is the right
+        if request.path == rtc.RTC_PATH and presented.given:  # as /api/chat: the credential is the right
             front.access.check_origin(view.get("Origin"))
             claims = None
         else:
@@ -212,7 +224,7 @@ async def _rtc_checked(front: FrontEnd, request: web.Request) -> web.StreamRespo
         return _refuse_handshake(front, exc)
     if request.path == rtc.ICE_SERVERS_PATH:
         return await rtc.serve_ice_servers(front, request, claims)
-    return await rtc.serve_offer(front, request, claims, front.access.client_address(view))
+    return await rtc.serve_offer(front, request, claims, front.access.client_address(view), presented)
 
 
 async def _rtc_resource(front: FrontEnd, request: web.Request) -> web.StreamResponse:

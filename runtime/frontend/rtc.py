@@ -20,7 +20,8 @@
   (``runtime.ipc.Hangup``). A ``DELETE`` of a call held for a resume ends the hold (the slot freed).
 - Resume (docs/runtime.md, "Resume"): with ``resumable=1`` the DataChannel's 0x00 is followed by a 0x04
   metadata message with the session id and a single-use credential, as on ``/api/chat``. ``POST
-  /api/rtc?resume=<credential>`` with a fresh offer and no token (the credential is the right, as on
+  /api/rtc`` with ``Duplex-Resume-Credential: <credential>`` (the deprecated ``?resume=`` too), a fresh
+  offer and no token (the credential is the right, as on
   ``/api/chat``: nothing is spent or capped per token) takes over the slot of a session held after its
   transport was lost, whichever transport it had and through any worker; the session id, slot and
   transcript go on, the 201 carries the next credential in :data:`RESUME_HEADER` and the 0x04 after the
@@ -51,7 +52,12 @@ from runtime.frontend.protocol import AudioFormat
 from runtime.frontend.refusals import SessionRefused
 from runtime.frontend.rtc_session import Float32Frames, OfferRejected, RtcPeer, RtcTransport
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, plan_session
-from runtime.frontend.session_query import TEXT_PROMPT_IN_METADATA, SessionRequest
+from runtime.frontend.session_query import (
+    RESUME_HEADER,
+    TEXT_PROMPT_IN_METADATA,
+    ResumePresented,
+    SessionRequest,
+)
 from runtime.frontend.tokens import TokenClaims
 from runtime.frontend.turn import IceServer, ice_servers, mint_turn_credentials
 
@@ -85,11 +91,11 @@ ONE_CONNECTING_MESSAGE = (
     "rate limited: a WebRTC call with this token is still connecting; retry when it has connected or ended"
 )
 """The sentence of a second offer with one token while the first's call connects (429)."""
-RESUME_HEADER = "Duplex-Resume-Credential"
-"""The 201 of a resume (``POST /api/rtc?resume=``) carries the session's next credential in this header, as
-its 0x04 will once connected: when that resume's ICE does not connect, the session is held again and the
-caller's next try may present it (or the one it presented, which is spent only by the new connection's
-first frame: runtime.engine.resume)."""
+# RESUME_HEADER (Duplex-Resume-Credential, from session_query): a resume presents its credential in it
+# (POST /api/rtc with a fresh offer), and its 201 carries the session's next credential in it, as its 0x04
+# will once connected: when that resume's ICE does not connect, the session is held again and the caller's
+# next try may present it (or the one it presented, which is spent only by the new connection's first frame:
+# runtime.engine.resume).
 _RESOURCE_RE = re.compile(r"(?P<sid>[0-9a-f]{32})/(?P<key>[A-Za-z0-9_-]{16,64})")
 
 
@@ -188,7 +194,7 @@ def _refused(
     front: FrontEnd, exc: SessionRefused, *, resume: bool = False, counted: bool = False
 ) -> web.Response:
     """A refusal before the answer: its status from the table, ``Retry-After`` on 429 and 503. Counted once
-    (``RuntimeMetrics.refused``: a call carrying ``resume=`` in ``duplex_resume_refused_total`` only),
+    (``RuntimeMetrics.refused``: a resume (a credential presented) in ``duplex_resume_refused_total`` only),
     unless ``counted`` (``ChatSession.resume`` counted it already)."""
     if not counted:
         front.metrics.refused(exc.reason, resume=resume)
@@ -242,18 +248,26 @@ async def _read_offer(request: web.Request) -> str:
 
 
 async def serve_offer(
-    front: FrontEnd, request: web.Request, claims: TokenClaims | None, client: str
+    front: FrontEnd,
+    request: web.Request,
+    claims: TokenClaims | None,
+    client: str,
+    presented: ResumePresented | None = None,
 ) -> web.StreamResponse:
-    """``POST /api/rtc`` after the rate limits and the access check (``runtime.frontend.http``)."""
+    """``POST /api/rtc`` after the rate limits and the access check (``runtime.frontend.http``);
+    ``presented``: the resume credential as the request presented it (:data:`RESUME_HEADER`, or the
+    deprecated ``?resume=``; None: the query's only)."""
     posted_at = time.monotonic()
-    resume = bool(request.query.get("resume"))  # its refusals count in duplex_resume_refused_total only
+    if presented is None:
+        presented = ResumePresented.of(request.query.get("resume"), ())
+    resume = presented.given  # its refusals count in duplex_resume_refused_total only
     try:
         sdp = await _read_offer(request)
     except web.HTTPException as exc:
         front.metrics.refused("bad_request", resume=resume)
         return _plain(exc.status, (exc.text or exc.reason).strip())
     try:
-        session_request, sampling = plan_session(front, request.query_string)
+        session_request, sampling = plan_session(front, request.query_string, resume=presented)
         if session_request.text_prompt_in == TEXT_PROMPT_IN_METADATA:
             raise SessionRefused(
                 "bad_request",

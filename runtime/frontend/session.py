@@ -42,7 +42,7 @@ from runtime.frontend.access import Access
 from runtime.frontend.audio_codec import make_codec
 from runtime.frontend.recording import SessionRecorder, start_recording
 from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
-from runtime.frontend.session_query import SessionRequest, parse_session_query
+from runtime.frontend.session_query import ResumePresented, SessionRequest, parse_session_query
 from runtime.frontend.session_resume import ResumableSession
 from runtime.frontend.session_store import SessionRecord, SessionStore
 from runtime.frontend.tokens import TokenClaims, TokenRejected
@@ -105,19 +105,23 @@ def sampling_from_request(request: SessionRequest) -> SamplingParams:
 
 
 def plan_session(
-    front: FrontEnd, query: str, text_prompt: str | None = None
+    front: FrontEnd, query: str, text_prompt: str | None = None, resume: ResumePresented | None = None
 ) -> tuple[SessionRequest, SamplingParams]:
-    """What a session's query asks for, checked: the request (``text_prompt``: one that came as metadata)
-    and its sampling settings; the persona checked by the backend.
+    """What a session's query asks for, checked: the request (``text_prompt``: one that came as metadata;
+    ``resume``: the credential as the request presented it, header, subprotocol or query) and its sampling
+    settings; the persona checked by the backend.
 
     Raises:
         SessionRefused: ``bad_request`` (a bad parameter, an unknown voice, a text prompt over the limit, a
-            sampling value out of range), the message names it.
+            sampling value out of range, a malformed resume credential or two different ones), the message
+            names it.
     """
     try:
         request = parse_session_query(query)
         if text_prompt is not None:
             request = dataclasses.replace(request, text_prompt=text_prompt)
+        if resume is not None and resume.given:
+            request = dataclasses.replace(request, resume=resume.credential())
         front.backend.check_persona(request.voice_prompt, request.text_prompt)
         sampling = sampling_from_request(request)
     except ValueError as exc:  # ProtocolError and the persona's errors are ValueErrors

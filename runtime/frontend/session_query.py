@@ -12,7 +12,7 @@ import math
 import re
 import unicodedata
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,15 @@ from runtime.engine.persona_limits import (
 )
 from runtime.frontend.protocol import AudioFormat, ProtocolError
 
-__all__ = ["MAX_QUERY_PARAMS", "SessionRequest", "parse_prompt_metadata", "parse_session_query"]
+__all__ = [
+    "MAX_QUERY_PARAMS",
+    "RESUME_HEADER",
+    "RESUME_SUBPROTOCOL_PREFIX",
+    "ResumePresented",
+    "SessionRequest",
+    "parse_prompt_metadata",
+    "parse_session_query",
+]
 
 MAX_QUERY_PARAMS = 100
 """Most query parameters accepted on ``/api/chat`` (known and ignored together)."""
@@ -61,6 +69,96 @@ _KNOWN_PARAMS = (
 RESUME_CREDENTIAL_MAX_CHARS = 128
 _RESUME_RE = re.compile(rf"[A-Za-z0-9._-]{{1,{RESUME_CREDENTIAL_MAX_CHARS}}}")
 _BOOLEANS = {"1": True, "true": True, "0": False, "false": False}
+_RESUME_ALLOWED = f"1..{RESUME_CREDENTIAL_MAX_CHARS} letters, digits, '.', '_' or '-'"
+"""A credential is ``<32 hex digits>.<43 base64url characters>`` (runtime.engine.resume): every character an
+RFC 7230 ``tchar``, so it fits a header value and a WebSocket subprotocol name (RFC 6455, 4.1: a token)."""
+
+RESUME_HEADER = "Duplex-Resume-Credential"
+"""The request header that presents a resume credential (on ``/api/chat``'s upgrade and ``POST /api/rtc``),
+so it stays out of the URL, which proxies and load balancers log (issue 34, item 1). The 201 of a WebRTC
+resume answers the next credential in the same header."""
+RESUME_SUBPROTOCOL_PREFIX = "duplex.resume."
+"""A browser cannot set a header on a WebSocket: it offers the subprotocol ``duplex.resume.<credential>``
+(``new WebSocket(url, ["duplex.resume." + credential])``) and the server selects it (RFC 6455, 4.2.2: a
+browser fails a handshake whose answer names none of the subprotocols it offered)."""
+
+
+@dataclass(frozen=True)
+class ResumePresented:
+    """Where a request presented a resume credential, place by place (issue 34: not in the URL).
+
+    Attributes:
+        query: the deprecated ``?resume=`` value ("" when absent; still accepted, never logged).
+        header: the :data:`RESUME_HEADER` values, one per header line, stripped.
+        subprotocols: the offered ``Sec-WebSocket-Protocol`` names starting :data:`RESUME_SUBPROTOCOL_PREFIX`,
+            whole (the one to select is the first).
+    """
+
+    query: str = ""
+    header: tuple[str, ...] = ()
+    subprotocols: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls, query: str | None, header_values: Iterable[str], protocol_headers: Iterable[str] = ()
+    ) -> ResumePresented:
+        """From a request's ``resume`` query value, its :data:`RESUME_HEADER` values and its
+        ``Sec-WebSocket-Protocol`` header values (comma-separated lists, RFC 6455 4.1)."""
+        offered = (name.strip() for value in protocol_headers for name in value.split(","))
+        return cls(
+            query=query or "",
+            header=tuple(value.strip() for value in header_values if value.strip()),
+            subprotocols=tuple(name for name in offered if name.startswith(RESUME_SUBPROTOCOL_PREFIX)),
+        )
+
+    @property
+    def given(self) -> bool:
+        """A credential was presented in at least one place (the request is a resume: no token needed)."""
+        return bool(self.query or self.header or self.subprotocols)
+
+    @property
+    def subprotocol(self) -> str | None:
+        """The offered ``duplex.resume.<credential>`` subprotocol the server selects, or None."""
+        return self.subprotocols[0] if self.subprotocols else None
+
+    def credential(self) -> str | None:
+        """The one credential presented (None when none was).
+
+        Raises:
+            ProtocolError: ``bad_query``: a place holds something that is not a credential (its value is
+                not echoed: it may be nearly a secret), one place gives two different ones, or two places
+                give different ones (both places named).
+        """
+        places = (
+            ("the query parameter resume (deprecated)", (self.query,) if self.query else ()),
+            (f"the {RESUME_HEADER} header", self.header),
+            (
+                f"the Sec-WebSocket-Protocol {RESUME_SUBPROTOCOL_PREFIX}<credential>",
+                tuple(name.removeprefix(RESUME_SUBPROTOCOL_PREFIX) for name in self.subprotocols),
+            ),
+        )
+        found: list[tuple[str, str]] = []
+        for place, values in places:
+            for value in values:
+                if not _RESUME_RE.fullmatch(value):
+                    raise ProtocolError(
+                        "bad_query",
+                        f"{place} is not a resume credential: expected the credential of the 0x04 metadata "
+                        f"({_RESUME_ALLOWED}), got {len(value)} characters",
+                    )
+            if len(set(values)) > 1:
+                raise ProtocolError(
+                    "bad_query", f"{place} gives {len(set(values))} different resume credentials"
+                )
+            if values:
+                found.append((place, values[0]))
+        for place, value in found[1:]:
+            if value != found[0][1]:
+                raise ProtocolError(
+                    "bad_query",
+                    f"{found[0][0]} and {place} give different resume credentials: present one, once",
+                )
+        return found[0][1] if found else None
 
 
 @dataclass(frozen=True)
@@ -80,8 +178,10 @@ class SessionRequest:
         seed: sampling seed, 0..2**31-1.
         resumable: ``resumable=1``: the client asks for a resume credential (a 0x04 metadata message right
             after the handshake; docs/protocol.md, "Resume"); None or False: nothing new is sent.
-        resume: ``resume=<credential>``: resume the session the credential names instead of starting one
-            (every other parameter but ``format`` is the session's already and is ignored).
+        resume: the credential of the session to resume instead of starting one (every other parameter
+            but ``format`` is the session's already and is ignored): from :data:`RESUME_HEADER`, the
+            ``duplex.resume.<credential>`` subprotocol or the deprecated ``resume=`` query parameter
+            (:class:`ResumePresented`).
         ignored_params: sorted names of query parameters this server does not use (e.g. ``pad_mult``,
             ``repetition_penalty``, ``worker_auth_id``); untrusted text, for logging only.
     """
@@ -247,8 +347,7 @@ def parse_session_query(query: Mapping[str, str] | str) -> SessionRequest:
         raise _bad_query(
             "resume",
             resume,
-            f"expected the credential of the 0x04 metadata (1..{RESUME_CREDENTIAL_MAX_CHARS} letters, "
-            "digits, '.', '_' or '-')",
+            f"expected the credential of the 0x04 metadata ({_RESUME_ALLOWED})",
         )
 
     def optional_float(name: str) -> float | None:

@@ -12,9 +12,10 @@ WebSocket is aiohttp's (the HTTP layer's server, ``runtime.frontend.http``), as 
 Resume (``runtime.frontend.session_resume``; docs/protocol.md, "Resume"): with ``resumable=1`` the
 handshake is followed by a 0x04 metadata message with the session id and a single-use credential. A
 connection lost without a close frame (a reset, a dead peer past the heartbeat) detaches a resumable
-session: its slot is held, paused, for ``resume_s``; ``?resume=<credential>`` on a new connection, through
-any worker, takes it over (a new handshake, then a new credential). A close frame ends the session as
-before.
+session: its slot is held, paused, for ``resume_s``; the credential on a new connection (the
+``Duplex-Resume-Credential`` header, or the subprotocol ``duplex.resume.<credential>`` from a browser, which
+the server selects; the deprecated ``?resume=`` too), through any worker, takes it over (a new handshake,
+then a new credential). A close frame ends the session as before.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ from runtime.frontend.protocol import (
 )
 from runtime.frontend.refusals import CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, SessionRefused
 from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport, plan_session
-from runtime.frontend.session_query import TEXT_PROMPT_IN_METADATA, parse_prompt_metadata, parse_session_query
+from runtime.frontend.session_query import (
+    TEXT_PROMPT_IN_METADATA,
+    ResumePresented,
+    parse_prompt_metadata,
+    parse_session_query,
+)
 from runtime.frontend.tokens import SUBPROTOCOL_PREFIX, TokenClaims
 
 __all__ = [
@@ -158,12 +164,20 @@ def token_subprotocol(headers: Iterable[str]) -> str | None:
 
 
 async def serve_chat(
-    front: FrontEnd, request: web.Request, claims: TokenClaims | None, client: str
+    front: FrontEnd,
+    request: web.Request,
+    claims: TokenClaims | None,
+    client: str,
+    resume: ResumePresented | None = None,
 ) -> web.StreamResponse:
     """Upgrade an admitted ``/api/chat`` request (its token and origin checked) and run its session;
     426 with ``Upgrade: websocket`` and ``Sec-WebSocket-Version: 13`` when it is not a valid WebSocket
-    version 13 upgrade (RFC 6455, 4.2.2 and 4.4)."""
-    offered = token_subprotocol(request.headers.getall("Sec-WebSocket-Protocol", ()))
+    version 13 upgrade (RFC 6455, 4.2.2 and 4.4). ``resume``: the credential as the request presented it
+    (``runtime.frontend.http.resume_presented``); a ``duplex.resume.<credential>`` subprotocol is the one
+    selected (before ``duplex.token.<jwt>``: a resume needs no token), even when the resume is then refused,
+    so a browser reads the refusal's 0x05."""
+    resume = resume or ResumePresented()
+    offered = resume.subprotocol or token_subprotocol(request.headers.getall("Sec-WebSocket-Protocol", ()))
     connection = DuplexWebSocket(
         protocols=(offered,) if offered else (),
         max_msg_size=front.config.max_message_bytes,
@@ -183,7 +197,7 @@ async def serve_chat(
         answer.headers["Sec-WebSocket-Version"] = "13"
         return answer
     await connection.prepare(request)
-    await handle(front, connection, request.query_string, claims, client)
+    await handle(front, connection, request.query_string, claims, client, resume)
     return connection
 
 
@@ -202,12 +216,21 @@ async def refuse(
 
 
 async def handle(
-    front: FrontEnd, connection: DuplexWebSocket, query: str, claims: TokenClaims | None, client: str
+    front: FrontEnd,
+    connection: DuplexWebSocket,
+    query: str,
+    claims: TokenClaims | None,
+    client: str,
+    presented: ResumePresented | None = None,
 ) -> None:
-    """One ``/api/chat`` connection, from the upgrade to the close."""
-    resume = bool(parse_qs(query).get("resume"))  # its refusals count in duplex_resume_refused_total only
+    """One ``/api/chat`` connection, from the upgrade to the close (``presented``: the resume credential as
+    the request presented it; None: only a ``?resume=`` in ``query``)."""
+    if presented is None:
+        presented = ResumePresented.of(next(iter(parse_qs(query).get("resume", ())), None), ())
+    resume = presented.given  # its refusals count in duplex_resume_refused_total only
     try:
-        request, sampling = plan_session(front, query, await _metadata_prompt(front, connection, query))
+        prompt = await _metadata_prompt(front, connection, query)
+        request, sampling = plan_session(front, query, prompt, presented)
     except ProtocolError as exc:
         await refuse(front, connection, SessionRefused("bad_request", f"bad request: {exc}"), resume=resume)
         return

@@ -34,6 +34,7 @@ from websockets.exceptions import ConnectionClosed
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.frontend.audio_codec import make_codec
 from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.session_query import RESUME_HEADER
 from runtime.tools.loadgen import session_url
 
 if TYPE_CHECKING:
@@ -143,8 +144,10 @@ async def run_trial(
     await asyncio.sleep(drop_s)
     index += round(drop_s / FRAME_S)  # spoken while the connection was down: never sent
     started = time.monotonic()
-    url = session_url(base_url, resume=credential)
-    ws = await connect(url, max_size=2**20, compression=None, proxy=None)
+    headers = {RESUME_HEADER: credential}  # not in the URL: proxies and load balancers log URLs (issue 34)
+    ws = await connect(
+        session_url(base_url), max_size=2**20, compression=None, proxy=None, additional_headers=headers
+    )
     resumed = _Leg(ws, trial, started)
     resumed.last_sent = index - 1
     await asyncio.wait_for(resumed.handshake.wait(), timeout_s)

@@ -5,9 +5,10 @@ Each trial: an aiortc call (``runtime.tools.rtc_client``, no token: run the node
 ``DUPLEX_AUTH_MODE=off``)
 with ``resumable=1`` streams speech (pre-encoded Opus, 20 ms packets) for ``before_s``, loses its UDP path
 (:meth:`RtcCall.drop`: its ICE sockets aborted, no DTLS close, no ``DELETE``), waits ``drop_s``, then a new
-call with a fresh offer and the credential (``POST /api/rtc?resume=``) streams ``after_s`` and hangs up. With
-``drop_s`` longer than the node's ``DUPLEX_RTC_MEDIA_TIMEOUT_S`` the session was detached and held; shorter,
-the resume takes over a call the node had not yet seen lost (both are resumes).
+call with a fresh offer and the credential (``POST /api/rtc`` with ``Duplex-Resume-Credential``) streams
+``after_s`` and hangs up. With ``drop_s`` longer than the node's ``DUPLEX_RTC_MEDIA_TIMEOUT_S`` the session
+was detached and held; shorter, the resume takes over a call the node had not yet seen lost (both are
+resumes).
 
 Times (ms) from the reconnect's start (the new peer connection made, before its offer is gathered): the 201
 answer, ICE+DTLS connected, the DataChannel's 0x00, and the first audio packet back (audio flowing again:
@@ -78,10 +79,10 @@ async def run_rtc_trial(
             await asyncio.sleep(drop_s)
 
             started = time.monotonic()
-            second = RtcCall(base_url, packets, query=f"resume={credential}")
+            second = RtcCall(base_url, packets, resume=credential)  # Duplex-Resume-Credential: not in the URL
             again = await second.start(http)
             if again.status != 201:
-                raise RuntimeError(f"POST /api/rtc?resume=: {again.status} {again.body.strip()}")
+                raise RuntimeError(f"POST /api/rtc (a resume): {again.status} {again.body.strip()}")
             await asyncio.wait_for(second.got_metadata.wait(), timeout_s)
             await asyncio.wait_for(second.audio_arrived.wait(), timeout_s)
             trial = RtcTrial(

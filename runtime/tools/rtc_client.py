@@ -34,6 +34,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.frontend.opus_rtp import OpusEncoder
 from runtime.frontend.protocol import MessageKind
+from runtime.frontend.session_query import RESUME_HEADER
 
 __all__ = ["PacketReplayTrack", "RtcCall", "RtcOutcome", "encode_packets"]
 
@@ -151,6 +152,8 @@ class RtcCall:
         packets: the Opus packets the call sends (:func:`encode_packets`).
         token: the session token (``Authorization: Bearer``), or None.
         query: the ``/api/chat``-style query string (persona, sampling), without ``?``.
+        resume: a resume credential, presented in the ``Duplex-Resume-Credential`` header (never in the URL,
+            which proxies log: issue 34); the call then carries no token.
         ice_servers: ``RTCIceServer`` dicts (``{"urls", "username", "credential"}``) for the offer.
         offer_filter: rewrites the offer's SDP before the POST (tests: drop candidates, break it).
         answer_filter: rewrites the answer's SDP before it is applied (tests: route through a relay).
@@ -167,6 +170,7 @@ class RtcCall:
         *,
         token: str | None = None,
         query: str = "",
+        resume: str | None = None,
         ice_servers: Sequence[dict[str, Any]] = (),
         offer_filter: Callable[[str], str] | None = None,
         answer_filter: Callable[[str], str] | None = None,
@@ -178,6 +182,7 @@ class RtcCall:
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.query = query
+        self.resume = resume
         self.offer_filter = offer_filter
         self.answer_filter = answer_filter
         servers = [
@@ -248,6 +253,8 @@ class RtcCall:
         headers = {"Content-Type": "application/sdp"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        if self.resume:
+            headers[RESUME_HEADER] = self.resume
         return headers
 
     async def offer(self) -> str:

@@ -17,6 +17,7 @@
 import {
   FRAME_MS,
   Kind,
+  RESUME_SUBPROTOCOL_PREFIX,
   TOKEN_SUBPROTOCOL_PREFIX,
   chatUrl,
   checkAdmission,
@@ -340,9 +341,10 @@ function resume(s) {
   setState("connecting");
   setStatus(`Connection lost: reconnecting (try ${s.resuming} of ${RESUME_TRIES})…`);
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-  const url = `${scheme}//${location.host}/api/chat?format=pcm&resume=${encodeURIComponent(s.resume)}`;
+  // The credential as a subprotocol, which the node selects: not in the URL, which proxies log (issue 34).
+  const url = `${scheme}//${location.host}/api/chat?format=pcm`;
   const delay = s.resuming === 1 ? 0 : RESUME_DELAY_MS * 2 ** (s.resuming - 2);
-  setTimeout(() => s.ended || openSocket(s, url, []), delay);
+  setTimeout(() => s.ended || openSocket(s, url, [RESUME_SUBPROTOCOL_PREFIX + s.resume]), delay);
 }
 
 function onCapture(s, data) {

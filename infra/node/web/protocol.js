@@ -18,6 +18,11 @@ export const SAMPLE_RATE_HZ = 24000; // the model's audio rate, both directions
 export const FRAME_SAMPLES = 1920; // one model frame: 80 ms at 24 kHz
 export const FRAME_MS = (1000 * FRAME_SAMPLES) / SAMPLE_RATE_HZ; // 80 ms
 export const TOKEN_SUBPROTOCOL_PREFIX = "duplex.token."; // runtime/frontend/tokens.py SUBPROTOCOL_PREFIX
+// A resume's credential as the WebSocket subprotocol (a page cannot set a header on a WebSocket; the URL is
+// logged by proxies): runtime/frontend/session_query.py RESUME_SUBPROTOCOL_PREFIX.
+export const RESUME_SUBPROTOCOL_PREFIX = "duplex.resume.";
+// A resume's credential as a request header (POST /api/rtc): runtime/frontend/session_query.py RESUME_HEADER.
+export const RESUME_HEADER = "Duplex-Resume-Credential";
 
 // reason code -> what the person in front of the page is told. Codes: the runtime's refusal reasons
 // (runtime/frontend/tokens.py REFUSAL_STATUS, runtime/frontend/server.py ADMISSION_REASONS), nginx's own answers, and

@@ -8,11 +8,11 @@
 //
 // Resume (docs/protocol.md, "Resume"): the offer asks for resumable=1, so the DataChannel's 0x00 is followed
 // by a 0x04 with the session's single-use credential. connectRtc({resume, iceServers}) reconnects a dropped
-// call with it: POST /api/rtc?resume=<credential> with a fresh offer and no token (the credential is the
-// right), the ICE servers of the first connection (the token is spent: /api/rtc/ice-servers would refuse
+// call with it: POST /api/rtc with a Duplex-Resume-Credential header (not ?resume=: URLs are logged), a
+// fresh offer and no token (the credential is the right), the ICE servers of the first connection (the token is spent: /api/rtc/ice-servers would refuse
 // it). Its 201 carries the next credential (Duplex-Resume-Credential): rtc.resume.
 
-import { sessionQuery } from "./protocol.js";
+import { RESUME_HEADER, sessionQuery } from "./protocol.js";
 
 export const CONNECT_LIMIT_MS = 3000; // from the first ICE server request to "connected": then the WebSocket
 // Gathering waits for every ICE server; an unreachable one would hold it to the limit and leave ICE no time
@@ -20,7 +20,6 @@ export const CONNECT_LIMIT_MS = 3000; // from the first ICE server request to "c
 export const GATHER_LIMIT_MS = 2000;
 const REFUSAL_STATUSES = new Set([401, 403, 429, 503]); // access, persona, rate and capacity refusals
 const RESUME_REFUSALS = new Set([404, 410]); // resume_off, resume_expired (a resume's 403: invalid, replayed)
-export const RESUME_HEADER = "Duplex-Resume-Credential"; // a resume's 201: the session's next credential
 
 /** The page's transport figures (window.duplexClient.stats), as each conversation starts. */
 export const RTC_STATS = Object.freeze({
@@ -127,10 +126,12 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
     }
     let response;
     try {
-      const query = resume ? `resume=${encodeURIComponent(resume)}` : `${sessionQuery(persona)}&resumable=1`;
-      response = await fetch(`/api/rtc?${query}`, {
+      // A resume: the credential in a header, not the URL (which proxies log); the session's query is its own.
+      const query = resume ? "" : `?${sessionQuery(persona)}&resumable=1`;
+      const credentials = resume ? { [RESUME_HEADER]: resume } : authHeaders(token);
+      response = await fetch(`/api/rtc${query}`, {
         method: "POST",
-        headers: { "Content-Type": "application/sdp", ...(resume ? {} : authHeaders(token)) },
+        headers: { "Content-Type": "application/sdp", ...credentials },
         body: offer,
         cache: "no-store",
       });
