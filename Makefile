@@ -106,7 +106,7 @@ gpu-wheels: $(STAMP)
 
 # Mutation testing (issue 25; docs/mutation.md): mutmut ([tool.mutmut] in pyproject.toml: the files it mutates,
 # the tests it picks from) over the modules where a bug costs users most, one after another, or one alone:
-# `make mutation MODULE=runtime/frontend/ratelimit.py`. Prints killed / survived / total per module; the
+# `make mutation MODULE=runtime/frontend/gate/ratelimit.py`. Prints killed / survived / total per module; the
 # survivors: `$(BIN)/mutmut results`, one diff: `$(BIN)/mutmut show <name>`. Not in CI (too slow). Niced,
 # MUTATION_JOBS workers (1: shared machines), one OpenMP thread (torch's OpenMP pool, started in mutmut's
 # process by its first test run, hangs a forked mutant). The stack configuration's GCP rules: keys.py's GCP
@@ -114,7 +114,7 @@ gpu-wheels: $(STAMP)
 # validators alone) and the catalog they read (infra/capacity/gcp.py); the policy rules: the infra/policy/rules
 # package; the batch engine: its slot bookkeeping alone (TickBuffers, _Forcing, BatchEngine's constructor,
 # phase, join, leave, _check_slot, _mask, _chunk_steps; mutmut mutates the whole file, the patterns pick these).
-MUTATION_MODULES := runtime/frontend/ratelimit.py runtime/frontend/replay.py runtime/frontend/tokens.py \
+MUTATION_MODULES := runtime/frontend/gate/ratelimit.py runtime/frontend/gate/replay.py runtime/frontend/gate/tokens.py \
 	runtime/engine/sampling.py runtime/engine/scheduler.py runtime/engine/batch.py infra/capacity/memory.py \
 	infra/capacity/timing.py \
 	infra/capacity/gcp.py infra/stack_config/keys.py infra/policy/rules

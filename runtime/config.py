@@ -23,9 +23,9 @@ from runtime.engine.model_presets import (
 )
 from runtime.gc_policy import DEFAULT_GC_THRESHOLDS, parse_gc_thresholds
 
-if TYPE_CHECKING:  # runtime.frontend.tokens (PyJWT) is imported when the keys are loaded
+if TYPE_CHECKING:  # runtime.frontend.gate.tokens (PyJWT) is imported when the keys are loaded
     from runtime.engine.models import ModelBundle
-    from runtime.frontend.tokens import SigningKey
+    from runtime.signing_keys import SigningKey
 
 
 class RuntimeConfig(BaseSettings):
@@ -157,7 +157,7 @@ class RuntimeConfig(BaseSettings):
         25, ge=1, description="Output frames queued per session before drops (2 s)"
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default torch's")
-    # Opus encoding (runtime/frontend/audio_codec.py; figures: python -m runtime.tools.codec_bench,
+    # Opus encoding (runtime/frontend/codecs/kyutai_audio.py; figures: python -m runtime.tools.codec_bench,
     # docs/benchmarks.md).
     opus_encoder: Literal["sphn", "pyav"] = Field(
         "sphn",
@@ -171,7 +171,7 @@ class RuntimeConfig(BaseSettings):
         description="libopus complexity of the pyav encoder: 10 (libopus' default) .. 0 (cheapest); "
         "sphn supports 10 only",
     )
-    # Access control (runtime/frontend/tokens.py, docs/protocol.md, "Access control").
+    # Access control (runtime/frontend/gate/tokens.py, docs/protocol.md, "Access control").
     auth_mode: Literal["token", "off"] = Field(
         "token",
         description="token: a session needs a signed session token; off: anyone reaching the port may "
@@ -195,7 +195,8 @@ class RuntimeConfig(BaseSettings):
         description="Browser origins allowed to open sessions (scheme://host[:port], comma-separated or "
         'JSON; "*" for any); requests without an Origin header are not affected',
     )
-    # The front end's own protections (runtime/frontend/ratelimit.py, runtime/frontend/server.py; issue 16).
+    # The front end's own protections (runtime/frontend/gate/ratelimit.py, runtime/frontend/server.py; issue
+    # 16).
     handshake_rate_per_client: float = Field(
         20.0, ge=0, description="WebSocket upgrades per second per client address (0: no limit); 429 past it"
     )
@@ -230,7 +231,8 @@ class RuntimeConfig(BaseSettings):
         description="Front-end worker processes beside the engine process (runtime/multiproc.py): 0 runs "
         "one process (model and front end together), -1 picks from the host's cores (one per core, 1..8)",
     )
-    # WebRTC media relay (runtime/frontend/turn.py; the node runs coturn with the same secret).
+    # WebRTC media relay (runtime/frontend/transports/webrtc/turn.py; the node runs coturn with the same
+    # secret).
     turn_secret: SecretStr | None = Field(
         None,
         description="coturn's static-auth-secret (>= 32 bytes): TURN credentials are minted per session from "
@@ -244,7 +246,8 @@ class RuntimeConfig(BaseSettings):
     turn_ttl_s: int = Field(
         3600, ge=60, le=86400, description="How long a session's TURN credentials are valid (s)"
     )
-    # WebRTC sessions on /api/rtc (runtime/frontend/rtc.py): when a peer that went away frees its slot.
+    # WebRTC sessions on /api/rtc (runtime/frontend/transports/webrtc/signalling.py): when a peer that went
+    # away frees its slot.
     rtc_connect_timeout_s: float = Field(
         10.0,
         gt=0,
@@ -367,7 +370,7 @@ class RuntimeConfig(BaseSettings):
     @classmethod
     def _keys_json(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            from runtime.frontend.tokens import keys_from_mapping
+            from runtime.signing_keys import keys_from_mapping
 
             try:
                 mapping = json.loads(value.get_secret_value())
@@ -379,7 +382,7 @@ class RuntimeConfig(BaseSettings):
     @field_validator("turn_secret")
     @classmethod
     def _turn_secret_length(cls, value: SecretStr | None) -> SecretStr | None:
-        from runtime.frontend.turn import MIN_SECRET_BYTES
+        from runtime.turn_urls import MIN_SECRET_BYTES
 
         if value is not None and len(value.get_secret_value().encode()) < MIN_SECRET_BYTES:
             raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes (coturn's static-auth-secret)")
@@ -395,7 +398,7 @@ class RuntimeConfig(BaseSettings):
     @field_validator("turn_urls")
     @classmethod
     def _turn_urls(cls, value: list[str]) -> list[str]:
-        from runtime.frontend.turn import check_turn_url
+        from runtime.turn_urls import check_turn_url
 
         return [check_turn_url(url) for url in value]
 
@@ -423,7 +426,7 @@ class RuntimeConfig(BaseSettings):
         Raises:
             ValueError: neither or both set, the file unreadable or a key invalid (names the variable).
         """
-        from runtime.frontend.tokens import keys_from_mapping, load_key_file
+        from runtime.signing_keys import keys_from_mapping, load_key_file
 
         if self.token_keys is not None and self.token_keys_file is not None:
             raise ValueError("set DUPLEX_TOKEN_KEYS or DUPLEX_TOKEN_KEYS_FILE, not both")

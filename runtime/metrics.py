@@ -38,7 +38,7 @@ ACCESS_REFUSAL_REASONS = (
     "origin_not_allowed",
     "replay_check_unavailable",
 )
-"""Refusals of the access check (``runtime.frontend.tokens.REFUSAL_STATUS``; a test keeps the two equal).
+"""Refusals of the access check (``runtime.frontend.gate.tokens.REFUSAL_STATUS``; a test keeps the two equal).
 Listed here
 so that metrics.py imports nothing beyond prometheus_client."""
 
@@ -233,7 +233,7 @@ class RuntimeMetrics:
             buckets=(0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0),
             registry=r,
         )
-        # Recordings (runtime/frontend/recording.py; docs/sessions-api.md, "Recording").
+        # Recordings (runtime/frontend/store/recordings.py; docs/sessions-api.md, "Recording").
         self.recordings = Counter(
             "duplex_recordings_total",
             "Recording files finished (one per side of a consenting session: caller, agent)",
@@ -296,7 +296,8 @@ class RuntimeMetrics:
         for reason in ("late_input", "input_overflow", "slow_client", "slow_worker"):
             self.frames_dropped.labels(reason=reason)
         # After the upgrade: node_full, draining, bad_request; before it, the access check's reasons
-        # (runtime/frontend/tokens.py REFUSAL_STATUS: missing, malformed, expired, ..., origin_not_allowed).
+        # (runtime/frontend/gate/tokens.py REFUSAL_STATUS: missing, malformed, expired, ...,
+        # origin_not_allowed).
         for reason in (
             "node_full",
             "waiting_room_full",
@@ -309,7 +310,8 @@ class RuntimeMetrics:
             self.admissions_refused.labels(reason=reason)
 
     def _transport_metrics(self, r: CollectorRegistry) -> None:
-        """Sessions by transport, and WebRTC's own (``/api/rtc``: runtime/frontend/rtc.py)."""
+        """Sessions by transport, and WebRTC's own (``/api/rtc``:
+        runtime/frontend/transports/webrtc/signalling.py)."""
         self.transport_sessions_started = Counter(
             "duplex_transport_sessions_started_total",
             "Sessions admitted, by transport: websocket (/api/chat) or webrtc (/api/rtc)",

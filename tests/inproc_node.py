@@ -15,8 +15,8 @@ from runtime.engine.engine_core import EngineCore, LocalSlots
 from runtime.engine.models import ModelBundle
 from runtime.frontend.engine_client import EngineClient
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.session import ChatSession
-from runtime.frontend.session_store import SessionStore
+from runtime.frontend.session.conversation import ChatSession
+from runtime.frontend.store.redis_store import SessionStore
 from runtime.frontend.worker import worker_share
 from runtime.metrics import RuntimeMetrics
 from runtime.tools.local_redis import free_loopback_port

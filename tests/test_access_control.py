@@ -41,8 +41,8 @@ from websockets.exceptions import InvalidStatus
 
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
 from runtime.engine.model_presets import FRAME_SAMPLES
+from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX, SigningKey, mint_token
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.tokens import SUBPROTOCOL_PREFIX, SigningKey, mint_token
 from runtime.tools.loadgen import run_session, session_url
 from runtime.tools.local_redis import RedisServer
 

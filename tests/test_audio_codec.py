@@ -7,7 +7,7 @@ import pytest
 import sphn
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.frontend.audio_codec import (
+from runtime.frontend.codecs.kyutai_audio import (
     OpusFrameAssembler,
     OpusFrameEncoder,
     PcmFrameAssembler,
@@ -17,7 +17,7 @@ from runtime.frontend.audio_codec import (
     ogg_crc,
     split_ogg_pages,
 )
-from runtime.frontend.protocol import AudioFormat, ProtocolError
+from runtime.frontend.codecs.protocol import AudioFormat, ProtocolError
 from runtime.tools.codec_bench import aligned_snr_db, pyav_encode_ogg, speech_frames
 
 FRAME_BYTES = 2 * FRAME_SAMPLES

@@ -45,7 +45,7 @@ from browser_fixtures import (  # noqa: F401 (fixtures)
 from infra.node.jitter_relay import JitterRelay
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
 from infra.node.services import token_audience
-from runtime.frontend.tokens import mint_token
+from runtime.frontend.gate.tokens import mint_token
 
 pytestmark = [
     pytest.mark.slow,

@@ -35,9 +35,9 @@ from websockets.exceptions import ConnectionClosed
 
 from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.engine.persona_limits import TEXT_PROMPT_LIMIT, TEXT_PROMPT_MAX_CHARS, TEXT_PROMPT_MAX_TOKENS
-from runtime.frontend.protocol import MessageKind, encode_metadata, encode_ping
+from runtime.frontend.codecs.protocol import MessageKind, encode_metadata, encode_ping
+from runtime.frontend.gate.tokens import REFUSAL_STATUS, SUBPROTOCOL_PREFIX, SigningKey
 from runtime.frontend.server import ADMISSION_REASONS, DuplexServer
-from runtime.frontend.tokens import REFUSAL_STATUS, SUBPROTOCOL_PREFIX, SigningKey
 from runtime.tools.loadgen import run_session
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -23,7 +23,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
 import runtime.frontend.server as server_module
-from runtime.frontend.protocol import MessageKind
+from runtime.frontend.codecs.protocol import MessageKind
 
 GRACE_S = 30.0
 HANG_BOUND_S = 20.0

@@ -32,8 +32,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.frontend.audio_codec import OpusFrameEncoder
-from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.codecs.kyutai_audio import OpusFrameEncoder
+from runtime.frontend.codecs.protocol import AudioFormat, MessageKind, encode_audio
 from runtime.frontend.server import DuplexServer
 from runtime.tools.loadgen import run_session
 

@@ -24,9 +24,9 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import REFUSAL_REASONS, Refusal
-from runtime.frontend.access import Access, RequestView
-from runtime.frontend.protocol import MessageKind
-from runtime.frontend.refusals import (
+from runtime.frontend.codecs.protocol import MessageKind
+from runtime.frontend.gate.access import Access, RequestView
+from runtime.frontend.gate.refusals import (
     ADMISSION_REASONS,
     DRAINING_MESSAGE,
     ENGINE_LOST_MESSAGE,
@@ -34,8 +34,8 @@ from runtime.frontend.refusals import (
     RefusalKind,
     SessionRefused,
 )
+from runtime.frontend.gate.tokens import REFUSAL_STATUS
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.tokens import REFUSAL_STATUS
 from runtime.metrics import RuntimeMetrics
 
 

@@ -24,9 +24,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the tick) imports nothing of the front end or the tools (docs/runtime.md).
     ("runtime.metrics", "runtime.ipc", "runtime.child_process", "runtime.gc_policy"),
     ("runtime.engine",),
-    # the settings read signing keys with tokens, and check TURN URLs and secrets with turn
-    ("runtime.frontend.tokens", "runtime.frontend.turn"),
+    # what the settings check without the front end: signing keys, TURN URLs and secret
+    ("runtime.signing_keys", "runtime.turn_urls"),
     ("runtime.config",),
+    # The front end, bottom first (docs/runtime.md, "Module map"): wire formats; who may enter and what is
+    # kept; the conversation; the transports; the service (HTTP routes, server, workers, engine client).
+    ("runtime.frontend.codecs",),
+    ("runtime.frontend.gate", "runtime.frontend.store"),
+    ("runtime.frontend.session",),
+    ("runtime.frontend.transports",),
     ("runtime.frontend",),
     ("runtime.multiproc",),  # the supervisor: starts the engine process and the workers
     ("runtime.tools",),
@@ -286,8 +292,10 @@ def test_an_upward_or_sideways_import_is_reported(tmp_path: Path) -> None:
 def test_the_engine_side_may_not_import_the_front_end() -> None:
     """The split the runtime's folders show: an engine module importing a front-end one is refused (as the
     persona's prompt limits once did, before they moved to ``runtime.engine.persona_limits``)."""
-    upward = Import("runtime.engine.persona", "runtime.frontend.protocol", "runtime/engine/persona.py", 1)
+    upward = Import(
+        "runtime.engine.persona", "runtime.frontend.codecs.protocol", "runtime/engine/persona.py", 1
+    )
     [problem] = layer_violations([upward])
-    assert "runtime.engine.persona imports runtime.frontend.protocol: up" in problem
-    downward = Import("runtime.frontend.protocol", "runtime.engine.persona_limits", "x.py", 1)
+    assert "runtime.engine.persona imports runtime.frontend.codecs.protocol: up" in problem
+    downward = Import("runtime.frontend.codecs.protocol", "runtime.engine.persona_limits", "x.py", 1)
     assert layer_violations([downward]) == []

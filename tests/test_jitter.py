@@ -1,4 +1,5 @@
-"""The WebRTC receive side's jitter buffer (runtime/frontend/jitter.py) on synthetic arrival patterns: a clean
+"""The WebRTC receive side's jitter buffer (runtime/frontend/transports/webrtc/jitter.py) on synthetic
+arrival patterns: a clean
 path, loss, reorder, 20 ms jitter, a delay spike, a pause, wraparound. Time is an injected clock; every
 bound is counted in packets (20 ms each)."""
 
@@ -8,7 +9,7 @@ import random
 
 import pytest
 
-from runtime.frontend.jitter import CAP_MS, JitterBuffer, Playout
+from runtime.frontend.transports.webrtc.jitter import CAP_MS, JitterBuffer, Playout
 
 STEP = 960  # 20 ms at 48 kHz
 

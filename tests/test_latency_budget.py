@@ -31,9 +31,9 @@ from runtime.engine.scheduler import SlotScheduler, SlotSession
 from runtime.engine.sim import SimEngine
 from runtime.engine.sim_timing import StepTime
 from runtime.engine.waiting_room import SlotAdmission
+from runtime.frontend.gate.query import parse_session_query
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.session import ChatSession, Transport
-from runtime.frontend.session_query import parse_session_query
+from runtime.frontend.session.conversation import ChatSession, Transport
 from runtime.metrics import RuntimeMetrics
 from runtime.tools.loadgen import (
     FIRST_AUDIO_TERMS,

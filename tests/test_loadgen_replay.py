@@ -7,8 +7,8 @@ from test_server_e2e import bundle, chat_url, running_server, speech  # noqa: F4
 
 import runtime.tools.loadgen as loadgen
 from runtime.engine.model_presets import FRAME_SAMPLES
-from runtime.frontend.audio_codec import OpusFrameAssembler
-from runtime.frontend.protocol import AudioFormat, MessageKind
+from runtime.frontend.codecs.kyutai_audio import OpusFrameAssembler
+from runtime.frontend.codecs.protocol import AudioFormat, MessageKind
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -1,12 +1,12 @@
-"""Tests that kill mutants of runtime/frontend/ratelimit.py that tests/test_ratelimit.py let survive
-(``make mutation MODULE=runtime/frontend/ratelimit.py``; docs/mutation.md). Each docstring names its
+"""Tests that kill mutants of runtime/frontend/gate/ratelimit.py that tests/test_ratelimit.py let survive
+(``make mutation MODULE=runtime/frontend/gate/ratelimit.py``; docs/mutation.md). Each docstring names its
 mutant."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.frontend.ratelimit import HandshakeLimiter, TokenBucket
+from runtime.frontend.gate.ratelimit import HandshakeLimiter, TokenBucket
 
 
 def test_a_bucket_is_full_again_after_burst_over_rate_seconds():

@@ -1,5 +1,6 @@
-"""Tests that kill mutants of runtime/frontend/replay.py that tests/test_tokens.py let survive
-(``make mutation MODULE=runtime/frontend/replay.py``; docs/mutation.md). Each docstring names its mutants."""
+"""Tests that kill mutants of runtime/frontend/gate/replay.py that tests/test_tokens.py let survive
+(``make mutation MODULE=runtime/frontend/gate/replay.py``; docs/mutation.md). Each docstring names its
+mutants."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import time
 
 import pytest
 
-from runtime.frontend.replay import MemoryReplayGuard, RedisReplayGuard
-from runtime.frontend.tokens import TokenClaims, TokenRejected
+from runtime.frontend.gate.replay import MemoryReplayGuard, RedisReplayGuard
+from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 
 
 def claims(token_id: str, expires_at: float = 60.0) -> TokenClaims:

@@ -1,5 +1,6 @@
-"""Tests that kill mutants of runtime/frontend/tokens.py that tests/test_tokens.py let survive
-(``make mutation MODULE=runtime/frontend/tokens.py``; docs/mutation.md). Each docstring names its mutants.
+"""Tests that kill mutants of runtime/frontend/gate/tokens.py that tests/test_tokens.py let survive
+(``make mutation MODULE=runtime/frontend/gate/tokens.py``; docs/mutation.md). Each docstring names its
+mutants.
 
 Several pin the exact refusal and error texts: they are what a caller or an operator reads (the 401/403
 body, ``duplex token`` and the runtime's start-up errors)."""
@@ -16,7 +17,7 @@ from typing import Any
 import jwt
 import pytest
 
-from runtime.frontend.tokens import (
+from runtime.frontend.gate.tokens import (
     MAX_TTL_S,
     REFUSAL_STATUS,
     SigningKey,

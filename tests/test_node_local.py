@@ -225,7 +225,7 @@ def test_client_vanishing_mid_session_frees_its_slot(tmp_path: Path, speech: lis
         async def vanish() -> None:
             from websockets.asyncio.client import connect
 
-            from runtime.frontend.protocol import encode_audio
+            from runtime.frontend.codecs.protocol import encode_audio
 
             ws = await connect(
                 session_url(node.wss_url, token=node.mint_token()), ssl=context, compression=None

@@ -33,9 +33,9 @@ from test_server_e2e import (  # noqa: F401 (fixtures)
 from infra.node.local import free_port_profile
 from infra.node.nginx import NGINX_CONF, RTC_OFFER_MAX_BYTES, render_nginx
 from infra.node.profile import PROFILES
-from runtime.frontend import rtc
+from runtime.frontend.gate.query import RESUME_HEADER, RESUME_SUBPROTOCOL_PREFIX
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.session_query import RESUME_HEADER, RESUME_SUBPROTOCOL_PREFIX
+from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.tools.cli import app as runtime_app
 from runtime.tools.loadgen_rtc import fetch_ice_servers
 from runtime.tools.rtc_client import RtcCall, encode_packets

@@ -90,7 +90,7 @@ def test_node_up_prints_the_page_and_a_one_conversation_link(tmp_path: Path) -> 
     from infra.node import cli
     from infra.node.local import LocalNode, free_port_profile
     from infra.node.services import token_audience
-    from runtime.frontend.tokens import TokenVerifier
+    from runtime.frontend.gate.tokens import TokenVerifier
 
     node = LocalNode(tmp_path / "node", free_port_profile())
     recorded = Console(record=True, width=4000)

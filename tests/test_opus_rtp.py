@@ -1,4 +1,5 @@
-"""libopus through ctypes for WebRTC (runtime/frontend/opus_rtp.py): mono 20 ms packets out, 24 kHz in, loss
+"""libopus through ctypes for WebRTC (runtime/frontend/codecs/opus_rtp.py): mono 20 ms packets out, 24 kHz
+in, loss
 concealment for a missing packet, clear errors for bad input."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.frontend.opus_rtp import PACKET_SAMPLES, OpusDecoder, OpusEncoder, OpusError
+from runtime.frontend.codecs.opus_rtp import PACKET_SAMPLES, OpusDecoder, OpusEncoder, OpusError
 
 
 def tone(frames: int, hz: float = 440.0) -> np.ndarray:

@@ -33,8 +33,8 @@ from test_server_e2e import (  # noqa: F401 (speech: fixture)
 from websockets.asyncio.client import connect
 
 from infra.node.bringup import runtime_health_problem
-from runtime.frontend.protocol import encode_metadata
-from runtime.frontend.tokens import generate_signing_key, mint_token
+from runtime.frontend.codecs.protocol import encode_metadata
+from runtime.frontend.gate.tokens import generate_signing_key, mint_token
 from runtime.tools.loadgen import run_session, session_url
 from runtime.tools.local_redis import free_loopback_port
 

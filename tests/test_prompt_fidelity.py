@@ -29,8 +29,8 @@ from runtime.engine.persona import (
 )
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.voices import EmbeddingsVoice
-from runtime.frontend.protocol import ProtocolError
-from runtime.frontend.session_query import parse_session_query
+from runtime.frontend.codecs.protocol import ProtocolError
+from runtime.frontend.gate.query import parse_session_query
 
 SINE = [430, 1268, 381, 1611, 1095, 1495, 56, 472]  # NVIDIA lm.py SINE_TOKENS
 SILENCE = [948, 243, 1178, 546, 1736, 1030, 1978, 2008]  # NVIDIA lm.py SILENCE_TOKENS

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.engine.persona_limits import TEXT_PROMPT_LIMIT, TEXT_PROMPT_MAX_CHARS
-from runtime.frontend.audio_codec import OpusFrameAssembler, PcmFrameAssembler
-from runtime.frontend.protocol import (
+from runtime.frontend.codecs.kyutai_audio import OpusFrameAssembler, PcmFrameAssembler
+from runtime.frontend.codecs.protocol import (
     MAX_ERROR_MESSAGE_BYTES,
     PROTOCOL_ERROR_REASONS,
     AudioFormat,
@@ -35,7 +35,7 @@ from runtime.frontend.protocol import (
     encode_text,
     parse_client_message,
 )
-from runtime.frontend.session_query import (
+from runtime.frontend.gate.query import (
     MAX_QUERY_PARAMS,
     SessionRequest,
     parse_prompt_metadata,

@@ -1,10 +1,10 @@
-"""The handshake rate limiter's arithmetic (runtime/frontend/ratelimit.py), on an injected clock."""
+"""The handshake rate limiter's arithmetic (runtime/frontend/gate/ratelimit.py), on an injected clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from runtime.frontend.ratelimit import HandshakeLimiter, TokenBucket
+from runtime.frontend.gate.ratelimit import HandshakeLimiter, TokenBucket
 
 
 def test_token_bucket_refills_at_its_rate():

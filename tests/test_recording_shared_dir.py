@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime.frontend.protocol import AudioFormat
-from runtime.frontend.recording import LocalRecordings, SessionRecorder
+from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.frontend.store.recordings import LocalRecordings, SessionRecorder
 from runtime.metrics import RuntimeMetrics
 from runtime.tools.loadgen import encode_messages
 

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from runtime.frontend.app_tokens import SCOPE_ERASE, SCOPE_READ, mint_app_token, verify_app_token
-from runtime.frontend.audio_codec import split_ogg_pages
-from runtime.frontend.protocol import AudioFormat
-from runtime.frontend.recording import LocalRecordings, OggRenumberer, SessionRecorder
-from runtime.frontend.tokens import SigningKey, TokenRejected, TokenVerifier, mint_token
+from runtime.frontend.codecs.kyutai_audio import split_ogg_pages
+from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.frontend.gate.app_tokens import SCOPE_ERASE, SCOPE_READ, mint_app_token, verify_app_token
+from runtime.frontend.gate.tokens import SigningKey, TokenRejected, TokenVerifier, mint_token
+from runtime.frontend.store.recordings import LocalRecordings, OggRenumberer, SessionRecorder
 from runtime.metrics import RuntimeMetrics
 from runtime.tools.cli import app as cli_app
 from runtime.tools.loadgen import encode_messages

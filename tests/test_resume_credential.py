@@ -30,8 +30,8 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
 )
 
 from runtime.engine.resume import credential_session
-from runtime.frontend.protocol import ProtocolError
-from runtime.frontend.session_query import RESUME_HEADER, RESUME_SUBPROTOCOL_PREFIX, ResumePresented
+from runtime.frontend.codecs.protocol import ProtocolError
+from runtime.frontend.gate.query import RESUME_HEADER, RESUME_SUBPROTOCOL_PREFIX, ResumePresented
 
 WEB = Path(__file__).resolve().parents[1] / "infra" / "node" / "web"
 SID = "0123456789abcdef0123456789abcdef"

@@ -234,8 +234,8 @@ def test_resume_off_issues_nothing() -> None:
 
 
 def test_the_query_asks_for_resume_and_refuses_bad_values() -> None:
-    from runtime.frontend.protocol import ProtocolError
-    from runtime.frontend.session_query import parse_session_query
+    from runtime.frontend.codecs.protocol import ProtocolError
+    from runtime.frontend.gate.query import parse_session_query
 
     assert parse_session_query("resumable=1").resumable is True
     assert parse_session_query("resumable=FALSE").resumable is False

@@ -34,9 +34,9 @@ from test_server_e2e import (  # noqa: F401  (fixtures)
     wait_until,
 )
 
-from runtime.frontend import rtc
-from runtime.frontend.protocol import encode_metadata, encode_ping
+from runtime.frontend.codecs.protocol import encode_metadata, encode_ping
 from runtime.frontend.server import DuplexServer
+from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.tools.rtc_client import RtcCall, encode_packets
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -346,7 +346,7 @@ async def _never(*_: object) -> None:
 
 
 async def test_link_headers_quote_their_values() -> None:
-    from runtime.frontend.turn import IceServer
+    from runtime.frontend.transports.webrtc.turn import IceServer
 
     links = rtc.link_headers([IceServer(("turn:a:3478",), 'u"x', "p\\w")])
     assert links == [
@@ -372,7 +372,7 @@ async def test_closing_the_server_ends_its_live_calls(bundle, http, packets) -> 
 async def test_the_load_generator_drives_webrtc_sessions_over_several_processes(node, speech, caplog) -> None:  # noqa: F811
     from runtime.tools.loadgen_rtc import run_rtc_load
 
-    caplog.set_level(logging.INFO, logger="runtime.frontend.rtc_session")
+    caplog.set_level(logging.INFO, logger="runtime.frontend.transports.webrtc.peer")
     clip = speech[1][: 24_000 * 2]
     report = await run_rtc_load(
         f"ws://127.0.0.1:{node.port}", [clip], sessions=2, processes=2, token=token, max_duration_s=WAIT_S * 2

@@ -19,8 +19,8 @@ from fake_backend import FakeBackend
 from udp_impair import ImpairedRelay, route_through
 
 from runtime.config import RuntimeConfig
-from runtime.frontend import rtc
 from runtime.frontend.server import DuplexServer
+from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.tools.rtc_client import RtcCall, encode_packets
 
 WAIT_S = 30.0

@@ -1,4 +1,5 @@
-"""The WebRTC media path's own delays (runtime/frontend/rtc_media.py), on an injected clock: an outbound
+"""The WebRTC media path's own delays (runtime/frontend/transports/webrtc/media.py), on an injected clock: an
+outbound
 frame's first packet goes at once (one encode, no wait) and the rest 20 ms apart; an in-order inbound packet
 is handed to the session within the RTP hook's own call (no event-loop turn, no jitter-buffer wait); and
 the first-audio trace stamps the first packet, the first one taken and the one completing the first frame.
@@ -17,8 +18,13 @@ import numpy as np
 import pytest
 from fake_clock import FakeClock
 
-from runtime.frontend.opus_rtp import OpusDecoder, OpusEncoder
-from runtime.frontend.rtc_media import OUTBOUND_QUEUE_PACKETS, FirstAudioTrace, OpusPacketTrack, RtpInbound
+from runtime.frontend.codecs.opus_rtp import OpusDecoder, OpusEncoder
+from runtime.frontend.transports.webrtc.media import (
+    OUTBOUND_QUEUE_PACKETS,
+    FirstAudioTrace,
+    OpusPacketTrack,
+    RtpInbound,
+)
 from runtime.metrics import RuntimeMetrics
 from runtime.tools import rtc_trace
 from runtime.tools.loadgen_rtc import RtcSessionResult, _first_audio
@@ -202,9 +208,8 @@ def test_the_trace_joins_the_nodes_log_and_the_clients_report_into_contiguous_te
     row = {"session_id": "abc", "stamps": client, "first_audio_ms": (100.204 - 100.0625) * 1e3}
     log = tmp_path / "runtime.log"
     log.write_text(
-        "2026-11-27 00:48:59,788 INFO worker-1 runtime.frontend.rtc_session: WebRTC session abc first audio: "
-        + json.dumps(node)
-        + "\nunrelated line\n"
+        "2026-11-27 00:48:59,788 INFO worker-1 runtime.frontend.transports.webrtc.peer: "
+        "WebRTC session abc first audio: " + json.dumps(node) + "\nunrelated line\n"
     )
     report = tmp_path / "run.json"
     report.write_text("progress text\n" + json.dumps({"webrtc": {"sessions": [row, {"session_id": "gone"}]}}))

@@ -64,11 +64,11 @@ from runtime.config import RuntimeConfig
 from runtime.engine.engine_core import LocalSlots
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
 from runtime.engine.models import ModelBundle, build_tiny
-from runtime.frontend.audio_codec import make_codec
-from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.codecs.kyutai_audio import make_codec
+from runtime.frontend.codecs.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.session_store import SessionStore
-from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
+from runtime.frontend.store.redis_store import SessionStore
 from runtime.metrics import RuntimeMetrics
 from runtime.tools.loadgen import SessionResult, run_session, session_url, synthesize_speech
 from runtime.tools.local_redis import free_loopback_port

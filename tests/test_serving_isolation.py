@@ -33,7 +33,7 @@ from runtime.engine.scheduler import SlotScheduler, SlotSession
 from runtime.engine.sim import SimEngine
 from runtime.engine.sim_timing import StepTime
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.session import ChatSession
+from runtime.frontend.session.conversation import ChatSession
 from runtime.metrics import RuntimeMetrics
 
 SLOTS = 4

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
-from runtime.frontend.session_records import segments
-from runtime.frontend.session_store import SessionRecord, SessionStore
+from runtime.frontend.store.records import segments
+from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
 pytestmark = pytest.mark.timeout(120)
 

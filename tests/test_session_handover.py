@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import redis.asyncio as redis
 
-from runtime.frontend.session_store import SessionRecord, SessionStore
+from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
-from runtime.frontend.session_store import SessionRecord, SessionStore
+from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,7 +149,7 @@ async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
     assert await raw.ttl("duplex:node:node-a:writer") > 0
     assert await raw.type(tkey) == "string"
     assert await raw.type(hkey) == "hash"
-    # The timestamped transcript (runtime/frontend/session_events.py): one JSON line per piece, same TTL.
+    # The timestamped transcript (runtime/frontend/store/events.py): one JSON line per piece, same TTL.
     lkey = f"duplex:lines:{rec.session_id}"
     lines = [json.loads(line) for line in (await raw.get(lkey)).splitlines()]
     assert [line["text"] for line in lines] == ["Hello", ", ", "world", "!"]

@@ -34,10 +34,10 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
     wait_until,
 )
 
-from runtime.frontend.app_tokens import SCOPE_READ, mint_app_token
-from runtime.frontend.protocol import AudioFormat
+from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.frontend.gate.app_tokens import SCOPE_READ, mint_app_token
+from runtime.frontend.gate.tokens import SigningKey, mint_token
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.tokens import SigningKey, mint_token
 from runtime.tools.loadgen import run_session
 from runtime.tools.local_redis import RedisServer
 

@@ -14,7 +14,7 @@ from runtime.engine.model_presets import FRAME_SAMPLES, PRESETS
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.sim import SimEngine
 from runtime.engine.sim_timing import StepTime, parse_step_time
-from runtime.frontend.protocol import AudioFormat
+from runtime.frontend.codecs.protocol import AudioFormat
 from runtime.tools.loadgen import run_session
 
 

@@ -354,7 +354,8 @@ def test_secret_manager_holds_the_node_secrets(runs: dict[str, StackRun], stack:
     ]
     assert payloads["secrets-redis-password-version"] == redis_pw
     assert payloads["secrets-redis-auth-conf-version"] == f"requirepass {redis_pw}\n"
-    # The runtime and coturn share the TURN secret (runtime/frontend/turn.py, infra.node.coturn).
+    # The runtime and coturn share the TURN secret (runtime/frontend/transports/webrtc/turn.py,
+    # infra.node.coturn).
     turn = pulumi_harness._mock_password("secrets-turn-secret")
     assert payloads["secrets-runtime-env-version"] == (
         f"DUPLEX_REDIS_URL=redis://:{redis_pw}@redis:6379/0\nDUPLEX_TURN_SECRET={turn}\n"

@@ -26,9 +26,9 @@ from infra.node.profile import PROFILES
 from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, token_audience
 from runtime.config import RuntimeConfig
 from runtime.engine.api import AdmitRequest, SessionSink, SlotLease
-from runtime.frontend.protocol import MessageKind
-from runtime.frontend.replay import MemoryReplayGuard, RedisReplayGuard
-from runtime.frontend.tokens import (
+from runtime.frontend.codecs.protocol import MessageKind
+from runtime.frontend.gate.replay import MemoryReplayGuard, RedisReplayGuard
+from runtime.frontend.gate.tokens import (
     REFUSAL_STATUS,
     SigningKey,
     TokenClaims,
@@ -219,7 +219,7 @@ async def test_seen_reports_a_spent_id_without_spending_one() -> None:
 
 
 async def test_redis_seen_reads_only_and_fails_like_spend(redis_server) -> None:
-    from runtime.frontend.replay import RedisReplayGuard
+    from runtime.frontend.gate.replay import RedisReplayGuard
 
     claims = verifier().verify(
         mint_token(KEY, ttl_s=60, personas=["*"], audience=AUDIENCE, token_id="r-peek")

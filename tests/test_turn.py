@@ -1,4 +1,5 @@
-"""TURN REST credentials (runtime/frontend/turn.py) and the runtime's TURN settings (runtime/config.py)."""
+"""TURN REST credentials (runtime/frontend/transports/webrtc/turn.py) and the runtime's TURN settings
+(runtime/config.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import pytest
 from pydantic import ValidationError
 
 from runtime.config import RuntimeConfig
-from runtime.frontend.turn import IceServer, check_turn_url, ice_servers, mint_turn_credentials
+from runtime.frontend.transports.webrtc.turn import (
+    IceServer,
+    check_turn_url,
+    ice_servers,
+    mint_turn_credentials,
+)
 
 SECRET = b"s" * 32
 

@@ -30,8 +30,8 @@ from runtime.engine.models import ModelBundle, build_tiny
 from runtime.engine.persona_limits import VOICE_PROMPT_RE
 from runtime.engine.voices import CodesVoice, EmbeddingsVoice, VoiceCatalog, voices_source
 from runtime.frontend.engine_client import EngineClient
-from runtime.frontend.session_query import parse_session_query
-from runtime.frontend.tokens import TokenClaims
+from runtime.frontend.gate.query import parse_session_query
+from runtime.frontend.gate.tokens import TokenClaims
 from runtime.tools.loadgen import run_session
 
 NVIDIA_VOICES = [f"NATF{i}" for i in range(4)] + [f"NATM{i}" for i in range(4)]

@@ -10,7 +10,7 @@ ephemeral volumes"):
   files, as ``LocalRecordings`` makes its folder 0700 on a node's disk.
 - ``metadata-cache:negative-ttl-secs:0``: a name looked up before it existed (a recording another pod had
   not finished, an erase marker) is looked up again next time, not answered "missing" from a cache: the
-  download and the erase marker (``runtime.frontend.recording``) see another pod's files at once.
+  download and the erase marker (``runtime.frontend.store.recordings``) see another pod's files at once.
 - ``metadata-cache:ttl-secs:60`` (gcsfuse's default, written down): positive entries may live a minute, so
   the sweep's ``stat`` of each file is answered from the listing it just made instead of one request per
   object. A file another pod deleted may look present here for that minute: reading it fails, and an

@@ -41,7 +41,7 @@ from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
 from infra.node.resume_check import ResumeCheck, check_resume
 from infra.node.services import token_audience
-from runtime.frontend.app_tokens import mint_app_token
+from runtime.frontend.gate.app_tokens import mint_app_token
 from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
 from runtime.tools.loadgen_rtc import RtcLoadReport, run_rtc_load
 

@@ -1,7 +1,7 @@
 """coturn's ``turnserver.conf`` for a node, rendered from its profile and the TURN secret.
 
 The file holds coturn's ``static-auth-secret`` (the same secret the runtime mints TURN credentials with,
-``DUPLEX_TURN_SECRET``; ``runtime/frontend/turn.py``), so it is a secret file of the node
+``DUPLEX_TURN_SECRET``; ``runtime/frontend/transports/webrtc/turn.py``), so it is a secret file of the node
 (``infra.node.services.SECRET_FILES["turnserver_conf"]``), never part of the public bundle. What it sets,
 and why (coturn 4.6 option names; README.turnserver of the Debian package ``coturn`` 4.6.1):
 
@@ -98,7 +98,7 @@ def render_turnserver_conf(
         f"# Rendered by infra.node.coturn for node profile {profile.name!r}. Do not edit: re-render.",
         "# Secret file: it holds the TURN REST shared secret (static-auth-secret).",
         "",
-        "# Authentication: TURN REST credentials minted per session (runtime/frontend/turn.py).",
+        "# Authentication: TURN REST credentials minted per session (runtime/frontend/transports/webrtc).",
         "fingerprint",
         "use-auth-secret",
         f"static-auth-secret={secret}",

@@ -24,7 +24,7 @@ __all__ = ["ANSWER_GOAL_S", "JITTER_CAP_S", "PACKET_S", "turn_row", "webrtc_row"
 PACKET_S = 0.02
 """One inbound RTP packet's audio: 20 ms of Opus."""
 JITTER_CAP_S = 0.12
-"""The jitter buffer's hard cap (``runtime/frontend/jitter.py``): 6 packets, 120 ms."""
+"""The jitter buffer's hard cap (``runtime/frontend/transports/webrtc/jitter.py``): 6 packets, 120 ms."""
 ANSWER_GOAL_S = 0.05
 """Issue 22's goal for POST to answer: at most 50 ms."""
 

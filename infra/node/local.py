@@ -58,7 +58,7 @@ from infra.node.redis_conf import REDIS_CONF
 from infra.node.relay import relay_port_range
 from infra.node.services import SECRET_FILES, NodeSecrets, endpoint, runtime_settings, token_audience
 from infra.node.tls import write_self_signed_certificate
-from runtime.frontend.tokens import mint_token
+from runtime.frontend.gate.tokens import mint_token
 
 __all__ = [
     "REQUIRED_BINARIES",

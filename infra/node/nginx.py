@@ -273,7 +273,8 @@ http {{
             proxy_buffering off;
         }}
 
-        # WebRTC signalling (runtime/frontend/rtc.py; docs/protocol.md, "WebRTC"): one POST of the SDP offer
+        # WebRTC signalling (runtime/frontend/transports/webrtc/signalling.py; docs/protocol.md, "WebRTC"):
+        # one POST of the SDP offer
         # per session, capped at the runtime's limit (its own 413, the same sentence), rate-limited as
         # handshakes are. The media never passes here: UDP through the node's TURN relay (coturn). The
         # connection caps hold only while the POST is open (a waiting room's wait included): the runtime caps

@@ -1,4 +1,4 @@
-"""Redis for one node: session registry and transcripts (``runtime/frontend/session_store.py``).
+"""Redis for one node: session registry and transcripts (``runtime/frontend/store/redis_store.py``).
 
 ``render_redis(profile)`` gives ``redis/redis.conf``: bound to the private side only, password required
 (``requirepass`` comes from ``secrets/redis-auth.conf`` through ``include``, so the rendered file holds no

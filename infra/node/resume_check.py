@@ -32,10 +32,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.frontend.audio_codec import make_codec
-from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
-from runtime.frontend.session_query import RESUME_HEADER
-from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
+from runtime.frontend.codecs.kyutai_audio import make_codec
+from runtime.frontend.codecs.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.gate.query import RESUME_HEADER
+from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX
 from runtime.tools.loadgen import session_url
 
 __all__ = ["ResumeCheck", "check_resume"]
@@ -192,7 +192,7 @@ async def check_resume(
         wss_url, https_url: the node's public ``wss://`` and ``https://`` bases (nginx).
         speech: what the caller says (float32, 24 kHz, ``[T]``, at least a few seconds; looped).
         token: a fresh session token (single-use); app_token: an application token with
-            ``sessions:read`` (``runtime.frontend.app_tokens.mint_app_token``).
+            ``sessions:read`` (``runtime.frontend.gate.app_tokens.mint_app_token``).
         ssl_context: trusts the node's certificate.
         timeout_s: hang guard for each wait (s); a wait that runs out is a problem, never an exception.
 

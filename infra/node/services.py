@@ -22,7 +22,7 @@ from typing import Literal, get_args
 from infra.node.coturn import render_turnserver_conf
 from infra.node.profile import NodeProfile
 from infra.node.relay import turn_urls
-from runtime.frontend.tokens import SigningKey, generate_signing_key
+from runtime.frontend.gate.tokens import SigningKey, generate_signing_key
 
 __all__ = [
     "SECRETS_DIR",
@@ -84,7 +84,7 @@ SECRET_FILES = {
 ``include``; ``DUPLEX_REDIS_URL`` for the runtime; ``REDIS_PASSWORD`` for redis_exporter; Grafana's admin
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
 ``{"kid": "secret", ...}``, which the runtime reads (``DUPLEX_TOKEN_KEYS_FILE``) and the application
-backend mints with (``duplex token mint --key-file``, ``runtime.frontend.tokens.mint_token``); coturn's
+backend mints with (``duplex token mint --key-file``, ``runtime.frontend.gate.tokens.mint_token``); coturn's
 whole configuration (``infra.node.coturn``), which holds the TURN secret the runtime also gets in
 ``runtime.env`` (``DUPLEX_TURN_SECRET``), or a comment where the relay is off."""
 
@@ -233,7 +233,7 @@ class NodeSecrets:
                 )
 
     def signing_keys(self) -> list[SigningKey]:
-        """``token_keys`` as ``runtime.frontend.tokens.SigningKey`` objects (the first is the one to mint
+        """``token_keys`` as ``runtime.frontend.gate.tokens.SigningKey`` objects (the first is the one to mint
         with)."""
         return [SigningKey(kid, secret) for kid, secret in self.token_keys.items()]
 

@@ -88,7 +88,7 @@ def labels(config: StackConfig) -> dict[str, str]:
 
 def mint_command(profile: NodeProfile) -> str:
     """How an operator mints a session token for this node, from the keys the ``tokenKeys`` output reads
-    (saved as ``token_keys.json``); application backends call ``runtime.frontend.tokens.mint_token``
+    (saved as ``token_keys.json``); application backends call ``runtime.frontend.gate.tokens.mint_token``
     instead."""
     return (
         "duplex token mint --key-file token_keys.json --kid <kid in the file> "

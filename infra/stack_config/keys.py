@@ -59,7 +59,7 @@ from infra.stack_config.values import (
     secret_matching,
 )
 from runtime.engine.model_presets import get_preset
-from runtime.frontend.tokens import keys_from_mapping
+from runtime.frontend.gate.tokens import keys_from_mapping
 
 __all__ = [
     "KEYS_OF",
@@ -119,7 +119,7 @@ _SSH_KEY_ALLOWED = (
 TURN_SECRET_PATTERN = r"^[A-Za-z0-9_-]{32,256}$"
 """``turnSecret``'s form: what ``infra.node.services.NodeSecrets`` and ``infra.node.coturn`` accept (coturn's
 ``static-auth-secret`` and the runtime's env file take it unquoted) and at least the runtime's 32 bytes
-(``runtime.frontend.turn.MIN_SECRET_BYTES``)."""
+(``runtime.frontend.transports.webrtc.turn.MIN_SECRET_BYTES``)."""
 _TURN_SECRET_ALLOWED = (
     "32 to 256 letters, digits, '_' or '-' (e.g. `python3 -c 'import secrets; "
     "print(secrets.token_urlsafe(32))'`), set with `pulumi config set --secret turnSecret ...`; or leave it "

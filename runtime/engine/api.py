@@ -110,7 +110,7 @@ REFUSAL_REASONS: tuple[str, ...] = (
     "resume_live",
 )
 """Every reason a backend refuses an admission with (the front end's refusal table maps each to an HTTP
-status, a close code and a message: ``runtime.frontend.refusals``)."""
+status, a close code and a message: ``runtime.frontend.gate.refusals``)."""
 
 
 RESUME_REFUSAL_REASONS: tuple[str, ...] = tuple(r for r in REFUSAL_REASONS if r.startswith("resume_"))

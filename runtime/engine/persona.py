@@ -40,7 +40,7 @@ NVIDIA_CACHE_COLUMNS = 4
 """Columns of the token cache in NVIDIA's ``LMGen`` (``max_delay + 3``); moshi 0.2.13 keeps
 ``max_delay + 2`` = 3."""
 MAX_TEXT_PROMPT_TOKENS = TEXT_PROMPT_MAX_TOKENS
-"""The limit stated once in ``runtime.frontend.protocol`` (``TEXT_PROMPT_LIMIT``): tokens, wrapper
+"""The limit stated once in ``runtime.frontend.codecs.protocol`` (``TEXT_PROMPT_LIMIT``): tokens, wrapper
 included."""
 
 

@@ -79,7 +79,7 @@ this long (s) is taken for lost (a TCP connection that died silently: the WebSoc
 only after 20-30 s; a WebRTC path: after ``rtc_media_timeout_s``). A connected caller sends a frame every
 80 ms (Kyutai's protocol: 1920 samples at 24 kHz; WebRTC: 20 ms Opus packets, silence included), so this is
 6 missed frames; a dropped WebRTC path still yields frames for up to ~0.3 s (the jitter buffer's 120 ms of
-concealment, ``runtime.frontend.jitter.CAP_MS``, and a frame's assembly)."""
+concealment, ``runtime.frontend.transports.webrtc.jitter.CAP_MS``, and a frame's assembly)."""
 PROBE_S = 2.0
 """The longest a resume probes a still-attached owner (s): still sending by then, it is live and the resume
 is refused ``resume_live``. A silent drop adds at most :data:`SILENCE_S` after the owner's last frame to a
@@ -111,7 +111,7 @@ class SinkRoute(SessionSink):
         self.transcript: list[tuple[float, str]] = []
         """The text pieces delivered so far, each with when it was delivered (unix s): kept for resumable
         sessions only (``keep_text``); the store of the front end that resumes the session rewrites the
-        transcript from it (``runtime.frontend.session_store.SessionStore.adopt_session``)."""
+        transcript from it (``runtime.frontend.store.redis_store.SessionStore.adopt_session``)."""
         self.keep_text = False
 
     def on_output(self, pcm: np.ndarray | None, piece: str | None) -> None:

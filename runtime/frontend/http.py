@@ -3,15 +3,17 @@ aiohttp (``build_app``; the loading phase's ``build_loading_app``).
 
 Every route answers GET only but the sessions API's items (GET and DELETE:
 ``runtime.frontend.sessions_api``) and WebRTC's (``/api/rtc``: POST an offer; its sessions' resources under
-``/api/rtc/``: DELETE; ``runtime.frontend.rtc``), 405 with ``Allow`` otherwise (RFC 9110 15.5.6); an unknown
+``/api/rtc/``: DELETE; ``runtime.frontend.transports.webrtc.signalling``), 405 with ``Allow`` otherwise (RFC
+9110 15.5.6); an unknown
 path gets 404
 naming the routes. While the model loads (the pre-load server of ``--workers 0``, or a worker whose
 engine has not answered yet) each route gives its ``loading`` answer: ``/healthz`` 200 ``loading``,
 ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``, ``/metrics`` the registry (with
 ``duplex_loading 1``), ``/api/admission`` ``not_ready``, everything else (``/api/chat`` included: no upgrade)
 503 ``LOADING_MESSAGE``. Serving: ``/api/chat`` passes the handshake rate limits and the access check
-(``runtime.frontend.access``) before the upgrade, refusals as plain HTTP statuses; ``/api/admission`` makes
-the same checks and the session's, without spending anything (``runtime.frontend.refusals.Admission``).
+(``runtime.frontend.gate.access``) before the upgrade, refusals as plain HTTP statuses; ``/api/admission``
+makes
+the same checks and the session's, without spending anything (``runtime.frontend.gate.refusals.Admission``).
 Why aiohttp and not websockets' ``process_request``: docs/runtime.md, "The HTTP layer".
 """
 
@@ -30,14 +32,15 @@ from runtime.engine.persona_limits import (
     TEXT_PROMPT_MAX_TOKENS,
     VOICE_PROMPT_MAX_CHARS,
 )
-from runtime.frontend import rtc, ws
-from runtime.frontend.access import RequestView, bearer_token, session_token
-from runtime.frontend.ratelimit import RateLimited
-from runtime.frontend.refusals import LOADING_MESSAGE, Admission, SessionRefused
-from runtime.frontend.session import FrontEnd, plan_session
-from runtime.frontend.session_query import RESUME_HEADER, ResumePresented
+from runtime.frontend.gate.access import RequestView, bearer_token, session_token
+from runtime.frontend.gate.query import RESUME_HEADER, ResumePresented
+from runtime.frontend.gate.ratelimit import RateLimited
+from runtime.frontend.gate.refusals import LOADING_MESSAGE, Admission, SessionRefused
+from runtime.frontend.gate.tokens import TokenRejected
+from runtime.frontend.session.conversation import FrontEnd, plan_session
 from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
-from runtime.frontend.tokens import TokenRejected
+from runtime.frontend.transports import websocket as ws
+from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE
 
 __all__ = [
@@ -207,7 +210,7 @@ async def _rtc_checked(front: FrontEnd, request: web.Request) -> web.StreamRespo
     access check with the token as ``Authorization: Bearer`` (``?token=`` too), as ``/api/chat``'s upgrade
     (a resume, ``POST /api/rtc`` with ``Duplex-Resume-Credential: <credential>``, or the deprecated
     ``?resume=``: the origin only, no token: the single-use credential is the right to the session, as on
-    ``/api/chat``); then ``runtime.frontend.rtc``."""
+    ``/api/chat``); then ``runtime.frontend.transports.webrtc.signalling``."""
     view = request_view(request)
     presented = resume_presented(view, subprotocols=False)
     limited = front.access.rate_limited(view)

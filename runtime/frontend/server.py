@@ -4,9 +4,11 @@ for ``duplex serve --workers 0`` (the model in this process, ``runtime.engine.en
 a tensor.
 
 By role: the HTTP routes (``runtime.frontend.http``: one table for the loading and serving phases), access
-(``runtime.frontend.access``: trusted proxies, rate limits, origin, token), the transport-neutral session
-(``runtime.frontend.session``), the refusal table (``runtime.frontend.refusals``) and Kyutai's WebSocket
-protocol as one transport (``runtime.frontend.ws``). This module holds the lifecycle: start, drain (SIGTERM:
+(``runtime.frontend.gate.access``: trusted proxies, rate limits, origin, token), the transport-neutral session
+(``runtime.frontend.session.conversation``), the refusal table (``runtime.frontend.gate.refusals``) and
+Kyutai's WebSocket
+protocol as one transport (``runtime.frontend.transports.websocket``). This module holds the lifecycle:
+start, drain (SIGTERM:
 ``/readyz`` 503, new sessions refused, running ones closed with 1001 after the grace period), a GCE host
 maintenance notice (``runtime.frontend.maintenance``: the first two, undone when the notice clears), the
 backend's loss (sessions closed with 1011, ``/healthz`` 500), readiness and the ``/metrics`` cache.
@@ -29,11 +31,9 @@ from aiohttp.web_response import StreamResponse
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import SlotBackend
-from runtime.frontend import http, rtc
-from runtime.frontend.access import Access
-from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
-from runtime.frontend.recording import LocalRecordings, RecordingStore
-from runtime.frontend.refusals import (
+from runtime.frontend import http
+from runtime.frontend.gate.access import Access
+from runtime.frontend.gate.refusals import (
     ADMISSION_REASONS,
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -42,9 +42,12 @@ from runtime.frontend.refusals import (
     LOADING_MESSAGE,
     Admission,
 )
-from runtime.frontend.session import ChatSession
-from runtime.frontend.session_records import SessionRecords
-from runtime.frontend.session_store import SessionStore
+from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
+from runtime.frontend.session.conversation import ChatSession
+from runtime.frontend.store.recordings import LocalRecordings, RecordingStore
+from runtime.frontend.store.records import SessionRecords
+from runtime.frontend.store.redis_store import SessionStore
+from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.metrics import RuntimeMetrics
 
 __all__ = [

@@ -8,12 +8,13 @@ recording and erases it, on the node's port (``runtime.frontend.http`` routes ``
   while the session is live;
 - ``DELETE /api/sessions/<id>`` (``sessions:erase``): 204, 404, 409 while the session is live.
 
-Every request carries an application token (``runtime.frontend.app_tokens``) as ``Authorization: Bearer``:
+Every request carries an application token (``runtime.frontend.gate.app_tokens``) as ``Authorization:
+Bearer``:
 none or an invalid one 401, a session token or a missing scope 403. ``<id>`` is 32 lowercase hex digits;
 anything else (``..``, ``/``, percent-encoded tricks) gets 400 naming the rule, before any lookup. Erase is
 not repeatable: the second ``DELETE`` of a session gets 404, as an unknown or expired one does (404 after a
 retried ``DELETE`` means nothing of the session is held: the erase is done). A live session cannot be erased
-(409: end it first). Bodies: ``runtime.frontend.session_records``; the API: docs/sessions-api.md.
+(409: end it first). Bodies: ``runtime.frontend.store.records``; the API: docs/sessions-api.md.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from typing import Any
 import redis.exceptions
 from aiohttp import web
 
-from runtime.frontend.access import RequestView, bearer_token
-from runtime.frontend.app_tokens import SCOPE_ERASE, SCOPE_READ, verify_app_token
-from runtime.frontend.recording import OGG_OPUS_CONTENT_TYPE, SESSION_ID_RE, SIDES, RecordingStore
-from runtime.frontend.session import FrontEnd
-from runtime.frontend.session_records import LIST_MAX, SessionLive, SessionRecords
-from runtime.frontend.tokens import TokenRejected
+from runtime.frontend.gate.access import RequestView, bearer_token
+from runtime.frontend.gate.app_tokens import SCOPE_ERASE, SCOPE_READ, verify_app_token
+from runtime.frontend.gate.tokens import TokenRejected
+from runtime.frontend.session.conversation import FrontEnd
+from runtime.frontend.store.recordings import OGG_OPUS_CONTENT_TYPE, SESSION_ID_RE, SIDES, RecordingStore
+from runtime.frontend.store.records import LIST_MAX, SessionLive, SessionRecords
 
 __all__ = ["SESSIONS_PATH", "sessions_collection", "sessions_item"]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.frontend.protocol import AudioFormat
+from runtime.frontend.codecs.protocol import AudioFormat
 from runtime.tools.loadgen import run_load, run_session, session_url, synthesize_speech
 from runtime.tools.local_redis import free_loopback_port
 
@@ -215,7 +215,7 @@ def _flood(port: int, kind: str, rate: float, seconds: float, keys_json: str | N
             return b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         path = "/api/chat?format=opus"
         if kind == "tokens":
-            from runtime.frontend.tokens import keys_from_mapping, mint_token
+            from runtime.frontend.gate.tokens import keys_from_mapping, mint_token
 
             key = keys_from_mapping(json.loads(keys_json or "{}"))[0]
             path += "&token=" + mint_token(key, audience=audience, ttl_s=60, personas=["*"])
@@ -244,7 +244,7 @@ def _flood(port: int, kind: str, rate: float, seconds: float, keys_json: str | N
 
 def bench_flood(workers: int, kind: str, rate: float, seconds: float, step_ms: str) -> dict[str, object]:
     """One session streams ``seconds + 4`` s while the port takes ``rate``/s of ``kind`` for ``seconds``."""
-    from runtime.frontend.tokens import generate_signing_key
+    from runtime.frontend.gate.tokens import generate_signing_key
 
     key = generate_signing_key("bench")
     keys_json = json.dumps({key.kid: key.secret.decode()})
@@ -252,7 +252,7 @@ def bench_flood(workers: int, kind: str, rate: float, seconds: float, step_ms: s
     clip = synthesize_speech("One two three four five six seven eight nine ten, and again from the start.")
     clip = np.tile(clip, int((seconds + 4) * 24000 // len(clip)) + 1)[: int((seconds + 4) * 24000)]
     with node(workers, 8, step_ms, env=env) as port:
-        from runtime.frontend.tokens import mint_token
+        from runtime.frontend.gate.tokens import mint_token
 
         context = multiprocessing.get_context("spawn")
         flooder = context.Process(target=_flood, args=(port, kind, rate, seconds, keys_json, "duplex"))

@@ -164,7 +164,7 @@ def demo(
     sessions of synthesised speech (espeak-ng) at real-time pace, show what each got back, show that one
     more caller is refused, and print the node's metrics. Exits 1 if any session failed."""
     logging.basicConfig(level=logging.WARNING)
-    from runtime.frontend.tokens import generate_signing_key, mint_token
+    from runtime.frontend.gate.tokens import generate_signing_key, mint_token
     from runtime.tools.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
     from runtime.tools.local_redis import LocalRedisError, RedisServer
 
@@ -327,7 +327,7 @@ def loadgen(
     input."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from runtime.frontend.protocol import AudioFormat
+    from runtime.frontend.codecs.protocol import AudioFormat
     from runtime.tools.loadgen import (
         load_speech,
         run_load,
@@ -548,9 +548,9 @@ def bench_persona(
         json_path.write_text(json.dumps(summaries, indent=2))
 
 
-def _signing_key(key_file: Path, kid: str | None):  # noqa: ANN202 (runtime.frontend.tokens.SigningKey, lazy import)
+def _signing_key(key_file: Path, kid: str | None):  # noqa: ANN202 (runtime.frontend.gate.tokens.SigningKey, lazy import)
     """The key ``kid`` of ``key_file`` (its only key when ``kid`` is None); exits 2 naming the problem."""
-    from runtime.frontend.tokens import load_key_file
+    from runtime.frontend.gate.tokens import load_key_file
 
     try:
         keys = {key.kid: key for key in load_key_file(key_file)}
@@ -579,7 +579,7 @@ def _personas(persona: list[str] | None) -> list[str]:
 def _token_factory(
     key_file: Path, kid: str | None, *, audience: str, personas: list[str] | None, ttl_s: float = 300.0
 ) -> Callable[[], str]:
-    from runtime.frontend.tokens import mint_token
+    from runtime.frontend.gate.tokens import mint_token
 
     key = _signing_key(key_file, kid)
     claims = _personas(personas)
@@ -621,9 +621,10 @@ def token_mint(
     ] = None,
 ) -> None:
     """Print one signed session token (single-use), or with --app an application token for the sessions API
-    (docs/sessions-api.md). From code: runtime.frontend.tokens.mint_token, runtime.frontend.app_tokens."""
-    from runtime.frontend.app_tokens import SCOPES, mint_app_token
-    from runtime.frontend.tokens import mint_token
+    (docs/sessions-api.md). From code: runtime.frontend.gate.tokens.mint_token,
+    runtime.frontend.gate.app_tokens."""
+    from runtime.frontend.gate.app_tokens import SCOPES, mint_app_token
+    from runtime.frontend.gate.tokens import mint_token
 
     key = _signing_key(key_file, kid)
     session_only = persona or max_session_s is not None or recording_consent
@@ -657,7 +658,7 @@ def token_keygen(
 ) -> None:
     """Print a new random signing key as JSON {"kid": "secret"} (32 random bytes): add it to the node's
     token keys (DUPLEX_TOKEN_KEYS_FILE) and to the minting backend's."""
-    from runtime.frontend.tokens import generate_signing_key
+    from runtime.frontend.gate.tokens import generate_signing_key
 
     try:
         key = generate_signing_key(kid)

@@ -1,6 +1,6 @@
 """Benchmark of the Opus bindings a front-end worker could use (issue 16, item 2):
 ``python -m runtime.tools.codec_bench`` encodes and decodes espeak-ng speech frame by frame with sphn (what
-:mod:`runtime.frontend.audio_codec` uses) and PyAV's libopus at several complexities, and prints per
+:mod:`runtime.frontend.codecs.kyutai_audio` uses) and PyAV's libopus at several complexities, and prints per
 binding the ms per 80 ms frame, bit rate, log-spectral distance from the input
 (:func:`log_spectral_distance_db`), whether the codec call releases the GIL (one thread against two) and
 sessions per core. Figures are printed as a Markdown table, never asserted.
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.frontend.audio_codec import PYAV_OPUS_BITRATE_BPS, PyavOpusFrameEncoder, split_ogg_pages
+from runtime.frontend.codecs.kyutai_audio import PYAV_OPUS_BITRATE_BPS, PyavOpusFrameEncoder, split_ogg_pages
 
 __all__ = [
     "CodecFigures",
@@ -416,7 +416,8 @@ def run(frame_count: int = 250, repeats: int = 3) -> list[CodecFigures]:
 
 
 def runtime_pyav_encode(frames: np.ndarray, complexity: int = 10) -> list[bytes]:
-    """Encode [N, 1920] frames with the runtime's :class:`~runtime.frontend.audio_codec.PyavOpusFrameEncoder`
+    """Encode [N, 1920] frames with the runtime's
+    :class:`~runtime.frontend.codecs.kyutai_audio.PyavOpusFrameEncoder`
     (``DUPLEX_OPUS_ENCODER=pyav``): the Ogg bytes per frame."""
     encoder = PyavOpusFrameEncoder(complexity)
     return [encoder.encode(frame) for frame in frames]

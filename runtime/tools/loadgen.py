@@ -33,9 +33,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.frontend.audio_codec import make_codec
-from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
-from runtime.frontend.tokens import SUBPROTOCOL_PREFIX
+from runtime.frontend.codecs.kyutai_audio import make_codec
+from runtime.frontend.codecs.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX
 
 TokenVia = Literal["subprotocol", "query"]
 """How a client presents its session token: the ``Sec-WebSocket-Protocol`` ``duplex.token.<jwt>`` (the
@@ -268,7 +268,8 @@ async def run_session(
         raw_messages: extra raw messages to send right after the handshake (for bad-input tests).
         ssl_context: for ``wss://`` URLs (e.g. trusting a node's self-signed certificate).
         on_frame: called after each frame sent (progress bars).
-        token: the session token (``runtime.frontend.tokens.mint_token``; single-use), or None to send none.
+        token: the session token (``runtime.frontend.gate.tokens.mint_token``; single-use), or None to send
+        none.
         token_via: how to present it (``TokenVia``).
         messages: the 0x01 audio messages to send, one per 80 ms frame, already encoded in
             ``audio_format`` (``pcm`` is then ignored).

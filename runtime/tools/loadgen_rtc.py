@@ -7,7 +7,7 @@ Each session replays its clip pre-encoded as 20 ms Opus packets, once, at real-t
 handshake), then silence until it hangs up (as a live microphone's would), then hangs up (``DELETE``); it
 reports the load generator's usual figures (``runtime.tools.loadgen.SessionResult``: an 80 ms frame is four
 packets) plus the POST -> answer and POST -> connected (ICE and DTLS) times and the packets its own jitter
-buffer (``runtime.frontend.jitter``, run on arrivals) had to conceal.
+buffer (``runtime.frontend.transports.webrtc.jitter``, run on arrivals) had to conceal.
 
 First audio is counted from the packet that completes the node's first 1920-sample frame (the fourth, sent
 60 ms after the first): the WebSocket generator's clock starts when it sends a whole 80 ms frame, which the
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from runtime.frontend.jitter import JitterBuffer
-from runtime.frontend.refusals import CLOSE_NORMAL
+from runtime.frontend.gate.refusals import CLOSE_NORMAL
+from runtime.frontend.transports.webrtc.jitter import JitterBuffer
 from runtime.tools.loadgen import (
     LoadReport,
     SessionResult,
@@ -71,7 +71,7 @@ class RtcSessionResult(SessionResult):
             first RTP packet back.
         first_audio_first_packet_ms: from the send of the first packet (60 ms of packetisation more).
         session_id: the node's session id (from the ``Location``), to match the node's log line of the
-            session's first audio (``runtime.frontend.rtc_media.FirstAudioTrace``).
+            session's first audio (``runtime.frontend.transports.webrtc.media.FirstAudioTrace``).
         stamps: monotonic seconds (the node's clock too, on one machine): ``handshake`` (0x00 received),
             ``packet0`` .. ``packet3`` (sent), ``first_audio`` (first RTP packet back).
     """

@@ -30,7 +30,7 @@ from runtime.engine.engine_core import LocalSlots
 from runtime.engine.model_presets import FRAME_MS, SAMPLE_RATE_HZ
 from runtime.engine.models import ModelBundle
 from runtime.engine.persona_limits import TEXT_PROMPT_MAX_CHARS
-from runtime.frontend.protocol import MessageKind, encode_metadata
+from runtime.frontend.codecs.protocol import MessageKind, encode_metadata
 from runtime.frontend.server import DuplexServer
 from runtime.tools.loadgen import run_session, session_url
 

@@ -32,9 +32,9 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.frontend.audio_codec import make_codec
-from runtime.frontend.protocol import AudioFormat, MessageKind, encode_audio
-from runtime.frontend.session_query import RESUME_HEADER
+from runtime.frontend.codecs.kyutai_audio import make_codec
+from runtime.frontend.codecs.protocol import AudioFormat, MessageKind, encode_audio
+from runtime.frontend.gate.query import RESUME_HEADER
 from runtime.tools.loadgen import session_url
 
 if TYPE_CHECKING:

@@ -26,10 +26,10 @@ import numpy as np
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import AdmitRequest, BackendStatus, SessionSink, SlotBackend, SlotLease
-from runtime.frontend.protocol import AudioFormat
-from runtime.frontend.rtc_media import RtpInbound
+from runtime.frontend.codecs.protocol import AudioFormat
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.session import ChatSession
+from runtime.frontend.session.conversation import ChatSession
+from runtime.frontend.transports.webrtc.media import RtpInbound
 from runtime.tools import rtc_capacity
 from runtime.tools.loadgen import _percentile, run_session, session_url, synthesize_speech
 from runtime.tools.rtc_client import RtcCall, encode_packets

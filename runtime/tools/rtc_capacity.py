@@ -59,7 +59,8 @@ __all__ = [
 _TICKS = os.sysconf("SC_CLK_TCK")
 LATE_LIMIT_MS = 60.0
 """A generator packet sent this late (ms), or a loop stall this long, invalidates the run: the server's
-jitter buffer adapts up to 60 ms (runtime/frontend/jitter.py), so later input may be concealed there and
+jitter buffer adapts up to 60 ms (runtime/frontend/transports/webrtc/jitter.py), so later input may be
+concealed there and
 counted against the node."""
 LATE_INPUT_PER_SESSION = 1.0
 """Late input frames per session a passing count may have: a session's packets arrive at a phase of the

@@ -32,9 +32,9 @@ from aiortc import (
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from runtime.engine.model_presets import FRAME_SAMPLES
-from runtime.frontend.opus_rtp import OpusEncoder
-from runtime.frontend.protocol import MessageKind
-from runtime.frontend.session_query import RESUME_HEADER
+from runtime.frontend.codecs.opus_rtp import OpusEncoder
+from runtime.frontend.codecs.protocol import MessageKind
+from runtime.frontend.gate.query import RESUME_HEADER
 
 __all__ = ["PacketReplayTrack", "RtcCall", "RtcOutcome", "encode_packets"]
 

@@ -2,7 +2,8 @@
 audio spent its time, term by term, from the node's own stamps and the load generator's.
 
 The node logs one line per WebRTC session when it ends (``WebRTC session <id> first audio: {...}``, the
-stamps of ``runtime.frontend.rtc_media.FirstAudioTrace``); the WebRTC load generator reports, per session,
+stamps of ``runtime.frontend.transports.webrtc.media.FirstAudioTrace``); the WebRTC load generator reports,
+per session,
 its ``session_id`` and its own ``stamps`` (``runtime.tools.loadgen_rtc.RtcSessionResult``). On one machine
 both read the same monotonic clock, so the two join into one timeline per session:
 

@@ -23,11 +23,11 @@ import aiohttp
 import redis.asyncio as redis
 from aiohttp import web
 
-from runtime.frontend.app_tokens import mint_app_token
-from runtime.frontend.session_events import index_key, line_entry, lines_key
-from runtime.frontend.session_records import SessionRecords
+from runtime.frontend.gate.app_tokens import mint_app_token
+from runtime.frontend.gate.tokens import SigningKey, TokenVerifier
 from runtime.frontend.sessions_api import sessions_item
-from runtime.frontend.tokens import SigningKey, TokenVerifier
+from runtime.frontend.store.events import index_key, line_entry, lines_key
+from runtime.frontend.store.records import SessionRecords
 from runtime.tools.local_redis import RedisServer, free_loopback_port
 
 __all__ = ["main", "measure"]

@@ -1,4 +1,4 @@
-// The runtime's wire protocol on /api/chat (runtime/frontend/protocol.py), the admission check
+// The runtime's wire protocol on /api/chat (runtime/frontend/codecs/protocol.py), the admission check
 // (GET /api/admission) and the one table of refusal reasons in plain words.
 //
 // Every WebSocket message is binary; its first byte is the kind. This page uses format=pcm:
@@ -17,15 +17,15 @@ export const Kind = Object.freeze({
 export const SAMPLE_RATE_HZ = 24000; // the model's audio rate, both directions
 export const FRAME_SAMPLES = 1920; // one model frame: 80 ms at 24 kHz
 export const FRAME_MS = (1000 * FRAME_SAMPLES) / SAMPLE_RATE_HZ; // 80 ms
-export const TOKEN_SUBPROTOCOL_PREFIX = "duplex.token."; // runtime/frontend/tokens.py SUBPROTOCOL_PREFIX
+export const TOKEN_SUBPROTOCOL_PREFIX = "duplex.token."; // runtime/frontend/gate/tokens.py SUBPROTOCOL_PREFIX
 // A resume's credential as the WebSocket subprotocol (a page cannot set a header on a WebSocket; the URL is
-// logged by proxies): runtime/frontend/session_query.py RESUME_SUBPROTOCOL_PREFIX.
+// logged by proxies): runtime/frontend/gate/query.py RESUME_SUBPROTOCOL_PREFIX.
 export const RESUME_SUBPROTOCOL_PREFIX = "duplex.resume.";
-// A resume's credential as a request header (POST /api/rtc): runtime/frontend/session_query.py RESUME_HEADER.
+// A resume's credential as a request header (POST /api/rtc): runtime/frontend/gate/query.py RESUME_HEADER.
 export const RESUME_HEADER = "Duplex-Resume-Credential";
 
 // reason code -> what the person in front of the page is told. Codes: the runtime's refusal reasons
-// (runtime/frontend/tokens.py REFUSAL_STATUS, runtime/frontend/server.py ADMISSION_REASONS), nginx's own answers, and
+// (runtime/frontend/gate/tokens.py REFUSAL_STATUS, runtime/frontend/server.py ADMISSION_REASONS), nginx's own answers, and
 // what can go wrong in the browser.
 export const REASONS = Object.freeze({
   missing: "A session token is needed. Paste the token you were given, or open the link that carries one.",
@@ -69,7 +69,7 @@ export function reasonOfError(message) {
   if (message.startsWith("node is draining")) return "draining";
   if (message.startsWith("bad request")) return "bad_request";
   if (message.startsWith("session reached max_session_s")) return "max_session_length";
-  return "protocol_error"; // "<protocol reason>: <detail>" (runtime/frontend/protocol.py PROTOCOL_ERROR_REASONS)
+  return "protocol_error"; // "<protocol reason>: <detail>" (runtime/frontend/codecs/protocol.py PROTOCOL_ERROR_REASONS)
 }
 
 /** The reason code of a close event that came without a 0x05 message first. */

@@ -15,11 +15,11 @@ HS256-signed with one of the node's signing keys, named by the ``kid`` header::
 - ``max_session_s``: the session is closed at this length (or at the node's ``DUPLEX_MAX_SESSION_S``,
   whichever is shorter).
 - ``recording_consent``: the caller consented to a recording: the node writes both sides to disk
-  (``runtime.frontend.recording``; docs/sessions-api.md). Absent or false: nothing is recorded.
-- A token carrying a ``scope`` claim is an *application* token (``runtime.frontend.app_tokens``, for the
+  (``runtime.frontend.store.recordings``; docs/sessions-api.md). Absent or false: nothing is recorded.
+- A token carrying a ``scope`` claim is an *application* token (``runtime.frontend.gate.app_tokens``, for the
   sessions API): it never opens a session (``wrong_token_kind``, 403).
 - ``jti``: tokens are single-use: the runtime remembers every token id it admitted until the token
-  expires and refuses a second use (the replay guards: :mod:`runtime.frontend.replay`).
+  expires and refuses a second use (the replay guards: :mod:`runtime.frontend.gate.replay`).
 
 Key rotation: the verifier holds several keys at once and picks one by ``kid``. Add the new key on every
 node, switch the backend to minting with it, and once the old key's tokens have expired (``ttl_s``),
@@ -31,19 +31,24 @@ Operating the tokens: docs/protocol.md, "Access control".
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import secrets
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jwt
 
 from runtime.engine.persona_limits import voice_name
+from runtime.signing_keys import (
+    MIN_SECRET_BYTES,
+    SigningKey,
+    generate_signing_key,
+    keys_from_mapping,
+    load_key_file,
+)
 
 __all__ = [
     "ALGORITHM",
@@ -64,9 +69,6 @@ __all__ = [
 
 ALGORITHM = "HS256"
 """The only signing algorithm minted and accepted (a token naming another one is refused)."""
-
-MIN_SECRET_BYTES = 32
-"""Shortest signing secret accepted: 256 bits, the HMAC-SHA256 output size (RFC 7518, 3.2)."""
 
 MAX_TTL_S = 24 * 3600
 """Longest token lifetime :func:`mint_token` signs (s): tokens are meant to live minutes."""
@@ -98,7 +100,6 @@ WebSocket upgrade): 401 the caller has no valid token, 403 the token (or the pag
 not for this, 503 the replay check cannot be made now (Redis down with
 ``DUPLEX_TOKEN_REPLAY_CHECK=redis``)."""
 
-_KID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _JTI_RE = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: it goes into a Redis key
 _PERSONA_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
 
@@ -122,81 +123,6 @@ class TokenRejected(Exception):
     def status(self) -> int:
         """The HTTP status the runtime answers with."""
         return REFUSAL_STATUS[self.reason]
-
-
-class SigningKey:
-    """One HS256 signing key: its id (the token's ``kid`` header) and its secret (bytes; a str is taken as
-    UTF-8), hidden from ``repr``.
-
-    Raises:
-        ValueError: a kid outside ``[A-Za-z0-9._-]{1,64}``, or a secret shorter than 32 bytes.
-    """
-
-    __slots__ = ("kid", "secret")
-
-    def __init__(self, kid: str, secret: bytes | str) -> None:
-        if not isinstance(kid, str) or not _KID_RE.match(kid):
-            raise ValueError(f"key id {kid!r} must be 1-64 characters of A-Z a-z 0-9 . _ -")
-        raw = secret.encode() if isinstance(secret, str) else secret
-        if not isinstance(raw, bytes) or len(raw) < MIN_SECRET_BYTES:
-            size = len(raw) if isinstance(raw, bytes) else 0
-            raise ValueError(
-                f"signing key {kid!r}: the secret must be at least {MIN_SECRET_BYTES} bytes, got {size} "
-                "(`duplex token keygen` makes one)"
-            )
-        self.kid = kid
-        self.secret = raw
-
-    def __repr__(self) -> str:
-        return f"SigningKey(kid={self.kid!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SigningKey) and (self.kid, self.secret) == (other.kid, other.secret)
-
-    def __hash__(self) -> int:
-        return hash((self.kid, self.secret))
-
-
-def generate_signing_key(kid: str | None = None) -> SigningKey:
-    """A fresh random key: 32 random bytes as 43 URL-safe characters; ``kid`` default ``key-<8 hex>``."""
-    return SigningKey(kid or f"key-{secrets.token_hex(4)}", secrets.token_urlsafe(32))
-
-
-def keys_from_mapping(mapping: Mapping[str, str], *, source: str = "signing keys") -> list[SigningKey]:
-    """``{"kid": "secret", ...}`` (the key file's JSON) as keys.
-
-    Raises:
-        ValueError: not a non-empty object of strings, or a bad kid or secret (the message names
-            ``source`` and the kid, never a secret).
-    """
-    if not isinstance(mapping, Mapping) or not mapping:
-        raise ValueError(f'{source}: expected a non-empty JSON object {{"<kid>": "<secret>", ...}}')
-    keys = []
-    for kid, secret in mapping.items():
-        if not isinstance(secret, str):
-            raise ValueError(f"{source}: the secret of key {kid!r} must be a string")
-        try:
-            keys.append(SigningKey(kid, secret))
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from None
-    return keys
-
-
-def load_key_file(path: Path) -> list[SigningKey]:
-    """The keys of a key file (JSON ``{"kid": "secret", ...}``, e.g. a node's ``secrets/token_keys.json``).
-
-    Raises:
-        ValueError: the file is missing, unreadable, not JSON, or holds a bad key (names the file).
-    """
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"cannot read the key file {path}: {exc.strerror or exc}") from None
-    try:
-        mapping = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"key file {path} is not JSON (line {exc.lineno}): {exc.msg}") from None
-    return keys_from_mapping(mapping, source=f"key file {path}")
 
 
 @dataclass(frozen=True)

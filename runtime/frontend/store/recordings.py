@@ -1,6 +1,6 @@
 """Session recordings, with the caller's consent: both sides of a conversation as Ogg Opus files.
 
-A session whose token carries ``recording_consent: true`` (``runtime.frontend.tokens``) on a node with
+A session whose token carries ``recording_consent: true`` (``runtime.frontend.gate.tokens``) on a node with
 ``DUPLEX_RECORDING_DIR`` gets a :class:`SessionRecorder`. The session calls :meth:`SessionRecorder.caller`
 with each audio payload it takes from the client (after the handshake) and :meth:`SessionRecorder.agent`
 with each encoded payload it sends: a queue put, never a wait. One thread per recorder writes:
@@ -45,7 +45,7 @@ from typing import BinaryIO
 import numpy as np
 
 from runtime.engine.model_presets import FRAME_SAMPLES
-from runtime.frontend.audio_codec import (
+from runtime.frontend.codecs.kyutai_audio import (
     _SPHN_OPUS_HEAD,
     _SPHN_OPUS_TAGS,
     FrameEncoder,

@@ -1,14 +1,15 @@
 """WebRTC media of one session, around aiortc's RTP stack but past its codecs and its jitter buffer.
 
 Outbound (:class:`OpusPacketTrack`): the session's 80 ms frames, encoded by our own mono Opus encoder
-(``runtime.frontend.opus_rtp``) into four 20 ms packets, handed to aiortc's RTP sender as pre-encoded
+(``runtime.frontend.codecs.opus_rtp``) into four 20 ms packets, handed to aiortc's RTP sender as pre-encoded
 ``av.Packet`` objects, paced 20 ms apart: aiortc's sender packs them as they are (no 48 kHz stereo
 96 kbps re-encode, which costs a thread and several times the CPU). A frame's first packet is due at
 once and each packet is encoded when it is taken, so the first leaves after one encode (~0.5 ms), not
 four.
 
 Inbound (:class:`RtpInbound`): every RTP packet of the audio receiver goes straight into our jitter buffer
-(``runtime.frontend.jitter``) instead of aiortc's (which adds ~80 ms and stays 280 ms behind after a loss:
+(``runtime.frontend.transports.webrtc.jitter``) instead of aiortc's (which adds ~80 ms and stays 280 ms
+behind after a loss:
 aiortc issue 543), then is decoded by libopus at 24 kHz (a missing packet: libopus' concealment) and
 handed on as int16 samples, 20 ms at a time: an in-order packet within the hook's own call, a missing one
 at its deadline by a playout task. The hook is the receiver's ``_handle_rtp_packet``, replaced on
@@ -37,8 +38,8 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 from aiortc.rtcrtpreceiver import RTCRtpReceiver
 
 from runtime.engine.model_presets import FRAME_SAMPLES
-from runtime.frontend.jitter import JitterBuffer
-from runtime.frontend.opus_rtp import PACKET_SAMPLES, OpusDecoder, OpusEncoder, OpusError
+from runtime.frontend.codecs.opus_rtp import PACKET_SAMPLES, OpusDecoder, OpusEncoder, OpusError
+from runtime.frontend.transports.webrtc.jitter import JitterBuffer
 from runtime.metrics import RuntimeMetrics
 
 __all__ = ["OUTBOUND_QUEUE_PACKETS", "PACKET_S", "FirstAudioTrace", "OpusPacketTrack", "RtpInbound"]

@@ -1,15 +1,17 @@
-"""Kyutai's WebSocket protocol on ``/api/chat``: one transport over ``runtime.frontend.session.ChatSession``.
+"""Kyutai's WebSocket protocol on ``/api/chat``: one transport over
+``runtime.frontend.session.conversation.ChatSession``.
 
-Binary messages, first byte = kind (``runtime.frontend.protocol``): the server sends 0x00 when the slot is
+Binary messages, first byte = kind (``runtime.frontend.codecs.protocol``): the server sends 0x00 when the
+slot is
 live, 0x01 audio, 0x02 text, 0x05 an error before closing; the client sends 0x01 audio, 0x04 metadata (the
 text prompt with ``text_prompt_in=metadata``), 0x06 ping (echoed unchanged). A caller is read (and its
 audio dropped) until its handshake, so one that leaves while it waits for a slot or while its persona prompt
 runs gives its place back at once. Refusals after the upgrade: a 0x05 error naming the reason, then the
-close code of ``runtime.frontend.refusals.REFUSALS``. The slot is released when the server decides to
+close code of ``runtime.frontend.gate.refusals.REFUSALS``. The slot is released when the server decides to
 close, not when the closing handshake ends (a client that never answers a close frame held it 10 s). The
 WebSocket is aiohttp's (the HTTP layer's server, ``runtime.frontend.http``), as in moshi's own server.
 
-Resume (``runtime.frontend.session_resume``; docs/protocol.md, "Resume"): with ``resumable=1`` the
+Resume (``runtime.frontend.session.resume``; docs/protocol.md, "Resume"): with ``resumable=1`` the
 handshake is followed by a 0x04 metadata message with the session id and a single-use credential. A
 connection lost without a close frame (a reset, a dead peer past the heartbeat) detaches a resumable
 session: its slot is held, paused, for ``resume_s``; the credential on a new connection (the
@@ -29,7 +31,7 @@ from urllib.parse import parse_qs
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from runtime.frontend.protocol import (
+from runtime.frontend.codecs.protocol import (
     AudioMessage,
     MetadataMessage,
     PingMessage,
@@ -42,15 +44,26 @@ from runtime.frontend.protocol import (
     encode_text,
     parse_client_message,
 )
-from runtime.frontend.refusals import CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_TRY_AGAIN_LATER, SessionRefused
-from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport, plan_session
-from runtime.frontend.session_query import (
+from runtime.frontend.gate.query import (
     TEXT_PROMPT_IN_METADATA,
     ResumePresented,
     parse_prompt_metadata,
     parse_session_query,
 )
-from runtime.frontend.tokens import SUBPROTOCOL_PREFIX, TokenClaims
+from runtime.frontend.gate.refusals import (
+    CLOSE_GOING_AWAY,
+    CLOSE_POLICY,
+    CLOSE_TRY_AGAIN_LATER,
+    SessionRefused,
+)
+from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX, TokenClaims
+from runtime.frontend.session.conversation import (
+    ChatSession,
+    FrontEnd,
+    SessionOutcome,
+    Transport,
+    plan_session,
+)
 
 __all__ = [
     "HEARTBEAT_S",

@@ -1,8 +1,9 @@
 """The ``/api/chat`` query string: what a client asks for (format, prompts, sampling) and its limits.
 
 :func:`parse_session_query` turns the query into a :class:`SessionRequest` and refuses anything outside
-these limits with :class:`~runtime.frontend.protocol.ProtocolError`; the wire messages themselves are in
-:mod:`runtime.frontend.protocol`. Pure: no sockets, no torch. The parameters: docs/protocol.md,
+these limits with :class:`~runtime.frontend.codecs.protocol.ProtocolError`; the wire messages themselves are
+in
+:mod:`runtime.frontend.codecs.protocol`. Pure: no sockets, no torch. The parameters: docs/protocol.md,
 "Wire protocol".
 """
 
@@ -22,7 +23,7 @@ from runtime.engine.persona_limits import (
     VOICE_PROMPT_MAX_CHARS,
     VOICE_PROMPT_RE,
 )
-from runtime.frontend.protocol import AudioFormat, ProtocolError
+from runtime.frontend.codecs.protocol import AudioFormat, ProtocolError
 
 __all__ = [
     "MAX_QUERY_PARAMS",

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 
 from runtime.engine.api import REFUSAL_REASONS, RESUME_OFF_MESSAGE
-from runtime.frontend.tokens import REFUSAL_STATUS
+from runtime.frontend.gate.tokens import REFUSAL_STATUS
 
 __all__ = [
     "ADMISSION_REASONS",
@@ -59,7 +59,7 @@ class RefusalKind:
 
 
 REFUSALS: dict[str, RefusalKind] = {
-    # The access check's refusals (runtime.frontend.tokens), before the upgrade or when a token is spent.
+    # The access check's refusals (runtime.frontend.gate.tokens), before the upgrade or when a token is spent.
     **{
         reason: RefusalKind(status, CLOSE_TRY_AGAIN_LATER if status == 503 else CLOSE_POLICY)
         for reason, status in REFUSAL_STATUS.items()
@@ -95,7 +95,7 @@ ADMISSION_REASONS: tuple[str, ...] = (
     "rate_limited",
 )
 """Every ``reason`` :class:`Admission` can carry: ``ok``, the token and origin refusals of
-``runtime.frontend.tokens.REFUSAL_STATUS``, and the refusals made after the upgrade."""
+``runtime.frontend.gate.tokens.REFUSAL_STATUS``, and the refusals made after the upgrade."""
 
 
 class SessionRefused(Exception):

@@ -3,17 +3,19 @@
 
 - ``GET /api/rtc/ice-servers`` (``Authorization: Bearer <session token>``): ``{"iceServers": [...]}``, the
   ``RTCConfiguration`` a browser passes to ``new RTCPeerConnection()``, with TURN credentials minted for
-  this caller (``runtime.frontend.turn``): a client that must relay needs them before it makes its offer.
+  this caller (``runtime.frontend.transports.webrtc.turn``): a client that must relay needs them before it
+  makes its offer.
   The token is checked, not spent.
 - ``POST /api/rtc?<the /api/chat query>`` with the offer (``Content-Type: application/sdp``) and the token as
   ``Authorization: Bearer``: ``201 Created``, the answer (``application/sdp``), ``Location:
   /api/rtc/<session id>/<key>`` and the ICE servers as ``Link: <url>; rel="ice-server"; username=...;
   credential=...; credential-type="password"`` headers (RFC 9725, 4.6). Every refusal comes before the
-  answer, as a plain HTTP status with ``/api/chat``'s reasons (``runtime.frontend.refusals``): 400 (bad
+  answer, as a plain HTTP status with ``/api/chat``'s reasons (``runtime.frontend.gate.refusals``): 400 (bad
   query, malformed SDP, no audio, no Opus), 401/403 (token, origin), 413 (offer over
   :data:`MAX_OFFER_BYTES`), 415 (not ``application/sdp``), 429 and 503 with ``Retry-After``. A refused offer
   takes no slot and spends no token. An answered one spends it when ICE and DTLS connect
-  (``runtime.frontend.rtc_session``), so a caller whose ICE fails can fall back to ``/api/chat`` with it.
+  (``runtime.frontend.transports.webrtc.peer``), so a caller whose ICE fails can fall back to ``/api/chat``
+  with it.
 - ``DELETE /api/rtc/<session id>/<key>``: ends the session (200), 404 when no such session (or a wrong key).
   With ``--workers N`` the DELETE may reach another worker than the POST (``SO_REUSEPORT``): a worker that
   does not hold the session asks the engine, which forwards the request to the worker that does
@@ -30,7 +32,7 @@
   they take no slot. The offer is read before the credential, so a malformed one spends nothing.
 
 The rate limits and the token check run in ``runtime.frontend.http`` before these handlers, as for
-``/api/chat``. The session itself: ``runtime.frontend.rtc_session``.
+``/api/chat``. The session itself: ``runtime.frontend.transports.webrtc.peer``.
 """
 
 from __future__ import annotations
@@ -48,18 +50,18 @@ from collections.abc import Callable
 from aiohttp import web
 
 from runtime.engine.api import SamplingParams
-from runtime.frontend.protocol import AudioFormat
-from runtime.frontend.refusals import SessionRefused
-from runtime.frontend.rtc_session import Float32Frames, OfferRejected, RtcPeer, RtcTransport
-from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, plan_session
-from runtime.frontend.session_query import (
+from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.frontend.gate.query import (
     RESUME_HEADER,
     TEXT_PROMPT_IN_METADATA,
     ResumePresented,
     SessionRequest,
 )
-from runtime.frontend.tokens import TokenClaims
-from runtime.frontend.turn import IceServer, ice_servers, mint_turn_credentials
+from runtime.frontend.gate.refusals import SessionRefused
+from runtime.frontend.gate.tokens import TokenClaims
+from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
+from runtime.frontend.transports.webrtc.peer import Float32Frames, OfferRejected, RtcPeer, RtcTransport
+from runtime.frontend.transports.webrtc.turn import IceServer, ice_servers, mint_turn_credentials
 
 __all__ = [
     "ICE_SERVERS_PATH",

@@ -1,6 +1,6 @@
 """The session events stream and the timestamped transcript: what the session store writes for applications.
 
-Written by the store's background writer (``runtime.frontend.session_writer``), in the same ``MULTI``/``EXEC``
+Written by the store's background writer (``runtime.frontend.store.writer``), in the same ``MULTI``/``EXEC``
 as the registry and the transcript, so they share its outage contract: queued while Redis is away, written
 when it returns, in order.
 

@@ -2,7 +2,8 @@
 
 :class:`RedisReplayGuard` shares the ids already used between every runtime on one Redis and across restarts;
 :class:`MemoryReplayGuard` keeps them in this process (alone, or as the fallback while Redis does not answer).
-The tokens themselves: :mod:`runtime.frontend.tokens`. Operating them: docs/protocol.md, "Access control".
+The tokens themselves: :mod:`runtime.frontend.gate.tokens`. Operating them: docs/protocol.md, "Access
+control".
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from runtime.engine.api import replayed_message
-from runtime.frontend.tokens import TokenClaims, TokenRejected
+from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 
 __all__ = ["MemoryReplayGuard", "RedisReplayGuard", "ReplayGuard"]
 

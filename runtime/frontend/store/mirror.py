@@ -1,6 +1,7 @@
-"""The session store's records (``runtime.frontend.session_store``): a session as the registry stores it, the
+"""The session store's records (``runtime.frontend.store.redis_store``): a session as the registry stores it,
+the
 local mirror of one tracked session (the state Redis must end up with), and one queued write. The writer
-that applies them: ``runtime.frontend.session_writer``.
+that applies them: ``runtime.frontend.store.writer``.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ byte    kind        direction           payload
 0x06    ping        both                opaque bytes; the server echoes a client's ping unchanged
 ======  ==========  ==================  =============================================================
 
-Everything here is pure: no sockets, no audio decoding (see :mod:`runtime.frontend.audio_codec`), no torch.
-The query string that opens a session: :mod:`runtime.frontend.session_query`. Docs: docs/protocol.md,
+Everything here is pure: no sockets, no audio decoding (see :mod:`runtime.frontend.codecs.kyutai_audio`), no
+torch.
+The query string that opens a session: :mod:`runtime.frontend.gate.query`. Docs: docs/protocol.md,
 "Wire protocol".
 Malformed client input raises :class:`ProtocolError`, whose ``reason`` is a stable snake_case code from
 :data:`PROTOCOL_ERROR_REASONS`, safe to use as a Prometheus label.
@@ -93,7 +94,8 @@ PROTOCOL_ERROR_REASONS: frozenset[str] = frozenset(
         "audio_on_datachannel",  # a 0x01 audio message on /api/rtc's DataChannel (audio travels as RTP there)
     }
 )
-"""Every ``ProtocolError.reason`` this module and :mod:`runtime.frontend.audio_codec` raise (Prometheus
+"""Every ``ProtocolError.reason`` this module and :mod:`runtime.frontend.codecs.kyutai_audio` raise
+(Prometheus
 labels)."""
 
 MAX_ERROR_MESSAGE_BYTES = 1023
@@ -131,7 +133,7 @@ class ProtocolError(ValueError):
 class AudioMessage:
     """Kind 0x01 from the client: ``payload`` is Ogg/Opus bytes, or Int16 LE PCM for ``format=pcm``.
 
-    The payload is not decoded here; feed it to an assembler from :mod:`runtime.frontend.audio_codec`.
+    The payload is not decoded here; feed it to an assembler from :mod:`runtime.frontend.codecs.kyutai_audio`.
     """
 
     payload: bytes

@@ -1,7 +1,10 @@
-"""One WebRTC session (``/api/rtc``): its aiortc peer connection, its media (``runtime.frontend.rtc_media``),
-its DataChannel, and the transport-neutral :class:`runtime.frontend.session.ChatSession` it carries.
+"""One WebRTC session (``/api/rtc``): its aiortc peer connection, its media
+(``runtime.frontend.transports.webrtc.media``),
+its DataChannel, and the transport-neutral :class:`runtime.frontend.session.conversation.ChatSession` it
+carries.
 
-The DataChannel carries the messages of Kyutai's protocol (``runtime.frontend.protocol``) minus audio: the
+The DataChannel carries the messages of Kyutai's protocol (``runtime.frontend.codecs.protocol``) minus audio:
+the
 server sends 0x00 when the slot is live, 0x02 text pieces and 0x05 errors; the client may send 0x03
 control, 0x04 metadata (ignored, as on ``/api/chat``) and 0x06 ping (echoed). The client opens it (any
 label) before its offer; a second one is closed. Audio travels as RTP only: a 0x01 on the channel gets a
@@ -13,7 +16,7 @@ the DataChannel while connected (a client that means to stay keeps its channel: 
 within ``rtc_connect_timeout_s`` of the answer; the session's ``max_session_s``; a drain or the engine's
 loss (``Transport.close``). It is *lost* (:class:`SessionOutcome` ``lost``), and a resumable session
 (``resumable=1``, or resumed) is detached instead, its slot held paused for ``resume_s``
-(``runtime.frontend.session_resume``; docs/runtime.md, "Resume"), when the transport goes without a word
+(``runtime.frontend.session.resume``; docs/runtime.md, "Resume"), when the transport goes without a word
 from the client: no RTP for ``rtc_media_timeout_s`` once connected (``rtc_media_timeout``: a dropped UDP path,
 a phone changing networks; aiortc has no ``disconnected`` state, so this timeout is the grace), ICE failed
 (consent freshness, RFC 7675: aioice gives up after 6 unanswered checks 5 s apart), or the DTLS transport
@@ -44,7 +47,7 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.rtcdatachannel import RTCDataChannel
 from OpenSSL import SSL
 
-from runtime.frontend.protocol import (
+from runtime.frontend.codecs.protocol import (
     AudioMessage,
     PingMessage,
     ProtocolError,
@@ -55,9 +58,9 @@ from runtime.frontend.protocol import (
     encode_text,
     parse_client_message,
 )
-from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
-from runtime.frontend.rtc_media import FirstAudioTrace, OpusPacketTrack, RtpInbound
-from runtime.frontend.session import ChatSession, FrontEnd, SessionOutcome, Transport
+from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, Transport
+from runtime.frontend.transports.webrtc.media import FirstAudioTrace, OpusPacketTrack, RtpInbound
 
 __all__ = [
     "CHANNEL_BURST",
@@ -95,7 +98,7 @@ class Float32Frames:
 
 
 class RtcTransport(Transport):
-    """``runtime.frontend.session.Transport`` over a peer connection."""
+    """``runtime.frontend.session.conversation.Transport`` over a peer connection."""
 
     name = "webrtc"
 

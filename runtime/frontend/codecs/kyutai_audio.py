@@ -20,7 +20,7 @@ import numpy as np
 import sphn
 
 from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.frontend.protocol import AudioFormat, ProtocolError
+from runtime.frontend.codecs.protocol import AudioFormat, ProtocolError
 
 __all__ = [
     "FrameAssembler",

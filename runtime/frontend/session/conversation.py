@@ -1,9 +1,10 @@
 """One conversation, whatever the transport: admission to a slot, the token spent, the persona prompt awaited,
 frames in and out, the transcript, the release and how it ended.
 
-A transport (``runtime.frontend.ws``: Kyutai's WebSocket protocol) parses its own wire format and calls
+A transport (``runtime.frontend.transports.websocket``: Kyutai's WebSocket protocol) parses its own wire
+format and calls
 :meth:`ChatSession.push_audio`; the session sends through the transport's :class:`Transport` methods.
-Refusals are ``runtime.frontend.refusals.SessionRefused`` (the table gives status, close code, message).
+Refusals are ``runtime.frontend.gate.refusals.SessionRefused`` (the table gives status, close code, message).
 
 Resume, for any transport (docs/runtime.md, "Resume"): a session admitted with ``resumable=1`` holds a
 single-use credential (:meth:`ChatSession.resume_metadata`, sent by the transport after its handshake). When
@@ -38,14 +39,14 @@ from runtime.engine.api import (
     SlotLease,
     replayed_message,
 )
-from runtime.frontend.access import Access
-from runtime.frontend.audio_codec import make_codec
-from runtime.frontend.recording import SessionRecorder, start_recording
-from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
-from runtime.frontend.session_query import ResumePresented, SessionRequest, parse_session_query
-from runtime.frontend.session_resume import ResumableSession
-from runtime.frontend.session_store import SessionRecord, SessionStore
-from runtime.frontend.tokens import TokenClaims, TokenRejected
+from runtime.frontend.codecs.kyutai_audio import make_codec
+from runtime.frontend.gate.access import Access
+from runtime.frontend.gate.query import ResumePresented, SessionRequest, parse_session_query
+from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
+from runtime.frontend.session.resume import ResumableSession
+from runtime.frontend.store.recordings import SessionRecorder, start_recording
+from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 from runtime.metrics import RuntimeMetrics
 
 __all__ = [
@@ -165,7 +166,7 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def close(self, code: int, reason: str) -> None:
-        """End the connection with ``code`` (WebSocket close codes: ``runtime.frontend.refusals``)."""
+        """End the connection with ``code`` (WebSocket close codes: ``runtime.frontend.gate.refusals``)."""
 
 
 class ChatSession(ResumableSession):
@@ -220,7 +221,8 @@ class ChatSession(ResumableSession):
         self.started = False
         self._released = False
         self.recorder: SessionRecorder | None = None
-        """Both sides to disk when the token has ``recording_consent`` (``runtime.frontend.recording``)."""
+        """Both sides to disk when the token has ``recording_consent``
+        (``runtime.frontend.store.recordings``)."""
         self._finished = False
         self.record: SessionRecord | None = None
         """What the session store holds of it (None without a store, or before admission)."""

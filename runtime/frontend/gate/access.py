@@ -15,11 +15,11 @@ from urllib.parse import parse_qs
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import replayed_message
-from runtime.frontend.protocol import ProtocolError
-from runtime.frontend.ratelimit import HandshakeLimiter, RateLimited
-from runtime.frontend.replay import MemoryReplayGuard, RedisReplayGuard, ReplayGuard
-from runtime.frontend.session_query import parse_session_query
-from runtime.frontend.tokens import (
+from runtime.frontend.codecs.protocol import ProtocolError
+from runtime.frontend.gate.query import parse_session_query
+from runtime.frontend.gate.ratelimit import HandshakeLimiter, RateLimited
+from runtime.frontend.gate.replay import MemoryReplayGuard, RedisReplayGuard, ReplayGuard
+from runtime.frontend.gate.tokens import (
     SUBPROTOCOL_PREFIX,
     TokenClaims,
     TokenRejected,

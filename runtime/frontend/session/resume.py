@@ -1,4 +1,5 @@
-"""The resume half of ``runtime.frontend.session.ChatSession``, for any transport: detach a session whose
+"""The resume half of ``runtime.frontend.session.conversation.ChatSession``, for any transport: detach a
+session whose
 transport was lost, hold its slot, resume it from another connection (docs/runtime.md, "Resume").
 
 A transport uses four methods and one property:
@@ -25,12 +26,12 @@ import time
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.engine.api import Refusal, ResumeGrant, SessionSink, SlotBackend, SlotLease
-from runtime.frontend.refusals import CLOSE_NORMAL, SessionRefused
-from runtime.frontend.session_store import SessionRecord, SessionStore
+from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
 if TYPE_CHECKING:
     from runtime.config import RuntimeConfig
-    from runtime.frontend.session_query import SessionRequest
+    from runtime.frontend.gate.query import SessionRequest
     from runtime.metrics import RuntimeMetrics
 
 __all__ = ["HOLD_MARGIN_S", "ResumableSession"]

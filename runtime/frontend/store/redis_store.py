@@ -24,7 +24,7 @@ every key it touches with ``EXPIRE``):
 
 ``{prefix}:lines:{id}``, ``{prefix}:sessions``, ``{prefix}:events``
     The timestamped transcript, the index of sessions by start time and the events stream (bounded by
-    ``events_maxlen``): ``runtime.frontend.session_events``. They follow the same failure contract.
+    ``events_maxlen``): ``runtime.frontend.store.events``. They follow the same failure contract.
 
 Failure handling (Redis down must not stop the audio):
 
@@ -68,9 +68,9 @@ import threading
 import time
 from collections.abc import Sequence
 
-from runtime.frontend.session_events import EVENT_KINDS, SPEAKER_AGENT, line_entry
-from runtime.frontend.session_mirror import SessionRecord, _Op, _Session
-from runtime.frontend.session_writer import SessionWriter
+from runtime.frontend.store.events import EVENT_KINDS, SPEAKER_AGENT, line_entry
+from runtime.frontend.store.mirror import SessionRecord, _Op, _Session
+from runtime.frontend.store.writer import SessionWriter
 
 __all__ = ["SessionRecord", "SessionStore"]
 
@@ -292,7 +292,8 @@ class SessionStore(SessionWriter):
         transcript: Sequence[tuple[float, str]],
         extra: dict[str, str] | None = None,
     ) -> None:
-        """A session resumed here (``runtime.frontend.session.ChatSession.resume``): register it again,
+        """A session resumed here (``runtime.frontend.session.conversation.ChatSession.resume``): register it
+        again,
         published as a ``resumed`` event with ``extra``. When this store does not track it (its last holder
         forgot it: :meth:`forget_session`; or another worker process held it), its whole history so far,
         ``transcript`` (every text piece with when the slot produced it, unix s, from the slot owner), is

@@ -1,10 +1,10 @@
-"""The background writer of :class:`~runtime.frontend.session_store.SessionStore`: state and Redis I/O.
+"""The background writer of :class:`~runtime.frontend.store.redis_store.SessionStore`: state and Redis I/O.
 
 :class:`SessionWriter` (the store's base class) holds the local mirror of every tracked session and the
 bounded op queue, and its task applies the queue to Redis in ``MULTI``/``EXEC`` batches, or rewrites
 everything from the mirror (a resync) after a failure. The key layout and the failure contract are the
 store's module doc (the events stream, the timestamped transcript and the session index:
-``runtime.frontend.session_events``); operating it: docs/operations.md, "Session store (Redis)".
+``runtime.frontend.store.events``); operating it: docs/operations.md, "Session store (Redis)".
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from runtime.frontend.session_events import (
+from runtime.frontend.store.events import (
     INDEX_HORIZON_S,
     event_fields,
     events_key,
     index_key,
     lines_key,
 )
-from runtime.frontend.session_mirror import SessionRecord, _Op, _Session
+from runtime.frontend.store.mirror import SessionRecord, _Op, _Session
 
 __all__ = ["SessionRecord", "SessionWriter"]
 
@@ -50,7 +50,8 @@ def _call_quietly(callback: Callable[[Any], None] | None, argument: Any, name: s
 
 
 class SessionWriter:
-    """The mirror, the op queue and the writer task of a :class:`~runtime.frontend.session_store.SessionStore`
+    """The mirror, the op queue and the writer task of a
+    :class:`~runtime.frontend.store.redis_store.SessionStore`
     (its arguments and errors are documented there)."""
 
     BATCH_MAX_OPS = 1000

@@ -1,6 +1,6 @@
 """Application tokens: what an application backend presents to the sessions API (``/api/sessions``).
 
-A session token (``runtime.frontend.tokens``) lets one caller open one conversation; an application token
+A session token (``runtime.frontend.gate.tokens``) lets one caller open one conversation; an application token
 lets the application's backend read conversations back and erase them. Both are JWTs signed with the
 node's keys (same ``kid``, same audience); what tells them apart is the ``scope`` claim (RFC 8693, 4.2: a
 space-separated list), which only application tokens carry::
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import jwt
 
-from runtime.frontend.tokens import ALGORITHM, MAX_TTL_S, SigningKey, TokenRejected, TokenVerifier
+from runtime.frontend.gate.tokens import ALGORITHM, MAX_TTL_S, SigningKey, TokenRejected, TokenVerifier
 
 __all__ = [
     "SCOPES",
@@ -114,7 +114,7 @@ def verify_app_token(verifier: TokenVerifier, token: str | None, scope: str) -> 
         raise TokenRejected(
             "wrong_token_kind",
             "a session token cannot use the sessions API: mint an application token "
-            "(`duplex token mint --app`, runtime.frontend.app_tokens.mint_app_token)",
+            "(`duplex token mint --app`, runtime.frontend.gate.app_tokens.mint_app_token)",
         )
     if not isinstance(scope_claim, str):
         raise TokenRejected("malformed", "scope must be a space-separated string")

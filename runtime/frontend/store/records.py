@@ -1,6 +1,6 @@
 """What the sessions API reads and erases in Redis: the session store's records, read back for applications.
 
-The store (``runtime.frontend.session_store``) writes; this module only reads, and erases on request. What
+The store (``runtime.frontend.store.redis_store``) writes; this module only reads, and erases on request. What
 it can return is what Redis still holds: every key expires ``transcript_ttl_s`` after its last write (the
 retention), so an expired session is unknown here (404), like one never started.
 
@@ -26,7 +26,7 @@ import redis.exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from runtime.frontend.session_events import events_key, index_key, lines_key
+from runtime.frontend.store.events import events_key, index_key, lines_key
 
 __all__ = ["LIST_MAX", "SEGMENT_GAP_S", "SessionLive", "SessionRecords", "segments"]
 
