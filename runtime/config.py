@@ -210,6 +210,13 @@ class RuntimeConfig(BaseSettings):
         description="CIDRs whose X-Real-IP / X-Forwarded-For name the client (comma-separated); default "
         "loopback only (the node's nginx): name a load balancer's ranges to believe it",
     )
+    forwarded_by: Literal["nginx", "google-lb"] = Field(
+        "nginx",
+        description="Who sets the client's address when the peer is a trusted proxy: nginx (its X-Real-IP, "
+        "else X-Forwarded-For's right-most untrusted hop) or google-lb (a Google Cloud load balancer: "
+        "X-Forwarded-For's second-to-last entry, the one the front end appended; X-Real-IP is a client's "
+        "header then and is ignored)",
+    )
     metrics_cache_s: float = Field(
         1.0, ge=0, le=60, description="/metrics reuses its last rendering for this long (0: render each time)"
     )

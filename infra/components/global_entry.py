@@ -13,6 +13,7 @@ import pulumi
 import pulumi_gcp.compute as compute
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
+from infra.k8s.workload import GOOGLE_FRONT_END_RANGES
 
 __all__ = [
     "BACKEND_TIMEOUT_MARGIN_S",
@@ -28,10 +29,6 @@ __all__ = [
     "neg_url",
     "security_rules",
 ]
-
-GOOGLE_FRONT_END_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
-"""Source ranges of Google's front ends and health checkers (cloud.google.com/load-balancing/docs/health-
-check-concepts, "Probe IP ranges and firewall rules")."""
 
 BACKEND_TIMEOUT_MARGIN_S = 60
 """Seconds the backend timeout adds to the longest session (the runtime closes a session at its limit)."""

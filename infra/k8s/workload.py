@@ -44,6 +44,7 @@ from infra.node.profile import NodeProfile
 from infra.node.services import runtime_settings
 
 __all__ = [
+    "GOOGLE_FRONT_END_RANGES",
     "RUNTIME_CPU_REQUEST",
     "RUNTIME_FRONTEND_WORKERS",
     "DRAIN_MARGIN_S",
@@ -168,6 +169,12 @@ def redis_ca_configmap(workload: RegionWorkload) -> dict[str, Any]:
     }
 
 
+GOOGLE_FRONT_END_RANGES = ("35.191.0.0/16", "130.211.0.0/22")
+"""The source ranges of Google Cloud's load-balancer front ends and health checks
+(cloud.google.com/load-balancing/docs/health-check-concepts, "Probe IP ranges and firewall rules"): the only
+peers whose ``X-Forwarded-For`` the
+runtime believes on GKE (``DUPLEX_TRUSTED_PROXIES``, with ``DUPLEX_FORWARDED_BY=google-lb``)."""
+
 RUNTIME_CPU_REQUEST = 4
 """Cores requested for the runtime container: one for the engine's tick, the rest for its front-end workers
 (issue 16: about 40 Opus sessions per worker, since sphn's encoder holds the GIL)."""
@@ -180,7 +187,8 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     Kubernetes: ``DUPLEX_HOST=0.0.0.0``; ``DUPLEX_NODE_ID`` = the pod's name (fieldRef);
     ``DUPLEX_DRAIN_GRACE_S`` = ``drain_seconds(profile)`` (the longest session, so that a drain never cuts
     one); ``DUPLEX_TOKEN_KEYS_FILE`` = ``TOKEN_KEYS_PATH``; ``DUPLEX_WEIGHTS`` = ``weights_dir``;
-    ``DUPLEX_WORKERS`` = ``RUNTIME_FRONTEND_WORKERS``;
+    ``DUPLEX_WORKERS`` = ``RUNTIME_FRONTEND_WORKERS``; ``DUPLEX_TRUSTED_PROXIES`` = Google's front-end ranges
+    and ``DUPLEX_FORWARDED_BY=google-lb`` (the caller's address from the load balancer's own header);
     ``DUPLEX_REDIS_URL`` from the Secret; the recording settings (``infra.k8s.recordings``, when the
     region records); then ``HF_HUB_OFFLINE=1`` (the weights are local) and the caches
     (``HF_HOME``, ``XDG_CACHE_HOME``, ``TRITON_CACHE_DIR``) on an emptyDir (the root filesystem is
@@ -197,6 +205,10 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             "DUPLEX_WEIGHTS": weights_dir(workload),
             # A CPU request is a quota, not a cpuset: the runtime cannot see it, so the worker count is set.
             "DUPLEX_WORKERS": str(RUNTIME_FRONTEND_WORKERS),
+            # Callers reach the pods through Google's front ends (container-native load balancing): believe
+            # those peers only, and only the X-Forwarded-For entry they append (issue 34, item 9).
+            "DUPLEX_TRUSTED_PROXIES": ",".join(GOOGLE_FRONT_END_RANGES),
+            "DUPLEX_FORWARDED_BY": "google-lb",
         }
     )
     env: list[dict[str, Any]] = []

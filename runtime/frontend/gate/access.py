@@ -134,10 +134,15 @@ class Access:
         """The caller's address for rate limits, the waiting room and logs: the socket's peer, or, when that
         peer is a trusted proxy (``config.trusted_proxies``: nginx on the node), the ``X-Real-IP`` it set
         when that is an IP address, else the right-most address of ``X-Forwarded-For`` that is not itself a
-        trusted proxy. A header that is not an IP address is ignored (the peer is used)."""
+        trusted proxy. A header that is not an IP address is ignored (the peer is used). With
+        ``config.forwarded_by == "google-lb"`` (GKE behind a Google Cloud load balancer, whose front ends are
+        the trusted peers): X-Forwarded-For's second-to-last entry, never a header the client could set
+        (issue 34, item 9: :func:`_google_lb_client`)."""
         peer = request.peer or "?"
         if not self._trusted(peer):
             return peer
+        if self.config.forwarded_by == "google-lb":
+            return _google_lb_client(request, peer)
         real_ip = _ip_or_none(request.get("X-Real-IP"))
         if real_ip is not None:
             return real_ip
@@ -210,6 +215,19 @@ class Access:
         """
         if claims is not None and self.replay_guard is not None:
             await self.replay_guard.spend(claims)
+
+
+def _google_lb_client(request: RequestView, peer: str) -> str:
+    """The client's address as a Google Cloud external Application Load Balancer gives it: the front end
+    appends ``<client-ip>,<load-balancer-ip>`` to whatever ``X-Forwarded-For`` the client sent (Google Cloud
+    docs, "External Application Load Balancer overview", "X-Forwarded-For header"), so the client's address
+    is the second-to-last entry; the entries before it, and ``X-Real-IP``, are the client's own words and are
+    never believed. ``peer`` (the front end's address) when the header is missing, has fewer than two
+    entries, or that entry is not an IP address."""
+    forwarded = [a.strip() for h in request.get_all("X-Forwarded-For") for a in h.split(",")]
+    if len(forwarded) < 2:
+        return peer
+    return _ip_or_none(forwarded[-2]) or peer
 
 
 def _ip_or_none(value: str | None) -> str | None:
