@@ -3,6 +3,7 @@ profile, and a redis-server started from the rendered file (password required, p
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import subprocess
@@ -20,6 +21,8 @@ from infra.node.profile import PROFILES, get_profile
 from infra.node.redis_conf import REDIS_CONF, render_redis
 from infra.node.services import NodeSecrets
 from infra.node.tls import write_self_signed_certificate
+from runtime.frontend.gate.replay import RedisReplayGuard
+from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nginx") is None, reason="nginx not installed (apt: nginx-light)"
@@ -165,12 +168,99 @@ def test_rendered_redis_requires_the_password_and_persists(tmp_path: Path) -> No
         client = redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=1)
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("bind") == {"bind": "127.0.0.1"}
-        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "volatile-ttl"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("save") == {"save": ""}  # no RDB snapshot keeps what was erased
         assert client.config_get("maxmemory") == {"maxmemory": str(64 * 1024 * 1024)}
     finally:
         process.terminate()
         process.wait(10)
     assert list((tmp_path / "redis" / "data").iterdir()), "no persistence files written"
+
+
+def _fill(client: redis.Redis, ttl_s: int) -> bool:
+    """Write 256 KiB values with a week's TTL (as transcripts) until Redis refuses one; whether it did."""
+    blob = b"x" * 262_144
+    for i in range(2_000):  # 500 MiB at most: far past the profile's 64 MB maxmemory
+        try:
+            client.set(f"duplex:transcript:filler-{i}", blob, ex=ttl_s)
+        except redis.exceptions.OutOfMemoryError:
+            return True
+    return False
+
+
+def test_a_full_redis_keeps_the_spent_token_markers(tmp_path: Path) -> None:
+    """Issue 34, item 4: with volatile-ttl a full Redis evicted the minutes-long spent-token markers before
+    the week-long transcripts, and a spent token then opened a second session. With noeviction the marker
+    stays and the write that does not fit is refused (a spend refused so fails closed: 503
+    ``replay_check_unavailable``, ``RedisReplayGuard._redis_failed``)."""
+    process, port, node_secrets = _start_redis(tmp_path)
+    url = f"redis://:{node_secrets.redis_password}@127.0.0.1:{port}/0"
+
+    def claims(jti: str) -> TokenClaims:
+        now = time.time()
+        return TokenClaims(jti, "k1", "duplex", ("*",), now, now, now + 300)
+
+    async def scenario() -> None:
+        guard = RedisReplayGuard(url, timeout_s=5.0)
+        try:
+            await guard.spend(claims("spent-before-full"))
+            assert _fill(
+                redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=5), 604_800
+            )
+            assert await guard.seen(claims("spent-before-full"))  # not evicted
+            with pytest.raises(TokenRejected) as replayed:
+                await guard.spend(claims("spent-before-full"))
+            assert replayed.value.reason == "replayed"
+        finally:
+            await guard.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def test_erased_text_is_in_no_file_of_redis_after_the_rewrite(tmp_path: Path) -> None:
+    """Issue 34, item 6: after an erase the text stayed in the AOF and in dump.rdb. With the rendered
+    configuration (AOF alone, no snapshots) an AOF rewrite after the erase leaves it in no file."""
+    process, port, node_secrets = _start_redis(tmp_path)
+    client = redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=5)
+    secret = "my card number is 4111-1111-1111-1111"
+    data = tmp_path / "redis" / "data"
+
+    def files_holding(text: str) -> list[str]:
+        return [
+            str(p.relative_to(data))
+            for p in data.rglob("*")
+            if p.is_file() and text.encode() in p.read_bytes()
+        ]
+
+    try:
+        client.set("duplex:transcript:erased", secret, ex=604_800)
+        client.set("duplex:transcript:kept", "hello", ex=604_800)
+        deadline = time.monotonic() + 10
+        while not files_holding(secret) and time.monotonic() < deadline:
+            time.sleep(0.1)  # appendfsync everysec
+        assert files_holding(secret), "the AOF never held the text: the test proves nothing"
+        client.delete("duplex:transcript:erased")
+        client.bgrewriteaof()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            info = client.info("persistence")
+            if (
+                not info["aof_rewrite_in_progress"]
+                and not info["aof_rewrite_scheduled"]
+                and not files_holding(secret)
+            ):
+                break
+            time.sleep(0.1)
+        assert files_holding(secret) == []
+        assert files_holding("hello"), "the rewrite must keep what was not erased"
+        assert not (data / "dump.rdb").exists(), "a snapshot was written"  # the AOF's own base is .base.rdb
+    finally:
+        process.terminate()
+        process.wait(10)
 
 
 def test_rendered_redis_holds_no_secret() -> None:

@@ -39,6 +39,7 @@ ALL_ALERTS = {
     "RuntimeNotReady",
     "RuntimeLoadingTooLong",
     "RedisDown",
+    "RedisMemoryNearFull",
     "FirstAudioLatencyHigh",
     "TicksOverBudget",
     "NodeAtSessionCap",

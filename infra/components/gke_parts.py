@@ -435,7 +435,7 @@ class RegionRedis(_Part):
             connect_mode="DIRECT_PEERING",
             auth_enabled=True,
             transit_encryption_mode="SERVER_AUTHENTICATION",
-            redis_configs={"maxmemory-policy": "volatile-ttl"},
+            redis_configs={"maxmemory-policy": "noeviction"},
             labels=labels,
             opts=self.child(protect=protect),
         )

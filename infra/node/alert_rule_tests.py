@@ -13,6 +13,7 @@ from typing import Any
 from infra.node.alert_rules import (
     DCGM_SELECTOR,
     LOADING_ALERT_MINUTES,
+    REDIS_MEMORY_ALERT_FRACTION,
     REDIS_SELECTOR,
     RUNTIME_SELECTOR,
     TICKS_OVER_BUDGET_FRACTION,
@@ -43,6 +44,9 @@ from infra.node.services import Service, endpoint
 from infra.node.session_rules import session_expression_tests, session_healthy_series, session_test_groups
 
 __all__ = ["rules_unit_tests"]
+
+REDIS_MAX_BYTES = 512 * 1024 * 1024
+"""The test series' Redis ``maxmemory`` (bytes): the node profile's default 512 MB."""
 
 
 def rules_unit_tests(
@@ -138,6 +142,8 @@ def rules_unit_tests(
         ("duplex_admissions_refused_total", {**rt, "reason": "expired"}, counter(4)),
         ("up", rd, steady(1)),
         ("redis_up", rd, steady(1)),
+        ("redis_memory_max_bytes", rd, steady(REDIS_MAX_BYTES)),
+        ("redis_memory_used_bytes", rd, steady(REDIS_MAX_BYTES // 2)),
     ]
     if profile.gpu is not None:
         healthy += [
@@ -213,6 +219,29 @@ def rules_unit_tests(
             "RedisDown: redis_exporter not scraped",
             no_redis_up,
             check("RedisDown", late, expect("RedisDown", rd, 0)),
+        )
+    )
+    near_full = round(REDIS_MAX_BYTES * (1 + REDIS_MEMORY_ALERT_FRACTION) / 2)
+    groups.append(
+        group(
+            "RedisMemoryNearFull: used past the alert share of maxmemory",
+            with_series(healthy, "redis_memory_used_bytes", rd, steady(near_full)),
+            check("RedisMemoryNearFull", 3),
+            check(
+                "RedisMemoryNearFull", late, expect("RedisMemoryNearFull", rd, near_full / REDIS_MAX_BYTES)
+            ),
+        )
+    )
+    groups.append(
+        group(
+            "RedisMemoryNearFull: no maxmemory set is no alert",
+            with_series(
+                with_series(healthy, "redis_memory_max_bytes", rd, steady(0)),
+                "redis_memory_used_bytes",
+                rd,
+                steady(REDIS_MAX_BYTES),
+            ),
+            check("RedisMemoryNearFull", late),
         )
     )
     groups.append(

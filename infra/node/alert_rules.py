@@ -27,6 +27,7 @@ __all__ = [
     "DCGM_SELECTOR",
     "LOADING_ALERT_MINUTES",
     "NODE_SIDE_REFUSALS",
+    "REDIS_MEMORY_ALERT_FRACTION",
     "REDIS_SELECTOR",
     "RUNTIME_SELECTOR",
     "TICKS_OVER_BUDGET_FRACTION",
@@ -42,6 +43,10 @@ RUNTIME_SELECTOR = 'job="runtime"'
 """Label matchers selecting the runtime's targets on a node."""
 REDIS_SELECTOR = 'job="redis-exporter"'
 """Label matchers selecting redis_exporter's targets on a node."""
+REDIS_MEMORY_ALERT_FRACTION = 0.9
+"""``RedisMemoryNearFull`` fires past this share of ``maxmemory`` (redis_exporter's
+``redis_memory_used_bytes`` over ``redis_memory_max_bytes``): room for the last minutes of writes before
+``noeviction`` refuses them."""
 DCGM_SELECTOR = 'job="dcgm-exporter"'
 """Label matchers selecting dcgm-exporter's targets on a node."""
 COTURN_SELECTOR = 'job="coturn"'
@@ -105,6 +110,18 @@ def _node_alert_specs(profile: NodeProfile, runtime: str, redis: str, dcgm: str)
             "redis_exporter '{{ $labels.instance }}' (node {{ $labels.node }}) has reported Redis down, or "
             "could not be scraped, for 1 minute (value {{ $value | humanize }}): session state and "
             "transcripts are not being stored.",
+        ),
+        (
+            "RedisMemoryNearFull",
+            f"redis_memory_used_bytes{sel(redis)} / (redis_memory_max_bytes{sel(redis)} > 0) "
+            f"> {num(REDIS_MEMORY_ALERT_FRACTION)}",
+            "5m",
+            "page",
+            "Redis behind {{ $labels.instance }} is near its maxmemory",
+            "Redis on node {{ $labels.node }} uses {{ $value | humanizePercentage }} of its maxmemory. With "
+            "noeviction (issue 34: a full Redis must not drop the spent-token markers) writes fail once it "
+            "is full: new sessions are refused (the replay check fails closed) and transcripts stop being "
+            "written. Raise retention.redis_max_memory_mb or shorten DUPLEX_TRANSCRIPT_TTL_S.",
         ),
         (
             "FirstAudioLatencyHigh",

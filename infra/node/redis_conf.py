@@ -2,8 +2,15 @@
 
 ``render_redis(profile)`` gives ``redis/redis.conf``: bound to the private side only, password required
 (``requirepass`` comes from ``secrets/redis-auth.conf`` through ``include``, so the rendered file holds no
-secret), persistence on (AOF every second plus RDB snapshots), memory bounded with TTL-first eviction (every
-key the runtime writes has a TTL).
+secret), persistence by the append-only file alone (fsynced every second; no RDB snapshots: a snapshot is a
+copy an erasure cannot reach, issue 34 item 6), memory bounded with ``noeviction`` (issue 34 item 4: with
+``volatile-ttl`` a full Redis evicted the minutes-long spent-token markers first, and a spent token opened a
+second session; now writes fail when full: the replay check fails closed, the store's writer retries and
+counts them, and the ``RedisMemoryNearFull`` alert pages before it comes to that).
+
+Erasure and the files: an erased key leaves the AOF only when the AOF is rewritten. The runtime asks for a
+rewrite (``BGREWRITEAOF``) after erasures; ``auto-aof-rewrite-percentage`` rewrites it as it grows. With
+``aof-use-rdb-preamble`` the rewrite's base is a fresh snapshot of live keys only.
 
 Binding: a ``processes`` node binds ``profile.private_address`` (loopback locally). In ``compose`` Redis
 binds every interface of its container, whose only network is the node's private bridge network; its port
@@ -42,14 +49,19 @@ daemonize no
 logfile ""
 dir {data_dir}
 
-# Persistence: append-only file fsynced every second, plus snapshots.
+# Persistence: the append-only file alone, fsynced every second, rewritten as it doubles. No RDB snapshots:
+# a snapshot keeps erased transcripts until the next one (issue 34: erase must reach Redis's files).
 appendonly yes
 appendfsync everysec
-save 900 1 300 10 60 10000
+aof-use-rdb-preamble yes
+auto-aof-rewrite-percentage 100
+auto-aof-rewrite-min-size 16mb
+save ""
 
-# Bounded memory: every key the runtime writes carries a TTL; evict the nearest expiry first.
+# Bounded memory, never evicting: every key carries a TTL, and the spent-token markers must outlive a full
+# Redis (volatile-ttl evicted them first). Writes fail when full; RedisMemoryNearFull pages before.
 maxmemory {profile.retention.redis_max_memory_mb}mb
-maxmemory-policy volatile-ttl
+maxmemory-policy noeviction
 
 # Commands an attacker with the password could use to take the host.
 rename-command DEBUG ""
