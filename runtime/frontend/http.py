@@ -72,6 +72,11 @@ MAX_REQUEST_LINE_BYTES = 8190
 READ_BUFSIZE = 2**16
 """aiohttp's read buffer per connection (bytes; its default, ``read_bufsize``): a body is buffered up to
 twice this before aiohttp stops reading the socket. An SDP offer (``MAX_OFFER_BYTES``, 32 KiB) fits."""
+LINGERING_S = 1.0
+"""After answering a request whose body was not read to its end (a 408, a 405 to a POST), how long aiohttp
+reads and drops the rest before it closes (s; aiohttp's ``lingering_time``, 10 s by default: a slow
+sender held its connection that long after its answer, issue 34, item 10). Long enough for a client still
+sending a small body to read its answer instead of a reset."""
 MAX_LOGGED_CHARS = 160
 """Longest part of a bad request's parse error quoted in its log line (the error may quote the request)."""
 
@@ -79,8 +84,9 @@ MAX_LOGGED_CHARS = 160
 class BadRequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """aiohttp's server logger (``aiohttp.server``) with its parse errors made quiet: a request aiohttp
     could not parse (an over-long request line or header, a broken request line: ``HttpProcessingError``)
-    is answered 400 by aiohttp and logged here as one INFO line naming the peer and the reason, never a
-    traceback at ERROR (issue 31: 11 tracebacks from 113 kinds of bad input, a cheap way to flood the
+    is answered 400 by aiohttp and logged here as one INFO line naming the peer and the reason (a first
+    request that is not HTTP at all, which aiohttp logs at DEBUG: one DEBUG line), never a traceback at
+    ERROR (issue 31: 11 tracebacks from 113 kinds of bad input, a cheap way to flood the
     logs). Every other exception aiohttp logs keeps its traceback. aiohttp 3.11 logs these through
     ``RequestHandler.handle_error`` -> ``log_exception`` -> ``logger.exception``."""
 
@@ -88,15 +94,27 @@ class BadRequestLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         """One INFO line for a parse error, else the adapted logger's ``exception``."""
         exc = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
         if isinstance(exc, HttpProcessingError):
-            reason = str(exc.message)
-            if len(reason) > MAX_LOGGED_CHARS:
-                reason = reason[: MAX_LOGGED_CHARS - 3] + "..."
-            peer = args[0] if args else "?"
-            self.logger.info(
-                "refused a bad HTTP request from %s: %d %s: %s", peer, exc.code, type(exc).__name__, reason
-            )
+            self._refused(logging.INFO, exc, args)
             return
         self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)  # type: ignore[arg-type]
+
+    def debug(self, msg: object, *args: object, **kwargs: Any) -> None:
+        """aiohttp logs a first request that is not HTTP at all (a TLS hello, a scanner) at DEBUG with its
+        traceback: one DEBUG line here, no traceback."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            self._refused(logging.DEBUG, exc, args)
+            return
+        self.logger.debug(msg, *args, **kwargs)
+
+    def _refused(self, level: int, exc: HttpProcessingError, args: tuple[object, ...]) -> None:
+        reason = " ".join(str(exc.message).split())
+        if len(reason) > MAX_LOGGED_CHARS:
+            reason = reason[: MAX_LOGGED_CHARS - 3] + "..."
+        peer = args[0] if args else "?"
+        self.logger.log(
+            level, "refused a bad HTTP request from %s: %d %s: %s", peer, exc.code, type(exc).__name__, reason
+        )
 
 
 SERVER_LOG = BadRequestLog(logging.getLogger("aiohttp.server"), {})
@@ -442,6 +460,7 @@ def _application(
             "max_line_size": MAX_REQUEST_LINE_BYTES,
             "max_field_size": MAX_REQUEST_LINE_BYTES,
             "read_bufsize": READ_BUFSIZE,
+            "lingering_time": LINGERING_S,
             "keepalive_timeout": idle_s,
             "logger": SERVER_LOG,
         }
