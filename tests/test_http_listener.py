@@ -81,7 +81,7 @@ async def test_a_bad_request_is_one_info_line_not_a_traceback(
 def test_the_header_deadline_closes_only_connections_that_sent_no_request_head() -> None:
     """The sweep with an injected clock: a connection is closed once ``timeout_s`` has passed since it was
     first seen without a request; one that has sent a request is never closed by it."""
-    from runtime.frontend.http import HeaderDeadline
+    from runtime.frontend.listener import HeaderDeadline
 
     class Connection:
         def __init__(self) -> None:

@@ -42,6 +42,7 @@ from runtime.frontend.gate.refusals import (
     LOADING_MESSAGE,
     Admission,
 )
+from runtime.frontend.listener import HEADER_DEADLINE
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.session.conversation import ChatSession
 from runtime.frontend.store.recordings import LocalRecordings, RecordingStore
@@ -96,7 +97,7 @@ closed before it: a drain's 1001, or an engine loss's 1011)."""
 
 async def _listen(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> web.AppRunner:
     """Serve ``app`` on ``host:port`` (``reuse_port``: ``SO_REUSEPORT``, the workers' shared port), with
-    the app's header deadline (``runtime.frontend.http.HeaderDeadline``) swept over the listener's
+    the app's header deadline (``runtime.frontend.listener.HeaderDeadline``) swept over the listener's
     connections while it serves.
 
     Raises:
@@ -109,7 +110,7 @@ async def _listen(app: web.Application, host: str, port: int, *, reuse_port: boo
         handle_signals=False,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
-    deadline = app[http.HEADER_DEADLINE]
+    deadline = app[HEADER_DEADLINE]
 
     def connections() -> list[web.RequestHandler]:
         server = runner.server
