@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -74,6 +75,13 @@ class Case:
     spend_bucket: bool = False
 
 
+def _closed_port() -> int:
+    """A local port nothing listens on (Redis down: connection refused at once)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 async def _replayed(server: DuplexServer) -> str:
     used = token()
     assert server.access.verifier is not None
@@ -126,6 +134,11 @@ NEW_ONLY = [
     Case("wrong_audience", TOKEN_MODE, token=token(audience="another-node")),
     Case("persona_not_allowed", TOKEN_MODE, query="voice_prompt=alice", token=token(personas=["bob"])),
     Case("replayed", TOKEN_MODE, token=_replayed),
+    Case(
+        "replay_check_unavailable",
+        {**TOKEN_MODE, "token_replay_check": "redis", "redis_url": f"redis://127.0.0.1:{_closed_port()}/0"},
+        token=token(),
+    ),
     Case("bad_request", query="audio_topk=9999"),
     Case("not_ready", prepare=_backend_refuses("not_ready")),
 ]

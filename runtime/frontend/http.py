@@ -1,20 +1,20 @@
 """The HTTP side of the node's port: one route table for the loading and the serving phases, served by
-aiohttp (``build_app``; the loading phase's ``build_loading_app``).
+aiohttp (``build_app``; the loading phase's ``build_loading_app``; the listener's limits:
+``runtime.frontend.listener``).
 
 Every route answers GET only but the sessions API's items (GET and DELETE:
 ``runtime.frontend.sessions_api``) and WebRTC's (``/api/rtc``: POST an offer; its sessions' resources under
 ``/api/rtc/``: DELETE; ``runtime.frontend.transports.webrtc.signalling``), 405 with ``Allow`` otherwise (RFC
-9110 15.5.6); an unknown
-path gets 404
-naming the routes. While the model loads (the pre-load server of ``--workers 0``, or a worker whose
-engine has not answered yet) each route gives its ``loading`` answer: ``/healthz`` 200 ``loading``,
-``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``, ``/metrics`` the registry (with
-``duplex_loading 1``), ``/api/admission`` ``not_ready``, everything else (``/api/chat`` included: no upgrade)
-503 ``LOADING_MESSAGE``. Serving: ``/api/chat`` passes the handshake rate limits and the access check
-(``runtime.frontend.gate.access``) before the upgrade, refusals as plain HTTP statuses; ``/api/admission``
-makes
-the same checks and the session's, without spending anything (``runtime.frontend.gate.refusals.Admission``).
-Why aiohttp and not websockets' ``process_request``: docs/runtime.md, "The HTTP layer".
+9110 15.5.6); an unknown path gets 404 naming the routes. While the model loads (the pre-load server of
+``--workers 0``, or a worker whose engine has not answered yet) each route gives its ``loading`` answer:
+``/healthz`` 200 ``loading``, ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``,
+``/metrics`` the registry (with ``duplex_loading 1``), ``/api/admission`` ``not_ready``, everything else
+(``/api/chat`` included: no upgrade) 503 ``LOADING_MESSAGE``. Serving: ``/api/chat``, ``/api/rtc`` and
+``/api/rtc/ice-servers`` pass the gate (``runtime.frontend.gate.admission.admit``: rate limits, origin,
+token, persona, replay; each refusal counted once) before any upgrade or answer, refusals as plain HTTP
+statuses; ``/api/admission`` runs the same gate as a probe and the session's checks, without spending
+anything (``runtime.frontend.gate.refusals.Admission``). Why aiohttp and not websockets'
+``process_request``: docs/runtime.md, "The HTTP layer".
 """
 
 from __future__ import annotations
