@@ -282,3 +282,41 @@ async def test_each_refusal_answers_its_status_and_counts_once_where_it_belongs(
         assert text.startswith(f"{case.reason}: "), text
     counter = COUNTERS[1] if resume else COUNTERS[0]
     assert moved(before, after) == {(counter, case.reason): 1.0}, moved(before, after)
+
+
+async def test_a_carrier_runs_the_gate_in_two_steps_each_refusal_counted_once() -> None:
+    """A carrier (a phone media stream) authenticates after its upgrade: ``admit_connection`` when the
+    connection arrives, ``admit_token`` on its first message, with the token that message carries and the
+    request parsed once. The same checks and counts as ``admit`` on an HTTP request."""
+    from runtime.config import RuntimeConfig
+    from runtime.frontend.gate.access import Access, RequestView
+    from runtime.frontend.gate.admission import GateRefused, admit_connection, admit_token
+    from runtime.frontend.gate.query import parse_session_query
+    from runtime.metrics import RuntimeMetrics
+
+    config = RuntimeConfig(host="127.0.0.1", port=0, node_id="carrier", **TOKEN_MODE)  # type: ignore[arg-type]
+    metrics = RuntimeMetrics()
+    access = Access(config, metrics)
+    view = RequestView("192.0.2.7", [("Origin", ORIGIN)], "")
+    connection = admit_connection(access, metrics, view, origin=view.get("Origin"), resume=False)
+    assert connection.client == "192.0.2.7"
+    request = parse_session_query("voice_prompt=alice")
+    claims = await admit_token(access, metrics, token(personas=["alice"]), request)
+    assert claims is not None and claims.personas == ("alice",)
+    with pytest.raises(GateRefused) as refused:
+        await admit_token(access, metrics, token(personas=["bob"]), request)
+    assert (refused.value.reason, refused.value.status) == ("persona_not_allowed", 403)
+    with pytest.raises(GateRefused) as refused:
+        admit_connection(access, metrics, view, origin="https://evil.example.com", resume=True)
+    assert refused.value.reason == "origin_not_allowed" and refused.value.resume
+    samples = {
+        (s.name, s.labels["reason"]): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.name in COUNTERS and s.value
+    }
+    assert samples == {
+        ("duplex_admissions_refused_total", "persona_not_allowed"): 1.0,
+        ("duplex_resume_refused_total", "origin_not_allowed"): 1.0,
+    }
+    await access.close()
