@@ -238,6 +238,29 @@ class RuntimeConfig(BaseSettings):
         description="Front-end worker processes beside the engine process (runtime/multiproc.py): 0 runs "
         "one process (model and front end together), -1 picks from the host's cores (one per core, 1..8)",
     )
+    # The runtime's own HTTP listener (runtime/frontend/http.py; issue 34, item 10: on GKE callers reach the
+    # pods without nginx, so slow and silent connections must be cut here).
+    http_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="A connection that has not sent a whole request line and headers this long after it "
+        "opened is closed (s; checked every quarter of it, so closed within 1.5 times it)",
+    )
+    http_body_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="A POST /api/rtc whose SDP offer body has not fully arrived this long after its headers "
+        "is answered 408 and closed (s)",
+    )
+    http_idle_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        le=3600,
+        description="An idle keep-alive connection (between requests) is closed after this (s; aiohttp's "
+        "keepalive_timeout, nginx's default); a WebSocket is not idle: its heartbeat runs",
+    )
     # WebRTC media relay (runtime/frontend/transports/webrtc/turn.py; the node runs coturn with the same
     # secret).
     turn_secret: SecretStr | None = Field(

@@ -1,24 +1,25 @@
 """The HTTP side of the node's port: one route table for the loading and the serving phases, served by
-aiohttp (``build_app``; the loading phase's ``build_loading_app``).
+aiohttp (``build_app``; the loading phase's ``build_loading_app``; the listener's limits:
+``runtime.frontend.listener``).
 
 Every route answers GET only but the sessions API's items (GET and DELETE:
 ``runtime.frontend.sessions_api``) and WebRTC's (``/api/rtc``: POST an offer; its sessions' resources under
 ``/api/rtc/``: DELETE; ``runtime.frontend.transports.webrtc.signalling``), 405 with ``Allow`` otherwise (RFC
-9110 15.5.6); an unknown
-path gets 404
-naming the routes. While the model loads (the pre-load server of ``--workers 0``, or a worker whose
-engine has not answered yet) each route gives its ``loading`` answer: ``/healthz`` 200 ``loading``,
-``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``, ``/metrics`` the registry (with
-``duplex_loading 1``), ``/api/admission`` ``not_ready``, everything else (``/api/chat`` included: no upgrade)
-503 ``LOADING_MESSAGE``. Serving: ``/api/chat`` passes the handshake rate limits and the access check
-(``runtime.frontend.gate.access``) before the upgrade, refusals as plain HTTP statuses; ``/api/admission``
-makes
-the same checks and the session's, without spending anything (``runtime.frontend.gate.refusals.Admission``).
-Why aiohttp and not websockets' ``process_request``: docs/runtime.md, "The HTTP layer".
+9110 15.5.6); an unknown path gets 404 naming the routes. While the model loads (the pre-load server of
+``--workers 0``, or a worker whose engine has not answered yet) each route gives its ``loading`` answer:
+``/healthz`` 200 ``loading``, ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``,
+``/metrics`` the registry (with ``duplex_loading 1``), ``/api/admission`` ``not_ready``, everything else
+(``/api/chat`` included: no upgrade) 503 ``LOADING_MESSAGE``. Serving: ``/api/chat``, ``/api/rtc`` and
+``/api/rtc/ice-servers`` pass the gate (``runtime.frontend.gate.admission.admit``: rate limits, origin,
+token, persona, replay; each refusal counted once) before any upgrade or answer, refusals as plain HTTP
+statuses; ``/api/admission`` runs the same gate as a probe and the session's checks, without spending
+anything (``runtime.frontend.gate.refusals.Admission``). Why aiohttp and not websockets'
+``process_request``: docs/runtime.md, "The HTTP layer".
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -26,17 +27,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from runtime.config import RuntimeConfig
 from runtime.engine.api import node_full_message
 from runtime.engine.persona_limits import (
     TEXT_PROMPT_MAX_CHARS,
     TEXT_PROMPT_MAX_TOKENS,
     VOICE_PROMPT_MAX_CHARS,
 )
-from runtime.frontend.gate.access import RequestView, bearer_token, session_token
-from runtime.frontend.gate.query import RESUME_HEADER, ResumePresented
-from runtime.frontend.gate.ratelimit import RateLimited
+from runtime.frontend.gate.access import RequestView
+from runtime.frontend.gate.admission import GateRefused, admit
 from runtime.frontend.gate.refusals import LOADING_MESSAGE, Admission, SessionRefused
-from runtime.frontend.gate.tokens import TokenRejected
+from runtime.frontend.listener import HEADER_DEADLINE, READ_BUFSIZE, HeaderDeadline, listener_args
 from runtime.frontend.session.conversation import FrontEnd, plan_session
 from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
 from runtime.frontend.transports import websocket as ws
@@ -61,10 +62,6 @@ log = logging.getLogger(__name__)
 CHAT_PATH = "/api/chat"
 ADMISSION_PATH = "/api/admission"
 PERSONAS_PATH = "/api/personas"
-
-MAX_REQUEST_LINE_BYTES = 8190
-"""Longest request line (method, URL, version) and longest header field aiohttp reads; longer gets 400
-(aiohttp's defaults, as websockets' 8 KiB before)."""
 
 
 @dataclass(frozen=True)
@@ -119,14 +116,6 @@ def request_view(request: web.Request) -> RequestView:
     return RequestView(peer, request.headers.items(), request.query_string)
 
 
-def resume_presented(view: RequestView, *, subprotocols: bool = True) -> ResumePresented:
-    """The resume credential as ``view`` presents it: the ``Duplex-Resume-Credential`` header, the
-    ``duplex.resume.<credential>`` subprotocol (``subprotocols``: a WebSocket upgrade) and the deprecated
-    ``?resume=`` (issue 34: a credential in the URL is kept by proxies' and load balancers' logs)."""
-    protocols = view.get_all("Sec-WebSocket-Protocol") if subprotocols else ()
-    return ResumePresented.of(view.param("resume"), view.get_all(RESUME_HEADER), protocols)
-
-
 # --- loading phase ------------------------------------------------------------------------------------
 
 
@@ -154,80 +143,67 @@ def _loading_admission(loading: Loading) -> web.Response:
 # --- serving phase ------------------------------------------------------------------------------------
 
 
-def _refuse_rate_limited(
-    front: FrontEnd, limited: RateLimited, *, as_admission: bool, resume: bool = False
-) -> web.Response:
-    """429 with ``Retry-After`` (``/api/admission``: its usual JSON, status 200, reason rate_limited)."""
-    front.metrics.refused("rate_limited", resume=resume)
-    message = f"too many handshakes ({limited.scope} limit); retry after {limited.retry_after_header} s"
-    if as_admission:
-        body = Admission(False, 429, "rate_limited", message).as_json()
-        answer = response(200, body, "application/json", cache_control="no-store")
-    else:
-        answer = text_response(429, f"rate_limited: {message}\n")
-    answer.headers["Retry-After"] = limited.retry_after_header
-    return answer
-
-
-def _refuse_handshake(front: FrontEnd, exc: TokenRejected, *, resume: bool = False) -> web.Response:
-    front.metrics.refused(exc.reason, resume=resume)
-    log.debug("refused handshake: %s", exc)
-    answer = text_response(exc.status, f"{exc.reason}: {exc.detail}\n")
-    if exc.status == 401:  # RFC 6750, 3
-        error = "" if exc.reason == "missing" else ', error="invalid_token"'
-        answer.headers["WWW-Authenticate"] = f'Bearer realm="duplex"{error}'
+def _refused(refused: GateRefused) -> web.Response:
+    """A gate refusal as a plain status (counted already by the gate): ``<reason>: <sentence>``,
+    ``Retry-After`` on 429, ``WWW-Authenticate`` on 401 (RFC 6750, 3). The connection ends after it."""
+    log.info("refused %s: %s", "resume" if refused.resume else "handshake", refused)
+    answer = text_response(refused.status, f"{refused.reason}: {refused.message}\n")
+    if refused.retry_after is not None:
+        answer.headers["Retry-After"] = refused.retry_after
+    if refused.www_authenticate is not None:
+        answer.headers["WWW-Authenticate"] = refused.www_authenticate
+    answer.force_close()  # a refused upgrade ends its connection (as a WebSocket server's does)
     return answer
 
 
 async def _chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
-    answer = await _upgrade_chat(front, request)
+    try:
+        admitted = await admit(front.access, front.metrics, request_view(request))
+    except GateRefused as refused:
+        return _refused(refused)
+    answer = await ws.serve_chat(front, request, admitted)
     if isinstance(answer, web.Response):
-        answer.force_close()  # a refused upgrade ends its connection (as a WebSocket server's does)
+        answer.force_close()  # a refused upgrade (426) ends its connection
     return answer
 
 
-async def _upgrade_chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
-    view = request_view(request)
-    presented = resume_presented(view)
-    resume = presented.given  # its refusals count in duplex_resume_refused_total only
-    # First, before any work (token verify, Redis, persona): the handshake rate limits.
-    limited = front.access.rate_limited(view)
-    if limited is not None:
-        return _refuse_rate_limited(front, limited, as_admission=False, resume=resume)
+async def _rtc(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+    """``/api/rtc`` (POST an offer) and ``/api/rtc/ice-servers`` (GET): the gate (``admit``: the rate
+    limits, the origin, then the token as ``Authorization: Bearer`` or ``?token=``; a resume, ``POST
+    /api/rtc`` with ``Duplex-Resume-Credential: <credential>`` or the deprecated ``?resume=``, needs no
+    token: the single-use credential is the right to the session, as on ``/api/chat``); an offer's body
+    must then arrive within ``DUPLEX_HTTP_BODY_TIMEOUT_S`` (else 408, connection closed: issue 34, item 10);
+    then ``runtime.frontend.transports.webrtc.signalling``."""
     try:
-        if resume:  # the resume credential is the right to the session: no token is spent
-            front.access.check_origin(view.get("Origin"))
-            claims = None
-        else:
-            claims = await front.access.check(view, origin=view.get("Origin"), token=session_token(view))
-    except TokenRejected as exc:
-        return _refuse_handshake(front, exc, resume=resume)
-    return await ws.serve_chat(front, request, claims, front.access.client_address(view), presented)
-
-
-async def _rtc_checked(front: FrontEnd, request: web.Request) -> web.StreamResponse:
-    """``/api/rtc`` (POST an offer) and ``/api/rtc/ice-servers`` (GET): the handshake rate limits, then the
-    access check with the token as ``Authorization: Bearer`` (``?token=`` too), as ``/api/chat``'s upgrade
-    (a resume, ``POST /api/rtc`` with ``Duplex-Resume-Credential: <credential>``, or the deprecated
-    ``?resume=``: the origin only, no token: the single-use credential is the right to the session, as on
-    ``/api/chat``); then ``runtime.frontend.transports.webrtc.signalling``."""
-    view = request_view(request)
-    presented = resume_presented(view, subprotocols=False)
-    limited = front.access.rate_limited(view)
-    if limited is not None:
-        return _refuse_rate_limited(front, limited, as_admission=False)
-    try:
-        if request.path == rtc.RTC_PATH and presented.given:  # as /api/chat: the credential is the right
-            front.access.check_origin(view.get("Origin"))
-            claims = None
-        else:
-            token = bearer_token(view) or session_token(view)
-            claims = await front.access.check(view, origin=view.get("Origin"), token=token)
-    except TokenRejected as exc:
-        return _refuse_handshake(front, exc)
+        admitted = await admit(front.access, front.metrics, request_view(request), subprotocols=False)
+    except GateRefused as refused:
+        return _refused(refused)
     if request.path == rtc.ICE_SERVERS_PATH:
-        return await rtc.serve_ice_servers(front, request, claims)
-    return await rtc.serve_offer(front, request, claims, front.access.client_address(view), presented)
+        return await rtc.serve_ice_servers(front, request, admitted.claims)
+    late = await _body_late(request, front.config.http_body_timeout_s)
+    if late is not None:
+        front.metrics.refused("bad_request", resume=admitted.resume)
+        return late
+    return await rtc.serve_offer(front, request, admitted)
+
+
+async def _body_late(request: web.Request, timeout_s: float) -> web.Response | None:
+    """Wait, at most ``timeout_s``, for the whole request body (buffered by aiohttp, not consumed: the
+    handler reads it after); a 408 that closes the connection when it is late, else None. A body declared
+    larger than aiohttp's read buffer is left to the handler (its own size limit answers 413)."""
+    if not request.body_exists:
+        return None
+    if request.content_length is not None and request.content_length > READ_BUFSIZE:
+        return None
+    try:
+        async with asyncio.timeout(timeout_s):
+            await request.content.wait_eof()
+    except TimeoutError:
+        log.info("refused request: its body did not arrive within %g s (%s)", timeout_s, request.path)
+        answer = text_response(408, f"bad_request: the request body did not arrive within {timeout_s:g} s\n")
+        answer.force_close()
+        return answer
+    return None
 
 
 async def _rtc_resource(front: FrontEnd, request: web.Request) -> web.StreamResponse:
@@ -235,26 +211,35 @@ async def _rtc_resource(front: FrontEnd, request: web.Request) -> web.StreamResp
 
 
 async def _admission(front: FrontEnd, request: web.Request) -> web.Response:
-    view = request_view(request)
-    limited = front.access.rate_limited(view)
-    if limited is not None:
-        return _refuse_rate_limited(front, limited, as_admission=True)
-    answer = await admission(front, view)
+    try:
+        answer = await admission(front, request_view(request))
+    except GateRefused as refused:  # the rate limit: counted, and answered 200 with its reason
+        body = Admission(False, refused.status, refused.reason, refused.message).as_json()
+        limited = response(200, body, "application/json", cache_control="no-store")
+        assert refused.retry_after is not None
+        limited.headers["Retry-After"] = refused.retry_after
+        return limited
     return response(200, answer.as_json(), "application/json", cache_control="no-store")
 
 
 async def admission(front: FrontEnd, view: RequestView) -> Admission:
-    """``GET /api/admission``: the checks of a ``/api/chat`` upgrade (``Access.check``) and of the session
-    after it (query, persona, drain, readiness, capacity), made without spending the token or taking a
-    slot. The token comes as ``Authorization: Bearer <jwt>`` (or ``?token=``), the origin from ``Origin``,
-    else an ``origin`` query parameter (a same-origin GET carries none). Never raises for bad input."""
-    origin = view.get("Origin") or view.param("origin")
+    """``GET /api/admission``: the gate of a ``/api/chat`` upgrade (``admit``, as a probe) and the checks of
+    the session after it (query, persona, drain, readiness, capacity), made without spending the token or
+    taking a slot. The token comes as ``Authorization: Bearer <jwt>`` (or ``?token=``), the origin from
+    ``Origin``, else an ``origin`` query parameter (a same-origin GET carries none).
+
+    Raises:
+        GateRefused: ``rate_limited`` only (counted: a probe spends a handshake); every other verdict is
+            the returned :class:`Admission`.
+    """
     try:
-        await front.access.check(view, origin=origin, token=bearer_token(view) or session_token(view))
-    except TokenRejected as exc:
-        return Admission(False, exc.status, exc.reason, str(exc))
+        admitted = await admit(front.access, front.metrics, view, subprotocols=False, probe=True)
+    except GateRefused as refused:
+        if refused.reason == "rate_limited":
+            raise
+        return Admission(False, refused.status, refused.reason, str(refused))
     try:
-        plan_session(front, view.query)
+        plan_session(front, admitted.request if admitted.request is not None else view.query)
     except SessionRefused as exc:
         return Admission.refused(exc)
     if front.draining:
@@ -308,8 +293,8 @@ ROUTES: dict[str, Route] = {
     # The sessions API (runtime.frontend.sessions_api): the collection, and every path below it.
     SESSIONS_PATH: Route(("GET",), sessions_collection, _loading_refused),
     SESSIONS_PATH + "/*": Route(("GET", "DELETE"), sessions_item, _loading_refused),
-    rtc.RTC_PATH: Route(("POST",), _rtc_checked, _loading_refused),
-    rtc.ICE_SERVERS_PATH: Route(("GET",), _rtc_checked, _loading_refused),
+    rtc.RTC_PATH: Route(("POST",), _rtc, _loading_refused),
+    rtc.ICE_SERVERS_PATH: Route(("GET",), _rtc, _loading_refused),
 }
 """Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer. A key
 ending in ``/*`` takes every path below it."""
@@ -334,14 +319,28 @@ def _route(request: web.Request) -> tuple[Route | None, web.Response | None]:
 
 
 def _application(
-    handler: Callable[[web.Request], Awaitable[web.StreamResponse]], server_header: str | None
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    server_header: str | None,
+    config: RuntimeConfig | None,
 ) -> web.Application:
     """One catch-all aiohttp route to ``handler``, which looks the path up in :data:`ROUTES` (aiohttp's
-    own router would answer 404 and 405 in its own words), and the ``Server`` header when given."""
-    app = web.Application(
-        handler_args={"max_line_size": MAX_REQUEST_LINE_BYTES, "max_field_size": MAX_REQUEST_LINE_BYTES}
-    )
-    app.router.add_route("*", "/{path:.*}", handler)
+    own router would answer 404 and 405 in its own words), and the ``Server`` header when given. The
+    listener's limits (``config``; None: the settings' defaults): the request line and header sizes,
+    ``DUPLEX_HTTP_IDLE_TIMEOUT_S`` (aiohttp's ``keepalive_timeout``: an idle connection between requests),
+    ``DUPLEX_HTTP_HEADER_TIMEOUT_S`` (:class:`HeaderDeadline`, in the app as :data:`HEADER_DEADLINE`) and
+    parse errors logged as one INFO line (:class:`BadRequestLog`)."""
+    defaults = RuntimeConfig.model_fields
+    idle_s = defaults["http_idle_timeout_s"].default if config is None else config.http_idle_timeout_s
+    header_s = defaults["http_header_timeout_s"].default if config is None else config.http_header_timeout_s
+    app = web.Application(handler_args=listener_args(idle_s))
+    deadline = HeaderDeadline(header_s)
+    app[HEADER_DEADLINE] = deadline
+
+    async def started(request: web.Request) -> web.StreamResponse:
+        deadline.started(request)
+        return await handler(request)
+
+    app.router.add_route("*", "/{path:.*}", started)
     if server_header is not None:
 
         async def set_server_header(request: web.Request, answer: web.StreamResponse) -> None:
@@ -352,8 +351,9 @@ def _application(
     return app
 
 
-def build_loading_app(loading: Loading) -> web.Application:
-    """The pre-load server's application: every route's loading answer; nothing is upgraded."""
+def build_loading_app(loading: Loading, config: RuntimeConfig | None = None) -> web.Application:
+    """The pre-load server's application: every route's loading answer; nothing is upgraded (``config``:
+    the listener's limits, as :func:`build_app`'s)."""
 
     async def answer(request: web.Request) -> web.StreamResponse:
         route, refused = _route(request)
@@ -362,7 +362,7 @@ def build_loading_app(loading: Loading) -> web.Application:
             return refused
         return route.loading(loading)
 
-    return _application(answer, None)
+    return _application(answer, None, config)
 
 
 def build_app(front: FrontEnd, *, server_header: str | None = None) -> web.Application:
@@ -379,4 +379,4 @@ def build_app(front: FrontEnd, *, server_header: str | None = None) -> web.Appli
             return route.loading(Loading(front.render_metrics, status.detail))
         return await route.serve(front, request)
 
-    return _application(dispatch, server_header)
+    return _application(dispatch, server_header, front.config)

@@ -42,6 +42,7 @@ from runtime.frontend.gate.refusals import (
     LOADING_MESSAGE,
     Admission,
 )
+from runtime.frontend.listener import HEADER_DEADLINE
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.session.conversation import ChatSession
 from runtime.frontend.store.recordings import LocalRecordings, RecordingStore
@@ -95,7 +96,9 @@ closed before it: a drain's 1001, or an engine loss's 1011)."""
 
 
 async def _listen(app: web.Application, host: str, port: int, *, reuse_port: bool = False) -> web.AppRunner:
-    """Serve ``app`` on ``host:port`` (``reuse_port``: ``SO_REUSEPORT``, the workers' shared port).
+    """Serve ``app`` on ``host:port`` (``reuse_port``: ``SO_REUSEPORT``, the workers' shared port), with
+    the app's header deadline (``runtime.frontend.listener.HeaderDeadline``) swept over the listener's
+    connections while it serves.
 
     Raises:
         OSError: the address is in use.
@@ -107,6 +110,20 @@ async def _listen(app: web.Application, host: str, port: int, *, reuse_port: boo
         handle_signals=False,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
+    deadline = app[HEADER_DEADLINE]
+
+    def connections() -> list[web.RequestHandler]:
+        server = runner.server
+        return [] if server is None else server.connections
+
+    async def sweep_headers(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(deadline.run(connections), name="http header deadline")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(sweep_headers)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
     try:
@@ -356,7 +373,7 @@ async def loading_status(
 
     server = None
     if config.port != 0:
-        app = http.build_loading_app(http.Loading(metrics.render, {}))
+        app = http.build_loading_app(http.Loading(metrics.render, {}), config)
         server = await _listen(app, config.host, config.port)
         log.info("loading the model; %s:%d answers the probes meanwhile", config.host, config.port)
     try:

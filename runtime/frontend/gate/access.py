@@ -2,8 +2,9 @@
 the session token (signature, persona, replay) and its spending. Transport-neutral: it reads a peer address,
 headers and a query, never a socket.
 
-The admission check is :meth:`Access.check` (the ``/api/chat`` upgrade and ``/api/admission`` both call
-it); a token is spent by :meth:`Access.spend`, called once, by the session, when it holds its slot.
+The checks are run, in order and counted once, by ``runtime.frontend.gate.admission`` (``admit``: the
+``/api/chat`` upgrade, ``/api/rtc`` and ``/api/admission`` alike); a token is spent by :meth:`Access.spend`,
+called once, by the session, when it holds its slot.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from collections.abc import Iterable, Mapping
 from urllib.parse import parse_qs
 
 from runtime.config import RuntimeConfig
-from runtime.engine.api import replayed_message
-from runtime.frontend.codecs.protocol import ProtocolError
-from runtime.frontend.gate.query import parse_session_query
 from runtime.frontend.gate.ratelimit import HandshakeLimiter, RateLimited
 from runtime.frontend.gate.replay import MemoryReplayGuard, RedisReplayGuard, ReplayGuard
 from runtime.frontend.gate.tokens import (
@@ -180,31 +178,6 @@ class Access:
     def _origin_allowed(self, origin: str) -> bool:
         allowed = self.config.allowed_origins
         return "*" in allowed or origin.strip().rstrip("/").lower() in allowed
-
-    async def check(
-        self, request: RequestView, *, origin: str | None, token: str | None
-    ) -> TokenClaims | None:
-        """The checks made before a session, in order: origin, token (signature, key, audience, time),
-        persona, replay. Nothing is spent. Returns the token's claims (None with ``auth_mode=off``).
-
-        A query that does not parse skips the persona and replay checks: the session refuses it with
-        ``bad_request`` (1008 after the upgrade, 400 in ``/api/admission``), naming the parameter.
-
-        Raises:
-            TokenRejected: the reason and what to tell the caller.
-        """
-        self.check_origin(origin)
-        if self.verifier is None:
-            return None
-        claims = self.verifier.verify(token)
-        try:
-            voice_prompt = parse_session_query(request.query).voice_prompt
-        except ProtocolError:
-            return claims
-        self.verifier.check_persona(claims, voice_prompt)
-        if self.replay_guard is not None and await self.replay_guard.seen(claims):
-            raise TokenRejected("replayed", replayed_message(claims.token_id))
-        return claims
 
     async def spend(self, claims: TokenClaims | None) -> None:
         """Spend the session's token (single use), when this process spends tokens (Redis, or one process

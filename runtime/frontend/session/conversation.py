@@ -106,9 +106,14 @@ def sampling_from_request(request: SessionRequest) -> SamplingParams:
 
 
 def plan_session(
-    front: FrontEnd, query: str, text_prompt: str | None = None, resume: ResumePresented | None = None
+    front: FrontEnd,
+    query: str | SessionRequest,
+    text_prompt: str | None = None,
+    resume: ResumePresented | None = None,
 ) -> tuple[SessionRequest, SamplingParams]:
-    """What a session's query asks for, checked: the request (``text_prompt``: one that came as metadata;
+    """What a session's query asks for, checked: the request (``query``: the raw query string, or the
+    request the gate parsed once, ``runtime.frontend.gate.admission.Admitted.request``; ``text_prompt``: one
+    that came as metadata;
     ``resume``: the credential as the request presented it, header, subprotocol or query) and its sampling
     settings; the persona checked by the backend.
 
@@ -118,7 +123,7 @@ def plan_session(
             names it.
     """
     try:
-        request = parse_session_query(query)
+        request = query if isinstance(query, SessionRequest) else parse_session_query(query)
         if text_prompt is not None:
             request = dataclasses.replace(request, text_prompt=text_prompt)
         if resume is not None and resume.given:

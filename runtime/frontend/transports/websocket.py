@@ -44,6 +44,7 @@ from runtime.frontend.codecs.protocol import (
     encode_text,
     parse_client_message,
 )
+from runtime.frontend.gate.admission import Admitted
 from runtime.frontend.gate.query import (
     TEXT_PROMPT_IN_METADATA,
     ResumePresented,
@@ -176,20 +177,14 @@ def token_subprotocol(headers: Iterable[str]) -> str | None:
     return None
 
 
-async def serve_chat(
-    front: FrontEnd,
-    request: web.Request,
-    claims: TokenClaims | None,
-    client: str,
-    resume: ResumePresented | None = None,
-) -> web.StreamResponse:
+async def serve_chat(front: FrontEnd, request: web.Request, admitted: Admitted) -> web.StreamResponse:
     """Upgrade an admitted ``/api/chat`` request (its token and origin checked) and run its session;
     426 with ``Upgrade: websocket`` and ``Sec-WebSocket-Version: 13`` when it is not a valid WebSocket
-    version 13 upgrade (RFC 6455, 4.2.2 and 4.4). ``resume``: the credential as the request presented it
-    (``runtime.frontend.http.resume_presented``); a ``duplex.resume.<credential>`` subprotocol is the one
-    selected (before ``duplex.token.<jwt>``: a resume needs no token), even when the resume is then refused,
-    so a browser reads the refusal's 0x05."""
-    resume = resume or ResumePresented()
+    version 13 upgrade (RFC 6455, 4.2.2 and 4.4). ``admitted``: what the gate let through
+    (``runtime.frontend.gate.admission.admit``: claims, client, the resume credential as presented); a
+    ``duplex.resume.<credential>`` subprotocol is the one selected (before ``duplex.token.<jwt>``: a resume
+    needs no token), even when the resume is then refused, so a browser reads the refusal's 0x05."""
+    claims, client, resume = admitted.claims, admitted.client, admitted.presented
     offered = resume.subprotocol or token_subprotocol(request.headers.getall("Sec-WebSocket-Protocol", ()))
     connection = DuplexWebSocket(
         protocols=(offered,) if offered else (),

@@ -51,10 +51,10 @@ from aiohttp import web
 
 from runtime.engine.api import SamplingParams
 from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.frontend.gate.admission import Admitted
 from runtime.frontend.gate.query import (
     RESUME_HEADER,
     TEXT_PROMPT_IN_METADATA,
-    ResumePresented,
     SessionRequest,
 )
 from runtime.frontend.gate.refusals import SessionRefused
@@ -249,19 +249,12 @@ async def _read_offer(request: web.Request) -> str:
     return text
 
 
-async def serve_offer(
-    front: FrontEnd,
-    request: web.Request,
-    claims: TokenClaims | None,
-    client: str,
-    presented: ResumePresented | None = None,
-) -> web.StreamResponse:
-    """``POST /api/rtc`` after the rate limits and the access check (``runtime.frontend.http``);
-    ``presented``: the resume credential as the request presented it (:data:`RESUME_HEADER`, or the
-    deprecated ``?resume=``; None: the query's only)."""
+async def serve_offer(front: FrontEnd, request: web.Request, admitted: Admitted) -> web.StreamResponse:
+    """``POST /api/rtc`` after the gate (``runtime.frontend.gate.admission.admit``); ``admitted``: the
+    claims, the client, the query parsed once and the resume credential as presented
+    (:data:`RESUME_HEADER`, or the deprecated ``?resume=``)."""
     posted_at = time.monotonic()
-    if presented is None:
-        presented = ResumePresented.of(request.query.get("resume"), ())
+    claims, client, presented = admitted.claims, admitted.client, admitted.presented
     resume = presented.given  # its refusals count in duplex_resume_refused_total only
     try:
         sdp = await _read_offer(request)
@@ -269,7 +262,9 @@ async def serve_offer(
         front.metrics.refused("bad_request", resume=resume)
         return _plain(exc.status, (exc.text or exc.reason).strip())
     try:
-        session_request, sampling = plan_session(front, request.query_string, resume=presented)
+        session_request, sampling = plan_session(
+            front, admitted.request or request.query_string, resume=presented
+        )
         if session_request.text_prompt_in == TEXT_PROMPT_IN_METADATA:
             raise SessionRefused(
                 "bad_request",
