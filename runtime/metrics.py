@@ -28,6 +28,7 @@ ACCESS_REFUSAL_REASONS = (
     "malformed",
     "expired",
     "not_yet_valid",
+    "lifetime_too_long",
     "bad_signature",
     "unknown_key",
     "wrong_audience",

@@ -86,6 +86,7 @@ def test_every_refusal_keeps_its_status_close_code_and_message():
         "malformed": RefusalKind(401, 1008),
         "expired": RefusalKind(401, 1008),
         "not_yet_valid": RefusalKind(401, 1008),
+        "lifetime_too_long": RefusalKind(401, 1008),
         "bad_signature": RefusalKind(401, 1008),
         "unknown_key": RefusalKind(401, 1008),
         "wrong_audience": RefusalKind(401, 1008),

@@ -106,6 +106,20 @@ _REFUSALS: dict[str, tuple[Callable[[], str | None], str, str]] = {
     "no-exp": (lambda: _signed(_payload(exp=None)), "malformed", "exp"),
     "expired": (lambda: _minted(now=time.time() - 600), "expired", "mint a new"),
     "not-yet-valid": (lambda: _minted(now=time.time() + 600), "not_yet_valid", "not yet valid"),
+    # Issue 34, item 7: the 24 h cap held only in mint_token; a token signed elsewhere for ten years passed.
+    "ten-years": (
+        lambda: _signed(_payload(exp=int(time.time()) + 10 * 365 * 86400)),
+        "lifetime_too_long",
+        "at most 86400 s",
+    ),
+    "issued-long-ago-for-long": (
+        lambda: _signed(
+            _payload(iat=int(time.time()) - 86400, nbf=int(time.time()) - 86400)
+            | {"exp": int(time.time()) + 3600}
+        ),
+        "lifetime_too_long",
+        "mint a shorter one",
+    ),
     "bad-signature": (lambda: _minted(SigningKey("k1", "z" * 32)), "bad_signature", "k1"),
     "other-algorithm": (
         lambda: jwt.encode(_payload(), "a" * 64, algorithm="HS512", headers={"kid": "k1"}),
@@ -608,3 +622,15 @@ def test_node_secrets_carry_a_signing_key_the_runtime_reads(
     assert TokenVerifier(config.signing_keys(), config.token_audience).verify(token).kid == kid
     assert config.allowed_origins == [f"https://localhost:{profile.ports.https}"]
     assert runtime_settings(PROFILES["l40s"])["DUPLEX_TOKEN_KEYS_FILE"] == "/run/secrets/token_keys"
+
+
+def test_an_application_token_past_the_lifetime_cap_is_refused() -> None:
+    """Issue 34, item 7, for the sessions API's tokens too: a ten-year application token was accepted."""
+    from runtime.frontend.gate.app_tokens import verify_app_token
+
+    forever = _signed(_payload(exp=int(time.time()) + 10 * 365 * 86400, scope="sessions:read"))
+    with pytest.raises(TokenRejected) as exc:
+        verify_app_token(TokenVerifier([KEY], AUDIENCE), forever, "sessions:read")
+    assert exc.value.reason == "lifetime_too_long"
+    day = _signed(_payload(exp=int(time.time()) + 3600, scope="sessions:read"))
+    assert verify_app_token(TokenVerifier([KEY], AUDIENCE), day, "sessions:read").scopes == {"sessions:read"}

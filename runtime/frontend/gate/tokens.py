@@ -85,6 +85,7 @@ REFUSAL_STATUS: dict[str, int] = {
     "malformed": 401,
     "expired": 401,
     "not_yet_valid": 401,
+    "lifetime_too_long": 401,
     "bad_signature": 401,
     "unknown_key": 401,
     "wrong_audience": 401,
@@ -195,8 +196,8 @@ class TokenVerifier:
 
         Raises:
             TokenRejected: ``missing``, ``malformed``, ``unknown_key``, ``bad_signature``,
-                ``wrong_audience``, ``expired``, ``not_yet_valid`` or ``wrong_token_kind`` (an application
-                token; the detail says more).
+                ``wrong_audience``, ``expired``, ``not_yet_valid``, ``lifetime_too_long`` or
+                ``wrong_token_kind`` (an application token; the detail says more).
         """
         payload, kid = self.verified_payload(token)
         return _claims_from_payload(payload, kid)
@@ -248,7 +249,29 @@ class TokenVerifier:
             ) from None
         except jwt.PyJWTError as exc:
             raise TokenRejected("malformed", str(exc)) from None
+        self._check_lifetime(claims)
         return claims, kid
+
+    def _check_lifetime(self, claims: dict[str, Any]) -> None:
+        """Refuse a token that lives longer than ``MAX_TTL_S`` (24 h), from its ``iat`` or from now: the cap
+        holds at verify, not only in :func:`mint_token` (issue 34, item 7: tokens whose ``exp`` was ten years
+        ahead were accepted, by whoever else signed them with the key).
+
+        Raises:
+            TokenRejected: ``lifetime_too_long`` (401), naming both figures.
+        """
+        try:
+            expires_at, issued_at = float(claims["exp"]), float(claims["iat"])
+        except (TypeError, ValueError):
+            raise TokenRejected("malformed", "exp and iat must be numbers (unix seconds)") from None
+        cap = MAX_TTL_S + self.leeway_s
+        lifetime, remaining = expires_at - issued_at, expires_at - time.time()
+        if lifetime > cap or remaining > cap:
+            raise TokenRejected(
+                "lifetime_too_long",
+                f"the token lives {max(lifetime, remaining):.0f} s (exp - iat, or exp - now); tokens live at "
+                f"most {MAX_TTL_S} s: mint a shorter one",
+            )
 
     @staticmethod
     def check_persona(claims: TokenClaims, voice_prompt: str | None) -> None:
