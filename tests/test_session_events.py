@@ -197,3 +197,25 @@ async def test_the_documented_consumer_reads_every_event_once_across_a_restart(r
     assert pending["pending"] == 0  # every event acknowledged
     assert await asyncio.to_thread(_consumer, redis_server.url) == []  # nothing read twice
     await store.close()
+
+
+async def test_the_stream_forgets_what_retention_forgot(redis_server) -> None:
+    """Issue 34, item 5: with DUPLEX_TRANSCRIPT_TTL_S=60, 85 s later the API said 404 while the stream still
+    held all of the session's entries (trimmed by length only). Now each write trims by time as well: entries
+    older than the transcripts' retention go."""
+    store = _store(redis_server.url, transcript_ttl_s=60)
+    now = time.time()
+    store.clock = lambda: now
+    await store.start()
+    old = _record()
+    store.register_session(old)
+    store.append_transcript(old.session_id, "my secret prompt")
+    await _flushed(store)
+    assert [e["kind"] for e in await _events(redis_server.url, old.session_id)] == ["started", "text"]
+    store.clock = lambda: now + 85  # the next write is 85 s later: the old entries are past retention
+    new = _record()
+    store.register_session(new)
+    await _flushed(store)
+    assert await _events(redis_server.url, old.session_id) == []
+    assert [e["kind"] for e in await _events(redis_server.url, new.session_id)] == ["started"]
+    await store.close()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +104,8 @@ class SessionWriter:
         )
         self._token = secrets.token_hex(8)
         self._marker_ttl_s = max(self.session_ttl_s, self.transcript_ttl_s)
+        self.clock: Callable[[], float] = time.time
+        """Unix seconds: the events stream's retention is reckoned from it (injected in tests)."""
 
         self._lock = threading.Lock()
         self._queue: deque[_Op] = deque()  # all queued ops in seq order; dropped ones removed lazily
@@ -155,6 +158,15 @@ class SessionWriter:
         node, event_id = rec.node_id or self.node_id, f"{self._token}:{op.seq}"
         fields = event_fields(kind, rec.session_id, node, op.at_unix_s, event_id, extra)
         pipe.xadd(events_key(self.key_prefix), fields, maxlen=self.events_maxlen, approximate=True)
+
+    def _trim_events(self, pipe: Any) -> None:
+        """Queue ``XTRIM {prefix}:events MINID <now - transcript_ttl_s>``: the stream holds nothing older than
+        the transcripts' retention (issue 34, item 5: it was trimmed by length only, so with
+        ``DUPLEX_TRANSCRIPT_TTL_S=60`` the prompt and every text piece were still there after the session had
+        expired). Stream ids are Redis's millisecond clock; the cut is this writer's clock, so skew between the
+        two moves it by that much. Exact, not ``~``: an approximate trim keeps whole macro nodes (100 entries)."""
+        cutoff_ms = max(0, int((self.clock() - self.transcript_ttl_s) * 1000))
+        pipe.xtrim(events_key(self.key_prefix), minid=f"{cutoff_ms}-0", approximate=False)
 
     def writer_key(self) -> str:
         """``{prefix}:node:{node}:writer[:{writer_id}]`` (string, the writer token): one per writer, so the
@@ -319,6 +331,8 @@ class SessionWriter:
         node_key = self.node_sessions_key()
         pipe = self._redis.pipeline(transaction=True)
         pipe.get(self.writer_key())
+        if self.events_maxlen:  # before this batch's XADDs: the cut never reaches what is written now
+            self._trim_events(pipe)
         texts: dict[str, list[str]] = {}  # transcript key -> pieces, in order (APPEND commutes across keys)
         lines: dict[str, list[str]] = {}  # lines key -> timestamped pieces, in order
         hashes: set[str] = set()
