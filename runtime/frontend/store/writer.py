@@ -163,8 +163,9 @@ class SessionWriter:
         """Queue ``XTRIM {prefix}:events MINID <now - transcript_ttl_s>``: the stream holds nothing older than
         the transcripts' retention (issue 34, item 5: it was trimmed by length only, so with
         ``DUPLEX_TRANSCRIPT_TTL_S=60`` the prompt and every text piece were still there after the session had
-        expired). Stream ids are Redis's millisecond clock; the cut is this writer's clock, so skew between the
-        two moves it by that much. Exact, not ``~``: an approximate trim keeps whole macro nodes (100 entries)."""
+        expired). Stream ids are Redis's millisecond clock; the cut is this writer's clock, so skew between
+        the two moves it by that much. Exact, not ``~``: an approximate trim keeps whole macro nodes (100
+        entries)."""
         cutoff_ms = max(0, int((self.clock() - self.transcript_ttl_s) * 1000))
         pipe.xtrim(events_key(self.key_prefix), minid=f"{cutoff_ms}-0", approximate=False)
 
