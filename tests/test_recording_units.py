@@ -6,6 +6,8 @@ and scopes, and ``duplex token mint --app`` / ``--recording-consent``. The wire:
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -164,3 +166,21 @@ def test_duplex_token_mint_app_and_consent(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--app" in result.output
     result = CliRunner().invoke(cli_app, [*base, "--app", "--scope", "root"])
     assert result.exit_code == 2 and "sessions:read" in result.output
+
+
+def test_recording_files_are_the_runtimes_alone(tmp_path: Path) -> None:
+    """Issue 34, item 11: recording files were created 0644 (any local user could read a caller's voice)."""
+    old_umask = os.umask(0o022)
+    try:
+        store = LocalRecordings(tmp_path / "rec")
+        (tmp_path / "rec" / f"{SID}.caller.opus.part").write_bytes(b"stale")  # left by a crash, 0644
+        handle = store.create(SID, "caller")
+        assert stat.S_IMODE(os.fstat(handle.fileno()).st_mode) == 0o600
+        handle.write(b"OggS")
+        store.commit(SID, "caller", handle)
+        final = store.local_path(SID, "caller")
+        assert final is not None and final.read_bytes() == b"OggS"
+        assert stat.S_IMODE(final.stat().st_mode) == 0o600
+        assert stat.S_IMODE((tmp_path / "rec").stat().st_mode) == 0o700
+    finally:
+        os.umask(old_umask)

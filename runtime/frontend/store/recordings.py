@@ -121,6 +121,10 @@ def _check(session_id: str, side: str) -> None:
         raise ValueError(f"side {side!r} is not one of {', '.join(SIDES)}")
 
 
+_FILE_MODE = 0o600
+"""Recording files: owner read and write only."""
+
+
 class LocalRecordings(RecordingStore):
     """Recordings in one directory (created when missing; mode 0700): the node's disk, or a bucket mounted
     by Cloud Storage FUSE that every pod of a region shares (see the module doc for what differs there).
@@ -143,7 +147,11 @@ class LocalRecordings(RecordingStore):
 
     def create(self, session_id: str, side: str) -> BinaryIO:
         part = self._path(session_id, side).with_name(self._path(session_id, side).name + _PART)
-        return open(part, "wb")  # noqa: SIM115 (closed by commit)
+        # 0600 whatever the umask: a recording is the caller's voice, read by the runtime alone (issue 34:
+        # files were created 0644). O_TRUNC as "wb" did; the rename in commit keeps the mode.
+        descriptor = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, _FILE_MODE)
+        os.fchmod(descriptor, _FILE_MODE)  # an existing .part file keeps its old mode through os.open
+        return os.fdopen(descriptor, "wb")
 
     def commit(self, session_id: str, side: str, handle: BinaryIO) -> None:
         """Close ``handle`` and rename the ``.part`` file to its final name; when the session was erased
