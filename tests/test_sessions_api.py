@@ -316,8 +316,10 @@ async def test_tokens_and_bad_paths_are_refused(api_node: DuplexServer) -> None:
         status, body = await raw_get(server, target, app_token())
         assert status in (400, 404), (target, status, body)
         assert b"root:" not in body
-    status, _, body = await api(server, "/api/sessions?limit=0", token=app_token())
-    assert status == 400 and "limit" in json.loads(body)["message"]
+    # "%C2%B2" is "²", which str.isdigit() takes and int() does not: it answered 500 (issue 34, item 11).
+    for limit in ("0", "%C2%B2", "%D9%A3", "1e3", "-1", "10000000"):
+        status, _, body = await api(server, f"/api/sessions?limit={limit}", token=app_token())
+        assert status == 400 and "limit" in json.loads(body)["message"], (limit, status, body)
     status, _, body = await api(server, "/api/sessions?state=gone", token=app_token())
     assert status == 400 and "state" in json.loads(body)["message"]
     status, headers, _ = await api(server, "/api/sessions", token=app_token(), method="POST")

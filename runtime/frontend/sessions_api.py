@@ -117,7 +117,8 @@ def _list_params(request: web.Request) -> tuple[str | None, int, float | None] |
     if state is not None and state not in _STATES:
         return _error(400, "bad_query", f"state={state!r} is invalid: expected active or ended")
     limit_text = query.get("limit", "100")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= LIST_MAX:
+    # ASCII digits only: str.isdigit() also takes "²" and "٣", and int("²") raised: a 500 (issue 34, item 11).
+    if not (limit_text.isascii() and limit_text.isdigit()) or not 1 <= int(limit_text) <= LIST_MAX:
         return _error(
             400, "bad_query", f"limit={limit_text[:20]!r} is invalid: expected a whole number 1..{LIST_MAX}"
         )
