@@ -291,6 +291,13 @@ class RuntimeConfig(BaseSettings):
         description="A connected WebRTC session with no RTP from its peer for this long ends (s): the peer "
         "vanished without a DTLS close (a closed laptop, a lost network)",
     )
+    rtc_candidate_nets: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["0.0.0.0/0", "::/0"],
+        description="Non-public networks a WebRTC caller's ICE candidates may name (comma-separated CIDRs; "
+        "runtime/frontend/transports/webrtc/candidates.py); public addresses are always allowed, link-local "
+        "(the metadata server), multicast and .local names never. Default: any (a single host or a LAN); "
+        "a cloud node lists none, or its callers' LANs, so callers cannot aim its UDP at its own network",
+    )
     gc_thresholds: str = Field(
         DEFAULT_GC_THRESHOLDS,
         description="Python's garbage collector in a serving process (runtime/gc_policy.py): gen0,gen1,gen2 "
@@ -315,14 +322,14 @@ class RuntimeConfig(BaseSettings):
         parse_step_time(value)
         return value
 
-    @field_validator("trusted_proxies", mode="before")
+    @field_validator("trusted_proxies", "rtc_candidate_nets", mode="before")
     @classmethod
     def _cidr_list(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("trusted_proxies")
+    @field_validator("trusted_proxies", "rtc_candidate_nets")
     @classmethod
     def _cidrs(cls, value: list[str]) -> list[str]:
         import ipaddress

@@ -209,6 +209,10 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             # those peers only, and only the X-Forwarded-For entry they append (issue 34, item 9).
             "DUPLEX_TRUSTED_PROXIES": ",".join(GOOGLE_FRONT_END_RANGES),
             "DUPLEX_FORWARDED_BY": "google-lb",
+            # Callers reach a pod at public addresses or through the region's TURN relay (a public load
+            # balancer address): no caller candidate may name the VPC, the pod's loopback or the metadata
+            # server (issue 34, item 3).
+            "DUPLEX_RTC_CANDIDATE_NETS": "",
         }
     )
     env: list[dict[str, Any]] = []

@@ -60,6 +60,7 @@ from runtime.frontend.codecs.protocol import (
 )
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, Transport
+from runtime.frontend.transports.webrtc.candidates import CandidateFilter, filter_offer
 from runtime.frontend.transports.webrtc.media import FirstAudioTrace, OpusPacketTrack, RtpInbound
 
 __all__ = [
@@ -196,7 +197,14 @@ class RtcPeer:
 
         Raises:
             OfferRejected: malformed SDP, no audio m-line, or no Opus in it (the message says which).
+
+        The caller's ICE candidates are filtered first (``candidates.filter_offer``: ``rtc_candidate_nets``).
         """
+        filtered = filter_offer(sdp, CandidateFilter.from_cidrs(self.front.config.rtc_candidate_nets))
+        if filtered.dropped:  # issue 34: a caller's candidates must not aim the node's UDP at its own network
+            dropped = filtered.dropped
+            log.info("WebRTC offer: %d caller candidates dropped: %s", len(dropped), dropped[:4])
+        sdp = filtered.sdp
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
         except Exception as exc:  # aiortc's parser raises whatever the text provokes: all of it is bad input
