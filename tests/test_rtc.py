@@ -225,6 +225,16 @@ async def test_refusals_before_the_answer_take_no_slot_and_spend_no_token(
         await offer_call.close()
         status, text, _ = await post(_without_audio(good_sdp).encode(), plain)
         assert status == 400 and "no audio m-line" in text
+        # Issue 34, item 11: a BUNDLE naming a mid the offer lacks was answered 500 after a slot and a record
+        # were taken; an offer without a DTLS fingerprint held its slot until the connect timeout.
+        broken = {
+            "BUNDLE": good_sdp.replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0 7"),
+            "fingerprint": re.sub(r"(?m)^a=fingerprint:.*\r?\n", "", good_sdp),
+        }
+        for needle, sdp in broken.items():
+            assert sdp != good_sdp, needle
+            status, text, _ = await post(sdp.encode(), plain)
+            assert status == 400 and needle in text, (needle, status, text)
         status, text, _ = await post(good_sdp.encode(), {**plain, "Content-Type": "text/plain"})
         assert status == 415 and "application/sdp" in text
         status, text, _ = await post(b"v=0\r\n" + b"a=x\r\n" * 20_000, plain)

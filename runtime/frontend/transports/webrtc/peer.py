@@ -62,6 +62,7 @@ from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, Transport
 from runtime.frontend.transports.webrtc.candidates import CandidateFilter, filter_offer
 from runtime.frontend.transports.webrtc.media import FirstAudioTrace, OpusPacketTrack, RtpInbound
+from runtime.frontend.transports.webrtc.offer_checks import OfferProblem, check_offer
 
 __all__ = [
     "CHANNEL_BURST",
@@ -198,8 +199,13 @@ class RtcPeer:
         Raises:
             OfferRejected: malformed SDP, no audio m-line, or no Opus in it (the message says which).
 
-        The caller's ICE candidates are filtered first (``candidates.filter_offer``: ``rtc_candidate_nets``).
+        First the offer's text is checked (``offer_checks.check_offer``: mids, BUNDLE, DTLS fingerprint, ICE
+        credentials), then the caller's ICE candidates are filtered (``candidates.filter_offer``).
         """
+        try:
+            check_offer(sdp)
+        except OfferProblem as exc:
+            raise OfferRejected(f"malformed SDP offer: {exc}") from None
         filtered = filter_offer(sdp, CandidateFilter.from_cidrs(self.front.config.rtc_candidate_nets))
         if filtered.dropped:  # issue 34: a caller's candidates must not aim the node's UDP at its own network
             dropped = filtered.dropped
