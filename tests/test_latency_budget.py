@@ -233,10 +233,10 @@ async def test_a_frame_that_arrives_while_a_tick_computes_waits_for_the_next() -
 
 class _Transport(Transport):
     def __init__(self) -> None:
-        self.audio: list[bytes] = []
+        self.audio: list[np.ndarray] = []
 
-    async def send_audio(self, payload: bytes) -> None:
-        self.audio.append(payload)
+    async def send_audio(self, pcm: np.ndarray) -> None:
+        self.audio.append(pcm)
 
     async def send_text(self, piece: str) -> None:
         pass
@@ -307,9 +307,9 @@ async def test_the_terms_add_up_to_the_first_audio_latency(wait_ms: float, egres
     sender = asyncio.ensure_future(session.send_loop())
     try:
         clock.now = t0 + 2 * FRAME_S - wait_ms / 1e3
-        frame = (np.full(FRAME_SAMPLES, 1000, dtype="<i2")).tobytes()
+        frame = np.full(FRAME_SAMPLES, 1000 / 32768, dtype=np.float32)
         for k in range(2, 12):
-            session.push_audio(frame)
+            session.push_samples(frame)
             clock.now = t0 + k * FRAME_S
             scheduler.tick_once()
             clock.advance(egress_ms / 1e3)  # the way out: the event loop runs the session's sender now

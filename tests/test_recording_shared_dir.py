@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.frontend.store.recordings import LocalRecordings, SessionRecorder
 from runtime.metrics import RuntimeMetrics
-from runtime.tools.loadgen import encode_messages
 
 SID = "0123456789abcdef0123456789abcdef"
 WAIT_S = 30.0
@@ -63,9 +62,11 @@ class SharedBucket(LocalRecordings):
         return _UploadOnClose(self.staging / name, self.directory / name, self.hold)
 
 
-def _client_stream(seconds: float = 1.0) -> bytes:
-    pcm = (0.3 * np.sin(np.arange(int(24000 * seconds)) / 7)).astype(np.float32)
-    return b"".join(message[1:] for message in encode_messages(pcm, AudioFormat.OPUS))
+def _frames(seconds: float = 1.0) -> list[np.ndarray]:
+    """A tone as [1920] float32 frames (80 ms each)."""
+    count = int(round(seconds / 0.08))
+    pcm = (0.3 * np.sin(np.arange(count * FRAME_SAMPLES) / 7)).astype(np.float32)
+    return list(pcm.reshape(count, FRAME_SAMPLES))
 
 
 def _files(folder: Path, session_id: str = SID) -> list[str]:
@@ -76,9 +77,10 @@ def test_a_recording_finished_on_one_pod_is_served_by_every_pod(tmp_path: Path) 
     shared = tmp_path / "bucket"
     pod_a = SharedBucket(shared, tmp_path / "a")
     pod_b = LocalRecordings(shared)
-    recorder = SessionRecorder(pod_a, SID, "opus", RuntimeMetrics())
-    recorder.caller(_client_stream())
-    recorder.agent(_client_stream())
+    recorder = SessionRecorder(pod_a, SID, RuntimeMetrics())
+    for frame in _frames():
+        recorder.caller(frame)
+        recorder.agent(frame)
     recorder.close()
     assert recorder.join(WAIT_S)
     for side in ("caller", "agent"):
@@ -95,8 +97,9 @@ def test_an_erase_on_another_pod_before_the_upload_still_erases(tmp_path: Path) 
     pod_a = SharedBucket(shared, tmp_path / "a", hold)
     pod_b = LocalRecordings(shared)
     metrics = RuntimeMetrics()
-    recorder = SessionRecorder(pod_a, SID, "opus", metrics)
-    recorder.caller(_client_stream())
+    recorder = SessionRecorder(pod_a, SID, metrics)
+    for frame in _frames():
+        recorder.caller(frame)
     recorder.close()
     deadline = time.monotonic() + WAIT_S
     while not any((tmp_path / "a").iterdir()) and time.monotonic() < deadline:

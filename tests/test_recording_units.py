@@ -1,4 +1,4 @@
-"""Recordings and application tokens, piece by piece: the Ogg renumbering (decoded by FFmpeg through PyAV),
+"""Recordings and application tokens, piece by piece: frames encoded to Ogg Opus (decoded by FFmpeg via PyAV),
 the local disk store (ids, erase, sweep with an injected clock), the recorder's bounded queue, the token kinds
 and scopes, and ``duplex token mint --app`` / ``--recording-consent``. The wire: tests/test_sessions_api.py.
 """
@@ -18,14 +18,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from runtime.frontend.codecs.kyutai_audio import split_ogg_pages
-from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.frontend.gate.app_tokens import SCOPE_ERASE, SCOPE_READ, mint_app_token, verify_app_token
 from runtime.frontend.gate.tokens import SigningKey, TokenRejected, TokenVerifier, mint_token
-from runtime.frontend.store.recordings import LocalRecordings, OggRenumberer, SessionRecorder
+from runtime.frontend.store.recordings import LocalRecordings, SessionRecorder
 from runtime.metrics import RuntimeMetrics
 from runtime.tools.cli import app as cli_app
-from runtime.tools.loadgen import encode_messages
 
 KEY = SigningKey("k1", "k" * 32)
 AUDIENCE = "unit"
@@ -38,26 +36,31 @@ def _seconds(data: bytes, path: Path) -> float:
         return sum(frame.samples for frame in container.decode(container.streams.audio[0])) / 48000
 
 
-def _client_stream(seconds: float = 2.0) -> bytes:
-    pcm = (0.3 * np.sin(np.arange(int(24000 * seconds)) / 7)).astype(np.float32)
-    return b"".join(message[1:] for message in encode_messages(pcm, AudioFormat.OPUS))
+def _frames(seconds: float = 2.0) -> list[np.ndarray]:
+    """A tone as [1920] float32 frames (80 ms each)."""
+    count = int(round(seconds / 0.08))
+    pcm = (0.3 * np.sin(np.arange(count * FRAME_SAMPLES) / 7)).astype(np.float32)
+    return list(pcm.reshape(count, FRAME_SAMPLES))
 
 
-@pytest.mark.parametrize("with_header", [True, False], ids=["header_seen", "header_missed"])
-def test_renumbered_stream_decodes_whole_whatever_the_cuts(with_header: bool, tmp_path: Path) -> None:
-    stream = _client_stream()
-    pages, rest = split_ogg_pages(stream)
-    assert rest == b"" and pages[0][28:36] == b"OpusHead"
-    if not with_header:  # Kyutai's client sends its header before the handshake: the recorder never sees it
-        stream = b"".join(pages[2:])
-    renumber = OggRenumberer()
-    out = b"".join(renumber.feed(stream[i : i + 97]) for i in range(0, len(stream), 97))  # pages cut anywhere
-    out_pages, _ = split_ogg_pages(out)
-    assert [page[18:22] for page in out_pages] == [n.to_bytes(4, "little") for n in range(len(out_pages))]
-    assert out_pages[0][5] == 2 and all(page[5] & 2 == 0 for page in out_pages[1:])  # BOS first only
-    assert _seconds(out, tmp_path / "a.opus") == pytest.approx(2.0, abs=0.1)
-    with pytest.raises(ValueError):
-        OggRenumberer().feed(b"RIFF" + bytes(100))
+def test_frames_are_encoded_to_ogg_opus_and_a_bad_frame_stops_that_side(tmp_path: Path) -> None:
+    metrics = RuntimeMetrics()
+    recorder = SessionRecorder(LocalRecordings(tmp_path), SID, metrics)
+    frames = _frames(0.96)  # 12 frames
+    for frame in frames:
+        recorder.caller(frame)
+        recorder.agent(frame * 0.5)
+    recorder.agent(np.zeros(FRAME_SAMPLES + 1, dtype=np.float32))  # not a frame: the agent side stops
+    recorder.agent(_frames(0.08)[0])
+    recorder.close()
+    assert recorder.join(30)
+    path = LocalRecordings(tmp_path).local_path(SID, "caller")
+    assert path is not None
+    # sphn's OpusHead (kept by the PyAV encoder) has a pre-skip of 3840 at 48 kHz: a decoder drops 80 ms
+    seconds = _seconds(path.read_bytes(), tmp_path / "x.opus")
+    assert seconds == pytest.approx(0.08 * (len(frames) - 1), abs=0.01)
+    assert LocalRecordings(tmp_path).local_path(SID, "agent") is None  # its .part is left for the sweep
+    assert metrics.recording_errors.labels(reason="write")._value.get() == 1
 
 
 def test_local_recordings_ids_erase_and_sweep(tmp_path: Path) -> None:
@@ -92,29 +95,15 @@ def test_a_recorder_that_falls_behind_leaves_audio_out_and_never_blocks(tmp_path
             gate.wait(30)
             return super().create(session_id, side)
 
-    recorder = SessionRecorder(SlowStore(tmp_path), SID, "opus", metrics, max_queue=4)
-    stream = _client_stream(0.5)
-    for _ in range(10):
-        recorder.agent(stream)  # returns at once, the thread stuck
+    recorder = SessionRecorder(SlowStore(tmp_path), SID, metrics, max_queue=4)
+    for frame in _frames(0.8):
+        recorder.agent(frame)  # returns at once, the thread stuck
     assert metrics.recording_errors.labels(reason="queue_full")._value.get() >= 5
     gate.set()
     recorder.close()
     assert recorder.join(30)
     assert metrics.recordings.labels(side="agent")._value.get() == 1
     assert metrics.recording_bytes.labels(side="agent")._value.get() == recorder.bytes_written["agent"] > 0
-
-
-def test_pcm_is_encoded_in_the_recorder_thread(tmp_path: Path) -> None:
-    metrics = RuntimeMetrics()
-    recorder = SessionRecorder(LocalRecordings(tmp_path), SID, "pcm", metrics)
-    pcm = (0.2 * np.sin(np.arange(24000) / 5) * 32767).astype("<i2").tobytes()
-    for i in range(0, len(pcm), 1000):  # odd-sized payloads, as a client may send
-        recorder.caller(pcm[i : i + 1000])
-    recorder.close()
-    assert recorder.join(30)
-    path = LocalRecordings(tmp_path).local_path(SID, "caller")
-    assert path is not None
-    assert _seconds(path.read_bytes(), tmp_path / "x.opus") == pytest.approx(1.0 - 0.04, abs=0.1)
 
 
 def test_token_kinds_and_scopes() -> None:

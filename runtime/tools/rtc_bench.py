@@ -28,7 +28,7 @@ from runtime.config import RuntimeConfig
 from runtime.engine.api import AdmitRequest, BackendStatus, SessionSink, SlotBackend, SlotLease
 from runtime.frontend.codecs.protocol import AudioFormat
 from runtime.frontend.server import DuplexServer
-from runtime.frontend.session.conversation import ChatSession
+from runtime.frontend.transports import websocket
 from runtime.frontend.transports.webrtc.media import RtpInbound
 from runtime.tools import rtc_capacity
 from runtime.tools.loadgen import _percentile, run_session, session_url, synthesize_speech
@@ -77,16 +77,16 @@ _ARRIVAL: dict[str, float | None] = {"now": None}
 
 
 def _instrument() -> None:
-    """Stamp arrivals: a WebSocket session's ``push_audio`` call (its message just arrived), and a WebRTC
-    packet's arrival, carried to the playout slot that decodes it (by the payload's identity)."""
-    push_audio = ChatSession.push_audio
+    """Stamp arrivals: a WebSocket session's audio payload as its transport decodes it (its message just
+    arrived), and a WebRTC packet's arrival, carried to the playout slot that decodes it (by the payload's
+    identity)."""
+    decode_payload = websocket._WsTransport.decode
 
-    def stamped_push(self: ChatSession, payload: bytes) -> None:
-        if self.transport.name == "websocket":
-            _ARRIVAL["now"] = time.monotonic()
-        push_audio(self, payload)
+    def stamped_payload(self: websocket._WsTransport, payload: bytes) -> list[np.ndarray]:
+        _ARRIVAL["now"] = time.monotonic()
+        return decode_payload(self, payload)
 
-    ChatSession.push_audio = stamped_push  # type: ignore[method-assign]
+    websocket._WsTransport.decode = stamped_payload  # type: ignore[method-assign]
     arrivals: dict[int, float] = {}
     handle = RtpInbound._handle_rtp_packet
     decode = RtpInbound._decode

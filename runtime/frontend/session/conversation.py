@@ -1,9 +1,14 @@
 """One conversation, whatever the transport: admission to a slot, the token spent, the persona prompt awaited,
 frames in and out, the transcript, the release and how it ended.
 
-A transport (``runtime.frontend.transports.websocket``: Kyutai's WebSocket protocol) parses its own wire
-format and calls
-:meth:`ChatSession.push_audio`; the session sends through the transport's :class:`Transport` methods.
+Frames in the middle, codecs at the edge: a conversation takes and gives float32 mono samples at the
+model's rate (``runtime.engine.model_presets.SAMPLE_RATE_HZ``, 24000 Hz). A transport decodes its own wire
+format (the WebSocket: Kyutai's Ogg/Opus or PCM payloads, ``runtime.frontend.codecs.kyutai_audio``; WebRTC:
+RTP Opus, ``runtime.frontend.transports.webrtc.media``) and calls :meth:`ChatSession.push_samples` with any
+number of samples: the conversation assembles the slot's whole frames (one place, here). The session sends
+each frame the engine produced, ``[1920]`` float32, through :meth:`Transport.send_audio`, which encodes it
+for its wire. The recording takes the same frames on both sides (``runtime.frontend.store.recordings``), so
+it is right whatever the transport.
 Refusals are ``runtime.frontend.gate.refusals.SessionRefused`` (the table gives status, close code, message).
 
 Resume, for any transport (docs/runtime.md, "Resume"): a session admitted with ``resumable=1`` holds a
@@ -39,7 +44,7 @@ from runtime.engine.api import (
     SlotLease,
     replayed_message,
 )
-from runtime.frontend.codecs.kyutai_audio import make_codec
+from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.frontend.gate.access import Access
 from runtime.frontend.gate.query import ResumePresented, SessionRequest, parse_session_query
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
@@ -160,10 +165,13 @@ class Transport(abc.ABC):
 
     name = "websocket"
     """The ``transport`` label of the sessions' metrics: ``websocket`` or ``webrtc``."""
+    audio_format = "opus"
+    """What the wire carries, for the session registry's ``format``: ``opus`` or ``pcm``."""
 
     @abc.abstractmethod
-    async def send_audio(self, payload: bytes) -> None:
-        """One encoded audio payload (Ogg/Opus pages or PCM)."""
+    async def send_audio(self, pcm: np.ndarray) -> None:
+        """One frame the engine produced, ``[1920]`` float32 mono at 24000 Hz in [-1, 1], to encode for the
+        wire and send (the transport owns its encoder)."""
 
     @abc.abstractmethod
     async def send_text(self, piece: str) -> None:
@@ -205,12 +213,8 @@ class ChatSession(ResumableSession):
         self.client = client
         self.session_id = uuid.uuid4().hex
         config = front.config
-        self.assembler, self.encoder = make_codec(
-            request.format,
-            config.max_inbox_frames,
-            opus_encoder=config.opus_encoder,
-            opus_complexity=config.opus_complexity,
-        )
+        self._pending: np.ndarray = np.zeros(0, dtype=np.float32)
+        """Samples pushed that do not fill a frame yet (fewer than ``FRAME_SAMPLES``)."""
         self.outbox: asyncio.Queue[tuple[np.ndarray | None, str | None]] = asyncio.Queue(
             config.max_outbox_frames
         )
@@ -309,9 +313,7 @@ class ChatSession(ResumableSession):
         self.front.metrics.sessions_started.inc()
         consent = self.claims is not None and self.claims.recording_consent
         recordings = getattr(self.front, "recordings", None)
-        self.recorder = start_recording(
-            recordings, consent, self.session_id, self.request.format.value, self.front.metrics
-        )
+        self.recorder = start_recording(recordings, consent, self.session_id, self.front.metrics)
         self.front.metrics.transport_sessions_started.labels(transport=self.transport.name).inc()
         self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).inc()
         store = self.front.store
@@ -322,7 +324,7 @@ class ChatSession(ResumableSession):
                 self.lease.slot,
                 self.started_at,
                 self.persona,
-                self.request.format.value,
+                self.transport.audio_format,
                 recording=self.recorder is not None,
             )
             store.register_session(self.record)
@@ -364,45 +366,59 @@ class ChatSession(ResumableSession):
 
     # --- frames ---------------------------------------------------------------------------------------
 
-    def push_audio(self, payload: bytes) -> None:
-        """One client audio payload: its whole frames go to the slot (dropped before the handshake).
+    @property
+    def takes_audio(self) -> bool:
+        """The slot is live (the persona prompt has run): :meth:`push_samples` passes audio on."""
+        return self.ready.is_set() and self.lease is not None
+
+    def push_samples(self, pcm: np.ndarray) -> None:
+        """The caller's audio, decoded by the transport: ``[T]`` float32 mono samples at 24000 Hz in
+        [-1, 1], any ``T``. Whole ``[1920]`` frames go to the slot (and to the recording) as they fill; the
+        rest waits for the next push. Dropped before the handshake, as moshi's server does.
 
         Raises:
-            ProtocolError: the payload cannot be decoded (``bad_opus``) or comes too fast.
+            ValueError: ``pcm`` is not one-dimensional.
         """
-        if not self.ready.is_set() or self.lease is None:
-            return  # audio before the handshake is dropped, as moshi's server does
-        if self.recorder is not None:
-            self.recorder.caller(payload)  # a queue put: the recording is written off the audio path
+        if not self.takes_audio:
+            return
+        assert self.lease is not None
+        samples = np.asarray(pcm, dtype=np.float32)
+        if samples.ndim != 1:
+            raise ValueError(f"push_samples takes mono samples [T], got shape {samples.shape}")
+        if self._pending.size:
+            samples = np.concatenate([self._pending, samples])
+        whole = samples.size // FRAME_SAMPLES * FRAME_SAMPLES
+        self._pending = samples[whole:].copy()
         metrics = self.front.metrics
-        for frame in self.assembler.push(payload):
+        for start in range(0, whole, FRAME_SAMPLES):
+            frame = samples[start : start + FRAME_SAMPLES]
             self.frames_in += 1
+            if self.recorder is not None:
+                self.recorder.caller(frame)  # a queue put: the recording is written off the audio path
             if not self.front.backend.push_frame(self.lease, frame):
                 metrics.frames_dropped.labels(reason="input_overflow").inc()
 
     async def send_loop(self) -> None:
-        """Encode and send the outputs, in order, until cancelled."""
+        """Send the outputs through the transport (which encodes them), in order, until cancelled."""
         store = self.front.store
         while True:
             pcm, piece = await self.outbox.get()
             if pcm is not None:
-                payload = self.encoder.encode(pcm)
+                self.frames_out += 1
+                if self.recorder is not None:
+                    self.recorder.agent(pcm)
+                await self.transport.send_audio(pcm)
                 lease = self.lease
                 if not self.first_audio_sent and lease is not None and lease.first_input_at:
                     self.first_audio_sent = True
                     self._observe_first_audio(lease.first_input_at, self.clock())
-                self.frames_out += 1
-                if payload:
-                    if self.recorder is not None:
-                        self.recorder.agent(payload)
-                    await self.transport.send_audio(payload)
             if piece is not None:
                 await self.transport.send_text(piece)
                 if store is not None:  # after the send: the transcript holds what the client was sent
                     store.append_transcript(self.session_id, piece)
 
     def _observe_first_audio(self, first_input_at: float, sent_at: float) -> None:
-        """The first audio is encoded and about to be handed to the socket: its latency from the first
+        """The first audio has been encoded and handed to the transport's wire: its latency from the first
         input frame and, with the engine's timing, the budget's terms (docs/benchmarks.md, "First-audio
         latency budget"); once per session."""
         timing = self.first_audio_timing

@@ -1,18 +1,15 @@
 """Session recordings, with the caller's consent: both sides of a conversation as Ogg Opus files.
 
 A session whose token carries ``recording_consent: true`` (``runtime.frontend.gate.tokens``) on a node with
-``DUPLEX_RECORDING_DIR`` gets a :class:`SessionRecorder`. The session calls :meth:`SessionRecorder.caller`
-with each audio payload it takes from the client (after the handshake) and :meth:`SessionRecorder.agent`
-with each encoded payload it sends: a queue put, never a wait. One thread per recorder writes:
+``DUPLEX_RECORDING_DIR`` gets a :class:`SessionRecorder`. The session hands it frames, not wire payloads:
+:meth:`SessionRecorder.caller` with each ``[1920]`` float32 frame it gives the slot (after the handshake)
+and :meth:`SessionRecorder.agent` with each frame the engine produced and the transport sent: a queue put,
+never a wait. One thread per recorder encodes each side to Ogg Opus (PyAV's libopus at
+:data:`RECORDING_COMPLEXITY`, which releases the GIL; sphn when PyAV is missing), off the audio path. So a
+recording is right whatever the transport and its codec (Kyutai's Ogg/Opus or PCM on the WebSocket, RTP
+Opus on WebRTC): issue 31, where a WebRTC session's float32 bytes were recorded as Int16.
 
-- Opus sessions: the payloads are already Ogg Opus pages (the client's encoder, the session's encoder):
-  they are written as they pass, no decode and no encode. The pages are renumbered into one clean stream
-  (the client's OpusHead/OpusTags pages go out before the handshake and are not seen: a standard header
-  is written in their place, with the stream's serial number), each page's checksum recomputed.
-- PCM sessions: the Int16 samples are encoded to Ogg Opus in the thread (PyAV's libopus, which releases
-  the GIL), off the audio path.
-
-If the thread falls behind by :data:`QUEUE_PAYLOADS` payloads, further payloads are left out of the
+If the thread falls behind by :data:`QUEUE_FRAMES` frames, further frames are left out of the
 recording (``duplex_recording_errors_total{reason="queue_full"}``); a disk error stops that side
 (``reason="write"``). The session's audio is never affected.
 
@@ -45,24 +42,16 @@ from typing import BinaryIO
 import numpy as np
 
 from runtime.engine.model_presets import FRAME_SAMPLES
-from runtime.frontend.codecs.kyutai_audio import (
-    _SPHN_OPUS_HEAD,
-    _SPHN_OPUS_TAGS,
-    FrameEncoder,
-    OpusFrameEncoder,
-    PyavOpusFrameEncoder,
-    ogg_crc,
-    split_ogg_pages,
-)
+from runtime.frontend.codecs.kyutai_audio import FrameEncoder, OpusFrameEncoder, PyavOpusFrameEncoder
 from runtime.metrics import RuntimeMetrics
 
 __all__ = [
     "OGG_OPUS_CONTENT_TYPE",
-    "QUEUE_PAYLOADS",
+    "QUEUE_FRAMES",
+    "RECORDING_COMPLEXITY",
     "SESSION_ID_RE",
     "SIDES",
     "LocalRecordings",
-    "OggRenumberer",
     "RecordingStore",
     "SessionRecorder",
 ]
@@ -75,10 +64,11 @@ SESSION_ID_RE = re.compile(r"[0-9a-f]{32}")
 """A session id: a UUID as 32 lowercase hex digits (``uuid.uuid4().hex``); nothing else names a file."""
 OGG_OPUS_CONTENT_TYPE = "audio/ogg; codecs=opus"
 """RFC 7845, 9."""
-QUEUE_PAYLOADS = 500
-"""Payloads (both sides) a recorder may hold before its thread writes them: 500 x 40-80 ms, over 20 s."""
-PCM_RECORDING_COMPLEXITY = 5
-"""libopus complexity for encoding PCM sessions' recordings (0.6 ms per frame here: FIELD notes)."""
+QUEUE_FRAMES = 500
+"""Frames (both sides) a recorder may hold before its thread writes them: 500 x 80 ms, 20 s of a call."""
+RECORDING_COMPLEXITY = 5
+"""libopus complexity for encoding recordings (0.6 ms per 80 ms frame, measured on this project's build
+host with PyAV's libopus)."""
 
 _PART = ".part"
 _ERASED = ".erased"
@@ -223,83 +213,12 @@ class LocalRecordings(RecordingStore):
         return removed
 
 
-def _page_packet_start(page: bytes) -> int:
-    return 27 + page[26]
-
-
-def _ogg_page(header_type: int, granule: bytes, serial: bytes, sequence: int, packet: bytes) -> bytes:
-    lacing = bytes([255] * (len(packet) // 255) + [len(packet) % 255])
-    page = b"OggS\x00" + bytes([header_type]) + granule + serial + sequence.to_bytes(4, "little")
-    page += b"\x00\x00\x00\x00" + bytes([len(lacing)]) + lacing + packet
-    return page[:22] + ogg_crc(page).to_bytes(4, "little") + page[26:]
-
-
-class OggRenumberer:
-    """Ogg Opus bytes as they pass (pages possibly cut across payloads) -> one clean Ogg Opus stream: a
-    header (OpusHead, OpusTags) first, written when the stream does not start with its own, then every
-    audio page with one serial number, consecutive sequence numbers and its checksum recomputed. No packet
-    is decoded or encoded.
-
-    Raises (from :meth:`feed`):
-        ValueError: the bytes are not Ogg pages.
-    """
-
-    def __init__(self) -> None:
-        self._rest = b""
-        self._serial: bytes | None = None
-        self._sequence = 0
-        self._header_done = False
-
-    def feed(self, data: bytes) -> bytes:
-        """The stream's bytes for the whole pages completed by ``data``."""
-        pages, self._rest = split_ogg_pages(self._rest + data)
-        out = []
-        for page in pages:
-            if len(page) < 27 or page[:4] != b"OggS" or len(page) < _page_packet_start(page):
-                raise ValueError("not an Ogg page")
-            packet = page[_page_packet_start(page) :]
-            is_header = packet.startswith((b"OpusHead", b"OpusTags"))
-            if self._serial is None:
-                self._serial = page[14:18]
-                if not packet.startswith(b"OpusHead"):
-                    out.append(_ogg_page(2, bytes(8), self._serial, 0, _SPHN_OPUS_HEAD))
-                    out.append(_ogg_page(0, bytes(8), self._serial, 1, _SPHN_OPUS_TAGS))
-                    self._sequence, self._header_done = 2, True
-            elif is_header and self._header_done:
-                continue  # a second header (a restarted client encoder): one stream, one header
-            elif packet.startswith(b"OpusTags"):
-                self._header_done = True
-            flags = page[5] & 0x01 if self._sequence else 0x02  # BOS on the first page only; no EOS
-            head = (
-                page[:5] + bytes([flags]) + page[6:14] + self._serial + self._sequence.to_bytes(4, "little")
-            )
-            fixed = head + b"\x00\x00\x00\x00" + page[26:]
-            out.append(fixed[:22] + ogg_crc(fixed).to_bytes(4, "little") + fixed[26:])
-            self._sequence += 1
-        return b"".join(out)
-
-
-class _PcmToOpus:
-    """Int16 LE 24 kHz PCM bytes -> Ogg Opus pages, in whole 1920-sample frames (a partial last frame is
-    left out)."""
-
-    def __init__(self) -> None:
-        self._rest = b""
-        try:
-            self._encoder: FrameEncoder = PyavOpusFrameEncoder(PCM_RECORDING_COMPLEXITY)
-        except ImportError:  # PyAV is a dependency of the runtime; sphn as a last resort
-            self._encoder = OpusFrameEncoder()
-
-    def feed(self, data: bytes) -> bytes:
-        buffered = self._rest + data
-        frame_bytes = 2 * FRAME_SAMPLES
-        whole = len(buffered) // frame_bytes * frame_bytes
-        self._rest = buffered[whole:]
-        out = []
-        for start in range(0, whole, frame_bytes):
-            samples = np.frombuffer(buffered, dtype="<i2", count=FRAME_SAMPLES, offset=start)
-            out.append(self._encoder.encode(samples.astype(np.float32) / np.float32(32768.0)))
-        return b"".join(out)
+def _frame_encoder() -> FrameEncoder:
+    """One side's Ogg Opus encoder: PyAV's libopus at :data:`RECORDING_COMPLEXITY`, sphn without PyAV."""
+    try:
+        return PyavOpusFrameEncoder(RECORDING_COMPLEXITY)
+    except ImportError:  # PyAV is a dependency of the runtime; sphn as a last resort
+        return OpusFrameEncoder()
 
 
 class SessionRecorder:
@@ -308,49 +227,45 @@ class SessionRecorder:
     Args:
         store: where the files go.
         session_id: the session (32 hex digits).
-        audio_format: ``"opus"`` (payloads are Ogg Opus) or ``"pcm"`` (Int16 LE, encoded here).
         metrics: ``duplex_recordings_total``, ``duplex_recording_bytes_total``, ``..._errors_total``.
-        max_queue: payloads held before further ones are left out.
+        max_queue: frames held before further ones are left out.
 
     Raises:
-        ValueError: a bad session id or format.
+        ValueError: a bad session id.
     """
 
     def __init__(
         self,
         store: RecordingStore,
         session_id: str,
-        audio_format: str,
         metrics: RuntimeMetrics,
         *,
-        max_queue: int = QUEUE_PAYLOADS,
+        max_queue: int = QUEUE_FRAMES,
     ) -> None:
         _check(session_id, SIDES[0])
-        if audio_format not in ("opus", "pcm"):
-            raise ValueError(f"audio format {audio_format!r} is not opus or pcm")
         self.store = store
         self.session_id = session_id
-        self.audio_format = audio_format
         self.metrics = metrics
         self.bytes_written = dict.fromkeys(SIDES, 0)
-        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue(max_queue)
+        self._queue: queue.Queue[tuple[str, np.ndarray] | None] = queue.Queue(max_queue)
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"recorder {session_id[:8]}", daemon=True)
         self._thread.start()
 
-    def caller(self, payload: bytes) -> None:
-        """One payload the client sent (never blocks, never raises)."""
-        self._put("caller", payload)
+    def caller(self, frame: np.ndarray) -> None:
+        """One ``[1920]`` float32 frame the caller gave the slot (copied; never blocks, never raises)."""
+        self._put("caller", frame)
 
-    def agent(self, payload: bytes) -> None:
-        """One payload sent to the client (never blocks, never raises)."""
-        self._put("agent", payload)
+    def agent(self, frame: np.ndarray) -> None:
+        """One ``[1920]`` float32 frame the engine produced for the caller (copied; never blocks, never
+        raises)."""
+        self._put("agent", frame)
 
-    def _put(self, side: str, payload: bytes) -> None:
-        if self._closing or not payload:
+    def _put(self, side: str, frame: np.ndarray) -> None:
+        if self._closing:
             return
         try:
-            self._queue.put_nowait((side, bytes(payload)))
+            self._queue.put_nowait((side, np.array(frame, dtype=np.float32).reshape(-1)))
         except queue.Full:
             self.metrics.recording_errors.labels(reason="queue_full").inc()
 
@@ -367,7 +282,7 @@ class SessionRecorder:
 
     def _run(self) -> None:
         handles: dict[str, BinaryIO] = {}
-        coders: dict[str, OggRenumberer | _PcmToOpus] = {}
+        coders: dict[str, FrameEncoder] = {}
         failed: set[str] = set()
         while True:
             try:
@@ -378,14 +293,16 @@ class SessionRecorder:
                 continue
             if item is None:
                 break
-            side, payload = item
+            side, frame = item
             if side in failed:
                 continue
             try:
                 if side not in handles:
-                    coders[side] = OggRenumberer() if self.audio_format == "opus" else _PcmToOpus()
+                    coders[side] = _frame_encoder()
                     handles[side] = self.store.create(self.session_id, side)
-                data = coders[side].feed(payload)
+                if frame.size != FRAME_SAMPLES:  # a frame is [1920]: anything else is a caller's bug
+                    raise ValueError(f"a recorded frame must hold {FRAME_SAMPLES} samples, got {frame.size}")
+                data = coders[side].encode(frame)
                 if data:
                     handles[side].write(data)
                     self.bytes_written[side] += len(data)
@@ -411,7 +328,6 @@ def start_recording(
     store: RecordingStore | None,
     consent: bool,
     session_id: str,
-    audio_format: str,
     metrics: RuntimeMetrics,
 ) -> SessionRecorder | None:
     """The recorder of a session that starts now: one when the caller consented (``consent``: the token's
@@ -420,7 +336,7 @@ def start_recording(
     if store is None or not consent:
         return None
     try:
-        return SessionRecorder(store, session_id, audio_format, metrics)
+        return SessionRecorder(store, session_id, metrics)
     except (ValueError, RuntimeError) as exc:
         log.warning("recording of session %s not started: %s", session_id, exc)
         metrics.recording_errors.labels(reason="write").inc()

@@ -29,9 +29,12 @@ from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 from urllib.parse import parse_qs
 
+import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from runtime.frontend.codecs.kyutai_audio import make_codec
 from runtime.frontend.codecs.protocol import (
+    AudioFormat,
     AudioMessage,
     MetadataMessage,
     PingMessage,
@@ -153,11 +156,33 @@ class DuplexWebSocket(web.WebSocketResponse):
 
 
 class _WsTransport(Transport):
-    def __init__(self, connection: DuplexWebSocket) -> None:
-        self.connection = connection
+    """The session's edge on a Kyutai WebSocket: its codec (``runtime.frontend.codecs.kyutai_audio``
+    ``make_codec``, from the request's ``format``) decodes the client's 0x01 payloads into samples and encodes
+    each outbound ``[1920]`` frame into one 0x01 payload (none while sphn's writer fills a page)."""
 
-    async def send_audio(self, payload: bytes) -> None:
-        await self.connection.send(encode_audio(payload))
+    def __init__(self, connection: DuplexWebSocket, front: FrontEnd, audio_format: AudioFormat) -> None:
+        self.connection = connection
+        config = front.config
+        self.audio_format = audio_format.value
+        self.assembler, self.encoder = make_codec(
+            audio_format,
+            config.max_inbox_frames,
+            opus_encoder=config.opus_encoder,
+            opus_complexity=config.opus_complexity,
+        )
+
+    def decode(self, payload: bytes) -> list[np.ndarray]:
+        """One client audio payload -> the whole ``[1920]`` float32 frames it completes.
+
+        Raises:
+            ProtocolError: ``bad_opus``, ``bad_pcm`` or ``too_fast`` (``FrameAssembler.push``).
+        """
+        return self.assembler.push(payload)
+
+    async def send_audio(self, pcm: np.ndarray) -> None:
+        payload = self.encoder.encode(pcm)
+        if payload:
+            await self.connection.send(encode_audio(payload))
 
     async def send_text(self, piece: str) -> None:
         await self.connection.send(encode_text(piece))
@@ -252,7 +277,8 @@ async def handle(
     if front.draining:
         await refuse(front, connection, SessionRefused("draining"), resume=resume)
         return
-    session = ChatSession(front, _WsTransport(connection), request, sampling, claims, client)
+    transport = _WsTransport(connection, front, request.format)
+    session = ChatSession(front, transport, request, sampling, claims, client)
     # Until its handshake the client is read and its messages dropped (Kyutai's client sends audio before
     # it): so a client leaving while it waits for a slot or while its persona prompt runs is seen at once.
     left = asyncio.create_task(_read_until_closed(connection), name=f"pre-handshake {session.session_id}")
@@ -287,7 +313,7 @@ async def handle(
             limit = session.remaining_s
             try:
                 async with asyncio.timeout(limit):
-                    outcome = await _receive_loop(front, session, connection)
+                    outcome = await _receive_loop(front, session, transport)
             except TimeoutError:
                 outcome = SessionOutcome("max_session_length")
                 source = "" if session.limit_s == front.config.max_session_s else " (the token's limit)"
@@ -335,9 +361,10 @@ async def _send_until_closed(session: ChatSession) -> None:
         await session.send_loop()
 
 
-async def _receive_loop(front: FrontEnd, session: ChatSession, connection: DuplexWebSocket) -> SessionOutcome:
-    """Read client messages until the client leaves; audio goes to the session."""
+async def _receive_loop(front: FrontEnd, session: ChatSession, transport: _WsTransport) -> SessionOutcome:
+    """Read client messages until the client leaves; audio, decoded by the transport, goes to the session."""
     metrics = front.metrics
+    connection = transport.connection
     while True:
         message = await connection.receive()
         if message.type is WSMsgType.ERROR:
@@ -356,7 +383,8 @@ async def _receive_loop(front: FrontEnd, session: ChatSession, connection: Duple
                 # Echoed unchanged: the client times the round trip (the web client shows it in ms).
                 await connection.send(encode_ping(parsed.payload))
             elif isinstance(parsed, AudioMessage):
-                session.push_audio(parsed.payload)
+                for frame in transport.decode(parsed.payload):
+                    session.push_samples(frame)
             # control and metadata carry nothing the batch needs
         except ProtocolError as exc:
             metrics.protocol_errors.labels(reason=exc.reason).inc()

@@ -11,9 +11,10 @@ Inbound (:class:`RtpInbound`): every RTP packet of the audio receiver goes strai
 (``runtime.frontend.transports.webrtc.jitter``) instead of aiortc's (which adds ~80 ms and stays 280 ms
 behind after a loss:
 aiortc issue 543), then is decoded by libopus at 24 kHz (a missing packet: libopus' concealment) and
-handed on as int16 samples, 20 ms at a time: an in-order packet within the hook's own call, a missing one
-at its deadline by a playout task. The hook is the receiver's ``_handle_rtp_packet``, replaced on
-the instance (aiortc 1.16.0 routes each packet to it; aiortc's decoder thread is started and stays idle).
+handed on as float32 samples (libopus' int16 k as k / 32768), 20 ms at a time: an in-order packet within
+the hook's own call, a missing one at its deadline by a playout task. The hook is the receiver's
+``_handle_rtp_packet``, replaced on the instance (aiortc 1.16.0 routes each packet to it; aiortc's
+decoder thread is started and stays idle).
 
 :class:`FirstAudioTrace` stamps a session's first audio at each step on the node (logged when the session
 ends, ``WebRTC session <id> first audio: {...}``): docs/benchmarks.md reads it beside the load generator's
@@ -52,6 +53,8 @@ OUTBOUND_QUEUE_PACKETS = 50
 """Packets (1 s) an outbound track holds before it drops the oldest (a peer that cannot keep up)."""
 _RTP_TIME_BASE = fractions.Fraction(1, 48_000)
 _RTP_STEP = 960  # 20 ms at Opus's 48 kHz RTP clock
+_INT16_SCALE = np.float32(1 / 32768)
+"""Int16 full scale, as ``runtime.frontend.codecs.kyutai_audio``'s PCM: sample k <-> float k / 32768."""
 _TRACED_ARRIVALS = 256
 """Inbound packets whose arrival time is kept (by sequence number) until the first frame is traced."""
 
@@ -201,7 +204,8 @@ class RtpInbound:
     """One session's inbound audio: RTP packets -> jitter buffer -> libopus -> ``on_pcm``.
 
     Args:
-        on_pcm: called with int16 samples at 24 kHz (480 per 20 ms packet), in order, on the event loop;
+        on_pcm: called with float32 samples ``[T]`` at 24 kHz in [-1, 1) (480 per 20 ms packet), in order,
+            on the event loop;
             returns whether the session took them (False: dropped, e.g. before its handshake).
         metrics: where packets received, late, concealed, lost and the buffer's depth are counted.
         clock: monotonic seconds (injected in tests).
@@ -290,7 +294,7 @@ class RtpInbound:
         except OpusError:
             self.bad_packets += 1
             pcm = self.decoder.decode(None, conceal)
-        taken = self.on_pcm(pcm)
+        taken = self.on_pcm(pcm.astype(np.float32) * _INT16_SCALE)
         trace = self.trace
         if not taken or trace.frame_at is not None:
             return

@@ -70,7 +70,6 @@ __all__ = [
     "OfferRejected",
     "RtcPeer",
     "RtcTransport",
-    "Float32Frames",
 ]
 
 log = logging.getLogger(__name__)
@@ -91,24 +90,19 @@ class OfferRejected(ValueError):
     """The SDP offer cannot make a session (malformed, no audio, no Opus): a 400 naming what is wrong."""
 
 
-class Float32Frames:
-    """The session's outbound "encoder" on WebRTC: the frame's float32 bytes, for :class:`RtcTransport` to
-    encode into RTP-sized Opus packets (``ChatSession.send_loop`` encodes before it sends)."""
-
-    def encode(self, frame: np.ndarray) -> bytes:
-        return np.ascontiguousarray(frame, dtype="<f4").tobytes()
-
-
 class RtcTransport(Transport):
-    """``runtime.frontend.session.conversation.Transport`` over a peer connection."""
+    """``runtime.frontend.session.conversation.Transport`` over a peer connection: outbound frames go to the
+    peer's :class:`OpusPacketTrack` (its own RTP Opus encoder), inbound RTP is decoded by its
+    :class:`RtpInbound` (``RtcPeer._on_pcm``)."""
 
     name = "webrtc"
+    audio_format = "opus"
 
     def __init__(self, peer: RtcPeer) -> None:
         self.peer = peer
 
-    async def send_audio(self, payload: bytes) -> None:
-        self.peer.track.put_frame(np.frombuffer(payload, dtype="<f4"))
+    async def send_audio(self, pcm: np.ndarray) -> None:
+        self.peer.track.put_frame(pcm)
 
     async def send_text(self, piece: str) -> None:
         self.peer.send(encode_text(piece))
@@ -413,15 +407,13 @@ class RtcPeer:
             self.end(SessionOutcome("rtc_failed", lost=True))
 
     def _on_pcm(self, pcm: np.ndarray) -> bool:
-        """Inbound samples to the session; whether it took them (it drops them before its handshake)."""
+        """Inbound float32 samples ``[T]`` to the session; whether it took them (it drops them before its
+        handshake)."""
         session = self.session
         if session is None or not self.spent.is_set():
             return False
-        try:
-            session.push_audio(pcm.astype("<i2").tobytes())
-        except ProtocolError as exc:  # too_fast cannot happen at 20 ms a push; counted all the same
-            self.front.metrics.protocol_errors.labels(reason=exc.reason).inc()
-        return session.ready.is_set() and session.lease is not None
+        session.push_samples(pcm)
+        return session.takes_audio
 
     def _on_datachannel(self, channel: RTCDataChannel) -> None:
         if self.channel is not None:

@@ -38,7 +38,6 @@ The rate limits and the token check run in ``runtime.frontend.http`` before thes
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import re
@@ -50,7 +49,6 @@ from collections.abc import Callable
 from aiohttp import web
 
 from runtime.engine.api import SamplingParams
-from runtime.frontend.codecs.protocol import AudioFormat
 from runtime.frontend.gate.admission import Admitted
 from runtime.frontend.gate.query import (
     RESUME_HEADER,
@@ -60,7 +58,7 @@ from runtime.frontend.gate.query import (
 from runtime.frontend.gate.refusals import SessionRefused
 from runtime.frontend.gate.tokens import TokenClaims
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
-from runtime.frontend.transports.webrtc.peer import Float32Frames, OfferRejected, RtcPeer, RtcTransport
+from runtime.frontend.transports.webrtc.peer import OfferRejected, RtcPeer, RtcTransport
 from runtime.frontend.transports.webrtc.turn import IceServer, ice_servers, mint_turn_credentials
 
 __all__ = [
@@ -313,9 +311,7 @@ async def _answer(
     except OfferRejected as exc:
         await peer.close()
         return _refused(front, SessionRefused("bad_request", f"bad request: {exc}"), resume=resume)
-    session_request = dataclasses.replace(session_request, format=AudioFormat.PCM)
     session = ChatSession(front, RtcTransport(peer), session_request, sampling, claims, client)
-    session.encoder = Float32Frames()
     session.spend_on_connect = True  # spent when ICE and DTLS connect (RtcPeer): a failed ICE leaves it
     try:
         if session_request.resume:  # the credential is the right to the slot: no token (claims None)
