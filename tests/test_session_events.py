@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
+from runtime.frontend.store.events import EVENT_FIELDS, EVENTS_VERSION
 from runtime.frontend.store.records import segments
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
@@ -69,6 +70,11 @@ async def test_events_in_order_with_their_fields(redis_server) -> None:
     await _flushed(store)
     events = await _events(redis_server.url)
     assert [e["kind"] for e in events] == ["started", "text", "text", "text", "resumed", "ended"]
+    for event in events:  # the documented contract, version 1: no field outside it, none missing
+        assert event["v"] == EVENTS_VERSION == "1"
+        allowed = EVENT_FIELDS["*"] | EVENT_FIELDS[event["kind"]]
+        assert set(event) <= allowed, (event["kind"], set(event) - allowed)
+        assert EVENT_FIELDS["*"] <= set(event)
     started = events[0]
     assert started["persona"] == "voice=NATF2" and started["slot"] == "2" and started["recording"] == "1"
     assert {e["session"] for e in events} == {rec.session_id} and {e["node"] for e in events} == {"node-a"}
@@ -219,3 +225,15 @@ async def test_the_stream_forgets_what_retention_forgot(redis_server) -> None:
     assert await _events(redis_server.url, old.session_id) == []
     assert [e["kind"] for e in await _events(redis_server.url, new.session_id)] == ["started"]
     await store.close()
+
+
+def test_the_persona_label_keeps_the_role_prompt_out() -> None:
+    """Issue 34, item 8: the ``persona`` field of records, events and listings copied the role prompt's
+    words (its first 60 characters)."""
+    from runtime.frontend.gate.query import parse_session_query
+    from runtime.frontend.session.conversation import persona_label
+
+    request = parse_session_query("voice_prompt=NATF2.pt&text_prompt=You+are+Ada%2C+the+bank%27s+fraud+agent")
+    label = persona_label(request)
+    assert label == f"voice=NATF2.pt text_chars={len(request.text_prompt or '')}"
+    assert "Ada" not in label and "fraud" not in label

@@ -53,12 +53,13 @@ class Persona:
 
     @property
     def label(self) -> str:
-        """Short description for the session registry."""
+        """Short description for the session registry and logs: the voice's name and the text prompt's
+        length, never its words (the prompt may hold what a caller's application told the agent)."""
         parts = []
         if self.voice_prompt:
             parts.append(f"voice={self.voice_prompt}")
         if self.text_prompt:
-            parts.append(f"text={self.text_prompt[:60]}")
+            parts.append(f"text_chars={len(self.text_prompt)}")
         return " ".join(parts)
 
 

@@ -141,12 +141,14 @@ def plan_session(
 
 
 def persona_label(request: SessionRequest) -> str:
-    """Short description of the persona for the session registry."""
+    """Short description of the persona for the session registry, its events and listings: the voice's
+    name and the text prompt's length in characters, never its words (issue 34, item 8: the role prompt was
+    copied into records, events and listings; the prompt itself stays in the slot)."""
     parts = []
     if request.voice_prompt:
         parts.append(f"voice={request.voice_prompt}")
     if request.text_prompt:
-        parts.append(f"text={request.text_prompt[:60]}")
+        parts.append(f"text_chars={len(request.text_prompt)}")
     return " ".join(parts)
 
 

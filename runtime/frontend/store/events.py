@@ -5,8 +5,9 @@ as the registry and the transcript, so they share its outage contract: queued wh
 when it returns, in order.
 
 ``{prefix}:events`` (a Redis Stream, one for every node using this Redis, trimmed with ``XADD MAXLEN ~``)
-    One entry per event, fields (all strings):
+    One entry per event, fields (all strings), version :data:`EVENTS_VERSION` of the contract:
 
+    - ``v``: the contract's version (``1``);
     - ``kind``: ``started``, ``text``, ``ended`` or ``resumed`` (:data:`EVENT_KINDS`);
     - ``session`` (hex uuid), ``node``, ``at`` (unix s of the event, when it happened, not when written);
     - ``event``: ``<writer token>:<sequence>``, unique per event. Delivery is at least once: after a Redis
@@ -34,6 +35,8 @@ from __future__ import annotations
 import json
 
 __all__ = [
+    "EVENTS_VERSION",
+    "EVENT_FIELDS",
     "EVENT_KINDS",
     "INDEX_HORIZON_S",
     "SPEAKER_AGENT",
@@ -43,6 +46,21 @@ __all__ = [
     "line_entry",
     "lines_key",
 ]
+
+EVENTS_VERSION = "1"
+"""The ``v`` field of every entry: the version of the events contract (docs/sessions-api.md, "Events"). Within
+one version fields are only ever added (a consumer ignores those it does not know); removing or changing the
+meaning of a field, or a kind, makes a new version, announced in the docs before it is written."""
+
+EVENT_FIELDS: dict[str, frozenset[str]] = {
+    "*": frozenset({"v", "kind", "session", "node", "at", "event"}),
+    "started": frozenset({"persona", "format", "slot", "recording"}),
+    "text": frozenset({"speaker", "text"}),
+    "ended": frozenset({"reason"}),
+    "resumed": frozenset({"persona", "format", "slot", "recording", "gap_ms"}),
+}
+"""The fields of version 1, every event's (``"*"``) and each kind's own: the documented contract, held to what
+the writer writes by tests/test_session_events.py."""
 
 EVENT_KINDS = ("started", "text", "ended", "resumed")
 """Every ``kind`` of event; ``resumed`` is written by the session resume work (``record_event``)."""
@@ -88,7 +106,8 @@ def event_fields(
     """
     if kind not in EVENT_KINDS:
         raise ValueError(f"unknown event kind {kind!r}; allowed: {', '.join(EVENT_KINDS)}")
-    fields = {"kind": kind, "session": session_id, "node": node_id, "at": repr(round(at_unix_s, 3))}
+    fields = {"v": EVENTS_VERSION, "kind": kind, "session": session_id, "node": node_id}
+    fields["at"] = repr(round(at_unix_s, 3))
     fields["event"] = event_id
     fields.update(extra)
     return fields
