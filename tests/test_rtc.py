@@ -20,6 +20,7 @@ import re
 from collections.abc import AsyncIterator
 
 import aiohttp
+import jwt
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -119,7 +120,8 @@ async def delete_from_another_worker(server: DuplexServer, location: str, owner:
 
 
 async def test_a_call_gets_its_answer_audio_text_and_ends_with_delete(node, http, packets) -> None:
-    call = RtcCall(url(node), packets, token=token(), query="seed=7")
+    value = token()
+    call = RtcCall(url(node), packets, token=value, query="seed=7")
     outcome = await call.start(http)
     assert outcome.status == 201, outcome.body
     location = outcome.headers["Location"][0]
@@ -133,7 +135,10 @@ async def test_a_call_gets_its_answer_audio_text_and_ends_with_delete(node, http
     username = re.search(r'username="([^"]+)"', turn)[1]  # type: ignore[index]
     credential = re.search(r'credential="([^"]+)"', turn)[1]  # type: ignore[index]
     expected = base64.b64encode(hmac.new(TURN_SECRET.encode(), username.encode(), hashlib.sha1).digest())
-    assert credential == expected.decode() and username.endswith(":" + location.split("/")[3])
+    # Minted under the token's id, its expiry fixed by the token: one username, one coturn quota, per token
+    # (issue 34, item 2: a fresh session id per answered offer gave each unconnected offer its own quota).
+    claims = jwt.decode(value, options={"verify_signature": False})
+    assert credential == expected.decode() and username == f"{claims['exp'] + 3600}:{claims['jti']}"
     try:
         await asyncio.wait_for(call.handshake.wait(), WAIT_S)
         await asyncio.wait_for(call.audio_arrived.wait(), WAIT_S)
@@ -185,7 +190,10 @@ async def test_ice_servers_before_the_offer_check_the_token_and_spend_nothing(no
     # the same token then opens a session: it was checked, not spent
     call = RtcCall(url(node), packets, token=value)
     try:
-        assert (await call.start(http)).status == 201
+        answered = await call.start(http)
+        assert answered.status == 201
+        link = next(link for link in answered.headers["Link"] if link.startswith("<turn:"))
+        assert f'username="{turn["username"]}"' in link  # the same TURN username as before the offer
         await asyncio.wait_for(call.audio_arrived.wait(), WAIT_S)
     finally:
         await call.close()

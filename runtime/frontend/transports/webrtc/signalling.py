@@ -152,15 +152,29 @@ async def end_all(front: FrontEnd) -> None:
     await asyncio.gather(*(peer.wait_closed() for peer in peers), return_exceptions=True)
 
 
-def ice_servers_for(front: FrontEnd, holder: str) -> list[IceServer]:
-    """The ICE servers of a caller: ``DUPLEX_TURN_URLS`` with TURN credentials minted for ``holder`` (a
-    session id or a token id) when ``DUPLEX_TURN_SECRET`` is set."""
+def ice_servers_for(front: FrontEnd, claims: TokenClaims | None, session_id: str = "") -> list[IceServer]:
+    """The ICE servers of a caller: ``DUPLEX_TURN_URLS`` with TURN credentials when ``DUPLEX_TURN_SECRET`` is
+    set, minted under the session token's id with an expiry fixed by the token (its ``exp`` plus
+    ``DUPLEX_TURN_TTL_S``): every answer and ``ice-servers`` call of one token gives the same username, so
+    coturn's per-username ``user-quota`` (4 allocations) binds per token (issue 34, item 2: a fresh username
+    per answered offer let 11 unconnected offers of one token take all 40 of a node's allocations). Without a
+    token (a resume: the credential is the right) under ``session_id``, from now; with neither, a random
+    id."""
     config = front.config
     credentials = None
     if config.turn_secret is not None:
         secret = config.turn_secret.get_secret_value().encode()
-        credentials = mint_turn_credentials(secret, holder, config.turn_ttl_s, time.time())
+        holder, base = session_id, time.time()
+        if claims is not None and _TURN_HOLDER_RE.fullmatch(claims.token_id):
+            holder, base = claims.token_id, claims.expires_at
+        if not _TURN_HOLDER_RE.fullmatch(holder):
+            holder = uuid.uuid4().hex
+        credentials = mint_turn_credentials(secret, holder, config.turn_ttl_s, base)
     return ice_servers(config.turn_urls, credentials)
+
+
+_TURN_HOLDER_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""What a TURN username's id part may be (``turn.mint_turn_credentials``: usernames are ``<expiry>:<id>``)."""
 
 
 def _quoted(value: str) -> str:
@@ -349,7 +363,7 @@ async def _answer(
         credential = session.resume_metadata().get("resume")
         if isinstance(credential, str):
             response.headers[RESUME_HEADER] = credential
-    for link in link_headers(ice_servers_for(front, session.session_id)):
+    for link in link_headers(ice_servers_for(front, session.claims, session.session_id)):
         response.headers.add("Link", link)
     return response
 
@@ -359,10 +373,7 @@ async def serve_ice_servers(
 ) -> web.Response:
     """``GET /api/rtc/ice-servers`` after the access check: ``{"iceServers": [...]}`` (``RTCConfiguration``)
     with credentials minted for the token's id, and the same as ``Link`` headers."""
-    holder = claims.token_id if claims is not None else ""
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", holder):  # TURN usernames are "<expiry>:<id>"
-        holder = uuid.uuid4().hex
-    servers = ice_servers_for(front, holder)
+    servers = ice_servers_for(front, claims)
     response = web.json_response({"iceServers": [server.as_json() for server in servers]})
     response.headers["Cache-Control"] = "no-store"
     for link in link_headers(servers):
