@@ -11,12 +11,15 @@ for its wire. The recording takes the same frames on both sides (``runtime.front
 it is right whatever the transport.
 Refusals are ``runtime.frontend.gate.refusals.SessionRefused`` (the table gives status, close code, message).
 
+The lifecycle around a conversation (admit or resume, prompt, handshake, live, detached or held, ended) is
+written once in ``runtime.frontend.session.lifecycle``; a transport is its edges only.
+
 Resume, for any transport (docs/runtime.md, "Resume"): a session admitted with ``resumable=1`` holds a
-single-use credential (:meth:`ChatSession.resume_metadata`, sent by the transport after its handshake). When
-its transport is lost without a normal close, the transport calls :meth:`ChatSession.detach` (the slot is
-held, paused, for ``resume_s``) and awaits :meth:`ChatSession.held`; a new connection with the credential
-builds a new ``ChatSession`` and calls :meth:`ChatSession.resume` instead of :meth:`ChatSession.admit`: the
-same slot and session id, through any worker of the node. The old session learns it in ``on_taken_over``.
+single-use credential (:meth:`ChatSession.resume_metadata`, sent after the handshake). When its transport
+is lost without a normal close, the lifecycle calls :meth:`ChatSession.detach` (the slot is held, paused,
+for ``resume_s``) and awaits :meth:`ChatSession.held`; a new connection with the credential builds a new
+``ChatSession`` and calls :meth:`ChatSession.resume` instead of :meth:`ChatSession.admit`: the same slot and
+session id, through any worker of the node. The old session learns it in ``on_taken_over``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from runtime.frontend.gate.query import ResumePresented, SessionRequest, parse_s
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 from runtime.frontend.session.resume import ResumableSession
+from runtime.frontend.session.state import SessionState
 from runtime.frontend.store.recordings import SessionRecorder, start_recording
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 from runtime.metrics import RuntimeMetrics
@@ -229,12 +233,13 @@ class ChatSession(ResumableSession):
         self.frames_in = 0
         self.frames_out = 0
         self.lease: SlotLease | None = None
-        self.started = False
+        self.state = SessionState.PLANNED
+        """Where the conversation stands (``runtime.frontend.session.state``)."""
         self._released = False
+        self._finished = False
         self.recorder: SessionRecorder | None = None
         """Both sides to disk when the token has ``recording_consent``
         (``runtime.frontend.store.recordings``)."""
-        self._finished = False
         self.record: SessionRecord | None = None
         """What the session store holds of it (None without a store, or before admission)."""
         self.started_at = time.time()
@@ -244,8 +249,6 @@ class ChatSession(ResumableSession):
         self.persona = persona_label(request)
         self.resumed: ResumeGrant | None = None
         """How this session took its slot over (None: admitted, not resumed)."""
-        self.moved = False
-        """Resumed through another connection: this one no longer holds the slot or ends the session."""
         self._hold: asyncio.Future[bool] | None = None
         self.spend_on_connect = False
         """Admit without spending the token; the transport calls :meth:`spend_token` once it connects
@@ -311,7 +314,7 @@ class ChatSession(ResumableSession):
             except TokenRejected as exc:
                 self.release()
                 raise SessionRefused(exc.reason, str(exc)) from None
-        self.started = True
+        self.state = SessionState.ADMITTED
         self.front.metrics.sessions_started.inc()
         consent = self.claims is not None and self.claims.recording_consent
         recordings = getattr(self.front, "recordings", None)
@@ -450,7 +453,7 @@ class ChatSession(ResumableSession):
         """Release, and count and record how the session ended (when it had started; not when it was
         resumed through another connection, which goes on)."""
         self.release()
-        if not self.started or self._finished:
+        if not self.state.started or self._finished:
             return
         self._finished = True
         if self.recorder is not None:  # a resume elsewhere records no more: the files end at the drop
@@ -459,6 +462,7 @@ class ChatSession(ResumableSession):
         self.front.metrics.transport_sessions_active.labels(transport=self.transport.name).dec()
         if self.moved:  # resumed through another connection: that one ends the session
             return
+        self.state = SessionState.ENDED
         self.front.metrics.sessions_ended.labels(reason=outcome.reason).inc()
         if self.front.store is not None:
             self.front.store.end_session(self.session_id, outcome.reason)

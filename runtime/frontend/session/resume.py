@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from runtime.engine.api import Refusal, ResumeGrant, SessionSink, SlotBackend, SlotLease
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.session.state import SessionState
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class ResumableSession(SessionSink):
     session_id: str
     lease: SlotLease | None
     ready: asyncio.Event
-    started: bool
+    state: SessionState
     first_audio_sent: bool
     _released: bool
     record: SessionRecord | None
@@ -75,10 +76,14 @@ class ResumableSession(SessionSink):
     limit_s: float
     persona: str
     resumed: ResumeGrant | None
-    moved: bool
     credential_given = False
     """:meth:`resume_metadata` handed the transport a credential (before that, a lost session is ended)."""
     _hold: asyncio.Future[bool] | None
+
+    @property
+    def moved(self) -> bool:
+        """Resumed through another connection: this one no longer holds the slot or ends the session."""
+        return self.state is SessionState.MOVED
 
     @property
     def remaining_s(self) -> float:
@@ -93,7 +98,7 @@ class ResumableSession(SessionSink):
 
     def on_taken_over(self) -> None:
         """Resumed through another connection: close this transport; the slot and the session are theirs."""
-        self.moved = True
+        self.state = SessionState.MOVED
         self._released = True
         if self.record is not None and self.front.store is not None:
             self.front.store.forget_session(self.record)
@@ -158,7 +163,7 @@ class ResumableSession(SessionSink):
         self.resumed, self.lease = grant, grant.lease
         self.session_id = grant.lease.session_id
         self.first_audio_sent = True  # the first audio was the first connection's
-        self.started = True
+        self.state = SessionState.ADMITTED
         with contextlib.suppress(ValueError, TypeError, KeyError):
             meta = json.loads(grant.meta)
             self.started_at, self.limit_s = float(meta["started_at"]), float(meta["limit_s"])
@@ -196,6 +201,7 @@ class ResumableSession(SessionSink):
         if not self.front.backend.detach(lease):
             self._hold = None
             return False
+        self.state = SessionState.DETACHED
         self.front.metrics.sessions_detached.inc()
         hold_s = self.front.config.resume_s
         log.info("session %s detached: slot %d held %g s for a resume", self.session_id, lease.slot, hold_s)

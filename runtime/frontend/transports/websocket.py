@@ -25,8 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Iterable
-from typing import TypeVar
+from collections.abc import Iterable
 from urllib.parse import parse_qs
 
 import numpy as np
@@ -57,17 +56,11 @@ from runtime.frontend.gate.query import (
 from runtime.frontend.gate.refusals import (
     CLOSE_GOING_AWAY,
     CLOSE_POLICY,
-    CLOSE_TRY_AGAIN_LATER,
     SessionRefused,
 )
 from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX, TokenClaims
-from runtime.frontend.session.conversation import (
-    ChatSession,
-    FrontEnd,
-    SessionOutcome,
-    Transport,
-    plan_session,
-)
+from runtime.frontend.session.conversation import FrontEnd, SessionOutcome, plan_session
+from runtime.frontend.session.lifecycle import Edge, TransportClosed, run
 
 __all__ = [
     "HEARTBEAT_S",
@@ -79,7 +72,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 METADATA_PROMPT_TIMEOUT_S = 10.0
 """With ``text_prompt_in=metadata``: longest wait for the 0x04 message carrying the text prompt."""
@@ -92,7 +84,7 @@ _FATAL_PROTOCOL_REASONS = frozenset({"bad_opus"})
 """Errors after which the session's input cannot recover: the session is closed (1008)."""
 
 
-class ConnectionClosed(Exception):
+class ConnectionClosed(TransportClosed):
     """The client's WebSocket is closed (or closing): nothing more will be read from it."""
 
 
@@ -155,13 +147,21 @@ class DuplexWebSocket(web.WebSocketResponse):
             await self.close(code=code, message=reason.encode()[:123])
 
 
-class _WsTransport(Transport):
-    """The session's edge on a Kyutai WebSocket: its codec (``runtime.frontend.codecs.kyutai_audio``
-    ``make_codec``, from the request's ``format``) decodes the client's 0x01 payloads into samples and encodes
-    each outbound ``[1920]`` frame into one 0x01 payload (none while sphn's writer fills a page)."""
+class _WsTransport(Edge):
+    """The session's edges on a Kyutai WebSocket (``runtime.frontend.session.lifecycle`` runs the rest).
+
+    Its codec (``runtime.frontend.codecs.kyutai_audio`` ``make_codec``, from the request's ``format``)
+    decodes the client's 0x01 payloads into frames and encodes each outbound ``[1920]`` frame into one 0x01
+    payload (none while sphn's writer fills a page). One reader, from the upgrade: until the handshake it
+    drops what the client sends (Kyutai's client sends audio before it), so a client leaving while it waits
+    for a slot or while its persona prompt runs is seen at once; from the handshake on, audio goes to the
+    session and pings are echoed. The connection's end is the transport's (:meth:`Edge.end`): lost when it
+    ended without a close frame and without the server closing it."""
 
     def __init__(self, connection: DuplexWebSocket, front: FrontEnd, audio_format: AudioFormat) -> None:
+        super().__init__()
         self.connection = connection
+        self.front = front
         config = front.config
         self.audio_format = audio_format.value
         self.assembler, self.encoder = make_codec(
@@ -170,6 +170,17 @@ class _WsTransport(Transport):
             opus_encoder=config.opus_encoder,
             opus_complexity=config.opus_complexity,
         )
+        self._live = False
+        self._reader = asyncio.create_task(self._read(), name="websocket reader")
+        self._watch = asyncio.ensure_future(connection.closing.wait())
+        # The slot goes back as soon as the connection closes, unless a lost connection may be resumed (the
+        # lifecycle decides then: held, or finished).
+        self._watch.add_done_callback(self._on_closing)
+
+    def _on_closing(self, _: object) -> None:
+        session = self.session
+        if session is not None and not (session.offers_resume and not self.connection.server_ended):
+            session.release()
 
     def decode(self, payload: bytes) -> list[np.ndarray]:
         """One client audio payload -> the whole ``[1920]`` float32 frames it completes.
@@ -179,6 +190,13 @@ class _WsTransport(Transport):
         """
         return self.assembler.push(payload)
 
+    async def _read(self) -> None:
+        try:
+            outcome = await _receive_loop(self.front, self)
+        except ConnectionClosed:
+            outcome = SessionOutcome("client_closed", lost=_lost(self.connection))
+        self.end(outcome)
+
     async def send_audio(self, pcm: np.ndarray) -> None:
         payload = self.encoder.encode(pcm)
         if payload:
@@ -187,8 +205,37 @@ class _WsTransport(Transport):
     async def send_text(self, piece: str) -> None:
         await self.connection.send(encode_text(piece))
 
+    async def send_handshake(self) -> None:
+        self._live = True  # what the client sends from now on is the conversation's
+        await self.connection.send(encode_handshake())
+
+    async def send_metadata(self, body: dict[str, object]) -> None:
+        await self.connection.send(encode_metadata(body))
+
+    async def send_error(self, message: str) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self.connection.send(encode_error(message))
+
+    async def refuse(self, exc: SessionRefused, *, counted: bool) -> None:
+        await self._stop()
+        await refuse(self.front, self.connection, exc, resume=None if counted else False)
+
     async def close(self, code: int, reason: str) -> None:
+        """The server closes (a drain: 1001, the engine's loss, a resume elsewhere): a normal end."""
+        drained = code == CLOSE_GOING_AWAY and self.front.draining
+        self.end(SessionOutcome("drained", CLOSE_GOING_AWAY) if drained else SessionOutcome("client_closed"))
         await self.connection.end(code, reason)
+
+    async def shutdown(self, outcome: SessionOutcome, held: bool) -> None:
+        await self._stop()
+        if not held:  # a held session's connection is gone already
+            await self.connection.end(outcome.close_code, outcome.reason)
+
+    async def _stop(self) -> None:
+        self._watch.cancel()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
 
 
 def token_subprotocol(headers: Iterable[str]) -> str | None:
@@ -277,73 +324,7 @@ async def handle(
     if front.draining:
         await refuse(front, connection, SessionRefused("draining"), resume=resume)
         return
-    transport = _WsTransport(connection, front, request.format)
-    session = ChatSession(front, transport, request, sampling, claims, client)
-    # Until its handshake the client is read and its messages dropped (Kyutai's client sends audio before
-    # it): so a client leaving while it waits for a slot or while its persona prompt runs is seen at once.
-    left = asyncio.create_task(_read_until_closed(connection), name=f"pre-handshake {session.session_id}")
-    outcome = SessionOutcome("client_closed")
-    sender: asyncio.Task[None] | None = None
-    watch = asyncio.ensure_future(connection.closing.wait())
-    # The slot goes back as soon as the connection closes, unless a lost connection may be resumed (the
-    # session decides then: held, or finished).
-    watch.add_done_callback(
-        lambda _: None if session.offers_resume and not connection.server_ended else session.release()
-    )
-    try:
-        try:
-            await _unless_left(session.resume() if request.resume else session.admit(), left)
-        except SessionRefused as exc:
-            left.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await left
-            # ChatSession.resume counted its refusals already (duplex_resume_refused_total)
-            await refuse(front, connection, exc, resume=None if request.resume else False)
-            return
-        front.sessions.add(session)
-        try:
-            await _unless_left(session.wait_prompt(), left)
-            left.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await left
-            await connection.send(encode_handshake())
-            if session.offers_resume:
-                await connection.send(encode_metadata(session.resume_metadata()))
-            sender = asyncio.create_task(_send_until_closed(session))
-            limit = session.remaining_s
-            try:
-                async with asyncio.timeout(limit):
-                    outcome = await _receive_loop(front, session, transport)
-            except TimeoutError:
-                outcome = SessionOutcome("max_session_length")
-                source = "" if session.limit_s == front.config.max_session_s else " (the token's limit)"
-                limit_s = session.limit_s
-                await connection.send(encode_error(f"session reached max_session_s={limit_s:g}{source}"))
-        except (ConnectionClosed, _ClientLeft):
-            outcome = SessionOutcome("client_closed", lost=_lost(connection))
-        except TimeoutError:
-            outcome = SessionOutcome("prompt_timeout", CLOSE_TRY_AGAIN_LATER)
-    except _ClientLeft:
-        return
-    finally:
-        left.cancel()
-        watch.cancel()
-        if sender is not None:
-            sender.cancel()
-        front.sessions.discard(session)
-        if session.started and front.draining and connection.close_sent == CLOSE_GOING_AWAY:
-            outcome = SessionOutcome("drained", CLOSE_GOING_AWAY)
-        held = outcome.lost and session.detach()
-        if not held:
-            session.finish(outcome)
-    if held:  # the slot waits, paused, for a resume through any connection; this one is gone
-        if await session.held():  # resumed elsewhere: this transport's part ends (its recording, its gauge)
-            session.finish(SessionOutcome("resumed_elsewhere"))
-            return
-        outcome = SessionOutcome("resume_expired", lost=True)
-        session.finish(outcome)
-        return
-    await connection.end(outcome.close_code, outcome.reason)
+    await run(front, _WsTransport(connection, front, request.format), request, sampling, claims, client)
 
 
 def _lost(connection: DuplexWebSocket, message_type: WSMsgType | None = None) -> bool:
@@ -355,14 +336,9 @@ def _lost(connection: DuplexWebSocket, message_type: WSMsgType | None = None) ->
     return message_type is WSMsgType.CLOSED or connection.close_code in (None, WSCloseCode.ABNORMAL_CLOSURE)
 
 
-async def _send_until_closed(session: ChatSession) -> None:
-    """The session's send loop, ended quietly when the connection closes under it."""
-    with contextlib.suppress(ConnectionClosed):
-        await session.send_loop()
-
-
-async def _receive_loop(front: FrontEnd, session: ChatSession, transport: _WsTransport) -> SessionOutcome:
-    """Read client messages until the client leaves; audio, decoded by the transport, goes to the session."""
+async def _receive_loop(front: FrontEnd, transport: _WsTransport) -> SessionOutcome:
+    """Read client messages until the client leaves: dropped before the handshake; then audio, decoded by
+    the transport, goes to the session and pings are echoed."""
     metrics = front.metrics
     connection = transport.connection
     while True:
@@ -377,6 +353,9 @@ async def _receive_loop(front: FrontEnd, session: ChatSession, transport: _WsTra
         if message.type not in (WSMsgType.BINARY, WSMsgType.TEXT):
             lost = message.type is not WSMsgType.CLOSE and _lost(connection, message.type)
             return SessionOutcome("client_closed", lost=lost)
+        session = transport.session
+        if not transport._live or session is None:
+            continue  # before the handshake: dropped, as moshi's server does
         try:
             parsed = parse_client_message(message.data, max_message_bytes=front.config.max_message_bytes)
             if isinstance(parsed, PingMessage):
@@ -426,34 +405,3 @@ async def _metadata_prompt(front: FrontEnd, connection: DuplexWebSocket, query: 
             f"got {type(parsed).__name__}",
         )
     return parse_prompt_metadata(parsed.data)
-
-
-class _ClientLeft(Exception):
-    """The client closed its connection before its handshake."""
-
-
-async def _read_until_closed(connection: DuplexWebSocket) -> None:
-    """Read and drop messages until the connection closes (returns then)."""
-    with contextlib.suppress(ConnectionClosed):
-        while True:
-            await connection.recv()
-
-
-async def _unless_left(awaitable: Awaitable[T], left: asyncio.Task[None]) -> T:
-    """Await ``awaitable`` unless the ``left`` task (:func:`_read_until_closed`) ends first.
-
-    Raises:
-        _ClientLeft: the client left first (``awaitable`` is cancelled).
-    """
-    task = asyncio.ensure_future(awaitable)
-    try:
-        await asyncio.wait({task, left}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if task.done():
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise _ClientLeft()

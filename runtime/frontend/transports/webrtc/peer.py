@@ -59,7 +59,8 @@ from runtime.frontend.codecs.protocol import (
     parse_client_message,
 )
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
-from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, Transport
+from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome
+from runtime.frontend.session.lifecycle import Edge
 from runtime.frontend.transports.webrtc.candidates import CandidateFilter, filter_offer
 from runtime.frontend.transports.webrtc.media import FirstAudioTrace, OpusPacketTrack, RtpInbound
 from runtime.frontend.transports.webrtc.offer_checks import OfferProblem, check_offer
@@ -68,6 +69,7 @@ __all__ = [
     "CHANNEL_BURST",
     "CHANNEL_RATE_PER_S",
     "OfferRejected",
+    "Refused",
     "RtcPeer",
     "RtcTransport",
 ]
@@ -90,16 +92,82 @@ class OfferRejected(ValueError):
     """The SDP offer cannot make a session (malformed, no audio, no Opus): a 400 naming what is wrong."""
 
 
-class RtcTransport(Transport):
-    """``runtime.frontend.session.conversation.Transport`` over a peer connection: outbound frames go to the
-    peer's :class:`OpusPacketTrack` (its own RTP Opus encoder), inbound RTP is decoded by its
-    :class:`RtpInbound` (``RtcPeer._on_pcm``)."""
+@dataclass
+class Refused:
+    """A session refused before its answer: ``counted``: in the metrics already (a resume's refusal)."""
+
+    exc: SessionRefused
+    counted: bool
+
+
+class RtcTransport(Edge):
+    """The session's edges on a peer connection (``runtime.frontend.session.lifecycle`` runs the rest):
+    outbound frames go to the peer's :class:`OpusPacketTrack` (its own RTP Opus encoder), inbound RTP is
+    decoded by its :class:`RtpInbound` (``RtcPeer._on_pcm``), events go on the DataChannel.
+
+    The lifecycle runs in a task of its own, beyond the POST: :attr:`answered` is what the POST answers
+    with: the answer's SDP (the session admitted and started), :class:`Refused` (an HTTP refusal), None
+    (the caller left before its answer: 499), or the error that made the answer fail, as its exception.
+
+    Args:
+        peer: the peer connection, its offer accepted.
+        client_gone: whether the POST's connection has closed (read after the waiting room).
+        on_start: called with the peer once answered (the registry's record of it).
+        on_done: called with the peer once the session has ended here.
+    """
 
     name = "webrtc"
     audio_format = "opus"
 
-    def __init__(self, peer: RtcPeer) -> None:
+    def __init__(
+        self,
+        peer: RtcPeer,
+        client_gone: Callable[[], bool],
+        on_start: Callable[[RtcPeer], None],
+        on_done: Callable[[RtcPeer], None],
+    ) -> None:
+        super().__init__()
         self.peer = peer
+        peer.edge = self
+        self.client_gone = client_gone
+        self.on_start = on_start
+        self.on_done = on_done
+        self.answered: asyncio.Future[str | Refused | None] = asyncio.get_running_loop().create_future()
+
+    async def prepare(self, session: ChatSession) -> None:
+        """The token is spent when ICE and DTLS connect (a failed ICE leaves it for a WebSocket fallback):
+        only checked now (a token spent already: 403 before any answer)."""
+        await super().prepare(session)
+        self.peer.session = session
+        session.spend_on_connect = True
+        if not session.request.resume:  # the credential is the right to the slot: no token (claims None)
+            await session.spend_token(check_only=True)
+
+    async def refuse(self, exc: SessionRefused, *, counted: bool) -> None:
+        await self.peer.close()
+        if not self.answered.done():
+            self.answered.set_result(Refused(exc, counted))
+
+    async def admitted(self, session: ChatSession) -> SessionOutcome | None:
+        if self.client_gone():  # it left while waiting for a slot (aiohttp does not cancel the handler)
+            log.info("WebRTC caller left before its answer: session %s not started", session.session_id)
+            self.answered.set_result(None)
+            return SessionOutcome("client_closed")
+        try:
+            answer = await self.peer.answer()
+        except Exception as exc:
+            log.exception("WebRTC answer failed for session %s", session.session_id)
+            self.answered.set_exception(exc)
+            return SessionOutcome("rtc_failed")
+        self.on_start(self.peer)
+        self.peer.start()
+        self.answered.set_result(answer)
+        return None
+
+    async def connected(self) -> None:
+        peer = self.peer
+        await peer.spent.wait()
+        peer.trace.handshake_at = peer.clock()
 
     async def send_audio(self, pcm: np.ndarray) -> None:
         self.peer.track.put_frame(pcm)
@@ -107,11 +175,33 @@ class RtcTransport(Transport):
     async def send_text(self, piece: str) -> None:
         self.peer.send(encode_text(piece))
 
+    async def send_handshake(self) -> None:
+        self.peer.send(encode_handshake())
+
+    async def send_metadata(self, body: dict[str, object]) -> None:
+        self.peer.send(encode_metadata(body))
+
+    async def send_error(self, message: str) -> None:
+        self.peer.send(encode_error(message))
+
     async def close(self, code: int, reason: str) -> None:
         if code != CLOSE_NORMAL:
             self.peer.send(encode_error(reason))
         outcome = "drained" if code == 1001 else "closed_by_server"
-        self.peer.end(SessionOutcome(outcome, code), hang_up=True)
+        self.end(SessionOutcome(outcome, code), hang_up=True)
+
+    async def shutdown(self, outcome: SessionOutcome, held: bool) -> None:
+        """Stop the peer's tasks, log the first audio's trace, close the peer connection (held or not:
+        a resume comes on a new one)."""
+        peer = self.peer
+        peer.stop()
+        if self.session is not None:
+            stamps = json.dumps(peer.trace.stamps())
+            log.info("WebRTC session %s first audio: %s", self.session.session_id, stamps)
+        await peer.close()
+
+    def done(self) -> None:
+        self.on_done(self.peer)
 
 
 @dataclass
@@ -157,9 +247,9 @@ class RtcPeer:
         # aiortc's default would ask Google's STUN server during every answer.
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.session: ChatSession | None = None
+        self.edge: RtcTransport | None = None
+        """The session's edges (:class:`RtcTransport`), where the peer's end goes."""
         self.channel: RTCDataChannel | None = None
-        self.outcome: SessionOutcome | None = None
-        self.ended = asyncio.Event()
         self.connected_at: float | None = None
         self.on_token_settled: Callable[[], None] | None = None
         """Called once the token's spend is decided (spent, or refused): the signalling's one-call cap."""
@@ -174,14 +264,13 @@ class RtcPeer:
         self._pending: list[bytes] = []
         self._bucket = _Bucket(CHANNEL_RATE_PER_S, CHANNEL_BURST, CHANNEL_BURST, clock())
         self._last_flood_error = -1.0
-        self._task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None
+        """The session's lifecycle (``runtime.frontend.session.lifecycle.run``), set by the signalling."""
         self.spent = asyncio.Event()
         """Set once the session's token is spent (the connection is up): media flows from then on."""
         self._spender: asyncio.Task[None] | None = None
-        self._decided = False
-        """``_run`` has read the outcome (ended, or detached): only a hang-up acts on it from then on."""
-        self._hung_up: SessionOutcome | None = None
-        """The hang-up (``DELETE``, the server's close) that ended a detached session's hold."""
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stopped = False
         self.pc.on("datachannel", self._on_datachannel)
         self.pc.on("connectionstatechange", self._on_state)
 
@@ -234,83 +323,28 @@ class RtcPeer:
 
     # --- running --------------------------------------------------------------------------------------
 
-    def start(self, session: ChatSession, on_done: Callable[[RtcPeer], None]) -> None:
-        """Run the admitted ``session`` until it ends (a task of its own, beyond the POST)."""
-        self.session = session
-        self._task = asyncio.create_task(self._run(session, on_done), name=f"rtc {session.session_id}")
+    @property
+    def outcome(self) -> SessionOutcome | None:
+        """How the session ended (None while it runs)."""
+        return None if self.edge is None else self.edge.outcome
+
+    def start(self) -> None:
+        """The call is answered: watch its connect and media timeouts; spend the token once connected."""
+        self._watchdog = asyncio.create_task(self._watch(), name="rtc watchdog")
         self._spend_once_connected()
 
-    async def _run(self, session: ChatSession, on_done: Callable[[RtcPeer], None]) -> None:
-        front = self.front
-        front.sessions.add(session)
-        watchdog = asyncio.create_task(self._watch())
-        starter = asyncio.create_task(self._start_media(session))
-        held = False
-        try:
-            try:
-                async with asyncio.timeout(session.remaining_s):  # a resumed session keeps the first's
-                    await self.ended.wait()
-            except TimeoutError:
-                limit = session.limit_s
-                self.send(encode_error(f"session reached max_session_s={limit:g}"))
-                self.end(SessionOutcome("max_session_length"))
-        finally:
-            for task in (watchdog, starter, self._spender):
-                if task is not None:
-                    task.cancel()
-            front.sessions.discard(session)
-            self._decided = True
-            outcome = self.outcome or SessionOutcome("client_closed")
-            # Lost without a word from the client: a resumable session keeps its slot, paused, for a resume
-            # through any connection (either transport); this peer connection is closed all the same.
-            log.info("WebRTC session %s first audio: %s", session.session_id, json.dumps(self.trace.stamps()))
-            held = outcome.lost and session.detach()
-            if held:
-                self.ended.clear()  # from now on: set by a hang-up of the held session
-            else:
-                session.finish(outcome)
-                on_done(self)
-            await self.close()
-        if held:
-            try:
-                session.finish(await self._hold(session))
-            finally:
-                on_done(self)
-
-    async def _hold(self, session: ChatSession) -> SessionOutcome:
-        """While the detached ``session``'s slot is held: its outcome once resumed elsewhere (that connection
-        ends the session: this one counts nothing), the hold ran out (``resume_expired``), or a ``DELETE``
-        of this peer's ``Location`` came meanwhile (``client_closed``: the held slot is given back)."""
-        resumed = asyncio.ensure_future(session.held())
-        deleted = asyncio.ensure_future(self.ended.wait())
-        try:
-            await asyncio.wait({resumed, deleted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            deleted.cancel()
-        if not resumed.done():
-            resumed.cancel()
-            return self._hung_up or SessionOutcome("client_closed")
-        if resumed.result():
-            return SessionOutcome("resumed_elsewhere")
-        return SessionOutcome("resume_expired", lost=True)
-
-    async def _start_media(self, session: ChatSession) -> None:
-        """Once the persona prompt has run: 0x00 on the channel, then the session's outputs to the peer."""
-        try:
-            await session.wait_prompt()
-        except TimeoutError:
-            self.end(SessionOutcome("prompt_timeout", 1013))
-            return
-        await self.spent.wait()
-        self.trace.handshake_at = self.clock()
-        self.send(encode_handshake())
-        if session.offers_resume:  # resumable=1 or resumed: the session id and the (next) credential
-            self.send(encode_metadata(session.resume_metadata()))
-        await session.send_loop()
+    def stop(self) -> None:
+        """Stop the watchdog and the spend (the session is decided)."""
+        self._stopped = True
+        for task in (self._watchdog, self._spender):
+            if task is not None:
+                task.cancel()
 
     def _spend_once_connected(self) -> None:
         """Once connected and started (either may come first), spend the token, once."""
-        if self.connected_at is None or self.session is None or self._spender is not None:
+        if self.connected_at is None or self.session is None or self._watchdog is None:
+            return  # not connected, or not answered yet
+        if self._spender is not None or self._stopped:
             return
         self._spender = asyncio.create_task(self._spend(self.session))
 
@@ -351,25 +385,15 @@ class RtcPeer:
 
     async def wait_closed(self) -> None:
         """Until the session's task has ended (its peer connection closed)."""
-        if self._task is not None:
-            await asyncio.shield(self._task)
+        if self.task is not None:
+            await asyncio.shield(self.task)
 
     def end(self, outcome: SessionOutcome, *, hang_up: bool = False) -> None:
-        """End the session (the first outcome given stands); its slot is freed at once, unless the outcome
-        is ``lost`` and the session resumable (``_run`` then detaches it, its slot held for a resume).
-        ``hang_up``: a ``DELETE`` or the server's own close, which turns a lost outcome not yet acted on
-        into a normal end (nothing to hold)."""
-        if self._decided:  # detached: only a hang-up (DELETE, the server's close) ends the hold
-            if hang_up:
-                self._hung_up = outcome
-                self.ended.set()
-            return
-        if self.outcome is None or (hang_up and self.outcome.lost):
-            self.outcome = outcome
-        session = self.session
-        if session is not None and not (self.outcome.lost and session.offers_resume):
-            session.release()
-        self.ended.set()
+        """End the session (``Edge.end``: the first outcome given stands; its slot is freed at once unless
+        the outcome is ``lost`` and the session resumable). ``hang_up``: a ``DELETE`` or the server's own
+        close, which turns a lost outcome not yet acted on into a normal end, or ends a hold."""
+        if self.edge is not None:
+            self.edge.end(outcome, hang_up=hang_up)
 
     async def close(self) -> None:
         """Stop the media and close the peer connection (idempotent)."""

@@ -57,8 +57,9 @@ from runtime.frontend.gate.query import (
 )
 from runtime.frontend.gate.refusals import SessionRefused
 from runtime.frontend.gate.tokens import TokenClaims
-from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
-from runtime.frontend.transports.webrtc.peer import OfferRejected, RtcPeer, RtcTransport
+from runtime.frontend.session.conversation import FrontEnd, SessionOutcome, plan_session
+from runtime.frontend.session.lifecycle import run
+from runtime.frontend.transports.webrtc.peer import OfferRejected, Refused, RtcPeer, RtcTransport
 from runtime.frontend.transports.webrtc.turn import IceServer, ice_servers, mint_turn_credentials
 
 __all__ = [
@@ -325,38 +326,35 @@ async def _answer(
     except OfferRejected as exc:
         await peer.close()
         return _refused(front, SessionRefused("bad_request", f"bad request: {exc}"), resume=resume)
-    session = ChatSession(front, RtcTransport(peer), session_request, sampling, claims, client)
-    session.spend_on_connect = True  # spent when ICE and DTLS connect (RtcPeer): a failed ICE leaves it
-    try:
-        if session_request.resume:  # the credential is the right to the slot: no token (claims None)
-            await session.resume()
-        else:
-            await session.spend_token(check_only=True)  # a token spent already: 403 before any answer
-            await session.admit()
-    except SessionRefused as exc:
-        await peer.close()
-        return _refused(front, exc, resume=resume, counted=resume)  # ChatSession.resume counts its own
-    except BaseException:
-        session.finish(SessionOutcome("client_closed"))
-        await peer.close()
+
+    def started(answered: RtcPeer) -> None:
+        assert answered.session is not None
+        sessions.peers[answered.session.session_id] = answered
+        answered.on_token_settled = lambda: sessions.settled(claims)
+
+    edge = RtcTransport(peer, client_gone, started, sessions.forget)
+    task = peer.task = asyncio.create_task(
+        run(front, edge, session_request, sampling, claims, client), name="rtc session"
+    )
+    try:  # the session goes on in its task, beyond this POST
+        waited: set[asyncio.Future[object]] = {edge.answered, task}  # type: ignore[arg-type]
+        await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        if not edge.answered.done():
+            task.cancel()
         raise
-    if client_gone():  # it left while waiting for a slot (aiohttp does not cancel the handler): no answer
-        log.info("WebRTC caller left before its answer: session %s not started", session.session_id)
-        session.finish(SessionOutcome("client_closed"))
-        await peer.close()
+    if not edge.answered.done():  # the lifecycle ended without a word: its error, or a plain 500
+        task.result()
+        raise RuntimeError("the WebRTC session ended before its answer")
+    answered = edge.answered.result()  # the error that made the answer fail is raised here
+    if isinstance(answered, Refused):
+        return _refused(front, answered.exc, resume=resume, counted=answered.counted)
+    if answered is None:
         return _plain(499, "client closed the request before its answer")
-    try:
-        answer = await peer.answer()
-    except BaseException:
-        log.exception("WebRTC answer failed for session %s", session.session_id)
-        session.finish(SessionOutcome("rtc_failed"))
-        await peer.close()
-        raise
-    sessions.peers[session.session_id] = peer
-    peer.on_token_settled = lambda: sessions.settled(claims)
-    peer.start(session, sessions.forget)
+    session = edge.session
+    assert session is not None
     front.metrics.rtc_answer.observe(time.monotonic() - posted_at)
-    response = web.Response(status=201, text=answer, content_type="application/sdp")
+    response = web.Response(status=201, text=answered, content_type="application/sdp")
     response.headers["Location"] = f"{RESOURCE_PREFIX}{session.session_id}/{peer.key}"
     response.headers["Cache-Control"] = "no-store"
     if session.resumed is not None:  # the next credential, before ICE: a resume that never connects is held
