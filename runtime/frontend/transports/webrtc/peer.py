@@ -280,10 +280,9 @@ class RtcPeer:
         """Read the offer; nothing is reserved yet.
 
         Raises:
-            OfferRejected: malformed SDP, no audio m-line, or no Opus in it (the message says which).
-
-        First the offer's text is checked (``offer_checks.check_offer``: mids, BUNDLE, DTLS fingerprint, ICE
-        credentials), then the caller's ICE candidates are filtered (``candidates.filter_offer``).
+            OfferRejected: malformed SDP (``offer_checks.check_offer`` first: mids, BUNDLE, DTLS fingerprint,
+                ICE credentials), no audio m-line, or no Opus (the message says which). The caller's ICE
+                candidates are filtered before aiortc sees them (``candidates.filter_offer``).
         """
         try:
             check_offer(sdp)
