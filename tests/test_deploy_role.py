@@ -120,8 +120,8 @@ print(json.dumps({"policies": len(pack["policies"]), "violations": names}))
 
 _RUNTIME = """
 from typer.testing import CliRunner
-import runtime.engine.batch, runtime.frontend.server, runtime.engine.models,
-runtime.frontend.store.redis_store
+import runtime.engine.batch, runtime.frontend.server, runtime.engine.models
+import runtime.frontend.store.redis_store
 from runtime.tools.cli import app
 result = CliRunner().invoke(app, ["serve", "--help"])
 assert result.exit_code == 0, result.output
