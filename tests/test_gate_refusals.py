@@ -46,8 +46,9 @@ COUNTERS = ("duplex_admissions_refused_total", "duplex_resume_refused_total")
 ROUTES = ("chat", "chat-resume", "rtc", "rtc-resume")
 
 
+# Minted when the module is collected, used minutes later in a full run: an hour, not two minutes.
 def token(key: SigningKey = KEY, **overrides: object) -> str:
-    args: dict = {"ttl_s": 120, "personas": ["*"], "audience": AUDIENCE, **overrides}
+    args: dict = {"ttl_s": 3600, "personas": ["*"], "audience": AUDIENCE, **overrides}
     return mint_token(key, **args)
 
 

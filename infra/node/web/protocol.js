@@ -32,6 +32,7 @@ export const REASONS = Object.freeze({
   malformed: "That session token is not valid. Check that you pasted all of it.",
   expired: "Your session token has expired. Ask for a new one.",
   not_yet_valid: "Your session token is not valid yet. Check this device's clock, or wait a moment.",
+  lifetime_too_long: "Your session token lives longer than the server allows. Ask for a new one.",
   bad_signature: "That session token is not valid for this node (its signature does not match).",
   unknown_key: "That session token is signed with a key this node no longer accepts. Ask for a new one.",
   wrong_audience: "That session token is for a different node.",

@@ -127,6 +127,8 @@ class RtcRegistry:
         if peer is None or not hmac.compare_digest(peer.key.encode(), key.encode()):
             return False
         peer.end(SessionOutcome("client_closed"), hang_up=True)  # a hang-up: no hold, or the hold ended
+        # Hung up: a second DELETE is a 404 at once, not only once the lifecycle has wound down (forget).
+        del self.peers[session_id]
         return True
 
 
