@@ -218,6 +218,11 @@ def test_a_cut_connection_is_resumed_by_the_page(node: LocalNode, browser: Any) 
     )
     after = wait_stats(page, f"s.resumes === 1 && s.framesReceived >= {before['framesReceived'] + 10}")
     assert after["state"] == "live" and page.text_content("#problem") == ""
+    # /metrics is rendered at most once a second and merges the workers' counters: poll for the count
+    # rather than read it once (CI read 0 once, right after the resume, with the page live again).
+    deadline = time.monotonic() + 10
+    while resumed_total() < before_total + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert resumed_total() == before_total + 1
     page.click("#talk")
     page.wait_for_function("() => document.getElementById('status').textContent === 'Conversation ended.'")
