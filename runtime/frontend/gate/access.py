@@ -144,7 +144,7 @@ class Access:
         real_ip = _ip_or_none(request.get("X-Real-IP"))
         if real_ip is not None:
             return real_ip
-        forwarded = [a.strip() for h in request.get_all("X-Forwarded-For") for a in h.split(",")]
+        forwarded = _forwarded_hops(request)
         for hop in reversed(forwarded):
             ip = _ip_or_none(hop)
             if ip is None:
@@ -190,6 +190,11 @@ class Access:
             await self.replay_guard.spend(claims)
 
 
+def _forwarded_hops(request: RequestView) -> list[str]:
+    """Every ``X-Forwarded-For`` entry, left to right, over all the header's lines (RFC 7239's order)."""
+    return [hop.strip() for header in request.get_all("X-Forwarded-For") for hop in header.split(",")]
+
+
 def _google_lb_client(request: RequestView, peer: str) -> str:
     """The client's address as a Google Cloud external Application Load Balancer gives it: the front end
     appends ``<client-ip>,<load-balancer-ip>`` to whatever ``X-Forwarded-For`` the client sent (Google Cloud
@@ -197,7 +202,7 @@ def _google_lb_client(request: RequestView, peer: str) -> str:
     is the second-to-last entry; the entries before it, and ``X-Real-IP``, are the client's own words and are
     never believed. ``peer`` (the front end's address) when the header is missing, has fewer than two
     entries, or that entry is not an IP address."""
-    forwarded = [a.strip() for h in request.get_all("X-Forwarded-For") for a in h.split(",")]
+    forwarded = _forwarded_hops(request)
     if len(forwarded) < 2:
         return peer
     return _ip_or_none(forwarded[-2]) or peer

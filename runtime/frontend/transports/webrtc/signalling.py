@@ -60,7 +60,7 @@ from runtime.frontend.gate.tokens import TokenClaims
 from runtime.frontend.session.conversation import FrontEnd, SessionOutcome, plan_session
 from runtime.frontend.session.lifecycle import run
 from runtime.frontend.transports.webrtc.peer import OfferRejected, Refused, RtcPeer, RtcTransport
-from runtime.frontend.transports.webrtc.turn import IceServer, ice_servers, mint_turn_credentials
+from runtime.frontend.transports.webrtc.turn import TURN_ID_RE, IceServer, ice_servers, mint_turn_credentials
 
 __all__ = [
     "ICE_SERVERS_PATH",
@@ -168,16 +168,12 @@ def ice_servers_for(front: FrontEnd, claims: TokenClaims | None, session_id: str
     if config.turn_secret is not None:
         secret = config.turn_secret.get_secret_value().encode()
         holder, base = session_id, time.time()
-        if claims is not None and _TURN_HOLDER_RE.fullmatch(claims.token_id):
+        if claims is not None and TURN_ID_RE.fullmatch(claims.token_id):
             holder, base = claims.token_id, claims.expires_at
-        if not _TURN_HOLDER_RE.fullmatch(holder):
+        if not TURN_ID_RE.fullmatch(holder):
             holder = uuid.uuid4().hex
         credentials = mint_turn_credentials(secret, holder, config.turn_ttl_s, base)
     return ice_servers(config.turn_urls, credentials)
-
-
-_TURN_HOLDER_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
-"""What a TURN username's id part may be (``turn.mint_turn_credentials``: usernames are ``<expiry>:<id>``)."""
 
 
 def _quoted(value: str) -> str:

@@ -27,6 +27,7 @@ from runtime.turn_urls import MIN_SECRET_BYTES, check_turn_url
 
 __all__ = [
     "MIN_SECRET_BYTES",
+    "TURN_ID_RE",
     "IceServer",
     "TurnCredentials",
     "check_turn_url",
@@ -34,7 +35,8 @@ __all__ = [
     "mint_turn_credentials",
 ]
 
-_SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+TURN_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""What the id part of a TURN username (``<expiry>:<id>``) may be: a session id or a token id."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def mint_turn_credentials(secret: bytes, session_id: str, ttl_s: int, now: float
     """
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the TURN secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
-    if not _SESSION_ID_RE.fullmatch(session_id):
+    if not TURN_ID_RE.fullmatch(session_id):
         raise ValueError(f"session id {session_id!r}: 1-128 characters of letters, digits, '_' and '-'")
     if ttl_s < 1:
         raise ValueError(f"ttl_s must be >= 1 s, got {ttl_s}")
