@@ -261,6 +261,23 @@ class RuntimeConfig(BaseSettings):
         description="A connected WebRTC session with no RTP from its peer for this long ends (s): the peer "
         "vanished without a DTLS close (a closed laptop, a lost network)",
     )
+    # A caller's ICE candidates (runtime/frontend/transports/webrtc/candidates.py): where the node's ICE
+    # agent may send STUN checks. Default: globally routable addresses only.
+    rtc_allowed_candidate_nets: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="CIDRs (comma-separated) a WebRTC caller's ICE candidates may name beyond globally "
+        "routable addresses: a deployment's own private nets, loopback for a node on one host; empty: none",
+    )
+    rtc_relay_nets: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="CIDRs (comma-separated) of the node's own TURN relay addresses: a caller's typ relay "
+        "candidates there are kept (a Compose node's coturn has a private address)",
+    )
+    rtc_relay_only: bool = Field(
+        False,
+        description="Keep only a caller's typ relay candidates inside DUPLEX_RTC_RELAY_NETS (callers reach "
+        "the node through its TURN relay only)",
+    )
     gc_thresholds: str = Field(
         DEFAULT_GC_THRESHOLDS,
         description="Python's garbage collector in a serving process (runtime/gc_policy.py): gen0,gen1,gen2 "
@@ -387,6 +404,34 @@ class RuntimeConfig(BaseSettings):
         if value is not None and len(value.get_secret_value().encode()) < MIN_SECRET_BYTES:
             raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes (coturn's static-auth-secret)")
         return value
+
+    @field_validator("rtc_allowed_candidate_nets", "rtc_relay_nets", mode="before")
+    @classmethod
+    def _rtc_net_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("rtc_allowed_candidate_nets", "rtc_relay_nets")
+    @classmethod
+    def _rtc_nets(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not an address or CIDR (e.g. 10.0.0.0/8, fd00::/8)") from None
+        return value
+
+    @model_validator(mode="after")
+    def _relay_only_needs_relay_nets(self) -> RuntimeConfig:
+        if self.rtc_relay_only and not self.rtc_relay_nets:
+            raise ValueError(
+                "DUPLEX_RTC_RELAY_ONLY=true needs DUPLEX_RTC_RELAY_NETS: the TURN relay's addresses whose "
+                "relay candidates are kept (else no candidate is)"
+            )
+        return self
 
     @field_validator("turn_urls", mode="before")
     @classmethod

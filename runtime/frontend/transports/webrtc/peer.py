@@ -60,7 +60,9 @@ from runtime.frontend.codecs.protocol import (
 )
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, Transport
+from runtime.frontend.transports.webrtc.candidates import CandidatePolicy, filter_offer_candidates
 from runtime.frontend.transports.webrtc.media import FirstAudioTrace, OpusPacketTrack, RtpInbound
+from runtime.frontend.transports.webrtc.offer_checks import OfferInvalid, check_offer
 
 __all__ = [
     "CHANNEL_BURST",
@@ -194,9 +196,18 @@ class RtcPeer:
     async def accept_offer(self, sdp: str) -> None:
         """Read the offer; nothing is reserved yet.
 
+        The caller's ICE candidates are filtered first (``candidates.filter_offer_candidates``: the ICE agent
+        never sends to the dropped ones), and the offer's mids, BUNDLE group, fingerprints and ICE
+        credentials checked (``offer_checks.check_offer``).
+
         Raises:
-            OfferRejected: malformed SDP, no audio m-line, or no Opus in it (the message says which).
+            OfferRejected: malformed SDP, no audio m-line, no Opus in it, or an ``OfferInvalid`` (the message
+                says which).
         """
+        filtered = filter_offer_candidates(sdp, CandidatePolicy.from_config(self.front.config))
+        if filtered.dropped:
+            log.info("WebRTC offer: %d candidates kept, dropped %s", filtered.kept, filtered.dropped)
+        sdp = filtered.sdp
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
         except Exception as exc:  # aiortc's parser raises whatever the text provokes: all of it is bad input
@@ -206,6 +217,10 @@ class RtcPeer:
             raise OfferRejected("the SDP offer has no audio m-line: offer one sendrecv Opus audio track")
         if len(audio) > 1:
             raise OfferRejected(f"the SDP offer has {len(audio)} audio m-lines: offer exactly one")
+        try:
+            check_offer(sdp)
+        except OfferInvalid as exc:
+            raise OfferRejected(str(exc)) from None
         transceiver = audio[0]
         opus = [c for c in transceiver._codecs if c.mimeType.lower() == "audio/opus"]
         if not opus:

@@ -51,6 +51,7 @@ from aiohttp import web
 
 from runtime.engine.api import SamplingParams
 from runtime.frontend.codecs.protocol import AudioFormat
+from runtime.frontend.gate.access import RequestView
 from runtime.frontend.gate.query import (
     RESUME_HEADER,
     TEXT_PROMPT_IN_METADATA,
@@ -61,7 +62,12 @@ from runtime.frontend.gate.refusals import SessionRefused
 from runtime.frontend.gate.tokens import TokenClaims
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
 from runtime.frontend.transports.webrtc.peer import Float32Frames, OfferRejected, RtcPeer, RtcTransport
-from runtime.frontend.transports.webrtc.turn import IceServer, ice_servers, mint_turn_credentials
+from runtime.frontend.transports.webrtc.turn import (
+    IceServer,
+    ice_servers,
+    mint_turn_credentials,
+    turn_username_basis,
+)
 
 __all__ = [
     "ICE_SERVERS_PATH",
@@ -154,15 +160,27 @@ async def end_all(front: FrontEnd) -> None:
     await asyncio.gather(*(peer.wait_closed() for peer in peers), return_exceptions=True)
 
 
-def ice_servers_for(front: FrontEnd, holder: str) -> list[IceServer]:
+def ice_servers_for(front: FrontEnd, holder: str, *, minted_at: float | None = None) -> list[IceServer]:
     """The ICE servers of a caller: ``DUPLEX_TURN_URLS`` with TURN credentials minted for ``holder`` (a
-    session id or a token id) when ``DUPLEX_TURN_SECRET`` is set."""
+    token id; a resume's session id) when ``DUPLEX_TURN_SECRET`` is set, valid ``turn_ttl_s`` from
+    ``minted_at`` (unix s; None: now). ``turn.turn_username_basis`` makes one token's credentials one TURN
+    username, so coturn's ``user-quota`` caps the allocations of a token, not of each answered offer."""
     config = front.config
     credentials = None
     if config.turn_secret is not None:
         secret = config.turn_secret.get_secret_value().encode()
-        credentials = mint_turn_credentials(secret, holder, config.turn_ttl_s, time.time())
+        now = time.time()
+        basis = now if minted_at is None else turn_username_basis(minted_at, config.turn_ttl_s, now)
+        credentials = mint_turn_credentials(secret, holder, config.turn_ttl_s, basis)
     return ice_servers(config.turn_urls, credentials)
+
+
+def _turn_holder(claims: TokenClaims | None, fallback: str) -> tuple[str, float | None]:
+    """The TURN username's id and mint time for a caller: the token's ``jti`` and ``iat`` (every answer
+    and ``ice-servers`` of one token: one coturn user), else ``fallback`` (a fresh id) minted now."""
+    if claims is not None and re.fullmatch(r"[A-Za-z0-9_-]{1,128}", claims.token_id):
+        return claims.token_id, claims.issued_at
+    return fallback, None
 
 
 def _quoted(value: str) -> str:
@@ -342,8 +360,13 @@ async def _answer(
         return _plain(499, "client closed the request before its answer")
     try:
         answer = await peer.answer()
+    except Exception as exc:  # aiortc's createAnswer on an offer the checks let through: bad input, a 400
+        log.info("WebRTC answer failed for session %s: %r", session.session_id, exc)
+        session.finish(SessionOutcome("rtc_failed"))
+        await peer.close()
+        message = f"bad request: the SDP offer cannot be answered: {type(exc).__name__}: {exc}"[:300]
+        return _refused(front, SessionRefused("bad_request", message), resume=resume)
     except BaseException:
-        log.exception("WebRTC answer failed for session %s", session.session_id)
         session.finish(SessionOutcome("rtc_failed"))
         await peer.close()
         raise
@@ -358,7 +381,8 @@ async def _answer(
         credential = session.resume_metadata().get("resume")
         if isinstance(credential, str):
             response.headers[RESUME_HEADER] = credential
-    for link in link_headers(ice_servers_for(front, session.session_id)):
+    holder, minted_at = _turn_holder(claims, session.session_id)  # per token (issue 34): not per answer
+    for link in link_headers(ice_servers_for(front, holder, minted_at=minted_at)):
         response.headers.add("Link", link)
     return response
 
@@ -368,10 +392,8 @@ async def serve_ice_servers(
 ) -> web.Response:
     """``GET /api/rtc/ice-servers`` after the access check: ``{"iceServers": [...]}`` (``RTCConfiguration``)
     with credentials minted for the token's id, and the same as ``Link`` headers."""
-    holder = claims.token_id if claims is not None else ""
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", holder):  # TURN usernames are "<expiry>:<id>"
-        holder = uuid.uuid4().hex
-    servers = ice_servers_for(front, holder)
+    holder, minted_at = _turn_holder(claims, uuid.uuid4().hex)  # TURN usernames are "<expiry>:<id>"
+    servers = ice_servers_for(front, holder, minted_at=minted_at)
     response = web.json_response({"iceServers": [server.as_json() for server in servers]})
     response.headers["Cache-Control"] = "no-store"
     for link in link_headers(servers):
@@ -379,9 +401,22 @@ async def serve_ice_servers(
     return response
 
 
+def _view(request: web.Request) -> RequestView:
+    """``request`` as the access checks read it (``runtime.frontend.http.request_view``'s reading)."""
+    address = request.transport.get_extra_info("peername") if request.transport is not None else None
+    return RequestView(str(address[0]) if address else "", request.headers.items(), request.query_string)
+
+
 async def delete_session(front: FrontEnd, request: web.Request) -> web.Response:
     """``DELETE /api/rtc/<session id>/<key>``: 200 when the session was ended (here or by the worker that
-    holds it), 404 otherwise."""
+    holds it), 404 otherwise, 429 with ``Retry-After`` past the handshake rate limits (per client address,
+    then global: ``front.access.rate_limited``), as a ``POST``."""
+    limited = front.access.rate_limited(_view(request))  # the handshake limits (issue 34, item 11)
+    if limited is not None:
+        front.metrics.refused("rate_limited")
+        answer = _plain(429, f"rate_limited: too many requests ({limited.scope} limit)")
+        answer.headers["Retry-After"] = limited.retry_after_header
+        return answer
     match = _RESOURCE_RE.fullmatch(request.path.removeprefix(RESOURCE_PREFIX))
     if match is None:
         return _plain(404, f"no WebRTC session at {request.path}: DELETE the Location the POST answered")

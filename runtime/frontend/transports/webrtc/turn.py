@@ -32,6 +32,7 @@ __all__ = [
     "check_turn_url",
     "ice_servers",
     "mint_turn_credentials",
+    "turn_username_basis",
 ]
 
 _SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -91,6 +92,22 @@ def mint_turn_credentials(secret: bytes, session_id: str, ttl_s: int, now: float
     username = f"{expires_at}:{session_id}"
     digest = hmac.new(secret, username.encode("ascii"), hashlib.sha1).digest()
     return TurnCredentials(username, base64.b64encode(digest).decode("ascii"), expires_at)
+
+
+MIN_TURN_VALIDITY_S = 60
+"""Shortest validity left on credentials minted from a token's ``iat`` (s): an older basis is replaced by
+now (config's ``turn_ttl_s`` floor)."""
+
+
+def turn_username_basis(issued_at: float, ttl_s: int, now: float) -> float:
+    """The mint time of a token's TURN credentials (unix s): its ``issued_at``, so that every mint for one
+    token gives one username ``"<issued_at + ttl_s>:<token id>"`` and coturn's ``user-quota`` (counted per
+    username) caps that token's allocations however many offers it makes (issue 34, item 2); ``now`` when
+    that would leave under :data:`MIN_TURN_VALIDITY_S` (a token older than ``ttl_s``) or lies ahead of
+    ``now`` (a clock ahead of this node's)."""
+    if issued_at > now or issued_at + ttl_s < now + MIN_TURN_VALIDITY_S:
+        return now
+    return issued_at
 
 
 def ice_servers(urls: list[str], credentials: TurnCredentials | None) -> list[IceServer]:
