@@ -9,8 +9,12 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import aiohttp
 import pytest
 from aiortc import RTCPeerConnection
+from test_access_control import ORIGIN, token
+from test_rtc import rtc_settings
+from test_server_e2e import bundle, running_server  # noqa: F401  (fixtures)
 
 from runtime.config import RuntimeConfig
 from runtime.frontend.transports.webrtc.candidates import (
@@ -171,12 +175,16 @@ def test_relay_only_keeps_the_nodes_relay_candidates() -> None:
 
 
 def test_malformed_candidate_lines_are_dropped() -> None:
-    filtered = filter_offer_candidates(offer(["a=candidate:1 1 udp 1 8.8.8.8", "a=candidate:x"]), CandidatePolicy())
+    filtered = filter_offer_candidates(
+        offer(["a=candidate:1 1 udp 1 8.8.8.8", "a=candidate:x"]), CandidatePolicy()
+    )
     assert filtered.kept == 0 and [d.reason for d in filtered.dropped] == ["malformed", "malformed"]
 
 
 def test_the_config_reads_the_nets_and_refuses_relay_only_without_the_relay() -> None:
-    config = RuntimeConfig(rtc_allowed_candidate_nets="10.0.0.0/8, 127.0.0.1", rtc_relay_nets="172.31.254.0/24")
+    config = RuntimeConfig(
+        rtc_allowed_candidate_nets="10.0.0.0/8, 127.0.0.1", rtc_relay_nets="172.31.254.0/24"
+    )
     policy = CandidatePolicy.from_config(config)
     assert [str(n) for n in policy.allowed_nets] == ["10.0.0.0/8", "127.0.0.1/32"] and not policy.relay_only
     with pytest.raises(ValueError, match="DUPLEX_RTC_RELAY_NETS"):
@@ -285,3 +293,29 @@ async def test_an_offer_without_a_fingerprint_is_rejected_by_the_peer() -> None:
             await peer.accept_offer(sdp)
     finally:
         await peer.close()
+
+
+# --- through the server -----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_bad_offers_get_a_400_before_any_slot_and_delete_is_rate_limited(bundle) -> None:  # noqa: F811
+    settings = rtc_settings(handshake_rate_per_client=0.01, handshake_burst_per_client=4)
+    async with running_server(bundle, max_sessions=1, **settings) as server, aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{server.port}"
+        good = await _client_offer([host("8.8.8.8")])
+        headers = {"Content-Type": "application/sdp", "Authorization": f"Bearer {token()}", "Origin": ORIGIN}
+        for sdp, named in (
+            (good.replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0 2"), "a=group:BUNDLE names 0 2"),
+            (re.sub(r"(?m)^a=fingerprint:.*\r\n", "", good), "has no a=fingerprint"),
+        ):
+            async with http.post(base + "/api/rtc", data=sdp.encode(), headers=headers) as response:
+                text = await response.text()
+                assert response.status == 400 and named in text, text
+        assert not server.sessions and server.backend.status().free_slots == 1
+        statuses = []
+        for _ in range(6):  # 2 of the burst of 4 left after the POSTs
+            async with http.delete(f"{base}/api/rtc/{'0' * 32}/{'k' * 24}") as response:
+                statuses.append((response.status, response.headers.get("Retry-After")))
+        assert [s for s, _ in statuses] == [404, 404, 429, 429, 429, 429]
+        assert all(retry is not None and int(retry) >= 1 for s, retry in statuses if s == 429)

@@ -187,7 +187,12 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     read-only)."""
     settings = dict(runtime_settings(workload.profile))
     # TURN: the region's gateway when it has one (turn_env, below), not the single node's own relay.
-    for name in ("DUPLEX_TURN_URLS", "DUPLEX_TURN_TTL_S"):
+    for name in (
+        "DUPLEX_TURN_URLS",
+        "DUPLEX_TURN_TTL_S",
+        "DUPLEX_RTC_RELAY_NETS",
+        "DUPLEX_RTC_ALLOWED_CANDIDATE_NETS",
+    ):
         settings.pop(name, None)
     settings.update(
         {
