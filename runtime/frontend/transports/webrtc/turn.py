@@ -1,15 +1,16 @@
-"""TURN relay credentials minted per session: the TURN REST scheme coturn checks with ``use-auth-secret``.
+"""TURN relay credentials minted per token: the TURN REST scheme coturn checks with ``use-auth-secret``.
 
 A WebRTC caller reaches the node's media through its TURN relay (coturn): the worker's ICE agent binds
 random ephemeral UDP ports, so the node exposes only the relay's ports (3478/udp, 5349/tcp and a fixed relay
-range). The caller needs credentials before it makes its offer; they are minted here, per session, from a
-secret the node shares with coturn, and expire on their own. No state: coturn recomputes the password from
+range). The caller needs credentials before it makes its offer; they are minted here, per token (its
+``jti``: one coturn user, so ``user-quota`` binds per token; a resume's per session id), from a secret the
+node shares with coturn, and expire on their own. No state: coturn recomputes the password from
 the username.
 
 The scheme (draft-uberti-behave-turn-rest-00, section 2.2; coturn's ``turnserver.conf``, ``use-auth-secret``
 and ``static-auth-secret``)::
 
-    username = "<expiry, unix seconds>:<session id>"
+    username = "<expiry, unix seconds>:<token id or session id>"
     password = base64(HMAC-SHA1(secret, username))
 
 Pure: no sockets. The URL forms are RFC 7065's ``turn:``/``turns:`` URIs.
