@@ -33,6 +33,7 @@ with a 0x05 ``replayed`` error, so of two uses of one token at most one carries 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -205,8 +206,9 @@ class RtcPeer:
                 says which).
         """
         filtered = filter_offer_candidates(sdp, CandidatePolicy.from_config(self.front.config))
-        if filtered.dropped:
-            log.info("WebRTC offer: %d candidates kept, dropped %s", filtered.kept, filtered.dropped)
+        if filtered.dropped:  # counted by reason: an offer may list hundreds
+            reasons = collections.Counter(d.reason for d in filtered.dropped)
+            log.info("WebRTC offer: %d candidates kept, dropped %s", filtered.kept, dict(reasons))
         sdp = filtered.sdp
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
