@@ -291,12 +291,22 @@ class RuntimeConfig(BaseSettings):
         description="A connected WebRTC session with no RTP from its peer for this long ends (s): the peer "
         "vanished without a DTLS close (a closed laptop, a lost network)",
     )
-    rtc_candidate_nets: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: ["0.0.0.0/0", "::/0"],
-        description="Non-public networks a WebRTC caller's ICE candidates may name (comma-separated CIDRs; "
-        "runtime/frontend/transports/webrtc/candidates.py); public addresses are always allowed, link-local "
-        "(the metadata server), multicast and .local names never. Default: any (a single host or a LAN); "
-        "a cloud node lists none, or its callers' LANs, so callers cannot aim its UDP at its own network",
+    # A caller's ICE candidates (runtime/frontend/transports/webrtc/candidates.py): where the node's ICE
+    # agent may send STUN checks. Default: globally routable addresses only.
+    rtc_allowed_candidate_nets: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="CIDRs (comma-separated) a WebRTC caller's ICE candidates may name beyond globally "
+        "routable addresses: a deployment's own private nets, loopback for a node on one host; empty: none",
+    )
+    rtc_relay_nets: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="CIDRs (comma-separated) of the node's own TURN relay addresses: a caller's typ relay "
+        "candidates there are kept (a Compose node's coturn has a private address)",
+    )
+    rtc_relay_only: bool = Field(
+        False,
+        description="Keep only a caller's typ relay candidates inside DUPLEX_RTC_RELAY_NETS (callers reach "
+        "the node through its TURN relay only)",
     )
     gc_thresholds: str = Field(
         DEFAULT_GC_THRESHOLDS,
@@ -322,14 +332,14 @@ class RuntimeConfig(BaseSettings):
         parse_step_time(value)
         return value
 
-    @field_validator("trusted_proxies", "rtc_candidate_nets", mode="before")
+    @field_validator("trusted_proxies", "rtc_allowed_candidate_nets", "rtc_relay_nets", mode="before")
     @classmethod
     def _cidr_list(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("trusted_proxies", "rtc_candidate_nets")
+    @field_validator("trusted_proxies", "rtc_allowed_candidate_nets", "rtc_relay_nets")
     @classmethod
     def _cidrs(cls, value: list[str]) -> list[str]:
         import ipaddress
@@ -338,8 +348,17 @@ class RuntimeConfig(BaseSettings):
             try:
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
-                raise ValueError(f"{cidr!r} is not a CIDR (e.g. 10.0.0.0/8 or ::1/128)") from None
+                raise ValueError(f"{cidr!r} is not an address or CIDR (e.g. 10.0.0.0/8 or ::1/128)") from None
         return value
+
+    @model_validator(mode="after")
+    def _relay_only_needs_relay_nets(self) -> RuntimeConfig:
+        if self.rtc_relay_only and not self.rtc_relay_nets:
+            raise ValueError(
+                "DUPLEX_RTC_RELAY_ONLY=true needs DUPLEX_RTC_RELAY_NETS: the TURN relay's addresses whose "
+                "relay candidates are kept (else no candidate is)"
+            )
+        return self
 
     # GCE host maintenance (runtime/frontend/maintenance.py): on a GCE VM's maintenance notice, stop
     # admitting.

@@ -21,7 +21,7 @@ from udp_impair import ImpairedRelay, route_through
 from runtime.config import RuntimeConfig
 from runtime.frontend.server import DuplexServer
 from runtime.frontend.transports.webrtc import signalling as rtc
-from runtime.tools.rtc_client import RtcCall, encode_packets
+from runtime.tools.rtc_client import RtcCall, encode_packets, local_candidate_nets
 
 WAIT_S = 30.0
 LAG_LIMIT = 3
@@ -46,7 +46,8 @@ async def measure_receive_lag(loss: float, seconds: int) -> dict[str, object]:
     the lag bounds; returns the figures (lag in packets of 20 ms). Also run from the command line for the
     issue's 10-minute figure:
     ``PYTHONPATH=. python tests/test_rtc_impairment.py --loss 0.05 --seconds 600``."""
-    config = RuntimeConfig(host="127.0.0.1", port=0, max_sessions=1, auth_mode="off", rtc_media_timeout_s=30)
+    config = RuntimeConfig(host="127.0.0.1", port=0, max_sessions=1, auth_mode="off", rtc_media_timeout_s=30,
+                           rtc_allowed_candidate_nets=local_candidate_nets())  # fmt: skip
     backend = FakeBackend(1)
     server = DuplexServer(config, backend)
     await server.start()

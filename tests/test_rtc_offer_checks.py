@@ -9,7 +9,7 @@ import re
 import pytest
 from aiortc import RTCPeerConnection
 
-from runtime.frontend.transports.webrtc.offer_checks import OfferProblem, check_offer
+from runtime.frontend.transports.webrtc.offer_checks import OfferInvalid, check_offer
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,12 @@ def test_a_browser_shaped_offer_passes(offer: str) -> None:
     [
         (lambda s: s.replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0 7"), "BUNDLE"),
         (lambda s: s.replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0 0 1"), "BUNDLE"),
-        (lambda s: re.sub(r"(?m)^a=fingerprint:.*\r?\n", "", s), "no DTLS fingerprint"),
+        (lambda s: re.sub(r"(?m)^a=fingerprint:.*\r?\n", "", s), "has no a=fingerprint"),
         (lambda s: re.sub(r"(?m)^a=fingerprint:\S+", "a=fingerprint:md5", s), "'md5'"),
         (lambda s: re.sub(r"(?m)^a=ice-ufrag:.*\r?\n", "", s), "ice-ufrag"),
         (lambda s: re.sub(r"(?m)^a=ice-pwd:.*\r?\n", "", s), "ice-pwd"),
-        (lambda s: re.sub(r"(?m)^a=mid:1\r?$", "a=mid:0\r", s), "share a mid"),
-        (lambda s: re.sub(r"(?m)^a=mid:0\r?\n", "", s, count=1), "no a=mid"),
+        (lambda s: re.sub(r"(?m)^a=mid:1\r?$", "a=mid:0\r", s), "m-lines share a=mid:0"),
+        (lambda s: re.sub(r"(?m)^a=mid:0\r?\n", "", s, count=1), "has 0 a=mid lines"),
     ],
     ids=[
         "bundle-unknown-mid",
@@ -57,5 +57,5 @@ def test_a_browser_shaped_offer_passes(offer: str) -> None:
 def test_each_defect_is_named(offer: str, mutate, needle: str) -> None:  # type: ignore[no-untyped-def]
     broken = mutate(offer)
     assert broken != offer
-    with pytest.raises(OfferProblem, match=re.escape(needle)):
+    with pytest.raises(OfferInvalid, match=re.escape(needle)):
         check_offer(broken)

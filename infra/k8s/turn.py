@@ -103,16 +103,21 @@ def turn_host(workload: RegionWorkload) -> str:
 def turn_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     """The runtime container's TURN environment: ``DUPLEX_TURN_URLS`` naming the region's TURN over UDP
     (and ``turns:`` over TLS with ``turn_tls_secret``), ``DUPLEX_TURN_TTL_S``, ``DUPLEX_TURN_SECRET`` from
-    the runtime's Secret. Empty without a TURN secret."""
+    the runtime's Secret, ``DUPLEX_RTC_RELAY_NETS`` (the pod ranges coturn relays from). Empty without a TURN
+    secret."""
     if workload.turn_secret is None:
         return []
     relay = workload.profile.relay
     urls = turn_urls(relay, turn_host(workload))
     if workload.turn_tls_secret is None:
         urls = urls[:1]
+    # coturn's pods relay from the pod range: a caller's relay candidates there are the region's own relay
+    # (runtime/frontend/transports/webrtc/candidates.py drops non-global candidates otherwise).
+    relay_nets = [{"name": "DUPLEX_RTC_RELAY_NETS", "value": ",".join(workload.turn_peer_ranges)}]
     return [
         {"name": "DUPLEX_TURN_URLS", "value": ",".join(urls)},
         {"name": "DUPLEX_TURN_TTL_S", "value": str(relay.credential_ttl_s)},
+        *(relay_nets if workload.turn_peer_ranges else []),
         {
             "name": "DUPLEX_TURN_SECRET",
             "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": TURN_SECRET_KEY}},

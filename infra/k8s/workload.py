@@ -195,7 +195,12 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     read-only)."""
     settings = dict(runtime_settings(workload.profile))
     # TURN: the region's gateway when it has one (turn_env, below), not the single node's own relay.
-    for name in ("DUPLEX_TURN_URLS", "DUPLEX_TURN_TTL_S"):
+    for name in (
+        "DUPLEX_TURN_URLS",
+        "DUPLEX_TURN_TTL_S",
+        "DUPLEX_RTC_RELAY_NETS",
+        "DUPLEX_RTC_ALLOWED_CANDIDATE_NETS",
+    ):
         settings.pop(name, None)
     settings.update(
         {
@@ -209,10 +214,6 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             # those peers only, and only the X-Forwarded-For entry they append (issue 34, item 9).
             "DUPLEX_TRUSTED_PROXIES": ",".join(GOOGLE_FRONT_END_RANGES),
             "DUPLEX_FORWARDED_BY": "google-lb",
-            # Callers reach a pod at public addresses or through the region's TURN relay (a public load
-            # balancer address): no caller candidate may name the VPC, the pod's loopback or the metadata
-            # server (issue 34, item 3).
-            "DUPLEX_RTC_CANDIDATE_NETS": "",
         }
     )
     env: list[dict[str, Any]] = []

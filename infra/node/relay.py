@@ -33,7 +33,8 @@ ALLOCATIONS_PER_SESSION = 4
 """TURN allocations one session may hold at once: a browser makes one allocation per TURN URL it is given
 (two: ``turn:...?transport=udp`` and ``turns:...?transport=tcp``; W3C WebRTC 1.0 and RFC 8445 gather a relay
 candidate per server), and an ICE restart or a reconnect makes two more while the first two are still
-alive. coturn's ``user-quota`` (per username: one session's credentials) is set to this."""
+alive. coturn's ``user-quota`` (per username: one token's credentials, however many offers it makes) is set
+to this."""
 
 MIN_RELAY_PORTS = 32
 """Smallest relay port range (ports): room for a health check and a few callers even on a 1-slot node."""
@@ -155,7 +156,7 @@ def relay_port_range(relay: RelaySettings, sessions: int) -> tuple[int, int]:
 
 
 def relay_quota(sessions: int) -> tuple[int, int]:
-    """``(user-quota, total-quota)``: allocations per session's credentials and on the whole relay. The total
+    """``(user-quota, total-quota)``: allocations per token's credentials and on the whole relay. The total
     equals the relay range's size, so coturn answers 486 (Allocation Quota Reached) before the range runs
     dry (508, Insufficient Capacity)."""
     return ALLOCATIONS_PER_SESSION, max(MIN_RELAY_PORTS, 2 * ALLOCATIONS_PER_SESSION * sessions)

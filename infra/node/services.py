@@ -13,6 +13,7 @@ on-premises host. ``SECRET_FILES`` names them; renderers reference them by these
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import secrets as _stdlib_secrets
@@ -34,6 +35,7 @@ __all__ = [
     "Service",
     "endpoint",
     "public_origin",
+    "rtc_candidate_settings",
     "runtime_settings",
     "secret_files",
     "optional_secret_roles",
@@ -136,6 +138,23 @@ def public_origin(profile: NodeProfile) -> str:
     return f"https://{profile.domain}{port}"
 
 
+def rtc_candidate_settings(profile: NodeProfile) -> dict[str, str]:
+    """Where a WebRTC caller's ICE candidates may point beyond global addresses
+    (``runtime/frontend/transports/webrtc/candidates.py``): the node's own TURN relay's address
+    (``DUPLEX_RTC_RELAY_NETS``: coturn's container in the Compose network's dynamic half, or the address
+    the host's coturn listens on) and, for host processes, the host's own addresses (``relay.peer_networks``,
+    filled in by the local node: a browser on the same host offers them as host candidates)."""
+    relay = profile.relay
+    if profile.deployment == "compose":
+        return {"DUPLEX_RTC_RELAY_NETS": relay.dynamic_range}
+    settings = {}
+    if not ipaddress.ip_address(profile.public_address).is_unspecified:
+        settings["DUPLEX_RTC_RELAY_NETS"] = profile.public_address
+    if relay.peer_networks:
+        settings["DUPLEX_RTC_ALLOWED_CANDIDATE_NETS"] = ",".join(relay.peer_networks)
+    return settings
+
+
 def runtime_settings(profile: NodeProfile) -> dict[str, str]:
     """The runtime's non-secret ``DUPLEX_*`` environment for this node (``runtime/config.py``); the Redis
     URL, which holds the password, comes from ``secrets/runtime.env``. ``DUPLEX_HOST`` is the private
@@ -170,6 +189,7 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
         host = profile.public_address if profile.deployment == "processes" else profile.domain
         settings["DUPLEX_TURN_URLS"] = ",".join(turn_urls(profile.relay, host))
         settings["DUPLEX_TURN_TTL_S"] = str(profile.relay.credential_ttl_s)
+        settings.update(rtc_candidate_settings(profile))
     if profile.runtime_dtype is not None:
         settings["DUPLEX_DTYPE"] = profile.runtime_dtype
     settings["DUPLEX_QUANTIZE"] = profile.runtime_quantize

@@ -35,7 +35,7 @@ from runtime.engine.persona_limits import (
     VOICE_PROMPT_MAX_CHARS,
 )
 from runtime.frontend.gate.access import RequestView
-from runtime.frontend.gate.admission import GateRefused, admit
+from runtime.frontend.gate.admission import GateRefused, admit, admit_connection
 from runtime.frontend.gate.refusals import LOADING_MESSAGE, Admission, SessionRefused
 from runtime.frontend.listener import HEADER_DEADLINE, READ_BUFSIZE, HeaderDeadline, listener_args
 from runtime.frontend.session.conversation import FrontEnd, plan_session
@@ -207,6 +207,13 @@ async def _body_late(request: web.Request, timeout_s: float) -> web.Response | N
 
 
 async def _rtc_resource(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+    """``DELETE /api/rtc/<session id>/<key>`` behind the handshake rate limits (per client address, then
+    global), as a ``POST`` is (issue 34, item 11: a stream of guessed hang-ups cost a Redis round trip
+    each). No origin check: a hang-up carries its key."""
+    try:
+        admit_connection(front.access, front.metrics, request_view(request), origin=None, resume=False)
+    except GateRefused as refused:
+        return _refused(refused)
     return await rtc.delete_session(front, request)
 
 

@@ -32,7 +32,7 @@ from runtime.frontend.transports import websocket
 from runtime.frontend.transports.webrtc.media import RtpInbound
 from runtime.tools import rtc_capacity
 from runtime.tools.loadgen import _percentile, run_session, session_url, synthesize_speech
-from runtime.tools.rtc_client import RtcCall, encode_packets
+from runtime.tools.rtc_client import RtcCall, encode_packets, local_candidate_nets
 
 
 class _EchoSlots(SlotBackend):
@@ -119,7 +119,8 @@ async def bench_latency(seconds: float, calls: int) -> dict[str, object]:
     """The ``latency`` figures (module docstring)."""
     _instrument()
     backend = _EchoSlots(4)
-    config = RuntimeConfig(host="127.0.0.1", port=0, max_sessions=4, auth_mode="off", metrics_cache_s=0)
+    config = RuntimeConfig(host="127.0.0.1", port=0, max_sessions=4, auth_mode="off", metrics_cache_s=0,
+                           rtc_allowed_candidate_nets=local_candidate_nets())  # fmt: skip
     server = DuplexServer(config, backend)
     await server.start()
     clip = _clip(seconds)

@@ -44,7 +44,7 @@ import numpy as np
 from runtime.tools.bench_frontend import _get, _group_cpu_s, _metric, node
 from runtime.tools.loadgen import _percentile, gather_sessions
 from runtime.tools.loadgen_rtc import RtcLoadReport, RtcSessionResult, http_base, run_rtc_session
-from runtime.tools.rtc_client import PACKET_S, PacketReplayTrack, encode_packets
+from runtime.tools.rtc_client import PACKET_S, PacketReplayTrack, encode_packets, local_candidate_nets
 
 __all__ = [
     "LATE_LIMIT_MS",
@@ -359,7 +359,15 @@ def _one_count(
 ) -> CountResult:
     processes = min(len(layout.others), sessions)
     counts = [len(range(p, sessions, processes)) for p in range(processes)]
-    with node(1, sessions, step_ms, env={"DUPLEX_RTC_MEDIA_TIMEOUT_S": "10"}) as port:
+    with node(
+        1,
+        sessions,
+        step_ms,
+        env={
+            "DUPLEX_RTC_MEDIA_TIMEOUT_S": "10",
+            "DUPLEX_RTC_ALLOWED_CANDIDATE_NETS": ",".join(local_candidate_nets()),
+        },
+    ) as port:
         worker = _worker_pid(port)
         pgid = os.getpgid(worker)
         pin(worker, {layout.worker_core})

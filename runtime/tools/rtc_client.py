@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import av
 import numpy as np
+from aioice.ice import get_host_addresses
 from aiortc import (
     RTCConfiguration,
     RTCIceServer,
@@ -36,7 +37,7 @@ from runtime.frontend.codecs.opus_rtp import OpusEncoder
 from runtime.frontend.codecs.protocol import MessageKind
 from runtime.frontend.gate.query import RESUME_HEADER
 
-__all__ = ["PacketReplayTrack", "RtcCall", "RtcOutcome", "encode_packets"]
+__all__ = ["PacketReplayTrack", "RtcCall", "RtcOutcome", "encode_packets", "local_candidate_nets"]
 
 _TIME_BASE = fractions.Fraction(1, 48_000)
 PACKET_S = 0.02
@@ -314,3 +315,11 @@ class RtcCall:
         self.track.stop()
         with contextlib.suppress(Exception):
             await self.pc.close()
+
+
+def local_candidate_nets() -> list[str]:
+    """The host candidates an aiortc caller on this host offers (aioice 0.13 ``get_host_addresses``: every
+    IPv4 interface address but 127.0.0.1). A node tried by callers on its own host allows them
+    (``DUPLEX_RTC_ALLOWED_CANDIDATE_NETS``): they are private, and a node drops non-global candidates
+    (``runtime.frontend.transports.webrtc.candidates``)."""
+    return list(get_host_addresses(use_ipv4=True, use_ipv6=False))

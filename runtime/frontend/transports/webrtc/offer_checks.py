@@ -1,36 +1,49 @@
-"""What an SDP offer must hold before a slot or a session record is spent on it (issue 34, item 11).
+"""An SDP offer's transport lines checked before any slot or session record (issue 34, item 11).
 
-aiortc 1.16 parses leniently and fails late: of 150 fuzzed offers, 10 whose ``a=group:BUNDLE`` named a
-``mid`` that no media section had (or left one out) were accepted by ``setRemoteDescription`` and failed in
-``createAnswer``, a 500 after a slot was admitted and a session record written; an offer without a DTLS
-fingerprint held its slot until the connect timeout (10 s), since DTLS can never verify the peer (RFC 8122,
-5: the fingerprint is what authenticates the DTLS handshake). :func:`check_offer` reads those from the
-text first, so each is a 400 naming what is wrong, before anything is reserved.
+aiortc (1.16) accepts offers it cannot answer: a BUNDLE group that names a ``mid`` no m-line has (or leaves
+one out) fails in ``createAnswer``, after the session was admitted and its record written (a 500); an offer
+without ``a=fingerprint`` is answered and then holds its slot until the connect timeout, since DTLS can
+never verify the peer. :func:`check_offer` refuses them first, naming what is wrong:
 
-Checked (RFC 8843 BUNDLE, RFC 8122 fingerprints, RFC 8839 ICE attributes; JSEP, RFC 8829, 5.8):
+- every m-line has one ``a=mid``, distinct from the others' (RFC 8843 section 9.2; RFC 5888);
+- one ``a=group:BUNDLE`` naming exactly the m-lines' mids (the answer bundles every m-line on one
+  transport: RFC 8843 section 7.3.1; browsers offer ``max-bundle``'s single group);
+- ``a=fingerprint`` at the session level or in every m-line, each with a hash aiortc verifies
+  (:data:`FINGERPRINT_HASHES`; RFC 8122 section 5);
+- ``a=ice-ufrag`` and ``a=ice-pwd`` at the session level or in every m-line, of RFC 8839 section 5.4's
+  ``ice-char`` set and lengths (ufrag 4-256, pwd 22-256).
 
-- every media section (``m=``) has an ``a=mid``, and no two share one;
-- an ``a=group:BUNDLE`` names only mids of the offer, and each once;
-- a DTLS fingerprint (``a=fingerprint:<hash> <hex>``), at session level or in every media section, with a
-  hash function WebRTC uses (``sha-256``, ``sha-384``, ``sha-512``; ``sha-1`` is still accepted by aiortc and
-  browsers' older offers);
-- ICE credentials (``a=ice-ufrag`` and ``a=ice-pwd``), at session level or in every media section.
+Pure: text in, :class:`OfferInvalid` out.
 """
 
 from __future__ import annotations
 
-__all__ = ["FINGERPRINT_HASHES", "OfferProblem", "check_offer"]
+import re
 
-FINGERPRINT_HASHES = frozenset({"sha-1", "sha-256", "sha-384", "sha-512"})
-"""The hash functions of ``a=fingerprint`` accepted (RFC 8122, 5; RFC 8827, 6.5: SHA-256 at least)."""
+__all__ = ["FINGERPRINT_HASHES", "OfferInvalid", "check_offer"]
+
+FINGERPRINT_HASHES = frozenset({"sha-256", "sha-384", "sha-512"})
+"""Hash functions of ``a=fingerprint`` the node can verify: aiortc 1.16 ``rtcdtlstransport.py``
+``X509_DIGEST_ALGORITHMS``."""
+
+_ICE_CHARS = re.compile(r"[A-Za-z0-9+/]+")
+"""RFC 8839 section 5.4: ``ice-char = ALPHA / DIGIT / "+" / "/"``."""
+_UFRAG_LENGTHS = (4, 256)
+_PWD_LENGTHS = (22, 256)
 
 
-class OfferProblem(ValueError):
-    """The offer cannot make a call; the message names what is missing or wrong."""
+class OfferInvalid(ValueError):
+    """The offer's transport lines cannot make a connection: the message says which line and what is
+    allowed (a 400 before any slot is taken)."""
+
+
+def _attributes(lines: list[str], name: str) -> list[str]:
+    prefix = f"a={name}:"
+    return [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
 
 
 def _sections(sdp: str) -> tuple[list[str], list[list[str]]]:
-    """The session-level lines and each media section's lines (``m=`` first), line endings removed."""
+    """The session-level lines and each m-line's lines (its ``m=`` line first)."""
     session: list[str] = []
     media: list[list[str]] = []
     for raw in sdp.splitlines():
@@ -44,54 +57,76 @@ def _sections(sdp: str) -> tuple[list[str], list[list[str]]]:
     return session, media
 
 
-def _values(lines: list[str], attribute: str) -> list[str]:
-    prefix = f"a={attribute}:"
-    return [line[len(prefix) :].strip() for line in lines if line.startswith(prefix)]
+def _check_fingerprints(values: list[str], where: str) -> None:
+    for value in values:
+        parts = value.split()
+        if len(parts) != 2 or not re.fullmatch(r"[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2})+", parts[1]):
+            raise OfferInvalid(
+                f"{where}: a=fingerprint:{value[:80]} is not '<hash> <hex bytes separated by :>'"
+            )
+        if parts[0].lower() not in FINGERPRINT_HASHES:
+            raise OfferInvalid(
+                f"{where}: a=fingerprint uses {parts[0]!r}; "
+                f"use one of {', '.join(sorted(FINGERPRINT_HASHES))}"
+            )
+
+
+def _check_ice(ufrags: list[str], pwds: list[str], where: str) -> None:
+    for name, values, (low, high) in (
+        ("ice-ufrag", ufrags, _UFRAG_LENGTHS),
+        ("ice-pwd", pwds, _PWD_LENGTHS),
+    ):
+        if len(values) != 1:
+            raise OfferInvalid(f"{where}: {len(values)} a={name} lines; give exactly one")
+        value = values[0]
+        if not _ICE_CHARS.fullmatch(value) or not low <= len(value) <= high:
+            raise OfferInvalid(
+                f"{where}: a={name} must be {low}-{high} characters of letters, digits, '+' and '/' "
+                f"(RFC 8839), got {len(value)}"
+            )
 
 
 def check_offer(sdp: str) -> None:
-    """Refuse an offer that aiortc would take and then fail on, or that could never connect.
+    """Check ``sdp``'s mids, BUNDLE group, DTLS fingerprints and ICE credentials (the module docstring).
 
     Raises:
-        OfferProblem: a media section without a mid, a duplicate mid, a BUNDLE group naming
-            a mid that is not there (or twice), no DTLS fingerprint or one with an unknown hash function, no
-            ICE credentials.
+        OfferInvalid: the first thing wrong, named.
     """
     session, media = _sections(sdp)
     if not media:
-        return  # nothing to check here: the peer refuses an offer without audio, naming it
+        raise OfferInvalid("the SDP offer has no m-line: offer one audio m-line (and a DataChannel)")
     mids: list[str] = []
     for index, section in enumerate(media):
-        found = _values(section, "mid")
+        found = _attributes(section, "mid")
         if len(found) != 1 or not found[0]:
-            raise OfferProblem(f"media section {index} ({section[0][:40]}) has no a=mid (or several)")
+            raise OfferInvalid(f"m-line {index} ({section[0][:40]}) has {len(found)} a=mid lines; give one")
+        if found[0] in mids:
+            raise OfferInvalid(f"m-lines share a=mid:{found[0][:64]}; each m-line needs its own mid")
         mids.append(found[0])
-    if len(set(mids)) != len(mids):
-        raise OfferProblem(f"two media sections share a mid: {mids}")
-    for group in _values(session, "group"):
-        semantics, *named = group.split()
-        if semantics != "BUNDLE":
-            continue
-        unknown = [mid for mid in named if mid not in mids]
-        if unknown or len(set(named)) != len(named):
-            raise OfferProblem(
-                f"a=group:BUNDLE names {named}, but the offer's media sections are {mids}: each BUNDLE "
-                "mid must be one of them, once"
-            )
-    session_fingerprints = _values(session, "fingerprint")
+    groups = [value.split() for value in _attributes(session, "group") if value.split()[:1] == ["BUNDLE"]]
+    if len(groups) != 1:
+        raise OfferInvalid(
+            f"the SDP offer has {len(groups)} a=group:BUNDLE lines; give one naming every m-line's mid "
+            f"({' '.join(mids)[:120]})"
+        )
+    bundled = groups[0][1:]
+    if sorted(bundled) != sorted(mids):
+        raise OfferInvalid(
+            f"a=group:BUNDLE names {' '.join(bundled)[:120] or 'no mid'} but the m-lines' mids are "
+            f"{' '.join(mids)[:120]}: it must name each m-line's mid once"
+        )
+    session_fingerprints = _attributes(session, "fingerprint")
+    _check_fingerprints(session_fingerprints, "session level")
+    session_ufrags, session_pwds = _attributes(session, "ice-ufrag"), _attributes(session, "ice-pwd")
     for index, section in enumerate(media):
-        fingerprints = _values(section, "fingerprint") or session_fingerprints
-        if not fingerprints:
-            raise OfferProblem(
-                f"media section {index} has no DTLS fingerprint (a=fingerprint:sha-256 <hex>): DTLS "
-                "could never authenticate the caller"
+        where = f"m-line {index} (mid {mids[index][:64]})"
+        fingerprints = _attributes(section, "fingerprint")
+        _check_fingerprints(fingerprints, where)
+        if not fingerprints and not session_fingerprints:
+            raise OfferInvalid(
+                f"{where} has no a=fingerprint (nor has the session level): DTLS needs the certificate's "
+                f"fingerprint ({', '.join(sorted(FINGERPRINT_HASHES))})"
             )
-        for fingerprint in fingerprints:
-            algorithm = fingerprint.split()[0].lower() if fingerprint.split() else ""
-            if algorithm not in FINGERPRINT_HASHES:
-                raise OfferProblem(
-                    f"a=fingerprint hash {algorithm!r} is not one of {', '.join(sorted(FINGERPRINT_HASHES))}"
-                )
-        for attribute in ("ice-ufrag", "ice-pwd"):
-            if not (_values(section, attribute) or _values(session, attribute)):
-                raise OfferProblem(f"media section {index} has no a={attribute} (ICE credentials)")
+        ufrags = _attributes(section, "ice-ufrag") or session_ufrags
+        pwds = _attributes(section, "ice-pwd") or session_pwds
+        _check_ice(ufrags, pwds, where)

@@ -33,6 +33,7 @@ with a 0x05 ``replayed`` error, so of two uses of one token at most one carries 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -61,9 +62,9 @@ from runtime.frontend.codecs.protocol import (
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome
 from runtime.frontend.session.lifecycle import Edge
-from runtime.frontend.transports.webrtc.candidates import CandidateFilter, filter_offer
+from runtime.frontend.transports.webrtc.candidates import CandidatePolicy, filter_offer_candidates
 from runtime.frontend.transports.webrtc.media import FirstAudioTrace, OpusPacketTrack, RtpInbound
-from runtime.frontend.transports.webrtc.offer_checks import OfferProblem, check_offer
+from runtime.frontend.transports.webrtc.offer_checks import OfferInvalid, check_offer
 
 __all__ = [
     "CHANNEL_BURST",
@@ -155,9 +156,11 @@ class RtcTransport(Edge):
             return SessionOutcome("client_closed")
         try:
             answer = await self.peer.answer()
-        except Exception as exc:
-            log.exception("WebRTC answer failed for session %s", session.session_id)
-            self.answered.set_exception(exc)
+        except Exception as exc:  # aiortc's createAnswer on an offer the checks let through: bad input, a 400
+            log.info("WebRTC answer failed for session %s: %r", session.session_id, exc)
+            message = f"bad request: the SDP offer cannot be answered: {type(exc).__name__}: {exc}"[:300]
+            await self.peer.close()
+            self.answered.set_result(Refused(SessionRefused("bad_request", message), False))
             return SessionOutcome("rtc_failed")
         self.on_start(self.peer)
         self.peer.start()
@@ -279,20 +282,23 @@ class RtcPeer:
     async def accept_offer(self, sdp: str) -> None:
         """Read the offer; nothing is reserved yet.
 
+        The caller's ICE candidates are filtered first (``candidates.filter_offer_candidates``: the ICE agent
+        never sends to the dropped ones), and the offer's mids, BUNDLE group, fingerprints and ICE
+        credentials checked (``offer_checks.check_offer``).
+
         Raises:
-            OfferRejected: malformed SDP (``offer_checks.check_offer`` first: mids, BUNDLE, DTLS fingerprint,
-                ICE credentials), no audio m-line, or no Opus (the message says which). The caller's ICE
-                candidates are filtered before aiortc sees them (``candidates.filter_offer``).
+            OfferRejected: malformed SDP (``offer_checks.check_offer``: mids, BUNDLE, DTLS fingerprint, ICE
+                credentials), no audio m-line, or no Opus in it (the message says which).
         """
+        filtered = filter_offer_candidates(sdp, CandidatePolicy.from_config(self.front.config))
+        if filtered.dropped:  # counted by reason: an offer may list hundreds
+            reasons = collections.Counter(d.reason for d in filtered.dropped)
+            log.info("WebRTC offer: %d candidates kept, dropped %s", filtered.kept, dict(reasons))
+        sdp = filtered.sdp
         try:
             check_offer(sdp)
-        except OfferProblem as exc:
+        except OfferInvalid as exc:
             raise OfferRejected(f"malformed SDP offer: {exc}") from None
-        filtered = filter_offer(sdp, CandidateFilter.from_cidrs(self.front.config.rtc_candidate_nets))
-        if filtered.dropped:  # issue 34: a caller's candidates must not aim the node's UDP at its own network
-            dropped = filtered.dropped
-            log.info("WebRTC offer: %d caller candidates dropped: %s", len(dropped), dropped[:4])
-        sdp = filtered.sdp
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=sdp, type="offer"))
         except Exception as exc:  # aiortc's parser raises whatever the text provokes: all of it is bad input
@@ -302,6 +308,10 @@ class RtcPeer:
             raise OfferRejected("the SDP offer has no audio m-line: offer one sendrecv Opus audio track")
         if len(audio) > 1:
             raise OfferRejected(f"the SDP offer has {len(audio)} audio m-lines: offer exactly one")
+        try:
+            check_offer(sdp)
+        except OfferInvalid as exc:
+            raise OfferRejected(str(exc)) from None
         transceiver = audio[0]
         opus = [c for c in transceiver._codecs if c.mimeType.lower() == "audio/opus"]
         if not opus:

@@ -176,6 +176,14 @@ def ice_servers_for(front: FrontEnd, claims: TokenClaims | None, session_id: str
     return ice_servers(config.turn_urls, credentials)
 
 
+def _turn_holder(claims: TokenClaims | None, fallback: str) -> tuple[str, float | None]:
+    """The TURN username's id and mint time for a caller: the token's ``jti`` and ``iat`` (every answer
+    and ``ice-servers`` of one token: one coturn user), else ``fallback`` (a fresh id) minted now."""
+    if claims is not None and re.fullmatch(r"[A-Za-z0-9_-]{1,128}", claims.token_id):
+        return claims.token_id, claims.issued_at
+    return fallback, None
+
+
 def _quoted(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -379,7 +387,7 @@ async def serve_ice_servers(
 
 async def delete_session(front: FrontEnd, request: web.Request) -> web.Response:
     """``DELETE /api/rtc/<session id>/<key>``: 200 when the session was ended (here or by the worker that
-    holds it), 404 otherwise."""
+    holds it), 404 otherwise (the rate limit is checked before: ``runtime.frontend.http``)."""
     match = _RESOURCE_RE.fullmatch(request.path.removeprefix(RESOURCE_PREFIX))
     if match is None:
         return _plain(404, f"no WebRTC session at {request.path}: DELETE the Location the POST answered")
