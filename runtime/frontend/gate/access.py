@@ -16,6 +16,7 @@ from urllib.parse import parse_qs
 from runtime.config import RuntimeConfig
 from runtime.engine.api import replayed_message
 from runtime.frontend.codecs.protocol import ProtocolError
+from runtime.frontend.gate.app_tokens import app_token_verifier
 from runtime.frontend.gate.query import parse_session_query
 from runtime.frontend.gate.ratelimit import HandshakeLimiter, RateLimited
 from runtime.frontend.gate.replay import MemoryReplayGuard, RedisReplayGuard, ReplayGuard
@@ -24,6 +25,7 @@ from runtime.frontend.gate.tokens import (
     TokenClaims,
     TokenRejected,
     TokenVerifier,
+    session_token_verifier,
 )
 from runtime.metrics import RuntimeMetrics
 
@@ -111,10 +113,12 @@ class Access:
     def __init__(self, config: RuntimeConfig, metrics: RuntimeMetrics) -> None:
         self.config = config
         self.verifier: TokenVerifier | None = None
+        self.app_verifier: TokenVerifier | None = None  # the sessions API's (gate/app_tokens.py)
         self.replay_guard: ReplayGuard | None = None
         if config.auth_mode == "token":
             config.check_access_control()
-            self.verifier = TokenVerifier(config.signing_keys(), config.token_audience, config.token_leeway_s)
+            self.verifier = session_token_verifier(config)
+            self.app_verifier = app_token_verifier(config)
             self.replay_guard = _replay_guard(config, metrics)
         self.limiter = HandshakeLimiter(
             per_client_rate=config.handshake_rate_per_client,
