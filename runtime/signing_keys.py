@@ -19,8 +19,11 @@ from pathlib import Path
 __all__ = [
     "DEFAULT_TENANT",
     "MIN_SECRET_BYTES",
+    "TENANT_RE",
+    "TENANT_RULE",
     "check_tenant",
     "key_json",
+    "key_tenant",
     "SigningKey",
     "generate_signing_key",
     "keys_from_mapping",
@@ -32,7 +35,9 @@ MIN_SECRET_BYTES = 32
 secret (coturn's ``static-auth-secret``) is held to the same floor."""
 
 _KID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+TENANT_RULE = "1-64 characters of a-z 0-9 . _ -, starting with a letter or digit"
+"""What a tenant name is (it is compared byte for byte and may go into a Redis key)."""
 
 DEFAULT_TENANT = "default"
 """The tenant of a token without a ``tenant`` claim and of a key bound to none: a deployment with one
@@ -46,10 +51,8 @@ def check_tenant(tenant: object, *, what: str = "tenant") -> str:
     Raises:
         ValueError: anything else (names ``what`` and the rule).
     """
-    if not isinstance(tenant, str) or not _TENANT_RE.match(tenant):
-        raise ValueError(
-            f"{what} {tenant!r} is invalid: 1-64 characters of a-z 0-9 . _ -, starting with a letter or digit"
-        )
+    if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+        raise ValueError(f"{what} {tenant!r} is invalid: {TENANT_RULE}")
     return tenant
 
 
@@ -158,3 +161,20 @@ def load_key_file(path: Path) -> list[SigningKey]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"key file {path} is not JSON (line {exc.lineno}): {exc.msg}") from None
     return keys_from_mapping(mapping, source=f"key file {path}")
+
+
+def key_tenant(key: SigningKey, tenant: str | None) -> str:
+    """The ``tenant`` claim a token signed with ``key`` carries: ``tenant``, or the key's when None.
+
+    Raises:
+        ValueError: a bad tenant name, or one that is not the key's (a key signs its own tenant's tokens
+            only; an unbound key the default tenant's).
+    """
+    if tenant is None:
+        return key.signs_for
+    check_tenant(tenant)
+    if tenant != key.signs_for:
+        raise ValueError(
+            f"key {key.kid!r} signs for tenant {key.signs_for!r} only, not {tenant!r}: use that tenant's key"
+        )
+    return tenant

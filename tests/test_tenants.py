@@ -31,7 +31,6 @@ from runtime.frontend.gate.app_tokens import (
     SCOPE_ERASE,
     SCOPE_READ,
     SCOPE_RECORDINGS,
-    app_token_verifier,
     mint_app_token,
     verify_app_token,
 )
@@ -44,8 +43,8 @@ from runtime.frontend.gate.tokens import (
     TokenRejected,
     TokenVerifier,
     mint_token,
-    session_token_verifier,
 )
+from runtime.frontend.gate.verifiers import app_token_verifier, session_token_verifier
 from runtime.frontend.sessions_api import sessions_collection, sessions_item
 from runtime.frontend.store.events import index_key
 from runtime.frontend.store.records import SessionRecords
@@ -181,7 +180,7 @@ def test_without_app_keys_the_api_is_off_unless_the_deprecated_fallback_is_asked
     caplog: pytest.LogCaptureFixture,
 ):
     assert app_token_verifier(_config()) is None
-    with caplog.at_level(logging.WARNING, logger="runtime.frontend.gate.app_tokens"):
+    with caplog.at_level(logging.WARNING, logger="runtime.frontend.gate.verifiers"):
         shared = app_token_verifier(_config(app_tokens_use_session_keys=True))
     assert shared is not None and shared.key_ids == ["sess-1"]
     assert "DUPLEX_APP_TOKENS_USE_SESSION_KEYS=true (deprecated)" in caplog.text

@@ -16,7 +16,6 @@ from urllib.parse import parse_qs
 from runtime.config import RuntimeConfig
 from runtime.engine.api import replayed_message
 from runtime.frontend.codecs.protocol import ProtocolError
-from runtime.frontend.gate.app_tokens import app_token_verifier
 from runtime.frontend.gate.query import parse_session_query
 from runtime.frontend.gate.ratelimit import HandshakeLimiter, RateLimited
 from runtime.frontend.gate.replay import MemoryReplayGuard, RedisReplayGuard, ReplayGuard
@@ -25,8 +24,8 @@ from runtime.frontend.gate.tokens import (
     TokenClaims,
     TokenRejected,
     TokenVerifier,
-    session_token_verifier,
 )
+from runtime.frontend.gate.verifiers import app_token_verifier, session_token_verifier
 from runtime.metrics import RuntimeMetrics
 
 __all__ = ["Access", "RequestView", "bearer_token", "session_token"]

@@ -33,28 +33,23 @@ leaked one by its ``jti`` (``DUPLEX_TOKEN_REVOKED_JTIS``). The API: docs/session
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import jwt
 
 from runtime.frontend.gate.tokens import (
     ALGORITHM,
     DEFAULT_TENANT,
+    SESSION_TOKEN_ON_API,
     SigningKey,
     TokenRejected,
     TokenVerifier,
     key_tenant,
-    revocations_from_config,
 )
-
-if TYPE_CHECKING:
-    from runtime.config import RuntimeConfig
 
 __all__ = [
     "APP_MAX_TTL_S",
@@ -63,12 +58,9 @@ __all__ = [
     "SCOPE_READ",
     "SCOPE_RECORDINGS",
     "AppClaims",
-    "app_token_verifier",
     "mint_app_token",
     "verify_app_token",
 ]
-
-log = logging.getLogger(__name__)
 
 SCOPE_READ = "sessions:read"
 SCOPE_ERASE = "sessions:erase"
@@ -163,11 +155,7 @@ def verify_app_token(verifier: TokenVerifier, token: str | None, scope: str) -> 
     payload, kid = verifier.verified_payload(token)
     scope_claim = payload.get("scope")
     if scope_claim is None:
-        raise TokenRejected(
-            "wrong_token_kind",
-            "a session token cannot use the sessions API: mint an application token "
-            "(`duplex token mint --app`, runtime.frontend.gate.app_tokens.mint_app_token)",
-        )
+        raise TokenRejected("wrong_token_kind", SESSION_TOKEN_ON_API)
     if not isinstance(scope_claim, str):
         raise TokenRejected("malformed", "scope must be a space-separated string")
     scopes = frozenset(scope_claim.split())
@@ -177,40 +165,3 @@ def verify_app_token(verifier: TokenVerifier, token: str | None, scope: str) -> 
             f"this route needs scope {scope!r}; the token has {', '.join(sorted(scopes)) or 'none'}",
         )
     return AppClaims(str(payload["jti"]), kid, scopes, float(payload["exp"]), str(payload["tenant"]))
-
-
-def app_token_verifier(config: RuntimeConfig) -> TokenVerifier | None:
-    """The node's application-token verifier (for the sessions API; the session-token one is
-    ``runtime.frontend.gate.tokens.session_token_verifier``), or None when it has none: access
-    control off, or no application keys and no opt-in to the deprecated shared use.
-
-    With ``DUPLEX_APP_TOKENS_USE_SESSION_KEYS=true`` and no application keys the session keys verify
-    application tokens too (logged as a deprecation warning): what every node did before the two kinds
-    had keys of their own.
-
-    Raises:
-        ValueError: as ``RuntimeConfig.check_access_control`` (bad or overlapping keys).
-    """
-    if config.auth_mode == "off":
-        return None
-    if config.has_app_keys:
-        keys = config.app_signing_keys()
-        other = config.signing_keys()
-    elif config.app_tokens_use_session_keys:
-        log.warning(
-            "DUPLEX_APP_TOKENS_USE_SESSION_KEYS=true (deprecated): the session-token keys also sign "
-            "application tokens, so whatever mints callers' tokens can mint one that reads and erases "
-            "sessions; set DUPLEX_APP_TOKEN_KEYS (`duplex token keygen`) and drop this setting"
-        )
-        keys, other = config.signing_keys(), []
-    else:
-        return None
-    return TokenVerifier(
-        keys,
-        config.token_audience,
-        config.token_leeway_s,
-        max_ttl_s=config.app_token_max_ttl_s,
-        revoked=revocations_from_config(config),
-        kind="app",
-        other_kind_keys=other,
-    )

@@ -25,10 +25,9 @@ HS256-signed with one of the node's signing keys, named by the ``kid`` header::
   (``runtime.signing_keys``) verifies only its tenant's tokens, an unbound key only the default tenant's
   (``wrong_tenant``, 403): one application's key cannot mint another's tokens.
 
-Lifetime is capped at verify, not only at mint: ``exp - iat`` and ``exp - now`` must each be at most the
-verifier's ``max_ttl_s`` (``lifetime_too_long``, 401), so a token minted by hand for ten years is refused.
-Revocation: the verifier's :class:`Revocations` (``DUPLEX_TOKEN_REVOKED_JTIS``, ``DUPLEX_TOKEN_REVOKED_KIDS``)
-refuses a token by its ``jti`` or its key (``revoked``, 401).
+Lifetime is capped at verify (``exp - iat`` and ``exp - now`` at most ``max_ttl_s``: ``lifetime_too_long``);
+:class:`Revocations` refuses a token by its ``jti`` or ``kid`` (``revoked``). The node's verifiers:
+``runtime.frontend.gate.verifiers``.
 
 Key rotation: the verifier holds several keys at once and picks one by ``kid``. Add the new key on every
 node, switch the backend to minting with it, and once the old key's tokens have expired (``ttl_s``),
@@ -46,7 +45,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jwt
 
@@ -54,15 +53,14 @@ from runtime.engine.persona_limits import voice_name
 from runtime.signing_keys import (
     DEFAULT_TENANT,
     MIN_SECRET_BYTES,
+    TENANT_RE,
+    TENANT_RULE,
     SigningKey,
-    check_tenant,
     generate_signing_key,
+    key_tenant,
     keys_from_mapping,
     load_key_file,
 )
-
-if TYPE_CHECKING:  # only for the type: the settings are passed in, never read here
-    from runtime.config import RuntimeConfig
 
 __all__ = [
     "ALGORITHM",
@@ -71,6 +69,7 @@ __all__ = [
     "MAX_TTL_S",
     "MIN_SECRET_BYTES",
     "REFUSAL_STATUS",
+    "SESSION_TOKEN_ON_API",
     "SUBPROTOCOL_PREFIX",
     "Revocations",
     "SigningKey",
@@ -83,8 +82,6 @@ __all__ = [
     "keys_from_mapping",
     "load_key_file",
     "mint_token",
-    "revocations_from_config",
-    "session_token_verifier",
 ]
 
 ALGORITHM = "HS256"
@@ -127,6 +124,14 @@ a key of the other kind, e.g. an application token with a session-token key), 40
 origin) is valid but not for this (``wrong_tenant``: its ``tenant`` claim is not its key's tenant), 503 the
 replay check cannot be made now (Redis down with ``DUPLEX_TOKEN_REPLAY_CHECK=redis``)."""
 
+SESSION_TOKEN_ON_API = (
+    "a session token cannot use the sessions API: mint an application token "
+    "(`duplex token mint --app`, runtime.frontend.gate.app_tokens.mint_app_token)"
+)
+_APP_TOKEN_ON_CHAT = (
+    "this is an application token (it has a scope claim): it reads the sessions API and cannot open a "
+    "session; mint a session token (`duplex token mint`)"
+)
 _JTI_RE = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces: it goes into a Redis key
 _PERSONA_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
 
@@ -340,10 +345,8 @@ class TokenVerifier:
         self._check_lifetime(claims)
         self.revoked.check(kid, claims["jti"])
         tenant = claims.get("tenant", DEFAULT_TENANT)
-        try:
-            check_tenant(tenant)
-        except ValueError as exc:
-            raise TokenRejected("malformed", str(exc)) from None
+        if not isinstance(tenant, str) or not TENANT_RE.match(tenant):
+            raise TokenRejected("malformed", f"tenant {tenant!r} is invalid: {TENANT_RULE}")
         if tenant != key.signs_for:
             raise TokenRejected(
                 "wrong_tenant",
@@ -356,25 +359,13 @@ class TokenVerifier:
 
     def _refuse_other_kind(self, kid: str, claims: dict[str, Any]) -> None:
         """A valid token signed with a key of the other kind: always refused (see ``other_kind_keys``)."""
-        other_kind = "app" if self.kind == "session" else "session"
-        token_kind = "app" if "scope" in claims else "session"
-        if token_kind == other_kind:
-            if other_kind == "app":
-                raise TokenRejected(
-                    "wrong_token_kind",
-                    "this is an application token (it has a scope claim): it reads the sessions API and "
-                    "cannot open a session; mint a session token (`duplex token mint`)",
-                )
+        if ("scope" in claims) == (self.kind == "session"):  # a token of the key's kind, at the wrong door
             raise TokenRejected(
-                "wrong_token_kind",
-                "a session token cannot use the sessions API: mint an application token "
-                "(`duplex token mint --app`, runtime.frontend.gate.app_tokens.mint_app_token)",
+                "wrong_token_kind", _APP_TOKEN_ON_CHAT if "scope" in claims else SESSION_TOKEN_ON_API
             )
-        mine, other = ("DUPLEX_TOKEN_KEYS", "DUPLEX_APP_TOKEN_KEYS")[:: 1 if self.kind == "session" else -1]
+        mine = "DUPLEX_TOKEN_KEYS" if self.kind == "session" else "DUPLEX_APP_TOKEN_KEYS"
         raise TokenRejected(
-            "wrong_key_kind",
-            f"a {self.kind} token signed with key {kid!r}, one of this node's {other}: {self.kind} tokens "
-            f"are signed with a key of {mine}",
+            "wrong_key_kind", f"a {self.kind} token signed with key {kid!r}, not one of this node's {mine}"
         )
 
     def _check_lifetime(self, claims: dict[str, Any]) -> None:
@@ -410,11 +401,7 @@ class TokenVerifier:
 
 def _claims_from_payload(payload: dict[str, Any], kid: str) -> TokenClaims:
     if "scope" in payload:
-        raise TokenRejected(
-            "wrong_token_kind",
-            "this is an application token (it has a scope claim): it reads the sessions API and cannot "
-            "open a session; mint a session token (`duplex token mint`)",
-        )
+        raise TokenRejected("wrong_token_kind", _APP_TOKEN_ON_CHAT)
     jti = payload["jti"]
     if not isinstance(jti, str) or not _JTI_RE.match(jti):
         raise TokenRejected("malformed", "jti must be 1-128 printable ASCII characters without spaces")
@@ -511,44 +498,3 @@ def mint_token(
     if tenant_claim != DEFAULT_TENANT:
         payload["tenant"] = tenant_claim
     return jwt.encode(payload, key.secret, algorithm=ALGORITHM, headers={"kid": key.kid})
-
-
-def key_tenant(key: SigningKey, tenant: str | None) -> str:
-    """The ``tenant`` claim a token signed with ``key`` carries: ``tenant``, or the key's when None.
-
-    Raises:
-        ValueError: a bad tenant name, or one that is not the key's (a key signs its own tenant's tokens
-            only; an unbound key the default tenant's).
-    """
-    if tenant is None:
-        return key.signs_for
-    check_tenant(tenant)
-    if tenant != key.signs_for:
-        raise ValueError(
-            f"key {key.kid!r} signs for tenant {key.signs_for!r} only, not {tenant!r}: use that tenant's key"
-        )
-    return tenant
-
-
-def revocations_from_config(config: RuntimeConfig) -> Revocations:
-    """The deny-list of the settings ``DUPLEX_TOKEN_REVOKED_JTIS`` and ``DUPLEX_TOKEN_REVOKED_KIDS``."""
-    return Revocations(frozenset(config.token_revoked_jtis), frozenset(config.token_revoked_kids))
-
-
-def session_token_verifier(config: RuntimeConfig) -> TokenVerifier:
-    """The node's session-token verifier: its session keys, audience, leeway, ``DUPLEX_TOKEN_MAX_TTL_S``
-    and deny-list; a token signed with one of its application keys is refused as ``wrong_key_kind``.
-
-    Raises:
-        ValueError: as ``RuntimeConfig.signing_keys`` (no usable keys).
-    """
-    app_keys = config.app_signing_keys() if config.has_app_keys else []
-    return TokenVerifier(
-        config.signing_keys(),
-        config.token_audience,
-        config.token_leeway_s,
-        max_ttl_s=config.token_max_ttl_s,
-        revoked=revocations_from_config(config),
-        kind="session",
-        other_kind_keys=app_keys,
-    )
