@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from runtime.engine.model_presets import (
@@ -178,9 +178,44 @@ class RuntimeConfig(BaseSettings):
         "open one (tests, a private demo)",
     )
     token_keys: SecretStr | None = Field(
-        None, description='Signing keys as JSON {"kid": "secret", ...} (secrets >= 32 bytes)'
+        None,
+        description='Session-token signing keys as JSON {"kid": "secret", ...} (secrets >= 32 bytes; '
+        '{"kid": {"secret": ..., "tenant": ...}} binds a key to a tenant)',
     )
     token_keys_file: Path | None = Field(None, description="File holding the signing keys' JSON instead")
+    app_token_keys: SecretStr | None = Field(
+        None,
+        description="Application-token (sessions API) signing keys, JSON as DUPLEX_TOKEN_KEYS; no kid may "
+        "be in both. Unset: the sessions API is off unless DUPLEX_APP_TOKENS_USE_SESSION_KEYS=true",
+    )
+    app_token_keys_file: Path | None = Field(
+        None, description="File holding the application-token keys' JSON instead"
+    )
+    app_tokens_use_session_keys: bool = Field(
+        False,
+        description="Deprecated: verify application tokens with the session-token keys (as before the two "
+        "kinds had keys of their own); logged as a warning. Only without DUPLEX_APP_TOKEN_KEYS",
+    )
+    token_max_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        le=86400,
+        description="Longest session-token lifetime accepted (s): exp - iat and exp - now (24 h at most)",
+    )
+    app_token_max_ttl_s: float = Field(
+        86400.0,
+        gt=0,
+        le=86400,
+        description="Longest application-token lifetime accepted (s): exp - iat and exp - now (24 h at most)",
+    )
+    token_revoked_jtis: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Revoked token ids (jti), refused as revoked (comma-separated or JSON)",
+    )
+    token_revoked_kids: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Revoked key ids: every token they signed is refused (comma-separated or JSON)",
+    )
     token_audience: str = Field(
         "duplex", min_length=1, max_length=256, description="The aud claim tokens must carry"
     )
@@ -422,9 +457,9 @@ class RuntimeConfig(BaseSettings):
             )
         return self
 
-    @field_validator("token_keys")
+    @field_validator("token_keys", "app_token_keys")
     @classmethod
-    def _keys_json(cls, value: SecretStr | None) -> SecretStr | None:
+    def _keys_json(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
         if value is not None:
             from runtime.signing_keys import keys_from_mapping
 
@@ -432,7 +467,20 @@ class RuntimeConfig(BaseSettings):
                 mapping = json.loads(value.get_secret_value())
             except json.JSONDecodeError:
                 raise ValueError('must be JSON: {"<kid>": "<secret of >= 32 bytes>", ...}') from None
-            keys_from_mapping(mapping, source="DUPLEX_TOKEN_KEYS")
+            keys_from_mapping(mapping, source=f"DUPLEX_{(info.field_name or '').upper()}")
+        return value
+
+    @field_validator("token_revoked_jtis", "token_revoked_kids", mode="before")
+    @classmethod
+    def _id_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError:
+                    raise ValueError('a JSON list of ids, e.g. ["abc", "def"]') from None
+            return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
     @field_validator("turn_secret")
@@ -477,28 +525,39 @@ class RuntimeConfig(BaseSettings):
         return [normalize_origin(origin) for origin in value]
 
     def signing_keys(self) -> list[SigningKey]:
-        """The token signing keys from ``DUPLEX_TOKEN_KEYS`` or ``DUPLEX_TOKEN_KEYS_FILE`` (read now).
+        """The session-token signing keys from ``DUPLEX_TOKEN_KEYS`` or ``DUPLEX_TOKEN_KEYS_FILE`` (read
+        now).
 
         Raises:
             ValueError: neither or both set, the file unreadable or a key invalid (names the variable).
         """
-        from runtime.signing_keys import keys_from_mapping, load_key_file
-
-        if self.token_keys is not None and self.token_keys_file is not None:
-            raise ValueError("set DUPLEX_TOKEN_KEYS or DUPLEX_TOKEN_KEYS_FILE, not both")
-        if self.token_keys is not None:
-            return keys_from_mapping(
-                json.loads(self.token_keys.get_secret_value()), source="DUPLEX_TOKEN_KEYS"
-            )
-        if self.token_keys_file is not None:
-            try:
-                return load_key_file(self.token_keys_file)
-            except ValueError as exc:
-                raise ValueError(f"DUPLEX_TOKEN_KEYS_FILE: {exc}") from None
+        keys = _read_keys(self.token_keys, self.token_keys_file, "DUPLEX_TOKEN_KEYS")
+        if keys is not None:
+            return keys
         raise ValueError(
             "DUPLEX_AUTH_MODE=token needs signing keys: set DUPLEX_TOKEN_KEYS "
             '(JSON {"<kid>": "<secret>"}) or DUPLEX_TOKEN_KEYS_FILE (`duplex token keygen` makes a key), '
             "or DUPLEX_AUTH_MODE=off to serve without access control"
+        )
+
+    @property
+    def has_app_keys(self) -> bool:
+        """``DUPLEX_APP_TOKEN_KEYS`` or ``DUPLEX_APP_TOKEN_KEYS_FILE`` is set."""
+        return self.app_token_keys is not None or self.app_token_keys_file is not None
+
+    def app_signing_keys(self) -> list[SigningKey]:
+        """The application-token (sessions API) keys from ``DUPLEX_APP_TOKEN_KEYS`` or
+        ``DUPLEX_APP_TOKEN_KEYS_FILE`` (read now).
+
+        Raises:
+            ValueError: neither or both set, the file unreadable or a key invalid (names the variable).
+        """
+        keys = _read_keys(self.app_token_keys, self.app_token_keys_file, "DUPLEX_APP_TOKEN_KEYS")
+        if keys is not None:
+            return keys
+        raise ValueError(
+            'no application-token keys: set DUPLEX_APP_TOKEN_KEYS (JSON {"<kid>": "<secret>"}) or '
+            "DUPLEX_APP_TOKEN_KEYS_FILE (`duplex token keygen` makes a key)"
         )
 
     def load_model_bundle(self) -> ModelBundle:
@@ -528,17 +587,51 @@ class RuntimeConfig(BaseSettings):
         that a config can be built and inspected without keys).
 
         Raises:
-            ValueError: token mode without usable keys, or a Redis replay check without a Redis URL.
+            ValueError: token mode without usable keys, a key id in both the session and application key
+                sets, application keys with the deprecated shared-key fallback, or a Redis replay check
+                without a Redis URL.
         """
         if self.auth_mode == "off":
             return
-        self.signing_keys()
+        session_kids = {key.kid for key in self.signing_keys()}
+        if self.has_app_keys:
+            if self.app_tokens_use_session_keys:
+                raise ValueError(
+                    "DUPLEX_APP_TOKENS_USE_SESSION_KEYS=true is the deprecated fallback for nodes without "
+                    "application keys: unset it, since DUPLEX_APP_TOKEN_KEYS is set"
+                )
+            shared = sorted(session_kids & {key.kid for key in self.app_signing_keys()})
+            if shared:
+                raise ValueError(
+                    f"key id {shared[0]!r} is in both DUPLEX_TOKEN_KEYS and DUPLEX_APP_TOKEN_KEYS: a key "
+                    "signs one kind of token; give the application tokens a key of their own"
+                )
         if self.token_replay_check in ("redis", "redis-or-memory") and not self.redis_url:
             raise ValueError(
                 f"DUPLEX_TOKEN_REPLAY_CHECK={self.token_replay_check} needs DUPLEX_REDIS_URL (used token "
                 "ids are kept in Redis); without Redis set DUPLEX_TOKEN_REPLAY_CHECK=memory (this process "
                 "only) or off"
             )
+
+
+def _read_keys(inline: SecretStr | None, file: Path | None, variable: str) -> list[SigningKey] | None:
+    """The keys of ``<variable>`` (JSON) or ``<variable>_FILE``; None when neither is set.
+
+    Raises:
+        ValueError: both set, the file unreadable or a key invalid (names the variable).
+    """
+    from runtime.signing_keys import keys_from_mapping, load_key_file
+
+    if inline is not None and file is not None:
+        raise ValueError(f"set {variable} or {variable}_FILE, not both")
+    if inline is not None:
+        return keys_from_mapping(json.loads(inline.get_secret_value()), source=variable)
+    if file is not None:
+        try:
+            return load_key_file(file)
+        except ValueError as exc:
+            raise ValueError(f"{variable}_FILE: {exc}") from None
+    return None
 
 
 def normalize_origin(origin: str) -> str:

@@ -86,12 +86,16 @@ def test_every_refusal_keeps_its_status_close_code_and_message():
         "malformed": RefusalKind(401, 1008),
         "expired": RefusalKind(401, 1008),
         "not_yet_valid": RefusalKind(401, 1008),
-        "lifetime_too_long": RefusalKind(401, 1008),
         "bad_signature": RefusalKind(401, 1008),
         "unknown_key": RefusalKind(401, 1008),
         "wrong_audience": RefusalKind(401, 1008),
+        # Issue 34, items 7 and 8: lifetime capped at verify, deny-list, a key of the other kind.
+        "lifetime_too_long": RefusalKind(401, 1008),
+        "revoked": RefusalKind(401, 1008),
+        "wrong_key_kind": RefusalKind(401, 1008),
         "replayed": RefusalKind(403, 1008),
         "wrong_token_kind": RefusalKind(403, 1008),  # an application token on /api/chat (issue 23)
+        "wrong_tenant": RefusalKind(403, 1008),  # a tenant claim its key does not sign for (issue 34)
         "insufficient_scope": RefusalKind(403, 1008),  # the sessions API's (issue 23)
         "persona_not_allowed": RefusalKind(403, 1008),
         "origin_not_allowed": RefusalKind(403, 1008),

@@ -45,11 +45,12 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 AUDIENCE = "sessions-api-test"
 KEY = SigningKey("api", "a" * 32)
+APP_KEY = SigningKey("api-app", "c" * 32)  # application tokens have keys of their own (issue 34, item 8)
 FRAME_S = 0.08
 
 
 def app_token(**kw: Any) -> str:
-    return mint_app_token(KEY, ttl_s=300, audience=AUDIENCE, **kw)
+    return mint_app_token(APP_KEY, ttl_s=300, audience=AUDIENCE, **kw)
 
 
 def session_token(**kw: Any) -> str:
@@ -76,6 +77,7 @@ async def api_node(
     settings = {
         "auth_mode": "token",
         "token_keys": json.dumps({KEY.kid: KEY.secret.decode()}),
+        "app_token_keys": json.dumps({APP_KEY.kid: APP_KEY.secret.decode()}),
         "token_audience": AUDIENCE,
         "token_replay_check": "redis",
         "recording_dir": tmp_path_factory.mktemp("recordings"),
@@ -288,7 +290,7 @@ async def test_tokens_and_bad_paths_are_refused(api_node: DuplexServer) -> None:
     )
     status, _, body = await api(server, "/api/sessions", token=session_token())
     assert status == 403 and json.loads(body)["error"] == "wrong_token_kind", body
-    forged = mint_app_token(SigningKey("api", "b" * 32), ttl_s=60, audience=AUDIENCE)
+    forged = mint_app_token(SigningKey(APP_KEY.kid, "b" * 32), ttl_s=60, audience=AUDIENCE)
     status, _, body = await api(server, "/api/sessions", token=forged)
     assert status == 401 and json.loads(body)["error"] == "bad_signature"
     # An application token cannot open a session.

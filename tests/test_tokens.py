@@ -110,7 +110,7 @@ _REFUSALS: dict[str, tuple[Callable[[], str | None], str, str]] = {
     "ten-years": (
         lambda: _signed(_payload(exp=int(time.time()) + 10 * 365 * 86400)),
         "lifetime_too_long",
-        "at most 86400 s",
+        "may live 86400 s at most",
     ),
     "issued-long-ago-for-long": (
         lambda: _signed(
@@ -118,7 +118,7 @@ _REFUSALS: dict[str, tuple[Callable[[], str | None], str, str]] = {
             | {"exp": int(time.time()) + 3600}
         ),
         "lifetime_too_long",
-        "mint a shorter one",
+        "mint a shorter-lived one",
     ),
     "bad-signature": (lambda: _minted(SigningKey("k1", "z" * 32)), "bad_signature", "k1"),
     "other-algorithm": (

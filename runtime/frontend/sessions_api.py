@@ -4,17 +4,20 @@ recording and erases it, on the node's port (``runtime.frontend.http`` routes ``
 - ``GET /api/sessions[?state=active|ended&limit=N&before=T]`` (``sessions:read``): 200
   ``{"sessions": [...]}``, newest first (``before``: the last ``started_at`` of the previous page);
 - ``GET /api/sessions/<id>`` (``sessions:read``): 200 the session with its transcript, 404;
-- ``GET /api/sessions/<id>/recording/<caller|agent>`` (``sessions:read``): 200 ``audio/ogg``, 404, 409
-  while the session is live;
+- ``GET /api/sessions/<id>/recording/<caller|agent>`` (``sessions:recordings``): 200 ``audio/ogg``, 404,
+  409 while the session is live;
 - ``DELETE /api/sessions/<id>`` (``sessions:erase``): 204, 404, 409 while the session is live.
 
 Every request carries an application token (``runtime.frontend.gate.app_tokens``) as ``Authorization:
-Bearer``:
-none or an invalid one 401, a session token or a missing scope 403. ``<id>`` is 32 lowercase hex digits;
-anything else (``..``, ``/``, percent-encoded tricks) gets 400 naming the rule, before any lookup. Erase is
-not repeatable: the second ``DELETE`` of a session gets 404, as an unknown or expired one does (404 after a
-retried ``DELETE`` means nothing of the session is held: the erase is done). A live session cannot be erased
-(409: end it first). Bodies: ``runtime.frontend.store.records``; the API: docs/sessions-api.md.
+Bearer``: none or an invalid one 401, a session token or a missing scope 403; a node without application
+keys answers 403 ``api_off``. The token's tenant is passed to the session reader: a tenant sees, reads and
+erases its own sessions only (another tenant's session is 404, as an unknown one); a recording whose record
+is gone (past retention) is erased for the default tenant only, since nothing says whose it was. ``<id>`` is
+32 lowercase hex digits; anything else (``..``, ``/``, percent-encoded tricks) gets 400 naming the rule,
+before any lookup. Erase is not repeatable: the second ``DELETE`` of a session gets 404, as an unknown or
+expired one does (404 after a retried ``DELETE`` means nothing of the session is held: the erase is done). A
+live session cannot be erased (409: end it first). Bodies: ``runtime.frontend.store.records``; the API:
+docs/sessions-api.md.
 """
 
 from __future__ import annotations
@@ -29,8 +32,14 @@ import redis.exceptions
 from aiohttp import web
 
 from runtime.frontend.gate.access import RequestView, bearer_token
-from runtime.frontend.gate.app_tokens import SCOPE_ERASE, SCOPE_READ, verify_app_token
-from runtime.frontend.gate.tokens import TokenRejected
+from runtime.frontend.gate.app_tokens import (
+    SCOPE_ERASE,
+    SCOPE_READ,
+    SCOPE_RECORDINGS,
+    AppClaims,
+    verify_app_token,
+)
+from runtime.frontend.gate.tokens import DEFAULT_TENANT, TokenRejected
 from runtime.frontend.session.conversation import FrontEnd
 from runtime.frontend.store.recordings import OGG_OPUS_CONTENT_TYPE, SESSION_ID_RE, SIDES, RecordingStore
 from runtime.frontend.store.records import LIST_MAX, SessionLive, SessionRecords
@@ -61,21 +70,24 @@ def _error(status: int, reason: str, message: str) -> web.Response:
     return answer
 
 
-def _authorize(front: FrontEnd, request: web.Request, scope: str) -> web.Response | None:
-    """None when the request's application token grants ``scope``, else the refusal."""
-    verifier = front.access.verifier
+def _authorize(front: FrontEnd, request: web.Request, scope: str) -> AppClaims | web.Response:
+    """The request's application token's claims when it grants ``scope``, else the refusal (403
+    ``api_off`` on a node without access control or without application keys)."""
+    verifier = getattr(front.access, "app_verifier", None)
     if verifier is None:
-        return _error(
-            403,
-            "api_off",
-            "the sessions API needs access control: it is off on this node (DUPLEX_AUTH_MODE=off)",
-        )
+        if front.access.verifier is None:
+            message = "the sessions API needs access control: it is off on this node (DUPLEX_AUTH_MODE=off)"
+        else:
+            message = (
+                "the sessions API needs application-token keys: this node has none (set "
+                "DUPLEX_APP_TOKEN_KEYS; session-token keys do not sign application tokens)"
+            )
+        return _error(403, "api_off", message)
     view_token = bearer_token(RequestView("", request.headers.items(), ""))  # never ?token=: URLs get logged
     try:
-        verify_app_token(verifier, view_token, scope)
+        return verify_app_token(verifier, view_token, scope)
     except TokenRejected as exc:
         return _error(exc.status, exc.reason, f"{exc.reason}: {exc.detail}")
-    return None
 
 
 def _records(front: FrontEnd) -> SessionRecords | None:
@@ -137,9 +149,9 @@ def _list_params(request: web.Request) -> tuple[str | None, int, float | None] |
 
 async def sessions_collection(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     """``GET /api/sessions``: live and recent sessions, newest first."""
-    refused = _authorize(front, request, SCOPE_READ)
-    if refused is not None:
-        return refused
+    claims = _authorize(front, request, SCOPE_READ)
+    if isinstance(claims, web.Response):
+        return claims
     params = _list_params(request)
     if isinstance(params, web.Response):
         return params
@@ -148,7 +160,7 @@ async def sessions_collection(front: FrontEnd, request: web.Request) -> web.Stre
         return _no_store()
     state, limit, before = params
     try:
-        found = await records.list(state=state, limit=limit, before=before)
+        found = await records.list(state=state, limit=limit, before=before, tenant=claims.tenant)
     except (TimeoutError, redis.exceptions.RedisError, OSError) as exc:
         return _store_down(exc)
     return _json(200, {"sessions": found})
@@ -175,18 +187,22 @@ async def sessions_item(front: FrontEnd, request: web.Request) -> web.StreamResp
         answer = _error(405, "method_not_allowed", "DELETE is not allowed on a recording: erase the session")
         answer.headers["Allow"] = "GET"
         return answer
-    refused = _authorize(front, request, SCOPE_ERASE if request.method == "DELETE" else SCOPE_READ)
-    if refused is not None:
-        return refused
+    scope = SCOPE_READ if request.method != "DELETE" else SCOPE_ERASE
+    if recording:
+        scope = SCOPE_RECORDINGS
+    claims = _authorize(front, request, scope)
+    if isinstance(claims, web.Response):
+        return claims
     records = _records(front)
     if records is None:
         return _no_store()
+    tenant = claims.tenant
     try:
         if request.method == "DELETE":
-            return await _erase(front, records, session_id)
+            return await _erase(front, records, session_id, tenant)
         if recording:
-            return await _recording(front, records, session_id, parts[2])
-        body = await records.read(session_id)
+            return await _recording(front, records, session_id, parts[2], tenant)
+        body = await records.read(session_id, tenant=tenant)
     except (TimeoutError, redis.exceptions.RedisError, OSError) as exc:
         return _store_down(exc)
     if body is None:
@@ -206,15 +222,20 @@ def _recordings(front: FrontEnd) -> RecordingStore | None:
     return getattr(front, "recordings", None)
 
 
-async def _erase(front: FrontEnd, records: SessionRecords, session_id: str) -> web.Response:
+async def _erase(front: FrontEnd, records: SessionRecords, session_id: str, tenant: str) -> web.Response:
     try:
-        existed = await records.erase(session_id)
+        existed = await records.erase(session_id, tenant=tenant)
     except SessionLive:
         return _error(
             409, "session_live", f"session {session_id} is still going on: erase it once it has ended"
         )
+    # Recording files carry no tenant: without this tenant's record they go only when no record at all
+    # is left (past retention) and the token is the default tenant's (the operator's).
+    orphan = not existed and tenant == DEFAULT_TENANT and await records.state(session_id) is None
     store = _recordings(front)
-    removed = 0 if store is None else await asyncio.to_thread(store.erase, session_id)
+    removed = 0
+    if store is not None and (existed or orphan):
+        removed = await asyncio.to_thread(store.erase, session_id)
     if not existed and not removed:
         return _unknown(session_id)
     log.info("session %s erased on request (%d recording files)", session_id, removed)
@@ -222,9 +243,9 @@ async def _erase(front: FrontEnd, records: SessionRecords, session_id: str) -> w
 
 
 async def _recording(
-    front: FrontEnd, records: SessionRecords, session_id: str, side: str
+    front: FrontEnd, records: SessionRecords, session_id: str, side: str, tenant: str
 ) -> web.StreamResponse:
-    state = await records.state(session_id)
+    state = await records.state(session_id, tenant=tenant)
     if state is None:
         return _unknown(session_id)
     if state != "ended":

@@ -594,12 +594,18 @@ def _token_factory(
 @token_app.command("mint")
 def token_mint(
     key_file: Annotated[
-        Path, typer.Option(help='Signing keys, JSON {"kid": "secret"} (secrets/token_keys.json)')
+        Path,
+        typer.Option(
+            help='Signing keys, JSON {"kid": "secret"}: the session keys (secrets/token_keys.json), or with '
+            "--app the application keys (DUPLEX_APP_TOKEN_KEYS_FILE)"
+        ),
     ],
     kid: Annotated[
         str | None, typer.Option(help="Key id to sign with (default: the file's only key)")
     ] = None,
-    ttl_s: Annotated[float, typer.Option(help="Lifetime (s): the session must open within it")] = 300.0,
+    ttl_s: Annotated[
+        float, typer.Option(help="Lifetime (s): the session must open within it; 24 h at most")
+    ] = 300.0,
     persona: Annotated[
         list[str] | None, typer.Option(help="Voice prompt the token allows (repeat); 'any' for all")
     ] = None,
@@ -617,7 +623,13 @@ def token_mint(
     ] = False,
     scope: Annotated[
         list[str] | None,
-        typer.Option(help="With --app: sessions:read and/or sessions:erase (repeat; default both)"),
+        typer.Option(
+            help="With --app: sessions:read, sessions:erase and/or sessions:recordings (repeat; default all)"
+        ),
+    ] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(help="The tenant (application) the token is for; default the key's (or 'default')"),
     ] = None,
 ) -> None:
     """Print one signed session token (single-use), or with --app an application token for the sessions API
@@ -636,7 +648,7 @@ def token_mint(
         raise typer.Exit(2)
     try:
         if app:
-            token = mint_app_token(key, ttl_s=ttl_s, audience=audience, scopes=scope or SCOPES)
+            token = mint_app_token(key, ttl_s=ttl_s, audience=audience, scopes=scope or SCOPES, tenant=tenant)
         else:
             token = mint_token(
                 key,
@@ -645,6 +657,7 @@ def token_mint(
                 max_session_s=max_session_s,
                 audience=audience,
                 recording_consent=recording_consent,
+                tenant=tenant,
             )
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
@@ -655,17 +668,22 @@ def token_mint(
 @token_app.command("keygen")
 def token_keygen(
     kid: Annotated[str | None, typer.Option(help="Key id (default: key-<8 hex>)")] = None,
+    tenant: Annotated[
+        str | None,
+        typer.Option(help="Bind the key to this tenant: it then signs that tenant's tokens only"),
+    ] = None,
 ) -> None:
-    """Print a new random signing key as JSON {"kid": "secret"} (32 random bytes): add it to the node's
-    token keys (DUPLEX_TOKEN_KEYS_FILE) and to the minting backend's."""
-    from runtime.frontend.gate.tokens import generate_signing_key
+    """Print a new random signing key as JSON {"kid": "secret"} (32 random bytes), or with --tenant
+    {"kid": {"secret": ..., "tenant": ...}}: add it to the node's session keys (DUPLEX_TOKEN_KEYS_FILE) or
+    application keys (DUPLEX_APP_TOKEN_KEYS_FILE; a kid in one set only) and to the minting backend's."""
+    from runtime.signing_keys import generate_signing_key, key_json
 
     try:
-        key = generate_signing_key(kid)
+        key = generate_signing_key(kid, tenant)
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
-    print(json.dumps({key.kid: key.secret.decode()}))
+    print(json.dumps(key_json(key)))
 
 
 def runtime_app(help: str = RUNTIME_HELP) -> typer.Typer:

@@ -67,7 +67,8 @@ async def measure(url: str, *, minutes: float, pieces_per_s: float, reads: int) 
     """Write the session, serve the handler, read it ``reads`` times; the figures (ms, bytes)."""
     pieces = await _write_session(url, minutes, pieces_per_s)
     front = SimpleNamespace(
-        access=SimpleNamespace(verifier=TokenVerifier([_KEY], "bench")), records=SessionRecords(url)
+        access=SimpleNamespace(app_verifier=TokenVerifier([_KEY], "bench", kind="app")),
+        records=SessionRecords(url),
     )
 
     async def handler(request: web.Request) -> web.StreamResponse:

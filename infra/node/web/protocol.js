@@ -39,6 +39,9 @@ export const REASONS = Object.freeze({
   replayed: "That session token was already used. Each token opens one conversation: ask for a new one.",
   persona_not_allowed: "Your session token does not allow this voice. Pick another voice.",
   wrong_token_kind: "That is an application token (for reading conversations back), not a session token. Ask for a session token.",
+  revoked: "That session token has been revoked. Ask for a new one.",
+  wrong_key_kind: "That token is signed with a key for another kind of token. Ask for a session token.",
+  wrong_tenant: "That session token is for another application than its key allows. Ask for a new one.",
   insufficient_scope: "That token does not allow this. Ask for a token with the right scope.",
   origin_not_allowed:
     "This page's address is not allowed to open conversations on this node (origin refused).",

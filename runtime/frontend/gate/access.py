@@ -23,6 +23,7 @@ from runtime.frontend.gate.tokens import (
     TokenRejected,
     TokenVerifier,
 )
+from runtime.frontend.gate.verifiers import app_token_verifier, session_token_verifier
 from runtime.metrics import RuntimeMetrics
 
 __all__ = ["Access", "RequestView", "bearer_token", "session_token"]
@@ -109,10 +110,12 @@ class Access:
     def __init__(self, config: RuntimeConfig, metrics: RuntimeMetrics) -> None:
         self.config = config
         self.verifier: TokenVerifier | None = None
+        self.app_verifier: TokenVerifier | None = None  # the sessions API's (gate/app_tokens.py)
         self.replay_guard: ReplayGuard | None = None
         if config.auth_mode == "token":
             config.check_access_control()
-            self.verifier = TokenVerifier(config.signing_keys(), config.token_audience, config.token_leeway_s)
+            self.verifier = session_token_verifier(config)
+            self.app_verifier = app_token_verifier(config)
             self.replay_guard = _replay_guard(config, metrics)
         self.limiter = HandshakeLimiter(
             per_client_rate=config.handshake_rate_per_client,

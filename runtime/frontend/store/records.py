@@ -27,6 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from runtime.frontend.store.events import events_key, index_key, lines_key
+from runtime.signing_keys import DEFAULT_TENANT
 
 __all__ = ["LIST_MAX", "SEGMENT_GAP_S", "SessionLive", "SessionRecords", "segments"]
 
@@ -98,6 +99,11 @@ def _summary(fields: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def _owned(fields: dict[str, str], tenant: str | None) -> bool:
+    """The record (its ``tenant`` field; none: the default tenant's) belongs to ``tenant`` (None: any)."""
+    return tenant is None or (fields.get("tenant") or DEFAULT_TENANT) == tenant
+
+
 class SessionRecords:
     """Reads of the session store's keys in Redis (its own connection; ``url`` and ``key_prefix`` as the
     store's). Every method raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
@@ -122,11 +128,17 @@ class SessionRecords:
         return f"{self.key_prefix}:session:{session_id}"
 
     async def list(
-        self, *, state: str | None = None, limit: int = 100, before: float | None = None
+        self,
+        *,
+        state: str | None = None,
+        limit: int = 100,
+        before: float | None = None,
+        tenant: str | None = None,
     ) -> list[dict[str, Any]]:
         """Sessions newest first (by start time), at most ``limit``, started before ``before`` (unix s;
-        for paging) and in ``state`` (``active``/``ended``) when given. Ids whose record has expired are
-        dropped from the index on the way."""
+        for paging), in ``state`` (``active``/``ended``) and of ``tenant`` (a record without one is the
+        default tenant's) when given. Ids whose record has expired are dropped from the index on the
+        way."""
         index = index_key(self.key_prefix)
         top = "+inf" if before is None else f"({before!r}"
         found: list[dict[str, Any]] = []
@@ -148,37 +160,42 @@ class SessionRecords:
                 await self._redis.zrem(index, *gone)
                 offset -= len(gone)
             for fields in records:
-                if fields and (state is None or fields.get("state") == state):
+                if fields and (state is None or fields.get("state") == state) and _owned(fields, tenant):
                     found.append(_summary(fields))
         return found[:limit]
 
-    async def read(self, session_id: str) -> dict[str, Any] | None:
-        """One session with its transcript, or None when Redis holds no record of it."""
+    async def read(self, session_id: str, *, tenant: str | None = None) -> dict[str, Any] | None:
+        """One session with its transcript, or None when Redis holds no record of it (of ``tenant``,
+        when given)."""
         pipe = self._redis.pipeline(transaction=True)
         pipe.hgetall(self._hash(session_id))
         pipe.get(lines_key(self.key_prefix, session_id))
         pipe.get(f"{self.key_prefix}:transcript:{session_id}")
         fields, lines, text = await pipe.execute()
-        if not fields:
+        if not fields or not _owned(fields, tenant):
             return None
         body = _summary(fields)
         pieces = (lines or "").splitlines()
         body["transcript"] = {"text": text or "", "segments": segments(pieces, body["started_at"])}
         return body
 
-    async def state(self, session_id: str) -> str | None:
-        """``active``, ``ended``, or None when Redis holds no record of the session."""
-        state = await self._redis.hget(self._hash(session_id), "state")
-        return None if state is None else str(state)
+    async def state(self, session_id: str, *, tenant: str | None = None) -> str | None:
+        """``active``, ``ended``, or None when Redis holds no record of the session (of ``tenant``, when
+        given)."""
+        state, owner = await self._redis.hmget(self._hash(session_id), ["state", "tenant"])
+        if state is None or not _owned({"tenant": str(owner or "")}, tenant):
+            return None
+        return str(state)
 
-    async def erase(self, session_id: str) -> bool:
+    async def erase(self, session_id: str, *, tenant: str | None = None) -> bool:
         """Delete the session's record, transcripts and index entry, and its entries of the events
-        stream; False when Redis held no record of it.
+        stream; False when Redis held no record of it (of ``tenant``, when given: another tenant's
+        session is left alone).
 
         Raises:
             SessionLive: the session has not ended (nothing is deleted).
         """
-        state = await self.state(session_id)
+        state = await self.state(session_id, tenant=tenant)
         if state is None:
             return False
         if state != "ended":
