@@ -142,8 +142,16 @@ class LocalRecordings(RecordingStore):
         return self.directory / f"{session_id}{_ERASED}"
 
     def create(self, session_id: str, side: str) -> BinaryIO:
+        """Open the side's ``.part`` file for writing, mode 0600 (a caller's voice: readable by the runtime's
+        user only, whatever the umask).
+
+        Raises:
+            OSError: the file cannot be created.
+        """
         part = self._path(session_id, side).with_name(self._path(session_id, side).name + _PART)
-        return open(part, "wb")  # noqa: SIM115 (closed by commit)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        return os.fdopen(fd, "wb")
 
     def commit(self, session_id: str, side: str, handle: BinaryIO) -> None:
         """Close ``handle`` and rename the ``.part`` file to its final name; when the session was erased
