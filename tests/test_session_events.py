@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
+from runtime.frontend.store.events import EVENT_FIELDS, EVENT_KINDS, EVENT_SCHEMA, EVENTS_VERSION
 from runtime.frontend.store.records import segments
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
@@ -196,4 +198,62 @@ async def test_the_documented_consumer_reads_every_event_once_across_a_restart(r
         await client.aclose()
     assert pending["pending"] == 0  # every event acknowledged
     assert await asyncio.to_thread(_consumer, redis_server.url) == []  # nothing read twice
+    await store.close()
+
+
+def _outside_parentheses(cell: str) -> str:
+    """The cell without its parenthesized remarks (nested ones included): the field names only."""
+    while True:
+        shorter = re.sub(r"\([^()]*\)", "", cell)
+        if shorter == cell:
+            return cell
+        cell = shorter
+
+
+def _documented_schema() -> dict[str, tuple[set[str], set[str]]]:
+    """docs/sessions-api.md's table of the events' fields: kind -> (always, may carry)."""
+    text = (ROOT / "docs" / "sessions-api.md").read_text()
+    table = text.split("<!-- events-schema -->")[1]
+    rows: dict[str, tuple[set[str], set[str]]] = {}
+    for line in table.strip().splitlines():
+        if not line.startswith("|"):
+            break
+        if line.startswith("| ---") or line.startswith("| `kind`"):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        names = [set(re.findall(r"`([a-z_0-9]+)`", _outside_parentheses(cell))) for cell in cells[1:3]]
+        kind = "*" if cells[0] == "every event" else cells[0].strip("`")
+        rows[kind] = (names[0], names[1])
+    return rows
+
+
+def test_the_documented_schema_is_the_codes() -> None:
+    documented = _documented_schema()
+    assert documented.pop("*") == (set(EVENT_FIELDS), set())
+    assert documented == {kind: (set(a), set(b)) for kind, (a, b) in EVENT_SCHEMA.items()}
+    assert set(EVENT_SCHEMA) == set(EVENT_KINDS)
+    assert f"`v` is `{EVENTS_VERSION}`" in (ROOT / "docs" / "sessions-api.md").read_text()
+
+
+async def test_every_event_written_matches_the_documented_schema(redis_server) -> None:
+    """Issue 31: ``duplex:events`` is a public contract; every kind, as the code writes it, against the
+    documented schema (fields always carried, fields it may carry, ``v``)."""
+    documented = _documented_schema()
+    common, _ = documented["*"]
+    store = _store(redis_server.url)
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    store.append_transcript(rec.session_id, "Hi")
+    store.record_event(rec.session_id, "resumed", {"gap_ms": "120"})
+    store.forget_session(rec)
+    store.adopt_session(rec, [(time.time(), "Hi")], {"slot": "1", "gap_ms": "300"})  # as resume.py does
+    store.end_session(rec.session_id, "client_closed")
+    await _flushed(store)
+    events = await _events(redis_server.url)
+    assert [e["kind"] for e in events] == ["started", "text", "resumed", "resumed", "ended"]
+    for event in events:
+        always, may = documented[event["kind"]]
+        assert common | always <= set(event) <= common | always | may, event
+        assert event["v"] == EVENTS_VERSION
     await store.close()
