@@ -9,8 +9,8 @@ takes is a benchmark's question (docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -29,7 +29,9 @@ from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 pytestmark = pytest.mark.timeout(60)
 
 
-def _record(slot: int = 0, persona: str = "voice=NATF2 text=You sell tea.", node: str = "node-a") -> SessionRecord:
+def _record(
+    slot: int = 0, persona: str = "voice=NATF2 text=You sell tea.", node: str = "node-a"
+) -> SessionRecord:
     return SessionRecord(
         session_id=str(uuid.uuid4()),
         node_id=node,

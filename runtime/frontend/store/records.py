@@ -23,7 +23,7 @@ prompt's text out.
 After an erase the reader asks Redis to rewrite its append-only file (``BGREWRITEAOF``), at most once per
 ``aof_rewrite_every_s`` (a later erase in the window gets the rewrite at the window's end), so the erased
 text leaves Redis's files too (the node runs Redis with AOF and no RDB snapshots: docs/sessions-api.md,
-"Erase and Redis's files").
+"Endpoints", Erase and Redis's files).
 """
 
 from __future__ import annotations
