@@ -11,9 +11,13 @@ SessionStore`` and ``runtime.frontend.store.records.RedisSessionReader``; the ke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from runtime.frontend.store.mirror import SessionRecord
+
+if TYPE_CHECKING:
+    from runtime.frontend.store.records import RedisSessionReader
+    from runtime.frontend.store.redis_store import SessionStore
 
 __all__ = ["SessionLive", "SessionLog", "SessionReader"]
 
@@ -22,6 +26,7 @@ class SessionLive(Exception):
     """The session is still going on: it cannot be erased (nor its recording read) before it ends."""
 
 
+@runtime_checkable
 class SessionLog(Protocol):
     """The conversation's side: synchronous, non-blocking, never raising (called from the frame loop);
     failures are counted by the implementation, never raised into the audio path."""
@@ -63,6 +68,7 @@ class SessionLog(Protocol):
         ...
 
 
+@runtime_checkable
 class SessionReader(Protocol):
     """The sessions API's side (async). Every method raises ``redis.exceptions.RedisError`` (or
     ``OSError``/``TimeoutError``) when the store is unreachable."""
@@ -91,3 +97,8 @@ class SessionReader(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def _conforms(store: SessionStore, reader: RedisSessionReader) -> tuple[SessionLog, SessionReader]:
+    """Never called: mypy checks here that the Redis classes implement the protocols."""
+    return store, reader
