@@ -102,7 +102,7 @@ async def raw(redis_server: Any) -> AsyncIterator[redis.Redis]:
 
 
 def test_the_redis_classes_implement_the_protocols() -> None:
-    """(mypy checks the signatures: runtime.frontend.store.interface._conforms.)"""
+    """(mypy checks the signatures: runtime.frontend.store.records._conforms.)"""
     assert isinstance(_store("redis://127.0.0.1:1/0"), SessionLog)
     assert isinstance(RedisSessionReader("redis://127.0.0.1:1/0"), SessionReader)
 

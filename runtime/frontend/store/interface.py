@@ -11,13 +11,9 @@ SessionStore`` and ``runtime.frontend.store.records.RedisSessionReader``; the ke
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from runtime.frontend.store.mirror import SessionRecord
-
-if TYPE_CHECKING:
-    from runtime.frontend.store.records import RedisSessionReader
-    from runtime.frontend.store.redis_store import SessionStore
 
 __all__ = ["SessionLive", "SessionLog", "SessionReader"]
 
@@ -97,8 +93,3 @@ class SessionReader(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def _conforms(store: SessionStore, reader: RedisSessionReader) -> tuple[SessionLog, SessionReader]:
-    """Never called: mypy checks here that the Redis classes implement the protocols."""
-    return store, reader

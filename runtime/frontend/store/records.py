@@ -33,7 +33,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as redis
 import redis.exceptions as redis_errors
@@ -41,7 +41,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from runtime.frontend.store import keys
-from runtime.frontend.store.interface import SessionLive
+from runtime.frontend.store.interface import SessionLive, SessionLog, SessionReader
+
+if TYPE_CHECKING:
+    from runtime.frontend.store.redis_store import SessionStore
 
 __all__ = ["LIST_MAX", "SEGMENT_GAP_S", "RedisSessionReader", "SessionLive", "segments"]
 
@@ -306,3 +309,8 @@ class RedisSessionReader:
             logger.warning("sessions API: the AOF rewrite after an erase failed: %r", exc)
         else:
             self.rewrites_asked += 1
+
+
+def _conforms(store: SessionStore, reader: RedisSessionReader) -> tuple[SessionLog, SessionReader]:
+    """Never called: mypy checks here that the Redis classes implement the protocols."""
+    return store, reader
