@@ -126,6 +126,14 @@ class RuntimeConfig(BaseSettings):
         description="Approximate length cap of the Redis session events stream {prefix}:events "
         "(XADD MAXLEN ~); 0 writes no events",
     )
+    erase_aof_rewrite_s: float = Field(
+        300.0,
+        ge=0,
+        le=86400,
+        description="Least time (s) between two Redis AOF rewrites (BGREWRITEAOF) asked after session erases "
+        "(DELETE /api/sessions/<id>), so erased text leaves Redis's files; an erase within the window gets "
+        "its rewrite at the window's end; 0: after every erase (docs/sessions-api.md, Endpoints)",
+    )
     voices_dir: Path | None = Field(None, description="Directory of voice prompts (*.wav, *.pt)")
     default_voice: str = Field(
         DEFAULT_VOICE_PROMPT,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as redis
 
-from runtime.frontend.store.events import EVENT_FIELDS, EVENTS_VERSION
+from runtime.frontend.store.events import EVENT_FIELDS, EVENT_KINDS, EVENT_SCHEMA, EVENTS_VERSION
 from runtime.frontend.store.records import segments
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 
@@ -70,11 +71,12 @@ async def test_events_in_order_with_their_fields(redis_server) -> None:
     await _flushed(store)
     events = await _events(redis_server.url)
     assert [e["kind"] for e in events] == ["started", "text", "text", "text", "resumed", "ended"]
-    for event in events:  # the documented contract, version 1: no field outside it, none missing
-        assert event["v"] == EVENTS_VERSION == "1"
-        allowed = EVENT_FIELDS["*"] | EVENT_FIELDS[event["kind"]]
+    for event in events:  # the documented contract, version 2: no field outside it, none missing
+        assert event["v"] == EVENTS_VERSION == "2"
+        always, may = EVENT_SCHEMA[event["kind"]]
+        allowed = set(EVENT_FIELDS) | set(always) | set(may)
         assert set(event) <= allowed, (event["kind"], set(event) - allowed)
-        assert EVENT_FIELDS["*"] <= set(event)
+        assert set(EVENT_FIELDS) | set(always) <= set(event)
     started = events[0]
     assert started["persona"] == "voice=NATF2" and started["slot"] == "2" and started["recording"] == "1"
     assert {e["session"] for e in events} == {rec.session_id} and {e["node"] for e in events} == {"node-a"}
@@ -205,28 +207,6 @@ async def test_the_documented_consumer_reads_every_event_once_across_a_restart(r
     await store.close()
 
 
-async def test_the_stream_forgets_what_retention_forgot(redis_server) -> None:
-    """Issue 34, item 5: with DUPLEX_TRANSCRIPT_TTL_S=60, 85 s later the API said 404 while the stream still
-    held all of the session's entries (trimmed by length only). Now each write trims by time as well: entries
-    older than the transcripts' retention go."""
-    store = _store(redis_server.url, transcript_ttl_s=60)
-    now = time.time()
-    store.clock = lambda: now
-    await store.start()
-    old = _record()
-    store.register_session(old)
-    store.append_transcript(old.session_id, "my secret prompt")
-    await _flushed(store)
-    assert [e["kind"] for e in await _events(redis_server.url, old.session_id)] == ["started", "text"]
-    store.clock = lambda: now + 85  # the next write is 85 s later: the old entries are past retention
-    new = _record()
-    store.register_session(new)
-    await _flushed(store)
-    assert await _events(redis_server.url, old.session_id) == []
-    assert [e["kind"] for e in await _events(redis_server.url, new.session_id)] == ["started"]
-    await store.close()
-
-
 def test_the_persona_label_keeps_the_role_prompt_out() -> None:
     """Issue 34, item 8: the ``persona`` field of records, events and listings copied the role prompt's
     words (its first 60 characters)."""
@@ -237,3 +217,61 @@ def test_the_persona_label_keeps_the_role_prompt_out() -> None:
     label = persona_label(request)
     assert label == f"voice=NATF2.pt text_chars={len(request.text_prompt or '')}"
     assert "Ada" not in label and "fraud" not in label
+
+
+def _outside_parentheses(cell: str) -> str:
+    """The cell without its parenthesized remarks (nested ones included): the field names only."""
+    while True:
+        shorter = re.sub(r"\([^()]*\)", "", cell)
+        if shorter == cell:
+            return cell
+        cell = shorter
+
+
+def _documented_schema() -> dict[str, tuple[set[str], set[str]]]:
+    """docs/sessions-api.md's table of the events' fields: kind -> (always, may carry)."""
+    text = (ROOT / "docs" / "sessions-api.md").read_text()
+    table = text.split("<!-- events-schema -->")[1]
+    rows: dict[str, tuple[set[str], set[str]]] = {}
+    for line in table.strip().splitlines():
+        if not line.startswith("|"):
+            break
+        if line.startswith("| ---") or line.startswith("| `kind`"):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        names = [set(re.findall(r"`([a-z_0-9]+)`", _outside_parentheses(cell))) for cell in cells[1:3]]
+        kind = "*" if cells[0] == "every event" else cells[0].strip("`")
+        rows[kind] = (names[0], names[1])
+    return rows
+
+
+def test_the_documented_schema_is_the_codes() -> None:
+    documented = _documented_schema()
+    assert documented.pop("*") == (set(EVENT_FIELDS), set())
+    assert documented == {kind: (set(a), set(b)) for kind, (a, b) in EVENT_SCHEMA.items()}
+    assert set(EVENT_SCHEMA) == set(EVENT_KINDS)
+    assert f"`v` is `{EVENTS_VERSION}`" in (ROOT / "docs" / "sessions-api.md").read_text()
+
+
+async def test_every_event_written_matches_the_documented_schema(redis_server) -> None:
+    """Issue 31: ``duplex:events`` is a public contract; every kind, as the code writes it, against the
+    documented schema (fields always carried, fields it may carry, ``v``)."""
+    documented = _documented_schema()
+    common, _ = documented["*"]
+    store = _store(redis_server.url)
+    await store.start()
+    rec = _record()
+    store.register_session(rec)
+    store.append_transcript(rec.session_id, "Hi")
+    store.record_event(rec.session_id, "resumed", {"gap_ms": "120"})
+    store.forget_session(rec)
+    store.adopt_session(rec, [(time.time(), "Hi")], {"slot": "1", "gap_ms": "300"})  # as resume.py does
+    store.end_session(rec.session_id, "client_closed")
+    await _flushed(store)
+    events = await _events(redis_server.url)
+    assert [e["kind"] for e in events] == ["started", "text", "resumed", "resumed", "ended"]
+    for event in events:
+        always, may = documented[event["kind"]]
+        assert common | always <= set(event) <= common | always | may, event
+        assert event["v"] == EVENTS_VERSION
+    await store.close()

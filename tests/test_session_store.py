@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -28,7 +29,9 @@ from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 pytestmark = pytest.mark.timeout(60)
 
 
-def _record(slot: int = 0, persona: str = "NATF2", node: str = "node-a") -> SessionRecord:
+def _record(
+    slot: int = 0, persona: str = "voice=NATF2 text=You sell tea.", node: str = "node-a"
+) -> SessionRecord:
     return SessionRecord(
         session_id=str(uuid.uuid4()),
         node_id=node,
@@ -121,7 +124,10 @@ async def test_round_trip_keys_and_ttls(redis_server, raw) -> None:
         "node": "node-a",
         "slot": "3",
         "started_at": repr(rec.started_at_unix_s),
-        "persona": "NATF2",
+        "persona": "voice=NATF2",
+        "prompt": "You sell tea.",
+        "prompt_sha256": hashlib.sha256(b"You sell tea.").hexdigest()[:16],
+        "prompt_chars": "13",
         "format": "opus",
         "state": "active",
         "recording": "0",

@@ -46,8 +46,8 @@ from runtime.frontend.gate.tokens import (
 )
 from runtime.frontend.gate.verifiers import app_token_verifier, session_token_verifier
 from runtime.frontend.sessions_api import sessions_collection, sessions_item
-from runtime.frontend.store.events import index_key
-from runtime.frontend.store.records import SessionRecords
+from runtime.frontend.store.keys import index_key
+from runtime.frontend.store.records import RedisSessionReader
 from runtime.signing_keys import keys_from_mapping, load_key_file
 from runtime.tools.cli import app as cli_app
 from runtime.tools.local_redis import RedisServer
@@ -291,7 +291,7 @@ async def api(redis_server: RedisServer) -> AsyncIterator[tuple[TestClient, Simp
         access=SimpleNamespace(
             verifier=session_token_verifier(config), app_verifier=app_token_verifier(config)
         ),
-        records=SessionRecords(redis_server.url),
+        records=RedisSessionReader(redis_server.url),
         recordings=_Recordings(),
     )
 

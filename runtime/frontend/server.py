@@ -46,7 +46,7 @@ from runtime.frontend.listener import HEADER_DEADLINE
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.session.conversation import ChatSession
 from runtime.frontend.store.recordings import LocalRecordings, RecordingStore
-from runtime.frontend.store.records import SessionRecords
+from runtime.frontend.store.records import RedisSessionReader
 from runtime.frontend.store.redis_store import SessionStore
 from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.metrics import RuntimeMetrics
@@ -162,7 +162,13 @@ class DuplexServer:
         self.worker_id = worker_id
         self.access = Access(config, self.metrics)
         # The sessions API's reads (runtime.frontend.sessions_api) and the recordings, when configured.
-        self.records = None if store is None else SessionRecords(store.url, key_prefix=store.key_prefix)
+        self.records = (
+            None
+            if store is None
+            else RedisSessionReader(
+                store.url, key_prefix=store.key_prefix, aof_rewrite_every_s=config.erase_aof_rewrite_s
+            )
+        )
         self.recordings: RecordingStore | None = (
             None if config.recording_dir is None else LocalRecordings(config.recording_dir)
         )

@@ -3,7 +3,8 @@ recording and erases it, on the node's port (``runtime.frontend.http`` routes ``
 
 - ``GET /api/sessions[?state=active|ended&limit=N&before=T]`` (``sessions:read``): 200
   ``{"sessions": [...]}``, newest first (``before``: the last ``started_at`` of the previous page);
-- ``GET /api/sessions/<id>`` (``sessions:read``): 200 the session with its transcript, 404;
+- ``GET /api/sessions/<id>[?include=persona]`` (``sessions:read``): 200 the session with its transcript (and
+  its text prompt with ``include=persona``), 404;
 - ``GET /api/sessions/<id>/recording/<caller|agent>`` (``sessions:recordings``): 200 ``audio/ogg``, 404,
   409 while the session is live;
 - ``DELETE /api/sessions/<id>`` (``sessions:erase``): 204, 404, 409 while the session is live.
@@ -26,6 +27,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from typing import Any
 
 import redis.exceptions
@@ -41,8 +43,9 @@ from runtime.frontend.gate.app_tokens import (
 )
 from runtime.frontend.gate.tokens import DEFAULT_TENANT, TokenRejected
 from runtime.frontend.session.conversation import FrontEnd
+from runtime.frontend.store.interface import SessionLive, SessionReader
 from runtime.frontend.store.recordings import OGG_OPUS_CONTENT_TYPE, SESSION_ID_RE, SIDES, RecordingStore
-from runtime.frontend.store.records import LIST_MAX, SessionLive, SessionRecords
+from runtime.frontend.store.records import LIST_MAX
 
 __all__ = ["SESSIONS_PATH", "sessions_collection", "sessions_item"]
 
@@ -50,6 +53,8 @@ log = logging.getLogger(__name__)
 
 SESSIONS_PATH = "/api/sessions"
 _STATES = ("active", "ended")
+_LIMIT_RE = re.compile(r"[0-9]{1,7}")
+"""``limit``: ASCII digits only (``str.isdigit`` also takes ``²``, which ``int`` refuses)."""
 
 
 def _json(status: int, body: dict[str, Any]) -> web.Response:
@@ -90,7 +95,7 @@ def _authorize(front: FrontEnd, request: web.Request, scope: str) -> AppClaims |
         return _error(exc.status, exc.reason, f"{exc.reason}: {exc.detail}")
 
 
-def _records(front: FrontEnd) -> SessionRecords | None:
+def _records(front: FrontEnd) -> SessionReader | None:
     return getattr(front, "records", None)
 
 
@@ -129,8 +134,7 @@ def _list_params(request: web.Request) -> tuple[str | None, int, float | None] |
     if state is not None and state not in _STATES:
         return _error(400, "bad_query", f"state={state!r} is invalid: expected active or ended")
     limit_text = query.get("limit", "100")
-    # ASCII digits only: str.isdigit() also takes "²" and "٣", and int("²") raised: a 500 (issue 34, item 11).
-    if not (limit_text.isascii() and limit_text.isdigit()) or not 1 <= int(limit_text) <= LIST_MAX:
+    if not _LIMIT_RE.fullmatch(limit_text) or not 1 <= int(limit_text) <= LIST_MAX:
         return _error(
             400, "bad_query", f"limit={limit_text[:20]!r} is invalid: expected a whole number 1..{LIST_MAX}"
         )
@@ -202,12 +206,25 @@ async def sessions_item(front: FrontEnd, request: web.Request) -> web.StreamResp
             return await _erase(front, records, session_id, tenant)
         if recording:
             return await _recording(front, records, session_id, parts[2], tenant)
-        body = await records.read(session_id, tenant=tenant)
+        include = _include(request)
+        if isinstance(include, web.Response):
+            return include
+        body = await records.read(session_id, include_persona=include, tenant=tenant)
     except (TimeoutError, redis.exceptions.RedisError, OSError) as exc:
         return _store_down(exc)
     if body is None:
         return _unknown(session_id)
     return _json(200, body)
+
+
+def _include(request: web.Request) -> bool | web.Response:
+    """``?include=persona`` on a session's read: True (its text prompt in the body), else False; another
+    ``include`` value: 400 naming it."""
+    values = request.query.getall("include", [])
+    if any(value != "persona" for value in values):
+        bad = next(value for value in values if value != "persona")
+        return _error(400, "bad_query", f"include={bad[:20]!r} is invalid: expected persona")
+    return bool(values)
 
 
 def _unknown(session_id: str) -> web.Response:
@@ -222,7 +239,7 @@ def _recordings(front: FrontEnd) -> RecordingStore | None:
     return getattr(front, "recordings", None)
 
 
-async def _erase(front: FrontEnd, records: SessionRecords, session_id: str, tenant: str) -> web.Response:
+async def _erase(front: FrontEnd, records: SessionReader, session_id: str, tenant: str) -> web.Response:
     try:
         existed = await records.erase(session_id, tenant=tenant)
     except SessionLive:
@@ -243,7 +260,7 @@ async def _erase(front: FrontEnd, records: SessionRecords, session_id: str, tena
 
 
 async def _recording(
-    front: FrontEnd, records: SessionRecords, session_id: str, side: str, tenant: str
+    front: FrontEnd, records: SessionReader, session_id: str, side: str, tenant: str
 ) -> web.StreamResponse:
     state = await records.state(session_id, tenant=tenant)
     if state is None:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from redis.typing import EncodableT, FieldT
 
-__all__ = ["SessionRecord"]
+from runtime.frontend.store.events import persona_fields, prompt_digest
+
+__all__ = ["SessionRecord", "persona_hash_fields"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,9 @@ class SessionRecord:
         node_id: the runtime node serving it.
         slot: batch slot index on that node (0-based).
         started_at_unix_s: wall-clock start time (unix s).
-        persona: voice/text prompt name, or "" when none.
+        persona: the persona label (``voice=<name> text=<prompt>``, either part optional; "" when none:
+            ``runtime.frontend.session.conversation.persona_label``). The text prompt is kept in the record
+            only: events and listings carry its hash and length (``runtime.frontend.store.events``).
         audio_format: client audio format (e.g. ``"opus"``, ``"pcm_s16le_24k"``).
         recording: the caller consented and the session is being recorded.
     """
@@ -60,7 +64,7 @@ class _Session:
             "node": rec.node_id or node_id,
             "slot": str(rec.slot),
             "started_at": repr(float(rec.started_at_unix_s)),
-            "persona": rec.persona,
+            **persona_hash_fields(rec.persona),
             "format": rec.audio_format,
             "state": "ended" if self.ended else "active",
             "recording": "1" if rec.recording else "0",
@@ -69,6 +73,15 @@ class _Session:
             out["end_reason"] = self.end_reason
             out["ended_at"] = repr(self.ended_at_unix_s)
         return out
+
+
+def persona_hash_fields(persona: str) -> dict[FieldT, EncodableT]:
+    """The persona as the session hash holds it: ``persona`` (the voice part), ``prompt`` (the text prompt,
+    read only with ``?include=persona``), ``prompt_sha256`` and ``prompt_chars``."""
+    voice, text = persona_fields(persona)
+    out: dict[FieldT, EncodableT] = {"persona": voice, "prompt": text}
+    out.update(prompt_digest(text))
+    return out
 
 
 @dataclass(eq=False)

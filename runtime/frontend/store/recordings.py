@@ -136,6 +136,12 @@ class LocalRecordings(RecordingStore):
         return self.directory / f"{session_id}{_ERASED}"
 
     def create(self, session_id: str, side: str) -> BinaryIO:
+        """Open the side's ``.part`` file for writing, mode 0600 (a caller's voice: readable by the runtime's
+        user only, whatever the umask).
+
+        Raises:
+            OSError: the file cannot be created.
+        """
         part = self._path(session_id, side).with_name(self._path(session_id, side).name + _PART)
         # 0600 whatever the umask: a recording is the caller's voice, read by the runtime alone (issue 34:
         # files were created 0644). O_TRUNC as "wb" did; the rename in commit keeps the mode.

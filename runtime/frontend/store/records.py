@@ -1,45 +1,62 @@
-"""What the sessions API reads and erases in Redis: the session store's records, read back for applications.
+"""What the sessions API reads and erases in Redis: :class:`RedisSessionReader`, the Redis
+:class:`~runtime.frontend.store.interface.SessionReader`.
 
 The store (``runtime.frontend.store.redis_store``) writes; this module only reads, and erases on request. What
 it can return is what Redis still holds: every key expires ``transcript_ttl_s`` after its last write (the
-retention), so an expired session is unknown here (404), like one never started.
+retention), so an expired session is unknown here (404), like one never started; its entries of the events
+stream are found by their per-session index (``runtime.frontend.store.keys.session_events_key``) until they
+are trimmed, and erased.
 
-A session as the API returns it (:meth:`SessionRecords.read`)::
+A session as the API returns it (:meth:`RedisSessionReader.read`)::
 
-    {"id", "node", "state": "active"|"ended", "persona", "format", "slot",
-     "started_at": <unix s>, "ended_at": <unix s>|null, "duration_s": <s>|null,
+    {"id", "node", "state": "active"|"ended", "persona": "voice=<name>"|"",
+     "prompt": {"sha256": <16 hex>|"", "chars": <n>[, "text": <the text prompt>]},
+     "format", "slot", "started_at": <unix s>, "ended_at": <unix s>|null, "duration_s": <s>|null,
      "outcome": <end reason>|null, "recording": true|false,
      "transcript": {"text": "...", "segments": [{"speaker": "agent", "start_s", "end_s", "text"}]}}
 
-``start_s``/``end_s`` are seconds from the session's start; a segment is the model's text pieces with no
-gap longer than :data:`SEGMENT_GAP_S` between them. Lists (:meth:`SessionRecords.list`) leave the
-transcript out.
+``prompt.text`` only when asked (``include_persona``: ``?include=persona``). ``start_s``/``end_s`` are
+seconds from the session's start; a segment is the model's text pieces with no gap longer than
+:data:`SEGMENT_GAP_S` between them. Lists (:meth:`RedisSessionReader.list`) leave the transcript and the
+prompt's text out.
+
+After an erase the reader asks Redis to rewrite its append-only file (``BGREWRITEAOF``), at most once per
+``aof_rewrite_every_s`` (a later erase in the window gets the rewrite at the window's end), so the erased
+text leaves Redis's files too (the node runs Redis with AOF and no RDB snapshots: docs/sessions-api.md,
+"Endpoints", Erase and Redis's files).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, cast
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as redis
 import redis.exceptions as redis_errors
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from runtime.frontend.store.events import events_key, index_key, lines_key
+from runtime.frontend.store import keys
+from runtime.frontend.store.interface import SessionLive, SessionLog, SessionReader
 from runtime.signing_keys import DEFAULT_TENANT
 
-__all__ = ["LIST_MAX", "SEGMENT_GAP_S", "SessionLive", "SessionRecords", "segments"]
+if TYPE_CHECKING:
+    from runtime.frontend.store.redis_store import SessionStore
+
+__all__ = ["LIST_MAX", "SEGMENT_GAP_S", "RedisSessionReader", "SessionLive", "segments"]
+
+logger = logging.getLogger(__name__)
 
 SEGMENT_GAP_S = 1.0
 """A pause longer than this (s) between two text pieces starts a new transcript segment."""
 LIST_MAX = 1000
 """Most sessions one list call returns (``?limit=``)."""
-_ERASE_SCAN = 1000
-
-
-class SessionLive(Exception):
-    """The session is still going on: it cannot be erased (nor its recording read) before it ends."""
+_REWRITE_BUSY_RETRY_S = 10.0
+"""Retry delay (s) of an AOF rewrite refused because another one is running (it may predate the erase)."""
 
 
 def _entries(lines: list[str]) -> list[Any]:
@@ -81,14 +98,21 @@ def segments(lines: list[str], started_at: float) -> list[dict[str, Any]]:
     return out
 
 
-def _summary(fields: dict[str, str]) -> dict[str, Any]:
+def _summary(fields: dict[str, str], *, include_persona: bool = False) -> dict[str, Any]:
     started = float(fields.get("started_at") or 0.0)
     ended = float(fields["ended_at"]) if fields.get("ended_at") else None
+    prompt: dict[str, Any] = {
+        "sha256": fields.get("prompt_sha256", ""),
+        "chars": int(fields["prompt_chars"]) if fields.get("prompt_chars", "").isdigit() else 0,
+    }
+    if include_persona:
+        prompt["text"] = fields.get("prompt", "")
     return {
         "id": fields.get("id", ""),
         "node": fields.get("node", ""),
         "state": fields.get("state", ""),
         "persona": fields.get("persona", ""),
+        "prompt": prompt,
         "format": fields.get("format", ""),
         "slot": int(fields["slot"]) if fields.get("slot", "").isdigit() else None,
         "started_at": started,
@@ -104,12 +128,40 @@ def _owned(fields: dict[str, str], tenant: str | None) -> bool:
     return tenant is None or (fields.get("tenant") or DEFAULT_TENANT) == tenant
 
 
-class SessionRecords:
-    """Reads of the session store's keys in Redis (its own connection; ``url`` and ``key_prefix`` as the
-    store's). Every method raises ``redis.exceptions.RedisError`` when Redis is unreachable."""
+class RedisSessionReader:
+    """The sessions API's reads and erase over the session store's keys in Redis (its own connection; ``url``
+    and ``key_prefix`` as the store's). Implements :class:`~runtime.frontend.store.interface.SessionReader`.
 
-    def __init__(self, url: str, *, key_prefix: str = "duplex", socket_timeout_s: float = 2.0) -> None:
+    Args:
+        url: Redis URL, e.g. ``redis://127.0.0.1:6379/0``.
+        key_prefix: first component of every key (``runtime.frontend.store.keys``).
+        socket_timeout_s: connect and per-command socket timeout (s).
+        aof_rewrite_every_s: least time (s) between two ``BGREWRITEAOF`` asked after erases; None: never
+            asked (``DUPLEX_ERASE_AOF_REWRITE_S``).
+        clock: unix time (s), for the debounce.
+
+    Every read and erase raises ``redis.exceptions.RedisError`` when Redis is unreachable; the AOF rewrite
+    never raises (a refusal, e.g. an ACL without ``BGREWRITEAOF``, is logged).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "duplex",
+        socket_timeout_s: float = 2.0,
+        aof_rewrite_every_s: float | None = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if aof_rewrite_every_s is not None and aof_rewrite_every_s < 0:
+            raise ValueError(f"aof_rewrite_every_s must be >= 0 s or None (never), not {aof_rewrite_every_s}")
         self.key_prefix = key_prefix
+        self.aof_rewrite_every_s = aof_rewrite_every_s
+        self._clock = clock
+        self._next_rewrite = 0.0  # clock time (unix s) before which no rewrite is asked
+        self._deferred: asyncio.Task[None] | None = None
+        self.rewrites_asked = 0
+        """``BGREWRITEAOF`` commands Redis accepted (for tests and logs)."""
         # Every command here is a read or an idempotent delete: retried once on a dropped connection, so
         # the first request after a Redis restart does not fail on a pooled connection that died with it.
         self._redis = redis.Redis.from_url(
@@ -122,10 +174,18 @@ class SessionRecords:
         )
 
     async def close(self) -> None:
+        """Cancel a deferred AOF rewrite and close the connection."""
+        if self._deferred is not None:
+            self._deferred.cancel()
+            await asyncio.gather(self._deferred, return_exceptions=True)
         await self._redis.aclose()
 
     def _hash(self, session_id: str) -> str:
-        return f"{self.key_prefix}:session:{session_id}"
+        return keys.session_key(self.key_prefix, session_id)
+
+    def _indexes(self) -> tuple[str, ...]:
+        prefix = self.key_prefix
+        return (keys.index_key(prefix), *(keys.state_index_key(prefix, s) for s in keys.STATES))
 
     async def list(
         self,
@@ -137,9 +197,16 @@ class SessionRecords:
     ) -> list[dict[str, Any]]:
         """Sessions newest first (by start time), at most ``limit``, started before ``before`` (unix s;
         for paging), in ``state`` (``active``/``ended``) and of ``tenant`` (a record without one is the
-        default tenant's) when given. Ids whose record has expired are dropped from the index on the
-        way."""
-        index = index_key(self.key_prefix)
+        default tenant's) when given: one range query on the index of that state
+        (``{prefix}:sessions:{state}``) and one pipeline of the page's records. Ids whose record has expired
+        are dropped from the indexes on the way; the prompt's text is left out.
+
+        Raises:
+            ValueError: ``state`` is not ``active``/``ended``.
+        """
+        index = (
+            keys.index_key(self.key_prefix) if state is None else keys.state_index_key(self.key_prefix, state)
+        )
         top = "+inf" if before is None else f"({before!r}"
         found: list[dict[str, Any]] = []
         offset = 0
@@ -157,24 +224,29 @@ class SessionRecords:
             records = await pipe.execute()
             gone = [sid for sid, fields in zip(ids, records, strict=True) if not fields]
             if gone:
-                await self._redis.zrem(index, *gone)
+                pipe = self._redis.pipeline(transaction=False)
+                for any_index in self._indexes():
+                    pipe.zrem(any_index, *gone)
+                await pipe.execute()
                 offset -= len(gone)
             for fields in records:
                 if fields and (state is None or fields.get("state") == state) and _owned(fields, tenant):
                     found.append(_summary(fields))
         return found[:limit]
 
-    async def read(self, session_id: str, *, tenant: str | None = None) -> dict[str, Any] | None:
-        """One session with its transcript, or None when Redis holds no record of it (of ``tenant``,
-        when given)."""
+    async def read(
+        self, session_id: str, *, include_persona: bool = False, tenant: str | None = None
+    ) -> dict[str, Any] | None:
+        """One session with its transcript (and its text prompt with ``include_persona``), or None when Redis
+        holds no record of it (of ``tenant``, when given)."""
         pipe = self._redis.pipeline(transaction=True)
         pipe.hgetall(self._hash(session_id))
-        pipe.get(lines_key(self.key_prefix, session_id))
-        pipe.get(f"{self.key_prefix}:transcript:{session_id}")
+        pipe.get(keys.lines_key(self.key_prefix, session_id))
+        pipe.get(keys.transcript_key(self.key_prefix, session_id))
         fields, lines, text = await pipe.execute()
         if not fields or not _owned(fields, tenant):
             return None
-        body = _summary(fields)
+        body = _summary(fields, include_persona=include_persona)
         pieces = (lines or "").splitlines()
         body["transcript"] = {"text": text or "", "segments": segments(pieces, body["started_at"])}
         return body
@@ -188,37 +260,82 @@ class SessionRecords:
         return str(state)
 
     async def erase(self, session_id: str, *, tenant: str | None = None) -> bool:
-        """Delete the session's record, transcripts and index entry, and its entries of the events
-        stream; False when Redis held no record of it (of ``tenant``, when given: another tenant's
-        session is left alone).
+        """Delete the session's record, transcripts and index entries, and its entries of the events stream
+        (``XDEL`` of the ids its per-session index holds: no scan of the stream), then ask for an AOF rewrite
+        (debounced). False when Redis held nothing of it (no record, no event), or when its record is
+        another tenant's than ``tenant`` (left alone). After the record has expired only its stream entries
+        are left, and nothing says whose they were: they are erased for the default tenant (the operator)
+        or ``tenant`` None only, as the sessions API does with recordings past retention.
 
         Raises:
             SessionLive: the session has not ended (nothing is deleted).
         """
-        state = await self.state(session_id, tenant=tenant)
-        if state is None:
-            return False
-        if state != "ended":
-            raise SessionLive(session_id)
         prefix = self.key_prefix
+        entries = keys.session_events_key(prefix, session_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hget(self._hash(session_id), "state")
+        pipe.lrange(entries, 0, -1)
+        pipe.hget(self._hash(session_id), "tenant")
+        state, event_ids, owner = await pipe.execute()
+        if state is not None and not _owned({"tenant": str(owner or "")}, tenant):
+            return False
+        if state is None and tenant not in (None, DEFAULT_TENANT):
+            return False  # nothing says whose the leftover entries are: the operator's (default) tenant only
+        if state is not None and state != "ended":
+            raise SessionLive(session_id)
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(
-            self._hash(session_id), f"{prefix}:transcript:{session_id}", lines_key(prefix, session_id)
+            self._hash(session_id),
+            keys.transcript_key(prefix, session_id),
+            keys.lines_key(prefix, session_id),
+            entries,
         )
-        pipe.zrem(index_key(prefix), session_id)
-        await pipe.execute()
-        await self._erase_events(session_id)
-        return True
+        for index in self._indexes():
+            pipe.zrem(index, session_id)
+        if event_ids:
+            pipe.xdel(keys.events_key(prefix), *event_ids)
+        results = await pipe.execute()
+        removed_events = int(results[-1]) if event_ids else 0
+        existed = state is not None or removed_events > 0
+        if existed:
+            await self._after_erase()
+        return existed
 
-    async def _erase_events(self, session_id: str) -> int:
-        """``XDEL`` the session's entries of the (bounded) events stream, read in pages."""
-        stream, start, removed = events_key(self.key_prefix), "-", 0
-        while True:
-            page = await self._redis.xrange(stream, min=start, max="+", count=_ERASE_SCAN)
-            entries = cast(list[tuple[str, dict[str, str]]], page or [])
-            mine = [entry_id for entry_id, fields in entries if (fields or {}).get("session") == session_id]
-            if mine:
-                removed += int(await self._redis.xdel(stream, *mine))
-            if len(entries) < _ERASE_SCAN:
-                return removed
-            start = "(" + str(entries[-1][0])
+    async def _after_erase(self) -> None:
+        """Ask for an AOF rewrite now, or at the end of the debounce window (one deferred rewrite at most)."""
+        every = self.aof_rewrite_every_s
+        if every is None:
+            return
+        now = self._clock()
+        if now >= self._next_rewrite:
+            self._next_rewrite = now + every
+            await self._rewrite_aof()
+        elif self._deferred is None or self._deferred.done():
+            self._deferred = asyncio.create_task(self._rewrite_later(self._next_rewrite - now))
+
+    async def _rewrite_later(self, delay_s: float) -> None:
+        await asyncio.sleep(max(0.0, delay_s))
+        if self.aof_rewrite_every_s is not None:
+            self._next_rewrite = self._clock() + self.aof_rewrite_every_s
+        self._deferred = None  # this task is ending: a refusal below may defer a new one
+        await self._rewrite_aof()
+
+    async def _rewrite_aof(self) -> None:
+        """``BGREWRITEAOF``; never raises. One refused because a rewrite is running (forked, maybe, before
+        the erase) is asked again :data:`_REWRITE_BUSY_RETRY_S` later."""
+        try:
+            await self._redis.bgrewriteaof()
+        except redis_errors.ResponseError as exc:
+            if "in progress" in str(exc) and (self._deferred is None or self._deferred.done()):
+                self._deferred = asyncio.create_task(self._rewrite_later(_REWRITE_BUSY_RETRY_S))
+            else:
+                logger.warning("sessions API: Redis refused the AOF rewrite after an erase: %s", exc)
+        except Exception as exc:  # RedisError, OSError, timeouts: the next erase (or the daily one) rewrites
+            logger.warning("sessions API: the AOF rewrite after an erase failed: %r", exc)
+        else:
+            self.rewrites_asked += 1
+
+
+def _conforms(store: SessionStore, reader: RedisSessionReader) -> tuple[SessionLog, SessionReader]:
+    """Never called: mypy checks here that the Redis classes implement the protocols."""
+    return store, reader

@@ -6,8 +6,9 @@ The runtime calls three synchronous, non-blocking, never-raising methods from it
 (:meth:`SessionStore.start`) applies the queued ops to Redis in order, pipelined in ``MULTI``/``EXEC``
 batches of up to :attr:`SessionStore.BATCH_MAX_OPS` ops.
 
-Key layout (``{prefix}`` is ``key_prefix``, ``duplex`` by default; every write refreshes the TTL of
-every key it touches with ``EXPIRE``):
+Key layout (``{prefix}`` is ``key_prefix``, ``duplex`` by default; every key is built by
+``runtime.frontend.store.keys``; every write refreshes the TTL of every key it touches with ``EXPIRE``). The
+store is the Redis :class:`~runtime.frontend.store.interface.SessionLog`:
 
 ``{prefix}:session:{id}`` (hash, TTL ``session_ttl_s``; also refreshed by transcript appends)
     ``id``, ``node``, ``slot``, ``started_at`` (unix s, float as text), ``persona`` ("" when none),
@@ -22,9 +23,10 @@ every key it touches with ``EXPIRE``):
     back inside its transaction; a missing or foreign token means Redis lost data (restart without
     persistence, ``FLUSHALL``, expiry) and triggers a resync.
 
-``{prefix}:lines:{id}``, ``{prefix}:sessions``, ``{prefix}:events``
-    The timestamped transcript, the index of sessions by start time and the events stream (bounded by
-    ``events_maxlen``): ``runtime.frontend.store.events``. They follow the same failure contract.
+``{prefix}:lines:{id}``, ``{prefix}:sessions[:active|:ended]``, ``{prefix}:events``, ``{prefix}:events:{id}``
+    The timestamped transcript, the indexes of sessions by start time (all, and by state), the events
+    stream (bounded by ``events_maxlen`` and by the retention) and each session's entry ids in it:
+    ``runtime.frontend.store.events``. They follow the same failure contract.
 
 Failure handling (Redis down must not stop the audio):
 
@@ -98,6 +100,9 @@ class SessionStore(SessionWriter):
         writer_id: this store among the node's (the worker's id with ``--workers N``: each worker has one
             store): names its writer token, so that one worker's writes are not taken by another for a
             Redis data loss (which would make every write a full resync).
+        events_maxlen: approximate length cap (entries) of the events stream; 0: no events.
+        clock: unix time (s) of the events stream's time trim (entries older than ``transcript_ttl_s`` before
+            it are deleted every ``events.TRIM_EVERY_S``; :meth:`trim_events`).
 
     Raises:
         ValueError: a TTL, ``max_backlog_ops`` or a retry delay is not positive.

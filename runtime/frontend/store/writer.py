@@ -23,12 +23,15 @@ import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from runtime.frontend.store import keys
 from runtime.frontend.store.events import (
+    EVENT_INDEX_SLACK_S,
     INDEX_HORIZON_S,
+    TRIM_EVERY_S,
+    XADD_INDEXED_LUA,
     event_fields,
-    events_key,
-    index_key,
-    lines_key,
+    persona_fields,
+    prompt_digest,
 )
 from runtime.frontend.store.mirror import SessionRecord, _Op, _Session
 
@@ -74,6 +77,7 @@ class SessionWriter:
         socket_timeout_s: float = 0.5,
         events_maxlen: int = 100_000,
         writer_id: str = "",
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if events_maxlen < 0:
             raise ValueError("events_maxlen must be >= 0 entries (0: no events stream)")
@@ -92,6 +96,8 @@ class SessionWriter:
         self.retry_max_s = float(retry_max_s)
         self._on_error = on_error
         self._on_backlog = on_backlog
+        self._clock = clock
+        self._next_trim = 0.0  # clock time (unix s) of the next trim of the events stream
         # retries=0: redis-py must not replay a MULTI/EXEC whose reply was lost (that would duplicate
         # APPENDs); the writer retries itself, via a resync.
         self._redis = redis.Redis.from_url(
@@ -104,8 +110,6 @@ class SessionWriter:
         )
         self._token = secrets.token_hex(8)
         self._marker_ttl_s = max(self.session_ttl_s, self.transcript_ttl_s)
-        self.clock: Callable[[], float] = time.time
-        """Unix seconds: the events stream's retention is reckoned from it (injected in tests)."""
 
         self._lock = threading.Lock()
         self._queue: deque[_Op] = deque()  # all queued ops in seq order; dropped ones removed lazily
@@ -129,15 +133,19 @@ class SessionWriter:
 
     def session_key(self, session_id: str) -> str:
         """``{prefix}:session:{id}`` (hash)."""
-        return f"{self.key_prefix}:session:{session_id}"
+        return keys.session_key(self.key_prefix, session_id)
 
     def transcript_key(self, session_id: str) -> str:
         """``{prefix}:transcript:{id}`` (string)."""
-        return f"{self.key_prefix}:transcript:{session_id}"
+        return keys.transcript_key(self.key_prefix, session_id)
+
+    def lines_key(self, session_id: str) -> str:
+        """``{prefix}:lines:{id}`` (string of JSON lines)."""
+        return keys.lines_key(self.key_prefix, session_id)
 
     def node_sessions_key(self, node_id: str | None = None) -> str:
         """``{prefix}:node:{node}:sessions`` (set); this store's node when ``node_id`` is None."""
-        return f"{self.key_prefix}:node:{node_id or self.node_id}:sessions"
+        return keys.node_sessions_key(self.key_prefix, node_id or self.node_id)
 
     def _xadd_event(self, pipe: Any, op: _Op) -> None:
         """Queue the stream entry of ``op`` on ``pipe`` (none for a register op that is not a start, none
@@ -152,28 +160,52 @@ class SessionWriter:
             extra["reason"] = op.reason
         elif op.kind == "register" and op.record is not None:
             r = op.record
-            extra.update(
-                persona=r.persona, format=r.audio_format, slot=str(r.slot), recording=str(int(r.recording))
-            )
+            voice, text = persona_fields(r.persona)
+            extra.update(persona=voice, **prompt_digest(text))
+            extra.update(format=r.audio_format, slot=str(r.slot), recording=str(int(r.recording)))
         node, event_id = rec.node_id or self.node_id, f"{self._token}:{op.seq}"
         fields = event_fields(kind, rec.session_id, node, op.at_unix_s, event_id, extra)
-        pipe.xadd(events_key(self.key_prefix), fields, maxlen=self.events_maxlen, approximate=True)
+        flat = [item for pair in fields.items() for item in pair]
+        stream = keys.events_key(self.key_prefix)
+        index = keys.session_events_key(self.key_prefix, rec.session_id)
+        index_ttl_s = self.transcript_ttl_s + EVENT_INDEX_SLACK_S
+        pipe.eval(XADD_INDEXED_LUA, 2, stream, index, self.events_maxlen, index_ttl_s, *flat)
 
-    def _trim_events(self, pipe: Any) -> None:
-        """Queue ``XTRIM {prefix}:events MINID <now - transcript_ttl_s>``: the stream holds nothing older than
-        the transcripts' retention (issue 34, item 5: it was trimmed by length only, so with
-        ``DUPLEX_TRANSCRIPT_TTL_S=60`` the prompt and every text piece were still there after the session had
-        expired). Stream ids are Redis's millisecond clock; the cut is this writer's clock, so skew between
-        the two moves it by that much. Exact, not ``~``: an approximate trim keeps whole macro nodes (100
-        entries)."""
-        cutoff_ms = max(0, int((self.clock() - self.transcript_ttl_s) * 1000))
-        pipe.xtrim(events_key(self.key_prefix), minid=f"{cutoff_ms}-0", approximate=False)
+    async def trim_events(self) -> int:
+        """Delete the events stream's entries older than the retention (``transcript_ttl_s`` before the
+        clock; ``XTRIM MINID``, exact): the writer calls it every :data:`~runtime.frontend.store.events.
+        TRIM_EVERY_S`. Returns the entries deleted (0 with no events stream).
+
+        Raises:
+            redis.exceptions.RedisError: Redis unreachable or failing.
+        """
+        if not self.events_maxlen:
+            return 0
+        oldest_ms = max(0, int((self._clock() - self.transcript_ttl_s) * 1000))
+        stream = keys.events_key(self.key_prefix)
+        removed = await self._redis.xtrim(stream, minid=str(oldest_ms), approximate=False)
+        return int(removed)
+
+    async def _trim_if_due(self) -> None:
+        """Trim the events stream when due (see :meth:`trim_events`); a failure is logged and counted
+        (``on_error("trim")``) and tried again at the next due time."""
+        now = self._clock()
+        if now < self._next_trim:
+            return
+        self._next_trim = now + TRIM_EVERY_S
+        try:
+            removed = await self.trim_events()
+        except Exception as exc:  # RedisError, OSError, timeouts: the next trim catches up
+            logger.debug("session store: trimming the events stream failed (%r)", exc)
+            self._emit_error("trim")
+        else:
+            if removed:
+                logger.info("session store: %d events past the retention deleted", removed)
 
     def writer_key(self) -> str:
         """``{prefix}:node:{node}:writer[:{writer_id}]`` (string, the writer token): one per writer, so the
         workers of one node (one store each) do not take each other's token for a Redis data loss."""
-        suffix = f":{self.writer_id}" if self.writer_id else ""
-        return f"{self.key_prefix}:node:{self.node_id}:writer{suffix}"
+        return keys.writer_key(self.key_prefix, self.node_id, self.writer_id)
 
     # ------------------------------------------------------------- internals
 
@@ -279,10 +311,12 @@ class SessionWriter:
         assert self._wake is not None
         delay_s = self.retry_initial_s
         while True:
+            await self._trim_if_due()
             if not self._need_resync and self._live == 0:
                 self._wake.clear()
                 if not self._need_resync and self._live == 0:
-                    await self._wake.wait()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), timeout=TRIM_EVERY_S)
                 continue
             name = "resync" if self._need_resync else "write"
             try:
@@ -332,8 +366,6 @@ class SessionWriter:
         node_key = self.node_sessions_key()
         pipe = self._redis.pipeline(transaction=True)
         pipe.get(self.writer_key())
-        if self.events_maxlen:  # before this batch's XADDs: the cut never reaches what is written now
-            self._trim_events(pipe)
         texts: dict[str, list[str]] = {}  # transcript key -> pieces, in order (APPEND commutes across keys)
         lines: dict[str, list[str]] = {}  # lines key -> timestamped pieces, in order
         hashes: set[str] = set()
@@ -346,7 +378,7 @@ class SessionWriter:
                 continue
             if op.kind == "append":
                 texts.setdefault(self.transcript_key(sid), []).append(op.piece)
-                lines.setdefault(lines_key(self.key_prefix, sid), []).append(op.line)
+                lines.setdefault(self.lines_key(sid), []).append(op.line)
                 hashes.add(hkey)
             elif op.kind == "register":
                 assert op.record is not None
@@ -358,7 +390,7 @@ class SessionWriter:
                 hashes.add(hkey)
                 node_touched = True
                 if op.line:  # adopted on a resume: the whole history, whatever its last holder wrote of it
-                    tkey, lkey = self.transcript_key(sid), lines_key(self.key_prefix, sid)
+                    tkey, lkey = self.transcript_key(sid), self.lines_key(sid)
                     texts.pop(tkey, None), lines.pop(lkey, None)  # (none: the history holds them anyway)
                     pipe.set(tkey, op.piece, ex=self.transcript_ttl_s)
                     pipe.set(lkey, op.line, ex=self.transcript_ttl_s)
@@ -368,6 +400,7 @@ class SessionWriter:
                     mapping={"state": "ended", "end_reason": op.reason, "ended_at": repr(op.ended_at_unix_s)},
                 )
                 pipe.srem(node_key, sid)
+                self._index_state(pipe, op.session.record, "ended")
                 hashes.add(hkey)
                 node_touched = True
         for tkey, pieces in texts.items():
@@ -392,10 +425,26 @@ class SessionWriter:
         self._emit_backlog(backlog)
 
     def _index(self, pipe: Any, record: SessionRecord) -> None:
-        """Queue the session's place in ``{prefix}:sessions`` and the trim of ids long expired."""
-        pipe.zadd(index_key(self.key_prefix), {record.session_id: float(record.started_at_unix_s)})
+        """Queue the session's place in ``{prefix}:sessions`` and ``{prefix}:sessions:active`` (a
+        registration), and the trim of ids long expired from the three indexes."""
         horizon = record.started_at_unix_s - self.session_ttl_s - INDEX_HORIZON_S
-        pipe.zremrangebyscore(index_key(self.key_prefix), "-inf", f"({horizon!r}")
+        pipe.zadd(keys.index_key(self.key_prefix), {record.session_id: float(record.started_at_unix_s)})
+        self._index_state(pipe, record, "active")
+        for index in (keys.index_key(self.key_prefix), *self._state_indexes()):
+            pipe.zremrangebyscore(index, "-inf", f"({horizon!r}")
+
+    def _state_indexes(self) -> tuple[str, ...]:
+        return tuple(keys.state_index_key(self.key_prefix, state) for state in keys.STATES)
+
+    def _index_state(self, pipe: Any, record: SessionRecord, state: str) -> None:
+        """Queue the move of the session to the index of ``state`` (``active``/``ended``), out of the
+        other."""
+        for other in keys.STATES:
+            index = keys.state_index_key(self.key_prefix, other)
+            if other == state:
+                pipe.zadd(index, {record.session_id: float(record.started_at_unix_s)})
+            else:
+                pipe.zrem(index, record.session_id)
 
     async def _resync(self) -> None:
         """Rewrite every tracked session and its node-set membership from the mirror in one MULTI/EXEC (the
@@ -411,7 +460,7 @@ class SessionWriter:
                 hkey, tkey, lkey = (
                     self.session_key(sid),
                     self.transcript_key(sid),
-                    lines_key(self.key_prefix, sid),
+                    self.lines_key(sid),
                 )
                 text = "".join(sess.acked) + "".join(op.piece for op in sess.pending)
                 entries = sess.acked_lines + [op.line for op in sess.pending]
@@ -419,6 +468,7 @@ class SessionWriter:
                 pipe.hset(hkey, mapping=sess.fields(self.node_id))
                 pipe.expire(hkey, self.session_ttl_s)
                 self._index(pipe, sess.record)
+                self._index_state(pipe, sess.record, "ended" if sess.ended else "active")
                 if text:
                     pipe.set(tkey, text, ex=self.transcript_ttl_s)
                 if entries:
