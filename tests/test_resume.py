@@ -37,7 +37,7 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from runtime.engine.resume import credential_session
+from runtime.engine.resume import NOT_A_CREDENTIAL_MESSAGE, credential_session
 from runtime.frontend.server import DuplexServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -295,8 +295,9 @@ async def test_wrong_replayed_and_foreign_credentials_are_refused_and_harm_nothi
             sid_b, secret_b = credential_session(meta_b["resume"]) or ("", "")
             cases = {
                 "not-a-credential": ("resume_invalid", "malformed"),
-                f"{'0' * 32}.{secret_a}": ("resume_invalid", "no session"),
-                f"{sid_a}.{secret_b}": ("resume_invalid", f"not a resume credential of session {sid_a}"),
+                # Issue 34, item 11: an unknown id and a known id with a wrong secret get the same words.
+                f"{'0' * 32}.{secret_a}": ("resume_invalid", NOT_A_CREDENTIAL_MESSAGE),
+                f"{sid_a}.{secret_b}": ("resume_invalid", NOT_A_CREDENTIAL_MESSAGE),
             }
             for credential, (_reason, words) in cases.items():
                 attempt = await refused(srv, credential, speech[2])

@@ -224,6 +224,28 @@ def test_a_detached_hold_expires_on_its_clock_and_frees_the_slot() -> None:
     assert len(holds) == 0 and holds.detached == 0
 
 
+def test_a_prober_cannot_tell_which_ids_are_or_were_sessions() -> None:
+    """Issue 34, item 11: a resume attempt told whether a session existed ("no session <id>" for an unknown
+    id, "not a resume credential of session <id>" for a held one, ``resume_expired`` for an ended one, any
+    secret). Now a secret the session never had gets the same refusal, word for word, for a held, an ended
+    and an unknown id; ``resume_expired`` goes to the holder of one of the ended session's credentials."""
+    holds, clock, _ = _holds(hold_s=10.0)
+    held, ended = _slot_session("d" * 32), _slot_session("e" * 32)
+    holds.open(held, SinkRoute(_Sink()), "")
+    ended_credential = holds.open(ended, SinkRoute(_Sink()), "")
+    holds.forget(ended.session_id)
+    wrong = "x" * 43
+    answers = []
+    for sid in (held.session_id, ended.session_id, "f" * 32):
+        with pytest.raises(Refusal) as refused:
+            holds.resume(f"{sid}.{wrong}", _Sink())
+        answers.append((refused.value.reason, refused.value.message))
+    assert answers == [("resume_invalid", "not a resume credential of a session on this node")] * 3
+    with pytest.raises(Refusal) as late:
+        holds.resume(ended_credential, _Sink())
+    assert late.value.reason == "resume_expired" and ended.session_id in late.value.message
+
+
 def test_resume_off_issues_nothing() -> None:
     holds, _, _ = _holds(hold_s=0)
     session = _slot_session("c" * 32)

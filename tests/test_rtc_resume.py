@@ -315,8 +315,8 @@ async def test_replayed_foreign_and_malformed_credentials_are_refused_and_take_n
             sid_a, secret_a = credential_session(a.outcome.metadata[0]["resume"]) or ("", "")
             _, secret_b = credential_session(b.outcome.metadata[0]["resume"]) or ("", "")
             for credential, words in (
-                (f"{'0' * 32}.{secret_a}", "no session"),
-                (f"{sid_a}.{secret_b}", f"not a resume credential of session {sid_a}"),
+                (f"{'0' * 32}.{secret_a}", "not a resume credential of a session on this node"),
+                (f"{sid_a}.{secret_b}", "not a resume credential of a session on this node"),
             ):
                 answer = await refused(srv, http, packets, credential)
                 assert answer.status == 403 and answer.body.startswith("resume_invalid: "), answer.body

@@ -85,7 +85,12 @@ PROBE_S = 2.0
 is refused ``resume_live``. A silent drop adds at most :data:`SILENCE_S` after the owner's last frame to a
 resume; a refusal takes this long (issue 34 asked for "a liveness probe of about one second")."""
 ENDED_MEMORY = 4096
-"""Sessions remembered after they ended (for a clear ``resume_expired`` instead of ``resume_invalid``)."""
+"""Sessions remembered after they ended (for a clear ``resume_expired`` instead of ``resume_invalid``, to the
+holder of one of its credentials only)."""
+NOT_A_CREDENTIAL_MESSAGE = "not a resume credential of a session on this node"
+"""The one answer to a credential whose secret is not one of its session's, whatever the session id names: a
+held session, an ended one or none (issue 34, item 11: "no session <id>" against "not a credential of
+<id>", and ``resume_expired`` for any secret, told a prober which ids had been sessions)."""
 _CREDENTIAL_RE = re.compile(r"([0-9a-f]{32})\.([A-Za-z0-9_-]{43})")
 """A session id (a UUID's 32 hex digits) and the secret (32 bytes, base64url without padding: 43 chars)."""
 _SPENT_KEPT = 64
@@ -192,7 +197,8 @@ class SlotHolds:
         self.silence_s = silence_s
         self._release = release
         self._held: dict[str, _Held] = {}
-        self._ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it cannot be resumed
+        # session id -> (why it cannot be resumed, the digests of its credentials: current, pending, spent)
+        self._ended: OrderedDict[str, tuple[str, tuple[bytes, ...]]] = OrderedDict()
         self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -243,7 +249,8 @@ class SlotHolds:
         held = self._held.pop(session_id, None)
         if held is not None:
             _settle(held)
-            self._ended[session_id] = why
+            known = (held.secret, *held.spent, *(() if held.pending is None else (held.pending,)))
+            self._ended[session_id] = (why, known)
             while len(self._ended) > ENDED_MEMORY:
                 self._ended.popitem(last=False)
 
@@ -360,12 +367,12 @@ class SlotHolds:
         session_id, secret = parsed
         self.sweep()  # a resume past the deadline is refused even if the sweep has not run yet
         held = self._held.get(session_id)
-        if held is None:
-            why = self._ended.get(session_id)
-            if why is not None:
-                raise Refusal("resume_expired", f"session {session_id} cannot be resumed: {why}")
-            raise Refusal("resume_invalid", f"no session {session_id} on this node")
         digest = _digest(secret)
+        if held is None:
+            ended = self._ended.get(session_id)
+            if ended is not None and any(hmac.compare_digest(digest, known) for known in ended[1]):
+                raise Refusal("resume_expired", f"session {session_id} cannot be resumed: {ended[0]}")
+            raise Refusal("resume_invalid", NOT_A_CREDENTIAL_MESSAGE)
         current = hmac.compare_digest(digest, held.secret)
         retry = held.pending is not None and hmac.compare_digest(digest, held.pending)
         if not current and not retry:
@@ -373,7 +380,7 @@ class SlotHolds:
                 raise Refusal(
                     "resume_replayed", f"this resume credential of session {session_id} was used already"
                 )
-            raise Refusal("resume_invalid", f"not a resume credential of session {session_id}")
+            raise Refusal("resume_invalid", NOT_A_CREDENTIAL_MESSAGE)
         return session_id, held, current
 
 
