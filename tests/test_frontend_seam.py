@@ -175,6 +175,29 @@ async def test_a_session_runs_through_the_backend_and_gives_its_slot_back():
         assert backend.requests[0].client == "127.0.0.1"
 
 
+async def test_the_chat_query_is_parsed_once_per_connection(monkeypatch):
+    """Issue 31: the ``/api/chat`` query was parsed three times per connection (the gate, the metadata
+    prompt's check, the session plan). Every module that parses it is counted, for a session whose text
+    prompt comes as its first message."""
+    from runtime.frontend.gate import admission, query
+    from runtime.frontend.session import conversation
+    from runtime.frontend.transports import websocket
+
+    calls: list[str] = []
+
+    def counting(text):  # type: ignore[no-untyped-def]
+        calls.append(text if isinstance(text, str) else "mapping")
+        return query.parse_session_query(text)
+
+    for module in (admission, conversation, websocket):
+        monkeypatch.setattr(module, "parse_session_query", counting)
+    async with fake_node(FakeBackend(slots=1)) as server:
+        async with connect(chat(server) + "&text_prompt_in=metadata") as client:
+            await client.send(bytes([MessageKind.METADATA]) + json.dumps({"text_prompt": "Be kind."}).encode())
+            assert await client.recv() == bytes([MessageKind.HANDSHAKE])
+    assert len(calls) == 1, calls
+
+
 async def test_a_backend_refusal_closes_with_its_table_code():
     backend = FakeBackend()
     backend.refuse_with = Refusal("wait_timeout", "node full: no slot freed within 3 s")

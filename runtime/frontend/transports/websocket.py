@@ -50,6 +50,7 @@ from runtime.frontend.gate.admission import Admitted
 from runtime.frontend.gate.query import (
     TEXT_PROMPT_IN_METADATA,
     ResumePresented,
+    SessionRequest,
     parse_prompt_metadata,
     parse_session_query,
 )
@@ -277,7 +278,10 @@ async def serve_chat(front: FrontEnd, request: web.Request, admitted: Admitted) 
         answer.headers["Sec-WebSocket-Version"] = "13"
         return answer
     await connection.prepare(request)
-    await handle(front, connection, request.query_string, claims, client, resume)
+    # The query the gate parsed (once); a query that did not parse goes as its text, for plan_session to
+    # refuse it naming the parameter.
+    query = admitted.request if admitted.request is not None else request.query_string
+    await handle(front, connection, query, claims, client, resume)
     return connection
 
 
@@ -298,15 +302,18 @@ async def refuse(
 async def handle(
     front: FrontEnd,
     connection: DuplexWebSocket,
-    query: str,
+    query: str | SessionRequest,
     claims: TokenClaims | None,
     client: str,
     presented: ResumePresented | None = None,
 ) -> None:
-    """One ``/api/chat`` connection, from the upgrade to the close (``presented``: the resume credential as
-    the request presented it; None: only a ``?resume=`` in ``query``)."""
+    """One ``/api/chat`` connection, from the upgrade to the close. ``query``: the request the gate parsed
+    (``Admitted.request``), or the raw query string (one that did not parse is refused naming the
+    parameter); ``presented``: the resume credential as the request presented it (None: only a
+    ``?resume=`` in a raw ``query``)."""
     if presented is None:
-        presented = ResumePresented.of(next(iter(parse_qs(query).get("resume", ())), None), ())
+        raw = query if isinstance(query, str) else ""
+        presented = ResumePresented.of(next(iter(parse_qs(raw).get("resume", ())), None), ())
     resume = presented.given  # its refusals count in duplex_resume_refused_total only
     try:
         prompt = await _metadata_prompt(front, connection, query)
@@ -374,7 +381,9 @@ async def _receive_loop(front: FrontEnd, transport: _WsTransport) -> SessionOutc
                 return SessionOutcome(f"protocol_{exc.reason}", CLOSE_POLICY)
 
 
-async def _metadata_prompt(front: FrontEnd, connection: DuplexWebSocket, query: str) -> str | None:
+async def _metadata_prompt(
+    front: FrontEnd, connection: DuplexWebSocket, query: str | SessionRequest
+) -> str | None:
     """With ``text_prompt_in=metadata``, the text prompt from the client's first message (a 0x04 metadata
     ``{"text_prompt": ...}``); None otherwise (a bad query is left to ``plan_session``).
 
@@ -383,10 +392,12 @@ async def _metadata_prompt(front: FrontEnd, connection: DuplexWebSocket, query: 
             limit, or nothing within ``METADATA_PROMPT_TIMEOUT_S``.
         ConnectionClosed: the client left.
     """
-    try:
-        wanted = parse_session_query(query).text_prompt_in == TEXT_PROMPT_IN_METADATA
-    except ProtocolError:
-        return None
+    if isinstance(query, str):  # a raw query: parsed here (the gate's parse is passed in when it has one)
+        try:
+            query = parse_session_query(query)
+        except ProtocolError:
+            return None
+    wanted = query.text_prompt_in == TEXT_PROMPT_IN_METADATA
     if not wanted:
         return None
     try:
