@@ -192,7 +192,10 @@ async def test_the_chat_query_is_parsed_once_per_connection(monkeypatch):
     for module in (admission, conversation, websocket):
         monkeypatch.setattr(module, "parse_session_query", counting)
     prompt = bytes([MessageKind.METADATA]) + json.dumps({"text_prompt": "Be kind."}).encode()
-    async with fake_node(FakeBackend(slots=1)) as server, connect(chat(server) + "&text_prompt_in=metadata") as ws:
+    async with (
+        fake_node(FakeBackend(slots=1)) as server,
+        connect(chat(server, text_prompt_in="metadata")) as ws,
+    ):
         await ws.send(prompt)
         assert await ws.recv() == bytes([MessageKind.HANDSHAKE])
     assert len(calls) == 1, calls
