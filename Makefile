@@ -117,7 +117,10 @@ gpu-wheels: $(STAMP)
 MUTATION_MODULES := runtime/frontend/gate/ratelimit.py runtime/frontend/gate/replay.py runtime/frontend/gate/tokens.py \
 	runtime/engine/sampling.py runtime/engine/scheduler.py runtime/engine/batch.py infra/capacity/memory.py \
 	infra/capacity/timing.py \
-	infra/capacity/gcp.py infra/stack_config/keys.py infra/policy/rules
+	infra/capacity/gcp.py infra/stack_config/keys.py infra/policy/rules \
+	runtime/frontend/transports/webrtc/candidates.py runtime/frontend/transports/webrtc/offer_checks.py \
+	runtime/frontend/transports/webrtc/turn.py runtime/frontend/store/keys.py runtime/engine/resume.py \
+	infra/node/coturn.py
 MUTATION_JOBS ?= 1
 MODULE ?=
 
