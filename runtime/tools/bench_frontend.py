@@ -152,7 +152,7 @@ def bench_sessions(workers: int, sessions: int, step_ms: str, seconds: float) ->
         clip = np.concatenate([clip, clip])
     clip = clip[: int(seconds * 24000)]
     with node(workers, sessions, step_ms) as port:
-        pgid = _pid_group(port)
+        pgid = pid_group(port)
         cpu0 = _group_cpu_s(pgid)
         report = asyncio.run(
             run_load(
@@ -192,7 +192,7 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1e3, 1)
 
 
-def _pid_group(port: int) -> int:
+def pid_group(port: int) -> int:
     """The process group of the node listening on ``port`` (the bench started it as a group leader)."""
     out = subprocess.run(["ss", "-Hltnp", f"sport = :{port}"], capture_output=True, text=True).stdout
     pid = int(out.split("pid=", 1)[1].split(",", 1)[0])
