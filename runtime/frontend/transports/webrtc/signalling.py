@@ -59,7 +59,8 @@ from runtime.frontend.gate.refusals import SessionRefused
 from runtime.frontend.gate.tokens import TokenClaims
 from runtime.frontend.session.conversation import FrontEnd, SessionOutcome, plan_session
 from runtime.frontend.session.lifecycle import run
-from runtime.frontend.transports.webrtc.peer import OfferRejected, Refused, RtcPeer, RtcTransport
+from runtime.frontend.transports.webrtc.edge import Refused, RtcTransport
+from runtime.frontend.transports.webrtc.peer import OfferRejected, RtcPeer
 from runtime.frontend.transports.webrtc.turn import TURN_ID_RE, IceServer, ice_servers, mint_turn_credentials
 
 __all__ = [
