@@ -58,7 +58,7 @@ REDIS_USERS: tuple[RedisUser, ...] = get_args(RedisUser)
 
 RUNTIME_KEY_PATTERN = "duplex:*"
 """The runtime's keys: every key the store writes starts with the prefix ``duplex``
-(``runtime.frontend.store.keys``; the replay guard's ``duplex:jti:*`` too)."""
+(``runtime.frontend.store.keys``; the replay guard's spent-token markers ``duplex:token:<jti>`` too)."""
 
 EVENTS_STREAM_KEY = "duplex:events"
 """The events stream (``runtime.frontend.store.keys.events_key("duplex")``), the ``events`` user's one key."""
