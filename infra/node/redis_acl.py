@@ -31,7 +31,7 @@ and each role still holds a password that tells nothing of another's or of the a
 ``redis_password`` rotates all four. The ``user`` lines hold the passwords in clear, so they live in the
 secret ``secrets/redis-auth.conf`` that ``redis/redis.conf`` includes (:func:`render_acl_users`).
 
-Not on GKE: Memorystore for Redis has one AUTH string and no ACL users (docs/cloud.md, "Redis").
+Not on GKE: Memorystore for Redis has one AUTH string and no ACL users (docs/deploying.md, multi-region).
 """
 
 from __future__ import annotations
