@@ -134,6 +134,14 @@ class RuntimeConfig(BaseSettings):
         "(DELETE /api/sessions/<id>), so erased text leaves Redis's files; an erase within the window gets "
         "its rewrite at the window's end; 0: after every erase (docs/sessions-api.md, Endpoints)",
     )
+    aof_rewrite_every_s: float = Field(
+        86400.0,
+        ge=0,
+        le=7 * 86400,
+        description="Period (s) of the Redis AOF rewrite (BGREWRITEAOF) the session store asks on its own, "
+        "so that keys expired by the retention leave Redis's append-only file within it even on a quiet "
+        "node; the first a period after start; 0: never (docs/sessions-api.md, Endpoints)",
+    )
     voices_dir: Path | None = Field(None, description="Directory of voice prompts (*.wav, *.pt)")
     default_voice: str = Field(
         DEFAULT_VOICE_PROMPT,

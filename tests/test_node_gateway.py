@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 from nginx_front import start_nginx
+from rendered_redis import start_rendered_redis
 
-from infra.node.bundle import write_bundle, write_secrets
 from infra.node.local import free_port_profile, nginx_global_directives
 from infra.node.nginx import NGINX_CONF, SESSION_TIMEOUT_MARGIN_S, render_nginx
 from infra.node.profile import PROFILES, get_profile
@@ -138,24 +138,8 @@ def test_handshake_rate_follows_the_profile() -> None:
 
 
 def _start_redis(directory: Path) -> tuple[subprocess.Popen[bytes], int, NodeSecrets]:
-    profile = free_port_profile()
-    node_secrets = NodeSecrets.generate()
-    write_bundle(render_redis(profile), directory)
-    write_secrets(profile, node_secrets, directory)
-    (directory / "redis" / "data").mkdir(parents=True)
-    process = subprocess.Popen(
-        ["redis-server", REDIS_CONF], cwd=directory, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-    )
-    port = profile.ports.redis
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=0.5).ping()
-            return process, port, node_secrets
-        except redis.ConnectionError:
-            time.sleep(0.1)
-    process.kill()
-    raise AssertionError("redis-server did not start from the rendered config")
+    server = start_rendered_redis(directory)
+    return server.process, server.port, server.secrets
 
 
 def test_rendered_redis_requires_the_password_and_persists(tmp_path: Path) -> None:
@@ -165,7 +149,9 @@ def test_rendered_redis_requires_the_password_and_persists(tmp_path: Path) -> No
             redis.Redis(port=port, socket_timeout=1).ping()
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, password="wrong-password-0000", socket_timeout=1).ping()
-        client = redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=1)
+        client = redis.Redis(
+            port=port, username="admin", password=node_secrets.redis_password, socket_timeout=1
+        )
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("bind") == {"bind": "127.0.0.1"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
@@ -194,7 +180,7 @@ def test_a_full_redis_keeps_the_spent_token_markers(tmp_path: Path) -> None:
     stays and the write that does not fit is refused (a spend refused so fails closed: 503
     ``replay_check_unavailable``, ``RedisReplayGuard._redis_failed``)."""
     process, port, node_secrets = _start_redis(tmp_path)
-    url = f"redis://:{node_secrets.redis_password}@127.0.0.1:{port}/0"
+    url = (tmp_path / "secrets" / "runtime.env").read_text().split("\n")[0].partition("=")[2]  # as "runtime"
 
     def claims(jti: str) -> TokenClaims:
         now = time.time()
@@ -205,7 +191,10 @@ def test_a_full_redis_keeps_the_spent_token_markers(tmp_path: Path) -> None:
         try:
             await guard.spend(claims("spent-before-full"))
             assert _fill(
-                redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=5), 604_800
+                redis.Redis(
+                    port=port, username="admin", password=node_secrets.redis_password, socket_timeout=5
+                ),
+                604_800,
             )
             assert await guard.seen(claims("spent-before-full"))  # not evicted
             with pytest.raises(TokenRejected) as replayed:
@@ -225,7 +214,7 @@ def test_erased_text_is_in_no_file_of_redis_after_the_rewrite(tmp_path: Path) ->
     """Issue 34, item 6: after an erase the text stayed in the AOF and in dump.rdb. With the rendered
     configuration (AOF alone, no snapshots) an AOF rewrite after the erase leaves it in no file."""
     process, port, node_secrets = _start_redis(tmp_path)
-    client = redis.Redis(port=port, password=node_secrets.redis_password, socket_timeout=5)
+    client = redis.Redis(port=port, username="admin", password=node_secrets.redis_password, socket_timeout=5)
     secret = "my card number is 4111-1111-1111-1111"
     data = tmp_path / "redis" / "data"
 
@@ -266,7 +255,7 @@ def test_erased_text_is_in_no_file_of_redis_after_the_rewrite(tmp_path: Path) ->
 def test_rendered_redis_holds_no_secret() -> None:
     for profile in PROFILES.values():
         conf = render_redis(profile)[REDIS_CONF].decode()
-        assert not [line for line in conf.splitlines() if line.startswith("requirepass")]
+        assert not [line for line in conf.splitlines() if line.startswith(("requirepass", "user "))]
         assert "include " in conf and "redis-auth.conf" in conf
 
 

@@ -93,7 +93,9 @@ def test_secrets_are_random_hidden_and_land_only_in_secret_files() -> None:
     assert a.redis_password not in repr(a)
     files = secret_files(PROFILES["local"], a)
     assert all(path.startswith("secrets/") for path in files)
-    assert files["secrets/redis-auth.conf"] == f"requirepass {a.redis_password}\n".encode()
+    users = files["secrets/redis-auth.conf"].decode()
+    assert "requirepass" not in users and "user default off " in users
+    assert f"user admin on >{a.redis_password} ~* &* +@all\n" in users
     with pytest.raises(ValueError, match="at least 16 characters"):
         NodeSecrets(redis_password="short", grafana_admin_password="x" * 20)
     with pytest.raises(ValueError, match="no spaces"):

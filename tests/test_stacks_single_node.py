@@ -28,6 +28,7 @@ from infra.capacity import max_sessions, plan
 from infra.capacity.gcp import MACHINE_TYPES
 from infra.node.compose import CONTAINER_READ_SECRETS
 from infra.node.profile import get_profile
+from infra.node.redis_acl import redis_url, render_acl_users
 from infra.node.services import SECRET_FILES
 from infra.stack_config import StackConfigError
 
@@ -55,8 +56,8 @@ GCE_INVENTORY = {
     "docker-build:index:Image": 1,
     "duplexops:components:StackSecrets": 1,
     "random:index/randomPassword:RandomPassword": 4,
-    "gcp:secretmanager/secret:Secret": 8,
-    "gcp:secretmanager/secretVersion:SecretVersion": 8,
+    "gcp:secretmanager/secret:Secret": 9,  # secrets/events-consumer.env: the 9th
+    "gcp:secretmanager/secretVersion:SecretVersion": 9,
     "duplexops:components:GceGpuNode": 1,
     "gcp:compute/network:Network": 1,
     "gcp:compute/subnetwork:Subnetwork": 1,
@@ -65,7 +66,7 @@ GCE_INVENTORY = {
     "gcp:serviceaccount/account:Account": 1,
     "gcp:projects/iAMMember:IAMMember": 2,
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
-    "gcp:secretmanager/secretIamMember:SecretIamMember": 8,
+    "gcp:secretmanager/secretIamMember:SecretIamMember": 9,
     "gcp:compute/instance:Instance": 1,
     "gcp:compute/disk:Disk": 1,
 }
@@ -353,12 +354,15 @@ def test_secret_manager_holds_the_node_secrets(runs: dict[str, StackRun], stack:
         if "redis" in r.name
     ]
     assert payloads["secrets-redis-password-version"] == redis_pw
-    assert payloads["secrets-redis-auth-conf-version"] == f"requirepass {redis_pw}\n"
+    assert payloads["secrets-redis-auth-conf-version"] == render_acl_users(redis_pw)  # the users, default off
     # The runtime and coturn share the TURN secret (runtime/frontend/transports/webrtc/turn.py,
     # infra.node.coturn).
     turn = pulumi_harness._mock_password("secrets-turn-secret")
     assert payloads["secrets-runtime-env-version"] == (
-        f"DUPLEX_REDIS_URL=redis://:{redis_pw}@redis:6379/0\nDUPLEX_TURN_SECRET={turn}\n"
+        f"DUPLEX_REDIS_URL={redis_url(redis_pw, 'runtime', 'redis', 6379)}\nDUPLEX_TURN_SECRET={turn}\n"
+    )
+    assert payloads["secrets-events-consumer-env-version"] == (
+        f"DUPLEX_EVENTS_REDIS_URL={redis_url(redis_pw, 'events', 'redis', 6379)}\n"
     )
     assert f"\nstatic-auth-secret={turn}\n" in payloads["secrets-turnserver-conf-version"]
     assert payloads["secrets-hf-token-version"] == pulumi_harness.FAKE_SECRETS["gce-node"]["hfToken"]

@@ -107,7 +107,8 @@ CONTAINER_READ_SECRETS: frozenset[str] = frozenset(
 )
 """Roles of ``SECRET_FILES`` that a container opens itself (bind-mounted): they must be ``root:root``
 mode 0640 on the host (the reading containers run with group 0). The others (``runtime_env``,
-``redis_exporter_env``) are read by ``docker compose`` on the host and stay 0600."""
+``redis_exporter_env``) are read by ``docker compose`` on the host and stay 0600, as does
+``events_consumer_env``, which is for the application's events consumer, not for a container of the node."""
 
 _RUNTIME_USER = CONTAINER_USERS["runtime"]
 _REDIS_USER = CONTAINER_USERS["redis"]
@@ -258,7 +259,11 @@ def _runtime(profile: NodeProfile) -> dict[str, Any]:
 def _redis(profile: NodeProfile) -> dict[str, Any]:
     port = profile.ports.redis
     # $$: a literal $ for the container's shell (Compose interpolates a single $).
-    ping = f'REDISCLI_AUTH="$$(cat {_SECRETS_MOUNT}/redis_password)" redis-cli -p {port} ping | grep -q PONG'
+    # As the admin user (password: secrets/redis_password): the default user is off (infra.node.redis_acl).
+    ping = (
+        f'REDISCLI_AUTH="$$(cat {_SECRETS_MOUNT}/redis_password)" redis-cli --user admin -p {port} ping'
+        " | grep -q PONG"
+    )
     return {
         "image": IMAGES["redis"],
         "user": _user(_REDIS_USER),

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.node import redis_acl
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.bundle import render_bundle, write_bundle, write_secrets
 from infra.node.coturn import coturn_args
@@ -297,9 +298,10 @@ class LocalNode:
     def _build_processes(self) -> list[ManagedProcess]:
         p = self.profile
         tls = self.ssl_context()
-        redis_password = self.secrets.redis_password
+        admin_password = self.secrets.redis_password
         redis_endpoint = endpoint(p, "redis")
-        redis_url = f"redis://:{redis_password}@{redis_endpoint}/0"
+        redis_host, redis_port = redis_endpoint.rsplit(":", 1)
+        redis_url = redis_acl.redis_url(admin_password, "runtime", redis_host, redis_port)
 
         def redis_ready() -> bool:
             import redis
@@ -329,7 +331,10 @@ class LocalNode:
                     f"--web.listen-address={endpoint(p, 'redis-exporter')}",
                 ],
                 lambda: _http_ok(f"http://{endpoint(p, 'redis-exporter')}/metrics"),
-                env={"REDIS_PASSWORD": redis_password},
+                env={
+                    "REDIS_USER": "exporter",
+                    "REDIS_PASSWORD": redis_acl.role_password(admin_password, "exporter"),
+                },
             ),
             ManagedProcess(
                 "node-exporter",

@@ -1,15 +1,18 @@
 """Redis for one node: session registry and transcripts (``runtime/frontend/store/redis_store.py``).
 
-``render_redis(profile)`` gives ``redis/redis.conf``: bound to the private side only, password required
-(``requirepass`` comes from ``secrets/redis-auth.conf`` through ``include``, so the rendered file holds no
-secret), persistence by the append-only file alone (fsynced every second; no RDB snapshots: a snapshot is a
-copy an erasure cannot reach, issue 34 item 6), memory bounded with ``noeviction`` (issue 34 item 4: with
+``render_redis(profile)`` gives ``redis/redis.conf``: bound to the private side only, one ACL user per
+role and the default user off (the ``user`` lines, with their passwords, come from the secret
+``secrets/redis-auth.conf`` through ``include``, so the rendered file holds no secret:
+``infra.node.redis_acl`` lists the users and their rights), persistence by the append-only file alone
+(fsynced every second; no RDB snapshots: a snapshot is a copy an erasure cannot reach, issue 34 item 6),
+memory bounded with ``noeviction`` (issue 34 item 4: with
 ``volatile-ttl`` a full Redis evicted the minutes-long spent-token markers first, and a spent token opened a
 second session; now writes fail when full: the replay check fails closed, the store's writer retries and
 counts them, and the ``RedisMemoryNearFull`` alert pages before it comes to that).
 
 Erasure and the files: an erased key leaves the AOF only when the AOF is rewritten. The runtime asks for a
-rewrite (``BGREWRITEAOF``) after erasures; ``auto-aof-rewrite-percentage`` rewrites it as it grows. With
+rewrite (``BGREWRITEAOF``) after erasures and once a day (``DUPLEX_AOF_REWRITE_EVERY_S``), so keys expired by
+retention leave it too on a quiet node; ``auto-aof-rewrite-percentage`` rewrites it as it grows. With
 ``aof-use-rdb-preamble`` the rewrite's base is a fresh snapshot of live keys only.
 
 Binding: a ``processes`` node binds ``profile.private_address`` (loopback locally). In ``compose`` Redis
@@ -42,7 +45,8 @@ def render_redis(profile: NodeProfile) -> dict[str, bytes]:
 bind {bind}
 port {profile.ports.redis}
 protected-mode yes
-# requirepass lives in the secrets directory, never in this file.
+# The ACL users (default off; runtime, events, exporter, admin) and their passwords live in the secrets
+# directory, never in this file (infra.node.redis_acl).
 include {auth_include}
 
 daemonize no
@@ -63,7 +67,7 @@ save ""
 maxmemory {profile.retention.redis_max_memory_mb}mb
 maxmemory-policy noeviction
 
-# Commands an attacker with the password could use to take the host.
+# Commands an attacker with the admin password could use to take the host.
 rename-command DEBUG ""
 rename-command MODULE ""
 """

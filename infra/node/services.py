@@ -22,6 +22,7 @@ from typing import Literal, get_args
 
 from infra.node.coturn import render_turnserver_conf
 from infra.node.profile import NodeProfile
+from infra.node.redis_acl import redis_url, render_acl_users, role_password
 from infra.node.relay import turn_urls
 from runtime.frontend.gate.tokens import SigningKey, generate_signing_key
 
@@ -78,12 +79,16 @@ SECRET_FILES = {
     "redis_auth_conf": "secrets/redis-auth.conf",
     "runtime_env": "secrets/runtime.env",
     "redis_exporter_env": "secrets/redis-exporter.env",
+    "events_consumer_env": "secrets/events-consumer.env",
     "grafana_admin_password": "secrets/grafana_admin_password",
     "token_keys": "secrets/token_keys.json",
     "turnserver_conf": "secrets/turnserver.conf",
 }
-"""What ``secret_files`` writes, by role: the Redis password alone; ``requirepass`` for redis.conf's
-``include``; ``DUPLEX_REDIS_URL`` for the runtime; ``REDIS_PASSWORD`` for redis_exporter; Grafana's admin
+"""What ``secret_files`` writes, by role: the Redis ``admin`` user's password alone; the Redis users
+(``user`` lines, ``infra.node.redis_acl``) for redis.conf's ``include``; ``DUPLEX_REDIS_URL`` for the runtime
+(as the ``runtime`` user); ``REDIS_USER``/``REDIS_PASSWORD`` for redis_exporter (the ``exporter`` user);
+``DUPLEX_EVENTS_REDIS_URL`` for the application's events consumer (the ``events`` user, read-only on the
+events stream: docs/sessions-api.md, "Events"); Grafana's admin
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
 ``{"kid": "secret", ...}``, which the runtime reads (``DUPLEX_TOKEN_KEYS_FILE``) and the application
 backend mints with (``duplex token mint --key-file``, ``runtime.frontend.gate.tokens.mint_token``); coturn's
@@ -212,6 +217,9 @@ class NodeSecrets:
     """The node's secrets (hidden from ``repr``). ``generate()`` makes fresh random ones (local node,
     first boot); stacks pass Pulumi secrets or Secret Manager values instead.
 
+    ``redis_password``: the Redis ``admin`` user's password; the ``runtime``, ``events`` and ``exporter``
+    users' passwords are derived from it (``infra.node.redis_acl.role_password``).
+
     ``token_keys``: the session-token signing keys, ``{kid: secret}`` (at least one; several during a
     rotation; ``duplex token keygen`` makes one). Required: a node without keys refuses every session.
     ``alert_email_password``, ``alert_pagerduty_routing_key``: the alert receivers' secrets, where the
@@ -299,7 +307,9 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
                 "alerting.pagerduty is set) and none was given"
             )
         optional[OPTIONAL_SECRET_FILES[role]] = value.encode()
-    runtime_env = f"DUPLEX_REDIS_URL=redis://:{password}@{redis_host}:{redis_port}/0\n"
+    runtime_env = f"DUPLEX_REDIS_URL={redis_url(password, 'runtime', redis_host, redis_port)}\n"
+    events_env = f"DUPLEX_EVENTS_REDIS_URL={redis_url(password, 'events', redis_host, redis_port)}\n"
+    exporter_env = f"REDIS_USER=exporter\nREDIS_PASSWORD={role_password(password, 'exporter')}\n"
     turnserver_conf = "# relay.enabled is false: this node runs no coturn\n"
     if profile.relay.enabled:
         if node_secrets.turn_secret is None:
@@ -311,9 +321,10 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
         turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret, previous_secrets=previous)
     files = {
         SECRET_FILES["redis_password"]: password.encode(),
-        SECRET_FILES["redis_auth_conf"]: f"requirepass {password}\n".encode(),
+        SECRET_FILES["redis_auth_conf"]: render_acl_users(password).encode(),
         SECRET_FILES["runtime_env"]: runtime_env.encode(),
-        SECRET_FILES["redis_exporter_env"]: f"REDIS_PASSWORD={password}\n".encode(),
+        SECRET_FILES["redis_exporter_env"]: exporter_env.encode(),
+        SECRET_FILES["events_consumer_env"]: events_env.encode(),
         SECRET_FILES["grafana_admin_password"]: node_secrets.grafana_admin_password.encode(),
         SECRET_FILES["token_keys"]: (json.dumps(node_secrets.token_keys, indent=2) + "\n").encode(),
         SECRET_FILES["turnserver_conf"]: turnserver_conf.encode(),

@@ -404,4 +404,5 @@ def build_store(config: RuntimeConfig, metrics: RuntimeMetrics, writer_id: str =
         on_backlog=metrics.redis_backlog.set,
         events_maxlen=config.events_maxlen,
         writer_id=writer_id,
+        aof_rewrite_every_s=config.aof_rewrite_every_s,
     )

@@ -102,10 +102,14 @@ class SessionStore(SessionWriter):
             Redis data loss (which would make every write a full resync).
         events_maxlen: approximate length cap (entries) of the events stream; 0: no events.
         clock: unix time (s) of the events stream's time trim (entries older than ``transcript_ttl_s`` before
-            it are deleted every ``events.TRIM_EVERY_S``; :meth:`trim_events`).
+            it are deleted every ``events.TRIM_EVERY_S``; :meth:`trim_events`) and of the daily AOF rewrite.
+        aof_rewrite_every_s: period (s) of the ``BGREWRITEAOF`` the writer asks on ``clock``, the first a
+            period after :meth:`start`, so that keys expired by the retention leave Redis's append-only file
+            on a quiet node too (:meth:`rewrite_aof_if_due`; ``DUPLEX_AOF_REWRITE_EVERY_S``); 0: never.
 
     Raises:
-        ValueError: a TTL, ``max_backlog_ops`` or a retry delay is not positive.
+        ValueError: a TTL, ``max_backlog_ops`` or a retry delay is not positive, or ``aof_rewrite_every_s``
+            is negative.
     """
 
     # ------------------------------------------------------------ properties

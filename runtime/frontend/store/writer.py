@@ -24,6 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from runtime.frontend.store import keys
+from runtime.frontend.store.aof import PeriodicAofRewrite
 from runtime.frontend.store.events import (
     EVENT_INDEX_SLACK_S,
     INDEX_HORIZON_S,
@@ -38,7 +39,6 @@ from runtime.frontend.store.mirror import SessionRecord, _Op, _Session
 __all__ = ["SessionRecord", "SessionWriter"]
 
 logger = logging.getLogger(__name__)
-
 
 _JOIN_EVERY = 64
 
@@ -78,6 +78,7 @@ class SessionWriter:
         events_maxlen: int = 100_000,
         writer_id: str = "",
         clock: Callable[[], float] = time.time,
+        aof_rewrite_every_s: float = 86400.0,
     ) -> None:
         if events_maxlen < 0:
             raise ValueError("events_maxlen must be >= 0 entries (0: no events stream)")
@@ -98,6 +99,7 @@ class SessionWriter:
         self._on_backlog = on_backlog
         self._clock = clock
         self._next_trim = 0.0  # clock time (unix s) of the next trim of the events stream
+        self.aof_rewrite = PeriodicAofRewrite(aof_rewrite_every_s, clock)
         # retries=0: redis-py must not replay a MULTI/EXEC whose reply was lost (that would duplicate
         # APPENDs); the writer retries itself, via a resync.
         self._redis = redis.Redis.from_url(
@@ -201,6 +203,10 @@ class SessionWriter:
         else:
             if removed:
                 logger.info("session store: %d events past the retention deleted", removed)
+
+    async def rewrite_aof_if_due(self) -> bool:
+        """``aof_rewrite.run_if_due`` on this store's Redis (``runtime.frontend.store.aof``); never raises."""
+        return await self.aof_rewrite.run_if_due(self._redis)
 
     def writer_key(self) -> str:
         """``{prefix}:node:{node}:writer[:{writer_id}]`` (string, the writer token): one per writer, so the
@@ -312,6 +318,7 @@ class SessionWriter:
         delay_s = self.retry_initial_s
         while True:
             await self._trim_if_due()
+            await self.rewrite_aof_if_due()
             if not self._need_resync and self._live == 0:
                 self._wake.clear()
                 if not self._need_resync and self._live == 0:
