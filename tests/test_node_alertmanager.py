@@ -103,7 +103,12 @@ def test_receivers_from_the_profile(tmp_path: Path) -> None:
 
     # The secret files are written only with values.
     keys = {"k1": "x" * 64}
-    base = {"redis_password": "r" * 20, "grafana_admin_password": "g" * 20, "token_keys": keys}
+    base = {
+        "redis_password": "r" * 20,
+        "grafana_admin_password": "g" * 20,
+        "token_keys": keys,
+        "app_token_keys": {"a": "t" * 43},
+    }
     base["turn_secret"] = "t" * 40
     with pytest.raises(ValueError, match="alert_email_password"):
         secret_files(profile, NodeSecrets(**base))

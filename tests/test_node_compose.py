@@ -250,7 +250,9 @@ def test_secrets_come_from_the_secret_files() -> None:
         "grafana_admin_password": {"file": "./" + SECRET_FILES["grafana_admin_password"]},
         "redis_password": {"file": "./" + SECRET_FILES["redis_password"]},
         "token_keys": {"file": "./" + SECRET_FILES["token_keys"]},
+        "app_token_keys": {"file": "./" + SECRET_FILES["app_token_keys"]},
     }
+    assert doc["services"]["runtime"]["secrets"] == ["token_keys", "app_token_keys"]
     grafana = doc["services"]["grafana"]
     assert grafana["secrets"] == ["grafana_admin_password"]
     assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"

@@ -99,7 +99,12 @@ def test_runtime_gets_the_urls_and_the_secret_coturn_gets() -> None:
     assert settings["DUPLEX_TURN_URLS"] == ",".join(turn_urls(profile.relay, profile.domain))
     assert settings["DUPLEX_TURN_TTL_S"] == "3600"
     assert "DUPLEX_TURN_SECRET" not in settings  # secret: in secrets/runtime.env only
-    base = {"redis_password": "r" * 20, "grafana_admin_password": "g" * 20, "token_keys": {"k": "s" * 43}}
+    base = {
+        "redis_password": "r" * 20,
+        "grafana_admin_password": "g" * 20,
+        "token_keys": {"k": "s" * 43},
+        "app_token_keys": {"a": "t" * 43},
+    }
     files = secret_files(profile, NodeSecrets(**base, turn_secret=SECRET))
     assert f"DUPLEX_TURN_SECRET={SECRET}\n" in files[SECRET_FILES["runtime_env"]].decode()
     assert f"\nstatic-auth-secret={SECRET}\n" in files[SECRET_FILES["turnserver_conf"]].decode()
@@ -117,7 +122,12 @@ def test_relay_off_means_no_coturn_anywhere() -> None:
     assert not [name for name in runtime_settings(profile) if name.startswith("DUPLEX_TURN")]
     compose = yaml.safe_load(render_compose(profile)[COMPOSE_FILE])
     assert "coturn" not in compose["services"]
-    base = {"redis_password": "r" * 20, "grafana_admin_password": "g" * 20, "token_keys": {"k": "s" * 43}}
+    base = {
+        "redis_password": "r" * 20,
+        "grafana_admin_password": "g" * 20,
+        "token_keys": {"k": "s" * 43},
+        "app_token_keys": {"a": "t" * 43},
+    }
     files = secret_files(profile, NodeSecrets(**base))
     assert files[SECRET_FILES["turnserver_conf"]].startswith(b"# relay.enabled is false")
     assert b"DUPLEX_TURN_SECRET" not in files[SECRET_FILES["runtime_env"]]

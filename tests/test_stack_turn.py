@@ -71,6 +71,7 @@ def test_what_the_key_accepts_the_node_accepts(value: str) -> None:
             redis_password="p" * 16,
             grafana_admin_password="g" * 16,
             token_keys={"k": "s" * 32},
+            app_token_keys={"a": "t" * 32},
             turn_secret=value,
         )
         node_accepts = True

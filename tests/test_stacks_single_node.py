@@ -55,9 +55,9 @@ GCE_INVENTORY = {
     "gcp:artifactregistry/repository:Repository": 1,
     "docker-build:index:Image": 1,
     "duplexops:components:StackSecrets": 1,
-    "random:index/randomPassword:RandomPassword": 4,
-    "gcp:secretmanager/secret:Secret": 9,  # secrets/events-consumer.env: the 9th
-    "gcp:secretmanager/secretVersion:SecretVersion": 9,
+    "random:index/randomPassword:RandomPassword": 5,  # the application-token key: the 5th
+    "gcp:secretmanager/secret:Secret": 10,  # secrets/events-consumer.env: the 9th; app_token_keys.json
+    "gcp:secretmanager/secretVersion:SecretVersion": 10,
     "duplexops:components:GceGpuNode": 1,
     "gcp:compute/network:Network": 1,
     "gcp:compute/subnetwork:Subnetwork": 1,
@@ -66,7 +66,7 @@ GCE_INVENTORY = {
     "gcp:serviceaccount/account:Account": 1,
     "gcp:projects/iAMMember:IAMMember": 2,
     "gcp:artifactregistry/repositoryIamMember:RepositoryIamMember": 1,
-    "gcp:secretmanager/secretIamMember:SecretIamMember": 9,
+    "gcp:secretmanager/secretIamMember:SecretIamMember": 10,
     "gcp:compute/instance:Instance": 1,
     "gcp:compute/disk:Disk": 1,
 }
@@ -79,7 +79,7 @@ SPOT_EXTRAS = {
 """What a Spot node (dev) has more: the job that starts it again after a preemption."""
 ONPREM_INVENTORY = {
     "duplexops:components:StackSecrets": 1,
-    "random:index/randomPassword:RandomPassword": 4,
+    "random:index/randomPassword:RandomPassword": 5,
     "duplexops:components:OnPremNode": 1,
     "command:remote:Command": 7,
     "command:remote:CopyToRemote": 1,
@@ -371,12 +371,17 @@ def test_secret_manager_holds_the_node_secrets(runs: dict[str, StackRun], stack:
         "secrets-redis-password": 32,
         "secrets-grafana-admin-password": 32,
         "secrets-token-signing-key": 48,
+        "secrets-app-token-signing-key": 48,
         "secrets-turn-secret": 48,
     }
     assert all(r.plain["special"] is False for r in generated)
-    [token_secret] = [pulumi_harness._mock_password(r.name) for r in generated if "token" in r.name]
+    token_secret = pulumi_harness._mock_password("secrets-token-signing-key")
+    app_secret = pulumi_harness._mock_password("secrets-app-token-signing-key")
     prefix = run.outputs["node"]["instance"].removesuffix("-node")
     assert json.loads(payloads["secrets-token-keys-version"]) == {f"{prefix}-1": token_secret}
+    # The sessions API's keys are not the session keys (issue 34, item 8).
+    assert json.loads(payloads["secrets-app-token-keys-version"]) == {f"{prefix}-app-1": app_secret}
+    assert app_secret != token_secret
 
 
 def test_configured_passwords_are_used_and_stay_secret(tmp_path: Path) -> None:
@@ -387,9 +392,10 @@ def test_configured_passwords_are_used_and_stay_secret(tmp_path: Path) -> None:
         "hfToken": "hf_FromConfig0123456789",
     }
     run = run_stack("dev", secrets=given, build_dir=tmp_path)
-    # Only the TURN secret is generated whatever is configured (no key for it: nobody outside needs it).
+    # Only the TURN secret and the application-token key are generated whatever is configured (no stack
+    # key for them yet).
     generated = run.of_type("random:index/randomPassword:RandomPassword")
-    assert [r.name for r in generated] == ["secrets-turn-secret"]
+    assert [r.name for r in generated] == ["secrets-app-token-signing-key", "secrets-turn-secret"]
     versions = {v.name: v for v in run.of_type("gcp:secretmanager/secretVersion:SecretVersion")}
     assert versions["secrets-redis-password-version"].plain["secretData"] == given["redisPassword"]
     assert (

@@ -610,6 +610,7 @@ def test_node_secrets_carry_a_signing_key_the_runtime_reads(
     # The runtime, started in the node directory with these settings, loads the key.
     (tmp_path / "secrets").mkdir()
     (tmp_path / SECRET_FILES["token_keys"]).write_bytes(files[SECRET_FILES["token_keys"]])
+    (tmp_path / SECRET_FILES["app_token_keys"]).write_bytes(files[SECRET_FILES["app_token_keys"]])
     monkeypatch.chdir(tmp_path)
     config = RuntimeConfig(
         **{k.removeprefix("DUPLEX_").lower(): v for k, v in settings.items()},
@@ -622,6 +623,29 @@ def test_node_secrets_carry_a_signing_key_the_runtime_reads(
     assert TokenVerifier(config.signing_keys(), config.token_audience).verify(token).kid == kid
     assert config.allowed_origins == [f"https://localhost:{profile.ports.https}"]
     assert runtime_settings(PROFILES["l40s"])["DUPLEX_TOKEN_KEYS_FILE"] == "/run/secrets/token_keys"
+    # The sessions API's keys are the node's own, not the session keys (issue 34, item 8): an application
+    # token minted with the session key is refused, one minted with the application key read.
+    from runtime.frontend.gate.app_tokens import mint_app_token, verify_app_token
+    from runtime.frontend.gate.tokens import TokenRejected
+    from runtime.frontend.gate.verifiers import app_token_verifier
+
+    assert settings["DUPLEX_APP_TOKEN_KEYS_FILE"] == SECRET_FILES["app_token_keys"]
+    assert set(node_secrets.app_token_keys).isdisjoint(node_secrets.token_keys)
+    app_verifier = app_token_verifier(config)
+    assert app_verifier is not None
+    app_key, session_key = node_secrets.app_signing_keys()[0], node_secrets.signing_keys()[0]
+    good = mint_app_token(app_key, ttl_s=60, audience=token_audience(profile))
+    assert verify_app_token(app_verifier, good, "sessions:read").kid == app_key.kid
+    forged = mint_app_token(session_key, ttl_s=60, audience=token_audience(profile))
+    with pytest.raises(TokenRejected):
+        verify_app_token(app_verifier, forged, "sessions:read")
+    with pytest.raises(ValueError, match="must not be a session key"):
+        NodeSecrets(
+            redis_password="p" * 20,
+            grafana_admin_password="g" * 20,
+            token_keys={kid: secret},
+            app_token_keys={"app": secret},
+        )
 
 
 def test_an_application_token_past_the_lifetime_cap_is_refused() -> None:

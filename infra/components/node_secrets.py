@@ -62,6 +62,8 @@ class StackSecretsArgs:
         redis_password, grafana_admin_password: given values (secret Outputs), or None to generate.
         token_keys: the session-token signing keys as JSON ``{"kid": "secret"}`` (secret Output), or None to
             generate one key.
+        app_token_keys: the application-token (sessions API) signing keys, the same form, never a session
+            key (``NodeSecrets`` refuses one), or None to generate one key.
         hf_token: the Hugging Face token (secret Output), or None.
         turn_secret: the TURN REST shared secret (secret Output), or None to generate one (where the
             profile's relay is on; ignored where it is off).
@@ -78,6 +80,7 @@ class StackSecretsArgs:
     redis_password: pulumi.Input[str] | None = None
     grafana_admin_password: pulumi.Input[str] | None = None
     token_keys: pulumi.Input[str] | None = None
+    app_token_keys: pulumi.Input[str] | None = None
     hf_token: pulumi.Input[str] | None = None
     turn_secret: pulumi.Input[str] | None = None
     turn_secret_previous: pulumi.Input[str] | None = None
@@ -94,6 +97,7 @@ class StackSecrets(pulumi.ComponentResource):
     redis_password: pulumi.Output[str] | None
     grafana_admin_password: pulumi.Output[str]
     token_keys: pulumi.Output[str]
+    app_token_keys: pulumi.Output[str]
     turn_secret: pulumi.Output[str] | None
     turn_secret_previous: pulumi.Output[str] | None
     hf_token: pulumi.Output[str] | None
@@ -117,6 +121,14 @@ class StackSecrets(pulumi.ComponentResource):
             kid = f"{args.name_prefix}-1"
             key = self._password(name, "token-signing-key", None, deps, length=TOKEN_KEY_LENGTH)
             self.token_keys = pulumi.Output.secret(key.apply(lambda secret: json.dumps({kid: secret})))
+        if args.app_token_keys is not None:
+            self.app_token_keys = pulumi.Output.secret(args.app_token_keys)
+        else:
+            app_kid = f"{args.name_prefix}-app-1"
+            app_key = self._password(name, "app-token-signing-key", None, deps, length=TOKEN_KEY_LENGTH)
+            self.app_token_keys = pulumi.Output.secret(
+                app_key.apply(lambda secret: json.dumps({app_kid: secret}))
+            )
         self.hf_token = None if args.hf_token is None else pulumi.Output.secret(args.hf_token)
         self.turn_secret = None
         self.turn_secret_previous = None
@@ -132,12 +144,13 @@ class StackSecrets(pulumi.ComponentResource):
         alert_roles = sorted(args.alert_secrets)
 
         def render(values: list[str | None]) -> dict[str, str]:
-            redis, grafana, keys, token, turn, turn_previous, *alerts = values
-            assert redis is not None and grafana is not None and keys is not None
+            redis, grafana, keys, app_keys, token, turn, turn_previous, *alerts = values
+            assert redis is not None and grafana is not None and keys is not None and app_keys is not None
             node_secrets = NodeSecrets(
                 redis_password=redis,
                 grafana_admin_password=grafana,
                 token_keys=json.loads(keys),
+                app_token_keys=json.loads(app_keys),
                 turn_secret=turn,
                 turn_secret_previous=turn_previous,
                 **dict(zip(alert_roles, alerts, strict=True)),
@@ -160,6 +173,7 @@ class StackSecrets(pulumi.ComponentResource):
                 self.redis_password,
                 self.grafana_admin_password,
                 self.token_keys,
+                self.app_token_keys,
                 token_input,
                 turn_input,
                 self.turn_secret_previous,

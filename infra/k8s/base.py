@@ -37,6 +37,7 @@ __all__ = [
     "SECRET_KEYS",
     "SECRET_NAME",
     "TOKEN_KEYS_PATH",
+    "APP_TOKEN_KEYS_PATH",
     "WEIGHTS_JOB",
     "WEIGHTS_MARKER",
     "WEIGHTS_SERVICE_ACCOUNT",
@@ -86,6 +87,7 @@ SECRET_KEYS = {
     "redis_url": "redis-url",
     "redis_password": "redis-password",
     "token_keys": "token_keys.json",
+    "app_token_keys": "app_token_keys.json",
     "hf_token": "hf-token",
 }
 """Keys of ``SECRET_NAME``'s ``stringData``, by role."""
@@ -107,6 +109,9 @@ SECRETS_DIR = "/etc/duplex/secrets"
 
 TOKEN_KEYS_PATH = f"{SECRETS_DIR}/token_keys.json"
 """``DUPLEX_TOKEN_KEYS_FILE`` in the runtime container (the Secret's key, mounted as a file)."""
+
+APP_TOKEN_KEYS_PATH = f"{SECRETS_DIR}/app_token_keys.json"
+"""``DUPLEX_APP_TOKEN_KEYS_FILE`` in the runtime container: the sessions API's signing keys (issue 34)."""
 
 
 MODELS_MOUNT = "/models"
@@ -243,6 +248,8 @@ class RegionWorkload:
             build it here from host, port and password.
         redis_ca_certificate: Memorystore's server CA (PEM).
         token_keys_json: the session-token signing keys, JSON ``{"kid": "secret"}`` (secret).
+        app_token_keys_json: the application-token (sessions API) signing keys, the same form, other keys
+            (secret); None: the pods' sessions API answers ``api_off``.
         hf_token: Hugging Face token (secret) for gated repositories, or None.
         weights_bucket: the region's model bucket (name).
         runtime_service_account: Google service account (email) of the runtime pods (reads the bucket).
@@ -306,6 +313,7 @@ class RegionWorkload:
     recordings_bucket: Any = None
     turn_address: Any = None
     turn_secret_previous: Any = field(default=None, repr=False)
+    app_token_keys_json: Any = field(default=None, repr=False)
     turn_tls_secret: str | None = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8

@@ -12,6 +12,7 @@ from typing import Any
 
 from infra.k8s.base import (
     APP_NAME,
+    APP_TOKEN_KEYS_PATH,
     GCSFUSE_ANNOTATIONS,
     GCSFUSE_CACHE_LIMIT,
     MODELS_MOUNT,
@@ -145,6 +146,8 @@ def runtime_secret(workload: RegionWorkload) -> dict[str, Any]:
         SECRET_KEYS["redis_password"]: workload.redis_password,
         SECRET_KEYS["token_keys"]: workload.token_keys_json,
     }
+    if workload.app_token_keys_json is not None:  # DUPLEX_APP_TOKEN_KEYS_FILE: the sessions API's keys
+        data[SECRET_KEYS["app_token_keys"]] = workload.app_token_keys_json
     if workload.hf_token is not None:
         data[SECRET_KEYS["hf_token"]] = workload.hf_token
     if workload.turn_secret is not None:  # DUPLEX_TURN_SECRET (infra.k8s.turn)
@@ -200,6 +203,7 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
         "DUPLEX_TURN_TTL_S",
         "DUPLEX_RTC_RELAY_NETS",
         "DUPLEX_RTC_ALLOWED_CANDIDATE_NETS",
+        "DUPLEX_APP_TOKEN_KEYS_FILE",  # the node's path; the pods' is APP_TOKEN_KEYS_PATH (below)
     ):
         settings.pop(name, None)
     settings.update(
@@ -207,6 +211,11 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             "DUPLEX_HOST": "0.0.0.0",
             "DUPLEX_DRAIN_GRACE_S": str(drain_seconds(workload.profile)),
             "DUPLEX_TOKEN_KEYS_FILE": TOKEN_KEYS_PATH,
+            **(
+                {}
+                if workload.app_token_keys_json is None
+                else {"DUPLEX_APP_TOKEN_KEYS_FILE": APP_TOKEN_KEYS_PATH}
+            ),
             "DUPLEX_WEIGHTS": weights_dir(workload),
             # A CPU request is a quota, not a cpuset: the runtime cannot see it, so the worker count is set.
             "DUPLEX_WORKERS": str(RUNTIME_FRONTEND_WORKERS),
@@ -389,7 +398,11 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
                             "secret": {
                                 "secretName": SECRET_NAME,
                                 "defaultMode": 0o440,
-                                "items": [{"key": SECRET_KEYS["token_keys"], "path": "token_keys.json"}],
+                                "items": [
+                                    {"key": SECRET_KEYS[role], "path": SECRET_KEYS[role]}
+                                    for role in ("token_keys", "app_token_keys")
+                                    if role == "token_keys" or workload.app_token_keys_json is not None
+                                ],
                             },
                         },
                         {"name": "redis-ca", "configMap": {"name": REDIS_CA_CONFIGMAP, "defaultMode": 0o444}},

@@ -294,7 +294,7 @@ def bring_up_and_check(
         say(f"dropping one resumable session's TCP connection through {node.wss_url} and resuming it")
         _wait_until_quiet(node.runtime_url, QUIET_TIMEOUT_S)
         app_token = mint_app_token(
-            node.secrets.signing_keys()[0], ttl_s=300, audience=token_audience(node.profile)
+            node.secrets.app_signing_keys()[0], ttl_s=300, audience=token_audience(node.profile)
         )
         check.resume = asyncio.run(
             check_resume(

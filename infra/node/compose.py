@@ -35,6 +35,7 @@ from infra.node.coturn import coturn_args
 from infra.node.profile import NodeProfile
 from infra.node.prometheus import prometheus_args
 from infra.node.services import (
+    APP_TOKEN_KEYS_CONTAINER_PATH,
     OPTIONAL_SECRET_FILES,
     SECRET_FILES,
     TOKEN_KEYS_CONTAINER_PATH,
@@ -103,7 +104,14 @@ _MODELS_DIR = "/models"
 _SECRETS_MOUNT = "/run/secrets"
 
 CONTAINER_READ_SECRETS: frozenset[str] = frozenset(
-    {"redis_auth_conf", "redis_password", "grafana_admin_password", "token_keys", "turnserver_conf"}
+    {
+        "redis_auth_conf",
+        "redis_password",
+        "grafana_admin_password",
+        "token_keys",
+        "app_token_keys",
+        "turnserver_conf",
+    }
 )
 """Roles of ``SECRET_FILES`` that a container opens itself (bind-mounted): they must be ``root:root``
 mode 0640 on the host (the reading containers run with group 0). The others (``runtime_env``,
@@ -181,6 +189,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
             "grafana_admin_password": {"file": "./" + SECRET_FILES["grafana_admin_password"]},
             "redis_password": {"file": "./" + SECRET_FILES["redis_password"]},
             "token_keys": {"file": "./" + SECRET_FILES["token_keys"]},
+            "app_token_keys": {"file": "./" + SECRET_FILES["app_token_keys"]},
             **{role: {"file": "./" + OPTIONAL_SECRET_FILES[role]} for role in optional_secret_roles(profile)},
         },
     }
@@ -237,7 +246,11 @@ def _runtime(profile: NodeProfile) -> dict[str, Any]:
         "depends_on": {"redis": {"condition": "service_healthy"}},
         "env_file": ["./" + SECRET_FILES["runtime_env"]],
         "environment": environment,
-        "secrets": [posixpath.basename(TOKEN_KEYS_CONTAINER_PATH)],  # DUPLEX_TOKEN_KEYS_FILE
+        # DUPLEX_TOKEN_KEYS_FILE, DUPLEX_APP_TOKEN_KEYS_FILE
+        "secrets": [
+            posixpath.basename(TOKEN_KEYS_CONTAINER_PATH),
+            posixpath.basename(APP_TOKEN_KEYS_CONTAINER_PATH),
+        ],
         "volumes": [f"{profile.model_cache_dir}:{_MODELS_DIR}"],
         "stop_signal": "SIGTERM",
         "stop_grace_period": f"{runtime_stop_grace_s(profile)}s",

@@ -82,6 +82,7 @@ SECRET_FILES = {
     "events_consumer_env": "secrets/events-consumer.env",
     "grafana_admin_password": "secrets/grafana_admin_password",
     "token_keys": "secrets/token_keys.json",
+    "app_token_keys": "secrets/app_token_keys.json",
     "turnserver_conf": "secrets/turnserver.conf",
 }
 """What ``secret_files`` writes, by role: the Redis ``admin`` user's password alone; the Redis users
@@ -91,7 +92,10 @@ SECRET_FILES = {
 events stream: docs/sessions-api.md, "Events"); Grafana's admin
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
 ``{"kid": "secret", ...}``, which the runtime reads (``DUPLEX_TOKEN_KEYS_FILE``) and the application
-backend mints with (``duplex token mint --key-file``, ``runtime.frontend.gate.tokens.mint_token``); coturn's
+backend mints with (``duplex token mint --key-file``, ``runtime.frontend.gate.tokens.mint_token``); the
+application-token signing keys, the same JSON form but other keys (``DUPLEX_APP_TOKEN_KEYS_FILE``: the
+sessions API's tokens, ``duplex token mint --app --key-file``; issue 34, item 8: what mints caller tokens
+cannot mint one that reads or erases every session); coturn's
 whole configuration (``infra.node.coturn``), which holds the TURN secret the runtime also gets in
 ``runtime.env`` (``DUPLEX_TURN_SECRET``), or a comment where the relay is off."""
 
@@ -107,6 +111,8 @@ _TURN_SECRET_RE = re.compile(r"[A-Za-z0-9_-]{32,256}")
 
 TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
 """Where a ``compose`` node's runtime container reads ``secrets/token_keys.json`` (a Compose secret)."""
+APP_TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/app_token_keys"
+"""Where a ``compose`` node's runtime container reads ``secrets/app_token_keys.json`` (a Compose secret)."""
 
 
 def endpoint(profile: NodeProfile, service: Service) -> str:
@@ -169,7 +175,9 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
     from the node directory, its working directory, in a ``processes`` deployment; from the Compose secret
     ``TOKEN_KEYS_CONTAINER_PATH`` in a container), for ``token_audience(profile)``, single-use (checked in
     the node's Redis, refusing while Redis is down); browser pages only from ``public_origin(profile)``."""
-    keys_file = SECRET_FILES["token_keys"] if profile.deployment == "processes" else TOKEN_KEYS_CONTAINER_PATH
+    local = profile.deployment == "processes"
+    keys_file = SECRET_FILES["token_keys"] if local else TOKEN_KEYS_CONTAINER_PATH
+    app_keys_file = SECRET_FILES["app_token_keys"] if local else APP_TOKEN_KEYS_CONTAINER_PATH
     settings = {
         "DUPLEX_HOST": profile.private_address if profile.deployment == "processes" else "0.0.0.0",
         "DUPLEX_PORT": str(profile.ports.runtime),
@@ -182,6 +190,7 @@ def runtime_settings(profile: NodeProfile) -> dict[str, str]:
         "DUPLEX_TRANSCRIPT_TTL_S": str(profile.retention.transcript_ttl_hours * 3600),
         "DUPLEX_AUTH_MODE": "token",
         "DUPLEX_TOKEN_KEYS_FILE": keys_file,
+        "DUPLEX_APP_TOKEN_KEYS_FILE": app_keys_file,
         "DUPLEX_TOKEN_AUDIENCE": token_audience(profile),
         "DUPLEX_TOKEN_REPLAY_CHECK": "redis",
         "DUPLEX_ALLOWED_ORIGINS": public_origin(profile),
@@ -222,6 +231,8 @@ class NodeSecrets:
 
     ``token_keys``: the session-token signing keys, ``{kid: secret}`` (at least one; several during a
     rotation; ``duplex token keygen`` makes one). Required: a node without keys refuses every session.
+    ``app_token_keys``: the application-token signing keys (the sessions API's), the same form, none of
+    them a session key (a kid or a secret shared with ``token_keys`` is refused). Required too.
     ``alert_email_password``, ``alert_pagerduty_routing_key``: the alert receivers' secrets, where the
     profile's ``alerting`` uses them (``OPTIONAL_SECRET_FILES``).
     ``turn_secret``: the TURN REST shared secret of the relay (coturn's ``static-auth-secret``, the
@@ -233,6 +244,7 @@ class NodeSecrets:
     redis_password: str = field(repr=False)
     grafana_admin_password: str = field(repr=False)
     token_keys: dict[str, str] = field(default_factory=dict, repr=False)
+    app_token_keys: dict[str, str] = field(default_factory=dict, repr=False)
     alert_email_password: str | None = field(default=None, repr=False)
     alert_pagerduty_routing_key: str | None = field(default=None, repr=False)
     turn_secret: str | None = field(default=None, repr=False)
@@ -252,6 +264,19 @@ class NodeSecrets:
                 "(`duplex token keygen` makes one)"
             )
         self.signing_keys()  # kids and secret lengths
+        if not self.app_token_keys:
+            raise ValueError(
+                "app_token_keys needs at least one application-token signing key {kid: secret}, other than "
+                "the session keys (`duplex token keygen` makes one)"
+            )
+        self.app_signing_keys()
+        shared = set(self.app_token_keys) & set(self.token_keys)
+        shared |= {k for k, v in self.app_token_keys.items() if v in self.token_keys.values()}
+        if shared:
+            raise ValueError(
+                f"app_token_keys {sorted(shared)}: an application key must not be a session key (kid or "
+                "secret): whatever mints caller tokens could then mint one that reads every session"
+            )
         for name in ("turn_secret", "turn_secret_previous"):
             value = getattr(self, name)
             if value is not None and not _TURN_SECRET_RE.fullmatch(value):
@@ -265,15 +290,21 @@ class NodeSecrets:
         with)."""
         return [SigningKey(kid, secret) for kid, secret in self.token_keys.items()]
 
+    def app_signing_keys(self) -> list[SigningKey]:
+        """``app_token_keys`` as ``SigningKey`` objects (the first is the one to mint with)."""
+        return [SigningKey(kid, secret) for kid, secret in self.app_token_keys.items()]
+
     @classmethod
     def generate(cls) -> NodeSecrets:
         """Fresh random secrets: 32 URL-safe characters each (192 bits); one token signing key (256 bits);
         a TURN secret of 43 URL-safe characters (256 bits)."""
         key = generate_signing_key()
+        app_key = generate_signing_key(f"app-{_stdlib_secrets.token_hex(4)}")
         return cls(
             redis_password=_stdlib_secrets.token_urlsafe(24),
             grafana_admin_password=_stdlib_secrets.token_urlsafe(24),
             token_keys={key.kid: key.secret.decode()},
+            app_token_keys={app_key.kid: app_key.secret.decode()},
             turn_secret=_stdlib_secrets.token_urlsafe(32),
         )
 
@@ -327,6 +358,7 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
         SECRET_FILES["events_consumer_env"]: events_env.encode(),
         SECRET_FILES["grafana_admin_password"]: node_secrets.grafana_admin_password.encode(),
         SECRET_FILES["token_keys"]: (json.dumps(node_secrets.token_keys, indent=2) + "\n").encode(),
+        SECRET_FILES["app_token_keys"]: (json.dumps(node_secrets.app_token_keys, indent=2) + "\n").encode(),
         SECRET_FILES["turnserver_conf"]: turnserver_conf.encode(),
     }
     return files | optional

@@ -311,6 +311,7 @@ def _region(
         redis_password=pulumi.Output.secret(gke.redis.auth_string),
         redis_ca_certificate=gke.redis.server_ca_certs.apply(ca_bundle),
         token_keys_json=secrets.token_keys,
+        app_token_keys_json=secrets.app_token_keys,
         hf_token=secrets.hf_token,
         weights_bucket=gke.weights_bucket.name,
         runtime_service_account=gke.runtime_service_account.email,

@@ -198,7 +198,12 @@ class _Keys(BaseModel):
             return None
         try:
             text = value.get_secret_value()
-            NodeSecrets(redis_password=text, grafana_admin_password=text, token_keys={"check": "x" * 64})
+            NodeSecrets(
+                redis_password=text,
+                grafana_admin_password=text,
+                token_keys={"check": "x" * 64},
+                app_token_keys={"check-app": "y" * 64},
+            )
         except ValueError as exc:
             rule = str(exc).split(" must ", 1)[-1]
             raise problem(
