@@ -180,3 +180,109 @@ def test_reload_script_refuses_what_it_cannot_quote() -> None:
         tls_reload_script("/etc/coturn/tls/tls.crt", "/tmp/turnserver.pid", 0)
     with pytest.raises(ValueError, match="an absolute path"):
         tls_reload_script("/etc/coturn/tls/$(reboot).crt", "/tmp/turnserver.pid")
+
+
+# --- the relay's egress (issue 34, item 9) --------------------------------------------------------------
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A label selector (``matchLabels`` only, as the project renders) against a pod's labels."""
+    assert set(selector) <= {"matchLabels"}, f"unsupported selector: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _egress_allowed(
+    policies: list[dict], source: dict[str, str], namespace: str, peer: dict, protocol: str, port: int
+) -> bool:
+    """Whether Kubernetes lets a pod (``source`` labels, in ``namespace``) send to ``peer`` (``{"ip": ...}``
+    or ``{"namespace", "labels", "ip"}``) on ``protocol``/``port``, under ``policies`` (networking.k8s.io/v1
+    semantics: a pod no Egress policy selects may send anywhere; once selected, only what some rule of some
+    selecting policy allows: peers by ``podSelector`` (the policy's namespace when no ``namespaceSelector``)
+    or ``ipBlock``, ports by protocol, ``port`` and ``endPort``)."""
+    selecting = [
+        p
+        for p in policies
+        if p["metadata"].get("namespace", namespace) == namespace
+        and "Egress" in p["spec"].get("policyTypes", [])
+        and _selects(p["spec"]["podSelector"], source)
+    ]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("egress", []):
+            to_ok = not rule.get("to") or any(_peer_matches(t, peer, namespace) for t in rule["to"])
+            ports_ok = not rule.get("ports") or any(
+                p.get("protocol", "TCP") == protocol and p["port"] <= port <= p.get("endPort", p["port"])
+                for p in rule["ports"]
+            )
+            if to_ok and ports_ok:
+                return True
+    return False
+
+
+def _peer_matches(to: dict, peer: dict, namespace: str) -> bool:
+    import ipaddress
+
+    if "ipBlock" in to:
+        block = to["ipBlock"]
+        ip = ipaddress.ip_address(peer["ip"])
+        inside = ip in ipaddress.ip_network(block["cidr"])
+        return inside and not any(ip in ipaddress.ip_network(e) for e in block.get("except", []))
+    assert "namespaceSelector" not in to, "the evaluator reads same-namespace pod selectors only"
+    return (
+        "labels" in peer
+        and peer.get("namespace") == namespace
+        and _selects(to["podSelector"], peer["labels"])
+    )
+
+
+def test_the_relay_may_reach_the_runtime_pods_media_ports_and_nothing_else() -> None:
+    """Issue 34, item 9: GKE's relay peers were the whole pod range (kube-dns reachable through TURN).
+    Read from the rendered objects: the coturn pods' labels from their DaemonSet, the runtime's from its
+    Deployment, and every NetworkPolicy of the region."""
+    from infra.k8s.turn import TURN_EGRESS_POLICY
+
+    workload = make_workload(turn_secret=TURN_SECRET, turn_peer_ranges=POD_RANGES)
+    objects = region_objects(workload)
+    namespace = workload.namespace
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    assert [p["metadata"]["name"] for p in policies] == [TURN_EGRESS_POLICY]
+    coturn = one(objects, "DaemonSet", TURN_NAME)["spec"]["template"]["metadata"]["labels"]
+    runtime = one(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    grafana = {
+        "app.kubernetes.io/name": "grafana",
+        "app.kubernetes.io/part-of": runtime["app.kubernetes.io/part-of"],
+    }
+    cases = [
+        ({"namespace": namespace, "labels": runtime, "ip": "10.4.1.7"}, "UDP", 40000, True),  # media
+        ({"namespace": namespace, "labels": runtime, "ip": "10.4.1.7"}, "UDP", 1024, True),
+        ({"namespace": namespace, "labels": runtime, "ip": "10.4.1.7"}, "TCP", 8998, False),  # its HTTP
+        ({"namespace": namespace, "labels": runtime, "ip": "10.4.1.7"}, "UDP", 53, False),
+        (
+            {"namespace": "kube-system", "labels": {"k8s-app": "kube-dns"}, "ip": "10.4.0.10"},
+            "UDP",
+            53,
+            False,
+        ),
+        ({"namespace": namespace, "labels": grafana, "ip": "10.4.2.3"}, "TCP", 3000, False),
+        ({"namespace": namespace, "labels": grafana, "ip": "10.4.2.3"}, "UDP", 40000, False),
+        ({"namespace": "gmp-system", "labels": {"app": "collector"}, "ip": "10.4.3.3"}, "TCP", 9090, False),
+        ({"ip": "169.254.169.254"}, "TCP", 80, False),  # the metadata server
+        ({"ip": "10.128.0.2"}, "UDP", 40000, False),  # a VM of the VPC
+    ]
+    verdicts = [
+        _egress_allowed(policies, coturn, namespace, peer, proto, port) for peer, proto, port, _ in cases
+    ]
+    assert verdicts == [allowed for *_, allowed in cases]
+    # The evaluator is not vacuous: without the policy the relay's pod may send anywhere.
+    assert all(_egress_allowed([], coturn, namespace, peer, proto, port) for peer, proto, port, _ in cases)
+    assert validate_manifests(policies) == []
+
+
+def test_the_clusters_run_dataplane_v2_which_enforces_network_policy() -> None:
+    import inspect
+
+    from infra.components import gke_parts
+
+    source = inspect.getsource(gke_parts)
+    assert 'datapath_provider="ADVANCED_DATAPATH"' in source
