@@ -268,6 +268,13 @@ class RuntimeConfig(BaseSettings):
         "X-Forwarded-For's second-to-last entry, the one the front end appended; X-Real-IP is a client's "
         "header then and is ignored)",
     )
+    url_secrets: Literal["allow", "refuse"] = Field(
+        "allow",
+        description="refuse: a session request whose URL carries token=, resume= or text_prompt= is refused "
+        "400 bad_request naming where each goes instead (a header, a subprotocol, the first message), for "
+        "deployments whose load balancer logs full URLs (GKE's: Cloud Logging; issue 34, item 9); allow: "
+        "accepted, as older clients send them",
+    )
     metrics_cache_s: float = Field(
         1.0, ge=0, le=60, description="/metrics reuses its last rendering for this long (0: render each time)"
     )

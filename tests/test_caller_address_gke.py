@@ -40,6 +40,9 @@ def test_the_stack_trusts_googles_front_ends_and_their_header_only() -> None:
     env = {e["name"]: e.get("value") for e in runtime_env(make_workload())}
     assert env["DUPLEX_TRUSTED_PROXIES"].split(",") == list(GOOGLE_FRONT_END_RANGES)
     assert env["DUPLEX_FORWARDED_BY"] == "google-lb"
+    # Its load balancer logs full URLs to Cloud Logging: secrets in URLs are refused (issue 34, item 9).
+    assert env["DUPLEX_URL_SECRETS"] == "refuse"
+    assert RuntimeConfig(url_secrets=env["DUPLEX_URL_SECRETS"]).url_secrets == "refuse"
 
 
 def test_distinct_callers_behind_one_front_end_are_distinct_clients() -> None:

@@ -321,3 +321,83 @@ async def test_a_carrier_runs_the_gate_in_two_steps_each_refusal_counted_once() 
         ("duplex_resume_refused_total", "origin_not_allowed"): 1.0,
     }
     await access.close()
+
+
+# --- secrets in URLs (issue 34, item 9) -----------------------------------------------------------------
+
+URL_SECRET_QUERIES = {
+    "token": "token=" + token(),
+    "resume": "resume=" + CREDENTIAL,
+    "text_prompt": "text_prompt=You+are+Ada%2C+the+bank%27s+fraud+agent",
+}
+
+
+@pytest.mark.parametrize("route", ["chat", "rtc"])
+@pytest.mark.parametrize("name", list(URL_SECRET_QUERIES))
+async def test_with_url_secrets_refused_a_secret_in_the_url_is_a_400_naming_where_it_goes(
+    route: str, name: str, offer_sdp: str
+) -> None:
+    """``DUPLEX_URL_SECRETS=refuse`` (the multi-region stack: Google's load balancer logs full URLs): each
+    secret-carrying parameter refused before any upgrade or slot, 400 ``bad_request`` naming it and where
+    it goes instead, counted once (a ``resume=`` as a resume's refusal)."""
+    from runtime.frontend.gate.admission import URL_SECRETS
+
+    case = Case("bad_request", {"url_secrets": "refuse"}, query=URL_SECRET_QUERIES[name])
+    backend = FakeBackend()
+    async with fake_node(backend, **case.settings) as server:
+        before = counters(server)
+        if route == "chat":
+            answer, text = await attempt_chat(server, case, None, resume=False)
+        else:
+            answer, text = await attempt_rtc(server, case, None, False, offer_sdp)
+        after = counters(server)
+    assert answer == "http 400", (answer, text)
+    assert text.startswith(f"bad_request: bad request: {name}= in the URL"), text
+    assert URL_SECRETS[name].split(",")[0] in text
+    counter = COUNTERS[1] if name == "resume" else COUNTERS[0]
+    assert moved(before, after) == {(counter, "bad_request"): 1.0}, moved(before, after)
+    assert backend.requests == []
+
+
+async def test_with_url_secrets_refused_the_prompt_comes_as_a_message_or_a_header(offer_sdp: str) -> None:
+    """The same node admits the prompt where it is not logged: the first 0x04 message on ``/api/chat``
+    (``text_prompt_in=metadata``) and the ``Duplex-Text-Prompt`` header (percent-encoded UTF-8) on
+    ``/api/rtc``; with ``allow`` the query still works (older clients)."""
+    from urllib.parse import quote
+
+    from runtime.frontend.gate.query import TEXT_PROMPT_HEADER
+
+    prompt = "Vous êtes Ada, l'agente anti-fraude de la banque."
+    backend = FakeBackend()
+    async with fake_node(backend, url_secrets="refuse") as server:
+        url = f"ws://127.0.0.1:{server.port}/api/chat?format=pcm&text_prompt_in=metadata"
+        async with connect(url) as ws:
+            await ws.send(bytes([MessageKind.METADATA]) + json.dumps({"text_prompt": prompt}).encode())
+            assert await ws.recv() == bytes([MessageKind.HANDSHAKE])
+        assert backend.requests[-1].text_prompt == prompt
+        headers = {"Content-Type": "application/sdp", TEXT_PROMPT_HEADER: quote(prompt)}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"http://127.0.0.1:{server.port}/api/rtc", data=offer_sdp.encode(), headers=headers
+            ) as answer,
+        ):
+            assert answer.status == 201, await answer.text()
+            location = answer.headers["Location"]
+            assert backend.requests[-1].text_prompt == prompt
+            async with http.delete(f"http://127.0.0.1:{server.port}{location}") as hang_up:
+                assert hang_up.status == 200
+        for bad, words in (("%FF%FE", "not percent-encoded UTF-8"),):
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    f"http://127.0.0.1:{server.port}/api/rtc",
+                    data=offer_sdp.encode(),
+                    headers={"Content-Type": "application/sdp", TEXT_PROMPT_HEADER: bad},
+                ) as refused,
+            ):
+                assert refused.status == 400 and words in await refused.text()
+    async with fake_node(FakeBackend(), url_secrets="allow") as server:
+        url = f"ws://127.0.0.1:{server.port}/api/chat?format=pcm&text_prompt=Be+kind"
+        async with connect(url) as ws:
+            assert await ws.recv() == bytes([MessageKind.HANDSHAKE])

@@ -223,6 +223,9 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             # those peers only, and only the X-Forwarded-For entry they append (issue 34, item 9).
             "DUPLEX_TRUSTED_PROXIES": ",".join(GOOGLE_FRONT_END_RANGES),
             "DUPLEX_FORWARDED_BY": "google-lb",
+            # Google's load balancer logs full request URLs to Cloud Logging: no secret in a URL (issue 34,
+            # item 9): a token, resume credential or text prompt there is refused, naming where it goes.
+            "DUPLEX_URL_SECRETS": "refuse",
         }
     )
     env: list[dict[str, Any]] = []

@@ -24,10 +24,12 @@ import {
   decodeMessage,
   describe,
   encodeAudio,
+  encodeMetadata,
   encodePing,
   readToken,
   reasonOfClose,
   reasonOfError,
+  textPromptOf,
 } from "./protocol.js";
 import { Player } from "./player.js";
 import { RTC_STATS, closeRtc, connectRtc, dropRtc, readRtcStats, transportOptions } from "./rtc.js";
@@ -325,6 +327,9 @@ function openSocket(s, url, protocols) {
   s.ws.binaryType = "arraybuffer";
   s.ws.onopen = () => {
     s.opened = true;
+    // The text prompt as the first message (text_prompt_in=metadata: never in the URL, which is logged).
+    const prompt = s.resuming ? "" : textPromptOf(s.persona);
+    if (prompt) s.ws.send(encodeMetadata({ text_prompt: prompt }));
     if (s.resuming) setStatus("Reconnected: resuming the conversation…");
     else setStatus("Connected. The node is getting the persona ready…");
   };

@@ -85,18 +85,34 @@ export function reasonOfClose(code, reason) {
   return "connection_lost";
 }
 
-/** The session's query: format=pcm and the persona (empty values are left out). */
-export function sessionQuery({ voicePrompt = "", textPrompt = "" } = {}) {
+/**
+ * The session's query: format=pcm and the voice (left out when empty). Never the text prompt: a URL is
+ * logged by proxies and load balancers (issue 34), so the prompt goes as the WebSocket's first message
+ * (chatUrl adds text_prompt_in=metadata, openSocket sends it) or in POST /api/rtc's TEXT_PROMPT_HEADER.
+ */
+export function sessionQuery({ voicePrompt = "" } = {}) {
   const query = new URLSearchParams({ format: "pcm" });
   if (voicePrompt) query.set("voice_prompt", voicePrompt);
-  if (textPrompt.trim()) query.set("text_prompt", textPrompt.trim());
   return query;
 }
 
-/** wss://<this page's host>/api/chat?<query> (ws:// when the page itself is plain http). */
+/** The persona's text prompt, trimmed ("" for none). */
+export function textPromptOf({ textPrompt = "" } = {}) {
+  return textPrompt.trim();
+}
+
+/** POST /api/rtc's text prompt header (percent-encoded UTF-8): runtime/frontend/gate/query.py TEXT_PROMPT_HEADER. */
+export const TEXT_PROMPT_HEADER = "Duplex-Text-Prompt";
+
+/**
+ * wss://<this page's host>/api/chat?<query> (ws:// when the page itself is plain http); with a text prompt,
+ * text_prompt_in=metadata: the page sends the prompt as its first message (encodeMetadata).
+ */
 export function chatUrl(location, persona) {
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-  return `${scheme}//${location.host}/api/chat?${sessionQuery(persona)}`;
+  const query = sessionQuery(persona);
+  if (textPromptOf(persona)) query.set("text_prompt_in", "metadata");
+  return `${scheme}//${location.host}/api/chat?${query}`;
 }
 
 /**
@@ -135,6 +151,15 @@ export function encodeAudio(samples /* Int16Array, 24 kHz */) {
   view.setUint8(0, Kind.AUDIO);
   for (let i = 0; i < samples.length; i++) view.setInt16(1 + 2 * i, samples[i], true);
   return view.buffer;
+}
+
+/** A 0x04 metadata message: kind byte + one JSON object, UTF-8 (e.g. {text_prompt}: the session's first). */
+export function encodeMetadata(object) {
+  const body = new TextEncoder().encode(JSON.stringify(object));
+  const message = new Uint8Array(1 + body.length);
+  message[0] = Kind.METADATA;
+  message.set(body, 1);
+  return message.buffer;
 }
 
 /** A 0x06 ping carrying its sequence number (uint32) and send time (float64, ms, performance.now()). */

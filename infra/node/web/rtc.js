@@ -12,7 +12,7 @@
 // fresh offer and no token (the credential is the right), the ICE servers of the first connection (the token is spent: /api/rtc/ice-servers would refuse
 // it). Its 201 carries the next credential (Duplex-Resume-Credential): rtc.resume.
 
-import { RESUME_HEADER, sessionQuery } from "./protocol.js";
+import { RESUME_HEADER, TEXT_PROMPT_HEADER, sessionQuery, textPromptOf } from "./protocol.js";
 
 export const CONNECT_LIMIT_MS = 3000; // from the first ICE server request to "connected": then the WebSocket
 // Gathering waits for every ICE server; an unreachable one would hold it to the limit and leave ICE no time
@@ -129,6 +129,9 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
       // A resume: the credential in a header, not the URL (which proxies log); the session's query is its own.
       const query = resume ? "" : `?${sessionQuery(persona)}&resumable=1`;
       const credentials = resume ? { [RESUME_HEADER]: resume } : authHeaders(token);
+      // The text prompt in a header, not the URL (issue 34: URLs are logged); percent-encoded UTF-8.
+      const prompt = resume ? "" : textPromptOf(persona);
+      if (prompt) credentials[TEXT_PROMPT_HEADER] = encodeURIComponent(prompt);
       response = await fetch(`/api/rtc${query}`, {
         method: "POST",
         headers: { "Content-Type": "application/sdp", ...credentials },

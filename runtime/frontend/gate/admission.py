@@ -27,7 +27,13 @@ from dataclasses import dataclass, field
 from runtime.engine.api import replayed_message
 from runtime.frontend.codecs.protocol import ProtocolError
 from runtime.frontend.gate.access import Access, RequestView, bearer_token, session_token
-from runtime.frontend.gate.query import RESUME_HEADER, ResumePresented, SessionRequest, parse_session_query
+from runtime.frontend.gate.query import (
+    RESUME_HEADER,
+    TEXT_PROMPT_HEADER,
+    ResumePresented,
+    SessionRequest,
+    parse_session_query,
+)
 from runtime.frontend.gate.refusals import REFUSALS
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 from runtime.metrics import RuntimeMetrics
@@ -198,6 +204,37 @@ async def admit_token(
         raise GateRefused(exc.reason, exc.detail, resume=False) from None
 
 
+URL_SECRETS: dict[str, str] = {
+    "token": "the duplex.token.<jwt> WebSocket subprotocol, or an Authorization: Bearer header",
+    "resume": f"the {RESUME_HEADER} header, or the duplex.resume.<credential> WebSocket subprotocol",
+    "text_prompt": 'text_prompt_in=metadata and a first 0x04 metadata message {"text_prompt": ...} on '
+    f"/api/chat, the {TEXT_PROMPT_HEADER} header (percent-encoded UTF-8) on /api/rtc",
+}
+"""The query parameters that carry a secret (a session token, a resume credential, the persona's role
+prompt), and where each goes instead: what ``DUPLEX_URL_SECRETS=refuse`` refuses in a URL."""
+
+
+def refuse_url_secrets(
+    metrics: RuntimeMetrics, view: RequestView, *, resume: bool, count: bool = True
+) -> None:
+    """Refuse a request whose URL carries one of :data:`URL_SECRETS` (``DUPLEX_URL_SECRETS=refuse``: a load
+    balancer that logs full URLs, e.g. GKE's into Cloud Logging, would keep it; issue 34, item 9).
+
+    Raises:
+        GateRefused: ``bad_request`` (400) naming the parameter and where it goes instead; counted once
+            (unless ``count`` is False: a probe's verdict).
+    """
+    for name, instead in URL_SECRETS.items():
+        if view.param(name) is not None:
+            if count:
+                metrics.refused("bad_request", resume=resume)
+            message = (
+                f"bad request: {name}= in the URL: this node refuses secrets in URLs (DUPLEX_URL_SECRETS="
+                f"refuse: load balancers log full URLs); send it as {instead}"
+            )
+            raise GateRefused("bad_request", message, resume=resume)
+
+
 async def admit(
     access: Access,
     metrics: RuntimeMetrics,
@@ -229,6 +266,8 @@ async def admit(
     if probe and origin is None:
         origin = view.param("origin")
     connection = admit_connection(access, metrics, view, origin=origin, resume=presented.given, probe=probe)
+    if access.config.url_secrets == "refuse":
+        refuse_url_secrets(metrics, view, resume=presented.given, count=not probe)
     request: SessionRequest | None = None
     query_error: ProtocolError | None = None
     try:

@@ -28,6 +28,7 @@ from runtime.frontend.codecs.protocol import AudioFormat, ProtocolError
 __all__ = [
     "MAX_QUERY_PARAMS",
     "RESUME_HEADER",
+    "TEXT_PROMPT_HEADER",
     "RESUME_SUBPROTOCOL_PREFIX",
     "ResumePresented",
     "SessionRequest",
@@ -74,6 +75,10 @@ _RESUME_ALLOWED = f"1..{RESUME_CREDENTIAL_MAX_CHARS} letters, digits, '.', '_' o
 """A credential is ``<32 hex digits>.<43 base64url characters>`` (runtime.engine.resume): every character an
 RFC 7230 ``tchar``, so it fits a header value and a WebSocket subprotocol name (RFC 6455, 4.1: a token)."""
 
+TEXT_PROMPT_HEADER = "Duplex-Text-Prompt"
+"""``POST /api/rtc``'s text prompt as a request header, percent-encoded UTF-8 (``encodeURIComponent``),
+instead of ``text_prompt=`` in the URL, which load balancers log (issue 34, item 9); the WebSocket's is the
+first message (:data:`TEXT_PROMPT_IN_METADATA`)."""
 RESUME_HEADER = "Duplex-Resume-Credential"
 """The request header that presents a resume credential (on ``/api/chat``'s upgrade and ``POST /api/rtc``),
 so it stays out of the URL, which proxies and load balancers log (issue 34, item 1). The 201 of a WebRTC

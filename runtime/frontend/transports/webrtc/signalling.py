@@ -42,6 +42,7 @@ import hmac
 import logging
 import re
 import time
+import urllib.parse
 import uuid
 import weakref
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from runtime.engine.api import SamplingParams
 from runtime.frontend.gate.admission import Admitted
 from runtime.frontend.gate.query import (
     RESUME_HEADER,
+    TEXT_PROMPT_HEADER,
     TEXT_PROMPT_IN_METADATA,
     SessionRequest,
 )
@@ -269,6 +271,34 @@ async def _read_offer(request: web.Request) -> str:
     return text
 
 
+def _header_prompt(request: web.Request, admitted: Admitted) -> str | None:
+    """The text prompt of a :data:`TEXT_PROMPT_HEADER` header (percent-encoded UTF-8), or None without one.
+
+    Raises:
+        SessionRefused: ``bad_request``: two such headers, one beside ``text_prompt=`` in the query, or one
+            that is not percent-encoded UTF-8.
+    """
+    values = request.headers.getall(TEXT_PROMPT_HEADER, [])
+    if not values:
+        return None
+    if admitted.request is not None and admitted.request.text_prompt is not None:
+        raise SessionRefused(
+            "bad_request", f"bad request: a text prompt in {TEXT_PROMPT_HEADER} and in the query: send one"
+        )
+    if len(values) > 1:
+        raise SessionRefused(
+            "bad_request", f"bad request: {len(values)} {TEXT_PROMPT_HEADER} headers: send one"
+        )
+    try:
+        return urllib.parse.unquote(values[0], errors="strict")
+    except UnicodeDecodeError:
+        raise SessionRefused(
+            "bad_request",
+            f"bad request: {TEXT_PROMPT_HEADER} is not percent-encoded UTF-8 (the prompt's "
+            "encodeURIComponent)",
+        ) from None
+
+
 async def serve_offer(front: FrontEnd, request: web.Request, admitted: Admitted) -> web.StreamResponse:
     """``POST /api/rtc`` after the gate (``runtime.frontend.gate.admission.admit``); ``admitted``: the
     claims, the client, the query parsed once and the resume credential as presented
@@ -283,13 +313,13 @@ async def serve_offer(front: FrontEnd, request: web.Request, admitted: Admitted)
         return _plain(exc.status, (exc.text or exc.reason).strip())
     try:
         session_request, sampling = plan_session(
-            front, admitted.request or request.query_string, resume=presented
+            front, admitted.request or request.query_string, _header_prompt(request, admitted), presented
         )
         if session_request.text_prompt_in == TEXT_PROMPT_IN_METADATA:
             raise SessionRefused(
                 "bad_request",
                 "bad request: text_prompt_in=metadata is not available on /api/rtc (the session starts "
-                "with the answer): give text_prompt in the query",
+                f"with the answer): give the text prompt in the {TEXT_PROMPT_HEADER} header",
             )
     except SessionRefused as exc:
         return _refused(front, exc, resume=resume)
