@@ -5,9 +5,10 @@ the group, acknowledged (``XACK``) once handled; a consumer that crashed finds i
 again when it restarts (it reads its own pending entries first, then new ones). Delivery is at least once:
 the ``event`` field is unique per event, so a duplicate is recognised and skipped.
 
-    python docs/examples/events_consumer.py redis://:PASSWORD@127.0.0.1:6390/0 --group my-app --consumer a
+    python docs/examples/events_consumer.py "$DUPLEX_EVENTS_REDIS_URL" --group my-app --consumer a
 
-prints one JSON object per event. Needs only redis-py (``pip install redis``). Run several consumers with
+(``DUPLEX_EVENTS_REDIS_URL`` from a node's ``secrets/events-consumer.env``: the read-only ``events`` user,
+``redis://events:<password>@host:port/0``; never the runtime's URL) prints one JSON object per event. Needs only redis-py (``pip install redis``). Run several consumers with
 the same ``--group`` and different ``--consumer`` names to share the load.
 """
 
@@ -70,7 +71,9 @@ def consume(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("url", help="the node's Redis, redis://[:password@]host:port/db")
+    parser.add_argument(
+        "url", help="the node's Redis as the events user, redis://events:<password>@host:port/db"
+    )
     parser.add_argument("--group", required=True)
     parser.add_argument("--consumer", required=True)
     parser.add_argument("--stream", default=STREAM)
