@@ -8,7 +8,8 @@ the ``event`` field is unique per event, so a duplicate is recognised and skippe
     python docs/examples/events_consumer.py "$DUPLEX_EVENTS_REDIS_URL" --group my-app --consumer a
 
 (``DUPLEX_EVENTS_REDIS_URL`` from a node's ``secrets/events-consumer.env``: the read-only ``events`` user,
-``redis://events:<password>@host:port/0``; never the runtime's URL) prints one JSON object per event. Needs only redis-py (``pip install redis``). Run several consumers with
+``redis://events:<password>@host:port/0``; never the runtime's URL) prints one JSON object per event. Needs
+only redis-py (``pip install redis``). Run several consumers with
 the same ``--group`` and different ``--consumer`` names to share the load.
 """
 
