@@ -286,10 +286,6 @@ class RegionCluster(_Part):
                 "services_secondary_range_name": "services",
             },
             gateway_api_config={"channel": "CHANNEL_STANDARD"},
-            # Dataplane V2 (eBPF): enforces NetworkPolicy, e.g. the TURN relay's egress to the runtime pods
-            # only (infra.k8s.turn.egress_policy; issue 34, item 9). Set at creation: a change replaces the
-            # cluster.
-            datapath_provider="ADVANCED_DATAPATH",
             monitoring_config={
                 "enable_components": ["SYSTEM_COMPONENTS", "DCGM"],
                 "managed_prometheus": {"enabled": True},

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from infra.k8s.base import (
-    APP_NAME,
     SECRET_NAME,
     RegionWorkload,
     container_security,
@@ -41,13 +40,10 @@ from infra.node.relay import turn_urls
 __all__ = [
     "TLS_MOUNT",
     "TLS_RELOAD_INTERVAL_S",
-    "RELAY_PEER_PORTS",
     "TURN_CONFIG_SECRET",
-    "TURN_EGRESS_POLICY",
     "TURN_NAME",
     "TURN_SECRET_KEY",
     "TURN_TLS_NAME",
-    "egress_policy",
     "tls_reload_script",
     "turn_env",
     "turn_host",
@@ -148,8 +144,7 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     """The region's TURN gateway: Secret ``coturn-config``, DaemonSet ``coturn``, Service ``coturn``
     (LoadBalancer, UDP ``relay.port``, ``externalTrafficPolicy: Local``), with ``turn_tls_secret`` Service
     ``coturn-tls`` (LoadBalancer, TCP ``relay.tls_port``) on the same ``turn_address``, PodMonitoring
-    ``coturn`` (its exporter), NetworkPolicy ``coturn-egress`` (:func:`egress_policy`). Empty when
-    ``workload.turn_secret`` is None.
+    ``coturn`` (its exporter). Empty when ``workload.turn_secret`` is None.
 
     Raises:
         ValueError: a TURN secret without ``turn_peer_ranges`` (the relay would reach nothing).
@@ -262,42 +257,7 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             ],
         },
     }
-    return [secret, daemon_set, *services, monitoring, egress_policy(workload)]
-
-
-TURN_EGRESS_POLICY = "coturn-egress"
-"""The NetworkPolicy that limits where the relay's pods may send (:func:`egress_policy`)."""
-RELAY_PEER_PORTS = (1024, 65535)
-"""The UDP ports the relay may reach on a runtime pod: the non-privileged range, since the runtime's ICE
-agent (aioice) binds an ephemeral port per session (Linux's ``ip_local_port_range``, 32768-60999 by
-default, inside it)."""
-
-
-def egress_policy(workload: RegionWorkload) -> dict[str, Any]:
-    """NetworkPolicy ``coturn-egress``: the relay's pods may send UDP on :data:`RELAY_PEER_PORTS` to the
-    runtime's pods (``selector_labels(APP_NAME)``, this namespace) and nothing else: no DNS (coturn's
-    configuration names no host: ``infra.node.coturn``), no other pod (kube-dns, Prometheus, Grafana, the
-    metrics adapter), no address outside the cluster (the metadata server, the VPC). Issue 34, item 9:
-    coturn's ``allowed-peer-ip`` can only name ranges, here the region's whole pod range; this is the second
-    fence, per pod. Enforced only where the cluster runs Dataplane V2 (``ADVANCED_DATAPATH``:
-    ``infra.components.gke_parts``) or another NetworkPolicy provider; answers to callers go out as
-    replies on the relay's allocations, which a NetworkPolicy never blocks (policies are stateful)."""
-    low, high = RELAY_PEER_PORTS
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": object_meta(workload, TURN_EGRESS_POLICY, "turn", app=TURN_NAME),
-        "spec": {
-            "podSelector": {"matchLabels": selector_labels(TURN_NAME)},
-            "policyTypes": ["Egress"],
-            "egress": [
-                {
-                    "to": [{"podSelector": {"matchLabels": selector_labels(APP_NAME)}}],
-                    "ports": [{"protocol": "UDP", "port": low, "endPort": high}],
-                }
-            ],
-        },
-    }
+    return [secret, daemon_set, *services, monitoring]
 
 
 def _service(workload: RegionWorkload, name: str, port_name: str, port: int, protocol: str) -> dict[str, Any]:
