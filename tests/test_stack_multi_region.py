@@ -97,6 +97,9 @@ def test_cluster_settings(run: StackRun, region: str) -> None:
     ]
     assert cluster["ipAllocationPolicy"]["clusterSecondaryRangeName"] == "pods"  # VPC-native: NEG pod IPs
     assert cluster["addonsConfig"]["gcsFuseCsiDriverConfig"]["enabled"] is True
+    # GKE Dataplane V2: NetworkPolicy enforced (the TURN relay's egress fence, infra.k8s.turn).
+    assert cluster["datapathProvider"] == "ADVANCED_DATAPATH"
+    assert "networkPolicy" not in cluster  # the legacy Calico add-on is not for Dataplane V2 clusters
 
 
 @pytest.mark.parametrize(
