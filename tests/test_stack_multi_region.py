@@ -829,6 +829,10 @@ def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
         }
     ]
     assert rule["ports"] == [{"protocol": "UDP"}]
+    # Created before the coturn pods: they never run unfenced.
+    policy_resource = _one_in_region(run, "kubernetes:networking.k8s.io/v1:NetworkPolicy", region)
+    daemon_set = _one_in_region(run, "kubernetes:apps/v1:DaemonSet", region, f"-{TURN_NAME}")
+    assert policy_resource.urn in run.ordered_after(daemon_set)
     settings = {"us-central1": 0, "europe-west4": 1}[region]
     [config] = [m for m in manifests if m["kind"] == "Secret" and m["metadata"]["name"] == TURN_CONFIG_SECRET]
     conf = config["stringData"]["turnserver.conf"]
