@@ -97,6 +97,9 @@ def test_cluster_settings(run: StackRun, region: str) -> None:
     ]
     assert cluster["ipAllocationPolicy"]["clusterSecondaryRangeName"] == "pods"  # VPC-native: NEG pod IPs
     assert cluster["addonsConfig"]["gcsFuseCsiDriverConfig"]["enabled"] is True
+    # GKE Dataplane V2: NetworkPolicy enforced (the TURN relay's egress fence, infra.k8s.turn).
+    assert cluster["datapathProvider"] == "ADVANCED_DATAPATH"
+    assert "networkPolicy" not in cluster  # the legacy Calico add-on is not for Dataplane V2 clusters
 
 
 @pytest.mark.parametrize(
@@ -804,11 +807,32 @@ def test_bad_receiver_keys_are_refused_on_multi_region() -> None:
 def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
     """coturn per region (infra.k8s.turn) with the stack's TURN secret, relaying to the region's own pods;
     the runtime names the region's TURN; the output says where to point its DNS name."""
-    from infra.k8s.turn import TURN_CONFIG_SECRET, TURN_NAME
+    from infra.k8s.turn import TURN_CONFIG_SECRET, TURN_EGRESS_POLICY, TURN_NAME
 
     manifests = _manifests(run, region)
     kinds = {(m["kind"], m["metadata"]["name"]) for m in manifests}
     assert {("DaemonSet", TURN_NAME), ("Service", TURN_NAME), ("Secret", TURN_CONFIG_SECRET)} <= kinds
+    # The second fence (issue 34, item 9): coturn's pods send UDP to the runtime pods only.
+    [policy] = [m for m in manifests if m["kind"] == "NetworkPolicy"]
+    assert policy["metadata"]["name"] == TURN_EGRESS_POLICY
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == TURN_NAME
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    [rule] = policy["spec"]["egress"]
+    assert rule["to"] == [
+        {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "duplex-runtime",
+                    "app.kubernetes.io/part-of": "duplexops",
+                }
+            }
+        }
+    ]
+    assert rule["ports"] == [{"protocol": "UDP"}]
+    # Created before the coturn pods: they never run unfenced.
+    policy_resource = _one_in_region(run, "kubernetes:networking.k8s.io/v1:NetworkPolicy", region)
+    daemon_set = _one_in_region(run, "kubernetes:apps/v1:DaemonSet", region, f"-{TURN_NAME}")
+    assert policy_resource.urn in run.ordered_after(daemon_set)
     settings = {"us-central1": 0, "europe-west4": 1}[region]
     [config] = [m for m in manifests if m["kind"] == "Secret" and m["metadata"]["name"] == TURN_CONFIG_SECRET]
     conf = config["stringData"]["turnserver.conf"]

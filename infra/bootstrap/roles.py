@@ -202,6 +202,7 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "kubernetes:core/v1:ServiceAccount",
     "kubernetes:monitoring.googleapis.com/v1:ClusterRules",
     "kubernetes:monitoring.googleapis.com/v1:PodMonitoring",
+    "kubernetes:networking.k8s.io/v1:NetworkPolicy",
     "kubernetes:policy/v1:PodDisruptionBudget",
     "kubernetes:rbac.authorization.k8s.io/v1:ClusterRole",
     "kubernetes:rbac.authorization.k8s.io/v1:ClusterRoleBinding",

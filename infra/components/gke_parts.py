@@ -26,6 +26,7 @@ from infra.names import GPU_TAINT
 from infra.stack_config import MaintenanceWindow, RegionSettings
 
 __all__ = [
+    "DATAPATH_PROVIDER",
     "GPU_NODE_PROJECT_ROLES",
     "INITIAL_NODES_PER_ZONE",
     "SCOPES",
@@ -49,6 +50,11 @@ GPU_NODE_PROJECT_ROLES = (
 (cloud.google.com/kubernetes-engine/docs/how-to/hardening-your-cluster, "least privilege")."""
 
 SCOPES = ("https://www.googleapis.com/auth/cloud-platform",)
+
+DATAPATH_PROVIDER = "ADVANCED_DATAPATH"
+"""The clusters' datapath: GKE Dataplane V2 (Cilium, eBPF), which enforces Kubernetes NetworkPolicy
+(pulumi-gcp ``container.Cluster`` ``datapath_provider``: ``LEGACY_DATAPATH`` by default, ``ADVANCED_DATAPATH``
+for Dataplane V2). Set at creation only: changing it replaces the cluster."""
 
 INITIAL_NODES_PER_ZONE = 1
 """``initial_node_count`` of both node pools: nodes per zone of ``node_locations`` when the pool is created.
@@ -226,7 +232,14 @@ class RegionCluster(_Part):
     Cloud Storage FUSE CSI driver (the model cache), a weekly maintenance window (``maintenance_window``:
     GKE upgrades the control plane and the pools only then), the default pool removed. That default pool
     exists for the minutes of the cluster's creation and runs as the region's node service account
-    (``node_config_base``), not the Compute Engine default one; its config is ignored afterwards."""
+    (``node_config_base``), not the Compute Engine default one; its config is ignored afterwards.
+
+    GKE Dataplane V2 (``datapath_provider`` ``DATAPATH_PROVIDER``): the cluster enforces Kubernetes
+    NetworkPolicy, which fences the TURN relay's pods to the runtime pods (``infra.k8s.turn``); GKE enforces
+    NetworkPolicy only with Dataplane V2 or the legacy Calico add-on; Dataplane V2 needs a VPC-native
+    cluster (``ip_allocation_policy``, set). GKE enables Dataplane V2 only when it creates a cluster, never
+    on an existing one (cloud.google.com/kubernetes-engine/docs/how-to/dataplane-v2): a cluster created
+    before this setting is replaced on the next ``pulumi up`` (docs/deploying.md, "Stack multi-region")."""
 
     cluster: container.Cluster
 
@@ -286,6 +299,7 @@ class RegionCluster(_Part):
                 "services_secondary_range_name": "services",
             },
             gateway_api_config={"channel": "CHANNEL_STANDARD"},
+            datapath_provider=DATAPATH_PROVIDER,
             monitoring_config={
                 "enable_components": ["SYSTEM_COMPONENTS", "DCGM"],
                 "managed_prometheus": {"enabled": True},

@@ -56,10 +56,12 @@ APPLY_FIRST = (
     "ClusterRole",
     "ClusterRoleBinding",
     "RoleBinding",
+    "NetworkPolicy",
 )
 """Kinds applied before all others, in this order (everything else keeps the builders' order): the one
 apply order, of ``region_objects`` and of ``infra.components.regional_runtime`` (where every later object
-depends on the objects of these kinds)."""
+depends on the objects of these kinds). NetworkPolicy among them: the coturn pods start fenced
+(``infra.k8s.turn.turn_egress_policy``), never before their policy exists."""
 
 
 def apply_rank(obj: Mapping[str, Any]) -> int:

@@ -6,9 +6,13 @@ carries no UDP.
 No ``hostNetwork``: the cluster is VPC-native, so a pod's address is routable in the VPC and serves as the
 relayed address (no ``external-ip``), exactly as coturn's container address does in a Compose node; the
 pods stay under the namespace's Pod Security ``restricted`` level, which forbids host networking. One coturn
-per GPU node (a DaemonSet): relay capacity grows with the runtime pods. Peers: the region's own pod range
-(``RegionWorkload.turn_peer_ranges``), which GKE's cluster firewall rule already lets reach the pods; a
-caller whose offer spilled to another region cannot relay there and falls back to the WebSocket protocol.
+per GPU node (a DaemonSet): relay capacity grows with the runtime pods. Peers, two fences: coturn's own
+``allowed-peer-ip`` admits the region's pod range only (``RegionWorkload.turn_peer_ranges``, which GKE's
+cluster firewall rule already lets reach the pods; coturn names ranges, not pods), and the NetworkPolicy
+``coturn-egress`` lets the coturn pods send to the runtime pods only, over UDP (kube-dns, Prometheus, the
+metrics adapter and every other pod of the range refused; enforced by GKE Dataplane V2,
+``infra.components.gke_parts.RegionCluster``). A caller whose offer spilled to another region cannot relay
+there and falls back to the WebSocket protocol.
 
 TURN over TLS (5349/tcp) when the workload names a ``kubernetes.io/tls`` Secret for ``turn-<region>.<domain>``
 (``turn_tls_secret``; the global entry's certificate is Google-managed and never leaves its load balancer):
@@ -29,6 +33,7 @@ from infra.k8s.base import (
     container_security,
     lift,
     object_meta,
+    pod_labels,
     pod_security,
     selector_labels,
 )
@@ -41,10 +46,12 @@ __all__ = [
     "TLS_MOUNT",
     "TLS_RELOAD_INTERVAL_S",
     "TURN_CONFIG_SECRET",
+    "TURN_EGRESS_POLICY",
     "TURN_NAME",
     "TURN_SECRET_KEY",
     "TURN_TLS_NAME",
     "tls_reload_script",
+    "turn_egress_policy",
     "turn_env",
     "turn_host",
     "turn_objects",
@@ -54,6 +61,8 @@ TURN_NAME = "coturn"
 """The DaemonSet's, Service's and PodMonitoring's name (and the pods' ``app.kubernetes.io/name``)."""
 TURN_CONFIG_SECRET = "coturn-config"
 """The Secret holding ``turnserver.conf`` (it carries the TURN secret)."""
+TURN_EGRESS_POLICY = "coturn-egress"
+"""The NetworkPolicy that limits the coturn pods' egress to the runtime pods (``turn_egress_policy``)."""
 TURN_SECRET_KEY = "turn-secret"
 """The key of the runtime's Secret (``SECRET_NAME``) holding ``DUPLEX_TURN_SECRET``."""
 TURN_TLS_NAME = "coturn-tls"
@@ -125,6 +134,48 @@ def turn_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     ]
 
 
+def turn_egress_policy(workload: RegionWorkload) -> dict[str, Any]:
+    """NetworkPolicy ``coturn-egress`` (networking.k8s.io/v1): the coturn pods
+    (``selector_labels(TURN_NAME)``) may send to the runtime pods of their namespace (``pod_labels``) over
+    UDP, and to nothing else: no other pod, no address outside the cluster (the metadata server
+    169.254.169.254 included), no DNS.
+
+    Why each choice:
+
+    - UDP on every port: the relay sends to the runtime's ICE sockets, which aioice binds to ephemeral
+      ports (no port range to name; the kernel's ``ip_local_port_range``, 32768-60999 by default). The
+      rule names the protocol without a ``port`` (Kubernetes: every port of it) rather than ``port`` 1024 +
+      ``endPort`` 65535: a range would add little (it leaves out 1-1023 only), and Cilium, on which
+      Dataplane V2 is built, went long without ``endPort`` (cilium/cilium#28704: such a policy put its
+      pods in default deny), which would cut the relay off altogether.
+    - No DNS: the rendered ``turnserver.conf`` names no host (peers are addresses, coturn reads no
+      database or Redis), so coturn resolves nothing.
+    - Egress only (``policyTypes: [Egress]``): callers reach coturn through the load balancer and GMP
+      scrapes its exporter; replies to those flows are allowed by connection tracking whatever the egress
+      rules say.
+
+    The first fence stays coturn's ``allowed-peer-ip`` (the pod ranges, ``turn_peer_ranges``): this
+    policy is the second, per pod, and holds only where the cluster enforces NetworkPolicy (GKE Dataplane
+    V2, ``infra.components.gke_parts.DATAPATH_PROVIDER``); elsewhere the API server keeps it and nothing
+    applies it.
+    """
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": object_meta(workload, TURN_EGRESS_POLICY, "turn", app=TURN_NAME),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(TURN_NAME)},
+            "policyTypes": ["Egress"],
+            "egress": [
+                {
+                    "to": [{"podSelector": {"matchLabels": pod_labels(workload)}}],
+                    "ports": [{"protocol": "UDP"}],
+                }
+            ],
+        },
+    }
+
+
 def _conf(workload: RegionWorkload, secret: str, previous: str | None = None) -> str:
     profile = workload.profile
     relay = profile.relay.model_copy(update={"peer_networks": tuple(workload.turn_peer_ranges)})
@@ -144,7 +195,8 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     """The region's TURN gateway: Secret ``coturn-config``, DaemonSet ``coturn``, Service ``coturn``
     (LoadBalancer, UDP ``relay.port``, ``externalTrafficPolicy: Local``), with ``turn_tls_secret`` Service
     ``coturn-tls`` (LoadBalancer, TCP ``relay.tls_port``) on the same ``turn_address``, PodMonitoring
-    ``coturn`` (its exporter). Empty when ``workload.turn_secret`` is None.
+    ``coturn`` (its exporter), NetworkPolicy ``coturn-egress`` (``turn_egress_policy``). Empty when
+    ``workload.turn_secret`` is None.
 
     Raises:
         ValueError: a TURN secret without ``turn_peer_ranges`` (the relay would reach nothing).
@@ -257,7 +309,7 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             ],
         },
     }
-    return [secret, daemon_set, *services, monitoring]
+    return [secret, turn_egress_policy(workload), daemon_set, *services, monitoring]
 
 
 def _service(workload: RegionWorkload, name: str, port_name: str, port: int, protocol: str) -> dict[str, Any]:
