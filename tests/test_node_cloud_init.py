@@ -410,6 +410,7 @@ def test_prepare_script_fetches_secrets_and_prepares_the_host(tmp_path: Path) ->
                 "redis_password",
                 "grafana_admin_password",
                 "token_keys",
+                "app_token_keys",  # read by the runtime's container too (DUPLEX_APP_TOKEN_KEYS_FILE)
                 "turnserver_conf",
             )
             else 0o600

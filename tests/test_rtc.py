@@ -398,7 +398,7 @@ async def test_closing_the_server_ends_its_live_calls(bundle, http, packets) -> 
 async def test_the_load_generator_drives_webrtc_sessions_over_several_processes(node, speech, caplog) -> None:  # noqa: F811
     from runtime.tools.loadgen_rtc import run_rtc_load
 
-    caplog.set_level(logging.INFO, logger="runtime.frontend.transports.webrtc.peer")
+    caplog.set_level(logging.INFO, logger="runtime.frontend.transports.webrtc")
     clip = speech[1][: 24_000 * 2]
     report = await run_rtc_load(
         f"ws://127.0.0.1:{node.port}", [clip], sessions=2, processes=2, token=token, max_duration_s=WAIT_S * 2
