@@ -383,15 +383,15 @@ def test_real_prometheus_starts_with_the_args_and_loads_the_rules(tmp_path: Path
         assert loaded == ALL_ALERTS
         info = _get_json(f"http://{address}/api/v1/status/runtimeinfo")["data"]
         assert info["storageRetention"].startswith("1d")
-        while not (targets := _get_json(f"http://{address}/api/v1/targets")["data"]["activeTargets"]):
-            assert time.monotonic() < deadline, "no active targets"
+        # Prometheus adds its scrape targets one by one after /-/ready: wait for all four (a loaded CI
+        # machine once read three), then check them.
+        jobs = {"runtime", "prometheus", "node-exporter", "redis-exporter"}
+        while True:
+            targets = _get_json(f"http://{address}/api/v1/targets")["data"]["activeTargets"]
+            if {t["labels"]["job"] for t in targets} == jobs:
+                break
+            assert time.monotonic() < deadline, f"active targets: {targets}"
             time.sleep(0.2)
-        assert {t["labels"]["job"] for t in targets} == {
-            "runtime",
-            "prometheus",
-            "node-exporter",
-            "redis-exporter",
-        }
         assert {t["labels"]["node"] for t in targets} == {"local"}
         try:
             urllib.request.urlopen(f"http://{address}/-/reload", data=b"", timeout=5).close()
