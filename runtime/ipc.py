@@ -181,7 +181,8 @@ class FirstAudio(msgspec.Struct, tag=True):
 
 
 class Status(msgspec.Struct, tag=True):
-    """Engine -> every worker, about every 100 ms: the slots' state, for readiness, metrics and health."""
+    """Engine -> every worker, about every 100 ms: the slots' state, for readiness, metrics and health, and
+    the model's frame (``frame_sample_rate_hz``, ``frame_samples``: :class:`runtime.engine.api.FrameFormat`)."""
 
     slots: int
     free_slots: int
@@ -191,6 +192,8 @@ class Status(msgspec.Struct, tag=True):
     voices: list[str]
     engine_pid: int = 0
     voices_refused: list[str] = []
+    frame_sample_rate_hz: int = 24_000
+    frame_samples: int = 1920
 
 
 class Hangup(msgspec.Struct, tag=True):

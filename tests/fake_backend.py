@@ -11,6 +11,7 @@ import asyncio
 import numpy as np
 
 from runtime.engine.api import (
+    MIMI_FRAME,
     AdmitRequest,
     BackendStatus,
     Refusal,
@@ -23,7 +24,8 @@ from runtime.engine.api import (
 
 class FakeBackend(SlotBackend):
     """``slots`` echo slots; ``loaded`` False answers as a model still loading; :meth:`lose` as an engine
-    process that died. ``refuse_with``: a :class:`Refusal` every admission raises."""
+    process that died. ``refuse_with``: a :class:`Refusal` every admission raises. ``frame``: the model's frame
+    it reports (Mimi's unless a test says otherwise)."""
 
     def __init__(self, slots: int = 2, *, loaded: bool = True, voices: tuple[str, ...] = ("alice",)) -> None:
         self.slots = slots
@@ -38,6 +40,7 @@ class FakeBackend(SlotBackend):
         self.released: list[str] = []
         self.started = False
         self.closes = 0
+        self.frame = MIMI_FRAME
 
     async def start(self) -> None:
         self.started = True
@@ -56,6 +59,7 @@ class FakeBackend(SlotBackend):
             lost=self.lost,
             voices=self.voices,
             detail={"fake": True},
+            frame=self.frame,
         )
 
     def check_persona(self, voice_prompt: str | None, text_prompt: str | None) -> None:

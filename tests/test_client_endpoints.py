@@ -214,6 +214,7 @@ async def test_personas_lists_the_nodes_voices(node):
         "voice_prompt_max_chars": 64,
         "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
         "text_prompt_max_tokens": TEXT_PROMPT_MAX_TOKENS,
+        "frame": {"sample_rate_hz": 24000, "samples": 1920, "ms": 80.0},  # the tiny model's Mimi says it
     }
 
 

@@ -447,3 +447,24 @@ async def test_a_worker_names_itself_in_the_server_header():
         assert headers["Server"] == f"duplex worker-7 pid={os.getpid()}"
     finally:
         await server.close()
+
+
+async def test_the_frame_is_the_models_as_the_backend_reports_it():
+    """Issue 31: ``/api/personas`` gives clients the model's frame from the backend's status; a model whose
+    frame the front end's codecs do not carry keeps the node unready, saying both frames, instead of
+    serving noise."""
+    from runtime.engine.api import FrameFormat
+
+    backend = FakeBackend(slots=2)
+    async with fake_node(backend) as server:
+        status, _, body = await get(server, "/api/personas")
+        assert json.loads(body)["frame"] == {"sample_rate_hz": 24000, "samples": 1920, "ms": 80.0}
+        backend.frame = FrameFormat(16_000, 1280)
+        status, _, body = await get(server, "/readyz")
+        assert status == 503
+        assert json.loads(body)["reason"] == (
+            "the model's frame (16000 Hz, 1280 samples (80 ms)) is not the one the front end's codecs carry "
+            "(24000 Hz, 1920 samples (80 ms))"
+        )
+        status, _, body = await get(server, "/api/personas")
+        assert json.loads(body)["frame"]["samples"] == 1280

@@ -39,3 +39,19 @@ def test_the_supervisor_refuses_what_it_cannot_run():
         Supervisor(RuntimeConfig(port=8998), 0)
     with pytest.raises(ValueError, match="not 0"):
         Supervisor(RuntimeConfig(port=0), 2)
+
+
+def test_the_model_frame_travels_from_the_engine_status_to_the_worker():
+    """Issue 31: the frame is the model's, reported through the backend's status, not a constant each side
+    assumes. A worker's :class:`EngineClient` builds its ``BackendStatus.frame`` from the engine's message."""
+    from runtime.engine.api import MIMI_FRAME, FrameFormat
+    from runtime.frontend.engine_client import EngineClient
+
+    client = EngineClient("ipc:///nowhere", "worker-0", slots=4, clock=lambda: 0.1)  # not started: no socket
+    client.status_message = ipc.Status(4, 4, 0, True, False, [], 7, [], 16_000, 1280)
+    client.status_at = 0.0  # heard 0.1 s ago, as its receive loop records it
+    status = client.status()
+    assert status.frame == FrameFormat(16_000, 1280) and status.frame.ms == 80.0
+    assert status.frame != MIMI_FRAME
+    with pytest.raises(ValueError, match="a frame needs a sample rate and a size >= 1, got 0 Hz and 1920"):
+        FrameFormat(0, 1920)

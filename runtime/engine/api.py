@@ -28,11 +28,13 @@ __all__ = [
     "DEFAULT_AUDIO_TOP_K",
     "DEFAULT_TEXT_TEMPERATURE",
     "DEFAULT_TEXT_TOP_K",
+    "MIMI_FRAME",
     "REFUSAL_REASONS",
     "RESUME_REFUSAL_REASONS",
     "AdmitRequest",
     "BackendStatus",
     "FirstAudioTiming",
+    "FrameFormat",
     "Refusal",
     "ResumeGrant",
     "SamplingParams",
@@ -146,6 +148,47 @@ def node_full_message(slots: int) -> str:
 
 
 @dataclass(frozen=True)
+class FrameFormat:
+    """What one model frame is: ``samples`` mono float32 samples at ``sample_rate_hz``; one LM step each.
+
+    The model says it (its codec: Mimi's ``sample_rate`` and ``frame_size``, moshi
+    ``models/compression.py``), the engine reports it in :class:`BackendStatus`, and the front end, the
+    browser client (``/api/personas``) and the tools read it from there. Kyutai's Moshi and NVIDIA's
+    PersonaPlex-7B-v1 share Mimi's: 24000 Hz, 1920 samples (80 ms, 12.5 Hz).
+
+    Raises:
+        ValueError: a rate or a frame size < 1.
+    """
+
+    sample_rate_hz: int
+    samples: int
+
+    def __post_init__(self) -> None:
+        if self.sample_rate_hz < 1 or self.samples < 1:
+            raise ValueError(
+                f"a frame needs a sample rate and a size >= 1, got {self.sample_rate_hz} Hz and {self.samples}"
+            )
+
+    @property
+    def ms(self) -> float:
+        """One frame's duration in milliseconds (80.0 for Mimi's)."""
+        return 1000.0 * self.samples / self.sample_rate_hz
+
+    def describe(self) -> str:
+        """``"24000 Hz, 1920 samples (80 ms)"``: for errors and logs."""
+        return f"{self.sample_rate_hz} Hz, {self.samples} samples ({self.ms:g} ms)"
+
+    def as_json(self) -> dict[str, object]:
+        """``{"sample_rate_hz", "samples", "ms"}``: the frame as ``/api/personas`` gives it to clients."""
+        return {"sample_rate_hz": self.sample_rate_hz, "samples": self.samples, "ms": self.ms}
+
+
+MIMI_FRAME = FrameFormat(24_000, 1920)
+"""Mimi's frame (moshi ``models/loaders.py``: ``SAMPLE_RATE = 24000``, ``FRAME_RATE = 12.5``), the one every
+Moshi-architecture model this runtime serves has; the codecs at the front end's edges carry this one."""
+
+
+@dataclass(frozen=True)
 class BackendStatus:
     """The slots' state as the front end sees it now.
 
@@ -159,6 +202,7 @@ class BackendStatus:
         voices: the voice prompts the node has, sorted.
         voices_refused: the voice files refused at start-up, each ``"<file>: <what was wrong>"``.
         detail: extra fields for ``/readyz`` (the engine's pid and the worker's id with ``--workers N``).
+        frame: the model's frame (:class:`FrameFormat`), as the engine's model reports it.
     """
 
     loaded: bool
@@ -170,6 +214,7 @@ class BackendStatus:
     voices: tuple[str, ...] = ()
     voices_refused: tuple[str, ...] = ()
     detail: dict[str, object] = field(default_factory=dict)
+    frame: FrameFormat = MIMI_FRAME
 
     def health(self) -> tuple[bool, str]:
         """(healthy, text): what ``/healthz`` answers (200 or 500)."""

@@ -31,6 +31,7 @@ from runtime.engine.model_presets import (
     NVIDIA_SILENCE_TOKENS,
     NVIDIA_SINE_TOKENS,
 )
+from runtime.engine.api import FrameFormat
 from runtime.engine.models import ModelBundle
 from runtime.engine.sampling import SamplingParams, SlotSamplingTable
 
@@ -389,6 +390,12 @@ class BatchEngine:
         return codes[0], codes[1]
 
     # --- slot lifecycle -------------------------------------------------------------------------------
+
+    @property
+    def frame(self) -> FrameFormat:
+        """The model's frame, from its codec: Mimi's ``sample_rate`` and ``frame_size`` (24000 Hz, 1920)."""
+        mimi = self.bundle.mimi
+        return FrameFormat(int(mimi.sample_rate), int(mimi.frame_size))
 
     def phase(self, slot: int) -> SlotPhase:
         return self._slots[slot].phase

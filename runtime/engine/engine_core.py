@@ -345,6 +345,8 @@ class EngineCore:
                 voices=list(status.voices),
                 engine_pid=os.getpid(),
                 voices_refused=list(status.voices_refused),
+                frame_sample_rate_hz=status.frame.sample_rate_hz,
+                frame_samples=status.frame.samples,
             )
             for identity in list(self.workers):
                 self._send(identity, message)

@@ -161,6 +161,7 @@ class LocalSlots(SlotBackend):
             tick_alive=scheduler is not None and scheduler.alive,
             voices=tuple(self.voices.names),
             voices_refused=tuple(str(r) for r in self.voices.refused),
+            frame=self.engine.frame,
         )
 
     def prompt(self, voice_prompt: str | None, text_prompt: str | None) -> list[PromptStep]:

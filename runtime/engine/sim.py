@@ -45,6 +45,7 @@ from runtime.engine.batch import (
     TickTimings,
 )
 from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
+from runtime.engine.api import FrameFormat
 from runtime.engine.models import ModelBundle
 from runtime.engine.rollover import RolloverEngine, RolloverPolicy
 from runtime.engine.sampling import SamplingParams
@@ -116,6 +117,11 @@ class SimEngine:
         self._outputs = TickBuffers(slots, self.dep_q)
         t = np.arange(FRAME_SAMPLES, dtype=np.float32) / SAMPLE_RATE_HZ
         self._tone = (0.05 * np.sin(2 * np.pi * 220.0 * t)).astype(np.float32)  # 220 Hz: 17.6 periods a frame
+
+    @property
+    def frame(self) -> FrameFormat:
+        """The sim's frame: Mimi's (24000 Hz, 1920 samples), as the real models'."""
+        return FrameFormat(SAMPLE_RATE_HZ, FRAME_SAMPLES)
 
     def phase(self, slot: int) -> SlotPhase:
         return self._slots[slot].phase

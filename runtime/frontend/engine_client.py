@@ -34,6 +34,7 @@ from runtime.engine.api import (
     REFUSAL_REASONS,
     AdmitRequest,
     BackendStatus,
+    FrameFormat,
     FirstAudioTiming,
     Refusal,
     ResumeGrant,
@@ -167,6 +168,7 @@ class EngineClient(SlotBackend):
             voices=tuple(message.voices),
             voices_refused=tuple(message.voices_refused),
             detail=detail,
+            frame=FrameFormat(message.frame_sample_rate_hz, message.frame_samples),
         )
 
     def check_persona(self, voice_prompt: str | None, text_prompt: str | None) -> None:

@@ -262,7 +262,8 @@ async def admission(front: FrontEnd, view: RequestView) -> Admission:
 
 async def _personas(front: FrontEnd, request: web.Request) -> web.Response:
     """``{"voices": [names], "voices_refused": ["<file>: <reason>"], "voice_prompt_max_chars",
-    "text_prompt_max_chars", "text_prompt_max_tokens"}``. A session may also name no voice (the model's own)
+    "text_prompt_max_chars", "text_prompt_max_tokens", "frame": {"sample_rate_hz", "samples", "ms"}}`` (the
+    model's frame, :class:`runtime.engine.api.FrameFormat`: what a client sends and receives). A session may also name no voice (the model's own)
     and any text prompt within both text limits; NVIDIA's preset ``NATF2`` may be asked for as
     ``NATF2.pt``."""
     status = front.backend.status()
@@ -272,6 +273,7 @@ async def _personas(front: FrontEnd, request: web.Request) -> web.Response:
         "voice_prompt_max_chars": VOICE_PROMPT_MAX_CHARS,
         "text_prompt_max_chars": TEXT_PROMPT_MAX_CHARS,
         "text_prompt_max_tokens": TEXT_PROMPT_MAX_TOKENS,
+        "frame": status.frame.as_json(),
     }
     return _json(200, body, cache_control="no-cache")
 

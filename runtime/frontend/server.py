@@ -30,7 +30,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
 from runtime.config import RuntimeConfig
-from runtime.engine.api import SlotBackend
+from runtime.engine.api import MIMI_FRAME, SlotBackend
 from runtime.frontend import http
 from runtime.frontend.gate.access import Access
 from runtime.frontend.gate.refusals import (
@@ -332,6 +332,11 @@ class DuplexServer:
             return False, "warming up" if self.worker_id is None else "loading the model"
         if not status.tick_alive:
             return False, "tick loop stopped"
+        if status.frame != MIMI_FRAME:
+            return False, (
+                f"the model's frame ({status.frame.describe()}) is not the one the front end's codecs carry "
+                f"({MIMI_FRAME.describe()})"
+            )
         if status.free_slots == 0:
             return False, f"node full: {status.slots} of {status.slots} slots in use"
         return True, f"{status.free_slots} of {status.slots} slots free"

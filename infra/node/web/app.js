@@ -16,8 +16,10 @@
 
 import {
   FRAME_MS,
+  FRAME_SAMPLES,
   Kind,
   RESUME_SUBPROTOCOL_PREFIX,
+  SAMPLE_RATE_HZ,
   TOKEN_SUBPROTOCOL_PREFIX,
   chatUrl,
   checkAdmission,
@@ -207,6 +209,10 @@ async function start() {
   setState("connecting");
   try {
     setStatus("Checking with the node…");
+    if (nodeFrame.sample_rate_hz !== SAMPLE_RATE_HZ) {
+      return end(s, "unsupported_model", `the node's model frame (${nodeFrame.sample_rate_hz} Hz) is not the ` +
+        `${SAMPLE_RATE_HZ} Hz this page captures and plays`);
+    }
     const admission = await checkAdmission(location, persona, token);
     if (s.ended) return;
     if (!admission.ok) return end(s, admission.reason, admission.message);
@@ -226,7 +232,9 @@ async function start() {
     await context.resume();
     if (s.ended) return release(s);
     s.player = new Player(context);
-    s.capture = new AudioWorkletNode(context, "capture-24k", { numberOfInputs: 1, numberOfOutputs: 0 });
+    s.capture = new AudioWorkletNode(context, "capture-24k", {
+      numberOfInputs: 1, numberOfOutputs: 0, processorOptions: { frameSamples: nodeFrame.samples },
+    });
     s.capture.port.onmessage = (event) => onCapture(s, event.data);
     s.source = context.createMediaStreamSource(s.stream);
     s.source.connect(s.capture);
@@ -488,12 +496,17 @@ function describeToken() {
   ui["token-info"].textContent = `Valid until ${claims.expiresAt.toLocaleTimeString()}; voices: ${voices}.`;
 }
 
+// The model's frame as the node reports it (GET /api/personas "frame"), Mimi's until the node has said.
+let nodeFrame = { sample_rate_hz: SAMPLE_RATE_HZ, samples: FRAME_SAMPLES };
+
 async function loadVoices() {
   try {
     const response = await fetch("/api/personas", { cache: "no-cache" });
     if (!response.ok) return;
-    const { voices } = await response.json();
+    const { voices, frame } = await response.json();
     for (const name of voices) ui.voice.append(new Option(name, name));
+    if (frame && Number.isInteger(frame.samples)) nodeFrame = frame; // the model's frame, from the engine
+
   } catch {
     // The model's own voice stays available.
   }

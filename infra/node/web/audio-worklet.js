@@ -72,11 +72,15 @@ class Resampler {
 }
 
 class Capture24kProcessor extends AudioWorkletProcessor {
-  constructor() {
+  // options.processorOptions.frameSamples: the model's frame as the node reports it (GET /api/personas
+  // "frame"); 1920 (80 ms at 24 kHz) when the page could not ask.
+  constructor(options) {
     super();
+    const frameSamples = options?.processorOptions?.frameSamples;
+    this.frameSamples = Number.isInteger(frameSamples) && frameSamples > 0 ? frameSamples : FRAME_SAMPLES;
     // `sampleRate` (Hz) is a global of the worklet scope.
     this.resampler = sampleRate === TARGET_RATE_HZ ? null : new Resampler(sampleRate, TARGET_RATE_HZ);
-    this.frame = new Int16Array(FRAME_SAMPLES);
+    this.frame = new Int16Array(this.frameSamples);
     this.filled = 0;
     this.sumSquares = 0; // of the frame being filled, for the level meter
     this.port.postMessage({ type: "ready", inputRateHz: sampleRate, resampled: this.resampler !== null });
@@ -102,10 +106,10 @@ class Capture24kProcessor extends AudioWorkletProcessor {
       const clipped = Math.max(-1, Math.min(1, samples[i]));
       this.frame[this.filled++] = Math.round(clipped * 32767);
       this.sumSquares += clipped * clipped;
-      if (this.filled === FRAME_SAMPLES) {
-        const rms = Math.sqrt(this.sumSquares / FRAME_SAMPLES);
+      if (this.filled === this.frameSamples) {
+        const rms = Math.sqrt(this.sumSquares / this.frameSamples);
         this.port.postMessage({ type: "frame", samples: this.frame, rms }, [this.frame.buffer]);
-        this.frame = new Int16Array(FRAME_SAMPLES);
+        this.frame = new Int16Array(this.frameSamples);
         this.filled = 0;
         this.sumSquares = 0;
       }

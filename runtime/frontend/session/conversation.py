@@ -47,7 +47,6 @@ from runtime.engine.api import (
     SlotLease,
     replayed_message,
 )
-from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.frontend.gate.access import Access
 from runtime.frontend.gate.query import ResumePresented, SessionRequest, parse_session_query
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
@@ -219,8 +218,10 @@ class ChatSession(ResumableSession):
         self.client = client
         self.session_id = uuid.uuid4().hex
         config = front.config
+        self.frame_samples = front.backend.status().frame.samples
+        """Samples per model frame, as the backend reports the model's (:class:`FrameFormat`; 1920)."""
         self._pending: np.ndarray = np.zeros(0, dtype=np.float32)
-        """Samples pushed that do not fill a frame yet (fewer than ``FRAME_SAMPLES``)."""
+        """Samples pushed that do not fill a frame yet (fewer than :attr:`frame_samples`)."""
         self.outbox: asyncio.Queue[tuple[np.ndarray | None, str | None]] = asyncio.Queue(
             config.max_outbox_frames
         )
@@ -378,7 +379,7 @@ class ChatSession(ResumableSession):
 
     def push_samples(self, pcm: np.ndarray) -> None:
         """The caller's audio, decoded by the transport: ``[T]`` float32 mono samples at 24000 Hz in
-        [-1, 1], any ``T``. Whole ``[1920]`` frames go to the slot (and to the recording) as they fill; the
+        [-1, 1], any ``T``. Whole ``[frame_samples]`` (1920) frames go to the slot (and to the recording) as they fill; the
         rest waits for the next push. Dropped before the handshake, as moshi's server does.
 
         Raises:
@@ -392,11 +393,12 @@ class ChatSession(ResumableSession):
             raise ValueError(f"push_samples takes mono samples [T], got shape {samples.shape}")
         if self._pending.size:
             samples = np.concatenate([self._pending, samples])
-        whole = samples.size // FRAME_SAMPLES * FRAME_SAMPLES
+        size = self.frame_samples
+        whole = samples.size // size * size
         self._pending = samples[whole:].copy()
         metrics = self.front.metrics
-        for start in range(0, whole, FRAME_SAMPLES):
-            frame = samples[start : start + FRAME_SAMPLES]
+        for start in range(0, whole, size):
+            frame = samples[start : start + size]
             self.frames_in += 1
             if self.recorder is not None:
                 self.recorder.caller(frame)  # a queue put: the recording is written off the audio path
