@@ -182,7 +182,7 @@ class FirstAudio(msgspec.Struct, tag=True):
 
 class Status(msgspec.Struct, tag=True):
     """Engine -> every worker, about every 100 ms: the slots' state, for readiness, metrics and health, and
-    the model's frame (``frame_sample_rate_hz``, ``frame_samples``: :class:`runtime.engine.api.FrameFormat`)."""
+    the model's frame (``frame_sample_rate_hz``, ``frame_samples``: ``runtime.engine.api.FrameFormat``)."""
 
     slots: int
     free_slots: int

@@ -24,8 +24,8 @@ from runtime.engine.api import (
 
 class FakeBackend(SlotBackend):
     """``slots`` echo slots; ``loaded`` False answers as a model still loading; :meth:`lose` as an engine
-    process that died. ``refuse_with``: a :class:`Refusal` every admission raises. ``frame``: the model's frame
-    it reports (Mimi's unless a test says otherwise)."""
+    process that died. ``refuse_with``: a :class:`Refusal` every admission raises. ``frame``: the model's
+    frame it reports (Mimi's unless a test says otherwise)."""
 
     def __init__(self, slots: int = 2, *, loaded: bool = True, voices: tuple[str, ...] = ("alice",)) -> None:
         self.slots = slots

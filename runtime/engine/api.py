@@ -166,7 +166,8 @@ class FrameFormat:
     def __post_init__(self) -> None:
         if self.sample_rate_hz < 1 or self.samples < 1:
             raise ValueError(
-                f"a frame needs a sample rate and a size >= 1, got {self.sample_rate_hz} Hz and {self.samples}"
+                "a frame needs a sample rate and a size >= 1, "
+                f"got {self.sample_rate_hz} Hz and {self.samples}"
             )
 
     @property

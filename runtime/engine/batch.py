@@ -25,13 +25,13 @@ from moshi.models.lm import LMGen
 from moshi.modules.streaming import State
 from moshi.modules.transformer import RingKVCache, _LayerState, _MHAState, _TransformerState
 
+from runtime.engine.api import FrameFormat
 from runtime.engine.model_presets import (
     FRAME_MS,
     FRAME_SAMPLES,
     NVIDIA_SILENCE_TOKENS,
     NVIDIA_SINE_TOKENS,
 )
-from runtime.engine.api import FrameFormat
 from runtime.engine.models import ModelBundle
 from runtime.engine.sampling import SamplingParams, SlotSamplingTable
 

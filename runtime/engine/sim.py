@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from runtime.engine.api import FrameFormat
 from runtime.engine.batch import (
     NOT_FORCED,
     BatchEngine,
@@ -45,7 +46,6 @@ from runtime.engine.batch import (
     TickTimings,
 )
 from runtime.engine.model_presets import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE_HZ
-from runtime.engine.api import FrameFormat
 from runtime.engine.models import ModelBundle
 from runtime.engine.rollover import RolloverEngine, RolloverPolicy
 from runtime.engine.sampling import SamplingParams

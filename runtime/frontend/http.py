@@ -263,7 +263,8 @@ async def admission(front: FrontEnd, view: RequestView) -> Admission:
 async def _personas(front: FrontEnd, request: web.Request) -> web.Response:
     """``{"voices": [names], "voices_refused": ["<file>: <reason>"], "voice_prompt_max_chars",
     "text_prompt_max_chars", "text_prompt_max_tokens", "frame": {"sample_rate_hz", "samples", "ms"}}`` (the
-    model's frame, :class:`runtime.engine.api.FrameFormat`: what a client sends and receives). A session may also name no voice (the model's own)
+    model's frame, :class:`runtime.engine.api.FrameFormat`: what a client sends and receives). A session may
+    also name no voice (the model's own)
     and any text prompt within both text limits; NVIDIA's preset ``NATF2`` may be asked for as
     ``NATF2.pt``."""
     status = front.backend.status()

@@ -379,8 +379,8 @@ class ChatSession(ResumableSession):
 
     def push_samples(self, pcm: np.ndarray) -> None:
         """The caller's audio, decoded by the transport: ``[T]`` float32 mono samples at 24000 Hz in
-        [-1, 1], any ``T``. Whole ``[frame_samples]`` (1920) frames go to the slot (and to the recording) as they fill; the
-        rest waits for the next push. Dropped before the handshake, as moshi's server does.
+        [-1, 1], any ``T``. Whole ``[frame_samples]`` (1920) frames go to the slot (and to the recording) as
+        they fill; the rest waits for the next push. Dropped before the handshake, as moshi's server does.
 
         Raises:
             ValueError: ``pcm`` is not one-dimensional.
