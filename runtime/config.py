@@ -334,6 +334,21 @@ class RuntimeConfig(BaseSettings):
     turn_ttl_s: int = Field(
         3600, ge=60, le=86400, description="How long a session's TURN credentials are valid (s)"
     )
+    # Phone carriers' media streams (runtime/frontend/transports/carriers/; docs/deploying.md, "Phone
+    # numbers"): each bridge is off until its secret is set.
+    twilio_auth_token: SecretStr | None = Field(
+        None,
+        description="Twilio account auth token: X-Twilio-Signature on /api/carriers/twilio is checked with "
+        "it; unset: the Twilio bridge answers 404",
+    )
+    twilio_auth_token_file: Path | None = Field(
+        None, description="File holding the Twilio auth token instead"
+    )
+    twilio_stream_url: str | None = Field(
+        None,
+        description="The wss:// URL your TwiML's <Stream url=...> names (what Twilio signs), e.g. "
+        "wss://voice.example.com/api/carriers/twilio; required with the auth token",
+    )
     # WebRTC sessions on /api/rtc (runtime/frontend/transports/webrtc/signalling.py): when a peer that went
     # away frees its slot.
     rtc_connect_timeout_s: float = Field(
@@ -415,6 +430,18 @@ class RuntimeConfig(BaseSettings):
             raise ValueError(
                 "DUPLEX_RTC_RELAY_ONLY=true needs DUPLEX_RTC_RELAY_NETS: the TURN relay's addresses whose "
                 "relay candidates are kept (else no candidate is)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _twilio_needs_its_url(self) -> RuntimeConfig:
+        token_set = self.twilio_auth_token is not None or self.twilio_auth_token_file is not None
+        if self.twilio_auth_token is not None and self.twilio_auth_token_file is not None:
+            raise ValueError("set DUPLEX_TWILIO_AUTH_TOKEN or DUPLEX_TWILIO_AUTH_TOKEN_FILE, not both")
+        if token_set != (self.twilio_stream_url is not None):
+            raise ValueError(
+                "the Twilio bridge needs both DUPLEX_TWILIO_AUTH_TOKEN (or _FILE) and "
+                "DUPLEX_TWILIO_STREAM_URL (the signature covers the stream URL)"
             )
         return self
 
@@ -506,6 +533,16 @@ class RuntimeConfig(BaseSettings):
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
+    @field_validator("twilio_stream_url")
+    @classmethod
+    def _twilio_stream_url(cls, value: str | None) -> str | None:
+        if value is not None and not (value.startswith("wss://") and "?" not in value):
+            raise ValueError(
+                f"must be the wss:// URL of the TwiML <Stream> without a query string (Twilio connects over "
+                f"wss only and drops query strings), got {value!r}"
+            )
+        return value
+
     @field_validator("turn_secret")
     @classmethod
     def _turn_secret_length(cls, value: SecretStr | None) -> SecretStr | None:
@@ -582,6 +619,25 @@ class RuntimeConfig(BaseSettings):
             'no application-token keys: set DUPLEX_APP_TOKEN_KEYS (JSON {"<kid>": "<secret>"}) or '
             "DUPLEX_APP_TOKEN_KEYS_FILE (`duplex token keygen` makes a key)"
         )
+
+    def twilio_secret(self) -> str | None:
+        """The Twilio auth token (``DUPLEX_TWILIO_AUTH_TOKEN`` or the file's first line, read now); None:
+        the Twilio bridge is off.
+
+        Raises:
+            ValueError: the file unreadable or empty (names the variable).
+        """
+        if self.twilio_auth_token is not None:
+            return self.twilio_auth_token.get_secret_value()
+        if self.twilio_auth_token_file is None:
+            return None
+        try:
+            token = self.twilio_auth_token_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"DUPLEX_TWILIO_AUTH_TOKEN_FILE: {exc}") from None
+        if not token:
+            raise ValueError(f"DUPLEX_TWILIO_AUTH_TOKEN_FILE: {self.twilio_auth_token_file} is empty")
+        return token
 
     def load_model_bundle(self) -> ModelBundle:
         """The model these settings name (``model``, ``weights``, ``device``, ``dtype``, ``seed``,

@@ -319,7 +319,8 @@ class RuntimeMetrics:
         runtime/frontend/transports/webrtc/signalling.py)."""
         self.transport_sessions_started = Counter(
             "duplex_transport_sessions_started_total",
-            "Sessions admitted, by transport: websocket (/api/chat) or webrtc (/api/rtc)",
+            "Sessions admitted, by transport: websocket (/api/chat), webrtc (/api/rtc) or a phone carrier "
+            "(twilio: /api/carriers/twilio)",
             ["transport"],
             registry=r,
         )
@@ -356,7 +357,22 @@ class RuntimeMetrics:
             buckets=(0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 3.0, 5.0, 10.0),
             registry=r,
         )
-        for transport in ("websocket", "webrtc"):
+        self.carrier_barge_ins = Counter(
+            "duplex_carrier_barge_ins_total",
+            "Phone calls: the caller spoke over the agent's audio queued at the carrier, which was cleared",
+            ["carrier"],
+            registry=r,
+        )
+        self.carrier_dtmf = Counter(
+            "duplex_carrier_dtmf_total",
+            "Phone calls: DTMF digits the carrier reported (each also an event in the session's stream)",
+            ["carrier"],
+            registry=r,
+        )
+        for carrier in ("twilio",):
+            self.carrier_barge_ins.labels(carrier=carrier)
+            self.carrier_dtmf.labels(carrier=carrier)
+        for transport in ("websocket", "webrtc", "twilio"):
             self.transport_sessions_started.labels(transport=transport)
             self.transport_sessions_active.labels(transport=transport)
         for outcome in ("received", "late", "concealed", "lost"):

@@ -117,6 +117,11 @@ def test_every_refusal_keeps_its_status_close_code_and_message():
         "resume_expired": RefusalKind(410, 1008),
         # Issue 34: a resume while the session's owner is still connected and sending.
         "resume_live": RefusalKind(409, 1008),
+        # Issue 32: a phone carrier's media stream before its upgrade.
+        "carrier_off": RefusalKind(404, 1008, "this node has no bridge for this carrier configured"),
+        "carrier_signature": RefusalKind(
+            403, 1008, "the carrier's request signature is missing or does not match"
+        ),
     }
     assert expected == REFUSALS
     assert set(REFUSAL_STATUS) <= set(REFUSALS) and set(REFUSAL_REASONS) <= set(REFUSALS)

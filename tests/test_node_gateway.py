@@ -122,6 +122,26 @@ def test_nginx_config_has_what_the_node_needs(profile_name: str) -> None:
     assert "$request_method $uri" in log_format and '"$request"' not in log_format
 
 
+@pytest.mark.parametrize("profile_name", sorted(PROFILES))
+def test_the_twilio_bridge_is_a_session_route_without_a_per_client_cap(profile_name: str) -> None:
+    """Issue 32: Twilio's media servers connect from a few addresses with many calls each, so the carrier's
+    route holds the node's session cap and the handshake rate but not the per-client-address cap."""
+    profile = PROFILES[profile_name]
+    conf = render_nginx(profile)[NGINX_CONF].decode()
+    carrier = _block(conf, "location = /api/carriers/twilio {")
+    assert "proxy_set_header Upgrade $http_upgrade;" in carrier
+    assert f"limit_conn duplex_node_sessions {profile.sessions};" in carrier
+    assert "duplex_client_sessions" not in carrier
+    assert f"limit_req zone=duplex_handshakes burst={profile.limits.handshake_burst} nodelay;" in carrier
+    chat = _block(conf, "location = /api/chat {")
+    assert (
+        chat.replace(
+            f"            limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};\n", ""
+        ).replace("/api/chat", "/api/carriers/twilio")
+        == carrier
+    )
+
+
 def test_session_cap_follows_the_profile() -> None:
     conf = render_nginx(get_profile("a100-80gb", max_sessions=8))[NGINX_CONF].decode()
     assert "limit_conn duplex_node_sessions 8;" in conf

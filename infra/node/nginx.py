@@ -84,6 +84,41 @@ def _page_header_lines(profile: NodeProfile) -> str:
     return "\n".join(lines)
 
 
+SESSION_PATHS = ("/api/chat", "/api/carriers/twilio")
+"""The routes that upgrade to a session: Kyutai's WebSocket (runtime.frontend.http CHAT_PATH) and the Twilio
+bridge (runtime.frontend.transports.carriers.twilio TWILIO_PATH)."""
+
+_SESSION_LOCATION = """        location = {path} {{
+            limit_conn duplex_node_sessions {sessions};
+{per_client_line}            limit_req zone=duplex_handshakes burst={burst} nodelay;
+            error_page 503 @node_full;
+            error_page 429 @too_many_handshakes;
+            error_page 502 504 @runtime_unavailable;  # error_page is not inherited once a level sets one
+
+            proxy_pass http://duplex_runtime;
+            proxy_http_version 1.1;
+            # A level that sets proxy_set_header inherits none from the server level: all of them again.
+            proxy_set_header Host $host;
+            proxy_set_header X-Real-IP $remote_addr;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto https;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection $connection_upgrade;
+            proxy_buffering off;
+            proxy_connect_timeout 5s;
+            # Longer than the longest session ({max_session_s} s): the runtime ends sessions.
+            proxy_read_timeout {timeout_s}s;
+            proxy_send_timeout {timeout_s}s;
+        }}
+
+"""
+"""One session route's location (``str.format``: path, sessions, per_client_line, burst, max_session_s,
+timeout_s)."""
+_CARRIER_PREFIX = "/api/carriers/"
+"""A carrier's media servers connect from a few addresses, many calls each: no per-client-address cap there
+(the signature is their gate; the node's cap and the handshake rate still apply)."""
+
+
 def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
     """``{"nginx/nginx.conf": ...}`` for ``profile``; the same profile always gives the same bytes."""
     local = profile.deployment == "processes"
@@ -118,6 +153,21 @@ def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
     temp_dirs = "\n".join(
         f"    {kind}_temp_path {paths['temp']}/{kind};"
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    # One location per route that upgrades to a session (Kyutai's WebSocket, a phone carrier's media
+    # stream): each holds a node and a client connection slot for its life.
+    session_locations = "".join(
+        _SESSION_LOCATION.format(
+            path=path,
+            sessions=profile.sessions,
+            per_client_line=""
+            if path.startswith(_CARRIER_PREFIX)
+            else f"            limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};\n",
+            burst=limits.handshake_burst,
+            max_session_s=profile.limits.max_session_s,
+            timeout_s=timeout_s,
+        )
+        for path in SESSION_PATHS
     )
     conf = f"""# Rendered by infra.node.nginx for node profile {profile.name!r}. Do not edit: re-render.
 worker_processes {1 if local else "auto"};
@@ -199,31 +249,7 @@ http {{
 
         error_page 502 504 @runtime_unavailable;
 
-        location = /api/chat {{
-            limit_conn duplex_node_sessions {profile.sessions};
-            limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};
-            limit_req zone=duplex_handshakes burst={limits.handshake_burst} nodelay;
-            error_page 503 @node_full;
-            error_page 429 @too_many_handshakes;
-            error_page 502 504 @runtime_unavailable;  # error_page is not inherited once a level sets one
-
-            proxy_pass http://duplex_runtime;
-            proxy_http_version 1.1;
-            # A level that sets proxy_set_header inherits none from the server level: all of them again.
-            proxy_set_header Host $host;
-            proxy_set_header X-Real-IP $remote_addr;
-            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-            proxy_set_header X-Forwarded-Proto https;
-            proxy_set_header Upgrade $http_upgrade;
-            proxy_set_header Connection $connection_upgrade;
-            proxy_buffering off;
-            proxy_connect_timeout 5s;
-            # Longer than the longest session ({profile.limits.max_session_s} s): the runtime ends sessions.
-            proxy_read_timeout {timeout_s}s;
-            proxy_send_timeout {timeout_s}s;
-        }}
-
-        location = /healthz {{
+{session_locations}        location = /healthz {{
             proxy_pass http://duplex_runtime;
             proxy_http_version 1.1;
             proxy_set_header Connection "";

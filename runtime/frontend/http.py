@@ -41,6 +41,7 @@ from runtime.frontend.listener import HEADER_DEADLINE, READ_BUFSIZE, HeaderDeadl
 from runtime.frontend.session.conversation import FrontEnd, plan_session
 from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
 from runtime.frontend.transports import websocket as ws
+from runtime.frontend.transports.carriers import twilio
 from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE
 
@@ -165,6 +166,18 @@ async def _chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     if isinstance(answer, web.Response):
         answer.force_close()  # a refused upgrade (426) ends its connection
     return answer
+
+
+async def _twilio(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+    """``/api/carriers/twilio``: the connection's gate (rate limits; a carrier is not a browser: no origin),
+    then the Twilio bridge (its signature, the upgrade, the token on the ``start`` message)."""
+    try:
+        connection = admit_connection(
+            front.access, front.metrics, request_view(request), origin=None, resume=False
+        )
+    except GateRefused as refused:
+        return _refused(refused)
+    return await twilio.serve_upgrade(front, request, connection.client)
 
 
 async def _rtc(front: FrontEnd, request: web.Request) -> web.StreamResponse:
@@ -305,6 +318,7 @@ ROUTES: dict[str, Route] = {
     SESSIONS_PATH + "/*": Route(("GET", "DELETE"), sessions_item, _loading_refused),
     rtc.RTC_PATH: Route(("POST",), _rtc, _loading_refused),
     rtc.ICE_SERVERS_PATH: Route(("GET",), _rtc, _loading_refused),
+    twilio.TWILIO_PATH: Route(("GET",), _twilio, _loading_refused),
 }
 """Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer. A key
 ending in ``/*`` takes every path below it."""

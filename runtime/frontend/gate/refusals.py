@@ -39,6 +39,10 @@ DRAINING_MESSAGE = "node is draining for shutdown; connect to another node"
 """The 0x05 reason sent to a session refused while the node drains (and the admission check's message)."""
 LOADING_MESSAGE = "node is loading the model; try again in a few minutes"
 """What every request but the probes gets while the model loads."""
+CARRIER_OFF_MESSAGE = "this node has no bridge for this carrier configured"
+"""A carrier's route on a node without its secret (e.g. no ``DUPLEX_TWILIO_AUTH_TOKEN``)."""
+CARRIER_SIGNATURE_MESSAGE = "the carrier's request signature is missing or does not match"
+"""A media stream whose signature header does not sign its URL with the carrier's secret."""
 ENGINE_LOST_MESSAGE = "engine unreachable"
 """The close reason of sessions whose engine process died (close code 1011)."""
 
@@ -80,6 +84,9 @@ REFUSALS: dict[str, RefusalKind] = {
     # The session's owner is still connected and sending: a resume takes over a lost connection only
     # (runtime.engine.resume.PROBE_S); the owner keeps its call and its credential.
     "resume_live": RefusalKind(409, CLOSE_POLICY),
+    # A phone carrier's media stream (runtime.frontend.transports.carriers), before its upgrade.
+    "carrier_off": RefusalKind(404, CLOSE_POLICY, CARRIER_OFF_MESSAGE),
+    "carrier_signature": RefusalKind(403, CLOSE_POLICY, CARRIER_SIGNATURE_MESSAGE),
 }
 """Every refusal reason (the ``reason`` label of ``duplex_admissions_refused_total``) and its answers."""
 

@@ -1,0 +1,1 @@
+"""Phone carriers' media streams: one transport each on the lifecycle's seam (issue 32)."""
