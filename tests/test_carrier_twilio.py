@@ -300,3 +300,34 @@ def test_an_encoding_the_bridge_does_not_carry_is_named():
     assert CarrierEncoding.parse("pcma") is CarrierEncoding.PCMA
     with pytest.raises(ValueError, match="carrier sample rate must be 8000..48000 Hz, got 4000"):
         PhoneAudioIn(CarrierEncoding.PCMU, 4000)
+
+
+# --- the load generator ----------------------------------------------------------------------------------
+
+
+async def test_the_phone_load_generator_reports_calls_like_the_other_transports():
+    """``duplex loadgen --transport twilio``'s core: espeak-ng speech at 8 kHz, three calls on two slots.
+    Two are served whole (no frame lost by the echo slots), the third is refused and counted a failure
+    with the node's words."""
+    from runtime.tools.loadgen import synthesize_speech
+    from runtime.tools.loadgen_phone import run_twilio_load
+
+    speech = synthesize_speech("Hello, I would like to book a table for two tonight.")
+    backend = FakeBackend(slots=2)
+    async with fake_node(backend, **TWILIO) as server:
+        report = await run_twilio_load(
+            base(server),
+            [speech],
+            sessions=3,
+            auth_token=AUTH_TOKEN,
+            stream_url=STREAM_URL,
+            max_duration_s=60,
+        )
+    served = report.served
+    assert len(served) == 2 and not report.ok
+    assert [r.failure for r in served] == ["", ""]
+    assert all(r.frames_lost() <= 1 and r.first_audio_ms is not None for r in served), [
+        (r.frames_lost(), r.frames_planned, r.audio_messages) for r in served
+    ]
+    (refused,) = [r for r in report.sessions if not r.handshake]
+    assert "node_full" in refused.failure

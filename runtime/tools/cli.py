@@ -305,8 +305,21 @@ def loadgen(
     ] = None,
     transport: Annotated[
         str,
-        typer.Option(help="websocket (/api/chat) or webrtc (/api/rtc: aiortc clients, pre-encoded Opus)"),
+        typer.Option(
+            help="websocket (/api/chat), webrtc (/api/rtc: aiortc clients, pre-encoded Opus) or twilio "
+            "(/api/carriers/twilio: Twilio's side of a Media Stream, 8 kHz mu-law)"
+        ),
     ] = "websocket",
+    twilio_auth_token: Annotated[
+        str | None,
+        typer.Option(envvar="DUPLEX_TWILIO_AUTH_TOKEN", help="--transport twilio: the auth token that signs"),
+    ] = None,
+    twilio_stream_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DUPLEX_TWILIO_STREAM_URL", help="--transport twilio: the stream URL the node checks"
+        ),
+    ] = None,
     processes: Annotated[
         int, typer.Option(min=1, max=64, help="--transport webrtc: generator processes the sessions share")
     ] = 2,
@@ -356,9 +369,32 @@ def loadgen(
         raise typer.Exit(2)
     if token_key_file is not None:
         tokens = _token_factory(token_key_file, kid, audience=audience, personas=persona)
-    if transport not in ("websocket", "webrtc"):
-        console.print(f"[red]--transport must be websocket or webrtc, got {transport!r}[/red]")
+    if transport not in ("websocket", "webrtc", "twilio"):
+        console.print(f"[red]--transport must be websocket, webrtc or twilio, got {transport!r}[/red]")
         raise typer.Exit(2)
+    if transport == "twilio":
+        if not twilio_auth_token or not twilio_stream_url:
+            console.print(
+                "[red]--transport twilio needs --twilio-auth-token and --twilio-stream-url (or "
+                "DUPLEX_TWILIO_AUTH_TOKEN and DUPLEX_TWILIO_STREAM_URL), as the node has them[/red]"
+            )
+            raise typer.Exit(2)
+        from runtime.tools.loadgen_phone import run_twilio_load
+
+        phone_report = asyncio.run(
+            run_twilio_load(
+                url,
+                speech,
+                sessions=sessions,
+                auth_token=twilio_auth_token,
+                stream_url=twilio_stream_url,
+                token=tokens,
+                max_duration_s=max_duration_s,
+                stagger_s=stagger_s,
+            )
+        )
+        _print_report(phone_report, None, f"{sessions} Twilio calls against {url}", json_out)
+        raise typer.Exit(0 if phone_report.ok else 1)
     if transport == "webrtc":
         from runtime.tools.loadgen_rtc import run_rtc_load
 

@@ -52,6 +52,7 @@ class TwilioCallResult:
         first_audio_s: from the ``start`` message to the first marked (agent) audio packet, or None.
         marks: marks the node sent; clears: ``clear`` messages it sent.
         packets_sent: caller packets sent.
+        mark_arrival_s: monotonic arrival time of each mark (one per 80 ms frame of the agent's audio).
         failure: why the call failed, or "".
     """
 
@@ -64,6 +65,7 @@ class TwilioCallResult:
     marks: int = 0
     clears: int = 0
     packets_sent: int = 0
+    mark_arrival_s: list[float] = field(default_factory=list)
     failure: str = ""
 
     def received_pcm(self) -> np.ndarray:
@@ -180,6 +182,7 @@ async def _converse(
                     if result.marks == 0:
                         result.first_audio_s = now - started
                     result.marks += 1
+                    result.mark_arrival_s.append(now)
                     name = event["mark"]["name"]
                     pending[name] = loop.call_later(max(0.0, playout["until"] - now), echo, name)
                 elif kind == "clear":
