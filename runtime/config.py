@@ -386,6 +386,13 @@ class RuntimeConfig(BaseSettings):
         description="Python's garbage collector in a serving process (runtime/gc_policy.py): gen0,gen1,gen2 "
         'thresholds after start-up objects are frozen, or "default" for Python\'s own (700,10,10)',
     )
+    malloc_trim_s: float = Field(
+        60.0,
+        ge=0,
+        le=86400,
+        description="Every this many seconds a serving process gives the C heap's free memory back to the OS "
+        "(glibc malloc_trim: runtime/heap_trim.py); 0: never",
+    )
     sim_step_ms: str = Field(
         "30",
         description='model=sim only: step time, ms ("30") or batch:ms pairs ("1:28,8:32.6,16:45,32:70.2")',

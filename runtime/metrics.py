@@ -108,6 +108,17 @@ class RuntimeMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.heap_trimmed = Counter(
+            "duplex_heap_trimmed_bytes_total",
+            "Resident memory given back to the OS by the periodic malloc_trim (runtime/heap_trim.py), bytes",
+            registry=r,
+        )
+        self.heap_trim_duration = Histogram(
+            "duplex_heap_trim_seconds",
+            "Wall time of one malloc_trim(0) (in a thread: the event loop keeps serving)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25),
+            registry=r,
+        )
         self.loading = Gauge(
             "duplex_loading",
             "1 while the model loads and warms up (/readyz 503 'loading')",

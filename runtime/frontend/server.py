@@ -49,6 +49,7 @@ from runtime.frontend.store.recordings import LocalRecordings, RecordingStore
 from runtime.frontend.store.records import RedisSessionReader
 from runtime.frontend.store.redis_store import SessionStore
 from runtime.frontend.transports.webrtc import signalling as rtc
+from runtime.heap_trim import HeapTrimmer, TrimResult
 from runtime.metrics import RuntimeMetrics
 
 __all__ = [
@@ -173,6 +174,7 @@ class DuplexServer:
             None if config.recording_dir is None else LocalRecordings(config.recording_dir)
         )
         self._sweep_task: asyncio.Task[None] | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         self.sessions: set[ChatSession] = set()
         self.draining = False
         self.maintenance: MaintenanceWatcher | None = None
@@ -204,6 +206,8 @@ class DuplexServer:
         self.maintenance = start_maintenance_watch(
             self.config, self.metrics, self._on_maintenance_notice, on_preempted=self._on_preempted
         )
+        trimmer = HeapTrimmer(self.config.malloc_trim_s, self._on_heap_trim)
+        self._trim_task = asyncio.create_task(trimmer.run(), name="heap trim")
         log.info(
             "%s listening on %s:%d with %d slots",
             self.worker_id or "server",
@@ -269,9 +273,16 @@ class DuplexServer:
                     self.metrics.recordings_swept.inc(removed)
             await asyncio.sleep(self.config.recording_sweep_s)
 
+    def _on_heap_trim(self, result: TrimResult) -> None:
+        self.metrics.heap_trimmed.inc(result.released_bytes)
+        self.metrics.heap_trim_duration.observe(result.duration_s)
+
     async def close(self) -> None:
         """End the WebRTC sessions left, stop listening, close the backend, flush the store. Idempotent."""
         self._stop_maintenance_watch()
+        if self._trim_task is not None:
+            self._trim_task.cancel()
+            self._trim_task = None
         if self._sweep_task is not None:
             self._sweep_task.cancel()
             self._sweep_task = None
