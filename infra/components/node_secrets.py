@@ -65,6 +65,8 @@ class StackSecretsArgs:
         app_token_keys: the application-token (sessions API) signing keys, the same form, never a session
             key (``NodeSecrets`` refuses one), or None to generate one key.
         hf_token: the Hugging Face token (secret Output), or None.
+        twilio_auth_token: the Twilio account's auth token (``twilioAuthToken``), or None: it goes into the
+            runtime's ``secrets/runtime.env`` with the node's stream URL (``infra.node.services``).
         turn_secret: the TURN REST shared secret (secret Output), or None to generate one (where the
             profile's relay is on; ignored where it is off).
         turn_secret_previous: the TURN secret being rotated out (secret Output): coturn still accepts it,
@@ -82,6 +84,7 @@ class StackSecretsArgs:
     token_keys: pulumi.Input[str] | None = None
     app_token_keys: pulumi.Input[str] | None = None
     hf_token: pulumi.Input[str] | None = None
+    twilio_auth_token: pulumi.Input[str] | None = None
     turn_secret: pulumi.Input[str] | None = None
     turn_secret_previous: pulumi.Input[str] | None = None
     alert_secrets: Mapping[str, pulumi.Input[str]] = field(default_factory=dict)
@@ -144,7 +147,7 @@ class StackSecrets(pulumi.ComponentResource):
         alert_roles = sorted(args.alert_secrets)
 
         def render(values: list[str | None]) -> dict[str, str]:
-            redis, grafana, keys, app_keys, token, turn, turn_previous, *alerts = values
+            redis, grafana, keys, app_keys, token, turn, turn_previous, twilio, *alerts = values
             assert redis is not None and grafana is not None and keys is not None and app_keys is not None
             node_secrets = NodeSecrets(
                 redis_password=redis,
@@ -153,6 +156,7 @@ class StackSecrets(pulumi.ComponentResource):
                 app_token_keys=json.loads(app_keys),
                 turn_secret=turn,
                 turn_secret_previous=turn_previous,
+                twilio_auth_token=twilio,
                 **dict(zip(alert_roles, alerts, strict=True)),
             )
             files = {path: content.decode() for path, content in secret_files(profile, node_secrets).items()}
@@ -177,6 +181,7 @@ class StackSecrets(pulumi.ComponentResource):
                 token_input,
                 turn_input,
                 self.turn_secret_previous,
+                None if args.twilio_auth_token is None else pulumi.Output.secret(args.twilio_auth_token),
                 *(pulumi.Output.secret(args.alert_secrets[role]) for role in alert_roles),
             ).apply(render)
         )

@@ -42,6 +42,7 @@ __all__ = [
     "optional_secret_roles",
     "services_of",
     "token_audience",
+    "twilio_stream_url",
 ]
 
 Service = Literal[
@@ -87,7 +88,8 @@ SECRET_FILES = {
 }
 """What ``secret_files`` writes, by role: the Redis ``admin`` user's password alone; the Redis users
 (``user`` lines, ``infra.node.redis_acl``) for redis.conf's ``include``; ``DUPLEX_REDIS_URL`` for the runtime
-(as the ``runtime`` user); ``REDIS_USER``/``REDIS_PASSWORD`` for redis_exporter (the ``exporter`` user);
+(as the ``runtime`` user; with the TURN secret and, where the node has one, the Twilio auth token and its
+stream URL); ``REDIS_USER``/``REDIS_PASSWORD`` for redis_exporter (the ``exporter`` user);
 ``DUPLEX_EVENTS_REDIS_URL`` for the application's events consumer (the ``events`` user, read-only on the
 events stream: docs/sessions-api.md, "Events"); Grafana's admin
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
@@ -108,6 +110,16 @@ password (``email_password``) and the PagerDuty Events API v2 routing key (``pag
 value; Alertmanager reads them itself (``auth_password_file``, ``routing_key_file``)."""
 
 _TURN_SECRET_RE = re.compile(r"[A-Za-z0-9_-]{32,256}")
+_ENV_VALUE_RE = re.compile(r"[!#-&(-~]{8,256}")
+"""A value that goes unquoted into an env file: printable ASCII without spaces, ``"`` or ``'``."""
+
+
+def twilio_stream_url(profile: NodeProfile) -> str:
+    """``wss://<domain>[:port]/api/carriers/twilio``: what the TwiML's ``<Stream url>`` names and Twilio
+    signs (the runtime checks the signature against it: ``DUPLEX_TWILIO_STREAM_URL``)."""
+    port = "" if profile.ports.https == 443 else f":{profile.ports.https}"
+    return f"wss://{profile.domain}{port}/api/carriers/twilio"
+
 
 TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
 """Where a ``compose`` node's runtime container reads ``secrets/token_keys.json`` (a Compose secret)."""
@@ -249,6 +261,7 @@ class NodeSecrets:
     alert_pagerduty_routing_key: str | None = field(default=None, repr=False)
     turn_secret: str | None = field(default=None, repr=False)
     turn_secret_previous: str | None = field(default=None, repr=False)
+    twilio_auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("redis_password", "grafana_admin_password"):
@@ -285,6 +298,13 @@ class NodeSecrets:
                     "turnserver.conf and an env file unquoted)"
                 )
 
+        token = self.twilio_auth_token
+        if token is not None and not _ENV_VALUE_RE.fullmatch(token):
+            raise ValueError(
+                "twilio_auth_token must be 8 to 256 printable characters without spaces or quotes (it goes "
+                "into an env file unquoted)"
+            )
+
     def signing_keys(self) -> list[SigningKey]:
         """``token_keys`` as ``runtime.frontend.gate.tokens.SigningKey`` objects (the first is the one to mint
         with)."""
@@ -297,7 +317,8 @@ class NodeSecrets:
     @classmethod
     def generate(cls) -> NodeSecrets:
         """Fresh random secrets: 32 URL-safe characters each (192 bits); one token signing key (256 bits);
-        a TURN secret of 43 URL-safe characters (256 bits)."""
+        a TURN secret of 43 URL-safe characters (256 bits); a stand-in Twilio auth token (the local node's
+        check plays Twilio's side of a call, signing with it: ``infra.node.bringup``)."""
         key = generate_signing_key()
         app_key = generate_signing_key(f"app-{_stdlib_secrets.token_hex(4)}")
         return cls(
@@ -306,6 +327,7 @@ class NodeSecrets:
             token_keys={key.kid: key.secret.decode()},
             app_token_keys={app_key.kid: app_key.secret.decode()},
             turn_secret=_stdlib_secrets.token_urlsafe(32),
+            twilio_auth_token=_stdlib_secrets.token_hex(16),
         )
 
 
@@ -350,6 +372,9 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
         runtime_env += f"DUPLEX_TURN_SECRET={node_secrets.turn_secret}\n"
         previous = () if node_secrets.turn_secret_previous is None else (node_secrets.turn_secret_previous,)
         turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret, previous_secrets=previous)
+    if node_secrets.twilio_auth_token is not None:  # the Twilio bridge: both or neither (runtime/config.py)
+        runtime_env += f"DUPLEX_TWILIO_AUTH_TOKEN={node_secrets.twilio_auth_token}\n"
+        runtime_env += f"DUPLEX_TWILIO_STREAM_URL={twilio_stream_url(profile)}\n"
     files = {
         SECRET_FILES["redis_password"]: password.encode(),
         SECRET_FILES["redis_auth_conf"]: render_acl_users(password).encode(),

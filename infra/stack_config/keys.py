@@ -278,6 +278,7 @@ class _Keys(BaseModel):
             alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
             turn_secret=self.turn_secret,
             turn_secret_previous=self.turn_secret_previous,
+            twilio_auth_token=getattr(self, "twilio_auth_token", None),
         )
 
     def _config(
@@ -411,6 +412,14 @@ class _NodeKeys(_Keys):
     runtime each draining, plus a minute) fits GCE graceful shutdown's 3600 s."""
 
     redis_password: Secret | None = None
+    # The Twilio account's auth token: the node's Twilio bridge checks each stream's signature with it
+    # (docs/deploying.md, "Phone numbers"); unset: the bridge is off.
+    twilio_auth_token: (
+        Annotated[
+            Secret, secret_matching(r"^[!#-&(-~]{8,256}$", "8-256 printable characters, no spaces or quotes")
+        ]
+        | None
+    ) = None
     drain_grace_seconds: int = Field(NODE_DRAIN_GRACE_S, ge=0, le=MAX_NODE_DRAIN_GRACE_S)
     # --- certificates (issue 20, item 7) ---
     acme_email: str | None = Field(

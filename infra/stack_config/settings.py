@@ -97,6 +97,9 @@ class StackSecretsConfig(_Frozen):
     ``DUPLEX_TURN_SECRET``); None: generated."""
     turn_secret_previous: SecretStr | None = None
     """The TURN secret being rotated out (``turnSecretPrevious``): coturn still accepts it; None: none."""
+    twilio_auth_token: SecretStr | None = None
+    """The Twilio account's auth token (``twilioAuthToken``, single-node topologies); None: the node's Twilio
+    bridge is off."""
 
 
 class GceSettings(_Frozen):
