@@ -20,6 +20,11 @@ node's coturn, relay-only (each client asks ``GET /api/rtc/ice-servers`` for its
 when the profile's relay is on. :func:`transport_rows` sets both runs side by side (first audio p50/p99,
 frames lost, ICE connect time), as ``duplex node up`` prints them.
 
+Then (``phone``) the same number of phone calls as Twilio's side of a Media Stream
+(``runtime.tools.loadgen_phone``): through nginx's ``/api/carriers/twilio``, signed with the node's (stand-in)
+Twilio auth token, espeak-ng speech at 8 kHz μ-law, a session token per call as a ``<Parameter>``; a third
+row beside the other two.
+
 Between the two runs, the resume step (``infra.node.resume_check``): one WebSocket session with
 ``resumable=1`` through nginx, its TCP connection cut without a close frame mid-conversation, reconnected
 with its credential: audio again in the same slot under the same session id (read back through the
@@ -40,9 +45,10 @@ import numpy as np
 from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
 from infra.node.resume_check import ResumeCheck, check_resume
-from infra.node.services import token_audience
+from infra.node.services import token_audience, twilio_stream_url
 from runtime.frontend.gate.app_tokens import mint_app_token
 from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
+from runtime.tools.loadgen_phone import run_twilio_load
 from runtime.tools.loadgen_rtc import RtcLoadReport, run_rtc_load
 
 __all__ = ["NodeCheck", "bring_up_and_check", "scraped_figures", "transport_rows"]
@@ -126,6 +132,7 @@ class NodeCheck:
     load: LoadReport | None = None
     rtc_load: RtcLoadReport | None = None
     rtc_relay: bool = False
+    phone_load: LoadReport | None = None
     extra_caller: SessionResult | None = None
     resume: ResumeCheck | None = None
     scraped: dict[str, float | None] = field(default_factory=dict)
@@ -151,6 +158,9 @@ class NodeCheck:
             }
             if self.rtc_load
             else None,
+            "twilio": {"summary": self.phone_load.summary(), "sessions": self.phone_load.session_rows()}
+            if self.phone_load
+            else None,
             "extra_caller": {
                 "refused": self.extra_caller.refused,
                 "reason": self.extra_caller.refusal_reason,
@@ -165,12 +175,14 @@ class NodeCheck:
 
 
 def transport_rows(check: NodeCheck) -> list[dict[str, object]]:
-    """One row per transport the check ran (``websocket``, then ``webrtc``): sessions served of those
-    launched, first audio p50/p99 (ms, the client's: first frame sent -> first audio back), frames lost,
+    """One row per transport the check ran (``websocket``, ``webrtc``, then ``twilio``): sessions served of
+    those launched, first audio p50/p99 (ms, the client's: first frame sent -> first audio back; a phone
+    call's: its ``start`` message -> the first agent frame), frames lost,
     and for WebRTC the POST -> connected (ICE and DTLS) p50/p99 (ms), concealed 20 ms packets and whether
     the media was relay-only."""
     rows: list[dict[str, object]] = []
-    for transport, report in (("websocket", check.load), ("webrtc", check.rtc_load)):
+    runs = (("websocket", check.load), ("webrtc", check.rtc_load), ("twilio", check.phone_load))
+    for transport, report in runs:
         if report is None:
             continue
         total = report.summary()
@@ -242,6 +254,12 @@ def _check_load(check: NodeCheck, sessions: int) -> None:
                 check.problems.append(f"WebRTC session {i} {r.failure}")
             elif r.audio_messages == 0:
                 check.problems.append(f"WebRTC session {i} got no audio")
+    if check.phone_load is not None:
+        for i, r in enumerate(check.phone_load.sessions):
+            if r.failure:
+                check.problems.append(f"Twilio call {i} {r.failure}")
+            elif r.audio_messages == 0:
+                check.problems.append(f"Twilio call {i} got no audio")
     extra = check.extra_caller
     if extra is not None and not extra.refused:
         check.problems.append(f"caller {sessions + 1} was served although the node has {sessions} slots")
@@ -257,6 +275,7 @@ def bring_up_and_check(
     max_duration_s: float = 120.0,
     webrtc: bool = True,
     resume: bool = True,
+    phone: bool = True,
 ) -> NodeCheck:
     """Drive the (started) ``node``: ``sessions`` (default: its slot count) concurrent sessions through
     nginx over TLS, one extra caller while they run, then (``resume``) one session dropped and resumed
@@ -324,6 +343,22 @@ def bring_up_and_check(
                 relay=check.rtc_relay,
             )
         )
+    twilio_token = node.secrets.twilio_auth_token
+    if phone and twilio_token is not None and not node.dead_processes():
+        say(f"calling {sessions} times through {node.wss_url}/api/carriers/twilio (Twilio's side)")
+        _wait_until_quiet(node.runtime_url, QUIET_TIMEOUT_S)
+        check.phone_load = asyncio.run(
+            run_twilio_load(
+                node.wss_url,
+                speech,
+                sessions=sessions,
+                auth_token=twilio_token,
+                stream_url=twilio_stream_url(node.profile),
+                token=node.mint_token,
+                max_duration_s=max_duration_s,
+                ssl_context=context,
+            )
+        )
     _check_load(check, sessions)
     health = runtime_health_problem(node.runtime_url)
     if health is not None:
@@ -337,7 +372,9 @@ def bring_up_and_check(
         return check
     say("reading the node's figures back from Prometheus")
     try:
-        served = len(check.load.served) + (len(check.rtc_load.served) if check.rtc_load else 0)
+        served = len(check.load.served) + sum(
+            len(report.served) for report in (check.rtc_load, check.phone_load) if report is not None
+        )
         check.scraped = scraped_figures(
             node.prometheus_url, want_sessions=served, scrape_interval_s=node.profile.scrape_interval_s
         )

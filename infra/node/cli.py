@@ -62,15 +62,16 @@ def render_command(
 
 
 def _transport_table(rows: list[dict[str, object]]) -> Table:
-    """``bringup.transport_rows`` as a table: the two transports side by side (times in ms)."""
+    """``bringup.transport_rows`` as a table: the transports side by side (times in ms)."""
 
     def ms(value: object) -> str:
         return "-" if value is None else f"{float(value):.0f}"  # type: ignore[arg-type]
 
     table = Table(
-        title="WebSocket and WebRTC side by side",
-        caption="ms; 1st: the client's first frame sent -> first audio back; ICE: POST -> connected; "
-        "PLC: 20 ms packets concealed; webrtc/turn: relay-only through the node's coturn",
+        title="WebSocket, WebRTC and phone calls side by side",
+        caption="ms; 1st: the client's first frame sent -> first audio back (twilio: the call's start -> "
+        "the first agent frame); ICE: POST -> connected; PLC: 20 ms packets concealed; webrtc/turn: "
+        "relay-only through the node's coturn",
     )
     for column in ("transport", "served", "1st p50", "1st p99", "lost", "ICE p50", "ICE p99", "PLC"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -124,6 +125,10 @@ def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: im
         route = "relay-only via coturn" if check.rtc_relay else "direct"
         title = f"WebRTC sessions through {node.https_url}/api/rtc ({route})"
         console.print(load_table(title, check.rtc_load))
+    if check.phone_load is not None:
+        console.print(
+            load_table(f"Twilio calls through {node.wss_url}/api/carriers/twilio", check.phone_load)
+        )
     rows = transport_rows(check)
     if rows:
         console.print(_transport_table(rows))

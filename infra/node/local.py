@@ -57,7 +57,14 @@ from infra.node.prometheus import prometheus_args, prometheus_config
 from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
 from infra.node.redis_conf import REDIS_CONF
 from infra.node.relay import relay_port_range
-from infra.node.services import SECRET_FILES, NodeSecrets, endpoint, runtime_settings, token_audience
+from infra.node.services import (
+    SECRET_FILES,
+    NodeSecrets,
+    endpoint,
+    runtime_settings,
+    token_audience,
+    twilio_stream_url,
+)
 from infra.node.tls import write_self_signed_certificate
 from runtime.frontend.gate.tokens import mint_token
 
@@ -311,10 +318,13 @@ class LocalNode:
             except redis.RedisError:
                 return False
 
-        turn_env = {}
+        runtime_secrets: dict[str, str] = {}
+        if self.secrets.twilio_auth_token is not None:  # as secrets/runtime.env has them (a container's)
+            runtime_secrets["DUPLEX_TWILIO_AUTH_TOKEN"] = self.secrets.twilio_auth_token
+            runtime_secrets["DUPLEX_TWILIO_STREAM_URL"] = twilio_stream_url(p)
         processes = [ManagedProcess("redis", ["redis-server", REDIS_CONF], redis_ready)]
         if p.relay.enabled:
-            turn_env["DUPLEX_TURN_SECRET"] = self.secrets.turn_secret or ""
+            runtime_secrets["DUPLEX_TURN_SECRET"] = self.secrets.turn_secret or ""
             processes.append(
                 ManagedProcess(
                     "coturn",
@@ -345,7 +355,7 @@ class LocalNode:
                 "runtime",
                 [sys.executable, "-m", "runtime.tools.cli", "serve", *self.runtime_args],
                 lambda: _http_ok(f"{self.runtime_url}/readyz"),
-                env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url, **turn_env},
+                env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url, **runtime_secrets},
                 stop_timeout_s=p.limits.drain_grace_s + 10.0,
             ),
             ManagedProcess(

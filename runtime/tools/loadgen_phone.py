@@ -13,6 +13,7 @@ call the node refuses (HTTP status, or a close before its first mark) or cuts co
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable, Sequence
 
@@ -67,6 +68,7 @@ async def run_twilio_load(
     parameters: dict[str, str] | None = None,
     max_duration_s: float = 120.0,
     stagger_s: float = 0.0,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> LoadReport:
     """``sessions`` concurrent calls against ``url`` (``ws://host:port`` or ``wss://host``); call ``i``
     streams ``speech[i % len(speech)]`` (24 kHz float32, made telephone speech here) then hangs up.
@@ -77,6 +79,7 @@ async def run_twilio_load(
         token: a session-token factory (one per call, as a ``<Parameter name="token">``), one token for one
             call, or None for a node without access control.
         parameters: other ``<Parameter>`` elements (``voice_prompt``, ``text_prompt``).
+        ssl_context: for ``wss://`` to a node with a self-signed certificate.
     Raises:
         ValueError: as :func:`runtime.tools.loadgen.check_load_args`.
     """
@@ -91,7 +94,14 @@ async def run_twilio_load(
         minted = token() if callable(token) else token
         if minted:
             params["token"] = minted
-        call = await twilio_call(url, clip, auth_token=auth_token, stream_url=stream_url, parameters=params)
+        call = await twilio_call(
+            url,
+            clip,
+            auth_token=auth_token,
+            stream_url=stream_url,
+            parameters=params,
+            ssl_context=ssl_context,
+        )
         return session_result(call, int(np.ceil(clip.size / (8000 * PACKET_S))))
 
     tasks = [asyncio.create_task(one(i)) for i in range(sessions)]

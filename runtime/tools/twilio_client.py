@@ -19,6 +19,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import ssl
 import time
 import uuid
 import warnings
@@ -95,6 +96,7 @@ async def twilio_call(
     tail_s: float = 0.5,
     media_format: dict[str, object] | None = None,
     signature: str | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> TwilioCallResult:
     """One call: connect to ``base_url`` (``ws://host:port``; the path is ``/api/carriers/twilio``), sign
     ``stream_url`` (what the TwiML names), stream ``caller_8k``, then wait ``tail_s`` and hang up.
@@ -105,6 +107,7 @@ async def twilio_call(
         hang_up: ``stop`` (Twilio's stop message, then close) or ``drop`` (the socket closed, no stop).
         media_format: the ``start`` message's ``mediaFormat`` (default μ-law, 8000 Hz, mono).
         signature: the header to send instead of the right one (tests of a refusal); "" sends none.
+        ssl_context: for ``wss://`` to a node with its own certificate authority (a self-signed node).
     Raises:
         ValueError: ``hang_up`` not ``stop`` or ``drop``.
     """
@@ -116,7 +119,10 @@ async def twilio_call(
     stream_sid, call_sid = "MZ" + uuid.uuid4().hex, "CA" + uuid.uuid4().hex
     try:
         async with connect(
-            base_url.rstrip("/") + "/api/carriers/twilio", additional_headers=headers, open_timeout=10
+            base_url.rstrip("/") + "/api/carriers/twilio",
+            additional_headers=headers,
+            open_timeout=10,
+            ssl=ssl_context if base_url.startswith("wss://") else None,
         ) as socket:
             await _converse(
                 socket,
