@@ -1,4 +1,4 @@
-"""The Twilio bridge's secret on every node (issue 32, item 3): ``twilioAuthToken`` (single-node stacks) ->
+"""The Twilio bridge's secret on every node (issue 32, item 3): ``twilioAuthToken`` (every stack) ->
 ``NodeSecrets.twilio_auth_token`` -> ``secrets/runtime.env`` with the node's stream URL, which the runtime's
 settings accept as they are rendered (both or neither); the local node gets a stand-in token for its own
 check. Under the Pulumi mocks of ``tests/pulumi_harness.py``."""
@@ -9,11 +9,10 @@ import base64
 import json
 
 import pytest
-from pulumi_harness import FAKE_SECRETS, run_stack, stack_config
+from pulumi_harness import FAKE_SECRETS, run_stack
 
 from infra.node.profile import PROFILES, get_profile
 from infra.node.services import NodeSecrets, secret_files, twilio_stream_url
-from infra.stack_config import StackConfigError, parse_stack_config
 from runtime.config import RuntimeConfig
 
 GIVEN = "f0e1d2c3b4a5968778695a4b3c2d1e0f"
@@ -62,7 +61,7 @@ def test_the_local_node_has_a_stand_in_token_for_its_own_check():
     assert NodeSecrets.generate().twilio_auth_token is not None
 
 
-def test_onprem_and_gce_stacks_carry_the_given_token_and_multi_region_refuses_the_key():
+def test_every_stack_carries_the_given_token_and_multi_region_routes_the_bridge():
     onprem = run_stack("scale5-onprem", secrets={**FAKE_SECRETS["onprem-node"], "twilioAuthToken": GIVEN})
     stdin = onprem.named("node-secrets").plain["stdin"]  # "<path> <mode> <base64>" per file
     files = {path: base64.b64decode(data).decode() for path, _, data in map(str.split, stdin.splitlines())}
@@ -73,11 +72,26 @@ def test_onprem_and_gce_stacks_carry_the_given_token_and_multi_region_refuses_th
         r.name: r.plain["secretData"] for r in dev.of_type("gcp:secretmanager/secretVersion:SecretVersion")
     }
     assert f"DUPLEX_TWILIO_AUTH_TOKEN={GIVEN}" in versions["secrets-runtime-env-version"].splitlines()
-    values, secret_keys = stack_config(
-        "multi-region", secrets={**FAKE_SECRETS["multi-region"], "twilioAuthToken": GIVEN}
+    region = run_stack("multi-region", secrets={**FAKE_SECRETS["multi-region"], "twilioAuthToken": GIVEN})
+    secrets = [
+        r
+        for r in region.of_type("kubernetes:core/v1:Secret")
+        if r.plain.get("metadata", {}).get("name") == "duplex-secrets"
+    ]
+    assert secrets and all(r.plain["stringData"]["twilio-auth-token"] == GIVEN for r in secrets)
+    assert all(r.is_secret("stringData") for r in secrets)
+    deployments = region.of_type("kubernetes:apps/v1:Deployment")
+    runtime_env = [
+        {e["name"]: e for e in c.get("env", [])}
+        for d in deployments
+        for c in d.plain["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "runtime"
+    ]
+    assert runtime_env and all(
+        env["DUPLEX_TWILIO_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "twilio-auth-token"
+        and env["DUPLEX_TWILIO_STREAM_URL"]["value"].endswith("/api/carriers/twilio")
+        for env in runtime_env
     )
-    with pytest.raises(StackConfigError) as caught:
-        parse_stack_config(values, stack="multi-region", secret_keys=set(secret_keys))
-    assert any(p.startswith("duplexops:twilioAuthToken") for p in caught.value.problems), (
-        caught.value.problems
-    )
+    entry = region.of_type("gcp:compute/uRLMap:URLMap")
+    assert entry and "/api/carriers/twilio" in json.dumps([r.plain for r in entry])
+    assert GIVEN not in json.dumps(region.outputs)

@@ -49,10 +49,12 @@ RUNTIME_PATHS = (
     "/api/rtc/*",
     "/api/sessions",
     "/api/sessions/*",
+    "/api/carriers/twilio",
 )
 """The runtime's public paths the global entry routes to the pods (a URL map path rule's trailing ``/*`` is
 a prefix match); every other path is the browser client's. WebRTC signalling (``/api/rtc``: the offer, the
-ICE servers, ``DELETE`` of a session) passes here; its media goes through the region's TURN gateway
+ICE servers, ``DELETE`` of a session) passes here, and so does a phone carrier's media stream (a WebSocket
+like ``/api/chat``); WebRTC's media goes through the region's TURN gateway
 (``infra.k8s.turn``). A ``DELETE /api/rtc/<session>/<key>`` or a sessions API call is balanced per request:
 it may reach another pod than the session's (then 404); the session still ends when its peer closes."""
 

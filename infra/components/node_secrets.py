@@ -104,6 +104,7 @@ class StackSecrets(pulumi.ComponentResource):
     turn_secret: pulumi.Output[str] | None
     turn_secret_previous: pulumi.Output[str] | None
     hf_token: pulumi.Output[str] | None
+    twilio_auth_token: pulumi.Output[str] | None
     files: pulumi.Output[dict[str, str]] | None
     secret_ids: dict[str, str]
     secrets: dict[str, pulumi.CustomResource]
@@ -133,6 +134,9 @@ class StackSecrets(pulumi.ComponentResource):
                 app_key.apply(lambda secret: json.dumps({app_kid: secret}))
             )
         self.hf_token = None if args.hf_token is None else pulumi.Output.secret(args.hf_token)
+        self.twilio_auth_token = (
+            None if args.twilio_auth_token is None else pulumi.Output.secret(args.twilio_auth_token)
+        )
         self.turn_secret = None
         self.turn_secret_previous = None
         if args.profile.relay.enabled and args.turn_secret_previous is not None:
@@ -181,7 +185,7 @@ class StackSecrets(pulumi.ComponentResource):
                 token_input,
                 turn_input,
                 self.turn_secret_previous,
-                None if args.twilio_auth_token is None else pulumi.Output.secret(args.twilio_auth_token),
+                self.twilio_auth_token,
                 *(pulumi.Output.secret(args.alert_secrets[role]) for role in alert_roles),
             ).apply(render)
         )

@@ -89,6 +89,7 @@ SECRET_KEYS = {
     "token_keys": "token_keys.json",
     "app_token_keys": "app_token_keys.json",
     "hf_token": "hf-token",
+    "twilio_auth_token": "twilio-auth-token",
 }
 """Keys of ``SECRET_NAME``'s ``stringData``, by role."""
 
@@ -276,6 +277,8 @@ class RegionWorkload:
             of ``turn-<region>.<domain>`` stays put across Service re-creations); None: GKE picks an
             ephemeral one.
         turn_secret_previous: the TURN secret being rotated out (secret): coturn still accepts it; None: none.
+        twilio_auth_token: the Twilio account's auth token (secret): the runtime's Twilio bridge checks each
+            stream's signature with it (``DUPLEX_TWILIO_AUTH_TOKEN``); None: the bridge is off.
         turn_tls_secret: a ``kubernetes.io/tls`` Secret in ``namespace`` holding the certificate of
             ``turn-<region>.<domain>``: coturn serves TURN over TLS with it (``infra.k8s.turn``); None: UDP
             only.
@@ -314,6 +317,7 @@ class RegionWorkload:
     turn_address: Any = None
     turn_secret_previous: Any = field(default=None, repr=False)
     app_token_keys_json: Any = field(default=None, repr=False)
+    twilio_auth_token: Any = field(default=None, repr=False)
     turn_tls_secret: str | None = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8

@@ -42,7 +42,7 @@ from infra.k8s.recordings import recordings_env, recordings_volume, recordings_v
 from infra.k8s.turn import TURN_SECRET_KEY, turn_env
 from infra.names import GPU_TAINT_KEY
 from infra.node.profile import NodeProfile
-from infra.node.services import runtime_settings
+from infra.node.services import runtime_settings, twilio_stream_url
 
 __all__ = [
     "GOOGLE_FRONT_END_RANGES",
@@ -152,6 +152,8 @@ def runtime_secret(workload: RegionWorkload) -> dict[str, Any]:
         data[SECRET_KEYS["hf_token"]] = workload.hf_token
     if workload.turn_secret is not None:  # DUPLEX_TURN_SECRET (infra.k8s.turn)
         data[TURN_SECRET_KEY] = workload.turn_secret
+    if workload.twilio_auth_token is not None:  # DUPLEX_TWILIO_AUTH_TOKEN: the Twilio bridge
+        data[SECRET_KEYS["twilio_auth_token"]] = workload.twilio_auth_token
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -242,6 +244,14 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     )
     env += turn_env(workload)
     env += recordings_env(workload)
+    if workload.twilio_auth_token is not None:  # the Twilio bridge: both or neither (runtime/config.py)
+        env += [
+            {
+                "name": "DUPLEX_TWILIO_AUTH_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEYS["twilio_auth_token"]}},
+            },
+            {"name": "DUPLEX_TWILIO_STREAM_URL", "value": twilio_stream_url(workload.profile)},
+        ]
     env += [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HF_HOME", "value": "/var/cache/duplex/huggingface"},

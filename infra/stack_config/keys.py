@@ -169,6 +169,14 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
+    # The Twilio account's auth token: each node's (each pod's) Twilio bridge checks every stream's signature
+    # with it (docs/deploying.md, "Phone numbers"); unset: the bridge is off.
+    twilio_auth_token: (
+        Annotated[
+            Secret, secret_matching(r"^[!#-&(-~]{8,256}$", "8-256 printable characters, no spaces or quotes")
+        ]
+        | None
+    ) = None
     # The TURN relay's shared secret (coturn's static-auth-secret, DUPLEX_TURN_SECRET); unset: generated.
     turn_secret: Annotated[Secret, secret_matching(TURN_SECRET_PATTERN, _TURN_SECRET_ALLOWED)] | None = None
     # The secret turnSecret replaces, still accepted by coturn during a rotation (docs/deploying.md).
@@ -278,7 +286,7 @@ class _Keys(BaseModel):
             alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
             turn_secret=self.turn_secret,
             turn_secret_previous=self.turn_secret_previous,
-            twilio_auth_token=getattr(self, "twilio_auth_token", None),
+            twilio_auth_token=self.twilio_auth_token,
         )
 
     def _config(
@@ -412,14 +420,6 @@ class _NodeKeys(_Keys):
     runtime each draining, plus a minute) fits GCE graceful shutdown's 3600 s."""
 
     redis_password: Secret | None = None
-    # The Twilio account's auth token: the node's Twilio bridge checks each stream's signature with it
-    # (docs/deploying.md, "Phone numbers"); unset: the bridge is off.
-    twilio_auth_token: (
-        Annotated[
-            Secret, secret_matching(r"^[!#-&(-~]{8,256}$", "8-256 printable characters, no spaces or quotes")
-        ]
-        | None
-    ) = None
     drain_grace_seconds: int = Field(NODE_DRAIN_GRACE_S, ge=0, le=MAX_NODE_DRAIN_GRACE_S)
     # --- certificates (issue 20, item 7) ---
     acme_email: str | None = Field(
