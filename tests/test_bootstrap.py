@@ -197,12 +197,13 @@ REPO = "acme/duplexops"
 DEPLOYER = "duplex-deployer@my-gcp-project.iam.gserviceaccount.com"
 IMAGE = "duplex-image@my-gcp-project.iam.gserviceaccount.com"
 PREVIEW = "duplex-preview@my-gcp-project.iam.gserviceaccount.com"
+PULLER = "duplex-puller@my-gcp-project.iam.gserviceaccount.com"
 DEPLOY_ENVIRONMENTS = ("dev", "scale5-gcp", "scale5-onprem", "multi-region")
 
 
 def test_bootstrap_declares_accounts_roles_and_federation(bootstrap: StackRun) -> None:
     accounts = {a.plain["accountId"]: a for a in bootstrap.of_type("gcp:serviceaccount/account:Account")}
-    assert set(accounts) == {"duplex-deployer", "duplex-image", "duplex-preview"}
+    assert set(accounts) == {"duplex-deployer", "duplex-image", "duplex-preview", "duplex-puller"}
     bindings: dict[str, set[str]] = {}
     for b in bootstrap.of_type("gcp:projects/iAMMember:IAMMember"):
         bindings.setdefault(b.plain["member"], set()).add(b.plain["role"])
@@ -232,11 +233,12 @@ def test_bootstrap_declares_accounts_roles_and_federation(bootstrap: StackRun) -
     impersonation = {
         (b.plain["serviceAccountId"].rsplit("/", 1)[-1], b.plain["member"])
         for b in bootstrap.of_type("gcp:serviceaccount/iAMMember:IAMMember")
+        if b.plain["role"] == "roles/iam.workloadIdentityUser"
     }
-    assert all(
-        b.plain["role"] == "roles/iam.workloadIdentityUser"
-        for b in bootstrap.of_type("gcp:serviceaccount/iAMMember:IAMMember")
-    )
+    assert {b.plain["role"] for b in bootstrap.of_type("gcp:serviceaccount/iAMMember:IAMMember")} == {
+        "roles/iam.workloadIdentityUser",
+        "roles/iam.serviceAccountTokenCreator",  # the deployer on the puller only (below)
+    }
     assert impersonation == {
         *((DEPLOYER, f"{pool}/subject/repo:{REPO}:environment:{env}") for env in DEPLOY_ENVIRONMENTS),
         (IMAGE, f"{pool}/subject/repo:{REPO}:ref:refs/heads/main"),
@@ -253,15 +255,36 @@ def test_the_image_account_may_push_to_the_build_repository_only(bootstrap: Stac
         "us-central1",
         "DOCKER",
     )
-    [grant] = bootstrap.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember")
-    assert (grant.plain["role"], grant.plain["member"], grant.plain["repository"]) == (
-        "roles/artifactregistry.writer",
-        f"serviceAccount:{IMAGE}",
-        "duplexops-build",
-    )
+    grants = {
+        (g.plain["role"], g.plain["member"], g.plain["repository"])
+        for g in bootstrap.of_type("gcp:artifactregistry/repositoryIamMember:RepositoryIamMember")
+    }
+    assert grants == {
+        ("roles/artifactregistry.writer", f"serviceAccount:{IMAGE}", "duplexops-build"),
+        ("roles/artifactregistry.reader", f"serviceAccount:{PULLER}", "duplexops-build"),
+    }
     assert bootstrap.outputs["imageRepository"] == (
         "us-central1-docker.pkg.dev/my-gcp-project/duplexops-build/duplex-runtime"
     )
+
+
+def test_the_puller_grants_exist_before_any_stack_up(bootstrap: StackRun) -> None:
+    """Issue 33: scale5-onprem granted token-creator on its puller and minted a token in the same update,
+    racing IAM propagation (up to 7 min). The bootstrap now holds the puller account (the id the stack mints
+    for), its read grant on the build repository, and the deployer's token-creator grant on it only."""
+    from infra.program.onprem import PULLER_ACCOUNT_ID
+
+    assert f"{PULLER_ACCOUNT_ID}@my-gcp-project.iam.gserviceaccount.com" == PULLER
+    [mint] = [
+        b
+        for b in bootstrap.of_type("gcp:serviceaccount/iAMMember:IAMMember")
+        if b.plain["role"] == "roles/iam.serviceAccountTokenCreator"
+    ]
+    assert mint.plain["serviceAccountId"].rsplit("/", 1)[-1] == PULLER
+    assert mint.plain["member"] == f"serviceAccount:{DEPLOYER}"
+    assert bootstrap.outputs["pullerServiceAccount"] == PULLER
+    # No project-wide token-creator: the deployer mints tokens of the puller and of no other account.
+    assert "roles/iam.serviceAccountTokenCreator" not in deployer_roles()
 
 
 def test_every_ci_job_may_act_as_the_account_it_names(bootstrap: StackRun) -> None:

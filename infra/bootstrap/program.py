@@ -1,5 +1,6 @@
 """The bootstrap's resources: the APIs the stacks need, the deployer, preview and image service accounts
-with their derived roles, the build repository CI pushes the runtime image to, the Workload Identity
+with their derived roles, the build repository CI pushes the runtime image to, the on-premises image
+puller (``infra.components.onprem_node.RegistryPuller``) with its grants, the Workload Identity
 Federation pool and provider for the repository's GitHub OIDC tokens, the bindings that let the workflows
 impersonate the accounts; its outputs are the variables and commands CI needs.
 
@@ -37,7 +38,7 @@ from infra.bootstrap.roles import (
 from infra.gcp_apis import STEP_0_APIS, required_apis
 from infra.program.gce import GCP_APIS, SPOT_APIS
 from infra.program.multi_region import GKE_APIS
-from infra.program.onprem import PULLER_APIS
+from infra.program.onprem import PULLER_ACCOUNT_ID, PULLER_APIS
 
 __all__ = [
     "BOOTSTRAP_APIS",
@@ -156,6 +157,15 @@ def declare(config: BootstrapConfig) -> dict[str, Any]:
             description="Created by infra/bootstrap: pushes to the build repository, nothing else.",
             opts=after_iam,
         ),
+        "puller": serviceaccount.Account(
+            "puller",
+            project=project,
+            account_id=PULLER_ACCOUNT_ID,
+            display_name="duplexops image puller (on-premises nodes)",
+            description="Created by infra/bootstrap: reads the build repository; its 1-hour tokens are "
+            "minted by the deployer at each on-premises deploy.",
+            opts=after_iam,
+        ),
         "preview": serviceaccount.Account(
             "preview",
             project=project,
@@ -199,6 +209,22 @@ def declare(config: BootstrapConfig) -> dict[str, Any]:
         role=IMAGE_PUSHER_ROLE,
         member=accounts["image"].member,
     )
+    # The on-premises stacks' puller: its grants are made here, before any stack's first up, not in the
+    # up that mints its token and pulls (IAM propagation: infra.components.onprem_node.RegistryPuller).
+    artifactregistry.RepositoryIamMember(
+        "puller-reads",
+        project=project,
+        location=config.build_region,
+        repository=build_repository.repository_id,
+        role="roles/artifactregistry.reader",
+        member=accounts["puller"].member,
+    )
+    serviceaccount.IAMMember(
+        "deployer-mints-puller-tokens",
+        service_account_id=accounts["puller"].name,
+        role="roles/iam.serviceAccountTokenCreator",
+        member=accounts["deployer"].member,
+    )
     pool = iam.WorkloadIdentityPool(
         "github-pool",
         project=project,
@@ -237,6 +263,7 @@ def declare(config: BootstrapConfig) -> dict[str, Any]:
         "deployerServiceAccount": deployer,
         "imageServiceAccount": image,
         "previewServiceAccount": preview,
+        "pullerServiceAccount": accounts["puller"].email,
         "imageRepository": config.image_repository,
         "deployerRoles": sorted(roles["deployer"]),
         "previewRoles": sorted(roles["preview"]),
