@@ -423,16 +423,30 @@ def test_preview_identity_cannot_write_to_the_clusters() -> None:
     assert not {"roles/container.admin", "roles/container.developer"} & set(roles)
 
 
-@pytest.mark.parametrize("stack", ["dev", "scale5-gcp", "multi-region"])
-def test_after_the_bootstrap_a_stack_needs_no_api_of_its_own(stack: str) -> None:
-    """The bootstrap enables every API the stacks use: a stack built with enableApis false passes the
-    fresh project's API check once step 0 and the bootstrap are done (and fails it before)."""
+DNS_ZONE = {"duplexops:domain": "duplex-dev.example.com", "duplexops:dnsZone": "example-zone"}
+
+
+@pytest.mark.parametrize(
+    ("stack", "options"),
+    [
+        ("dev", {}),
+        ("scale5-gcp", {}),
+        ("multi-region", {}),
+        # Issue 33: with dnsZone, Cloud DNS too (the bootstrap enabled only the committed files' APIs).
+        ("dev", DNS_ZONE),
+        ("multi-region", {"duplexops:dnsZone": "example-zone"}),
+    ],
+)
+def test_after_the_bootstrap_a_stack_needs_no_api_of_its_own(stack: str, options: dict[str, str]) -> None:
+    """The bootstrap enables every API the stacks use, under every documented option: a stack built with
+    enableApis false passes the fresh project's API check once step 0 and the bootstrap are done (and fails
+    it before)."""
     from fresh_project import apis_enabled_before_use
 
     from infra.bootstrap.program import BOOTSTRAP_APIS
     from infra.gcp_apis import STEP_0_APIS
 
-    run = run_stack(stack, overrides={"duplexops:enableApis": "false"})
+    run = run_stack(stack, overrides={**options, "duplexops:enableApis": "false"})
     assert run.of_type("gcp:projects/service:Service") == []
     assert apis_enabled_before_use(run, enabled=(*STEP_0_APIS, *BOOTSTRAP_APIS)) == []
     assert apis_enabled_before_use(run)  # a fresh project without the bootstrap
@@ -449,3 +463,10 @@ def test_the_bootstrap_is_a_pulumi_project_of_its_own() -> None:
     venv = (root / "infra" / "bootstrap" / project["runtime"]["options"]["virtualenv"]).resolve()
     main_project = yaml.safe_load((root / "Pulumi.yaml").read_text())
     assert venv == (root / main_project["runtime"]["options"]["virtualenv"]).resolve()
+
+
+def test_a_first_up_with_dns_zone_passes_the_fresh_project() -> None:
+    """With enableApis (the default) the stack enables Cloud DNS itself before its record sets."""
+    run = run_stack("dev", overrides=DNS_ZONE)
+    assert run.of_type("gcp:dns/recordSet:RecordSet")
+    assert first_up_problems(run) == {name: [] for name in first_up_problems(run)}
