@@ -14,14 +14,20 @@ What the model holds (each check's docstring cites the GCP rule):
   no service-account keys;
 - a GKE node pool starts with ``initialNodeCount`` (or ``nodeCount``) nodes per zone and none otherwise;
 - GKE's NEG controller creates a standalone NEG only in a zone with endpoints unless the Service's NEG
-  annotation pre-provisions the zone.
+  annotation pre-provisions the zone;
+- who calls what: each CI job's OIDC token (its ``sub``, ``ref`` and event, as GitHub forms them) meets the
+  bootstrap's provider condition and the workload-identity bindings of the account the job impersonates
+  (``ci_identity_problems``), and a token of another branch or of a pull request's job may act as no
+  deploying account (``accounts_for``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pulumi_harness import RecordedResource, StackRun
@@ -31,7 +37,13 @@ from infra.gcp_apis import SERVICE_TYPE, STEP_0_APIS, required_apis, step_0_comm
 __all__ = [
     "FRESH_PROJECT_CHECKS",
     "Check",
+    "CiJob",
+    "accounts_for",
     "apis_enabled_before_use",
+    "cel_admits",
+    "ci_identity_problems",
+    "ci_jobs",
+    "oidc_claims",
     "buckets_uniform_and_private",
     "first_up_problems",
     "global_backends_list_existing_negs",
@@ -380,3 +392,189 @@ def first_up_problems(run: StackRun) -> dict[str, list[str]]:
     """``{check name: violations}`` of ``run`` under every check of ``FRESH_PROJECT_CHECKS`` (empty lists
     included)."""
     return {c.name: c.check(run) for c in FRESH_PROJECT_CHECKS}
+
+
+# --- who calls what: CI's OIDC subjects and the bootstrap's bindings -------------------------------------
+
+WORKFLOWS_DIR = Path(__file__).resolve().parents[1] / ".github" / "workflows"
+AUTH_ACTION = "google-github-actions/auth"
+
+
+@dataclass(frozen=True)
+class CiJob:
+    """A CI job that exchanges GitHub's OIDC token for Google credentials, as a real run would present it.
+
+    ``claims``: the token's claims the bootstrap reads (``sub``, ``ref``, ``event_name``, ``repository``,
+    ``repository_id``; docs.github.com/actions/reference/security/oidc: ``sub`` is
+    ``repo:R:environment:E`` for a job in an environment, ``repo:R:pull_request`` for a pull request's job,
+    else ``repo:R:ref:<ref>``); ``account_variable``: the ``vars.*`` its auth step names as
+    ``service_account``; ``environment``: its GitHub environment (None: none)."""
+
+    workflow: str
+    job: str
+    environment: str | None
+    account_variable: str
+    claims: dict[str, str]
+
+
+def oidc_claims(
+    repository: str, repository_id: str, *, event: str, ref: str, environment: str | None
+) -> dict[str, str]:
+    """The claims a job's token carries (the subset the bootstrap's provider and bindings read)."""
+    if environment is not None:
+        sub = f"repo:{repository}:environment:{environment}"
+    elif event == "pull_request":
+        sub = f"repo:{repository}:pull_request"
+    else:
+        sub = f"repo:{repository}:ref:{ref}"
+    return {
+        "sub": sub,
+        "ref": ref,
+        "event_name": event,
+        "repository": repository,
+        "repository_id": repository_id,
+    }
+
+
+def _load_workflow(name: str) -> dict[str, Any]:
+    import yaml
+
+    data = yaml.safe_load((WORKFLOWS_DIR / name).read_text())
+    if True in data:  # YAML 1.1 reads the key `on` as True
+        data["on"] = data.pop(True)
+    return data
+
+
+def _var_name(expression: str) -> str:
+    match = re.fullmatch(r"\$\{\{ vars\.([A-Z_]+) \}\}", expression.strip())
+    assert match, f"service_account must be ${{{{ vars.NAME }}}}, got {expression!r}"
+    return match[1]
+
+
+def _auth_variable(job: Mapping[str, Any]) -> str | None:
+    steps = [s for s in job.get("steps", []) if str(s.get("uses", "")).split("@")[0] == AUTH_ACTION]
+    return _var_name(steps[0]["with"]["service_account"]) if steps else None
+
+
+def ci_jobs(repository: str, repository_id: str, *, branch: str = "main", pr: int = 7) -> list[CiJob]:
+    """Every job of ``pulumi-up.yml`` (a push to ``branch``, with the reusable ``pulumi-up-stack.yml``'s job
+    per stack) and ``pulumi-preview.yml`` (pull request ``pr``) that authenticates to Google Cloud."""
+    jobs = []
+    up_ref = f"refs/heads/{branch}"
+    stack_job = _load_workflow("pulumi-up-stack.yml")["jobs"]["up"]
+    for name, job in _load_workflow("pulumi-up.yml")["jobs"].items():
+        if str(job.get("uses", "")).endswith("/pulumi-up-stack.yml"):
+            env_expr = str(stack_job.get("environment", ""))
+            environment = env_expr.replace("${{ inputs.stack }}", job["with"]["stack"]) or None
+            variable = _auth_variable(stack_job)
+        else:
+            environment = job.get("environment")
+            variable = _auth_variable(job)
+        if variable is not None:
+            claims = oidc_claims(repository, repository_id, event="push", ref=up_ref, environment=environment)
+            jobs.append(CiJob("pulumi-up.yml", name, environment, variable, claims))
+    for name, job in _load_workflow("pulumi-preview.yml")["jobs"].items():
+        variable = _auth_variable(job)
+        if variable is not None:
+            environment = job.get("environment")
+            ref = f"refs/pull/{pr}/merge"
+            claims = oidc_claims(
+                repository, repository_id, event="pull_request", ref=ref, environment=environment
+            )
+            jobs.append(CiJob("pulumi-preview.yml", name, environment, variable, claims))
+    return jobs
+
+
+_CEL_TOKEN = re.compile(r'\s*(&&|\|\||\(|\)|==|"[^"]*"|assertion\.[a-z_]+)')
+
+
+def cel_admits(condition: str, claims: Mapping[str, str]) -> bool:
+    """Evaluate a provider attribute condition over ``claims``: the CEL subset the bootstrap writes
+    (``assertion.<claim> == "<text>"``, ``&&``, ``||``, parentheses; ``&&`` binds tighter, as in CEL).
+
+    Raises:
+        ValueError: anything outside that subset (so a new form is modelled, not misread)."""
+    tokens: list[str] = []
+    position = 0
+    while position < len(condition.rstrip()):
+        match = _CEL_TOKEN.match(condition, position)
+        if match is None:
+            raise ValueError(f"CEL outside the modelled subset at {condition[position:]!r}")
+        tokens.append(match[1])
+        position = match.end()
+
+    def take(expected: str | None = None) -> str:
+        token = tokens.pop(0)
+        if expected is not None and token != expected:
+            raise ValueError(f"expected {expected!r}, got {token!r} in {condition!r}")
+        return token
+
+    def primary() -> bool:
+        if tokens[0] == "(":
+            take("(")
+            value = disjunction()
+            take(")")
+            return value
+        claim = take().removeprefix("assertion.")
+        take("==")
+        return claims.get(claim) == take().strip('"')
+
+    def conjunction() -> bool:
+        value = primary()
+        while tokens and tokens[0] == "&&":
+            take("&&")
+            value = primary() and value
+        return value
+
+    def disjunction() -> bool:
+        value = conjunction()
+        while tokens and tokens[0] == "||":
+            take("||")
+            value = conjunction() or value
+        return value
+
+    result = disjunction()
+    if tokens:
+        raise ValueError(f"trailing {tokens} in {condition!r}")
+    return result
+
+
+def accounts_for(bootstrap: StackRun, claims: Mapping[str, str]) -> set[str]:
+    """The service accounts (e-mail) a token with ``claims`` may act as: none when the provider's attribute
+    condition refuses it, else those with a ``roles/iam.workloadIdentityUser`` binding of its ``sub``.
+
+    GCP rule: the condition is evaluated at the token exchange, before any binding; ``principal://.../
+    subject/S`` matches ``google.subject`` (mapped from ``assertion.sub``) exactly
+    (cloud.google.com/iam/docs/workload-identity-federation#conditions, #impersonation)."""
+    provider = bootstrap.one("gcp:iam/workloadIdentityPoolProvider:WorkloadIdentityPoolProvider").plain
+    if not cel_admits(str(provider.get("attributeCondition", "true")), claims):
+        return set()
+    assert provider["attributeMapping"]["google.subject"] == "assertion.sub"
+    return {
+        str(b.plain["serviceAccountId"]).rsplit("/", 1)[-1]
+        for b in bootstrap.of_type("gcp:serviceaccount/iAMMember:IAMMember")
+        if b.plain["role"] == "roles/iam.workloadIdentityUser"
+        and str(b.plain["member"]).endswith(f"/subject/{claims['sub']}")
+    }
+
+
+def ci_identity_problems(bootstrap: StackRun, repository: str, repository_id: str) -> list[str]:
+    """Each CI job that authenticates may act as the account its ``service_account`` variable names, with
+    the variables the bootstrap tells GitHub to set (``githubVariables``: an environment's variable
+    overrides the repository's). One message per job that would fail its token exchange or impersonation
+    (403 ``iam.serviceAccounts.getAccessToken``), or that names no account at all."""
+    variables = bootstrap.outputs["githubVariables"]
+    problems = []
+    for job in ci_jobs(repository, repository_id):
+        scope = {**variables["repository"], **variables["environments"].get(job.environment or "", {})}
+        account = scope.get(job.account_variable)
+        where = f"{job.workflow} job {job.job} (sub {job.claims['sub']}, ref {job.claims['ref']})"
+        if not account:
+            problems.append(f"{where}: vars.{job.account_variable} is not set by the bootstrap there")
+            continue
+        allowed = accounts_for(bootstrap, job.claims)
+        if account not in allowed:
+            problems.append(
+                f"{where} impersonates {account}, but its token may act as {sorted(allowed) or 'nothing'}"
+            )
+    return problems

@@ -237,7 +237,8 @@ def test_preview_matrix_previews_every_stack_independently() -> None:
     assert "${{ matrix.stack }}" in group and "pull_request.number" in group
     assert not group.startswith("pulumi-up-")  # never queued with (or cancelling) a deploy
     assert job["concurrency"]["cancel-in-progress"] is True
-    assert "environment" not in job  # previews wait for no approval
+    # The preview environment (its own secrets, reviewers and OIDC subject), never a stack's.
+    assert job["environment"] == "preview" and "preview" not in STACK_ORDER
 
 
 def test_preview_matrix_equals_the_stack_files() -> None:
@@ -401,6 +402,49 @@ def test_gke_auth_plugin_is_installed_before_pulumi_runs(path: Path) -> None:
 # ------------------------------------------------------------------------------------------------------
 # One image per push, promoted (issue 20, items 15 and 18)
 # ------------------------------------------------------------------------------------------------------
+
+
+def _jobs_with_their_environment() -> list[tuple[str, str, dict[str, Any], str | None]]:
+    """``(workflow, job, job definition, environment)`` of every job that runs steps, pulumi-up-stack.yml's
+    job once per stack that calls it (its environment ``${{ inputs.stack }}`` resolved)."""
+    found = []
+    for path in ALL:
+        for name, job in load(path)["jobs"].items():
+            if "steps" in job and path != UP_STACK:
+                found.append((path.name, name, job, job.get("environment")))
+    [stack_job] = load(UP_STACK)["jobs"].values()
+    for name, job in stack_jobs().items():
+        env = str(stack_job["environment"]).replace("${{ inputs.stack }}", job["with"]["stack"])
+        found.append((UP_STACK.name, f"up ({name})", stack_job, env))
+    return found
+
+
+def test_pulumi_credentials_reach_only_jobs_in_an_environment() -> None:
+    """Issue 33: a preview must not receive the deploy stacks' Pulumi credentials (with them a pull
+    request's code decrypts every stack secret). The credentials are environment secrets: every job that
+    reads one runs in a GitHub environment, previews in `preview`, deploys in their stack's; no job outside
+    an environment (the image job) reads any."""
+    seen = {}
+    for workflow, name, job, environment in _jobs_with_their_environment():
+        text = yaml.safe_dump(job)
+        reads = sorted(set(re.findall(r"secrets\.(PULUMI_[A-Z_]+)", text)))
+        if reads:
+            assert environment, f"{workflow} job {name} reads {reads} outside any environment"
+            seen[name] = environment
+    assert seen["preview"] == "preview"
+    assert {seen[f"up ({stack})"] for stack in STACK_ORDER} == set(STACK_ORDER)
+    assert IMAGE_JOB not in seen
+
+
+def test_the_image_job_impersonates_the_image_account() -> None:
+    """Issue 33: the image job has no environment, so its OIDC subject is repo:R:ref:refs/heads/main; it
+    names the account the bootstrap binds to that subject (push to the build repository only), not the
+    repository's GCP_SERVICE_ACCOUNT (which no binding accepts from it: every push failed there)."""
+    image = load(UP)["jobs"][IMAGE_JOB]
+    assert "environment" not in image
+    auth = the_step(image, "google-github-actions/auth")
+    assert auth["with"]["service_account"] == "${{ vars.GCP_IMAGE_SERVICE_ACCOUNT }}"
+
 
 BUILD_ACTIONS = ("docker/build-push-action", "pulumi/docker-build")
 

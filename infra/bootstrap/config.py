@@ -11,6 +11,13 @@ declared.
 | ``deployerAccountId`` / ``previewAccountId`` | service-account ids (``duplex-deployer`` /
   ``duplex-preview``) |
 | ``poolId`` / ``providerId`` | Workload Identity pool and provider ids (``github`` / ``github-actions``) |
+| ``deployBranch`` | the only branch whose jobs may deploy or push images (``main``) |
+| ``previewEnvironment`` | the GitHub environment of the preview jobs, which holds their Pulumi secrets
+  (``preview``) |
+| ``buildRegion`` / ``buildRepository`` | the Artifact Registry Docker repository CI's image job pushes to
+  (``us-central1`` / ``duplexops-build``) |
+| ``imageAccountId`` | the service account of CI's image job: it may push to the build repository only
+  (``duplex-image``) |
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import json
 from collections.abc import Mapping
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from infra.names import PROJECT_ID_RE
 
@@ -42,6 +49,9 @@ def _not_google_prefix(value: str) -> str:
 
 _WifId = Annotated[str, Field(pattern=_POOL_ID), AfterValidator(_not_google_prefix)]
 _ENVIRONMENT = r"^[A-Za-z0-9_.-]{1,255}$"
+_BRANCH = r"^[A-Za-z0-9._/-]{1,200}$"
+_REGION = r"^[a-z]+-[a-z]+[0-9]$"
+_REPOSITORY = r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$"
 
 
 class BootstrapConfig(BaseModel):
@@ -67,6 +77,30 @@ class BootstrapConfig(BaseModel):
     )
     pool_id: _WifId = Field("github", alias=f"{NAMESPACE}:poolId")
     provider_id: _WifId = Field("github-actions", alias=f"{NAMESPACE}:providerId")
+    deploy_branch: str = Field("main", alias=f"{NAMESPACE}:deployBranch", pattern=_BRANCH)
+    preview_environment: str = Field("preview", alias=f"{NAMESPACE}:previewEnvironment", pattern=_ENVIRONMENT)
+    build_region: str = Field("us-central1", alias=f"{NAMESPACE}:buildRegion", pattern=_REGION)
+    build_repository: str = Field(
+        "duplexops-build", alias=f"{NAMESPACE}:buildRepository", pattern=_REPOSITORY
+    )
+    image_account_id: str = Field("duplex-image", alias=f"{NAMESPACE}:imageAccountId", pattern=_ACCOUNT_ID)
+
+    @model_validator(mode="after")
+    def _preview_is_no_deploy_environment(self) -> BootstrapConfig:
+        """The preview environment runs pull requests' code: it must not be a deploy environment."""
+        if self.preview_environment in self.deploy_environments:
+            raise ValueError(
+                f"previewEnvironment {self.preview_environment!r} is also in deployEnvironments "
+                f"{list(self.deploy_environments)}: a pull request's job would act as the deployer; "
+                "allowed: any other environment name"
+            )
+        return self
+
+    @property
+    def image_repository(self) -> str:
+        """What CI's image job pushes to (``vars.IMAGE_REPOSITORY``):
+        ``<region>-docker.pkg.dev/<project>/<repository>/duplex-runtime``."""
+        return f"{self.build_region}-docker.pkg.dev/{self.project}/{self.build_repository}/duplex-runtime"
 
 
 def parse_bootstrap_config(values: Mapping[str, str]) -> BootstrapConfig:

@@ -17,7 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
+    "IMAGE_PUSHER_ROLE",
+    "PROJECT_IAM_ADMIN",
     "ROLE_RULES",
+    "STACK_GRANTED_PROJECT_ROLES",
     "STACK_RESOURCE_TYPES",
     "RoleRule",
     "deployer_roles",
@@ -38,6 +41,15 @@ class RoleRule:
 
 
 _ACT_AS = "roles/iam.serviceAccountUser"
+
+PROJECT_IAM_ADMIN = "roles/resourcemanager.projectIamAdmin"
+"""Sets the project's IAM policy: the bootstrap grants it to the deployer only under an IAM condition that
+limits the grants it may add or remove to ``STACK_GRANTED_PROJECT_ROLES``
+(``program.project_iam_condition``)."""
+
+IMAGE_PUSHER_ROLE = "roles/artifactregistry.writer"
+"""The one role of CI's image job, on the build repository only: push images and tags (no delete, no
+repository administration: cloud.google.com/artifact-registry/docs/access-control#roles)."""
 
 ROLE_RULES: tuple[RoleRule, ...] = (
     # What runs in the Pulumi process or over SSH: no Google API.
@@ -106,8 +118,16 @@ ROLE_RULES: tuple[RoleRule, ...] = (
     RoleRule(
         "gcp:storage/",
         ("roles/storage.admin",),
-        ("roles/storage.bucketViewer", "roles/storage.objectViewer"),
-        "buckets, objects and bucket IAM policies",
+        ("roles/storage.bucketViewer",),
+        "buckets and bucket IAM policies; the preview reads bucket metadata only, never objects (the "
+        "recording buckets hold consented call recordings: storage.objectViewer would let a pull "
+        "request's code read them)",
+    ),
+    RoleRule(
+        "gcp:dns/",
+        ("roles/dns.admin",),
+        ("roles/dns.reader",),
+        "record sets in the managed zone named by dnsZone (dns.changes.create, dns.resourceRecordSets.*)",
     ),
     RoleRule(
         "gcp:monitoring/",
@@ -151,6 +171,7 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "duplexops:components:RegionModelBucket",
     "duplexops:components:RegionNetwork",
     "duplexops:components:RegionNodePools",
+    "duplexops:components:RegionRecordingBucket",
     "duplexops:components:RegionRedis",
     "duplexops:components:RegionalRuntime",
     "duplexops:components:RegistryPuller",
@@ -180,6 +201,7 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "gcp:compute/uRLMap:URLMap",
     "gcp:container/cluster:Cluster",
     "gcp:container/nodePool:NodePool",
+    "gcp:dns/recordSet:RecordSet",
     "gcp:projects/iAMMember:IAMMember",
     "gcp:projects/service:Service",
     "gcp:redis/instance:Instance",
@@ -210,8 +232,22 @@ STACK_RESOURCE_TYPES: tuple[str, ...] = (
     "pulumi:providers:kubernetes",
     "random:index/randomPassword:RandomPassword",
 )
-"""Every resource type the four stacks declare (``tests/test_bootstrap.py`` runs them under the mocks and
-fails, printing the new list, when this differs): the bootstrap grants the roles these need, no more."""
+"""Every resource type the four stacks declare, under their committed files and under every documented
+option that adds resources (``dnsZone``: ``gcp:dns/``; ``recordings``; ...: ``OPTION_VARIANTS`` in
+``tests/test_bootstrap.py``, which runs them all under the mocks and fails, printing the new list, when this
+differs): the bootstrap grants the roles these need and enables their APIs, no more."""
+
+
+STACK_GRANTED_PROJECT_ROLES: tuple[str, ...] = (
+    "roles/autoscaling.metricsWriter",
+    "roles/logging.logWriter",
+    "roles/monitoring.metricWriter",
+    "roles/monitoring.viewer",
+    "roles/stackdriver.resourceMetadata.writer",
+)
+"""Every role the stacks grant on the project (``gcp:projects/iAMMember:IAMMember``), under their committed
+files and every documented option (``tests/test_bootstrap.py`` runs them and fails, printing the new
+list, when this differs): the only roles the deployer's ``projectIamAdmin`` may grant or revoke."""
 
 
 def uncovered_types(types: Iterable[str]) -> list[str]:

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pulumi
 import pulumi_command.remote as remote
-import pulumi_gcp.artifactregistry as artifactregistry
-import pulumi_gcp.organizations as organizations
 import pulumi_gcp.serviceaccount as serviceaccount
 
 from infra.capacity.gpus import GPUS
@@ -543,73 +541,50 @@ def artifact_registry_repository(image: str) -> tuple[str, str, str, str] | None
 
 
 class RegistryPuller(pulumi.ComponentResource):
-    """A service account that may only read one Artifact Registry repository, and a 1-hour access token of
-    it minted at each deploy by the deploying identity (``iamcredentials generateAccessToken``; the
-    deployer gets ``roles/iam.serviceAccountTokenCreator`` on this account only). The token travels to the
-    host over the pinned SSH session and is used by the same deploy's pull; the host keeps no standing
-    credential (a service account key is refused by the secure-by-default organization policy
+    """A 1-hour access token of the read-only image puller account, minted at each deploy by the deploying
+    identity (``iamcredentials generateAccessToken``). The token travels to the host over the pinned SSH
+    session and is used by the same deploy's pull; the host keeps no standing credential (a service
+    account key is refused by the secure-by-default organization policy
     ``iam.disableServiceAccountKeyCreation``). A restart or reboot of the host runs the image already
     pulled; only a deploy pulls, and each deploy brings a fresh token.
+
+    The account and both its grants (``roles/artifactregistry.reader`` on the build repository, and
+    ``roles/iam.serviceAccountTokenCreator`` on it for the deployer) belong to the bootstrap project
+    (``infra/bootstrap``), not to the stack: IAM is eventually consistent, "changes to allow or deny
+    policies typically propagate in 2 minutes, but could potentially take 7 minutes or longer"
+    (cloud.google.com/iam/docs/access-change-propagation), so a grant made in the same ``up`` that mints the
+    token and pulls raced that propagation (403 on a first ``up``). Made by the bootstrap, they exist
+    before the stack's first ``up``.
 
     Attributes:
         registry: the registry host (``us-central1-docker.pkg.dev``).
         token: the access token (secret Output).
-        account: the read-only service account.
+        account: the puller account's e-mail (``<PULLER_ACCOUNT_ID>@<the image's project>``).
     """
 
     registry: str
     token: pulumi.Output[str]
-    account: serviceaccount.Account
+    account: str
 
     def __init__(
         self, name: str, image: str, account_id: str, opts: pulumi.ResourceOptions | None = None
     ) -> None:
-        """Raises: ValueError: ``image`` is not in Artifact Registry (``artifact_registry_repository``)."""
+        """``account_id``: the bootstrap's puller account (in the image's project).
+
+        Raises: ValueError: ``image`` is not in Artifact Registry (``artifact_registry_repository``)."""
         super().__init__(f"{COMPONENT_PACKAGE}:RegistryPuller", name, None, opts)
         found = artifact_registry_repository(image)
         if found is None:
             raise ValueError(
                 f"image {image!r} is not in Artifact Registry (LOCATION-docker.pkg.dev/PROJECT/REPO/...)"
             )
-        self.registry, project, location, repository = found
-        deps = dependencies(opts)
-        self.account = serviceaccount.Account(
-            f"{name}-account",
-            project=project,
-            account_id=account_id,
-            display_name=f"duplexops image puller {account_id}",
-            description="Reads the runtime image for an on-premises node (short-lived tokens, no key)",
-            opts=child_options(self, deps),
-        )
-        member = self.account.email.apply(lambda email: f"serviceAccount:{email}")
-        reader = artifactregistry.RepositoryIamMember(
-            f"{name}-reads-repository",
-            project=project,
-            location=location,
-            repository=repository,
-            role="roles/artifactregistry.reader",
-            member=member,
-            opts=child_options(self, deps),
-        )
-        deployer = organizations.get_client_open_id_user_info_output().email.apply(_member_of)
-        minter = serviceaccount.IAMMember(
-            f"{name}-deployer-mints",
-            service_account_id=self.account.name,
-            role="roles/iam.serviceAccountTokenCreator",
-            member=deployer,
-            opts=child_options(self, deps),
-        )
+        self.registry, project, _location, _repository = found
+        self.account = f"{account_id}@{project}.iam.gserviceaccount.com"
         result = serviceaccount.get_account_access_token_output(
-            target_service_account=self.account.email,
+            target_service_account=self.account,
             scopes=["https://www.googleapis.com/auth/cloud-platform"],
             lifetime="3600s",
-            opts=pulumi.InvokeOutputOptions(depends_on=[reader, minter]),
+            opts=pulumi.InvokeOutputOptions(depends_on=dependencies(opts), parent=self),
         )
         self.token = pulumi.Output.secret(result.access_token)
-        self.register_outputs({"account": self.account.email, "registry": self.registry})
-
-
-def _member_of(email: str) -> str:
-    """The IAM member of the deploying identity: a service account (CI) or a user (a person's gcloud)."""
-    kind = "serviceAccount" if email.endswith(".gserviceaccount.com") else "user"
-    return f"{kind}:{email}"
+        self.register_outputs({"account": self.account, "registry": self.registry})

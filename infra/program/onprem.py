@@ -20,11 +20,18 @@ from infra.program.shared import (
 )
 from infra.stack_config import StackConfig
 
-__all__ = ["PULLER_APIS", "declare"]
+__all__ = ["PULLER_ACCOUNT_ID", "PULLER_APIS", "declare"]
 
 PULLER_APIS = ("artifactregistry.googleapis.com", "iam.googleapis.com", "iamcredentials.googleapis.com")
-"""APIs the image puller needs in the registry's project: the repository's IAM, its service account, and
-the short-lived token (``iamcredentials generateAccessToken``)."""
+"""APIs of the image puller in the registry's project: the repository's IAM and the account (the
+bootstrap's), and the short-lived token the stack mints (``iamcredentials generateAccessToken``)."""
+
+MINT_APIS = ("iamcredentials.googleapis.com",)
+"""What the stack itself calls in the registry's project: it mints the puller's token, nothing else."""
+
+PULLER_ACCOUNT_ID = "duplex-puller"
+"""The read-only image puller account the bootstrap creates in its project (reader on the build
+repository; the deployer may mint its tokens): the on-premises stacks pull with its tokens."""
 
 
 def declare(config: StackConfig) -> dict[str, Any]:
@@ -48,8 +55,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
         puller = RegistryPuller(
             "image-puller",
             onprem.runtime_image,
-            account_id=f"{config.name_prefix}-pull",
-            opts=enable_apis(project, PULLER_APIS),
+            account_id=PULLER_ACCOUNT_ID,
+            opts=enable_apis(project, MINT_APIS),
         )
     files = secrets.files
     assert files is not None, "stack_secrets makes the node's secret files unless told node_files=False"
