@@ -68,7 +68,7 @@ VALUES_ONLY = {
     "topology", "profile", "maxSessions", "gpu", "acmeDirectory", "alertWebhookUrl", "alertEmailTo",
     "alertEmailFrom", "alertEmailSmarthost", "alertEmailUsername", "alertEmailPassword",
     "alertPagerdutyRoutingKey", "namePrefix", "redisPassword", "grafanaAdminPassword", "tokenSigningKeys",
-    "hfToken", "turnSecret", "turnSecretPrevious", "gcp:project", "gcp:region", "gcp:zone", "machineType",
+    "hfToken", "twilioAuthToken", "turnSecret", "turnSecretPrevious", "gcp:project", "gcp:region", "gcp:zone", "machineType",
     "bootDiskSizeGb", "bootDiskType", "dataDiskSizeGb", "drainGraceSeconds", "publicSourceRanges",
     "subnetCidr", "onpremHost", "onpremUser", "onpremPort", "onpremSshPrivateKey", "onpremHostKey",
     "installDir", "runtimeImage", "readyTimeoutSeconds", "regions", "adminSourceRanges", "releaseChannel",
