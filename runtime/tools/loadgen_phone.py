@@ -1,6 +1,6 @@
 """``duplex loadgen --transport twilio``: phone calls against a node, each one Twilio's side of a Media Stream
 (``runtime.tools.twilio_client``) streaming espeak-ng speech at telephone bandwidth (24 kHz speech down to
-8 kHz by libsoxr, whose anti-alias filter cuts above 4 kHz, then μ-law), paced in real time.
+8 kHz by libswresample, whose anti-alias filter cuts above 4 kHz, then μ-law), paced in real time.
 
 Each call reports the load generator's usual figures (``runtime.tools.loadgen.SessionResult``): an agent
 frame is one ``mark`` (80 ms: four 20 ms packets), so the gaps and the frames lost are counted on the marks'
@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import soxr
 
+from runtime.frontend.codecs.telephony import resample
 from runtime.frontend.gate.refusals import CLOSE_NORMAL
 from runtime.tools.loadgen import LoadReport, SessionResult, check_load_args, gather_sessions
 from runtime.tools.twilio_client import PACKET_S, TwilioCallResult, twilio_call
@@ -31,8 +31,9 @@ PACKETS_PER_FRAME = 4
 
 
 def phone_speech(speech_24k: np.ndarray) -> np.ndarray:
-    """``[T]`` float32 at 24 kHz -> ``[T / 3]`` float32 at 8 kHz (libsoxr ``HQ``: the telephone band)."""
-    return np.asarray(soxr.resample(np.asarray(speech_24k, dtype=np.float32), 24000, 8000, "HQ"), np.float32)
+    """``[T]`` float32 at 24 kHz -> ``[T / 3]`` float32 at 8 kHz (libswresample, whose low-pass keeps the
+    telephone band)."""
+    return resample(speech_24k, 24000, 8000)
 
 
 def session_result(call: TwilioCallResult, packets_planned: int) -> SessionResult:
