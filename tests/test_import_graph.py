@@ -22,7 +22,7 @@ PACKAGES = ("runtime", "infra")
 LAYERS: tuple[tuple[str, ...], ...] = (
     # The batched runtime, which knows nothing of the deployment. Inside it, the engine side (the model and
     # the tick) imports nothing of the front end or the tools (docs/runtime.md).
-    ("runtime.metrics", "runtime.ipc", "runtime.child_process", "runtime.gc_policy"),
+    ("runtime.metrics", "runtime.ipc", "runtime.child_process", "runtime.gc_policy", "runtime.heap_trim"),
     ("runtime.engine",),
     # what the settings check without the front end: signing keys, TURN URLs and secret
     ("runtime.signing_keys", "runtime.turn_urls"),
