@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -108,7 +109,11 @@ class Call:
 
 
 def model(plan: dict[str, Any], tokens: Tokens, text_prompt: str) -> RealtimeModel:
-    http = aiohttp.ClientSession(middlewares=(tokens,))
+    """The plugin's model on ``plan["url"]`` (``ws://`` or ``wss://``), its ``http_session`` carrying the
+    token middleware and, for ``wss://`` with a private CA (``plan["cafile"]``), a connector trusting it."""
+    cafile = plan.get("cafile")
+    connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=cafile)) if cafile else None
+    http = aiohttp.ClientSession(middlewares=(tokens,), connector=connector)
     return RealtimeModel(
         base_url=plan["url"], voice=plan["voice"], text_prompt=text_prompt, seed=7, http_session=http
     )
@@ -122,28 +127,25 @@ async def wait_for(check: Callable[[], bool], seconds: float) -> bool:
     return check()
 
 
-async def settled(call: Call) -> None:
-    """Wait until the call's audio stops growing for 0.5 s (the node's last frames are in), 10 s at most."""
-    last = -1
-    for _ in range(20):
-        if call.samples == last:
-            return
-        last = call.samples
-        await asyncio.sleep(0.5)
+async def heard(call: Call, samples: int) -> None:
+    """Wait until ``samples`` more samples of audio came back (a full-duplex node streams audio on every
+    tick, silence or speech, so it never stops by itself), 20 s at most."""
+    target = call.samples + samples
+    await wait_for(lambda: call.samples >= target, 20)
 
 
 async def one_call(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]:
-    """One call: speech in, audio back; then ``update_instructions`` (the plugin reconnects with the new
-    text prompt) and speech again."""
+    """One call: speech in, a second of audio back; then ``update_instructions`` (the plugin reconnects with
+    the new text prompt), speech again and another second back."""
     tokens = Tokens(plan["tokens"])
     realtime = model(plan, tokens, plan["text_prompts"][0])
     call = Call(realtime)
     await call.speak(speech, plan["seconds"])
-    await settled(call)
+    await heard(call, SAMPLE_RATE)
     await call.session.update_instructions(plan["text_prompts"][1])
     await wait_for(lambda: bool(call.samples_at_reconnect), 10)
     await call.speak(speech, plan["seconds"])
-    await settled(call)
+    await heard(call, SAMPLE_RATE)
     await call.session.aclose()
     await realtime._http_session.close()  # type: ignore[union-attr]
     return call.report() | {"requests": tokens.requests}

@@ -21,10 +21,13 @@ no one after a hang-up, or served the caller past the cap at once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import socket
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,11 +152,11 @@ def test_a_call_reaches_the_persona_through_the_token_gate_and_reconnects_on_new
     assert first.startswith(f"ws://127.0.0.1:{port}/api/chat?voice_prompt=NATF2.pt&text_prompt=You%20are")
     assert "seed=7" in first and "token" not in first
     assert "text_prompt=You%20enjoy" in second
-    # Audio came back from the plugin (the sim echoes the caller at half level) on both connections: the
-    # second after update_instructions made the plugin reconnect (its session_reconnected event).
+    # Audio came back from the plugin (the sim echoes the caller at half level), a second of it on each
+    # connection: the second after update_instructions made the plugin reconnect (session_reconnected).
     (at_reconnect,) = report["samples_at_reconnect"]
-    assert at_reconnect >= 1920
-    assert report["samples"] - at_reconnect >= 1920
+    assert at_reconnect >= 24000
+    assert report["samples"] - at_reconnect >= 24000
     # The node saw two sessions, each with the voice NATF2.pt and the text prompt of its connection.
     sessions = [s for s in ended_sessions(port) if s["id"] not in before]
     assert len(sessions) == 2, sessions
@@ -165,6 +168,51 @@ def test_a_call_reaches_the_persona_through_the_token_gate_and_reconnects_on_new
         # it is computed from this connection's text prompt.
         assert session["prompt"]["sha256"] in {digest(prompt), digest(f"text_chars={len(prompt)}")}, session
     assert sessions[0]["prompt"] != sessions[1]["prompt"]
+
+
+def test_a_call_through_the_nodes_nginx_over_wss(
+    livekit_python: Path, speech: Path, port: int, tmp_path: Path
+) -> None:
+    """The local profile's rendered nginx (TLS) in front of the node: the plugin's ``wss://`` URL, its
+    ``Authorization`` header through nginx's ``/api/chat`` location, audio back on both connections."""
+    from nginx_front import start_nginx
+
+    from infra.node.local_network import free_port_profile
+    from infra.node.nginx import render_nginx
+
+    profile = free_port_profile()
+    profile = profile.model_copy(update={"ports": profile.ports.model_copy(update={"runtime": port})})
+    process, _, base = start_nginx(profile, tmp_path / "nginx", render_nginx(profile))
+    try:
+        plan = {
+            "scenario": "one_call",
+            "url": base.replace("https://", "wss://"),
+            "cafile": str(tmp_path / "nginx" / profile.tls.certificate_path),
+            "tokens": session_tokens(2),
+            "voice": "NATF2",
+            "text_prompts": PROMPTS,
+            "speech": str(speech),
+            "seconds": 3.0,
+        }
+        for _ in range(100):  # nginx listening
+            if process.poll() is not None or socket_open(profile.ports.https):
+                break
+            time.sleep(0.1)
+        assert process.poll() is None, (tmp_path / "nginx" / "logs" / "error.log").read_text()
+        report = drive(livekit_python, plan, tmp_path)
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert report["errors"] == [], report["log"][-3000:]
+    assert report["requests"][0].startswith(f"{plan['url']}/api/chat?voice_prompt=NATF2.pt&")
+    (at_reconnect,) = report["samples_at_reconnect"]
+    assert at_reconnect >= 24000 and report["samples"] - at_reconnect >= 24000
+
+
+def socket_open(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+    return False
 
 
 def test_at_the_cap_the_next_call_waits_and_the_one_after_gets_an_error_the_plugin_surfaces(
