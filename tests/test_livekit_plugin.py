@@ -56,8 +56,9 @@ PROMPTS = [
 
 
 def session_tokens(count: int) -> list[str]:
-    """``count`` single-use session tokens (each ``jti`` admits one connection), any persona."""
-    return [mint_token(KEY, ttl_s=300, personas=["*"], audience=AUDIENCE) for _ in range(count)]
+    """``count`` single-use session tokens (each ``jti`` admits one connection) for the voice ``NATF2``, the
+    name a back end knows (the plugin asks for ``NATF2.pt``)."""
+    return [mint_token(KEY, ttl_s=300, personas=["NATF2"], audience=AUDIENCE) for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
