@@ -151,9 +151,20 @@ async def one_call(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]:
     return call.report() | {"requests": tokens.requests}
 
 
+async def waiting_sessions(metrics_url: str) -> float:
+    """The node's ``duplex_waiting_sessions`` gauge (callers in its waiting room), from its ``/metrics``."""
+    async with aiohttp.ClientSession() as http, http.get(metrics_url) as answer:
+        text = await answer.text()
+    for line in text.splitlines():
+        if line.startswith("duplex_waiting_sessions "):
+            return float(line.split()[1])
+    return 0.0
+
+
 async def at_the_cap(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]:
-    """``cap`` calls hold every slot; one more waits (the waiting room); one more again is refused. Then the
-    first call hangs up and the waiting one is served."""
+    """``cap`` calls hold every slot; one more waits (the waiting room: the node's gauge says so, and it hears
+    nothing for ``wait_s``); one more again is refused. Then the first call hangs up and the waiting one is
+    served."""
     cap = plan["cap"]
     tokens = [Tokens([t]) for t in plan["tokens"]]
     models = [model(plan, tokens[i], plan["text_prompts"][0]) for i in range(cap + 2)]
@@ -162,6 +173,11 @@ async def at_the_cap(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]
     held = await wait_for(lambda: all(c.samples > 0 for c in holders), 20)
     waiting = Call(models[cap])
     speaking.append(asyncio.create_task(waiting.speak(speech, 60)))
+    in_room = False
+    for _ in range(200):  # the node's gauge of callers in its waiting room, 20 s at most
+        if in_room := await waiting_sessions(plan["metrics_url"]) == 1:
+            break
+        await asyncio.sleep(0.1)
     await asyncio.sleep(plan["wait_s"])
     waiting_before = waiting.samples
     refused = Call(models[cap + 1])
@@ -179,6 +195,7 @@ async def at_the_cap(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]
         await m._http_session.close()  # type: ignore[union-attr]
     return {
         "holders_served": held,
+        "waited_in_room": in_room,
         "waiting_samples_while_full": waiting_before,
         "waiting_served_after_a_hangup": served,
         "waiting_errors": waiting.errors,

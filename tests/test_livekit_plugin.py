@@ -227,12 +227,14 @@ def test_at_the_cap_the_next_call_waits_and_the_one_after_gets_an_error_the_plug
         "text_prompts": PROMPTS,
         "speech": str(speech),
         "cap": CAP,
-        "wait_s": 2.0,
+        "wait_s": 1.0,
+        "metrics_url": f"http://127.0.0.1:{port}/metrics",
     }
     report = drive(livekit_python, plan, tmp_path)
     assert report["holders_served"], report
     # The 6th call is in the waiting room: connected, no handshake, so the plugin sends nothing and
     # hears nothing; it is served once a holder hangs up, with no error on its side.
+    assert report["waited_in_room"], report
     assert report["waiting_samples_while_full"] == 0, report
     assert report["waiting_served_after_a_hangup"], report["log"][-3000:]
     assert report["waiting_errors"] == []
