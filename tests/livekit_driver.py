@@ -151,6 +151,23 @@ async def one_call(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]:
     return call.report() | {"requests": tokens.requests}
 
 
+async def fixed_token(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]:
+    """One token as a fixed header of the ``http_session`` (``headers=``, no middleware): the first
+    connection is admitted; the reconnect of ``update_instructions`` presents the spent token again."""
+    http = aiohttp.ClientSession(headers={"Authorization": f"Bearer {plan['tokens'][0]}"})
+    realtime = RealtimeModel(
+        base_url=plan["url"], voice=plan["voice"], text_prompt=plan["text_prompts"][0], http_session=http
+    )
+    call = Call(realtime)
+    await call.speak(speech, plan["seconds"])
+    await heard(call, SAMPLE_RATE)
+    await call.session.update_instructions(plan["text_prompts"][1])
+    await wait_for(lambda: bool(call.errors), 10)
+    await call.session.aclose()
+    await http.close()
+    return call.report()
+
+
 async def waiting_sessions(metrics_url: str) -> float:
     """The node's ``duplex_waiting_sessions`` gauge (callers in its waiting room), from its ``/metrics``."""
     async with aiohttp.ClientSession() as http, http.get(metrics_url) as answer:
@@ -203,7 +220,7 @@ async def at_the_cap(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]
     }
 
 
-SCENARIOS = {"one_call": one_call, "at_the_cap": at_the_cap}
+SCENARIOS = {"one_call": one_call, "at_the_cap": at_the_cap, "fixed_token": fixed_token}
 
 
 async def main(path: str) -> None:

@@ -248,3 +248,25 @@ def test_at_the_cap_the_next_call_waits_and_the_one_after_gets_an_error_the_plug
         "recoverable": True,
     }
     assert "Unknown PersonaPlex message type: 0x05" in report["log"]
+
+
+def test_a_fixed_token_header_admits_one_connection_and_the_reconnect_is_refused_as_replayed(
+    livekit_python: Path, speech: Path, port: int, tmp_path: Path
+) -> None:
+    """Why the token goes through a middleware that mints per connection (docs/livekit.md): a fixed
+    ``Authorization`` header on the plugin's session is spent by its first session, and the node refuses the
+    reconnect before the upgrade (403 ``replayed``), which the plugin reports as non-recoverable."""
+    plan = {
+        "scenario": "fixed_token",
+        "url": f"ws://127.0.0.1:{port}",
+        "tokens": session_tokens(1),
+        "voice": "NATF2",
+        "text_prompts": PROMPTS,
+        "speech": str(speech),
+        "seconds": 3.0,
+    }
+    report = drive(livekit_python, plan, tmp_path)
+    assert report["samples"] >= 24000, report["log"][-3000:]
+    (error,) = report["errors"]
+    assert error["type"] == "APIConnectionError" and not error["recoverable"], error
+    assert "403" in error["message"], error
