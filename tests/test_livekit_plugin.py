@@ -164,10 +164,10 @@ def test_a_call_reaches_the_persona_through_the_token_gate_and_reconnects_on_new
     sessions.sort(key=lambda s: float(s["started_at"]))
     for session, prompt in zip(sessions, PROMPTS, strict=True):
         assert session["persona"] == "voice=NATF2.pt", session
-        # The listing digests the persona label's text part: the prompt itself, or since issue 34 (item 8)
-        # the label's "text_chars=<n>" that keeps the words out (conversation.py persona_label). Either way
-        # it is computed from this connection's text prompt.
-        assert session["prompt"]["sha256"] in {digest(prompt), digest(f"text_chars={len(prompt)}")}, session
+        # The listing gives this connection's text prompt's digest and length, never its words
+        # (conversation.py persona_label carries them; issue 34, item 8).
+        assert session["prompt"]["sha256"] == digest(prompt), session
+        assert str(session["prompt"]["chars"]) == str(len(prompt)), session
     assert sessions[0]["prompt"] != sessions[1]["prompt"]
 
 

@@ -212,11 +212,19 @@ def test_the_persona_label_keeps_the_role_prompt_out() -> None:
     words (its first 60 characters)."""
     from runtime.frontend.gate.query import parse_session_query
     from runtime.frontend.session.conversation import persona_label
+    from runtime.frontend.store.events import persona_fields, prompt_digest
 
     request = parse_session_query("voice_prompt=NATF2.pt&text_prompt=You+are+Ada%2C+the+bank%27s+fraud+agent")
     label = persona_label(request)
-    assert label == f"voice=NATF2.pt text_chars={len(request.text_prompt or '')}"
+    prompt = request.text_prompt or ""
+    digest = prompt_digest(prompt)
+    assert label == f"voice=NATF2.pt text_sha256={digest['prompt_sha256']} text_chars={len(prompt)}"
     assert "Ada" not in label and "fraud" not in label
+    # What listings and events say of the prompt is the prompt's digest, not the label's: the session
+    # registry used to digest "text_chars=43" (found by the LiveKit check: chars 13 for a 71-character
+    # prompt).
+    assert persona_fields(label) == ("voice=NATF2.pt", "", digest)
+    assert persona_fields("voice=NATF2.pt text=hello") == ("voice=NATF2.pt", "hello", prompt_digest("hello"))
 
 
 def _outside_parentheses(cell: str) -> str:

@@ -53,6 +53,7 @@ from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 from runtime.frontend.session.resume import ResumableSession
 from runtime.frontend.session.state import SessionState
+from runtime.frontend.store.events import prompt_digest
 from runtime.frontend.store.recordings import SessionRecorder, start_recording
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
 from runtime.metrics import RuntimeMetrics
@@ -145,13 +146,15 @@ def plan_session(
 
 def persona_label(request: SessionRequest) -> str:
     """Short description of the persona for the session registry, its events and listings: the voice's
-    name and the text prompt's length in characters, never its words (issue 34, item 8: the role prompt was
-    copied into records, events and listings; the prompt itself stays in the slot)."""
+    name and the text prompt's digest and length in characters (``text_sha256=<16 hex> text_chars=<n>``),
+    never its words (issue 34, item 8: the role prompt was copied into records, events and listings; the
+    prompt itself stays in the slot). The store reads the digest back (``store.events.persona_fields``)."""
     parts = []
     if request.voice_prompt:
         parts.append(f"voice={request.voice_prompt}")
     if request.text_prompt:
-        parts.append(f"text_chars={len(request.text_prompt)}")
+        digest = prompt_digest(request.text_prompt)
+        parts.append(f"text_sha256={digest['prompt_sha256']} text_chars={digest['prompt_chars']}")
     return " ".join(parts)
 
 

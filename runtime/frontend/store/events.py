@@ -105,13 +105,22 @@ the fields as name, value, ..."""
 _PROMPT_HASH_HEX = 16
 
 
-def persona_fields(persona: str) -> tuple[str, str]:
-    """Split a persona label (``voice=<name> text=<prompt>``, either part optional) into the voice part
-    (``voice=<name>`` or "") and the text prompt ("" when none). Labels of another shape are taken as a
-    text prompt whole, so no prompt text leaks into the voice part."""
+def persona_fields(persona: str) -> tuple[str, str, dict[str, str]]:
+    """Split a persona label into the voice part (``voice=<name>`` or ""), the text prompt where the label
+    still holds it ("" for every label written since issue 34: ``text_sha256=<16 hex> text_chars=<n>``,
+    ``session.conversation.persona_label``), and the prompt's digest (:func:`prompt_digest`'s two fields).
+    A label of an older shape (``text=<prompt>``, or anything else) is a text prompt whole, digested here,
+    so no prompt text leaks into the voice part."""
     voice, _, rest = persona.partition(" ") if persona.startswith("voice=") else ("", "", persona)
+    if rest.startswith("text_sha256="):
+        fields = dict(part.partition("=")[::2] for part in rest.split())
+        return (
+            voice,
+            "",
+            {"prompt_sha256": fields.get("text_sha256", ""), "prompt_chars": fields.get("text_chars", "0")},
+        )
     text = rest[len("text=") :] if rest.startswith("text=") else rest
-    return voice, text
+    return voice, text, prompt_digest(text)
 
 
 def prompt_digest(text: str) -> dict[str, str]:

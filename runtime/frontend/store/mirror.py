@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from redis.typing import EncodableT, FieldT
 
-from runtime.frontend.store.events import persona_fields, prompt_digest
+from runtime.frontend.store.events import persona_fields
 
 __all__ = ["SessionRecord", "persona_hash_fields"]
 
@@ -78,9 +78,9 @@ class _Session:
 def persona_hash_fields(persona: str) -> dict[FieldT, EncodableT]:
     """The persona as the session hash holds it: ``persona`` (the voice part), ``prompt`` (the text prompt,
     read only with ``?include=persona``), ``prompt_sha256`` and ``prompt_chars``."""
-    voice, text = persona_fields(persona)
+    voice, text, digest = persona_fields(persona)
     out: dict[FieldT, EncodableT] = {"persona": voice, "prompt": text}
-    out.update(prompt_digest(text))
+    out.update(digest)
     return out
 
 

@@ -32,7 +32,6 @@ from runtime.frontend.store.events import (
     XADD_INDEXED_LUA,
     event_fields,
     persona_fields,
-    prompt_digest,
 )
 from runtime.frontend.store.mirror import SessionRecord, _Op, _Session
 
@@ -162,8 +161,8 @@ class SessionWriter:
             extra["reason"] = op.reason
         elif op.kind == "register" and op.record is not None:
             r = op.record
-            voice, text = persona_fields(r.persona)
-            extra.update(persona=voice, **prompt_digest(text))
+            voice, _, digest = persona_fields(r.persona)
+            extra.update(persona=voice, **digest)
             extra.update(format=r.audio_format, slot=str(r.slot), recording=str(int(r.recording)))
         node, event_id = rec.node_id or self.node_id, f"{self._token}:{op.seq}"
         fields = event_fields(kind, rec.session_id, node, op.at_unix_s, event_id, extra)
