@@ -24,6 +24,10 @@ sent and its mark not yet played back), one ``clear`` empties Twilio's queue so 
 stale speech. Once per onset: the full-duplex model itself yields the floor, and clearing every 60 ms while
 the caller talks would cut the agent's backchannel too. ``stop``, or the socket's end, releases the slot at
 once (the lifecycle's :meth:`Edge.end`); a call is not resumed (Twilio does not reconnect a stream).
+
+Bad input after ``start`` (an unknown event, a second ``start``, a payload that is not base64 or not 10-200
+ms of audio, a binary frame, a message over ``DUPLEX_MAX_MESSAGE_BYTES``) closes that stream with 1008 (1009
+for the size) and a log line naming it; its slot is released at once and the other calls go on.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ __all__ = [
     "AGENT_SPEECH_DBFS",
     "BARGE_IN_DBFS",
     "BARGE_IN_PACKETS",
+    "MAX_PACKET_BYTES",
+    "MIN_PACKET_BYTES",
+    "CarrierProtocolError",
     "START_TIMEOUT_S",
     "TWILIO_PATH",
     "TwilioStream",
@@ -80,6 +87,8 @@ BARGE_IN_PACKETS = 3
 """Packets of speech in a row (3 x 20 ms = 60 ms) that make a barge-in."""
 AGENT_SPEECH_DBFS = -40.0
 """An agent frame this loud (RMS) is speech worth clearing; quieter frames (the model listening) are not."""
+MIN_PACKET_BYTES, MAX_PACKET_BYTES = 80, 1600
+"""A ``media`` payload's allowed size: 10 to 200 ms of 8 kHz μ-law (Twilio sends 160 bytes, 20 ms)."""
 HOLD_TONE_HZ = 425.0
 """The hold tone's pitch: ITU-T E.180's comfort tones are 400-450 Hz."""
 _TOKEN_PARAMETER = "token"
@@ -90,6 +99,14 @@ def hold_tone(seconds: float, rate_hz: int = 24000) -> np.ndarray:
     t = np.arange(int(rate_hz * seconds), dtype=np.float32) / rate_hz
     on = (t % 2.0) < 0.4
     return (0.1 * np.sin(2 * np.pi * HOLD_TONE_HZ * t) * on).astype(np.float32)
+
+
+class CarrierProtocolError(ValueError):
+    """A carrier message this bridge refuses: ``reason`` (the outcome ``protocol_<reason>``), and why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class TwilioStream(Edge):
@@ -128,9 +145,15 @@ class TwilioStream(Edge):
             while True:
                 message = await self.connection.receive()
                 if message.type is not WSMsgType.TEXT:
-                    break  # closed without a stop (or a binary frame, which Twilio never sends)
+                    # Closed without a stop; a binary frame (Twilio sends none); a message over the size
+                    # limit (aiohttp has closed with 1009).
+                    if message.type is WSMsgType.BINARY:
+                        raise CarrierProtocolError("binary_frame", "a binary frame (Twilio sends JSON text)")
+                    if message.type is WSMsgType.ERROR:
+                        log.info("twilio stream %s: %s: closing", self.stream_sid, message.data)
+                    break
                 event = json.loads(message.data)
-                kind = event.get("event")
+                kind = event.get("event") if isinstance(event, dict) else None
                 if kind == "stop":
                     outcome = SessionOutcome("client_closed")  # the call hung up: a normal end
                     break
@@ -142,6 +165,13 @@ class TwilioStream(Edge):
                     self.speech_marks.discard(name)
                 elif kind == "dtmf":
                     self._on_dtmf(str((event.get("dtmf") or {}).get("digit", "")))
+                elif kind == "start":
+                    raise CarrierProtocolError("replayed_start", "a second start message on one stream")
+                else:
+                    raise CarrierProtocolError("unknown_event", f"unknown event {str(kind)[:40]!r}")
+        except CarrierProtocolError as exc:
+            log.info("twilio stream %s: %s: closing", self.stream_sid, exc)
+            outcome = SessionOutcome(f"protocol_{exc.reason}", CLOSE_POLICY)
         except (ValueError, AttributeError, binascii.Error) as exc:
             log.info("twilio stream %s: bad message (%s): closing", self.stream_sid, exc)
             outcome = SessionOutcome("protocol_bad_message", CLOSE_POLICY)
@@ -151,6 +181,12 @@ class TwilioStream(Edge):
 
     def _on_media(self, media: dict[str, object]) -> None:
         payload = base64.b64decode(str(media.get("payload", "")), validate=True)
+        if not MIN_PACKET_BYTES <= len(payload) <= MAX_PACKET_BYTES:
+            raise CarrierProtocolError(
+                "bad_packet",
+                f"a media payload of {len(payload)} bytes; allowed {MIN_PACKET_BYTES}-{MAX_PACKET_BYTES} "
+                "(10-200 ms of 8 kHz mu-law; Twilio sends 160: 20 ms)",
+            )
         pcm = self.audio_in.decode(payload)
         session = self.session
         if session is None or not self._live or not session.takes_audio:
