@@ -17,7 +17,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	pebble:pebble pebble-challtestsrv:pebble openssl:openssl turnserver:coturn turnutils_uclient:coturn ss:iproute2 node:nodejs
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps pip-check deploy-deps livekit-deps demo test lint bench gpu-wheels lock clean mutation
+.PHONY: setup system-deps pip-check deploy-deps livekit-deps demo test lint bench gpu-wheels lock clean mutation mutation-js
 
 setup: system-deps $(STAMP)
 
@@ -164,6 +164,18 @@ mutation: $(STAMP)
 	done; \
 	echo; echo "mutation score per module (mutmut $$($(BIN)/mutmut --version | awk '{print $$NF}'), $$(date -u +%F)):"; \
 	printf '%s' "$$summary"
+
+# Mutation testing of the browser client's JavaScript (issue 31; docs/mutation.md, "Browser client (StrykerJS)"):
+# StrykerJS over infra/node/web/playout.js and protocol.js, running `node --test tests/js/` per mutant. Dev-only
+# npm tools in tools/js/ (package.json + package-lock.json: @stryker-mutator/core pinned; node_modules/ ignored);
+# `npm ci` runs only when the lock file is newer than the installed tree. Reports: clear text on stdout,
+# JSON in artifacts/stryker/mutation.json. Not in CI (Node >= 20 and npm needed).
+JS_TOOLS := tools/js
+mutation-js: $(JS_TOOLS)/node_modules/.package-lock.json
+	nice -n 10 $(JS_TOOLS)/node_modules/.bin/stryker run $(JS_TOOLS)/stryker.config.mjs
+
+$(JS_TOOLS)/node_modules/.package-lock.json: $(JS_TOOLS)/package.json $(JS_TOOLS)/package-lock.json
+	cd $(JS_TOOLS) && npm ci --no-audit --no-fund
 
 # Re-pin requirements.lock from the current virtualenv (torch and moshi are pinned in this Makefile).
 lock:
