@@ -17,7 +17,7 @@ SYSTEM_PACKAGES := redis-server:redis-server espeak-ng:espeak-ng nginx:nginx-lig
 	pebble:pebble pebble-challtestsrv:pebble openssl:openssl turnserver:coturn turnutils_uclient:coturn ss:iproute2 node:nodejs
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps pip-check deploy-deps livekit-deps demo test lint bench gpu-wheels lock clean mutation mutation-js
+.PHONY: setup system-deps pip-check deploy-deps livekit-deps peers-deps demo test lint bench gpu-wheels lock clean mutation mutation-js
 
 setup: system-deps $(STAMP)
 
@@ -92,12 +92,27 @@ $(LIVEKIT_STAMP): requirements-livekit.lock
 	$(LIVEKIT_VENV)/bin/pip check
 	touch $(LIVEKIT_STAMP)
 
+# The carriers' peers (tests/test_carrier_peers.py: pipecat-ai's carrier serializers read what our load
+# generator sends as a carrier and write what our bridge writes): a virtualenv of their own, pinned in
+# requirements-peers.lock, --no-deps (pipecat-ai's full requirements are not needed to import its
+# serializers). About 185 MB.
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+peers-deps: $(PEERS_STAMP)
+
+$(PEERS_STAMP): requirements-peers.lock
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q --no-deps -r requirements-peers.lock
+	$(PEERS_VENV)/bin/python -c "import pipecat.serializers.twilio"
+	touch $(PEERS_STAMP)
+
 # The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
 # tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then stopped.
 demo: setup
 	$(BIN)/duplex node up
 
-test: setup livekit-deps
+test: setup livekit-deps peers-deps
 	$(BIN)/pytest
 
 # Lint and types: ruff's rules and format, and mypy (with pydantic's plugin, pyproject.toml [tool.mypy]) on

@@ -366,7 +366,11 @@ _SILENCE = {"event": "media", "streamSid": "MZbad", "media": {"payload": "//" * 
         (_START, 1008, "a second start message"),
         ({"event": "media", "media": {"payload": "not base64!"}}, 1008, "bad message"),
         ({"event": "media", "media": {"payload": "//" * 2000}}, 1008, "a media payload of 3000 bytes"),
-        ({"event": "media", "media": {"payload": "A" * 70_000}}, 1009, "Message size 70044 exceeds limit 65536"),
+        (
+            {"event": "media", "media": {"payload": "A" * 70_000}},
+            1009,
+            "Message size 70044 exceeds limit 65536",
+        ),
         (b"\x00\x01", 1008, "a binary frame"),
     ],
     ids=["unknown-event", "replayed-start", "bad-base64", "wrong-length", "huge", "binary"],

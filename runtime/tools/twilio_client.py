@@ -54,6 +54,8 @@ class TwilioCallResult:
         marks: marks the node sent; clears: ``clear`` messages it sent.
         packets_sent: caller packets sent.
         mark_arrival_s: monotonic arrival time of each mark (one per 80 ms frame of the agent's audio).
+        sent_messages, received_messages: the first ``keep_messages`` JSON messages each way (parsed), to
+            check against another implementation of the protocol.
         failure: why the call failed, or "".
     """
 
@@ -67,6 +69,8 @@ class TwilioCallResult:
     clears: int = 0
     packets_sent: int = 0
     mark_arrival_s: list[float] = field(default_factory=list)
+    sent_messages: list[dict[str, object]] = field(default_factory=list)
+    received_messages: list[dict[str, object]] = field(default_factory=list)
     failure: str = ""
 
     def received_pcm(self) -> np.ndarray:
@@ -97,6 +101,7 @@ async def twilio_call(
     media_format: dict[str, object] | None = None,
     signature: str | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    keep_messages: int = 0,
 ) -> TwilioCallResult:
     """One call: connect to ``base_url`` (``ws://host:port``; the path is ``/api/carriers/twilio``), sign
     ``stream_url`` (what the TwiML names), stream ``caller_8k``, then wait ``tail_s`` and hang up.
@@ -108,6 +113,7 @@ async def twilio_call(
         media_format: the ``start`` message's ``mediaFormat`` (default μ-law, 8000 Hz, mono).
         signature: the header to send instead of the right one (tests of a refusal); "" sends none.
         ssl_context: for ``wss://`` to a node with its own certificate authority (a self-signed node).
+        keep_messages: keep the first this many messages each way in the result.
     Raises:
         ValueError: ``hang_up`` not ``stop`` or ``drop``.
     """
@@ -135,6 +141,7 @@ async def twilio_call(
                 hang_up,
                 tail_s,
                 media_format,
+                keep_messages,
             )
             received = socket.protocol.close_rcvd  # the node's close frame (None: this side ended it)
             result.close_code = received.code if received is not None else None
@@ -159,6 +166,7 @@ async def _converse(
     hang_up: str,
     tail_s: float,
     media_format: dict[str, object] | None,
+    keep_messages: int = 0,
 ) -> None:
     loop = asyncio.get_running_loop()
     playout = {"until": 0.0}
@@ -166,6 +174,8 @@ async def _converse(
     started = time.monotonic()
 
     async def send(body: dict[str, object]) -> None:
+        if len(result.sent_messages) < keep_messages:
+            result.sent_messages.append(body)
         await socket.send(json.dumps(body))
 
     def echo(name: str) -> None:
@@ -177,6 +187,8 @@ async def _converse(
         with contextlib.suppress(ConnectionClosed):
             async for data in socket:
                 event = json.loads(data)
+                if len(result.received_messages) < keep_messages:
+                    result.received_messages.append(event)
                 kind = event.get("event")
                 now = time.monotonic()
                 if kind == "media":

@@ -1,0 +1,48 @@
+"""Run by tests/test_carrier_peers.py with .venv-peers' Python (``make peers-deps``): pipecat-ai's
+``TwilioFrameSerializer``, a Twilio Media Streams implementation nobody here wrote, reads the messages our
+load generator sent as Twilio and writes the messages a bridge sends Twilio, for the test to compare with
+our node's.
+
+stdin: ``{"sent": [the carrier's messages], "stream_sid": "MZ..."}``. stdout: one JSON object:
+``{"parsed": [{"event", "frame", "samples", "rate", "digit"} per message], "wrote": {"media": {...},
+"clear": {...}}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import numpy as np
+from pipecat.frames.frames import InputAudioRawFrame, InputDTMFFrame, InterruptionFrame, OutputAudioRawFrame
+from pipecat.processors.frame_processor import FrameProcessorSetup
+from pipecat.serializers.twilio import TwilioFrameSerializer
+
+
+async def main() -> None:
+    request = json.load(sys.stdin)
+    serializer = TwilioFrameSerializer(
+        request["stream_sid"], params=TwilioFrameSerializer.InputParams(auto_hang_up=False, sample_rate=8000)
+    )
+    await serializer.setup(FrameProcessorSetup.__new__(FrameProcessorSetup))
+    parsed = []
+    for message in request["sent"]:
+        frame = await serializer.deserialize(json.dumps(message))
+        row = {"event": message.get("event"), "frame": type(frame).__name__ if frame is not None else None}
+        if isinstance(frame, InputAudioRawFrame):
+            row.update(samples=len(frame.audio) // 2, rate=frame.sample_rate)
+        if isinstance(frame, InputDTMFFrame):
+            row["digit"] = frame.button.value
+        parsed.append(row)
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(1920) / 24000) * 32767).astype("<i2").tobytes()
+    media = None
+    for _ in range(10):  # its stream resampler holds the first chunk back
+        media = media or await serializer.serialize(
+            OutputAudioRawFrame(audio=tone, sample_rate=24000, num_channels=1)
+        )
+    clear = await serializer.serialize(InterruptionFrame())
+    print(json.dumps({"parsed": parsed, "wrote": {"media": json.loads(media), "clear": json.loads(clear)}}))
+
+
+asyncio.run(main())
