@@ -48,7 +48,8 @@ test("every reason code has its own sentence", () => {
     "insufficient_scope", "lifetime_too_long", "malformed", "max_session_length", "microphone_denied",
     "microphone_missing", "missing", "node_full", "not_ready", "not_yet_valid", "origin_not_allowed",
     "persona_not_allowed", "protocol_error", "rate_limited", "replay_check_unavailable", "replayed",
-    "revoked", "runtime_unavailable", "too_many_attempts", "unknown_key", "unsupported", "wrong_audience",
+    "revoked", "runtime_unavailable", "too_many_attempts", "unknown_key", "unsupported", "unsupported_model",
+    "wrong_audience",
     "wrong_key_kind", "wrong_tenant", "wrong_token_kind",
   ]);
   const sentences = Object.values(REASONS);

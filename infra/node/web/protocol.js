@@ -60,6 +60,7 @@ export const REASONS = Object.freeze({
   microphone_denied: "Microphone access was refused. Allow the microphone for this page, then try again.",
   microphone_missing: "No microphone was found on this device.",
   unsupported: "This browser lacks what the page needs (AudioWorklet and WebSocket over TLS).",
+  unsupported_model: "This node's model speaks at a sample rate this page does not play.",
 });
 
 /** Plain words for a reason code; unknown codes get the runtime's own message. */
