@@ -993,3 +993,21 @@ def test_the_pack_asks_a_spot_node_for_cloud_scheduler(monkeypatch: pytest.Monke
     monkeypatch.setattr(gce, "SPOT_APIS", ())
     violations = check_resources([(r.type, r.plain, r.name) for r in run_stack("dev").resources if r.custom])
     assert violations and all("cloudscheduler.googleapis.com" in v for v in violations)
+
+
+@pytest.mark.parametrize("stack", ["dev", "scale5-onprem"])
+def test_a_single_node_without_receivers_warns_that_alerts_reach_nobody(
+    stack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33: docs/deploying.md says ``up`` warns when no alert receiver is set; only multi-region did."""
+    import pulumi
+
+    from infra.program.shared import NODE_NO_RECEIVER_WARNING
+
+    warnings: list[str] = []
+    monkeypatch.setattr(pulumi.log, "warn", lambda message, *args, **kwargs: warnings.append(message))
+    run_stack(stack)
+    assert NODE_NO_RECEIVER_WARNING in warnings and "reach nobody" in NODE_NO_RECEIVER_WARNING
+    warnings.clear()
+    run_stack(stack, overrides={"duplexops:alertWebhookUrl": "https://hooks.example.com/duplex"})
+    assert NODE_NO_RECEIVER_WARNING not in warnings

@@ -19,6 +19,7 @@ from infra.program.shared import (
     mint_command,
     stack_secrets,
     turn_summary,
+    warn_without_receiver,
 )
 from infra.stack_config import StackConfig
 
@@ -48,6 +49,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
     apis = GCP_APIS + (SPOT_APIS if gce.provisioning_model == "spot" else ())
     apis += ("dns.googleapis.com",) if gce.dns_zone is not None else ()
     after_apis = enable_apis(gce.project, apis if gce.enable_apis else ())
+    warn_without_receiver(profile)
     if gce.provisioning_model == "flex-start":
         pulumi.log.warn(
             "flex-start: GCE deletes the VM after 7 days (its data disk stays); Pulumi notices only on a "

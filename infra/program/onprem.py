@@ -17,6 +17,7 @@ from infra.program.shared import (
     mint_command,
     stack_secrets,
     turn_summary,
+    warn_without_receiver,
 )
 from infra.stack_config import StackConfig
 
@@ -46,6 +47,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
     onprem = config.onprem
     assert onprem is not None
     profile = config.node_profile(onprem.runtime_image)
+    warn_without_receiver(profile)
     secrets = stack_secrets(config, profile)
     # An Artifact Registry image (the GCE stacks' repository, where CI promotes the digest) is pulled with a
     # token of this deploy; any other registry with what the host has (docs/deploying.md).

@@ -183,3 +183,18 @@ def stack_secrets(
         ),
         opts=opts,
     )
+
+
+NODE_NO_RECEIVER_WARNING = (
+    "no alert receiver configured (duplexops:alertWebhookUrl, alertEmailTo/From/Smarthost, "
+    "alertPagerdutyRoutingKey): the node's Alertmanager has nowhere to send its alerts, so they reach "
+    "nobody; and a node that dies cannot report itself (docs/operations.md, 'Where alerts go (single nodes)')"
+)
+"""What a single node's ``up`` warns when the stack configures no alert receiver (issue 33: docs/deploying.md
+promised the warning, and only multi-region gave it)."""
+
+
+def warn_without_receiver(profile: NodeProfile) -> None:
+    """Warn (``pulumi.log.warn``) that alerts reach nobody when ``profile.alerting`` has no receiver."""
+    if not profile.alerting.any:
+        pulumi.log.warn(NODE_NO_RECEIVER_WARNING)
