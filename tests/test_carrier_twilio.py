@@ -248,20 +248,29 @@ class _WaitingBackend(FakeBackend):
 
 
 async def test_a_caller_waiting_for_a_slot_hears_the_hold_tone_not_silence():
+    """A caller waiting for a slot hears, after a second of silence, the 425 Hz hold tone; one admitted at
+    once hears no beep before the agent."""
     backend = _WaitingBackend()
     async with fake_node(backend, **TWILIO) as server:
         call = asyncio.create_task(
             twilio_call(
-                base(server), tone_8k(440, 1.6, amplitude=0.001), auth_token=AUTH_TOKEN, stream_url=STREAM_URL
+                base(server), tone_8k(440, 3.0, amplitude=0.001), auth_token=AUTH_TOKEN, stream_url=STREAM_URL
             )
         )
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.8)
         backend.open.set()
         result = await call
-        assert result.packets_before_live >= 10  # 200 ms and more of hold tone before the slot
+        assert result.packets_before_live >= 60  # 1.2 s and more before the slot
         held = result.received_pcm()[: result.packets_before_live * 160]
-        assert abs(dominant_hz(held) - 425) < 20 and np.max(np.abs(held)) > 0.05
+        assert np.max(np.abs(held[:6400])) < 0.01  # the first 0.8 s: silence
+        beep = held[8000:11200]  # 1.0-1.4 s: the tone
+        assert abs(dominant_hz(beep) - 425) < 20 and np.max(np.abs(beep)) > 0.05
         assert result.marks > 0  # then the call went live
+        at_once = await twilio_call(
+            base(server), tone_8k(440, 0.6, amplitude=0.001), auth_token=AUTH_TOKEN, stream_url=STREAM_URL
+        )
+        before = at_once.received_pcm()[: at_once.packets_before_live * 160]
+        assert before.size == 0 or np.max(np.abs(before)) < 0.01  # no beep for a caller admitted at once
 
 
 # --- the edge's audio ------------------------------------------------------------------------------------

@@ -89,15 +89,19 @@ AGENT_SPEECH_DBFS = -40.0
 """An agent frame this loud (RMS) is speech worth clearing; quieter frames (the model listening) are not."""
 MIN_PACKET_BYTES, MAX_PACKET_BYTES = 80, 1600
 """A ``media`` payload's allowed size: 10 to 200 ms of 8 kHz μ-law (Twilio sends 160 bytes, 20 ms)."""
+HOLD_TONE_AFTER_S = 1.0
+"""How long a caller not yet live hears silence before the hold tone starts."""
 HOLD_TONE_HZ = 425.0
 """The hold tone's pitch: ITU-T E.180's comfort tones are 400-450 Hz."""
 _TOKEN_PARAMETER = "token"
 
 
 def hold_tone(seconds: float, rate_hz: int = 24000) -> np.ndarray:
-    """``[rate_hz * seconds]`` float32: a soft 425 Hz tone, 0.4 s on in each 2 s (-20 dBFS), from t = 0."""
+    """``[rate_hz * seconds]`` float32 from the call's pickup: silence for :data:`HOLD_TONE_AFTER_S`, then a
+    soft 425 Hz tone (-20 dBFS) 0.4 s on in every 2 s. A caller admitted at once (the persona prompt takes
+    well under a second) hears no beep; one waiting for a slot hears the tone."""
     t = np.arange(int(rate_hz * seconds), dtype=np.float32) / rate_hz
-    on = (t % 2.0) < 0.4
+    on = (t >= HOLD_TONE_AFTER_S) & (((t - HOLD_TONE_AFTER_S) % 2.0) < 0.4)
     return (0.1 * np.sin(2 * np.pi * HOLD_TONE_HZ * t) * on).astype(np.float32)
 
 
@@ -246,12 +250,15 @@ class TwilioStream(Edge):
         """Nothing: a phone call has no text channel (the transcript goes to the store as for any session)."""
 
     async def _hold(self) -> None:
-        """Play the hold tone in real time, one 80 ms frame at a time, until cancelled."""
-        tone = hold_tone(2.0)
+        """Play the hold tone in real time, one 80 ms frame at a time, until cancelled: its first second
+        (silence), then its 2 s cycle again and again."""
+        lead = int(HOLD_TONE_AFTER_S * 24000)
+        tone = hold_tone(HOLD_TONE_AFTER_S + 2.0)
         step, started, sent = 1920, time.monotonic(), 0
         with contextlib.suppress(TransportClosed):
             while True:
-                start = sent * step % tone.size
+                offset = sent * step
+                start = offset if offset < lead else lead + (offset - lead) % (tone.size - lead)
                 await self._send_packets(tone[start : start + step], mark=False)
                 sent += 1
                 await asyncio.sleep(max(0.0, started + sent * 0.08 - time.monotonic()))
