@@ -393,7 +393,9 @@ def test_configured_passwords_are_used_and_stay_secret(tmp_path: Path) -> None:
     # Only the TURN secret and the application-token key are generated whatever is configured (no stack
     # key for them yet).
     generated = run.of_type("random:index/randomPassword:RandomPassword")
-    assert [r.name for r in generated] == ["secrets-app-token-signing-key", "secrets-turn-secret"]
+    # Sorted: Pulumi registers resources from Outputs' callbacks, in an order a loaded machine can change
+    # (CI run of 2026-11-29 saw the TURN secret first).
+    assert sorted(r.name for r in generated) == ["secrets-app-token-signing-key", "secrets-turn-secret"]
     versions = {v.name: v for v in run.of_type("gcp:secretmanager/secretVersion:SecretVersion")}
     assert versions["secrets-redis-password-version"].plain["secretData"] == given["redisPassword"]
     assert (
