@@ -113,6 +113,17 @@ def _from_linear(pcm: bytes, encoding: CarrierEncoding) -> bytes:
     return audioop.lin2ulaw(pcm, 2)
 
 
+def _carrier_rate(rate_hz: int) -> int:
+    """``rate_hz`` when a carrier may send it (8000..48000 Hz).
+
+    Raises:
+        ValueError: another rate, naming the range.
+    """
+    if not 8000 <= rate_hz <= 48000:
+        raise ValueError(f"carrier sample rate must be 8000..48000 Hz, got {rate_hz}")
+    return rate_hz
+
+
 class PhoneAudioIn:
     """The caller's side: carrier payloads -> float32 samples at 24000 Hz (any count per push; the
     conversation assembles frames).
@@ -125,10 +136,8 @@ class PhoneAudioIn:
     """
 
     def __init__(self, encoding: CarrierEncoding, rate_hz: int = 8000) -> None:
-        if not 8000 <= rate_hz <= 48000:
-            raise ValueError(f"carrier sample rate must be 8000..48000 Hz, got {rate_hz}")
         self.encoding = encoding
-        self.rate_hz = rate_hz
+        self.rate_hz = _carrier_rate(rate_hz)
         self._resampler = _Resampler(rate_hz, SAMPLE_RATE_HZ)
         self.level_dbfs = -120.0
         """The RMS level of the last payload decoded, in dB relative to full scale (-120: silence)."""
@@ -154,10 +163,8 @@ class PhoneAudioOut:
     """
 
     def __init__(self, encoding: CarrierEncoding, rate_hz: int = 8000) -> None:
-        if not 8000 <= rate_hz <= 48000:
-            raise ValueError(f"carrier sample rate must be 8000..48000 Hz, got {rate_hz}")
         self.encoding = encoding
-        self.rate_hz = rate_hz
+        self.rate_hz = _carrier_rate(rate_hz)
         self.packet_bytes = rate_hz * PACKET_MS // 1000 * encoding.bytes_per_sample
         """Bytes of one 20 ms packet (160 for G.711 at 8000 Hz)."""
         self._resampler = _Resampler(SAMPLE_RATE_HZ, rate_hz)
