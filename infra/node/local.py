@@ -63,7 +63,7 @@ from infra.node.services import (
     endpoint,
     runtime_settings,
     token_audience,
-    twilio_stream_url,
+    twilio_settings,
 )
 from infra.node.tls import write_self_signed_certificate
 from runtime.frontend.gate.tokens import mint_token
@@ -318,10 +318,7 @@ class LocalNode:
             except redis.RedisError:
                 return False
 
-        runtime_secrets: dict[str, str] = {}
-        if self.secrets.twilio_auth_token is not None:  # as secrets/runtime.env has them (a container's)
-            runtime_secrets["DUPLEX_TWILIO_AUTH_TOKEN"] = self.secrets.twilio_auth_token
-            runtime_secrets["DUPLEX_TWILIO_STREAM_URL"] = twilio_stream_url(p)
+        runtime_secrets = twilio_settings(p, self.secrets)  # as secrets/runtime.env has them (a container's)
         processes = [ManagedProcess("redis", ["redis-server", REDIS_CONF], redis_ready)]
         if p.relay.enabled:
             runtime_secrets["DUPLEX_TURN_SECRET"] = self.secrets.turn_secret or ""

@@ -42,6 +42,7 @@ __all__ = [
     "optional_secret_roles",
     "services_of",
     "token_audience",
+    "twilio_settings",
     "twilio_stream_url",
 ]
 
@@ -119,6 +120,15 @@ def twilio_stream_url(profile: NodeProfile) -> str:
     signs (the runtime checks the signature against it: ``DUPLEX_TWILIO_STREAM_URL``)."""
     port = "" if profile.ports.https == 443 else f":{profile.ports.https}"
     return f"wss://{profile.domain}{port}/api/carriers/twilio"
+
+
+def twilio_settings(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, str]:
+    """The runtime's Twilio bridge settings, both or neither (``runtime/config.py`` refuses one alone):
+    ``DUPLEX_TWILIO_AUTH_TOKEN`` and ``DUPLEX_TWILIO_STREAM_URL`` when the node has a token, else none."""
+    token = node_secrets.twilio_auth_token
+    if token is None:
+        return {}
+    return {"DUPLEX_TWILIO_AUTH_TOKEN": token, "DUPLEX_TWILIO_STREAM_URL": twilio_stream_url(profile)}
 
 
 TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
@@ -372,9 +382,7 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
         runtime_env += f"DUPLEX_TURN_SECRET={node_secrets.turn_secret}\n"
         previous = () if node_secrets.turn_secret_previous is None else (node_secrets.turn_secret_previous,)
         turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret, previous_secrets=previous)
-    if node_secrets.twilio_auth_token is not None:  # the Twilio bridge: both or neither (runtime/config.py)
-        runtime_env += f"DUPLEX_TWILIO_AUTH_TOKEN={node_secrets.twilio_auth_token}\n"
-        runtime_env += f"DUPLEX_TWILIO_STREAM_URL={twilio_stream_url(profile)}\n"
+    runtime_env += "".join(f"{k}={v}\n" for k, v in twilio_settings(profile, node_secrets).items())
     files = {
         SECRET_FILES["redis_password"]: password.encode(),
         SECRET_FILES["redis_auth_conf"]: render_acl_users(password).encode(),

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from runtime.engine.model_presets import FRAME_SAMPLES, SAMPLE_RATE_HZ
+
 if TYPE_CHECKING:  # annotations only: the deploy extra reads the token sentence here without numpy
     import numpy as np
 
@@ -184,7 +186,7 @@ class FrameFormat:
         return {"sample_rate_hz": self.sample_rate_hz, "samples": self.samples, "ms": self.ms}
 
 
-MIMI_FRAME = FrameFormat(24_000, 1920)
+MIMI_FRAME = FrameFormat(SAMPLE_RATE_HZ, FRAME_SAMPLES)
 """Mimi's frame (moshi ``models/loaders.py``: ``SAMPLE_RATE = 24000``, ``FRAME_RATE = 12.5``), the one every
 Moshi-architecture model this runtime serves has; the codecs at the front end's edges carry this one."""
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.engine.api import FrameFormat
+from runtime.engine.api import MIMI_FRAME, FrameFormat
 from runtime.engine.batch import (
     NOT_FORCED,
     BatchEngine,
@@ -121,7 +121,7 @@ class SimEngine:
     @property
     def frame(self) -> FrameFormat:
         """The sim's frame: Mimi's (24000 Hz, 1920 samples), as the real models'."""
-        return FrameFormat(SAMPLE_RATE_HZ, FRAME_SAMPLES)
+        return MIMI_FRAME
 
     def phase(self, slot: int) -> SlotPhase:
         return self._slots[slot].phase
