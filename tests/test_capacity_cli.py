@@ -115,14 +115,14 @@ def test_first_audio_p99_is_printed_and_staggering_is_an_option():
     r = _run("--model", "personaplex-7b", "--gpu", "a100-80gb-pcie", "--precision", "int8", "--sessions", "5")
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
-    assert "first audio p99: 329 ms for the caller (every term), 179 ms as the runtime measures it" in text
+    assert "first audio p99: 328 ms for the caller (every term), 178 ms as the runtime measures it" in text
     r = _run(
         "--model", "personaplex-7b", "--gpu", "a100-80gb-pcie", "--precision", "int8", "--sessions", "5",
         "--stagger-groups", "2", "--json",
     )  # fmt: skip
     assert r.exit_code == 0, r.output
     latency = json.loads(r.output)["latency"]
-    assert round(latency["runtime_p99_ms"], 1) == 139.1 and latency["stagger_groups"] == 2
+    assert round(latency["runtime_p99_ms"], 1) == 138.6 and latency["stagger_groups"] == 2
     r = _run("--model", "personaplex-7b", "--gpu", "l40s", "--precision", "int8", "--sessions", "5",
              "--stagger-groups", "2")  # fmt: skip
     assert r.exit_code == 1 and "staggered groups" in " ".join(r.output.split())

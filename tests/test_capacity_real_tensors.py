@@ -127,7 +127,9 @@ def meta_7b():
     try:
         yield {
             "moshi-7b": lm_mod.LMModel(**MOSHI_7B_LM, device="meta"),
-            "personaplex-7b": lm_mod.LMModel(**PERSONAPLEX_7B_LM, device="meta"),
+            # as served: the checkpoint's 16 depformer steps, the agent's 8 built (served_lm_kwargs)
+            "personaplex-7b": lm_mod.LMModel(**{**PERSONAPLEX_7B_LM, "dep_q": 8}, device="meta"),
+            "personaplex-7b stored": lm_mod.LMModel(**PERSONAPLEX_7B_LM, device="meta"),
         }
     finally:
         lm_mod.LMModel._init_weights = orig
@@ -148,9 +150,13 @@ def test_7b_parameter_counts_by_part(meta_7b, name):
     assert spec.lm_tally.linear == linear  # what moshi's INT8 quantises
 
 
-def test_7b_totals_match_field_notes():
+def test_7b_totals_match_field_notes(meta_7b):
+    """Served: PersonaPlex with the agent's 8 depformer steps is the 7B's size; stored: its checkpoint's 16
+    steps, 8,371,408,896 parameters (the field notes' figure), counted on the meta device too."""
     assert get_model("moshi-7b").lm_tally.total == 7_687_729_152
-    assert get_model("personaplex-7b").lm_tally.total == 8_371_408_896
+    assert get_model("personaplex-7b").lm_tally.total == 7_687_729_152
+    assert get_model("personaplex-7b").stored_lm_params == 8_371_408_896
+    assert sum(p.numel() for p in meta_7b["personaplex-7b stored"].parameters()) == 8_371_408_896
 
 
 def test_real_mimi_parameter_counts_on_meta():

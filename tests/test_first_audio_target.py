@@ -6,8 +6,8 @@ The target is what the node's FirstAudioLatencyHigh alert compares the runtime's
 A target below what the GPU could reach at its peak (the tick at its roofline) is refused: the alert would
 never clear. One below the planner's estimate (but reachable) is accepted with a warning that names the
 estimate and its terms. Figures (personaplex-7b INT8, 5 sessions on an L40S; the arithmetic is pinned in
-``tests/test_capacity_pinned.py``): phase wait p99 79.2 ms + 80 ms + tick 19.06 ms at the roofline = 178.3
-ms, 37.55 ms at the planner's estimate = 196.7 ms.
+``tests/test_capacity_latency_pinned.py``): phase wait p99 79.2 ms + 80 ms + tick 18.25 ms at the roofline
+= 177.4 ms, 36.38 ms at the planner's estimate = 195.6 ms.
 """
 
 from __future__ import annotations
@@ -25,23 +25,23 @@ def test_a_target_below_what_the_gpu_can_reach_is_refused_naming_the_floor() -> 
         get_profile("l40s", limits={"first_audio_p99_target_ms": 170.0})
     text = str(err.value)
     assert "limits.first_audio_p99_target_ms=170 is below what personaplex-7b at int8 on l40s" in text
-    assert "at least 178.3 ms" in text and "allowed: >= 178.3 ms" in text
+    assert "at least 177.4 ms" in text and "allowed: >= 177.4 ms" in text
     assert "phase wait p99 79.2 ms" in text
 
 
 def test_a_reachable_target_below_the_estimate_is_accepted_with_a_warning() -> None:
     profile = get_profile("l40s", limits={"first_audio_p99_target_ms": 180.0})
     (warning,) = profile.first_audio_warnings
-    assert "196.7 ms" in warning and "FirstAudioLatencyHigh" in warning
-    assert get_profile("l40s", limits={"first_audio_p99_target_ms": 197.0}).first_audio_warnings == []
+    assert "195.6 ms" in warning and "FirstAudioLatencyHigh" in warning
+    assert get_profile("l40s", limits={"first_audio_p99_target_ms": 196.0}).first_audio_warnings == []
 
 
 def test_the_check_itself_at_its_edges() -> None:
     """At exactly the reachable figure: accepted (warned); a hair below: refused; at the estimate: clean."""
     base = first_audio_check("personaplex-7b", "l40s", "int8", 5, 1, 300.0)
     assert not base.refused and not base.warned and base.message == ""
-    assert base.reachable_ms == pytest.approx(178.3, abs=0.05)
-    assert base.estimate_ms == pytest.approx(196.7, abs=0.05)
+    assert base.reachable_ms == pytest.approx(177.4, abs=0.05)
+    assert base.estimate_ms == pytest.approx(195.6, abs=0.05)
     at_floor = first_audio_check("personaplex-7b", "l40s", "int8", 5, 1, base.reachable_ms)
     assert not at_floor.refused and at_floor.warned
     below = first_audio_check("personaplex-7b", "l40s", "int8", 5, 1, base.reachable_ms - 0.01)
@@ -52,16 +52,16 @@ def test_the_check_itself_at_its_edges() -> None:
 
 def test_staggering_lowers_what_is_reachable_where_the_planner_allows_it() -> None:
     """A100 80 GB (bf16, 5 sessions): two groups halve the phase wait (p99 39.6 ms): the 180 ms target the
-    plain tick is warned about (183.6 ms) holds at 144.0 ms, and a target only the staggered node reaches is
-    accepted with it and refused without. On the L40S a 37.5 ms whole-batch step every 40 ms is over the
+    plain tick is warned about (182.7 ms) holds at 143.1 ms, and a target only the staggered node reaches is
+    accepted with it and refused without. On the L40S a 36.4 ms whole-batch step every 40 ms is over the
     32 ms budget: the profile is refused with the planner's reason, and the runtime setting is rendered only
     where it is on."""
     plain = PROFILES["a100-80gb"]
-    assert plain.first_audio_warnings and "183.6 ms" in plain.first_audio_warnings[0]
+    assert plain.first_audio_warnings and "182.7 ms" in plain.first_audio_warnings[0]
     staggered = get_profile("a100-80gb", stagger_groups=2)
     assert staggered.first_audio_warnings == []
     assert get_profile("a100-80gb", stagger_groups=2, limits={"first_audio_p99_target_ms": 165.0})
-    with pytest.raises(ValidationError, match="at least 171.2 ms"):
+    with pytest.raises(ValidationError, match="at least 170.5 ms"):
         get_profile("a100-80gb", limits={"first_audio_p99_target_ms": 165.0})
     with pytest.raises(ValidationError, match=r"40 ms sub-tick of 2 staggered groups.*at most 3 sessions"):
         get_profile("l40s", stagger_groups=2)
@@ -90,8 +90,8 @@ def test_duplex_node_profiles_and_render_print_the_warnings(tmp_path) -> None:  
     listed = runner.invoke(app, ["profiles"])
     assert listed.exit_code == 0, listed.output
     text = " ".join(listed.output.split())
-    assert "warning: l40s: limits.first_audio_p99_target_ms=180" in text and "196.7 ms" in text
+    assert "warning: l40s: limits.first_audio_p99_target_ms=180" in text and "195.6 ms" in text
     assert "warning: t4-int8" not in text and "warning: local" not in text
     rendered = runner.invoke(app, ["render", "a100-80gb", str(tmp_path / "bundle")])
     assert rendered.exit_code == 0, rendered.output
-    assert "183.6 ms" in " ".join(rendered.output.split())
+    assert "182.7 ms" in " ".join(rendered.output.split())

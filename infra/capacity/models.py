@@ -9,7 +9,8 @@ checks these formulas against real modules: parameter counts of the 7B configs b
 and the bytes of the streaming-state tensors of the tiny preset at batch B.
 
 Figures for the real presets (from these formulas, equal to the meta-device counts):
-- moshi-7b: 7,687,729,152 parameters; personaplex-7b (dep_q 16): 8,371,408,896; Mimi: 79,308,609
+- moshi-7b: 7,687,729,152 parameters; personaplex-7b as stored (dep_q 16): 8,371,408,896, as served (the
+  agent's 8 depformer steps, ``get_model``): 7,687,729,152; Mimi: 79,308,609
   parameters + 16,842,784 buffer elements (codebooks).
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.engine.model_presets import FRAME_MS, PRESETS, get_preset
+from runtime.engine.model_presets import FRAME_MS, PRESETS, get_preset, served_lm_kwargs
 
 from .units import check_choice
 
@@ -368,10 +369,12 @@ class ModelSpec:
 
     Attributes:
         name: preset name (``personaplex-7b``).
-        lm: ``LMModel`` keyword arguments.
+        lm: ``LMModel`` keyword arguments as served (``dep_q`` at most 8: ``served_lm_kwargs``).
         mimi: Mimi config.
-        lm_params: LM parameters by child module.
+        lm_params: LM parameters by child module, as served.
         mimi_arith: Mimi's parameters, state and FLOPs.
+        stored_lm_params: LM parameters in the checkpoint (PersonaPlex's holds 16 depformer steps:
+            8,371,408,896), or 0 when not given.
     """
 
     name: str
@@ -379,6 +382,7 @@ class ModelSpec:
     mimi: dict[str, Any]
     lm_params: dict[str, ParamTally] = field(repr=False)
     mimi_arith: MimiArithmetic = field(repr=False)
+    stored_lm_params: int = 0
 
     # -- shape ------------------------------------------------------------------------------------------
     @property
@@ -473,9 +477,21 @@ class ModelSpec:
 
 
 def get_model(name: str) -> ModelSpec:
-    """Return the planner's view of preset ``name``; ``ValueError`` naming the allowed names otherwise."""
+    """Return the planner's view of preset ``name`` as ``duplex serve`` builds it; ``ValueError`` naming the
+    allowed names otherwise.
+
+    The LM is the served one (``runtime.engine.model_presets.served_lm_kwargs``): ``personaplex-7b``'s
+    checkpoint stores 16 depformer steps, the runtime loads and runs the agent's 8, so its weights, depformer
+    KV cache and per-tick depformer work are those of 8 steps. ``stored_lm_params`` keeps the checkpoint's
+    count (what is downloaded and read from disk)."""
     check_choice("model", name, MODEL_NAMES)
     p = get_preset(name)
+    served = served_lm_kwargs(p)
     return ModelSpec(
-        name, p.lm_kwargs, p.mimi_config, lm_param_tally(p.lm_kwargs), mimi_arithmetic(p.mimi_config)
+        name,
+        served,
+        p.mimi_config,
+        lm_param_tally(served),
+        mimi_arithmetic(p.mimi_config),
+        stored_lm_params=sum(t.total for t in lm_param_tally(p.lm_kwargs).values()),
     )
