@@ -310,3 +310,23 @@ async def test_open_slots_defaults_to_one_group_and_no_per_address_cap(
     )
     assert built[0].kwargs == {"stagger_groups": 1}
     assert admission.max_waiting_per_client == 0
+
+
+async def test_a_caller_cancelled_in_the_step_its_slot_is_granted_gives_the_slot_back() -> None:
+    """The slot is granted and the caller's task cancelled in the same loop step, before the task resumes.
+    Python 3.11's ``asyncio.wait_for`` then returns the result and swallows the cancellation (its inner
+    future is done when the CancelledError reaches it): ``admit`` handed a slot to a caller that had left,
+    and only the session lifecycle gave it back. ``admit`` itself now honours the pending cancellation
+    (``Task.cancelling``) and releases the slot."""
+    metrics = RuntimeMetrics()
+    slots = Slots(slots=1)
+    admission = SlotAdmission(slots, wait_s=60, max_waiting=3, metrics=metrics)
+    leaving = asyncio.ensure_future(admission.admit(_session("a")))
+    await _queued(admission, 1)
+    slots.free = 1
+    admission.grant()  # the slot is granted ...
+    leaving.cancel()  # ... and the caller leaves, before its task runs again
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    assert slots.released == ["a"]
+    assert _count(metrics, "left") == 1 and _count(metrics, "admitted") == 0

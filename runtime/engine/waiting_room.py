@@ -102,8 +102,8 @@ class SlotAdmission:
         """A slot for ``session``: at once when one is free and nobody waits, else after waiting its turn.
         ``client``: the caller's address ("" for unknown: not counted against a per-client cap).
 
-        Cancelling the call (the caller left) takes it out of the queue; a slot granted meanwhile is
-        released again.
+        Cancelling the call (the caller left) takes it out of the queue; a slot granted meanwhile, even in
+        the same loop step as the cancellation, is released again.
 
         Returns:
             the slot index.
@@ -140,6 +140,11 @@ class SlotAdmission:
         outcome = "left"
         try:
             slot = await asyncio.wait_for(asyncio.shield(waiter.future), self.wait_s)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Granted in the very step the caller left: Python 3.11's wait_for returns the result and
+                # swallows the cancellation (its inner future was done). Honour it: the slot goes back below.
+                raise asyncio.CancelledError
             outcome = "admitted"
             return slot
         except TimeoutError:
