@@ -56,11 +56,34 @@ def test_frames_are_encoded_to_ogg_opus_and_a_bad_frame_stops_that_side(tmp_path
     assert recorder.join(30)
     path = LocalRecordings(tmp_path).local_path(SID, "caller")
     assert path is not None
-    # sphn's OpusHead (kept by the PyAV encoder) has a pre-skip of 3840 at 48 kHz: a decoder drops 80 ms
+    # libopus' own OpusHead: a decoder drops its 312-sample look-ahead (6.5 ms at 48 kHz), not the 80 ms of
+    # sphn's pre-skip (3840) that recordings carried before
     seconds = _seconds(path.read_bytes(), tmp_path / "x.opus")
-    assert seconds == pytest.approx(0.08 * (len(frames) - 1), abs=0.01)
+    assert seconds == pytest.approx(0.08 * len(frames) - 312 / 48000, abs=0.002)
     assert LocalRecordings(tmp_path).local_path(SID, "agent") is None  # its .part is left for the sweep
     assert metrics.recording_errors.labels(reason="write")._value.get() == 1
+
+
+def test_a_recording_keeps_its_first_frame_in_place(tmp_path: Path) -> None:
+    """The first 80 ms frame is heard, where it was spoken: a 440 Hz burst in frame 0 then silence decodes
+    to the burst in the first 80 ms (libopus' true pre-skip). With sphn's pre-skip of 3840 samples a player
+    dropped the whole first frame: the burst was gone and the recording began 80 ms late."""
+    t = np.arange(FRAME_SAMPLES, dtype=np.float32) / 24000
+    burst = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    silence = np.zeros(FRAME_SAMPLES, dtype=np.float32)
+    recorder = SessionRecorder(LocalRecordings(tmp_path), SID, RuntimeMetrics())
+    for frame in [burst] + [silence] * 5:
+        recorder.caller(frame)
+    recorder.close()
+    assert recorder.join(30)
+    path = LocalRecordings(tmp_path).local_path(SID, "caller")
+    assert path is not None
+    with av.open(str(path)) as container:
+        decoded = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
+    rate = 48000
+    first, later = decoded[: int(0.07 * rate)], decoded[int(0.1 * rate) :]
+    assert np.sqrt(np.mean(first**2)) > 0.2  # the burst (RMS 0.35) in the first 70 ms
+    assert np.sqrt(np.mean(later**2)) < 0.02  # and silence after it, not the burst shifted late
 
 
 def test_local_recordings_ids_erase_and_sweep(tmp_path: Path) -> None:

@@ -366,13 +366,17 @@ class PyavOpusFrameEncoder:
 
     Args:
         complexity: libopus complexity, 0 (cheapest) .. 10 (libopus' default).
+        true_pre_skip: write libopus' own OpusHead (FFmpeg's extradata: pre-skip 312 samples at 48 kHz, its
+            real look-ahead; input rate 24000) instead of sphn's (pre-skip 3840: a decoder that honours it,
+            FFmpeg, browsers, drops the first 80 ms). The wire keeps sphn's header (what Kyutai's client
+            gets from ``moshi.server``); recordings, read by ordinary players, take the true one.
 
     Raises:
         ValueError: ``complexity`` outside 0..10.
         ImportError: PyAV (``av``) is not installed.
     """
 
-    def __init__(self, complexity: int = 10) -> None:
+    def __init__(self, complexity: int = 10, *, true_pre_skip: bool = False) -> None:
         if isinstance(complexity, bool) or not isinstance(complexity, int) or not 0 <= complexity <= 10:
             raise ValueError(f"libopus complexity must be an integer 0..10, got {complexity!r}")
         import av
@@ -390,6 +394,9 @@ class PyavOpusFrameEncoder:
         }
         context.open()
         self._context = context
+        self._head = bytes(context.extradata or b"") if true_pre_skip else _SPHN_OPUS_HEAD
+        if not self._head.startswith(b"OpusHead"):
+            raise ValueError(f"libopus gave no OpusHead as its extradata: {self._head[:19]!r}")
         self.complexity = complexity
         self._frames = 0
         self._granule = 0
@@ -414,7 +421,7 @@ class PyavOpusFrameEncoder:
         audio.pts = self._frames * FRAME_SAMPLES
         pages = []
         if self._frames == 0:
-            pages += [self._page(2, _SPHN_OPUS_HEAD), self._page(0, _SPHN_OPUS_TAGS)]  # 2: first page
+            pages += [self._page(2, self._head), self._page(0, _SPHN_OPUS_TAGS)]  # 2: first page
         self._frames += 1
         for packet in self._context.encode(audio):
             self._granule += 2 * SAMPLE_RATE_HZ * OPUS_PACKET_MS // 1000  # granules count 48 kHz samples

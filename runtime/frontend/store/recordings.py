@@ -220,9 +220,11 @@ class LocalRecordings(RecordingStore):
 
 
 def _frame_encoder() -> FrameEncoder:
-    """One side's Ogg Opus encoder: PyAV's libopus at :data:`RECORDING_COMPLEXITY`, sphn without PyAV."""
+    """One side's Ogg Opus encoder: PyAV's libopus at :data:`RECORDING_COMPLEXITY` with its true pre-skip
+    (312 samples at 48 kHz: a player drops the codec's look-ahead, not the first 80 ms as sphn's header
+    made it), sphn without PyAV."""
     try:
-        return PyavOpusFrameEncoder(RECORDING_COMPLEXITY)
+        return PyavOpusFrameEncoder(RECORDING_COMPLEXITY, true_pre_skip=True)
     except ImportError:  # PyAV is a dependency of the runtime; sphn as a last resort
         return OpusFrameEncoder()
 
