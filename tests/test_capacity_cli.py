@@ -128,3 +128,20 @@ def test_first_audio_p99_is_printed_and_staggering_is_an_option():
     assert r.exit_code == 1 and "staggered groups" in " ".join(r.output.split())
     r = _run("--model", "moshi-7b", "--gpu", "l40s", "--stagger-groups", "3")
     assert r.exit_code == 2 and "stagger_groups: must be one of 1, 2, got 3" in r.output
+
+
+def test_personaplex_is_planned_as_served_and_says_what_the_checkpoint_stores():
+    """PersonaPlex's checkpoint stores 16 depformer steps; the runtime loads the agent's 8
+    (``served_lm_kwargs``), and the planner plans those, saying so; moshi-7b stores what it serves."""
+    r = _run("--model", "personaplex-7b", "--gpu", "a100-80gb-sxm", "--precision", "bf16", "--json")
+    assert r.exit_code == 0, r.output
+    model = json.loads(r.output)["model"]
+    assert model["dep_q"] == 8
+    assert (model["lm_params"], model["stored_lm_params"]) == (7_687_729_152, 8_371_408_896)
+    text = " ".join(
+        _run("--model", "personaplex-7b", "--gpu", "a100-80gb-sxm", "--precision", "bf16").output.split()
+    )
+    assert "the checkpoint stores 8,371,408,896 LM parameters" in text
+    assert "checkpoint stores" not in " ".join(
+        _run("--model", "moshi-7b", "--gpu", "a100-80gb-sxm").output.split()
+    )

@@ -68,6 +68,11 @@ def render_plan(p: CapacityPlan, console: Console) -> None:
         f"{m.layers} layers, dim {m.dim}, {m.heads} heads, context {m.context} frames, "
         f"{m.codebooks} codebooks, dep_q {m.dep_q}"
     )
+    if m.stored_lm_params and m.stored_lm_params != m.lm_params:
+        t.caption += (
+            f"; as served: the checkpoint stores {m.stored_lm_params:,} LM parameters "
+            f"({m.stored_lm_params / 1e9:.2f} B), the runtime loads the agent's {m.dep_q} depformer steps"
+        )
     console.print(t)
 
     mem = p.memory

@@ -84,13 +84,15 @@ class Config(BaseModel):
 
 
 class ModelSummary(BaseModel):
-    """The model's shape and parameter counts by part."""
+    """The model's shape and parameter counts by part, as served (``lm_params``: what the runtime loads;
+    ``stored_lm_params``: what the checkpoint holds, PersonaPlex's 16 depformer steps)."""
 
     model_config = ConfigDict(frozen=True)
 
     name: str
     params_by_part: dict[str, int]
     lm_params: int
+    stored_lm_params: int
     layers: int
     dim: int
     heads: int
@@ -275,6 +277,7 @@ def plan(
         name=spec.name,
         params_by_part=spec.part_params(),
         lm_params=spec.lm_tally.total,
+        stored_lm_params=spec.stored_lm_params,
         layers=spec.layers,
         dim=spec.dim,
         heads=spec.heads,
