@@ -70,7 +70,7 @@ VALUES_ONLY = {
     "alertPagerdutyRoutingKey", "namePrefix", "redisPassword", "grafanaAdminPassword", "tokenSigningKeys",
     "hfToken", "twilioAuthToken", "turnSecret", "turnSecretPrevious", "gcp:project", "gcp:region",
     "gcp:zone", "machineType",
-    "bootDiskSizeGb", "bootDiskType", "dataDiskSizeGb", "drainGraceSeconds", "publicSourceRanges",
+    "bootDiskSizeGb", "bootDiskType", "dataDiskSizeGb", "drainGraceSeconds", "maxSessionsPerClient", "publicSourceRanges",
     "subnetCidr", "onpremHost", "onpremUser", "onpremPort", "onpremSshPrivateKey", "onpremHostKey",
     "installDir", "runtimeImage", "readyTimeoutSeconds", "regions", "adminSourceRanges", "releaseChannel",
     "systemMachineType", "maintenanceWindow",

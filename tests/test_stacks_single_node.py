@@ -1013,3 +1013,20 @@ def test_a_single_node_without_receivers_warns_that_alerts_reach_nobody(
     warnings.clear()
     run_stack(stack, overrides={"duplexops:alertWebhookUrl": "https://hooks.example.com/duplex"})
     assert NODE_NO_RECEIVER_WARNING not in warnings
+
+
+def test_max_sessions_per_client_reaches_nginx(tmp_path: Path) -> None:
+    """A LiveKit agent host (docs/livekit.md) or a carrier's media servers bring many calls from one
+    address: ``maxSessionsPerClient`` raises nginx's per-address cap on the session paths (the profile's 2
+    otherwise); 0 is refused naming the key and the range."""
+    run = run_stack("scale5-gcp", overrides={"duplexops:maxSessionsPerClient": 40}, build_dir=tmp_path)
+    nginx = _written_files(_user_data(run))["/etc/duplex/nginx/nginx.conf"].decode()
+    assert "limit_conn duplex_client_sessions 40;" in nginx
+    assert "limit_conn duplex_client_sessions 2;" not in nginx
+    default = run_stack("scale5-gcp", build_dir=tmp_path / "default")
+    assert (
+        "limit_conn duplex_client_sessions 2;"
+        in _written_files(_user_data(default))["/etc/duplex/nginx/nginx.conf"].decode()
+    )
+    message = _config_error("dev", overrides={"duplexops:maxSessionsPerClient": 0})
+    assert "duplexops:maxSessionsPerClient" in message

@@ -417,10 +417,15 @@ class _NodeKeys(_Keys):
     ``drainGraceSeconds``: how long live sessions may go on when the node restarts (a rollout, a stop, a
     replacement) before they are closed with 1001 (the profile's ``limits.drain_grace_s``). Long enough
     for a conversation; at most ``MAX_NODE_DRAIN_GRACE_S`` so that the node's whole stop (nginx and the
-    runtime each draining, plus a minute) fits GCE graceful shutdown's 3600 s."""
+    runtime each draining, plus a minute) fits GCE graceful shutdown's 3600 s.
+
+    ``maxSessionsPerClient``: concurrent sessions nginx admits from one client address (the profile's
+    ``limits.max_sessions_per_client``, 2 on the GPU profiles). Raise it where many calls come from one
+    address by design: a LiveKit agent host, a carrier's media servers, a corporate NAT."""
 
     redis_password: Secret | None = None
     drain_grace_seconds: int = Field(NODE_DRAIN_GRACE_S, ge=0, le=MAX_NODE_DRAIN_GRACE_S)
+    max_sessions_per_client: int | None = Field(None, ge=1, le=4096)
     # --- certificates (issue 20, item 7) ---
     acme_email: str | None = Field(
         None,
@@ -449,6 +454,8 @@ class _NodeKeys(_Keys):
         overrides = super()._overrides()
         limits = PROFILES[self.profile].limits.model_dump()
         overrides["limits"] = {**limits, "drain_grace_s": self.drain_grace_seconds}
+        if self.max_sessions_per_client is not None:
+            overrides["limits"]["max_sessions_per_client"] = self.max_sessions_per_client
         return overrides
 
     def _node_overrides(self, tls: dict[str, Any] | None = None) -> dict[str, Any]:
