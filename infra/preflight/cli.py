@@ -88,12 +88,13 @@ def preflight(
     ),
     stacks_dir: Path = typer.Option(STACKS_DIR, "--stacks-dir", help="Where the stack files are."),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    api: str = typer.Option(COMPUTE_API, "--api", hidden=True, help="The Compute Engine API root (tests)."),
 ) -> None:
     """Check the project's GPU quotas (per region and project-wide) against what the stack needs at its
     ceiling, before `pulumi up`; say what to request when short."""
     console, err = Console(), Console(stderr=True)
     try:
-        project_id, rows = run_preflight(stack, project=project, stacks_dir=stacks_dir)
+        project_id, rows = run_preflight(stack, project=project, stacks_dir=stacks_dir, api=api)
     except PreflightError as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_CANNOT_CHECK) from None
