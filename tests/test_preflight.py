@@ -6,6 +6,7 @@ The HTTP path is the real one (``url_transport``, the standard library's client)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import threading
@@ -14,6 +15,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from fresh_project import (
+    NODE_POOL,
+    declared_gpus,
+    gpu_quota_after_preflight,
+    gpu_quota_problems,
+    preflight_requests,
+)
+from pulumi_harness import run_stack
 from typer.testing import CliRunner
 
 from infra.cli import app
@@ -311,3 +320,47 @@ def test_compare_reads_each_region_once(compute: FakeCompute) -> None:
     assert config is not None
     rows = compare(gpu_needs(config), PROJECT, ComputeQuotas(TOKEN, api=compute.url))
     assert [r.ok for r in rows] == [True, True] and len(compute.paths) == 2
+
+
+# --- the fresh-project model: every stack's first `up` against the quotas preflight asked for -----------
+
+
+@pytest.mark.parametrize("stack", ["dev", "scale5-gcp", "scale5-onprem", "multi-region"])
+def test_first_up_fits_the_quota_preflight_asks_for(stack: str) -> None:
+    """The GPUs each stack's program declares (instances, pools at their maximum plus upgrade surge) fit in
+    a fresh project once the operator has requested what ``duplex preflight`` said; without the requests
+    (a new project: every GPU quota 0) every GCP stack fails."""
+    run = run_stack(stack)
+    assert gpu_quota_after_preflight(run) == []
+    declared = {(n.region, n.metric): n.count for n in declared_gpus(run)}
+    assert declared == preflight_requests(run)
+    untouched = gpu_quota_problems(run, {})
+    if stack == "scale5-onprem":
+        assert untouched == [] and declared == {}
+    else:
+        assert any(p.startswith("global: GPUS_ALL_REGIONS") for p in untouched), untouched
+
+
+def test_a_pool_that_surges_beyond_what_preflight_asked_for_fails() -> None:
+    """A GPU pool upgraded with a surge node (one more GPU per zone) needs quota preflight did not ask for."""
+    run = run_stack("multi-region")
+    surging = []
+    for r in run.resources:
+        if r.type == NODE_POOL and r.plain.get("name") == "gpu":
+            settings = {**r.inputs["upgradeSettings"], "maxSurge": 1}
+            r = dataclasses.replace(r, inputs={**r.inputs, "upgradeSettings": settings})
+        surging.append(r)
+    problems = gpu_quota_after_preflight(dataclasses.replace(run, resources=surging))
+    assert problems[0].startswith("us-central1: NVIDIA_A100_80GB_GPUS 6 declared"), problems
+    assert problems[1].startswith("europe-west4: NVIDIA_A100_80GB_GPUS 4 declared")
+    assert problems[2].startswith("global: GPUS_ALL_REGIONS 10 declared")
+
+
+def test_a_spot_vm_fits_the_on_demand_quota_too() -> None:
+    run = run_stack("dev")
+    assert (
+        gpu_quota_problems(run, {("us-central1", "NVIDIA_T4_GPUS"): 1, ("global", "GPUS_ALL_REGIONS"): 1})
+        == []
+    )
+    [short] = gpu_quota_problems(run, {("us-central1", "NVIDIA_T4_GPUS"): 1})
+    assert short.startswith("global: GPUS_ALL_REGIONS 1 declared")
