@@ -18,7 +18,11 @@ What the model holds (each check's docstring cites the GCP rule):
 - who calls what: each CI job's OIDC token (its ``sub``, ``ref`` and event, as GitHub forms them) meets the
   bootstrap's provider condition and the workload-identity bindings of the account the job impersonates
   (``ci_identity_problems``), and a token of another branch or of a pull request's job may act as no
-  deploying account (``accounts_for``).
+  deploying account (``accounts_for``);
+- GPU quota: every GPU quota is 0, ``GPUS_ALL_REGIONS`` included, until the operator requests what
+  ``duplex preflight`` says (``infra.preflight``); the GPUs the program declares (each instance's, each
+  node pool at its maximum plus its upgrade surge) must fit in what preflight asked for
+  (``gpu_quota_after_preflight``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from typing import Any
 
 from pulumi_harness import RecordedResource, StackRun
 
+from infra.capacity.gcp import ACCELERATOR_TYPES, MACHINE_TYPES
 from infra.gcp_apis import SERVICE_TYPE, STEP_0_APIS, required_apis, step_0_command
+from infra.preflight import ALL_REGIONS, PROJECT_METRIC, GpuNeed, gpu_needs, quota_metrics
+from infra.stack_config import parse_stack_config
 
 __all__ = [
     "FRESH_PROJECT_CHECKS",
@@ -47,6 +54,10 @@ __all__ = [
     "buckets_uniform_and_private",
     "first_up_problems",
     "global_backends_list_existing_negs",
+    "declared_gpus",
+    "gpu_quota_after_preflight",
+    "gpu_quota_problems",
+    "preflight_requests",
     "no_public_members",
     "no_service_account_keys",
     "node_pools_start_with_nodes",
@@ -377,6 +388,96 @@ def global_backends_list_existing_negs(run: StackRun) -> list[str]:
     return problems
 
 
+# --- GPU quota ----------------------------------------------------------------------------------------
+
+INSTANCE = "gcp:compute/instance:Instance"
+_GPU_OF_ACCELERATOR = {accelerator: gpu for gpu, accelerator in ACCELERATOR_TYPES.items()}
+
+
+def declared_gpus(run: StackRun) -> list[GpuNeed]:
+    """The GPUs ``run`` declares, per (region, metric), counted from the resources themselves: each
+    ``Instance``'s ``guestAccelerators`` (or its machine type's own GPUs) under its ``scheduling``
+    (``SPOT``/``preemptible``: the preemptible metric), each node pool at ``totalMaxNodeCount`` (or
+    ``maxNodeCount`` per zone) plus ``upgradeSettings.maxSurge`` per zone, times its nodes' GPUs; then the
+    ``GPUS_ALL_REGIONS`` total. What GCE and GKE would take at the stack's ceiling, whatever the stack's
+    configuration claims."""
+    rows: dict[tuple[str, str], GpuNeed] = {}
+
+    def add(region: str, gpu: str, count: int, spot: bool, name: str) -> None:
+        metric, fallback = quota_metrics(gpu, "spot" if spot else "standard")
+        old = rows.get((region, metric))
+        total = count + (old.count if old else 0)
+        rows[(region, metric)] = GpuNeed(region, metric, total, name, fallback)
+
+    def per_node(config: Mapping[str, Any]) -> tuple[str | None, int]:
+        accelerators = [a for a in config.get("guestAccelerators") or [] if isinstance(a, Mapping)]
+        if accelerators:
+            gpu = _GPU_OF_ACCELERATOR.get(str(accelerators[0].get("type", "")).rsplit("/", 1)[-1])
+            return gpu, sum(_int(a.get("count")) for a in accelerators)
+        machine = MACHINE_TYPES.get(str(config.get("machineType")))  # not listed: a type without GPUs
+        return (machine.gpu, machine.gpu_count[0]) if machine and machine.gpu else (None, 0)
+
+    for vm in run.of_type(INSTANCE):
+        gpu, count = per_node(vm.plain)
+        scheduling = vm.plain.get("scheduling") or {}
+        spot = scheduling.get("provisioningModel") in ("SPOT", "FLEX_START") or scheduling.get("preemptible")
+        if gpu and count:
+            add(_region_of(str(vm.plain.get("zone"))), gpu, count, bool(spot), vm.name)
+    for pool in run.of_type(NODE_POOL):
+        p = pool.plain
+        node = p.get("nodeConfig") or {}
+        gpu, count = per_node(node)
+        if not gpu or not count:
+            continue
+        zones = _zones(p)
+        autoscaling = p.get("autoscaling") or {}
+        nodes = max(_int(autoscaling.get("totalMaxNodeCount")), _int(autoscaling.get("maxNodeCount")) * zones)
+        nodes = (
+            max(nodes, _pool_start(p) * zones)
+            + _int((p.get("upgradeSettings") or {}).get("maxSurge")) * zones
+        )
+        add(str(p.get("location")), gpu, nodes * count, bool(node.get("spot")), pool.name)
+    needs = list(rows.values())
+    if needs:
+        needs.append(GpuNeed(ALL_REGIONS, PROJECT_METRIC, sum(n.count for n in needs), "all"))
+    return needs
+
+
+def preflight_requests(run: StackRun) -> dict[tuple[str, str], int]:
+    """What ``duplex preflight`` tells the operator of a fresh project (every GPU quota 0, no usage) to
+    request for ``run``'s stack: ``{(region or ALL_REGIONS, metric): limit}``, computed by
+    ``infra.preflight.gpu_needs`` from the stack's configuration."""
+    config = parse_stack_config(run.config, stack=run.stack)
+    return {(n.region, n.metric): n.count for n in gpu_needs(config)}
+
+
+def gpu_quota_problems(run: StackRun, granted: Mapping[tuple[str, str], int]) -> list[str]:
+    """The GPUs ``run`` declares (``declared_gpus``) that the ``granted`` quotas (``{(region, metric):
+    limit}``; every other GPU quota 0, as in a new project) do not hold. A Spot GPU fits its preemptible
+    metric or, failing that, the on-demand one (cloud.google.com/compute/docs/instances/create-use-spot).
+
+    GCP rule: creating a GPU VM or node beyond a regional GPU quota or ``GPUS_ALL_REGIONS`` fails with
+    ``QUOTA_EXCEEDED``; a new project has ``GPUS_ALL_REGIONS`` = 0 (cloud.google.com/compute/resource-usage,
+    "GPU quota"); a GKE pool that cannot grow to its maximum leaves callers without slots at peak."""
+    problems = []
+    for need in declared_gpus(run):
+        room = max(
+            granted.get((need.region, need.metric), 0), granted.get((need.region, need.fallback or ""), 0)
+        )
+        if need.count > room:
+            problems.append(
+                f"{need.region}: {need.metric} {need.count} declared ({need.why}), the quota holds {room}: "
+                "`duplex preflight` must ask for what the program declares (infra/preflight/needs.py)"
+            )
+    return problems
+
+
+def gpu_quota_after_preflight(run: StackRun) -> list[str]:
+    """A fresh project's GPU quotas after the operator requested what ``duplex preflight`` said
+    (``preflight_requests``): the stack's declared GPUs must fit (``gpu_quota_problems``)."""
+    return gpu_quota_problems(run, preflight_requests(run))
+
+
 FRESH_PROJECT_CHECKS: tuple[Check, ...] = (
     Check("apis-enabled-before-use", apis_enabled_before_use),
     Check("no-public-members", no_public_members),
@@ -384,6 +485,7 @@ FRESH_PROJECT_CHECKS: tuple[Check, ...] = (
     Check("no-service-account-keys", no_service_account_keys),
     Check("node-pools-start-with-nodes", node_pools_start_with_nodes),
     Check("global-backends-list-existing-negs", global_backends_list_existing_negs),
+    Check("gpu-quota-after-preflight", gpu_quota_after_preflight),
 )
 """The rules of a fresh project, in the order a first ``up`` would meet them."""
 

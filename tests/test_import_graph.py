@@ -51,6 +51,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra.k8s",),
     # The stack's configuration (Pulumi config, validated).
     ("infra.stack_config",),
+    # What a stack needs from the project before its first ``up`` (GPU quotas: ``duplex preflight``).
+    ("infra.preflight",),
     # Pulumi components; the policy pack (a program of its own, beside them).
     ("infra.components", "infra.policy"),
     # What the topologies share.
