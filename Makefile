@@ -108,8 +108,9 @@ $(PEERS_STAMP): requirements-peers.lock
 	touch $(PEERS_STAMP)
 
 # The main job on this machine: the local node (nginx, Redis, Prometheus, exporters, the runtime with the
-# tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then stopped.
-demo: setup
+# tiny model) as real processes on loopback, 5 concurrent speech sessions through wss://, then WebRTC, Twilio's
+# side of phone calls and LiveKit's PersonaPlex plugin (its own virtualenv: livekit-deps), then stopped.
+demo: setup livekit-deps
 	$(BIN)/duplex node up
 
 test: setup livekit-deps peers-deps

@@ -2,11 +2,11 @@
 the separate virtualenv's Python (``make livekit-deps``: ``.venv-livekit``, ``requirements-livekit.lock``),
 since livekit-agents pins versions the project's own environment does not hold (aiohttp, protobuf, numpy).
 
-It imports nothing from this repository: what it uses is what a LiveKit agent has (``livekit-agents``,
-``livekit-plugins-nvidia[personaplex]`` 1.8.9, aiohttp). The one piece of wiring is the token: the plugin
-builds its URL itself (``realtime_model.py`` ``_build_ws_url``) but takes an ``http_session``, and an aiohttp
-client middleware on that session puts a fresh single-use session token in ``Authorization: Bearer`` on each
-connection the plugin opens (its first, and each reconnect: ``update_instructions``, a retry).
+Its pieces are ``runtime.tools.livekit_agent``'s (which imports only what a LiveKit agent has:
+``livekit-agents``, ``livekit-plugins-nvidia[personaplex]`` 1.8.9, aiohttp, numpy; ``duplex node up`` runs
+its ``load`` scenario for the LiveKit row); this adds the tests' scenarios. The token travels as that
+module says: an aiohttp client middleware on the plugin's ``http_session`` puts a fresh single-use token in
+``Authorization: Bearer`` on each connection the plugin opens.
 
 Usage: ``python tests/livekit_driver.py <plan.json>``; the plan names the scenario, the node's URL, the
 tokens (one per connection, in order), the voice, text prompts and the speech (a float32 24 kHz ``.npy``).
@@ -16,122 +16,25 @@ Prints one JSON object (the scenario's observations) on stdout.
 from __future__ import annotations
 
 import asyncio
-import json
-import ssl
 import sys
-from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
-from livekit import rtc
-from livekit.agents import llm
-from livekit.plugins.nvidia.experimental.realtime import RealtimeModel, RealtimeSession
 
-SAMPLE_RATE = 24000
-"""Hz: the plugin's (realtime_model.py SAMPLE_RATE) and the node's."""
-FRAME_SAMPLES = 480
-"""20 ms at 24 kHz: one ``rtc.AudioFrame`` as a LiveKit room track delivers it (10-20 ms frames)."""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: its LiveKit agent module
 
-
-class Tokens:
-    """An aiohttp client middleware that gives each request the next token as ``Authorization: Bearer``
-    and records the URL the plugin asked for (``requests``)."""
-
-    def __init__(self, tokens: list[str]) -> None:
-        self.tokens = list(tokens)
-        self.requests: list[str] = []
-
-    async def __call__(
-        self,
-        request: aiohttp.ClientRequest,
-        handler: Callable[[aiohttp.ClientRequest], Awaitable[aiohttp.ClientResponse]],
-    ) -> aiohttp.ClientResponse:
-        self.requests.append(str(request.url))
-        if self.tokens:
-            request.headers["Authorization"] = f"Bearer {self.tokens.pop(0)}"
-        return await handler(request)
-
-
-class Call:
-    """One plugin session and what came out of it: audio samples per connection, errors, reconnects."""
-
-    def __init__(self, model: RealtimeModel) -> None:
-        self.session: RealtimeSession = model.session()
-        self.samples = 0
-        self.samples_at_reconnect: list[int] = []
-        self.errors: list[dict[str, Any]] = []
-        self.text: list[str] = []
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.session.on("generation_created", self._on_generation)
-        self.session.on("error", self._on_error)
-        self.session.on("session_reconnected", self._on_reconnected)
-
-    def _on_generation(self, event: llm.GenerationCreatedEvent) -> None:
-        task = asyncio.create_task(self._consume(event))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _consume(self, event: llm.GenerationCreatedEvent) -> None:
-        async for message in event.message_stream:
-            async for frame in message.audio_stream:
-                assert frame.sample_rate == SAMPLE_RATE, frame.sample_rate
-                self.samples += frame.samples_per_channel
-
-    def _on_error(self, event: llm.RealtimeModelError) -> None:
-        self.errors.append(
-            {
-                "type": type(event.error).__name__,
-                "message": str(event.error),
-                "recoverable": event.recoverable,
-            }
-        )
-
-    def _on_reconnected(self, _: object) -> None:
-        self.samples_at_reconnect.append(self.samples)
-
-    async def speak(self, speech: np.ndarray, seconds: float) -> None:
-        """Push ``seconds`` of ``speech`` (looped) as 20 ms ``rtc.AudioFrame``s, int16, in real time."""
-        pcm = np.clip(speech * 32767, -32768, 32767).astype(np.int16)
-        frames = int(seconds * SAMPLE_RATE / FRAME_SAMPLES)
-        for i in range(frames):
-            start = (i * FRAME_SAMPLES) % (len(pcm) - FRAME_SAMPLES)
-            chunk = pcm[start : start + FRAME_SAMPLES]
-            self.session.push_audio(rtc.AudioFrame(chunk.tobytes(), SAMPLE_RATE, 1, FRAME_SAMPLES))
-            await asyncio.sleep(FRAME_SAMPLES / SAMPLE_RATE)
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "samples": self.samples,
-            "samples_at_reconnect": self.samples_at_reconnect,
-            "errors": self.errors,
-        }
-
-
-def model(plan: dict[str, Any], tokens: Tokens, text_prompt: str) -> RealtimeModel:
-    """The plugin's model on ``plan["url"]`` (``ws://`` or ``wss://``), its ``http_session`` carrying the
-    token middleware and, for ``wss://`` with a private CA (``plan["cafile"]``), a connector trusting it."""
-    cafile = plan.get("cafile")
-    connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=cafile)) if cafile else None
-    http = aiohttp.ClientSession(middlewares=(tokens,), connector=connector)
-    return RealtimeModel(
-        base_url=plan["url"], voice=plan["voice"], text_prompt=text_prompt, seed=7, http_session=http
-    )
-
-
-async def wait_for(check: Callable[[], bool], seconds: float) -> bool:
-    for _ in range(int(seconds / 0.05)):
-        if check():
-            return True
-        await asyncio.sleep(0.05)
-    return check()
-
-
-async def heard(call: Call, samples: int) -> None:
-    """Wait until ``samples`` more samples of audio came back (a full-duplex node streams audio on every
-    tick, silence or speech, so it never stops by itself), 20 s at most."""
-    target = call.samples + samples
-    await wait_for(lambda: call.samples >= target, 20)
+from runtime.tools.livekit_agent import (  # noqa: E402 (after the path above)
+    SAMPLE_RATE,
+    Call,
+    RealtimeModel,
+    Tokens,
+    heard,
+    main,
+    model,
+    wait_for,
+)
 
 
 async def one_call(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]:
@@ -223,13 +126,5 @@ async def at_the_cap(plan: dict[str, Any], speech: np.ndarray) -> dict[str, Any]
 SCENARIOS = {"one_call": one_call, "at_the_cap": at_the_cap, "fixed_token": fixed_token}
 
 
-async def main(path: str) -> None:
-    with open(path) as file:
-        plan = json.load(file)
-    speech = np.load(plan["speech"])
-    result = await SCENARIOS[plan["scenario"]](plan, speech)
-    print(json.dumps(result))
-
-
 if __name__ == "__main__":
-    asyncio.run(main(sys.argv[1]))
+    main(sys.argv, SCENARIOS)

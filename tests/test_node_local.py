@@ -66,7 +66,8 @@ def _wait_for(predicate, timeout_s: float, interval_s: float = 0.5) -> bool:  # 
 def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     """What the README's main job does: 5 sessions through wss://, the 6th refused, one dropped and resumed,
     5 more over WebRTC (signalling through nginx, media relay-only through the node's coturn), 5 phone calls
-    as Twilio's side, Prometheus saw them all, and nothing is left behind."""
+    as Twilio's side, 5 sessions through LiveKit's plugin, Prometheus saw them all, and nothing is left
+    behind."""
     node = LocalNode(tmp_path / "node", free_port_profile())
     node.start()
     pids = [p.popen.pid for p in node.processes if p.popen is not None]
@@ -95,9 +96,15 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     assert check.phone_load is not None and len(check.phone_load.served) == 5
     for r in check.phone_load.served:
         assert r.failure == "" and r.audio_messages > 0 and r.first_audio_ms is not None
+    # LiveKit's PersonaPlex plugin, unmodified, in its own virtualenv: 5 sessions through nginx over wss://,
+    # a token per connection, the node's NATF2 voice, audio back from the plugin.
+    livekit = check.livekit_load
+    assert livekit is not None and livekit.failure is None and len(livekit.served) == 5, livekit
+    assert all(s.samples > 0 and s.first_audio_ms is not None for s in livekit.sessions)
     rows = {row["transport"]: row for row in transport_rows(check)}
-    assert set(rows) == {"websocket", "webrtc", "twilio"}
+    assert set(rows) == {"websocket", "webrtc", "twilio", "livekit"}
     assert rows["webrtc"]["served"] == rows["websocket"]["served"] == rows["twilio"]["served"] == 5
+    assert rows["livekit"]["served"] == 5 and rows["livekit"]["audio_s"] > 0
     assert rows["webrtc"]["relay_only"] and rows["webrtc"]["ice_connect_ms_p99"] is not None
     assert check.scraped["webrtc_sessions_started"] == 5
     # The resume step: one session's TCP connection cut without a close frame mid-conversation and resumed
@@ -114,7 +121,7 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     row = resume.as_row()
     assert row["resumed"] and row["same_session"] and row["same_slot"]
     assert check.as_dict()["resume"]["audio_again_ms"] == resume.audio_again_ms
-    assert check.scraped["sessions_started"] >= 15
+    assert check.scraped["sessions_started"] >= 20
     extra = check.extra_caller
     assert extra.http_status == 503 and "node full" in extra.http_body, extra.refusal_reason
     assert check.scraped["peak_active_sessions"] == 5

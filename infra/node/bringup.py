@@ -25,6 +25,12 @@ Then (``phone``) the same number of phone calls as Twilio's side of a Media Stre
 Twilio auth token, espeak-ng speech at 8 kHz μ-law, a session token per call as a ``<Parameter>``; a third
 row beside the other two.
 
+Then (``livekit``) the same number of sessions through LiveKit's PersonaPlex plugin, released and unmodified
+(``infra.node.livekit_row``: ``runtime/tools/livekit_agent.py`` run with ``.venv-livekit``'s Python, the
+plugin's ``RealtimeSession.push_audio`` of speech, through nginx over ``wss://``, a fresh session token per
+connection in ``Authorization: Bearer``): a fourth row. A missing virtualenv or a failing plugin is a failed
+row naming it, and the node check fails (``make demo`` builds the virtualenv first).
+
 Between the two runs, the resume step (``infra.node.resume_check``): one WebSocket session with
 ``resumable=1`` through nginx, its TCP connection cut without a close frame mid-conversation, reconnected
 with its credential: audio again in the same slot under the same session id (read back through the
@@ -39,9 +45,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from infra.node.livekit_row import LiveKitReport, run_livekit_load
 from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
 from infra.node.resume_check import ResumeCheck, check_resume
@@ -133,6 +141,7 @@ class NodeCheck:
     rtc_load: RtcLoadReport | None = None
     rtc_relay: bool = False
     phone_load: LoadReport | None = None
+    livekit_load: LiveKitReport | None = None
     extra_caller: SessionResult | None = None
     resume: ResumeCheck | None = None
     scraped: dict[str, float | None] = field(default_factory=dict)
@@ -161,6 +170,13 @@ class NodeCheck:
             "twilio": {"summary": self.phone_load.summary(), "sessions": self.phone_load.session_rows()}
             if self.phone_load
             else None,
+            "livekit": {
+                "summary": self.livekit_load.summary(),
+                "failure": self.livekit_load.failure,
+                "sessions": [vars(s) for s in self.livekit_load.sessions],
+            }
+            if self.livekit_load
+            else None,
             "extra_caller": {
                 "refused": self.extra_caller.refused,
                 "reason": self.extra_caller.refusal_reason,
@@ -175,11 +191,13 @@ class NodeCheck:
 
 
 def transport_rows(check: NodeCheck) -> list[dict[str, object]]:
-    """One row per transport the check ran (``websocket``, ``webrtc``, then ``twilio``): sessions served of
-    those launched, first audio p50/p99 (ms, the client's: first frame sent -> first audio back; a phone
-    call's: its ``start`` message -> the first agent frame), frames lost,
-    and for WebRTC the POST -> connected (ICE and DTLS) p50/p99 (ms), concealed 20 ms packets and whether
-    the media was relay-only."""
+    """One row per transport the check ran (``websocket``, ``webrtc``, ``twilio``, then ``livekit``):
+    sessions served of those launched, first audio p50/p99 (ms, the client's: first frame sent -> first
+    audio back; a phone call's: its ``start`` message -> the first agent frame; the LiveKit plugin's: first
+    ``push_audio`` -> first audio frame it delivered), frames lost (None for LiveKit: the plugin hides the
+    node's frame sequence), and for WebRTC the POST -> connected (ICE and DTLS) p50/p99 (ms), concealed 20 ms
+    packets and whether the media was relay-only. ``audio_s``: seconds of audio the LiveKit plugin
+    delivered (None for the others); ``failure``: why the LiveKit run gave no result (None otherwise)."""
     rows: list[dict[str, object]] = []
     runs = (("websocket", check.load), ("webrtc", check.rtc_load), ("twilio", check.phone_load))
     for transport, report in runs:
@@ -197,8 +215,28 @@ def transport_rows(check: NodeCheck) -> list[dict[str, object]]:
             "ice_connect_ms_p99": total.get("ice_connect_ms_p99"),
             "concealed_packets": total.get("concealed_packets"),
             "relay_only": check.rtc_relay if transport == "webrtc" else None,
+            "audio_s": None,
+            "failure": None,
         }
         rows.append(row)
+    if check.livekit_load is not None:
+        total = check.livekit_load.summary()
+        rows.append(
+            {
+                "transport": "livekit",
+                "sessions": total["sessions"],
+                "served": total["served"],
+                "first_audio_ms_p50": total["first_audio_ms_p50"],
+                "first_audio_ms_p99": total["first_audio_ms_p99"],
+                "frames_lost": None,
+                "ice_connect_ms_p50": None,
+                "ice_connect_ms_p99": None,
+                "concealed_packets": None,
+                "relay_only": None,
+                "audio_s": total["audio_s"],
+                "failure": check.livekit_load.failure,
+            }
+        )
     return rows
 
 
@@ -260,6 +298,8 @@ def _check_load(check: NodeCheck, sessions: int) -> None:
                 check.problems.append(f"Twilio call {i} {r.failure}")
             elif r.audio_messages == 0:
                 check.problems.append(f"Twilio call {i} got no audio")
+    if check.livekit_load is not None:
+        check.problems.extend(check.livekit_load.problems())
     extra = check.extra_caller
     if extra is not None and not extra.refused:
         check.problems.append(f"caller {sessions + 1} was served although the node has {sessions} slots")
@@ -276,11 +316,15 @@ def bring_up_and_check(
     webrtc: bool = True,
     resume: bool = True,
     phone: bool = True,
+    livekit: bool = True,
+    livekit_python: Path | None = None,
 ) -> NodeCheck:
     """Drive the (started) ``node``: ``sessions`` (default: its slot count) concurrent sessions through
     nginx over TLS, one extra caller while they run, then (``resume``) one session dropped and resumed
     (``infra.node.resume_check``), then (``webrtc``) as many WebRTC sessions, relay-only
-    through the node's coturn when its relay is on, then Prometheus's figures. Never raises for a node
+    through the node's coturn when its relay is on, then (``phone``) as many Twilio calls, then
+    (``livekit``) as many sessions through LiveKit's plugin run by ``livekit_python`` (default
+    ``infra.node.livekit_row.default_livekit_python``), then Prometheus's figures. Never raises for a node
     failure: what went wrong is in ``NodeCheck.problems``."""
     say = progress or (lambda message: None)
     sessions = sessions or node.profile.sessions
@@ -359,6 +403,17 @@ def bring_up_and_check(
                 ssl_context=context,
             )
         )
+    if livekit and not node.dead_processes():
+        say(f"{sessions} sessions through LiveKit's PersonaPlex plugin, {node.wss_url}/api/chat")
+        _wait_until_quiet(node.runtime_url, QUIET_TIMEOUT_S)
+        check.livekit_load = run_livekit_load(
+            node.wss_url,
+            speech,
+            sessions=sessions,
+            token=node.mint_token,
+            cafile=str(node.certificate_path),
+            python=livekit_python,
+        )
     _check_load(check, sessions)
     health = runtime_health_problem(node.runtime_url)
     if health is not None:
@@ -375,6 +430,8 @@ def bring_up_and_check(
         served = len(check.load.served) + sum(
             len(report.served) for report in (check.rtc_load, check.phone_load) if report is not None
         )
+        # each plugin session is one session on the node
+        served += len(check.livekit_load.served) if check.livekit_load is not None else 0
         check.scraped = scraped_figures(
             node.prometheus_url, want_sessions=served, scrape_interval_s=node.profile.scrape_interval_s
         )

@@ -68,12 +68,14 @@ def _transport_table(rows: list[dict[str, object]]) -> Table:
         return "-" if value is None else f"{float(value):.0f}"  # type: ignore[arg-type]
 
     table = Table(
-        title="WebSocket, WebRTC and phone calls side by side",
+        title="WebSocket, WebRTC, phone calls and LiveKit's plugin side by side",
         caption="ms; 1st: the client's first frame sent -> first audio back (twilio: the call's start -> "
-        "the first agent frame); ICE: POST -> connected; PLC: 20 ms packets concealed; webrtc/turn: "
-        "relay-only through the node's coturn",
+        "the first agent frame; livekit: the plugin's first push_audio -> its first audio frame); ICE: POST "
+        "-> connected; PLC: 20 ms packets concealed; webrtc/turn: relay-only through the node's coturn; "
+        "audio s: seconds of audio the LiveKit plugin delivered",
     )
-    for column in ("transport", "served", "1st p50", "1st p99", "lost", "ICE p50", "ICE p99", "PLC"):
+    columns = ("transport", "served", "1st p50", "1st p99", "lost", "ICE p50", "ICE p99", "PLC", "audio s")
+    for column in columns:
         table.add_column(column, justify="right", no_wrap=True)
     for row in rows:
         table.add_row(
@@ -81,10 +83,11 @@ def _transport_table(rows: list[dict[str, object]]) -> Table:
             f"{row['served']}/{row['sessions']}",
             ms(row["first_audio_ms_p50"]),
             ms(row["first_audio_ms_p99"]),
-            str(row["frames_lost"]),
+            "-" if row["frames_lost"] is None else str(row["frames_lost"]),
             ms(row["ice_connect_ms_p50"]),
             ms(row["ice_connect_ms_p99"]),
             "-" if row["concealed_packets"] is None else str(row["concealed_packets"]),
+            "-" if row.get("audio_s") is None else f"{float(row['audio_s']):.0f}",  # type: ignore[arg-type]
         )
     return table
 
@@ -132,6 +135,9 @@ def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: im
     rows = transport_rows(check)
     if rows:
         console.print(_transport_table(rows))
+    for row in rows:
+        if row.get("failure"):
+            console.print(f"[red]{row['transport']}: {row['failure']}[/red]")
     if check.resume is not None:
         console.print(_resume_table(check.resume.as_row()))
     if check.scraped:
@@ -187,6 +193,13 @@ def up_command(
             "media relay-only through the node's coturn) and print both transports side by side"
         ),
     ] = True,
+    livekit: Annotated[
+        bool,
+        typer.Option(
+            help="Then as many sessions through LiveKit's PersonaPlex plugin, unmodified, over wss:// "
+            "(run with .venv-livekit's Python: `make livekit-deps`; DUPLEX_LIVEKIT_PYTHON overrides)"
+        ),
+    ] = True,
 ) -> None:
     """The main job: bring the local node up (redis, exporters, runtime with the tiny model, Prometheus,
     nginx with a self-signed certificate, coturn, all on loopback), stream sessions of real speech through
@@ -232,6 +245,7 @@ def up_command(
                     on_frame=lambda: progress.advance(task),
                     progress=lambda message: progress.update(task, description=message),
                     webrtc=webrtc,
+                    livekit=livekit,
                 )
             if json_out:
                 print(json.dumps(check.as_dict(), default=str))

@@ -44,6 +44,7 @@ from infra.node import redis_acl
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.bundle import render_bundle, write_bundle, write_secrets
 from infra.node.coturn import coturn_args
+from infra.node.livekit_row import VOICES_DIR, write_livekit_voice
 from infra.node.local_network import (
     free_port_profile,
     host_ipv4_addresses,
@@ -301,6 +302,7 @@ class LocalNode:
             domain=p.domain,
             ip_addresses=(p.public_address,),
         )
+        write_livekit_voice(self.node_dir / VOICES_DIR)  # the voice LiveKit's plugin asks for
 
     def _build_processes(self) -> list[ManagedProcess]:
         p = self.profile
@@ -352,7 +354,12 @@ class LocalNode:
                 "runtime",
                 [sys.executable, "-m", "runtime.tools.cli", "serve", *self.runtime_args],
                 lambda: _http_ok(f"{self.runtime_url}/readyz"),
-                env={**runtime_settings(p), "DUPLEX_REDIS_URL": redis_url, **runtime_secrets},
+                env={
+                    **runtime_settings(p),
+                    "DUPLEX_REDIS_URL": redis_url,
+                    "DUPLEX_VOICES_DIR": str(self.node_dir / VOICES_DIR),
+                    **runtime_secrets,
+                },
                 stop_timeout_s=p.limits.drain_grace_s + 10.0,
             ),
             ManagedProcess(
