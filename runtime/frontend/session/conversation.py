@@ -53,6 +53,7 @@ from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 from runtime.frontend.session.resume import ResumableSession
 from runtime.frontend.session.state import SessionState
+from runtime.frontend.slot_load import UpgradeReservations
 from runtime.frontend.store.events import prompt_digest
 from runtime.frontend.store.recordings import SessionRecorder, start_recording
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
@@ -86,6 +87,7 @@ class FrontEnd(Protocol):
     store: SessionStore | None
     sessions: set[ChatSession]
     draining: bool
+    upgrades: UpgradeReservations
 
     def health(self) -> tuple[bool, str]: ...
     def readiness(self) -> tuple[bool, str]: ...
