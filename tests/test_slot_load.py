@@ -17,8 +17,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from runtime.config import RuntimeConfig
 from runtime.engine.api import BackendStatus
 from runtime.frontend.codecs.protocol import MessageKind
+from runtime.frontend.gate.slot_load import LOAD_REPORT_HEADER, SLOTZ_PATH, SlotLoad, load_report
 from runtime.frontend.http import ROUTES
-from runtime.frontend.slot_load import LOAD_REPORT_HEADER, SLOTZ_PATH, SlotLoad, load_report
 
 UTILIZATION = "named_metrics.slot_utilization"
 
@@ -46,12 +46,11 @@ async def test_a_full_node_stays_ready_and_slotz_says_full() -> None:
 
 
 async def test_every_answer_reports_the_slot_utilization() -> None:
-    async with fake_node(FakeBackend(slots=4)) as server:
-        async with connect(chat(server)) as client:
-            assert await client.recv() == bytes([MessageKind.HANDSHAKE])
-            for path in ("/readyz", "/healthz", "/api/personas", SLOTZ_PATH, "/nope"):
-                _, headers, _ = await get(server, path)
-                assert headers[LOAD_REPORT_HEADER] == "TEXT named_metrics.slot_utilization=0.25", path
+    async with fake_node(FakeBackend(slots=4)) as server, connect(chat(server)) as client:
+        assert await client.recv() == bytes([MessageKind.HANDSHAKE])
+        for path in ("/readyz", "/healthz", "/api/personas", SLOTZ_PATH, "/nope"):
+            _, headers, _ = await get(server, path)
+            assert headers[LOAD_REPORT_HEADER] == "TEXT named_metrics.slot_utilization=0.25", path
 
 
 async def test_a_full_node_answers_503_before_the_upgrade_when_told_to() -> None:
@@ -72,15 +71,14 @@ async def test_a_full_node_answers_503_before_the_upgrade_when_told_to() -> None
 
 
 async def test_without_the_setting_a_full_node_refuses_after_the_upgrade() -> None:
-    async with fake_node(FakeBackend(slots=1)) as server:
-        async with connect(chat(server)) as first:
-            assert await first.recv() == bytes([MessageKind.HANDSHAKE])
-            async with connect(chat(server)) as second:
-                error = await second.recv()
-                assert isinstance(error, bytes) and error[0] == MessageKind.ERROR
-                with pytest.raises(ConnectionClosed) as closed:
-                    await second.recv()
-                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
+    async with fake_node(FakeBackend(slots=1)) as server, connect(chat(server)) as first:
+        assert await first.recv() == bytes([MessageKind.HANDSHAKE])
+        async with connect(chat(server)) as second:
+            error = await second.recv()
+            assert isinstance(error, bytes) and error[0] == MessageKind.ERROR
+            with pytest.raises(ConnectionClosed) as closed:
+                await second.recv()
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 1013
 
 
 async def test_an_upgrade_not_yet_holding_a_slot_counts_against_the_next() -> None:

@@ -16,7 +16,7 @@ token, persona, replay; each refusal counted once) before any upgrade or answer,
 statuses; ``/api/admission`` runs the same gate as a probe and the session's checks, without spending
 anything (``runtime.frontend.gate.refusals.Admission``); ``/readyz`` means serving (a full node stays
 ready), ``/slotz`` has a free slot, and every serving answer carries the ORCA slot load report
-(``runtime.frontend.slot_load``). Why aiohttp and not websockets'
+(``runtime.frontend.gate.slot_load``). Why aiohttp and not websockets'
 ``process_request``: docs/runtime.md, "The HTTP layer".
 """
 
@@ -40,10 +40,10 @@ from runtime.engine.persona_limits import (
 from runtime.frontend.gate.access import RequestView
 from runtime.frontend.gate.admission import GateRefused, admit, admit_connection
 from runtime.frontend.gate.refusals import LOADING_MESSAGE, Admission, SessionRefused
+from runtime.frontend.gate.slot_load import LOAD_REPORT_HEADER, SLOTZ_PATH, SlotLoad
 from runtime.frontend.listener import HEADER_DEADLINE, READ_BUFSIZE, HeaderDeadline, listener_args
 from runtime.frontend.session.conversation import FrontEnd, plan_session
 from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
-from runtime.frontend.slot_load import LOAD_REPORT_HEADER, SLOTZ_PATH, SlotLoad
 from runtime.frontend.transports import websocket as ws
 from runtime.frontend.transports.carriers import twilio
 from runtime.frontend.transports.webrtc import signalling as rtc
@@ -313,7 +313,7 @@ async def _readyz(front: FrontEnd, request: web.Request) -> web.Response:
 
 def slot_load(front: FrontEnd) -> SlotLoad:
     """The node's slot load now, the upgrades reserved at the edge included
-    (``runtime.frontend.slot_load``)."""
+    (``runtime.frontend.gate.slot_load``)."""
     return SlotLoad.of(front.backend.status(), front.upgrades.count)
 
 
@@ -373,12 +373,12 @@ def _application(
     load_report: Callable[[], str] | None = None,
 ) -> web.Application:
     """One catch-all aiohttp route to ``handler``, which looks the path up in :data:`ROUTES` (aiohttp's
-        own router would answer 404 and 405 in its own words), the ``Server`` header when given, and the ORCA load
-    report (``load_report``: the ``endpoint-load-metrics`` value) on every response when given. The
-        listener's limits (``config``; None: the settings' defaults): the request line and header sizes,
-        ``DUPLEX_HTTP_IDLE_TIMEOUT_S`` (aiohttp's ``keepalive_timeout``: an idle connection between requests),
-        ``DUPLEX_HTTP_HEADER_TIMEOUT_S`` (:class:`HeaderDeadline`, in the app as :data:`HEADER_DEADLINE`) and
-        parse errors logged as one INFO line (:class:`BadRequestLog`)."""
+    own router would answer 404 and 405 in its own words), the ``Server`` header when given, and the ORCA
+    load report (``load_report``: the ``endpoint-load-metrics`` value) on every response when given. The
+    listener's limits (``config``; None: the settings' defaults): the request line and header sizes,
+    ``DUPLEX_HTTP_IDLE_TIMEOUT_S`` (aiohttp's ``keepalive_timeout``: an idle connection between requests),
+    ``DUPLEX_HTTP_HEADER_TIMEOUT_S`` (:class:`HeaderDeadline`, in the app as :data:`HEADER_DEADLINE`) and
+    parse errors logged as one INFO line (:class:`BadRequestLog`)."""
     defaults = RuntimeConfig.model_fields
     idle_s = defaults["http_idle_timeout_s"].default if config is None else config.http_idle_timeout_s
     header_s = defaults["http_header_timeout_s"].default if config is None else config.http_header_timeout_s
@@ -421,7 +421,7 @@ def build_loading_app(loading: Loading, config: RuntimeConfig | None = None) -> 
 def build_app(front: FrontEnd, *, server_header: str | None = None) -> web.Application:
     """The serving application of ``front``: a route's loading answer while the backend loads (a worker
     whose engine has not answered yet), else its serving handler. Every response carries the node's slot
-    utilisation as an ORCA load report (``endpoint-load-metrics``: ``runtime.frontend.slot_load``), which
+    utilisation as an ORCA load report (``endpoint-load-metrics``: ``runtime.frontend.gate.slot_load``), which
     the multi-region stack's load balancer balances on."""
 
     async def dispatch(request: web.Request) -> web.StreamResponse:

@@ -42,10 +42,10 @@ from runtime.frontend.gate.refusals import (
     LOADING_MESSAGE,
     Admission,
 )
+from runtime.frontend.gate.slot_load import UpgradeReservations
 from runtime.frontend.listener import HEADER_DEADLINE
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.session.conversation import ChatSession
-from runtime.frontend.slot_load import UpgradeReservations
 from runtime.frontend.store.recordings import LocalRecordings, RecordingStore
 from runtime.frontend.store.records import RedisSessionReader
 from runtime.frontend.store.redis_store import SessionStore
@@ -180,7 +180,7 @@ class DuplexServer:
         self.draining = False
         self.upgrades = UpgradeReservations()
         """``/api/chat`` upgrades admitted at the edge whose sessions hold no slot yet
-        (``runtime.frontend.slot_load``)."""
+        (``runtime.frontend.gate.slot_load``)."""
         self.maintenance: MaintenanceWatcher | None = None
         self._runner: web.AppRunner | None = None
         self._drain_task: asyncio.Future[None] | None = None
@@ -338,7 +338,7 @@ class DuplexServer:
 
     def readiness(self) -> tuple[bool, str]:
         """(ready, reason): what ``/readyz`` answers: serving (the model loaded and warm, the tick alive, not
-        draining), whether or not a slot is free (that is ``/slotz``: ``runtime.frontend.slot_load``)."""
+        draining), whether or not a slot is free (that is ``/slotz``: ``runtime.frontend.gate.slot_load``)."""
         status = self.backend.status()
         if self.draining:
             return False, "draining"

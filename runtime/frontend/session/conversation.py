@@ -50,10 +50,10 @@ from runtime.engine.api import (
 from runtime.frontend.gate.access import Access
 from runtime.frontend.gate.query import ResumePresented, SessionRequest, parse_session_query
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.gate.slot_load import UpgradeReservations
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 from runtime.frontend.session.resume import ResumableSession
 from runtime.frontend.session.state import SessionState
-from runtime.frontend.slot_load import UpgradeReservations
 from runtime.frontend.store.events import prompt_digest
 from runtime.frontend.store.recordings import SessionRecorder, start_recording
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore

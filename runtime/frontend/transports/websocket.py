@@ -60,10 +60,10 @@ from runtime.frontend.gate.refusals import (
     CLOSE_POLICY,
     SessionRefused,
 )
+from runtime.frontend.gate.slot_load import Reservation, SlotLoad
 from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX, TokenClaims
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
 from runtime.frontend.session.lifecycle import Edge, TransportClosed, run
-from runtime.frontend.slot_load import Reservation, SlotLoad
 
 __all__ = [
     "HEARTBEAT_S",
