@@ -133,3 +133,10 @@ def test_a_malformed_load_report_names_what_was_wrong() -> None:
 
 def test_slotz_is_a_route() -> None:
     assert ROUTES[SLOTZ_PATH].methods == ("GET",)
+
+
+def test_the_global_entry_balances_on_the_metric_the_pods_report() -> None:
+    from infra.components.global_entry import SLOT_UTILIZATION_METRIC
+    from runtime.frontend.gate.slot_load import SLOT_UTILIZATION
+
+    assert SLOT_UTILIZATION_METRIC == SLOT_UTILIZATION

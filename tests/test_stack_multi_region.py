@@ -144,15 +144,20 @@ def test_global_entry(run: StackRun) -> None:
     backend = _runtime_backend(run).plain
     assert backend["timeoutSec"] >= 3600 + 60  # the a100-80gb profile's longest session, plus a margin
     assert backend["connectionDrainingTimeoutSec"] == 3600  # the longest session, GCP's maximum
-    assert backend["sessionAffinity"] == "NONE" and backend["localityLbPolicy"] == "LEAST_REQUEST"
+    assert backend["sessionAffinity"] == "NONE" and backend["localityLbPolicy"] == "WEIGHTED_ROUND_ROBIN"
     assert backend["loadBalancingScheme"] == "EXTERNAL_MANAGED"
     groups = sorted(b["group"] for b in backend["backends"])
     assert groups == sorted(
         f"projects/my-gcp-project/zones/{zone}/networkEndpointGroups/duplex-multi-region-runtime"
         for zone in ("us-central1-a", "us-central1-c", "europe-west4-a")
     )
-    assert all(b["balancingMode"] == "IN_FLIGHT" for b in backend["backends"])
-    assert all(b["maxInFlightRequestsPerEndpoint"] == 5 for b in backend["backends"])  # slots per pod
+    # Issue 33: balanced on the slot utilisation each pod reports (ORCA endpoint-load-metrics), which
+    # counts WebRTC calls and held resumes; IN_FLIGHT counted a WebSocket for its life, not a WebRTC call.
+    assert backend["customMetrics"] == [{"name": "slot_utilization", "dryRun": False}]
+    for b in backend["backends"]:
+        assert b["balancingMode"] == "CUSTOM_METRICS", b
+        assert b["customMetrics"] == [{"name": "slot_utilization", "maxUtilization": 1.0, "dryRun": False}]
+        assert "maxInFlightRequestsPerEndpoint" not in b
     assert all(b["capacityScaler"] == 1.0 for b in backend["backends"])
 
     health = run.named("global-entry-readyz").plain
@@ -187,6 +192,10 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert matcher["defaultService"] == page_id
     [rule] = matcher["pathRules"]
     assert rule["service"] == runtime_id
+    # Issue 33: a 503 before the upgrade (a pod full as the caller reached it) is tried on another pod.
+    retry = rule["routeAction"]["retryPolicy"]
+    assert "gateway-error" in retry["retryConditions"] and retry["numRetries"] >= 2
+    assert "perTryTimeout" not in retry  # a WebSocket's try lasts its session: the backend's timeout
     assert sorted(rule["paths"]) == [
         "/api/admission",
         "/api/carriers/twilio",  # a phone carrier's media stream (issue 32)
