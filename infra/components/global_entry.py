@@ -87,7 +87,7 @@ held resumes and WebRTC calls included, over the pod's slots, in ``[0, 1]``)."""
 MAX_SLOT_UTILIZATION = 1.0
 """A pod reporting this utilisation has no free slot: the load balancer sends it no new caller while
 another endpoint is below it (``backends[].customMetrics[].maxUtilization``: range ``[0.0, 1.0]``)."""
-RUNTIME_RETRY_POLICY = {
+RUNTIME_RETRY_POLICY: compute.URLMapPathMatcherPathRuleRouteActionRetryPolicyArgsDict = {
     "retry_conditions": ["gateway-error", "connect-failure", "refused-stream"],
     "num_retries": 3,
 }
