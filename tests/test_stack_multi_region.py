@@ -858,3 +858,19 @@ def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
     assert address["region"] == region and address["addressType"] == "EXTERNAL"
     assert turn["address"] == service["spec"]["loadBalancerIP"] == MOCK_IP
     assert turn["urls"] == [f"turn:turn-{region}.duplex.example.com:3478?transport=udp"]
+
+
+@pytest.mark.parametrize("region", ["us-central1", "europe-west4"])
+def test_the_pods_wait_and_answer_full_before_the_upgrade(run: StackRun, region: str) -> None:
+    """Issue 33: no stack turned the waiting room on; a full pod refused after the upgrade, which the URL
+    map cannot retry. Defaults: 30 s, as many waiting callers as the pod has slots (a100-80gb: 5)."""
+    [runtime] = [
+        c
+        for m in _manifests(run, region)
+        if m["kind"] in ("Deployment", "StatefulSet")
+        for c in m["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "runtime"
+    ]
+    env = {e["name"]: e.get("value") for e in runtime["env"]}
+    assert env["DUPLEX_WAITING_ROOM_S"] == "30" and env["DUPLEX_WAITING_ROOM_SIZE"] == "5"
+    assert env["DUPLEX_FULL_BEFORE_UPGRADE"] == "true"
