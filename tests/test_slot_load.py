@@ -105,8 +105,10 @@ def _status(slots: int, free: int, waiting: int = 0) -> BackendStatus:
 def test_the_waiting_room_takes_upgrades_until_it_is_full() -> None:
     config = RuntimeConfig(waiting_room_s=30, waiting_room_size=2)
     assert SlotLoad.of(_status(2, 0), upgrading=0).takes_upgrade(config)
-    assert SlotLoad.of(_status(2, 0, waiting=1), upgrading=1).takes_upgrade(config) is False
-    assert SlotLoad.of(_status(2, 0, waiting=2)).takes_upgrade(config) is False
+    assert SlotLoad.of(_status(2, 0, waiting=1), upgrading=1).takes_upgrade(config)  # one place left
+    assert SlotLoad.of(_status(2, 0, waiting=2), upgrading=2).takes_upgrade(config) is False
+    assert SlotLoad.of(_status(2, 0, waiting=0), upgrading=2).takes_upgrade(config) is False  # racing
+    assert SlotLoad.of(_status(2, 0)).takes_upgrade(RuntimeConfig()) is False  # no room: 503
     assert SlotLoad.of(_status(2, 1)).takes_upgrade(RuntimeConfig()) is True
     assert SlotLoad.of(_status(2, 1), upgrading=1).takes_upgrade(RuntimeConfig()) is False
 

@@ -112,12 +112,15 @@ class SlotLoad:
 
     def takes_upgrade(self, config: RuntimeConfig) -> bool:
         """Whether one more ``/api/chat`` upgrade has somewhere to go: a free slot, or a place in the waiting
-        room (``waiting_room_s`` and ``waiting_room_size`` both set; a reserved upgrade may be waiting
-        already, so it is counted against both: the check errs on a 503 the load balancer retries)."""
+        room (``waiting_room_s`` and ``waiting_room_size`` both set). A reserved upgrade that waits is in
+        ``waiting`` too, so the reserved ones not yet placed are ``upgrading - waiting`` (with ``--workers
+        N``, ``waiting`` is the whole node's and ``upgrading`` this worker's: the engine's admission stays
+        exact, and an upgrade that finds the room full after all is refused after the upgrade)."""
         room = 0
         if config.waiting_room_s > 0 and config.waiting_room_size > 0:
             room = max(0, config.waiting_room_size - self.waiting)
-        return self.upgrading < max(0, self.slots - self.in_use) + room
+        unplaced = max(0, self.upgrading - self.waiting)
+        return unplaced < max(0, self.slots - self.in_use) + room
 
     def header(self) -> str:
         """The ``endpoint-load-metrics`` value: ``TEXT named_metrics.slot_utilization=<0..1>``."""
