@@ -334,8 +334,9 @@ async def readyz(server: DuplexServer, path: str = "/readyz") -> tuple[int, dict
 async def readyz_settled(
     server: DuplexServer, expected: int, timeout_s: float = WAIT_S, path: str = "/readyz"
 ) -> tuple[int, dict]:
-    """``/readyz`` (or ``/slotz``) once it answers ``expected`` (or the last answer after ``timeout_s``): with
-    ``--workers N`` a worker answers from the engine's last status, sent every 100 ms (``STATUS_PERIOD_S``)."""
+    """``/readyz`` (or ``/slotz``) once it answers ``expected`` (or the last answer after ``timeout_s``):
+    with ``--workers N`` a worker answers from the engine's last status, sent every 100 ms
+    (``STATUS_PERIOD_S``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         status, body = await readyz(server, path)
