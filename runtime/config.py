@@ -289,6 +289,13 @@ class RuntimeConfig(BaseSettings):
         description="Callers from one client address that may wait at once (0: no cap): one address "
         "cannot fill the waiting room",
     )
+    full_before_upgrade: bool = Field(
+        False,
+        description="true: a /api/chat upgrade that finds no free slot and no waiting-room place is answered "
+        "503 node_full with Retry-After before the upgrade, so a load balancer's retry policy sends it to "
+        "another pod (the multi-region stack's global entry; issue 33); false: upgraded, then refused with "
+        "a 0x05 naming the reason and close code 1013, which a browser can read (a single node)",
+    )
     workers: int = Field(
         0,
         ge=-1,

@@ -59,12 +59,12 @@ def browser_fixture(speech_wav: Path) -> Iterator[Any]:
 
 
 def wait_slot_free(node: LocalNode, timeout_s: float = 20.0) -> None:
-    """Poll the node's runtime ``/readyz`` every 100 ms until it answers 200 (a slot is free). Raises
+    """Poll the node's runtime ``/slotz`` every 100 ms until it answers 200 (a slot is free). Raises
     AssertionError after ``timeout_s`` seconds (a hang guard)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{node.runtime_url}/readyz", timeout=2) as response:
+            with urllib.request.urlopen(f"{node.runtime_url}/slotz", timeout=2) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):

@@ -106,6 +106,8 @@ def test_nginx_config_has_what_the_node_needs(profile_name: str) -> None:
     assert "location = /healthz" in conf and "location = /readyz" in conf
     metrics = conf[conf.index("location = /metrics") :]
     assert metrics[: metrics.index("}")].strip().endswith("return 404;")
+    slotz = conf[conf.index("location = /slotz") :]  # issue 33: the free-slot signal is not public
+    assert slotz[: slotz.index("}")].strip().endswith("return 404;")
     assert f"at most {profile.sessions} sessions" in conf
     # Handshake floods stop at the edge: a rate per client address, 429 with a plain-text reason.
     limits = profile.limits

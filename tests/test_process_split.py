@@ -59,8 +59,8 @@ class SplitNode:
     def chat_url(self) -> str:
         return session_url(self.url)
 
-    async def readyz(self) -> tuple[int, dict]:
-        status, _, body = await http_get(self.port, "/readyz")
+    async def readyz(self, path: str = "/readyz") -> tuple[int, dict]:
+        status, _, body = await http_get(self.port, path)
         return status, json.loads(body)
 
     async def metrics(self) -> Metrics:
@@ -172,11 +172,12 @@ async def test_admission_is_exact_across_workers_and_metrics_add_up(node_dir, sp
             workers = {h.split()[1] for _, h in results if h}
             assert workers == {"worker-0", "worker-1"}, workers  # handshakes landed on both workers
             for _ in range(50):  # a worker's view of the slots is the engine's Status of <= 0.1 s ago
-                status, body = await node.readyz()
+                status, body = await node.readyz("/slotz")
                 if status == 503:
                     break
                 await asyncio.sleep(0.1)
-            assert status == 503 and "node full" in body["reason"], body
+            assert status == 503 and body["free_slots"] == 0, body
+            assert (await node.readyz())[0] == 200  # full, still serving (issue 33)
         finally:
             for client, _ in results:
                 await client.finish(tail_s=0.1) if client.result.handshake else await client.discard()

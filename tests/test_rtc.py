@@ -268,6 +268,13 @@ async def test_refusals_before_the_answer_take_no_slot_and_spend_no_token(
             assert (await holder.start(http)).status == 201
             status, text, headers = await post(good_sdp.encode(), plain)
             assert status == 503 and text.startswith("node_full") and headers["Retry-After"] == "5"
+            # Issue 33: the WebRTC call counts in the load the node reports although its POST returned,
+            # and the full node stays ready (serving).
+            assert headers["endpoint-load-metrics"] == "TEXT named_metrics.slot_utilization=1"
+            async with http.get(f"{base}/readyz") as ready:
+                assert ready.status == 200
+            async with http.get(f"{base}/slotz") as slotz:
+                assert slotz.status == 503 and (await slotz.json())["in_use"] == 1
         finally:
             await holder.close()
         await all_free(server)

@@ -324,18 +324,22 @@ async def http_get(port: int, path: str) -> tuple[int, str, str]:
     return await asyncio.to_thread(get)
 
 
-async def readyz(server: DuplexServer) -> tuple[int, dict]:
-    status, content_type, body = await http_get(server.port, "/readyz")
+async def readyz(server: DuplexServer, path: str = "/readyz") -> tuple[int, dict]:
+    """``/readyz`` (or ``/slotz``): its status and JSON body."""
+    status, content_type, body = await http_get(server.port, path)
     assert content_type.startswith("application/json"), content_type
     return status, json.loads(body)
 
 
-async def readyz_settled(server: DuplexServer, expected: int, timeout_s: float = WAIT_S) -> tuple[int, dict]:
-    """``/readyz`` once it answers ``expected`` (or the last answer after ``timeout_s``): with ``--workers
-    N`` a worker answers from the engine's last status, sent every 100 ms (``STATUS_PERIOD_S``)."""
+async def readyz_settled(
+    server: DuplexServer, expected: int, timeout_s: float = WAIT_S, path: str = "/readyz"
+) -> tuple[int, dict]:
+    """``/readyz`` (or ``/slotz``) once it answers ``expected`` (or the last answer after ``timeout_s``):
+    with ``--workers N`` a worker answers from the engine's last status, sent every 100 ms
+    (``STATUS_PERIOD_S``)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        status, body = await readyz(server)
+        status, body = await readyz(server, path)
         if status == expected or time.monotonic() > deadline:
             return status, body
         await asyncio.sleep(0.05)
@@ -874,25 +878,26 @@ async def test_abrupt_disconnect_frees_the_slot(node, speech):
         for c in clients:
             await c.wait_audio(1)
 
+        # Full: still ready (serving; issue 33), and /slotz says no slot is free.
         status, body = await readyz(server)
-        assert status == 503, body
-        assert body["ready"] is False
-        assert "node full" in body["reason"], body
+        assert status == 200 and body["ready"] is True, body
+        status, body = await readyz_settled(server, 503, path="/slotz")
+        assert status == 503 and body["free_slots"] == 0, body
 
         vanishing, holders = clients[0], clients[1:]
         vanishing.abort()
         await asyncio.wait_for(vanishing.closed.wait(), 10)
         await wait_until(lambda: server.backend.status().free_slots == 1, what="the aborted session's slot")
-        status, body = await readyz_settled(server, 200)
-        assert status == 200, body
-        assert body["ready"] is True
+        status, body = await readyz_settled(server, 200, path="/slotz")
+        assert status == 200 and body["free_slots"] == 1, body
 
         newcomer = await stack.enter_async_context(live(chat_url(server), speech[0]))
         assert newcomer.result.handshake, newcomer.result.errors
         newcomer.start_streaming()
         mark = time.monotonic()
-        status, body = await readyz_settled(server, 503)
-        assert status == 503 and "node full" in body["reason"], body
+        status, body = await readyz_settled(server, 503, path="/slotz")
+        assert status == 503 and body["free_slots"] == 0, body
+        assert (await readyz(server))[0] == 200
 
         for c in [*holders, newcomer]:
             await c.wait_audio(after=mark)

@@ -144,15 +144,20 @@ def test_global_entry(run: StackRun) -> None:
     backend = _runtime_backend(run).plain
     assert backend["timeoutSec"] >= 3600 + 60  # the a100-80gb profile's longest session, plus a margin
     assert backend["connectionDrainingTimeoutSec"] == 3600  # the longest session, GCP's maximum
-    assert backend["sessionAffinity"] == "NONE" and backend["localityLbPolicy"] == "LEAST_REQUEST"
+    assert backend["sessionAffinity"] == "NONE" and backend["localityLbPolicy"] == "WEIGHTED_ROUND_ROBIN"
     assert backend["loadBalancingScheme"] == "EXTERNAL_MANAGED"
     groups = sorted(b["group"] for b in backend["backends"])
     assert groups == sorted(
         f"projects/my-gcp-project/zones/{zone}/networkEndpointGroups/duplex-multi-region-runtime"
         for zone in ("us-central1-a", "us-central1-c", "europe-west4-a")
     )
-    assert all(b["balancingMode"] == "IN_FLIGHT" for b in backend["backends"])
-    assert all(b["maxInFlightRequestsPerEndpoint"] == 5 for b in backend["backends"])  # slots per pod
+    # Issue 33: balanced on the slot utilisation each pod reports (ORCA endpoint-load-metrics), which
+    # counts WebRTC calls and held resumes; IN_FLIGHT counted a WebSocket for its life, not a WebRTC call.
+    assert backend["customMetrics"] == [{"name": "slot_utilization", "dryRun": False}]
+    for b in backend["backends"]:
+        assert b["balancingMode"] == "CUSTOM_METRICS", b
+        assert b["customMetrics"] == [{"name": "slot_utilization", "maxUtilization": 1.0, "dryRun": False}]
+        assert "maxInFlightRequestsPerEndpoint" not in b
     assert all(b["capacityScaler"] == 1.0 for b in backend["backends"])
 
     health = run.named("global-entry-readyz").plain
@@ -187,6 +192,10 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert matcher["defaultService"] == page_id
     [rule] = matcher["pathRules"]
     assert rule["service"] == runtime_id
+    # Issue 33: a 503 before the upgrade (a pod full as the caller reached it) is tried on another pod.
+    retry = rule["routeAction"]["retryPolicy"]
+    assert "gateway-error" in retry["retryConditions"] and retry["numRetries"] >= 2
+    assert "perTryTimeout" not in retry  # a WebSocket's try lasts its session: the backend's timeout
     assert sorted(rule["paths"]) == [
         "/api/admission",
         "/api/carriers/twilio",  # a phone carrier's media stream (issue 32)
@@ -849,3 +858,19 @@ def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
     assert address["region"] == region and address["addressType"] == "EXTERNAL"
     assert turn["address"] == service["spec"]["loadBalancerIP"] == MOCK_IP
     assert turn["urls"] == [f"turn:turn-{region}.duplex.example.com:3478?transport=udp"]
+
+
+@pytest.mark.parametrize("region", ["us-central1", "europe-west4"])
+def test_the_pods_wait_and_answer_full_before_the_upgrade(run: StackRun, region: str) -> None:
+    """Issue 33: no stack turned the waiting room on; a full pod refused after the upgrade, which the URL
+    map cannot retry. Defaults: 30 s, as many waiting callers as the pod has slots (a100-80gb: 5)."""
+    [runtime] = [
+        c
+        for m in _manifests(run, region)
+        if m["kind"] in ("Deployment", "StatefulSet")
+        for c in m["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "runtime"
+    ]
+    env = {e["name"]: e.get("value") for e in runtime["env"]}
+    assert env["DUPLEX_WAITING_ROOM_S"] == "30" and env["DUPLEX_WAITING_ROOM_SIZE"] == "5"
+    assert env["DUPLEX_FULL_BEFORE_UPGRADE"] == "true"

@@ -20,8 +20,11 @@ __all__ = [
     "GOOGLE_FRONT_END_RANGES",
     "MAX_BACKEND_TIMEOUT_S",
     "MAX_CONNECTION_DRAINING_S",
+    "MAX_SLOT_UTILIZATION",
     "PAGE_REQUESTS_PER_ENDPOINT_S",
     "RUNTIME_PATHS",
+    "RUNTIME_RETRY_POLICY",
+    "SLOT_UTILIZATION_METRIC",
     "SSL_POLICY",
     "GlobalEntry",
     "GlobalEntryArgs",
@@ -77,6 +80,24 @@ def neg_url(project: str, zone: str, neg_name: str) -> str:
     return f"projects/{project}/zones/{zone}/networkEndpointGroups/{neg_name}"
 
 
+SLOT_UTILIZATION_METRIC = "slot_utilization"
+"""The custom metric the runtime backend service balances on: each pod's ORCA ``endpoint-load-metrics``
+``named_metrics.slot_utilization`` (``runtime.frontend.gate.slot_load.SLOT_UTILIZATION``: slots in use,
+held resumes and WebRTC calls included, over the pod's slots, in ``[0, 1]``)."""
+MAX_SLOT_UTILIZATION = 1.0
+"""A pod reporting this utilisation has no free slot: the load balancer sends it no new caller while
+another endpoint is below it (``backends[].customMetrics[].maxUtilization``: range ``[0.0, 1.0]``)."""
+RUNTIME_RETRY_POLICY: compute.URLMapPathMatcherPathRuleRouteActionRetryPolicyArgsDict = {
+    "retry_conditions": ["gateway-error", "connect-failure", "refused-stream"],
+    "num_retries": 3,
+}
+"""The runtime route's ``retryPolicy``: a 503 answered before the upgrade (a full pod's ``node_full``,
+``Retry-After: 5``; an offer a full pod refuses) or a refused connection is tried again, on the endpoint the
+balancing picks then (the full pod reported ``slot_utilization=1``), up to 3 more times. ``gateway-error`` is
+502/503/504 only (``5xx`` would retry a 500 too). No ``perTryTimeout``: unset, each try gets the backend
+service's timeout (the longest session), and a WebSocket's try lasts as long as its session."""
+
+
 @dataclass(frozen=True)
 class RegionBackend:
     """One region's pods as seen by the load balancer.
@@ -85,7 +106,8 @@ class RegionBackend:
         region: GCP region; zones: the zones of its GPU pool (one NEG in each).
         neg_name: the NEG name of the runtime Service's annotation.
         page_neg_name: the NEG name of the page Service's annotation (same zones).
-        sessions_per_endpoint: slots of one pod (the most in-flight WebSockets it is sent).
+        sessions_per_endpoint: slots of one pod (the pod reports its use of them itself:
+            ``SLOT_UTILIZATION_METRIC``).
         serving: False: capacity 0 (drained).
         ready: resources that must exist first (the region's Service and Deployment: their NEGs).
     """
@@ -154,17 +176,21 @@ class GlobalEntry(pulumi.ComponentResource):
     - a Cloud Armor policy (``security_rules``): callers outside ``public_source_ranges`` get 403, and each
       client IP is throttled to ``handshakes_per_minute`` new requests per minute (429 beyond; a session is
       one request: the WebSocket upgrade), with adaptive layer-7 DDoS protection;
-    - a health check on every pod's ``/readyz`` (the serving port of the NEG endpoint): a full or draining
-      pod turns 503 and receives no new callers;
+    - a health check on every pod's ``/readyz`` (the serving port of the NEG endpoint): it means serving, so
+      a loading or draining pod turns 503 and receives no new callers, while a full pod stays healthy (it
+      does not leave the NEG and come back a health check after a slot frees: issue 33);
     - the backend service: ``EXTERNAL_MANAGED`` scheme, a timeout of the longest session plus a margin (the
       default 30 s would cut every WebSocket at 30 s), connection draining as long as the runtime's drain, one
-      backend per (region, zone) NEG balanced on ``IN_FLIGHT`` requests with at most ``sessions`` per endpoint
-      (= the pod's slots) and ``trafficDuration: LONG``: the load balancer sends a caller to the nearest
-      region with capacity and spills over to the next nearest when every pod there is full, while an open
-      WebSocket stays on its pod (hence in its region) for its whole life. No session affinity: a session's
-      state is in Redis, not in its pod, so a reconnect may land on any pod with a free slot; pods are picked
-      by ``LEAST_REQUEST`` (affinity would need a hashing locality policy, which ignores load: the policy
-      pack's ``session-affinity-needs-hash-policy``);
+      backend per (region, zone) NEG balanced on the pods' own slot utilisation (``CUSTOM_METRICS`` on
+      ``SLOT_UTILIZATION_METRIC``, which every runtime answer reports in its ORCA ``endpoint-load-metrics``
+      header, with ``maxUtilization`` ``MAX_SLOT_UTILIZATION``; pods picked by ``WEIGHTED_ROUND_ROBIN`` on
+      the same metric): a WebRTC call counts as a WebSocket does (its slot, not its request), the load
+      balancer sends a caller to the nearest region with a free slot and spills over to the next nearest
+      when every pod there is full. No session affinity: a reconnect may land on any pod with a free slot
+      (affinity would need a hashing locality policy, which ignores load: the policy pack's
+      ``session-affinity-needs-hash-policy``);
+    - the runtime's route retries a 503 answered before the upgrade (``RUNTIME_RETRY_POLICY``): a pod full
+      as the caller reached it (the report it balanced on was a request old) sends it to another;
     - the browser client (issue "a browser client on every node"): a second backend service over every
       region's page NEGs (``infra.k8s.page``: nginx pods on the system pools, one per zone), ``RATE``
       balancing, with its own health check, adding the page's security headers
@@ -260,18 +286,25 @@ class GlobalEntry(pulumi.ComponentResource):
             port_name="http",
             timeout_sec=timeout_s,
             connection_draining_timeout_sec=min(args.drain_s, MAX_CONNECTION_DRAINING_S),
-            # NONE: with LEAST_REQUEST any other affinity would be silently off (see the module docstring).
+            # NONE: with WEIGHTED_ROUND_ROBIN any other affinity would be silently off (the class docstring).
             session_affinity="NONE",
-            locality_lb_policy="LEAST_REQUEST",
+            # Pods weighted by the slot utilisation they report (ORCA endpoint-load-metrics).
+            locality_lb_policy="WEIGHTED_ROUND_ROBIN",
+            custom_metrics=[{"name": SLOT_UTILIZATION_METRIC, "dry_run": False}],
             health_checks=self.health_check.id,
             security_policy=self.security_policy.id,
             log_config={"enable": True, "sample_rate": 1.0},
             backends=[
                 {
                     "group": neg_url(project, zone, backend.neg_name),
-                    "balancing_mode": "IN_FLIGHT",
-                    "max_in_flight_requests_per_endpoint": backend.sessions_per_endpoint,
-                    "traffic_duration": "LONG",
+                    "balancing_mode": "CUSTOM_METRICS",
+                    "custom_metrics": [
+                        {
+                            "name": SLOT_UTILIZATION_METRIC,
+                            "max_utilization": MAX_SLOT_UTILIZATION,
+                            "dry_run": False,
+                        }
+                    ],
                     "capacity_scaler": 1.0 if backend.serving else 0.0,
                     "description": f"{backend.region} {zone}" + ("" if backend.serving else " (drained)"),
                 }
@@ -292,7 +325,13 @@ class GlobalEntry(pulumi.ComponentResource):
                 {
                     "name": "entry",
                     "default_service": self.page.id,
-                    "path_rules": [{"paths": list(RUNTIME_PATHS), "service": self.backend_service.id}],
+                    "path_rules": [
+                        {
+                            "paths": list(RUNTIME_PATHS),
+                            "service": self.backend_service.id,
+                            "route_action": {"retry_policy": RUNTIME_RETRY_POLICY},
+                        }
+                    ],
                 }
             ],
             opts=child(),

@@ -282,6 +282,8 @@ class RegionWorkload:
         turn_tls_secret: a ``kubernetes.io/tls`` Secret in ``namespace`` holding the certificate of
             ``turn-<region>.<domain>``: coturn serves TURN over TLS with it (``infra.k8s.turn``); None: UDP
             only.
+        waiting_room_s, waiting_room_size: the pods' waiting room (``DUPLEX_WAITING_ROOM_S``,
+            ``DUPLEX_WAITING_ROOM_SIZE``; issue 33); either 0: none.
         namespace: the runtime's namespace (``duplex``).
         target_slot_utilization: the HPA's target share of slots in use per pod, 0 < u <= 1 (0.8).
     """
@@ -319,6 +321,8 @@ class RegionWorkload:
     app_token_keys_json: Any = field(default=None, repr=False)
     twilio_auth_token: Any = field(default=None, repr=False)
     turn_tls_secret: str | None = None
+    waiting_room_s: int = 0
+    waiting_room_size: int = 0
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8
 

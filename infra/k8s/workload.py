@@ -194,6 +194,8 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     one); ``DUPLEX_TOKEN_KEYS_FILE`` = ``TOKEN_KEYS_PATH``; ``DUPLEX_WEIGHTS`` = ``weights_dir``;
     ``DUPLEX_WORKERS`` = ``RUNTIME_FRONTEND_WORKERS``; ``DUPLEX_TRUSTED_PROXIES`` = Google's front-end ranges
     and ``DUPLEX_FORWARDED_BY=google-lb`` (the caller's address from the load balancer's own header);
+    ``DUPLEX_FULL_BEFORE_UPGRADE=true`` (a full pod's 503 comes before the upgrade: the URL map retries it)
+    and the waiting room (``DUPLEX_WAITING_ROOM_S``, ``DUPLEX_WAITING_ROOM_SIZE``, when the workload has one);
     ``DUPLEX_REDIS_URL`` from the Secret; the recording settings (``infra.k8s.recordings``, when the
     region records); then ``HF_HUB_OFFLINE=1`` (the weights are local) and the caches
     (``HF_HOME``, ``XDG_CACHE_HOME``, ``TRITON_CACHE_DIR``) on an emptyDir (the root filesystem is
@@ -228,8 +230,14 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
             # Google's load balancer logs full request URLs to Cloud Logging: no secret in a URL (issue 34,
             # item 9): a token, resume credential or text prompt there is refused, naming where it goes.
             "DUPLEX_URL_SECRETS": "refuse",
+            # Issue 33: a pod with no slot and no waiting-room place answers 503 before the upgrade, which
+            # the global entry's URL map retries on another pod.
+            "DUPLEX_FULL_BEFORE_UPGRADE": "true",
         }
     )
+    if workload.waiting_room_s > 0 and workload.waiting_room_size > 0:
+        settings["DUPLEX_WAITING_ROOM_S"] = str(workload.waiting_room_s)
+        settings["DUPLEX_WAITING_ROOM_SIZE"] = str(workload.waiting_room_size)
     env: list[dict[str, Any]] = []
     for name, value in settings.items():
         if name == "DUPLEX_NODE_ID":

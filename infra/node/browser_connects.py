@@ -10,7 +10,7 @@ Each call, in a fresh browser context: load the page with a fresh session token 
 until the page is live over WebRTC and has played at least ``AUDIO_MS`` of the node's audio that was not
 concealed (``getStats()``: ``totalSamplesReceived - concealedSamples`` at 48 kHz), check the candidate in
 use (``host`` direct, ``relay`` relay-only), hang up, and wait for the node's slot to be free again
-(``/readyz``) before the next call. A call fails when any of these does not happen within
+(``/slotz``) before the next call. A call fails when any of these does not happen within
 ``--call-timeout-s``, when the page ends the call (its reason and sentence are the failure's reason), when
 it connects through the wrong kind of candidate, or when the page throws. Reported: successes of the
 count, each failure with its reason, and the connect time p50 / p99 on the page's clock
@@ -96,11 +96,11 @@ def _nearest_rank(values: list[float], q: float) -> float | None:
 
 
 def _slot_free(node: LocalNode, timeout_s: float) -> bool:
-    """Poll the runtime's ``/readyz`` until 200 (its one slot free) or ``timeout_s`` passes."""
+    """Poll the runtime's ``/slotz`` until 200 (its one slot free) or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(f"{node.runtime_url}/readyz", timeout=2) as response:
+            with urllib.request.urlopen(f"{node.runtime_url}/slotz", timeout=2) as response:
                 if response.status == 200:
                     return True
         except (urllib.error.URLError, OSError):

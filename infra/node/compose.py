@@ -254,7 +254,7 @@ def _runtime(profile: NodeProfile) -> dict[str, Any]:
         "volumes": [f"{profile.model_cache_dir}:{_MODELS_DIR}"],
         "stop_signal": "SIGTERM",
         "stop_grace_period": f"{runtime_stop_grace_s(profile)}s",
-        # /healthz, not /readyz: readiness is 503 whenever the node is full, which is not a failure.
+        # /healthz, not /readyz: readiness is 503 while the model loads and while draining, not failures.
         # The server listens only once the model is loaded and warm: a first boot downloads the weights.
         "healthcheck": {
             "test": ["CMD", "curl", "-fsS", "-o", "/dev/null", f"http://127.0.0.1:{port}/healthz"],

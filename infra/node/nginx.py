@@ -4,7 +4,7 @@
 ACME HTTP-01 webroot (``infra.node.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn`` per
 node and per client address (503) and ``limit_req`` on handshakes (429), WebRTC signalling (``/api/rtc``:
 POST of an offer under the same limits, the ICE servers, DELETE of a session), the sessions API
-(``/api/sessions``, GET and DELETE), ``/metrics`` 404 on the public side, the browser client
+(``/api/sessions``, GET and DELETE), ``/metrics`` and ``/slotz`` 404 on the public side, the browser client
 (``infra.node.webclient``) at ``/`` under a CSP that allows only the node itself, no session token in the
 access log. The same profile always gives the same bytes.
 
@@ -345,6 +345,11 @@ http {{
 
         # Never public: Prometheus scrapes the runtime on the private address.
         location = /metrics {{
+            return 404;
+        }}
+
+        # Never public: whether the node has a free slot is the load balancer's business (issue 33).
+        location = /slotz {{
             return 404;
         }}
 

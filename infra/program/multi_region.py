@@ -329,6 +329,8 @@ def _region(
         recordings_bucket=None if recordings is None else recordings.name,
         turn_address=None if address is None else address.address,  # type: ignore[attr-defined]
         turn_tls_secret=mr.turn_tls_secret,
+        waiting_room_s=mr.waiting_room_s,
+        waiting_room_size=mr.waiting_room_size,
     )
     runtime = RegionalRuntime(
         f"runtime-{region_name}",

@@ -89,6 +89,9 @@ MAX_NODE_DRAIN_GRACE_S = 1700
 """Largest drain grace of a single node (s): nginx's and the runtime's grace periods plus margins and a
 minute (``infra.node.compose.node_stop_timeout_s``) must stay within GCE graceful shutdown's 3600 s."""
 
+WAITING_ROOM_S = 30
+"""``waitingRoomS``'s default (s): how long a multi-region caller waits for a slot when every pod it reaches
+is full (issue 33), about one turn of a conversation elsewhere ending; the runtime's own default is 0."""
 _NAME_PREFIX_RE = r"^[a-z][a-z0-9-]{1,19}[a-z0-9]$"
 _SAFE_DIR_RE = r"^(/[A-Za-z0-9._-]+){2,}$"
 _FORBIDDEN_INSTALL_DIRS = frozenset({"/usr/local", "/var/lib", "/var/tmp", "/opt/local", "/home"})
@@ -894,6 +897,14 @@ class MultiRegionKeys(_Keys):
     )
     # Recording with consent into each region's bucket, and the retention of transcripts and recordings.
     recordings: Annotated[RecordingsKeys, BeforeValidator(json_value)] = RecordingsKeys.model_validate({})
+    # The pods' waiting room (issue 33): at capacity a caller waits for a slot (a phone caller hears the hold
+    # tone) instead of a 503; 0 turns it off. Size: callers that may wait per pod (unset: the pod's slots).
+    waiting_room_s: int = Field(
+        WAITING_ROOM_S, ge=0, le=3600, json_schema_extra=allowed("seconds, 0-3600 (0: no waiting room)")
+    )
+    waiting_room_size: int | None = Field(
+        None, ge=1, le=4096, json_schema_extra=allowed("callers per pod, 1-4096 (unset: the pod's slots)")
+    )
 
     def _overrides(self) -> dict[str, Any]:
         return {**super()._overrides(), **self.recordings.profile_overrides(PROFILES[self.profile])}
@@ -977,6 +988,8 @@ class MultiRegionKeys(_Keys):
             maintenance_window=self.maintenance_window.settings(),
             dns_zone=self.dns_zone,
             turn_tls_secret=self.turn_tls_secret,
+            waiting_room_s=self.waiting_room_s,
+            waiting_room_size=profile.sessions if self.waiting_room_size is None else self.waiting_room_size,
             recordings=RecordingSettings(
                 enabled=self.recordings.enabled, retention_days=retention_days(profile)
             ),

@@ -256,6 +256,12 @@ class MultiRegionSettings(_Frozen):
     """The ``kubernetes.io/tls`` Secret (``turnTlsSecret``) in each region's runtime namespace holding the
     certificate of ``turn-<region>.<domain>``: coturn serves TURN over TLS (5349/tcp) with it; None: TURN
     over UDP only."""
+    waiting_room_s: int = 0
+    """How long (s) a caller may wait in a pod's waiting room for a slot (``waitingRoomS``; 0: none): the
+    runtime's ``DUPLEX_WAITING_ROOM_S``."""
+    waiting_room_size: int = 0
+    """Callers that may wait at once per pod (``waitingRoomSize``; the pod's slots unless set): the
+    runtime's ``DUPLEX_WAITING_ROOM_SIZE``."""
 
 
 class StackConfig(_Frozen):

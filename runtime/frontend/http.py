@@ -8,12 +8,15 @@ Every route answers GET only but the sessions API's items (GET and DELETE:
 9110 15.5.6); an unknown path gets 404 naming the routes. While the model loads (the pre-load server of
 ``--workers 0``, or a worker whose engine has not answered yet) each route gives its ``loading`` answer:
 ``/healthz`` 200 ``loading``, ``/readyz`` 503 ``{"ready": false, "reason": "loading the model"}``,
-``/metrics`` the registry (with ``duplex_loading 1``), ``/api/admission`` ``not_ready``, everything else
+``/slotz`` 503, ``/metrics`` the registry (with ``duplex_loading 1``), ``/api/admission`` ``not_ready``,
+everything else
 (``/api/chat`` included: no upgrade) 503 ``LOADING_MESSAGE``. Serving: ``/api/chat``, ``/api/rtc`` and
 ``/api/rtc/ice-servers`` pass the gate (``runtime.frontend.gate.admission.admit``: rate limits, origin,
 token, persona, replay; each refusal counted once) before any upgrade or answer, refusals as plain HTTP
 statuses; ``/api/admission`` runs the same gate as a probe and the session's checks, without spending
-anything (``runtime.frontend.gate.refusals.Admission``). Why aiohttp and not websockets'
+anything (``runtime.frontend.gate.refusals.Admission``); ``/readyz`` means serving (a full node stays
+ready), ``/slotz`` has a free slot, and every serving answer carries the ORCA slot load report
+(``runtime.frontend.gate.slot_load``). Why aiohttp and not websockets'
 ``process_request``: docs/runtime.md, "The HTTP layer".
 """
 
@@ -37,6 +40,7 @@ from runtime.engine.persona_limits import (
 from runtime.frontend.gate.access import RequestView
 from runtime.frontend.gate.admission import GateRefused, admit, admit_connection
 from runtime.frontend.gate.refusals import LOADING_MESSAGE, Admission, SessionRefused
+from runtime.frontend.gate.slot_load import LOAD_REPORT_HEADER, SLOTZ_PATH, SlotLoad
 from runtime.frontend.listener import HEADER_DEADLINE, READ_BUFSIZE, HeaderDeadline, listener_args
 from runtime.frontend.session.conversation import FrontEnd, plan_session
 from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
@@ -56,6 +60,7 @@ __all__ = [
     "build_app",
     "build_loading_app",
     "request_view",
+    "slot_load",
 ]
 
 log = logging.getLogger(__name__)
@@ -130,6 +135,10 @@ def _loading_healthz(loading: Loading) -> web.Response:
 
 def _loading_readyz(loading: Loading) -> web.Response:
     return _json(503, {"ready": False, "reason": "loading the model", **loading.detail})
+
+
+def _loading_slotz(loading: Loading) -> web.Response:
+    return _json(503, {"free_slots": 0, "reason": "loading the model", **loading.detail})
 
 
 def _loading_metrics(loading: Loading) -> web.Response:
@@ -302,6 +311,20 @@ async def _readyz(front: FrontEnd, request: web.Request) -> web.Response:
     return _json(200 if body["ready"] else 503, body)
 
 
+def slot_load(front: FrontEnd) -> SlotLoad:
+    """The node's slot load now, the upgrades reserved at the edge included
+    (``runtime.frontend.gate.slot_load``)."""
+    return SlotLoad.of(front.backend.status(), front.upgrades.count)
+
+
+async def _slotz(front: FrontEnd, request: web.Request) -> web.Response:
+    """``GET /slotz``: 200 when a new caller would find a free slot, else 503 (full, draining or not
+    ready); JSON ``SlotLoad.as_json`` either way, with ``ready``. ``/readyz`` stays 200 on a full node."""
+    load = slot_load(front)
+    ready = bool(front.readiness()[0])
+    return _json(200 if ready and load.free > 0 else 503, {"ready": ready, **load.as_json()})
+
+
 async def _metrics(front: FrontEnd, request: web.Request) -> web.Response:
     return response(200, front.render_metrics(), PROMETHEUS_CONTENT_TYPE)
 
@@ -312,6 +335,7 @@ ROUTES: dict[str, Route] = {
     PERSONAS_PATH: Route(("GET",), _personas, _loading_refused),
     "/healthz": Route(("GET",), _healthz, _loading_healthz),
     "/readyz": Route(("GET",), _readyz, _loading_readyz),
+    SLOTZ_PATH: Route(("GET",), _slotz, _loading_slotz),
     "/metrics": Route(("GET",), _metrics, _loading_metrics),
     # The sessions API (runtime.frontend.sessions_api): the collection, and every path below it.
     SESSIONS_PATH: Route(("GET",), sessions_collection, _loading_refused),
@@ -346,9 +370,11 @@ def _application(
     handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
     server_header: str | None,
     config: RuntimeConfig | None,
+    load_report: Callable[[], str] | None = None,
 ) -> web.Application:
     """One catch-all aiohttp route to ``handler``, which looks the path up in :data:`ROUTES` (aiohttp's
-    own router would answer 404 and 405 in its own words), and the ``Server`` header when given. The
+    own router would answer 404 and 405 in its own words), the ``Server`` header when given, and the ORCA
+    load report (``load_report``: the ``endpoint-load-metrics`` value) on every response when given. The
     listener's limits (``config``; None: the settings' defaults): the request line and header sizes,
     ``DUPLEX_HTTP_IDLE_TIMEOUT_S`` (aiohttp's ``keepalive_timeout``: an idle connection between requests),
     ``DUPLEX_HTTP_HEADER_TIMEOUT_S`` (:class:`HeaderDeadline`, in the app as :data:`HEADER_DEADLINE`) and
@@ -365,13 +391,16 @@ def _application(
         return await handler(request)
 
     app.router.add_route("*", "/{path:.*}", started)
-    if server_header is not None:
+    if server_header is not None or load_report is not None:
 
-        async def set_server_header(request: web.Request, answer: web.StreamResponse) -> None:
-            answer.headers["Server"] = server_header
+        async def set_headers(request: web.Request, answer: web.StreamResponse) -> None:
+            if server_header is not None:
+                answer.headers["Server"] = server_header
+            if load_report is not None:
+                answer.headers[LOAD_REPORT_HEADER] = load_report()
 
         # aiohttp types its Signal's items wrongly (a callable of a callable); this is its documented use.
-        app.on_response_prepare.append(set_server_header)  # type: ignore[arg-type]
+        app.on_response_prepare.append(set_headers)  # type: ignore[arg-type]
     return app
 
 
@@ -391,7 +420,9 @@ def build_loading_app(loading: Loading, config: RuntimeConfig | None = None) -> 
 
 def build_app(front: FrontEnd, *, server_header: str | None = None) -> web.Application:
     """The serving application of ``front``: a route's loading answer while the backend loads (a worker
-    whose engine has not answered yet), else its serving handler."""
+    whose engine has not answered yet), else its serving handler. Every response carries the node's slot
+    utilisation as an ORCA load report (``endpoint-load-metrics``: ``runtime.frontend.gate.slot_load``), which
+    the multi-region stack's load balancer balances on."""
 
     async def dispatch(request: web.Request) -> web.StreamResponse:
         route, refused = _route(request)
@@ -403,4 +434,4 @@ def build_app(front: FrontEnd, *, server_header: str | None = None) -> web.Appli
             return route.loading(Loading(front.render_metrics, status.detail))
         return await route.serve(front, request)
 
-    return _application(dispatch, server_header, front.config)
+    return _application(dispatch, server_header, front.config, lambda: slot_load(front).header())

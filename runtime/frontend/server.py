@@ -42,6 +42,7 @@ from runtime.frontend.gate.refusals import (
     LOADING_MESSAGE,
     Admission,
 )
+from runtime.frontend.gate.slot_load import UpgradeReservations
 from runtime.frontend.listener import HEADER_DEADLINE
 from runtime.frontend.maintenance import PREEMPTION_GRACE_S, MaintenanceWatcher, start_maintenance_watch
 from runtime.frontend.session.conversation import ChatSession
@@ -177,6 +178,9 @@ class DuplexServer:
         self._trim_task: asyncio.Task[None] | None = None
         self.sessions: set[ChatSession] = set()
         self.draining = False
+        self.upgrades = UpgradeReservations()
+        """``/api/chat`` upgrades admitted at the edge whose sessions hold no slot yet
+        (``runtime.frontend.gate.slot_load``)."""
         self.maintenance: MaintenanceWatcher | None = None
         self._runner: web.AppRunner | None = None
         self._drain_task: asyncio.Future[None] | None = None
@@ -333,7 +337,8 @@ class DuplexServer:
         return self.backend.status().health()
 
     def readiness(self) -> tuple[bool, str]:
-        """(ready, reason): what ``/readyz`` answers."""
+        """(ready, reason): what ``/readyz`` answers: serving (the model loaded and warm, the tick alive, not
+        draining), whether or not a slot is free (that is ``/slotz``: ``runtime.frontend.gate.slot_load``)."""
         status = self.backend.status()
         if self.draining:
             return False, "draining"
@@ -348,8 +353,8 @@ class DuplexServer:
                 f"the model's frame ({status.frame.describe()}) is not the one the front end's codecs carry "
                 f"({MIMI_FRAME.describe()})"
             )
-        if status.free_slots == 0:
-            return False, f"node full: {status.slots} of {status.slots} slots in use"
+        # A full node is serving: it stays ready (issue 33: a full pod left the NEG and the Service's
+        # endpoints and came back a health check after a slot freed). "Has a free slot" is /slotz's.
         return True, f"{status.free_slots} of {status.slots} slots free"
 
     def readiness_json(self) -> dict[str, object]:

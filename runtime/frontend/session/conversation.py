@@ -50,6 +50,7 @@ from runtime.engine.api import (
 from runtime.frontend.gate.access import Access
 from runtime.frontend.gate.query import ResumePresented, SessionRequest, parse_session_query
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
+from runtime.frontend.gate.slot_load import UpgradeReservations
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 from runtime.frontend.session.resume import ResumableSession
 from runtime.frontend.session.state import SessionState
@@ -86,6 +87,7 @@ class FrontEnd(Protocol):
     store: SessionStore | None
     sessions: set[ChatSession]
     draining: bool
+    upgrades: UpgradeReservations
 
     def health(self) -> tuple[bool, str]: ...
     def readiness(self) -> tuple[bool, str]: ...

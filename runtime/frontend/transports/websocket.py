@@ -31,6 +31,7 @@ from urllib.parse import parse_qs
 import numpy as np
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from runtime.engine.api import node_full_message
 from runtime.frontend.codecs.kyutai_audio import make_codec
 from runtime.frontend.codecs.protocol import (
     AudioFormat,
@@ -59,8 +60,9 @@ from runtime.frontend.gate.refusals import (
     CLOSE_POLICY,
     SessionRefused,
 )
+from runtime.frontend.gate.slot_load import Reservation, SlotLoad
 from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX, TokenClaims
-from runtime.frontend.session.conversation import FrontEnd, SessionOutcome, plan_session
+from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
 from runtime.frontend.session.lifecycle import Edge, TransportClosed, run
 
 __all__ = [
@@ -76,6 +78,9 @@ log = logging.getLogger(__name__)
 
 METADATA_PROMPT_TIMEOUT_S = 10.0
 """With ``text_prompt_in=metadata``: longest wait for the 0x04 message carrying the text prompt."""
+FULL_RETRY_AFTER_S = 5
+"""``Retry-After`` (s) of a 503 ``node_full`` before the upgrade (as WebRTC's offer refusals:
+``runtime.frontend.transports.webrtc.signalling.RETRY_AFTER_S``)."""
 HEARTBEAT_S = 20.0
 """A ping every 20 s; a client that has not answered within half of it is closed (websockets' defaults
 before: a dead peer behind a NAT does not hold a slot until TCP gives up)."""
@@ -102,6 +107,9 @@ class DuplexWebSocket(web.WebSocketResponse):
         self.server_ended = False
         """The server decided to close (:meth:`end`), as opposed to a close aiohttp makes when the
         connection is already gone."""
+        self.reservation = Reservation(None)
+        """The upgrade's count in ``FrontEnd.upgrades`` until its session holds a slot (none for a resume:
+        its slot is held already)."""
 
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         self.closing.set()
@@ -217,7 +225,12 @@ class _WsTransport(Edge):
         with contextlib.suppress(ConnectionClosed):
             await self.connection.send(encode_error(message))
 
+    async def admitted(self, session: ChatSession) -> SessionOutcome | None:
+        self.connection.reservation.release()  # the slot is counted as in use now
+        return await super().admitted(session)
+
     async def refuse(self, exc: SessionRefused, *, counted: bool) -> None:
+        self.connection.reservation.release()
         await self._stop()
         await refuse(self.front, self.connection, exc, resume=None if counted else False)
 
@@ -277,12 +290,39 @@ async def serve_chat(front: FrontEnd, request: web.Request, admitted: Admitted) 
         answer.headers["Upgrade"] = "websocket"
         answer.headers["Sec-WebSocket-Version"] = "13"
         return answer
-    await connection.prepare(request)
-    # The query the gate parsed (once); a query that did not parse goes as its text, for plan_session to
-    # refuse it naming the parameter.
-    query = admitted.request if admitted.request is not None else request.query_string
-    await handle(front, connection, query, claims, client, resume)
+    if not resume.given and front.config.full_before_upgrade:
+        full = _full_before_upgrade(front)
+        if full is not None:
+            return full
+    # Counted until the session holds a slot (or never will): racing upgrades cannot all pass the check
+    # above for one free slot, and the load report counts them meanwhile.
+    if not resume.given:
+        connection.reservation = front.upgrades.reserve()
+    try:
+        await connection.prepare(request)
+        # The query the gate parsed (once); a query that did not parse goes as its text, for plan_session to
+        # refuse it naming the parameter.
+        query = admitted.request if admitted.request is not None else request.query_string
+        await handle(front, connection, query, claims, client, resume)
+    finally:
+        connection.reservation.release()
     return connection
+
+
+def _full_before_upgrade(front: FrontEnd) -> web.Response | None:
+    """With ``full_before_upgrade``: a 503 ``node_full`` with ``Retry-After`` when no slot and no waiting-room
+    place is left for a new caller (``SlotLoad.takes_upgrade``), before any upgrade, so that the global
+    entry's retry policy tries another pod (issue 33); counted as a refusal. None when there is room."""
+    load = SlotLoad.of(front.backend.status(), front.upgrades.count)
+    if load.takes_upgrade(front.config):
+        return None
+    front.metrics.refused("node_full", resume=False)
+    message = node_full_message(load.slots)
+    log.info("refused before the upgrade: %s", message)
+    answer = web.Response(status=503, text=f"node_full: {message}\n", content_type="text/plain")
+    answer.headers["Retry-After"] = str(FULL_RETRY_AFTER_S)
+    answer.force_close()
+    return answer
 
 
 async def refuse(
