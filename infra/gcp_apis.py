@@ -42,6 +42,7 @@ API_BY_TYPE_PREFIX: dict[str, str] = {
     "gcp:iam/": "iam.googleapis.com",
     "gcp:cloudscheduler/": "cloudscheduler.googleapis.com",
     "gcp:dns/": "dns.googleapis.com",
+    "gcp:monitoring/": "monitoring.googleapis.com",
 }
 """The API behind each provider module (the module's REST API: cloud.google.com/<product>/docs/reference).
 ``gcp:projects/`` (project IAM bindings, services) reads and writes the project's IAM policy through Cloud

@@ -250,6 +250,8 @@ def _computed(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
         digest = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
         tags = inputs.get("tags") or [f"{name}:latest"]
         return {"digest": digest, "ref": f"{tags[0].rsplit(':', 1)[0]}@{digest}", "contextHash": "mock"}
+    if typ == "gcp:monitoring/uptimeCheckConfig:UptimeCheckConfig":
+        return {"uptimeCheckId": f"{name}-uptime-id"}
     if typ == "gcp:serviceaccount/account:Account":
         email = f"{inputs.get('accountId')}@{inputs.get('project')}.iam.gserviceaccount.com"
         return {

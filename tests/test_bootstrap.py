@@ -172,6 +172,7 @@ def test_deployer_roles_are_derived_from_the_types() -> None:
         "roles/compute.admin",
         "roles/container.admin",
         "roles/dns.admin",  # dnsZone's record sets (a documented option, not in the committed files)
+        "roles/monitoring.editor",  # the GCE nodes' uptime checks and alert policies (issue 33)
         "roles/iam.serviceAccountAdmin",
         "roles/iam.serviceAccountUser",
         "roles/redis.admin",

@@ -30,6 +30,7 @@ from infra.node.acme import (
     ACME_CHALLENGE_PREFIX,
     CERT_NAME,
     DEPLOY_HOOK,
+    FIRST_TIMER,
     RENEW_SCRIPT,
     SERVICE,
     TIMER,
@@ -101,8 +102,8 @@ def test_cloud_init_installs_certbot_its_service_and_timer() -> None:
     assert "--keep-until-expiring" in written[RENEW_SCRIPT]["content"]
     assert "OnCalendar=*-*-* 00,12:00:00" in written[f"/etc/systemd/system/{TIMER}"]["content"]
     commands = [" ".join(c) for c in document["runcmd"]]
-    assert any("apt-get install -y -q certbot" in c for c in commands)
-    assert f"systemctl enable --now {TIMER}" in commands
+    assert any("apt-get -o DPkg::Lock::Timeout=600 install -y -q certbot" in c for c in commands)
+    assert f"systemctl enable --now {TIMER} {FIRST_TIMER}" in commands
     unit = written["/etc/systemd/system/duplex-node.service"]["content"]
     assert f"ExecStartPost=-/bin/systemctl start --no-block {SERVICE}" in unit
     self_signed = yaml.safe_load(render_bundle(get_profile("a100-80gb"))[USER_DATA_FILE])

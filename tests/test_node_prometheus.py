@@ -111,6 +111,11 @@ def test_promtool_accepts_config_rules_and_unit_tests(promtool: str, tmp_path: P
         # 200 ms: just above the 195.6 ms the planner says a T4 can reach at all (NodeProfile refuses less)
         ("t4-int8", {"limits": {"first_audio_p99_target_ms": 200.0, "at_cap_alert_minutes": 60}}),
         ("local", {"max_sessions": 1, "deployment": "compose"}),
+        # ACME: the certificate's alerts (infra.node.cert_rules) and their unit tests
+        (
+            "a100-80gb",
+            {"domain": "voice.example.com", "tls": {"mode": "acme", "acme_email": "o@example.com"}},
+        ),
     ],
 )
 def test_promtool_accepts_profile_variants(promtool: str, tmp_path: Path, name: str, overrides: dict) -> None:

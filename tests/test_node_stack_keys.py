@@ -16,7 +16,7 @@ import pytest
 import yaml
 from pulumi_harness import FAKE_SECRETS, run_stack, stack_config
 
-from infra.node.acme import DEPLOY_HOOK, RENEW_SCRIPT, SERVICE, TIMER
+from infra.node.acme import DEPLOY_HOOK, FIRST_SERVICE, FIRST_TIMER, RENEW_SCRIPT, SERVICE, TIMER
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, PAGE_RECEIVER
 from infra.node.services import OPTIONAL_SECRET_FILES
 from infra.stack_config import StackConfigError, parse_stack_config
@@ -185,13 +185,20 @@ def test_onprem_node_with_a_domain_installs_certbot_renewal(tmp_path) -> None:  
         DEPLOY_HOOK,
         f"/etc/systemd/system/{SERVICE}",
         f"/etc/systemd/system/{TIMER}",
+        f"/etc/systemd/system/{FIRST_SERVICE}",
+        f"/etc/systemd/system/{FIRST_TIMER}",
     }
     assert f"--domain {DOMAIN}" in files[RENEW_SCRIPT] and "--email ops@example.com" in files[RENEW_SCRIPT]
     compose = "docker compose --project-directory /opt/duplex --file /opt/duplex/compose.yaml"
     assert f"{compose} kill --signal HUP nginx" in files[DEPLOY_HOOK]
     assert "/opt/duplex/tls/node.crt" in files[DEPLOY_HOOK]  # where the on-premises nginx reads it
-    assert f"systemctl enable --now {TIMER}" in create and f"systemctl start --no-block {SERVICE}" in create
-    assert all(path in delete for path in files) and f"systemctl disable --now {TIMER}" in delete
+    assert (
+        f"systemctl enable --now {TIMER} {FIRST_TIMER}" in create
+        and f"systemctl start --no-block {SERVICE}" in create
+    )
+    assert (
+        all(path in delete for path in files) and f"systemctl disable --now {TIMER} {FIRST_TIMER}" in delete
+    )
     # Ordered: after the GPU check, before compose-up.
     assert run.named("node-gpu-check").urn in run.ordered_after(step)
     assert step.urn in run.ordered_after(run.named("node-compose-up"))

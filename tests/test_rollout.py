@@ -194,7 +194,18 @@ def test_the_watch_waits_for_a_change_and_rolls_it_out(tmp_path: Path, metadata:
         proc.wait(timeout=10)
 
 
-@pytest.mark.parametrize("value", ["", "ghcr.io/org/runtime:latest", f"{REPO}@sha256:short"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "ghcr.io/org/runtime:latest",
+        f"{REPO}@sha256:short",
+        # Issue 33: digest-pinned, but not the stack's repository (another registry; a sibling name).
+        "ghcr.io/attacker/runtime@sha256:" + "c" * 64,
+        f"{REPO}-evil@sha256:" + "c" * 64,
+        "us-central1-docker.pkg.dev/other-project/duplex-dev/duplex-runtime@sha256:" + "c" * 64,
+    ],
+)
 def test_a_value_that_is_not_digest_pinned_is_refused(
     tmp_path: Path, metadata: FakeMetadata, value: str
 ) -> None:
@@ -203,7 +214,7 @@ def test_a_value_that_is_not_digest_pinned_is_refused(
     metadata.set(value)
     done = node.run("watch", "--once")
     assert done.returncode == 0
-    assert "refusing metadata value" in done.stderr
+    assert "refusing metadata value" in done.stderr and f"not {REPO}@sha256:<64 hex>" in done.stderr
     assert node.runtime_image() == IMAGE_A and node.calls() == []
     assert node.run("sync").returncode == 1, "the unit does not start on a refused value"
 

@@ -50,7 +50,10 @@ FIREWALL = "gcp:compute/firewall:Firewall"
 COMMAND = "command:remote:Command"
 
 GCE_INVENTORY = {
-    "gcp:projects/service:Service": 5,
+    "gcp:projects/service:Service": 6,  # monitoring: the uptime check
+    "duplexops:components:NodeUptimeCheck": 1,
+    "gcp:monitoring/uptimeCheckConfig:UptimeCheckConfig": 1,
+    "gcp:monitoring/alertPolicy:AlertPolicy": 1,
     "duplexops:components:RuntimeImage": 1,
     "gcp:artifactregistry/repository:Repository": 1,
     "docker-build:index:Image": 1,

@@ -22,6 +22,7 @@ from infra.capacity.gpus import GPUS
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
 from infra.node.acme import SERVICE as ACME_SERVICE
 from infra.node.acme import TIMER as ACME_TIMER
+from infra.node.acme import TIMERS as ACME_TIMERS
 from infra.node.acme import render_acme_host_files
 from infra.node.bundle import render_bundle, write_bundle
 from infra.node.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
@@ -237,9 +238,10 @@ def _acme_files(profile: NodeProfile, install_dir: str) -> dict[str, tuple[str, 
 def acme_install_script(profile: NodeProfile, install_dir: str) -> str:
     """Installs certbot's renewal for ``profile.domain`` on the host (as root): fails first, naming the
     package, unless ``certbot`` (Debian/Ubuntu package ``certbot``) and ``systemctl`` are there; then writes
-    the files of ``infra.node.acme.render_acme_host_files`` (renew script, deploy hook, service, timer; each
-    through a temporary file and a rename), enables the timer (twice a day) and starts the service once
-    without waiting (it waits for nginx on port 80 itself, then obtains or renews the certificate).
+    the files of ``infra.node.acme.render_acme_host_files`` (renew script, deploy hook, services, timers;
+    each through a temporary file and a rename), enables the timers (twice a day, and every 5 minutes until
+    the first issuance) and starts the service once without waiting (it waits for nginx on port 80 itself,
+    then obtains or renews the certificate).
 
     Raises:
         ValueError: ``tls.mode`` is not ``acme`` (``render_acme_host_files``).
@@ -264,7 +266,7 @@ def acme_install_script(profile: NodeProfile, install_dir: str) -> str:
         ]
     lines += [
         "systemctl daemon-reload",
-        f"systemctl enable --now {ACME_TIMER}",
+        f"systemctl enable --now {' '.join(ACME_TIMERS)}",
         f"systemctl start --no-block {ACME_SERVICE}",
         f'echo "acme: certbot renews the certificate of {profile.domain} ({ACME_TIMER})"',
     ]
@@ -278,7 +280,7 @@ def acme_remove_script(profile: NodeProfile, install_dir: str) -> str:
     q = shlex.quote
     paths = " ".join(q(path) for path in _acme_files(profile, install_dir))
     return f"""set -eu
-systemctl disable --now {ACME_TIMER} 2>/dev/null || true
+systemctl disable --now {" ".join(ACME_TIMERS)} 2>/dev/null || true
 systemctl stop {ACME_SERVICE} 2>/dev/null || true
 rm -f {paths}
 systemctl daemon-reload 2>/dev/null || true

@@ -20,6 +20,12 @@ from infra.node.alert_rules import (
     alert_rules,
     coturn_rule_selector,
 )
+from infra.node.cert_rules import (
+    NODE_EXPORTER_SELECTOR,
+    cert_healthy_series,
+    cert_rules_apply,
+    cert_test_groups,
+)
 from infra.node.first_audio_rules import budget_test_group
 from infra.node.profile import NodeProfile
 from infra.node.promql import (
@@ -95,6 +101,8 @@ def rules_unit_tests(
     )
     coturn = coturn_rule_selector(profile, coturn_selector)
     tu = labels_of(coturn, "coturn", "coturn_selector") if coturn is not None else {}
+    certs = cert_rules_apply(profile)
+    ne = labels_of(NODE_EXPORTER_SELECTOR, "node-exporter", "node_exporter", domain=profile.domain)
 
     # First-audio histogram: three buckets around the target, all observations in one of them.
     target_s = limits.first_audio_p99_target_ms / 1000
@@ -153,6 +161,8 @@ def rules_unit_tests(
     healthy += rtc_healthy_series(kit, rt) + session_healthy_series(kit, rt)
     if coturn is not None:
         healthy += turn_healthy_series(kit, tu)
+    if certs:
+        healthy += cert_healthy_series(kit, ne)
     healthy_group = group("healthy node: no alert", healthy, *(check(alert, late) for alert in specs))
     healthy_group["promql_expr_test"] = [
         {
@@ -303,5 +313,7 @@ def rules_unit_tests(
     groups += rtc_test_groups(kit, healthy, rt) + session_test_groups(kit, healthy, rt)
     if coturn is not None:
         groups += turn_test_groups(kit, healthy, tu, equality_labels(coturn, "coturn_selector"))
+    if certs:
+        groups += cert_test_groups(kit, healthy, ne)
     groups.append(budget_test_group(rt, RATE_WINDOW, RATE_WINDOW_MIN, late))
     return {"rule_files": [rule_file], "evaluation_interval": "1m", "tests": groups}

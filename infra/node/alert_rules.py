@@ -6,7 +6,8 @@ refused.
 The node's own alerts (runtime up, ready and loading, Redis, first-audio latency, ticks over budget, slot cap,
 refusals, GPU memory) are here; the first-audio budget's recording rules come from
 ``infra.node.first_audio_rules``, WebRTC's and the TURN relay's rules from ``infra.node.rtc_rules``,
-resume's and recordings' from ``infra.node.session_rules``. Their ``promtool test rules`` file:
+resume's and recordings' from ``infra.node.session_rules``, the certificate's (``tls.mode: acme``) from
+``infra.node.cert_rules``. Their ``promtool test rules`` file:
 ``infra.node.alert_rule_tests``. The rules, each alert's condition and the selectors: docs/operations.md,
 "Alerts".
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from types import EllipsisType
 from typing import Any
 
+from infra.node.cert_rules import cert_alert_specs, cert_rules_apply
 from infra.node.first_audio_rules import budget_recording_rules
 from infra.node.profile import NodeProfile
 from infra.node.promql import RATE_WINDOW, AlertSpec, normalised, num, sel
@@ -237,7 +239,10 @@ def alert_specs(
     coturn = coturn_rule_selector(profile, coturn_selector)
     if coturn is not None:
         specs += turn_alert_specs(normalised(coturn, "coturn_selector"))
-    return specs + session_alert_specs(runtime)
+    specs += session_alert_specs(runtime)
+    if cert_rules_apply(profile):  # the node's own certificate (certbot's metrics through node_exporter)
+        specs += cert_alert_specs()
+    return specs
 
 
 def coturn_rule_selector(

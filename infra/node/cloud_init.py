@@ -18,7 +18,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from infra.node.acme import SERVICE as ACME_SERVICE
-from infra.node.acme import TIMER as ACME_TIMER
+from infra.node.acme import TIMERS as ACME_TIMERS
 from infra.node.acme import acme_dirs, render_acme_host_files
 from infra.node.compose import (
     COMPOSE_FILE,
@@ -27,6 +27,7 @@ from infra.node.compose import (
     node_stop_timeout_s,
     tls_reload_command,
 )
+from infra.node.first_boot import OPS_AGENT_INSTALL, apt_install, apt_lock_file, retried
 from infra.node.gce_secrets import EXTRA_SECRET_ROLES, HF_TOKEN_FILE, check_secrets, secret_targets
 from infra.node.profile import NodeProfile
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
@@ -87,17 +88,6 @@ GUEST_ATTRIBUTE_TLS_SHA256 = "duplex/tls-sha256"
 """The GCE guest attribute (namespace/key) where the node publishes its serving certificate's SHA-256
 fingerprint at each start (needs the instance metadata ``enable-guest-attributes: TRUE``); read it with
 ``gcloud compute instances get-guest-attributes VM --zone ZONE --query-path=duplex/tls-sha256``."""
-
-OPS_AGENT_INSTALL = (
-    "curl -fsSL -o /tmp/add-google-cloud-ops-agent-repo.sh "
-    "https://dl.google.com/cloudagents/add-google-cloud-ops-agent-repo.sh && "
-    "bash /tmp/add-google-cloud-ops-agent-repo.sh --also-install"
-)
-"""How the VM installs Google's Ops Agent (cloud.google.com/stackdriver/docs/solutions/agents/ops-agent/
-installation). Its default configuration ships the system log, which holds the node unit's journal and so
-every container's output (``docker compose up`` runs in the foreground), to Cloud Logging, and the host's
-metrics to Cloud Monitoring (the VM's service account needs ``roles/logging.logWriter`` and
-``roles/monitoring.metricWriter``)."""
 
 _SECRET_FETCH_ATTEMPTS = 5
 _SECRET_FETCH_PAUSE_S = 10
@@ -169,15 +159,13 @@ def render_cloud_init(
         acme_files = render_acme_host_files(profile, reload_command=tls_reload_command(profile, compose))
         for path, (mode, content) in acme_files.items():
             write_files.append({"path": path, "owner": "root:root", "permissions": mode, "content": content})
-        install_certbot = (
-            "command -v certbot >/dev/null || { apt-get update -q && "
-            "DEBIAN_FRONTEND=noninteractive apt-get install -y -q certbot; }"
-        )
-        runcmd_acme = [["sh", "-c", install_certbot], ["systemctl", "enable", "--now", ACME_TIMER]]
+        install_certbot = f"command -v certbot >/dev/null || {{ {apt_install('certbot')}; }}"
+        runcmd_acme = [["sh", "-c", install_certbot], ["systemctl", "enable", "--now", *ACME_TIMERS]]
     install_compose = (
-        f"{_DOCKER} compose version >/dev/null 2>&1 || {{ apt-get update -q && "
-        "DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose-plugin; }"
+        f"{_DOCKER} compose version >/dev/null 2>&1 || {{ {apt_install('docker-compose-plugin')}; }}"
     )
+    write_files.insert(0, apt_lock_file())  # before any install (write_files runs before runcmd)
+    ops_agent = retried(OPS_AGENT_INSTALL, "the Ops Agent install")
     document = {
         "write_files": write_files,
         "runcmd": [
@@ -187,7 +175,7 @@ def render_cloud_init(
             ["systemctl", "start", "--no-block", UNIT_NAME],
             *runcmd_acme,
             # Logs and host metrics leave the VM (OPS_AGENT_INSTALL); the node does not wait for it.
-            ["sh", "-c", f"systemctl is-active --quiet google-cloud-ops-agent || {{ {OPS_AGENT_INSTALL}; }}"],
+            ["sh", "-c", f"systemctl is-active --quiet google-cloud-ops-agent || {{ {ops_agent}; }}"],
         ],
     }
     secrets_note = (

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from infra.images import NODE_IMAGES
-from infra.node.acme import WEBROOT_CONTAINER, acme_dirs
+from infra.node.acme import WEBROOT_CONTAINER, acme_dirs, textfile_dir
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.compose_host import (
     CONTAINER_USERS,
@@ -372,10 +372,14 @@ def _grafana(profile: NodeProfile) -> dict[str, Any]:
 def _node_exporter(profile: NodeProfile) -> dict[str, Any]:
     # node_exporter's README: host PID namespace and the host's root read-only at /host. It stays on the
     # bridge network (Prometheus dials node-exporter:PORT), so network-device metrics are the container's.
+    # With ACME, the textfile collector reads the renew script's metrics (infra.node.acme.METRICS_FILE).
     port = profile.ports.node_exporter
+    command = ["--path.rootfs=/host", f"--web.listen-address=:{port}"]
+    if profile.tls.mode == "acme":
+        command.append(f"--collector.textfile.directory=/host{textfile_dir(profile)}")
     return {
         "image": IMAGES["node-exporter"],
-        "command": ["--path.rootfs=/host", f"--web.listen-address=:{port}"],
+        "command": command,
         "pid": "host",
         "volumes": ["/:/host:ro,rslave"],
         "healthcheck": {

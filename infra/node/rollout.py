@@ -32,6 +32,7 @@ __all__ = [
     "ROLLOUT_METADATA_KEY",
     "add_rollout",
     "data_disk_path",
+    "image_repository",
     "pending_image",
     "render_agent",
     "render_rollout_files",
@@ -79,13 +80,29 @@ def pending_image(image_ref: str) -> str:
     return image_ref.rsplit("@", 1)[0] + "@" + _ZERO_DIGEST
 
 
+def image_repository(image: str) -> str:
+    """``image`` without its digest and tag: the repository (``host/path/name``).
+
+    >>> image_repository("us-docker.pkg.dev/p/r/runtime:dev@sha256:" + "a" * 64)
+    'us-docker.pkg.dev/p/r/runtime'
+    """
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
+
+
 def render_agent(profile: NodeProfile) -> str:
-    """The agent script (POSIX sh; ``sync`` or ``watch``). Paths and commands can be pointed elsewhere
+    """The agent script (POSIX sh; ``sync`` or ``watch``). It accepts only a digest of the repository the
+    user-data names (``image_repository(profile.runtime_image)``, the stack's Artifact Registry
+    repository, which the VM's service account may read): whoever can set instance metadata cannot make
+    the node run an image from another registry (issue 33). Paths and commands can be pointed elsewhere
     with ``DUPLEX_ROLLOUT_ROOT`` (the bundle root), ``DUPLEX_METADATA_URL`` (the metadata root),
     ``DUPLEX_ROLLOUT_PREPARE`` (the preparation script), ``DUPLEX_ROLLOUT_RETRY_S`` (pause between the
     5 reads ``sync`` tries, 5 s) and ``PATH`` (``docker``, ``systemctl``, ``curl``):
     what the tests do. ``watch --once`` reads the key once, rolls out what changed, and exits."""
     q = shlex.quote
+    repo = image_repository(profile.runtime_image)
+    allowed = f"{repo}@sha256:<64 hex>"
     return f"""#!/bin/sh
 # Rendered by infra.node.rollout for node profile {profile.name!r}. Do not edit: re-render.
 # duplex-rollout sync        : write the image of metadata key {ROLLOUT_METADATA_KEY} into compose.yaml
@@ -105,7 +122,11 @@ current() {{
     cat "$STATE" 2>/dev/null ||
         sed -n 's/^ *image: *\\([^ ]*@{_ZERO_DIGEST}\\) *$/\\1/p' "$COMPOSE_YAML" | head -n 1
 }}
-valid() {{ printf '%s\\n' "$1" | grep -Eq {q(IMAGE_REF_RE.pattern)}; }}
+# valid IMAGE: digest-pinned, and of the repository the user-data names (no other registry)
+valid() {{
+    printf '%s\\n' "$1" | grep -Eq {q(IMAGE_REF_RE.pattern)} || return 1
+    case "$1" in {q(repo)}@sha256:*) ;; *) return 1 ;; esac
+}}
 
 # read [ETAG]: the key's value into $value and its ETag into $etag (waits for a change when ETAG is given)
 read_key() {{
@@ -146,13 +167,13 @@ sync() {{
         fi
         sleep "$RETRY_S"
     done
-    valid "$value" || {{ log "refusing metadata value '$value' (not <repository>@sha256:<64 hex>)"; exit 1; }}
+    valid "$value" || {{ log "refusing metadata value '$value' (not {allowed})"; exit 1; }}
     write "$value"
 }}
 
 roll() {{
     new=$1
-    valid "$new" || {{ log "refusing metadata value '$new' (not <repository>@sha256:<64 hex>)"; return 0; }}
+    valid "$new" || {{ log "refusing metadata value '$new' (not {allowed})"; return 0; }}
     [ "$new" = "$(current)" ] && return 0
     log "new image $new: preparing (registry login), pulling while the node serves"
     # (set -e is off inside a condition: every step checks its own status)

@@ -31,6 +31,7 @@ GCP_APIS = (
     "secretmanager.googleapis.com",
     "iam.googleapis.com",
     "iap.googleapis.com",
+    "monitoring.googleapis.com",
 )
 """Google APIs a GCE node needs (enabled, never disabled on destroy: other stacks may use them)."""
 
@@ -42,6 +43,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
     """Declare a ``gce-node`` stack; return its outputs."""
     from infra.components.gce_node import GceGpuNode, GceGpuNodeArgs
     from infra.components.image import RuntimeImage, RuntimeImageArgs
+    from infra.components.node_uptime import NodeUptimeCheck, NodeUptimeCheckArgs
 
     gce = config.gce
     assert gce is not None
@@ -85,6 +87,17 @@ def declare(config: StackConfig) -> dict[str, Any]:
         ),
         opts=after_apis,
     )
+    # Seen from outside: the node's own Prometheus cannot report its death (docs/deploying.md).
+    uptime = NodeUptimeCheck(
+        "node-uptime",
+        NodeUptimeCheckArgs(
+            name_prefix=prefix,
+            project=gce.project,
+            host=config.domain if config.domain is not None else node.external_ip,
+            profile=profile,
+        ),
+        opts=after_apis,
+    )
     # Certificates (docs/deploying.md, "Certificates on a single node"): say so when the node cannot have
     # a real one, and how to read the self-signed one's fingerprint (published by the VM at each start).
     fingerprint = (
@@ -123,6 +136,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
         "turn": turn_summary(config, profile),
         "dns": records_summary(gce.dns_zone, records),
         "ssh": node.ssh_command(),
+        "uptimeCheck": uptime.check.uptime_check_id,
         "capacity": capacity_summary(profile, machine_type=gce.machine_type),
         "image": image.image_ref,
         "certificate": (
