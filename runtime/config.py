@@ -349,6 +349,18 @@ class RuntimeConfig(BaseSettings):
         description="The wss:// URL your TwiML's <Stream url=...> names (what Twilio signs), e.g. "
         "wss://voice.example.com/api/carriers/twilio; required with the auth token",
     )
+    plivo_auth_token: SecretStr | None = Field(
+        None,
+        description="Plivo account (or subaccount) auth token: X-Plivo-Signature-V3 on /api/carriers/plivo "
+        "is checked with it; unset: the Plivo bridge answers 404",
+    )
+    plivo_auth_token_file: Path | None = Field(None, description="File holding the Plivo auth token instead")
+    plivo_stream_url: str | None = Field(
+        None,
+        description="The wss:// URL your Plivo XML's <Stream> names, without its query string (the "
+        "signature covers it and the query the call comes with), e.g. "
+        "wss://voice.example.com/api/carriers/plivo; required with the auth token",
+    )
     # WebRTC sessions on /api/rtc (runtime/frontend/transports/webrtc/signalling.py): when a peer that went
     # away frees its slot.
     rtc_connect_timeout_s: float = Field(
@@ -442,14 +454,16 @@ class RuntimeConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _twilio_needs_its_url(self) -> RuntimeConfig:
-        token_set = self.twilio_auth_token is not None or self.twilio_auth_token_file is not None
-        if self.twilio_auth_token is not None and self.twilio_auth_token_file is not None:
-            raise ValueError("set DUPLEX_TWILIO_AUTH_TOKEN or DUPLEX_TWILIO_AUTH_TOKEN_FILE, not both")
-        if token_set != (self.twilio_stream_url is not None):
-            raise ValueError(
-                "the Twilio bridge needs both DUPLEX_TWILIO_AUTH_TOKEN (or _FILE) and "
-                "DUPLEX_TWILIO_STREAM_URL (the signature covers the stream URL)"
-            )
+        _carrier_settings_paired(
+            "Twilio", "TWILIO", self.twilio_auth_token, self.twilio_auth_token_file, self.twilio_stream_url
+        )
+        return self
+
+    @model_validator(mode="after")
+    def _plivo_needs_its_url(self) -> RuntimeConfig:
+        _carrier_settings_paired(
+            "Plivo", "PLIVO", self.plivo_auth_token, self.plivo_auth_token_file, self.plivo_stream_url
+        )
         return self
 
     # GCE host maintenance (runtime/frontend/maintenance.py): on a GCE VM's maintenance notice, stop
@@ -538,6 +552,16 @@ class RuntimeConfig(BaseSettings):
                 except json.JSONDecodeError:
                     raise ValueError('a JSON list of ids, e.g. ["abc", "def"]') from None
             return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("plivo_stream_url")
+    @classmethod
+    def _plivo_stream_url(cls, value: str | None) -> str | None:
+        if value is not None and not (value.startswith("wss://") and "?" not in value):
+            raise ValueError(
+                f"must be the wss:// URL of the Plivo <Stream> without a query string (the call's query is "
+                f"signed as it comes), got {value!r}"
+            )
         return value
 
     @field_validator("twilio_stream_url")
@@ -634,17 +658,16 @@ class RuntimeConfig(BaseSettings):
         Raises:
             ValueError: the file unreadable or empty (names the variable).
         """
-        if self.twilio_auth_token is not None:
-            return self.twilio_auth_token.get_secret_value()
-        if self.twilio_auth_token_file is None:
-            return None
-        try:
-            token = self.twilio_auth_token_file.read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"DUPLEX_TWILIO_AUTH_TOKEN_FILE: {exc}") from None
-        if not token:
-            raise ValueError(f"DUPLEX_TWILIO_AUTH_TOKEN_FILE: {self.twilio_auth_token_file} is empty")
-        return token
+        return _carrier_secret("TWILIO", self.twilio_auth_token, self.twilio_auth_token_file)
+
+    def plivo_secret(self) -> str | None:
+        """The Plivo auth token (``DUPLEX_PLIVO_AUTH_TOKEN`` or the file's first line, read now); None: the
+        Plivo bridge is off.
+
+        Raises:
+            ValueError: the file unreadable or empty (names the variable).
+        """
+        return _carrier_secret("PLIVO", self.plivo_auth_token, self.plivo_auth_token_file)
 
     def load_model_bundle(self) -> ModelBundle:
         """The model these settings name (``model``, ``weights``, ``device``, ``dtype``, ``seed``,
@@ -736,3 +759,39 @@ def normalize_origin(origin: str) -> str:
             '(e.g. https://app.example.com), or "*"'
         )
     return text
+
+
+def _carrier_settings_paired(
+    carrier: str, env: str, token: SecretStr | None, token_file: Path | None, stream_url: str | None
+) -> None:
+    """A carrier's auth token (or its file, not both) and its stream URL: both or neither.
+
+    Raises:
+        ValueError: naming the variables (``DUPLEX_<env>_AUTH_TOKEN``, ``..._FILE``, ``..._STREAM_URL``).
+    """
+    if token is not None and token_file is not None:
+        raise ValueError(f"set DUPLEX_{env}_AUTH_TOKEN or DUPLEX_{env}_AUTH_TOKEN_FILE, not both")
+    if (token is not None or token_file is not None) != (stream_url is not None):
+        raise ValueError(
+            f"the {carrier} bridge needs both DUPLEX_{env}_AUTH_TOKEN (or _FILE) and "
+            f"DUPLEX_{env}_STREAM_URL (the signature covers the stream URL)"
+        )
+
+
+def _carrier_secret(env: str, token: SecretStr | None, token_file: Path | None) -> str | None:
+    """A carrier's secret: ``token``, or ``token_file``'s content read now (stripped); None when neither.
+
+    Raises:
+        ValueError: the file unreadable or empty, naming ``DUPLEX_<env>_AUTH_TOKEN_FILE``.
+    """
+    if token is not None:
+        return token.get_secret_value()
+    if token_file is None:
+        return None
+    try:
+        secret = token_file.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"DUPLEX_{env}_AUTH_TOKEN_FILE: {exc}") from None
+    if not secret:
+        raise ValueError(f"DUPLEX_{env}_AUTH_TOKEN_FILE: {token_file} is empty")
+    return secret

@@ -86,6 +86,12 @@ class Dialect(abc.ABC):
         """Whether the upgrade ``request`` carries the carrier's valid signature with ``secret``."""
 
     @classmethod
+    def upgrade_parameters(cls, request: web.Request) -> dict[str, str]:
+        """Call parameters the upgrade itself carries (Plivo: the stream URL's query); the ``start``
+        message's win over these. Default: none (Twilio drops a stream URL's query)."""
+        return {}
+
+    @classmethod
     @abc.abstractmethod
     def read_start(cls, event: dict[str, object]) -> CallStart | None:
         """One message before the call: None to skip it (Twilio's ``connected``), else the call's start.

@@ -359,21 +359,28 @@ async def serve_upgrade(
         answer.headers["Upgrade"] = "websocket"
         answer.force_close()
         return answer
+    carried = dialect.upgrade_parameters(request)
     await connection.prepare(request)
-    await serve_stream(front, connection, client, dialect)
+    await serve_stream(front, connection, client, dialect, carried)
     return connection
 
 
 async def serve_stream(
-    front: FrontEnd, connection: DuplexWebSocket, client: str, dialect: type[Dialect]
+    front: FrontEnd,
+    connection: DuplexWebSocket,
+    client: str,
+    dialect: type[Dialect],
+    carried: dict[str, str] | None = None,
 ) -> None:
     """One media stream after its upgrade (its signature checked): the ``start`` message, the token's half
-    of the gate on its parameters, then the conversation (:func:`run`)."""
+    of the gate on the call's parameters (``carried`` by the upgrade, then the ``start`` message's over
+    them), then the conversation (:func:`run`)."""
     log = dialect.log
     try:
         start = await _start_message(connection, dialect)
-        token = start.parameters.get(TOKEN_PARAMETER)
-        query = urlencode({k: v for k, v in start.parameters.items() if k != TOKEN_PARAMETER})
+        parameters = {**(carried or {}), **start.parameters}
+        token = parameters.get(TOKEN_PARAMETER)
+        query = urlencode({k: v for k, v in parameters.items() if k != TOKEN_PARAMETER})
         request = parse_session_query(query)
         claims = await admit_token(front.access, front.metrics, token or None, request)
         request, sampling = plan_session(front, request)

@@ -26,8 +26,6 @@ from aiohttp import web
 from runtime.config import RuntimeConfig
 from runtime.frontend.gate.carrier_auth import TWILIO_SIGNATURE_HEADER, twilio_signature_valid
 from runtime.frontend.gate.refusals import SessionRefused
-from runtime.frontend.session.conversation import FrontEnd
-from runtime.frontend.transports.carriers import edge
 from runtime.frontend.transports.carriers.dialect import (
     CallStart,
     CarrierEvent,
@@ -35,7 +33,7 @@ from runtime.frontend.transports.carriers.dialect import (
     Dialect,
 )
 
-__all__ = ["TWILIO_PATH", "TwilioDialect", "serve_upgrade"]
+__all__ = ["TWILIO_PATH", "TwilioDialect"]
 
 TWILIO_PATH = "/api/carriers/twilio"
 _MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
@@ -116,8 +114,3 @@ class TwilioDialect(Dialect):
     def checkpoint(self, name: str) -> dict[str, object]:
         return {"event": "mark", "streamSid": self.start.stream_id, "mark": {"name": name}}
 
-
-async def serve_upgrade(front: FrontEnd, request: web.Request, client: str) -> web.StreamResponse:
-    """``GET /api/carriers/twilio`` past the connection's gate: :func:`edge.serve_upgrade` with Twilio's
-    dialect."""
-    return await edge.serve_upgrade(front, request, client, TwilioDialect)

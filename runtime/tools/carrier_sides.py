@@ -1,0 +1,175 @@
+"""Each carrier's side of a media stream as ``runtime.tools.carrier_client`` plays it: its documented
+messages, its signature, and where a call's parameters travel.
+
+- :class:`TwilioSide`: Twilio's "Media Streams - WebSocket Messages" (``connected``, ``start`` with
+  ``customParameters``, ``media``, ``dtmf``, ``mark`` echoes, ``stop``); ``X-Twilio-Signature`` over the
+  stream URL.
+- :class:`PlivoSide`: Plivo's "Audio Streaming Protocol Reference" (``start`` with ``streamId``, ``callId``,
+  ``mediaFormat`` and ``extra_headers``, ``media``, ``dtmf``, ``playedStream`` for each ``checkpoint``,
+  ``clearedAudio`` for each ``clearAudio``, ``stop``); ``X-Plivo-Signature-V3`` with a nonce over the stream
+  URL and its query, which carries the call's parameters (the ``<Stream>`` URL's query string).
+"""
+
+from __future__ import annotations
+
+import secrets
+from urllib.parse import urlencode
+
+from runtime.frontend.gate.carrier_auth import (
+    PLIVO_NONCE_HEADER,
+    PLIVO_SIGNATURE_HEADER,
+    TWILIO_SIGNATURE_HEADER,
+    plivo_signature,
+    twilio_signature,
+)
+from runtime.tools.carrier_client import CallIds, CarrierSide, new_id
+
+__all__ = ["SIDES", "PlivoSide", "TwilioSide"]
+
+
+def _body(event: dict[str, object], key: str) -> dict[str, object]:
+    value = event.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+class TwilioSide(CarrierSide):
+    """Twilio's media servers on a bidirectional ``<Connect><Stream>``."""
+
+    name = "twilio"
+
+    def ids(self) -> CallIds:
+        return CallIds(new_id("MZ"), new_id("CA"), "AC" + "0" * 32)
+
+    def upgrade(self, secret: str, stream_url: str, parameters: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """No query (Twilio drops it; parameters go in ``start``); the signature of the stream URL."""
+        return "", {TWILIO_SIGNATURE_HEADER: twilio_signature(secret, stream_url)}
+
+    def opening(
+        self, ids: CallIds, parameters: dict[str, str], media_format: dict[str, object] | None
+    ) -> list[dict[str, object]]:
+        return [
+            {"event": "connected", "protocol": "Call", "version": "1.0.0"},
+            {
+                "event": "start",
+                "sequenceNumber": "1",
+                "streamSid": ids.stream,
+                "start": {
+                    "accountSid": ids.account,
+                    "streamSid": ids.stream,
+                    "callSid": ids.call,
+                    "tracks": ["inbound"],
+                    "customParameters": parameters,
+                    "mediaFormat": media_format
+                    or {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1},
+                },
+            },
+        ]
+
+    def media(self, ids: CallIds, index: int, payload: str) -> dict[str, object]:
+        return {
+            "event": "media",
+            "streamSid": ids.stream,
+            "media": {
+                "track": "inbound",
+                "chunk": str(index + 1),
+                "timestamp": str(index * 20),
+                "payload": payload,
+            },
+        }
+
+    def dtmf(self, ids: CallIds, digit: str) -> dict[str, object]:
+        return {"event": "dtmf", "streamSid": ids.stream, "dtmf": {"track": "inbound_track", "digit": digit}}
+
+    def stop(self, ids: CallIds) -> dict[str, object]:
+        return {
+            "event": "stop",
+            "streamSid": ids.stream,
+            "stop": {"accountSid": ids.account, "callSid": ids.call},
+        }
+
+    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
+        kind = event.get("event")
+        if kind == "media":
+            return "media", str(_body(event, "media").get("payload", ""))
+        if kind == "mark":
+            return "mark", str(_body(event, "mark").get("name", ""))
+        if kind == "clear":
+            return "clear", ""
+        return "other", ""
+
+    def played(self, ids: CallIds, name: str) -> dict[str, object]:
+        return {"event": "mark", "streamSid": ids.stream, "mark": {"name": name}}
+
+
+class PlivoSide(CarrierSide):
+    """Plivo's media servers on a ``<Stream bidirectional="true">`` (μ-law at 8000 Hz by default)."""
+
+    name = "plivo"
+
+    def ids(self) -> CallIds:
+        return CallIds(new_id(), new_id(), "MA" + "0" * 18)
+
+    def upgrade(self, secret: str, stream_url: str, parameters: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """The parameters as the stream URL's query; its V3 signature with a fresh nonce."""
+        query = urlencode(parameters)
+        nonce = str(secrets.randbelow(10**20)).zfill(20)  # Plivo's nonces are 20 digits
+        signed = plivo_signature(secret, stream_url + (f"?{query}" if query else ""), nonce)
+        return query, {PLIVO_SIGNATURE_HEADER: signed, PLIVO_NONCE_HEADER: nonce}
+
+    def opening(
+        self, ids: CallIds, parameters: dict[str, str], media_format: dict[str, object] | None
+    ) -> list[dict[str, object]]:
+        return [
+            {
+                "event": "start",
+                "sequenceNumber": 1,
+                "start": {
+                    "callId": ids.call,
+                    "streamId": ids.stream,
+                    "accountId": ids.account,
+                    "tracks": ["inbound"],
+                    "mediaFormat": media_format or {"encoding": "audio/x-mulaw", "sampleRate": 8000},
+                },
+                "extra_headers": "",
+            }
+        ]
+
+    def media(self, ids: CallIds, index: int, payload: str) -> dict[str, object]:
+        return {
+            "event": "media",
+            "sequenceNumber": index + 2,
+            "streamId": ids.stream,
+            "media": {
+                "track": "inbound",
+                "timestamp": str(index * 20),
+                "chunk": index + 1,
+                "payload": payload,
+            },
+            "extra_headers": "",
+        }
+
+    def dtmf(self, ids: CallIds, digit: str) -> dict[str, object]:
+        return {"event": "dtmf", "streamId": ids.stream, "dtmf": {"track": "inbound", "digit": digit}}
+
+    def stop(self, ids: CallIds) -> dict[str, object]:
+        return {"event": "stop", "streamId": ids.stream}
+
+    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
+        kind = event.get("event")
+        if kind == "playAudio":
+            return "media", str(_body(event, "media").get("payload", ""))
+        if kind == "checkpoint":
+            return "mark", str(event.get("name", ""))
+        if kind == "clearAudio":
+            return "clear", ""
+        return "other", ""
+
+    def played(self, ids: CallIds, name: str) -> dict[str, object]:
+        return {"event": "playedStream", "streamId": ids.stream, "name": name}
+
+    def cleared(self, ids: CallIds) -> dict[str, object] | None:
+        return {"sequenceNumber": 0, "event": "clearedAudio", "streamId": ids.stream}
+
+
+SIDES: dict[str, type[CarrierSide]] = {"twilio": TwilioSide, "plivo": PlivoSide}
+"""Each carrier's side by name (``duplex loadgen --transport``)."""
