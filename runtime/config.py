@@ -355,6 +355,15 @@ class RuntimeConfig(BaseSettings):
         "is checked with it; unset: the Plivo bridge answers 404",
     )
     plivo_auth_token_file: Path | None = Field(None, description="File holding the Plivo auth token instead")
+    telnyx_stream_token: SecretStr | None = Field(
+        None,
+        description="A secret the Telnyx stream URL carries (?stream_token=..., or Authorization: Bearer): "
+        "Telnyx signs no stream upgrade, so /api/carriers/telnyx admits on it; unset: the Telnyx bridge "
+        "answers 404",
+    )
+    telnyx_stream_token_file: Path | None = Field(
+        None, description="File holding the Telnyx stream secret instead"
+    )
     plivo_stream_url: str | None = Field(
         None,
         description="The wss:// URL your Plivo XML's <Stream> names, without its query string (the "
@@ -457,6 +466,16 @@ class RuntimeConfig(BaseSettings):
         _carrier_settings_paired(
             "Twilio", "TWILIO", self.twilio_auth_token, self.twilio_auth_token_file, self.twilio_stream_url
         )
+        return self
+
+    @model_validator(mode="after")
+    def _telnyx_one_secret(self) -> RuntimeConfig:
+        if self.telnyx_stream_token is not None and self.telnyx_stream_token_file is not None:
+            raise ValueError("set DUPLEX_TELNYX_STREAM_TOKEN or DUPLEX_TELNYX_STREAM_TOKEN_FILE, not both")
+        if self.telnyx_stream_token is not None and len(self.telnyx_stream_token.get_secret_value()) < 16:
+            raise ValueError(
+                "DUPLEX_TELNYX_STREAM_TOKEN must be at least 16 characters (it is the route's only gate)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -669,6 +688,17 @@ class RuntimeConfig(BaseSettings):
         """
         return _carrier_secret("PLIVO", self.plivo_auth_token, self.plivo_auth_token_file)
 
+    def telnyx_secret(self) -> str | None:
+        """The Telnyx stream secret (``DUPLEX_TELNYX_STREAM_TOKEN`` or the file's first line, read now);
+        None: the Telnyx bridge is off.
+
+        Raises:
+            ValueError: the file unreadable or empty (names the variable).
+        """
+        return _carrier_secret(
+            "TELNYX", self.telnyx_stream_token, self.telnyx_stream_token_file, setting="STREAM_TOKEN"
+        )
+
     def load_model_bundle(self) -> ModelBundle:
         """The model these settings name (``model``, ``weights``, ``device``, ``dtype``, ``seed``,
         ``quantize``), with torch's intra-op threads set first (``torch_threads``): what the single
@@ -778,11 +808,13 @@ def _carrier_settings_paired(
         )
 
 
-def _carrier_secret(env: str, token: SecretStr | None, token_file: Path | None) -> str | None:
+def _carrier_secret(
+    env: str, token: SecretStr | None, token_file: Path | None, setting: str = "AUTH_TOKEN"
+) -> str | None:
     """A carrier's secret: ``token``, or ``token_file``'s content read now (stripped); None when neither.
 
     Raises:
-        ValueError: the file unreadable or empty, naming ``DUPLEX_<env>_AUTH_TOKEN_FILE``.
+        ValueError: the file unreadable or empty, naming ``DUPLEX_<env>_<setting>_FILE``.
     """
     if token is not None:
         return token.get_secret_value()
@@ -791,7 +823,7 @@ def _carrier_secret(env: str, token: SecretStr | None, token_file: Path | None) 
     try:
         secret = token_file.read_text().strip()
     except OSError as exc:
-        raise ValueError(f"DUPLEX_{env}_AUTH_TOKEN_FILE: {exc}") from None
+        raise ValueError(f"DUPLEX_{env}_{setting}_FILE: {exc}") from None
     if not secret:
-        raise ValueError(f"DUPLEX_{env}_AUTH_TOKEN_FILE: {token_file} is empty")
+        raise ValueError(f"DUPLEX_{env}_{setting}_FILE: {token_file} is empty")
     return secret

@@ -1,11 +1,11 @@
 """Run by tests/test_carrier_peers.py with .venv-peers' Python (``make peers-deps``): pipecat-ai's carrier
-serializers (``TwilioFrameSerializer``, ``PlivoFrameSerializer``), implementations nobody here wrote, read
-the messages our load generator sent as the carrier and write the messages a bridge sends the carrier, for
-the test to compare with our node's.
+serializers (``TwilioFrameSerializer``, ``PlivoFrameSerializer``, ``TelnyxFrameSerializer``),
+implementations nobody here wrote, read the messages our load generator sent as the carrier and write the
+messages a bridge sends the carrier, for the test to compare with our node's.
 
-stdin: ``{"carrier": "twilio" | "plivo", "sent": [the carrier's messages], "stream_sid": "<stream id>"}``.
-stdout: one JSON object: ``{"parsed": [{"event", "frame", "samples", "rate", "digit"} per message],
-"wrote": {"media": {...}, "clear": {...}}}``.
+stdin: ``{"carrier": "twilio" | "plivo" | "telnyx", "sent": [the carrier's messages], "stream_sid":
+"<stream id>"}``. stdout: one JSON object: ``{"parsed": [{"event", "frame", "samples", "rate", "digit"} per
+message], "wrote": {"media": {...}, "clear": {...}}}``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,20 @@ import numpy as np
 from pipecat.frames.frames import InputAudioRawFrame, InputDTMFFrame, InterruptionFrame, OutputAudioRawFrame
 from pipecat.processors.frame_processor import FrameProcessorSetup
 from pipecat.serializers.plivo import PlivoFrameSerializer
+from pipecat.serializers.telnyx import TelnyxFrameSerializer
 from pipecat.serializers.twilio import TwilioFrameSerializer
 
 
-def _serializer(carrier: str, stream_id: str) -> TwilioFrameSerializer | PlivoFrameSerializer:
+def _serializer(
+    carrier: str, stream_id: str
+) -> TwilioFrameSerializer | PlivoFrameSerializer | TelnyxFrameSerializer:
+    if carrier == "telnyx":
+        return TelnyxFrameSerializer(
+            stream_id,
+            outbound_encoding="PCMU",
+            inbound_encoding="PCMU",
+            params=TelnyxFrameSerializer.InputParams(auto_hang_up=False, sample_rate=8000),
+        )
     if carrier == "plivo":
         return PlivoFrameSerializer(
             stream_id, params=PlivoFrameSerializer.InputParams(auto_hang_up=False, sample_rate=8000)

@@ -27,12 +27,15 @@ from runtime.tools.carrier_sides import SIDES
 SECRETS = {
     "twilio": ("0123456789abcdef0123456789abcdef", "wss://voice.example.com/api/carriers/twilio"),
     "plivo": ("MjA3ZDQ5ZTUtYjM0Yy00ZjVmLWI2NWItZTA4", "wss://voice.example.com/api/carriers/plivo"),
+    "telnyx": ("a-stream-secret-of-32-characters", "unsigned"),  # Telnyx signs nothing: no stream URL
 }
 CARRIERS = sorted(SECRETS)
 
 
 def settings(carrier: str) -> dict[str, object]:
     secret, url = SECRETS[carrier]
+    if carrier == "telnyx":
+        return {"telnyx_stream_token": secret}
     return {f"{carrier}_auth_token": secret, f"{carrier}_stream_url": url}
 
 

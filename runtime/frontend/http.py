@@ -44,6 +44,7 @@ from runtime.frontend.transports import websocket as ws
 from runtime.frontend.transports.carriers import edge as carrier_edge
 from runtime.frontend.transports.carriers.dialect import Dialect
 from runtime.frontend.transports.carriers.plivo import PlivoDialect
+from runtime.frontend.transports.carriers.telnyx import TelnyxDialect
 from runtime.frontend.transports.carriers.twilio import TwilioDialect
 from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE
@@ -327,6 +328,7 @@ ROUTES: dict[str, Route] = {
     rtc.ICE_SERVERS_PATH: Route(("GET",), _rtc, _loading_refused),
     TwilioDialect.path: Route(("GET",), _carrier(TwilioDialect), _loading_refused),
     PlivoDialect.path: Route(("GET",), _carrier(PlivoDialect), _loading_refused),
+    TelnyxDialect.path: Route(("GET",), _carrier(TelnyxDialect), _loading_refused),
 }
 """Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer. A key
 ending in ``/*`` takes every path below it."""

@@ -1,5 +1,5 @@
 """A phone carrier's side of a media stream, played against a node's ``/api/carriers/<carrier>``: for the load
-generator (``duplex loadgen --transport twilio|plivo``) and the tests. What differs per carrier (its
+generator (``duplex loadgen --transport twilio|plivo|telnyx``) and the tests. What differs per carrier (its
 messages, its signature, where the call's parameters travel) is a :class:`CarrierSide`
 (``runtime.tools.carrier_sides``); the call itself is here.
 
@@ -134,6 +134,13 @@ class CarrierSide(abc.ABC):
     def played(self, ids: CallIds, name: str) -> dict[str, object]:
         """The echo of checkpoint ``name`` once the audio before it played out."""
 
+    def forged(self, query: str, headers: dict[str, str], signature: str) -> tuple[str, dict[str, str]]:
+        """The upgrade with ``signature`` in place of the right one (tests of a refusal): the first header
+        replaced; ``""``: no signature headers at all."""
+        if not signature:
+            return query, {}
+        return query, {**headers, next(iter(headers)): signature}
+
     def cleared(self, ids: CallIds) -> dict[str, object] | None:
         """The acknowledgement of a clear, where the carrier sends one (None: none)."""
         return None
@@ -185,9 +192,8 @@ async def carrier_call(
     result = CallResult(encoding=side.encoding)
     parameters = parameters or {}
     query, headers = side.upgrade(secret, stream_url, parameters)
-    if signature is not None:  # the signature header (the first) replaced; "": no signature headers at all
-        first = next(iter(headers))
-        headers = {**headers, first: signature} if signature else {}
+    if signature is not None:
+        query, headers = side.forged(query, headers, signature)
     url = base_url.rstrip("/") + f"/api/carriers/{side.name}" + (f"?{query}" if query else "")
     try:
         async with connect(

@@ -8,6 +8,10 @@ messages, its signature, and where a call's parameters travel.
   ``mediaFormat`` and ``extra_headers``, ``media``, ``dtmf``, ``playedStream`` for each ``checkpoint``,
   ``clearedAudio`` for each ``clearAudio``, ``stop``); ``X-Plivo-Signature-V3`` with a nonce over the stream
   URL and its query, which carries the call's parameters (the ``<Stream>`` URL's query string).
+- :class:`TelnyxSide`: Telnyx's "Stream call media over WebSocket" (``connected``, ``start`` with
+  ``stream_id``, ``call_control_id``, ``custom_parameters`` and ``media_format``, ``media`` with RTP
+  payloads, ``dtmf``, ``mark`` echoes, ``stop``); no signature (Telnyx documents none on the stream): the
+  node's stream secret in the URL's query (``stream_token``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from runtime.frontend.gate.carrier_auth import (
 )
 from runtime.tools.carrier_client import CallIds, CarrierSide, new_id
 
-__all__ = ["SIDES", "PlivoSide", "TwilioSide"]
+__all__ = ["SIDES", "PlivoSide", "TelnyxSide", "TwilioSide"]
 
 
 def _body(event: dict[str, object], key: str) -> dict[str, object]:
@@ -171,5 +175,81 @@ class PlivoSide(CarrierSide):
         return {"sequenceNumber": 0, "event": "clearedAudio", "streamId": ids.stream}
 
 
-SIDES: dict[str, type[CarrierSide]] = {"twilio": TwilioSide, "plivo": PlivoSide}
+class TelnyxSide(CarrierSide):
+    """Telnyx's media servers on a bidirectional RTP stream (PCMU at 8000 Hz by default)."""
+
+    name = "telnyx"
+
+    def ids(self) -> CallIds:
+        return CallIds(new_id(), "v3:" + new_id(), new_id())
+
+    def upgrade(self, secret: str, stream_url: str, parameters: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """The node's stream secret in the query (``stream_token``); no headers. ``stream_url`` is unused
+        (nothing is signed)."""
+        return urlencode({"stream_token": secret}), {}
+
+    def forged(self, query: str, headers: dict[str, str], signature: str) -> tuple[str, dict[str, str]]:
+        """``signature`` as the query's stream secret (``""``: none)."""
+        return (urlencode({"stream_token": signature}) if signature else ""), headers
+
+    def opening(
+        self, ids: CallIds, parameters: dict[str, str], media_format: dict[str, object] | None
+    ) -> list[dict[str, object]]:
+        return [
+            {"event": "connected", "version": "1.0.0"},
+            {
+                "event": "start",
+                "sequence_number": "1",
+                "stream_id": ids.stream,
+                "start": {
+                    "user_id": ids.account,
+                    "call_control_id": ids.call,
+                    "call_session_id": new_id(),
+                    "from": "+13122010094",
+                    "to": "+13122123456",
+                    "custom_parameters": parameters,
+                    "media_format": media_format or {"encoding": "PCMU", "sample_rate": 8000, "channels": 1},
+                },
+            },
+        ]
+
+    def media(self, ids: CallIds, index: int, payload: str) -> dict[str, object]:
+        return {
+            "event": "media",
+            "sequence_number": str(index + 2),
+            "media": {
+                "track": "inbound",
+                "chunk": str(index + 1),
+                "timestamp": str(index * 20),
+                "payload": payload,
+            },
+            "stream_id": ids.stream,
+        }
+
+    def dtmf(self, ids: CallIds, digit: str) -> dict[str, object]:
+        return {"event": "dtmf", "stream_id": ids.stream, "sequence_number": "0", "dtmf": {"digit": digit}}
+
+    def stop(self, ids: CallIds) -> dict[str, object]:
+        return {
+            "event": "stop",
+            "sequence_number": "0",
+            "stop": {"user_id": ids.account, "call_control_id": ids.call},
+            "stream_id": ids.stream,
+        }
+
+    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
+        kind = event.get("event")
+        if kind == "media":
+            return "media", str(_body(event, "media").get("payload", ""))
+        if kind == "mark":
+            return "mark", str(_body(event, "mark").get("name", ""))
+        if kind == "clear":
+            return "clear", ""
+        return "other", ""
+
+    def played(self, ids: CallIds, name: str) -> dict[str, object]:
+        return {"event": "mark", "sequence_number": "0", "stream_id": ids.stream, "mark": {"name": name}}
+
+
+SIDES: dict[str, type[CarrierSide]] = {"twilio": TwilioSide, "plivo": PlivoSide, "telnyx": TelnyxSide}
 """Each carrier's side by name (``duplex loadgen --transport``)."""

@@ -306,8 +306,8 @@ def loadgen(
     transport: Annotated[
         str,
         typer.Option(
-            help="websocket (/api/chat), webrtc (/api/rtc: aiortc clients, pre-encoded Opus), twilio or "
-            "plivo (/api/carriers/<carrier>: the carrier's side of a media stream, 8 kHz mu-law)"
+            help="websocket (/api/chat), webrtc (/api/rtc: aiortc clients, pre-encoded Opus), twilio, "
+            "plivo or telnyx (/api/carriers/<carrier>: the carrier's side of a media stream, 8 kHz mu-law)"
         ),
     ] = "websocket",
     twilio_auth_token: Annotated[
@@ -328,6 +328,12 @@ def loadgen(
         str | None,
         typer.Option(
             envvar="DUPLEX_PLIVO_STREAM_URL", help="--transport plivo: the stream URL the node checks"
+        ),
+    ] = None,
+    telnyx_stream_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DUPLEX_TELNYX_STREAM_TOKEN", help="--transport telnyx: the stream secret the node checks"
         ),
     ] = None,
     processes: Annotated[
@@ -382,6 +388,7 @@ def loadgen(
     carriers = {
         "twilio": (twilio_auth_token, twilio_stream_url, "Twilio"),
         "plivo": (plivo_auth_token, plivo_stream_url, "Plivo"),
+        "telnyx": (telnyx_stream_token, "unsigned", "Telnyx"),  # Telnyx signs nothing: no stream URL
     }
     if transport not in ("websocket", "webrtc", *carriers):
         console.print(
@@ -392,6 +399,12 @@ def loadgen(
         secret, stream_url, label = carriers[transport]
         if not secret or not stream_url:
             upper = transport.upper()
+            if transport == "telnyx":
+                console.print(
+                    "[red]--transport telnyx needs --telnyx-stream-token (or DUPLEX_TELNYX_STREAM_TOKEN), as "
+                    "the node has it[/red]"
+                )
+                raise typer.Exit(2)
             console.print(
                 f"[red]--transport {transport} needs --{transport}-auth-token and "
                 f"--{transport}-stream-url (or DUPLEX_{upper}_AUTH_TOKEN and DUPLEX_{upper}_STREAM_URL), as "

@@ -155,4 +155,3 @@ class PlivoDialect(Dialect):
 
     def checkpoint(self, name: str) -> dict[str, object]:
         return {"event": "checkpoint", "streamId": self.start.stream_id, "name": name}
-

@@ -113,4 +113,3 @@ class TwilioDialect(Dialect):
 
     def checkpoint(self, name: str) -> dict[str, object]:
         return {"event": "mark", "streamSid": self.start.stream_id, "mark": {"name": name}}
-
