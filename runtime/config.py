@@ -355,6 +355,22 @@ class RuntimeConfig(BaseSettings):
         "is checked with it; unset: the Plivo bridge answers 404",
     )
     plivo_auth_token_file: Path | None = Field(None, description="File holding the Plivo auth token instead")
+    exotel_api_key: str | None = Field(
+        None,
+        description="Exotel API key: the user of the Basic auth Exotel sends on /api/carriers/exotel's "
+        "upgrade (wss://<key>:<token>@host/...); unset: the Exotel bridge answers 404",
+    )
+    exotel_api_token: SecretStr | None = Field(
+        None, description="Exotel API token: the Basic auth's password"
+    )
+    exotel_api_token_file: Path | None = Field(None, description="File holding the Exotel API token instead")
+    exotel_personas: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Voice prompts an Exotel call may name, comma-separated (* for any); an Exotel call "
+        "carries no session token (its stream URL's parameters are 256 characters at most), so the bridge "
+        "admits on the account's Basic auth and this list is its persona policy. Empty: only the node's "
+        "default voice",
+    )
     telnyx_stream_token: SecretStr | None = Field(
         None,
         description="A secret the Telnyx stream URL carries (?stream_token=..., or Authorization: Bearer): "
@@ -466,6 +482,18 @@ class RuntimeConfig(BaseSettings):
         _carrier_settings_paired(
             "Twilio", "TWILIO", self.twilio_auth_token, self.twilio_auth_token_file, self.twilio_stream_url
         )
+        return self
+
+    @model_validator(mode="after")
+    def _exotel_key_and_token(self) -> RuntimeConfig:
+        if self.exotel_api_token is not None and self.exotel_api_token_file is not None:
+            raise ValueError("set DUPLEX_EXOTEL_API_TOKEN or DUPLEX_EXOTEL_API_TOKEN_FILE, not both")
+        token_set = self.exotel_api_token is not None or self.exotel_api_token_file is not None
+        if token_set != (self.exotel_api_key is not None):
+            raise ValueError(
+                "the Exotel bridge needs both DUPLEX_EXOTEL_API_KEY and DUPLEX_EXOTEL_API_TOKEN (or _FILE): "
+                "Exotel's Basic auth on the upgrade"
+            )
         return self
 
     @model_validator(mode="after")
@@ -602,7 +630,7 @@ class RuntimeConfig(BaseSettings):
             raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes (coturn's static-auth-secret)")
         return value
 
-    @field_validator("turn_urls", mode="before")
+    @field_validator("turn_urls", "exotel_personas", mode="before")
     @classmethod
     def _turn_url_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -687,6 +715,18 @@ class RuntimeConfig(BaseSettings):
             ValueError: the file unreadable or empty (names the variable).
         """
         return _carrier_secret("PLIVO", self.plivo_auth_token, self.plivo_auth_token_file)
+
+    def exotel_secret(self) -> str | None:
+        """``<key>:<token>``: Exotel's Basic auth credentials (``DUPLEX_EXOTEL_API_KEY`` and
+        ``DUPLEX_EXOTEL_API_TOKEN`` or the file's first line, read now); None: the Exotel bridge is off.
+
+        Raises:
+            ValueError: the file unreadable or empty (names the variable).
+        """
+        token = _carrier_secret(
+            "EXOTEL", self.exotel_api_token, self.exotel_api_token_file, setting="API_TOKEN"
+        )
+        return None if token is None or self.exotel_api_key is None else f"{self.exotel_api_key}:{token}"
 
     def telnyx_secret(self) -> str | None:
         """The Telnyx stream secret (``DUPLEX_TELNYX_STREAM_TOKEN`` or the file's first line, read now);

@@ -1,9 +1,10 @@
 """Run by tests/test_carrier_peers.py with .venv-peers' Python (``make peers-deps``): pipecat-ai's carrier
-serializers (``TwilioFrameSerializer``, ``PlivoFrameSerializer``, ``TelnyxFrameSerializer``),
+serializers (``TwilioFrameSerializer``, ``PlivoFrameSerializer``, ``TelnyxFrameSerializer``,
+``ExotelFrameSerializer``),
 implementations nobody here wrote, read the messages our load generator sent as the carrier and write the
 messages a bridge sends the carrier, for the test to compare with our node's.
 
-stdin: ``{"carrier": "twilio" | "plivo" | "telnyx", "sent": [the carrier's messages], "stream_sid":
+stdin: ``{"carrier": "twilio" | "plivo" | "telnyx" | "exotel", "sent": [the carrier's messages], "stream_sid":
 "<stream id>"}``. stdout: one JSON object: ``{"parsed": [{"event", "frame", "samples", "rate", "digit"} per
 message], "wrote": {"media": {...}, "clear": {...}}}``.
 """
@@ -17,6 +18,7 @@ import sys
 import numpy as np
 from pipecat.frames.frames import InputAudioRawFrame, InputDTMFFrame, InterruptionFrame, OutputAudioRawFrame
 from pipecat.processors.frame_processor import FrameProcessorSetup
+from pipecat.serializers.exotel import ExotelFrameSerializer
 from pipecat.serializers.plivo import PlivoFrameSerializer
 from pipecat.serializers.telnyx import TelnyxFrameSerializer
 from pipecat.serializers.twilio import TwilioFrameSerializer
@@ -24,7 +26,9 @@ from pipecat.serializers.twilio import TwilioFrameSerializer
 
 def _serializer(
     carrier: str, stream_id: str
-) -> TwilioFrameSerializer | PlivoFrameSerializer | TelnyxFrameSerializer:
+) -> TwilioFrameSerializer | PlivoFrameSerializer | TelnyxFrameSerializer | ExotelFrameSerializer:
+    if carrier == "exotel":
+        return ExotelFrameSerializer(stream_id, params=ExotelFrameSerializer.InputParams(sample_rate=8000))
     if carrier == "telnyx":
         return TelnyxFrameSerializer(
             stream_id,

@@ -28,6 +28,7 @@ SECRETS = {
     "twilio": ("0123456789abcdef0123456789abcdef", "wss://voice.example.com/api/carriers/twilio"),
     "plivo": ("MjA3ZDQ5ZTUtYjM0Yy00ZjVmLWI2NWItZTA4", "wss://voice.example.com/api/carriers/plivo"),
     "telnyx": ("a-stream-secret-of-32-characters", "unsigned"),  # Telnyx signs nothing: no stream URL
+    "exotel": ("exotel-key:exotel-token-0123456789", "unsigned"),  # Basic auth: no stream URL either
 }
 CARRIERS = sorted(SECRETS)
 
@@ -36,6 +37,9 @@ def settings(carrier: str) -> dict[str, object]:
     secret, url = SECRETS[carrier]
     if carrier == "telnyx":
         return {"telnyx_stream_token": secret}
+    if carrier == "exotel":
+        key, token = secret.split(":")
+        return {"exotel_api_key": key, "exotel_api_token": token}
     return {f"{carrier}_auth_token": secret, f"{carrier}_stream_url": url}
 
 
@@ -49,7 +53,7 @@ def _bad(carrier: str, kind: str) -> str | bytes:
     if kind == "bad-base64":
         return json.dumps(side.media(ids, 0, "not base64!"))
     if kind == "wrong-length":
-        return json.dumps(side.media(ids, 0, "//" * 2000))
+        return json.dumps(side.media(ids, 0, "//" * 2200))  # 3300 bytes: over 200 ms of G.711 or L16
     if kind == "huge":
         return json.dumps(side.media(ids, 0, "A" * 70_000))
     return b"\x00\x01"
@@ -59,7 +63,7 @@ WHY = {
     "unknown-event": (1008, "unknown event 'tap-dance'"),
     "replayed-start": (1008, "a second start message"),
     "bad-base64": (1008, "bad message"),
-    "wrong-length": (1008, "a media payload of 3000 bytes; allowed 80-1600"),
+    "wrong-length": (1008, "a media payload of 3300 bytes; allowed "),
     "huge": (1009, "exceeds limit 65536"),
     "binary": (1008, "a binary frame"),
 }

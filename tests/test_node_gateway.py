@@ -122,7 +122,7 @@ def test_nginx_config_has_what_the_node_needs(profile_name: str) -> None:
     assert "$request_method $uri" in log_format and '"$request"' not in log_format
 
 
-@pytest.mark.parametrize("carrier_name", ["twilio", "plivo", "telnyx"])
+@pytest.mark.parametrize("carrier_name", ["twilio", "plivo", "telnyx", "exotel"])
 @pytest.mark.parametrize("profile_name", sorted(PROFILES))
 def test_each_carrier_bridge_is_a_session_route_without_a_per_client_cap(
     profile_name: str, carrier_name: str

@@ -189,6 +189,7 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert rule["service"] == runtime_id
     assert sorted(rule["paths"]) == [
         "/api/admission",
+        "/api/carriers/exotel",
         "/api/carriers/plivo",  # the phone carriers' media streams (issue 32)
         "/api/carriers/telnyx",
         "/api/carriers/twilio",

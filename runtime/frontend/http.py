@@ -43,6 +43,7 @@ from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, se
 from runtime.frontend.transports import websocket as ws
 from runtime.frontend.transports.carriers import edge as carrier_edge
 from runtime.frontend.transports.carriers.dialect import Dialect
+from runtime.frontend.transports.carriers.exotel import ExotelDialect
 from runtime.frontend.transports.carriers.plivo import PlivoDialect
 from runtime.frontend.transports.carriers.telnyx import TelnyxDialect
 from runtime.frontend.transports.carriers.twilio import TwilioDialect
@@ -329,6 +330,7 @@ ROUTES: dict[str, Route] = {
     TwilioDialect.path: Route(("GET",), _carrier(TwilioDialect), _loading_refused),
     PlivoDialect.path: Route(("GET",), _carrier(PlivoDialect), _loading_refused),
     TelnyxDialect.path: Route(("GET",), _carrier(TelnyxDialect), _loading_refused),
+    ExotelDialect.path: Route(("GET",), _carrier(ExotelDialect), _loading_refused),
 }
 """Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer. A key
 ending in ``/*`` takes every path below it."""

@@ -1,6 +1,6 @@
-"""A phone carrier's side of a media stream, played against a node's ``/api/carriers/<carrier>``: for the load
-generator (``duplex loadgen --transport twilio|plivo|telnyx``) and the tests. What differs per carrier (its
-messages, its signature, where the call's parameters travel) is a :class:`CarrierSide`
+"""A phone carrier's side of a media stream, played against a node's ``/api/carriers/<carrier>``: for the
+load generator (``duplex loadgen --transport twilio|plivo|telnyx|exotel``) and the tests. What differs per
+carrier (its messages, its signature, where the call's parameters travel) is a :class:`CarrierSide`
 (``runtime.tools.carrier_sides``); the call itself is here.
 
 It does what the carrier's media servers do with a bidirectional stream: the upgrade signed with the
@@ -98,6 +98,7 @@ class CarrierSide(abc.ABC):
     name: str
     """The carrier (``twilio``): the node's route is ``/api/carriers/<name>``."""
     encoding: Literal["mulaw", "l16"] = "mulaw"
+    """How the caller's packets are coded (``l16``: 16-bit little-endian PCM, Exotel's)."""
 
     @abc.abstractmethod
     def ids(self) -> CallIds:

@@ -12,10 +12,14 @@ messages, its signature, and where a call's parameters travel.
   ``stream_id``, ``call_control_id``, ``custom_parameters`` and ``media_format``, ``media`` with RTP
   payloads, ``dtmf``, ``mark`` echoes, ``stop``); no signature (Telnyx documents none on the stream): the
   node's stream secret in the URL's query (``stream_token``).
+- :class:`ExotelSide`: Exotel's voicebot "WebSocket protocol" (Twilio's events in snake_case, 16-bit PCM at
+  8000 Hz, here in 20 ms chunks where Exotel sends about 100 ms); Basic auth on the upgrade; the call's
+  parameters in the stream URL's query, echoed in ``start.custom_parameters``.
 """
 
 from __future__ import annotations
 
+import base64
 import secrets
 from urllib.parse import urlencode
 
@@ -28,7 +32,7 @@ from runtime.frontend.gate.carrier_auth import (
 )
 from runtime.tools.carrier_client import CallIds, CarrierSide, new_id
 
-__all__ = ["SIDES", "PlivoSide", "TelnyxSide", "TwilioSide"]
+__all__ = ["SIDES", "ExotelSide", "PlivoSide", "TelnyxSide", "TwilioSide"]
 
 
 def _body(event: dict[str, object], key: str) -> dict[str, object]:
@@ -251,5 +255,84 @@ class TelnyxSide(CarrierSide):
         return {"event": "mark", "sequence_number": "0", "stream_id": ids.stream, "mark": {"name": name}}
 
 
-SIDES: dict[str, type[CarrierSide]] = {"twilio": TwilioSide, "plivo": PlivoSide, "telnyx": TelnyxSide}
+class ExotelSide(CarrierSide):
+    """Exotel's media servers on a voicebot (bidirectional) stream: 16-bit PCM at 8000 Hz."""
+
+    name = "exotel"
+    encoding = "l16"
+
+    def ids(self) -> CallIds:
+        return CallIds(new_id("MZ"), new_id("CA"), new_id("AC"))
+
+    def upgrade(self, secret: str, stream_url: str, parameters: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """The parameters as the URL's query; ``secret`` (``<key>:<token>``) as Basic auth."""
+        credentials = base64.b64encode(secret.encode()).decode()
+        return urlencode(parameters), {"Authorization": f"Basic {credentials}"}
+
+    def opening(
+        self, ids: CallIds, parameters: dict[str, str], media_format: dict[str, object] | None
+    ) -> list[dict[str, object]]:
+        return [
+            {"event": "connected"},
+            {
+                "event": "start",
+                "sequence_number": "1",
+                "stream_sid": ids.stream,
+                "start": {
+                    "stream_sid": ids.stream,
+                    "call_sid": ids.call,
+                    "account_sid": ids.account,
+                    "from": "+919876543210",
+                    "to": "+918047491899",
+                    "custom_parameters": parameters,
+                    "media_format": media_format
+                    or {"encoding": "audio/x-raw", "sample_rate": "8000", "bit_rate": "16"},
+                },
+            },
+        ]
+
+    def media(self, ids: CallIds, index: int, payload: str) -> dict[str, object]:
+        return {
+            "event": "media",
+            "sequence_number": str(index + 2),
+            "stream_sid": ids.stream,
+            "media": {"chunk": str(index + 1), "timestamp": str(index * 20), "payload": payload},
+        }
+
+    def dtmf(self, ids: CallIds, digit: str) -> dict[str, object]:
+        return {
+            "event": "dtmf",
+            "sequence_number": "0",
+            "stream_sid": ids.stream,
+            "dtmf": {"digit": digit, "duration": "100"},
+        }
+
+    def stop(self, ids: CallIds) -> dict[str, object]:
+        return {
+            "event": "stop",
+            "sequence_number": "0",
+            "stream_sid": ids.stream,
+            "stop": {"call_sid": ids.call, "account_sid": ids.account, "reason": "callended"},
+        }
+
+    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
+        kind = event.get("event")
+        if kind == "media":
+            return "media", str(_body(event, "media").get("payload", ""))
+        if kind == "mark":
+            return "mark", str(_body(event, "mark").get("name", ""))
+        if kind == "clear":
+            return "clear", ""
+        return "other", ""
+
+    def played(self, ids: CallIds, name: str) -> dict[str, object]:
+        return {"event": "mark", "sequence_number": "0", "stream_sid": ids.stream, "mark": {"name": name}}
+
+
+SIDES: dict[str, type[CarrierSide]] = {
+    "twilio": TwilioSide,
+    "plivo": PlivoSide,
+    "telnyx": TelnyxSide,
+    "exotel": ExotelSide,
+}
 """Each carrier's side by name (``duplex loadgen --transport``)."""

@@ -307,7 +307,7 @@ def loadgen(
         str,
         typer.Option(
             help="websocket (/api/chat), webrtc (/api/rtc: aiortc clients, pre-encoded Opus), twilio, "
-            "plivo or telnyx (/api/carriers/<carrier>: the carrier's side of a media stream, 8 kHz mu-law)"
+            "plivo, telnyx or exotel (/api/carriers/<carrier>: the carrier's side of a media stream, 8 kHz)"
         ),
     ] = "websocket",
     twilio_auth_token: Annotated[
@@ -334,6 +334,13 @@ def loadgen(
         str | None,
         typer.Option(
             envvar="DUPLEX_TELNYX_STREAM_TOKEN", help="--transport telnyx: the stream secret the node checks"
+        ),
+    ] = None,
+    exotel_credentials: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DUPLEX_EXOTEL_CREDENTIALS",
+            help="--transport exotel: <api key>:<api token>, the Basic auth the node checks",
         ),
     ] = None,
     processes: Annotated[
@@ -389,6 +396,7 @@ def loadgen(
         "twilio": (twilio_auth_token, twilio_stream_url, "Twilio"),
         "plivo": (plivo_auth_token, plivo_stream_url, "Plivo"),
         "telnyx": (telnyx_stream_token, "unsigned", "Telnyx"),  # Telnyx signs nothing: no stream URL
+        "exotel": (exotel_credentials, "unsigned", "Exotel"),  # Basic auth: no stream URL either
     }
     if transport not in ("websocket", "webrtc", *carriers):
         console.print(
@@ -399,11 +407,9 @@ def loadgen(
         secret, stream_url, label = carriers[transport]
         if not secret or not stream_url:
             upper = transport.upper()
-            if transport == "telnyx":
-                console.print(
-                    "[red]--transport telnyx needs --telnyx-stream-token (or DUPLEX_TELNYX_STREAM_TOKEN), as "
-                    "the node has it[/red]"
-                )
+            if transport in ("telnyx", "exotel"):
+                option = "--telnyx-stream-token" if transport == "telnyx" else "--exotel-credentials"
+                console.print(f"[red]--transport {transport} needs {option}, as the node has it[/red]")
                 raise typer.Exit(2)
             console.print(
                 f"[red]--transport {transport} needs --{transport}-auth-token and "

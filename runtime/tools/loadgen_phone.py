@@ -1,7 +1,7 @@
-"""``duplex loadgen --transport twilio|plivo|telnyx``: phone calls against a node, each one the carrier's
-side of a media stream (``runtime.tools.carrier_client`` with ``runtime.tools.carrier_sides``) streaming
-espeak-ng speech at telephone bandwidth (24 kHz speech down to 8 kHz by libswresample, whose anti-alias
-filter cuts above 4 kHz, then μ-law), paced in real time.
+"""``duplex loadgen --transport twilio|plivo|telnyx|exotel``: phone calls against a node, each one the
+carrier's side of a media stream (``runtime.tools.carrier_client`` with ``runtime.tools.carrier_sides``)
+streaming espeak-ng speech at telephone bandwidth (24 kHz speech down to 8 kHz by libswresample, whose
+anti-alias filter cuts above 4 kHz, then G.711 or 16-bit PCM), paced in real time.
 
 Each call reports the load generator's usual figures (``runtime.tools.loadgen.SessionResult``): an agent
 frame is one checkpoint (Twilio's ``mark``, Plivo's ``checkpoint``; 80 ms: four 20 ms packets), so the gaps
@@ -75,14 +75,15 @@ async def run_phone_load(
     stagger_s: float = 0.0,
     ssl_context: ssl.SSLContext | None = None,
 ) -> LoadReport:
-    """``sessions`` concurrent calls of ``carrier`` (``twilio``, ``plivo``, ``telnyx``) against ``url`` (``ws://host:port``
-    or ``wss://host``); call ``i`` streams ``speech[i % len(speech)]`` (24 kHz float32, made telephone
-    speech here) then hangs up.
+    """``sessions`` concurrent calls of ``carrier`` (``twilio``, ``plivo``, ``telnyx``, ``exotel``) against
+    ``url`` (``ws://host:port`` or ``wss://host``); call ``i`` streams ``speech[i % len(speech)]`` (24 kHz
+    float32, made telephone speech here) then hangs up.
 
     Args:
         secret, stream_url: the carrier account's auth token and the stream URL the node checks the
             signature against (``DUPLEX_<CARRIER>_AUTH_TOKEN``, ``DUPLEX_<CARRIER>_STREAM_URL``); for
-            Telnyx the node's stream secret (``DUPLEX_TELNYX_STREAM_TOKEN``) and any URL (unused).
+            Telnyx the node's stream secret (``DUPLEX_TELNYX_STREAM_TOKEN``) and any URL (unused); for Exotel
+            ``<api key>:<api token>`` and any URL (unused).
         token: a session-token factory (one per call, as the call's ``token`` parameter), one token for
             one call, or None for a node without access control.
         parameters: the call's other parameters (``voice_prompt``, ``text_prompt``).

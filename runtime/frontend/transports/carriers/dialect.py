@@ -66,6 +66,9 @@ class Dialect(abc.ABC):
     """The node's route for this carrier (``/api/carriers/twilio``)."""
     log: ClassVar[logging.Logger]
     """The carrier module's logger: refusals and bad input are logged there."""
+    admits_on_credential: ClassVar[bool] = False
+    """True: the carrier's credential admits the call (no session token; :meth:`check_persona` is the
+    persona policy), for a carrier whose calls cannot carry a token (Exotel)."""
     secret_env: ClassVar[str]
     """The setting that turns the bridge on (``DUPLEX_TWILIO_AUTH_TOKEN``), named in ``carrier_off``."""
 
@@ -84,6 +87,12 @@ class Dialect(abc.ABC):
     @abc.abstractmethod
     def signed(cls, config: RuntimeConfig, secret: str, request: web.Request) -> bool:
         """Whether the upgrade ``request`` carries the carrier's valid signature with ``secret``."""
+
+    @classmethod
+    def check_persona(cls, config: RuntimeConfig, voice_prompt: str | None) -> str | None:
+        """For a dialect that :attr:`admits_on_credential`: None when the call may use ``voice_prompt``,
+        else the sentence of its ``persona_not_allowed`` refusal. Default: any."""
+        return None
 
     @classmethod
     def upgrade_parameters(cls, request: web.Request) -> dict[str, str]:

@@ -43,7 +43,7 @@ from aiohttp import WSMsgType, web
 from runtime.frontend.codecs.protocol import ProtocolError
 from runtime.frontend.codecs.telephony import PACKET_MS, PhoneAudioIn, PhoneAudioOut
 from runtime.frontend.gate.admission import GateRefused, admit_token
-from runtime.frontend.gate.query import parse_session_query
+from runtime.frontend.gate.query import SessionRequest, parse_session_query
 from runtime.frontend.gate.refusals import (
     CARRIER_OFF_MESSAGE,
     CLOSE_GOING_AWAY,
@@ -52,6 +52,7 @@ from runtime.frontend.gate.refusals import (
     REFUSALS,
     SessionRefused,
 )
+from runtime.frontend.gate.tokens import TokenClaims
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
 from runtime.frontend.session.lifecycle import Edge, TransportClosed, run
 from runtime.frontend.transports.carriers.dialect import CallStart, CarrierProtocolError, Dialect
@@ -328,6 +329,24 @@ async def _start_message(connection: DuplexWebSocket, dialect: type[Dialect]) ->
         ) from None
 
 
+async def _admit(
+    front: FrontEnd, dialect: type[Dialect], token: str | None, request: SessionRequest
+) -> TokenClaims | None:
+    """The token's half of the gate (:func:`admit_token`), or, for a dialect that admits on the carrier's
+    credential, its persona policy (no claims: no token to spend, no recording consent).
+
+    Raises:
+        GateRefused: the token's refusal, or ``persona_not_allowed`` (counted).
+    """
+    if not dialect.admits_on_credential:
+        return await admit_token(front.access, front.metrics, token, request)
+    refusal = dialect.check_persona(front.config, request.voice_prompt)
+    if refusal is not None:
+        front.metrics.refused("persona_not_allowed")
+        raise GateRefused("persona_not_allowed", refusal, resume=False)
+    return None
+
+
 async def serve_upgrade(
     front: FrontEnd, request: web.Request, client: str, dialect: type[Dialect]
 ) -> web.StreamResponse:
@@ -382,7 +401,7 @@ async def serve_stream(
         token = parameters.get(TOKEN_PARAMETER)
         query = urlencode({k: v for k, v in parameters.items() if k != TOKEN_PARAMETER})
         request = parse_session_query(query)
-        claims = await admit_token(front.access, front.metrics, token or None, request)
+        claims = await _admit(front, dialect, token or None, request)
         request, sampling = plan_session(front, request)
         if front.draining:
             raise SessionRefused("draining")
