@@ -1,9 +1,10 @@
 """A phone carrier's media stream on the lifecycle's seam (``runtime.frontend.session.lifecycle.run``): one
 call in one batched slot, whatever the carrier. What differs per carrier (its messages' names and fields,
-its signature, its audio encoding) is its ``Dialect`` (``dialect.py``; ``twilio.py``, ``plivo.py``); what
-is the same is here: the upgrade's gate, the ``start`` message and the token's half of the gate, pacing
-the agent's audio in 20 ms packets with a checkpoint after each 80 ms frame, barge-in, the hold tone, DTMF
-to the session's events, and bad input.
+its signature, its audio encoding) is its ``Dialect`` (``dialect.py``; ``twilio.py``, ``plivo.py``,
+``telnyx.py``, ``exotel.py``); what is the same is here: the upgrade's gate, the ``start`` message and the
+token's half of the gate (or, for a carrier that admits on its credential, its persona policy), pacing the
+agent's audio in 20 ms packets with a checkpoint after each 80 ms frame, barge-in, the hold tone, DTMF to
+the session's events, and bad input.
 
 Admission: :func:`runtime.frontend.gate.admission.admit_connection` and the dialect's upgrade check (404
 ``carrier_off`` without the node's secret for that carrier, 403 ``carrier_signature``) before the upgrade,
@@ -182,8 +183,8 @@ class CarrierStream(Edge):
             raise CarrierProtocolError(
                 "bad_packet",
                 f"a media payload of {len(payload)} bytes; allowed {low}-{high} ({MIN_PACKET_MS}-"
-                f"{MAX_PACKET_MS} ms of {start.encoding.value} at {start.rate_hz} Hz; carriers send "
-                f"{low * PACKET_MS // MIN_PACKET_MS}: {PACKET_MS} ms)",
+                f"{MAX_PACKET_MS} ms of {start.encoding.value} at {start.rate_hz} Hz; {PACKET_MS} ms is "
+                f"{low * PACKET_MS // MIN_PACKET_MS} bytes)",
             )
         pcm = self.audio_in.decode(payload)
         session = self.session
