@@ -356,6 +356,43 @@ class RuntimeConfig(BaseSettings):
         description="The wss:// URL your TwiML's <Stream url=...> names (what Twilio signs), e.g. "
         "wss://voice.example.com/api/carriers/twilio; required with the auth token",
     )
+    plivo_auth_token: SecretStr | None = Field(
+        None,
+        description="Plivo account (or subaccount) auth token: X-Plivo-Signature-V3 on /api/carriers/plivo "
+        "is checked with it; unset: the Plivo bridge answers 404",
+    )
+    plivo_auth_token_file: Path | None = Field(None, description="File holding the Plivo auth token instead")
+    exotel_api_key: str | None = Field(
+        None,
+        description="Exotel API key: the user of the Basic auth Exotel sends on /api/carriers/exotel's "
+        "upgrade (wss://<key>:<token>@host/...); unset: the Exotel bridge answers 404",
+    )
+    exotel_api_token: SecretStr | None = Field(
+        None, description="Exotel API token: the Basic auth's password"
+    )
+    exotel_api_token_file: Path | None = Field(None, description="File holding the Exotel API token instead")
+    exotel_personas: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Voice prompts an Exotel call may name, comma-separated (* for any); an Exotel call "
+        "carries no session token (its stream URL's parameters are 256 characters at most), so the bridge "
+        "admits on the account's Basic auth and this list is its persona policy. Empty: only the node's "
+        "default voice",
+    )
+    telnyx_stream_token: SecretStr | None = Field(
+        None,
+        description="A secret the Telnyx stream URL carries (?stream_token=..., or Authorization: Bearer): "
+        "Telnyx signs no stream upgrade, so /api/carriers/telnyx admits on it; unset: the Telnyx bridge "
+        "answers 404",
+    )
+    telnyx_stream_token_file: Path | None = Field(
+        None, description="File holding the Telnyx stream secret instead"
+    )
+    plivo_stream_url: str | None = Field(
+        None,
+        description="The wss:// URL your Plivo XML's <Stream> names, without its query string (the "
+        "signature covers it and the query the call comes with), e.g. "
+        "wss://voice.example.com/api/carriers/plivo; required with the auth token",
+    )
     # WebRTC sessions on /api/rtc (runtime/frontend/transports/webrtc/signalling.py): when a peer that went
     # away frees its slot.
     rtc_connect_timeout_s: float = Field(
@@ -449,14 +486,38 @@ class RuntimeConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _twilio_needs_its_url(self) -> RuntimeConfig:
-        token_set = self.twilio_auth_token is not None or self.twilio_auth_token_file is not None
-        if self.twilio_auth_token is not None and self.twilio_auth_token_file is not None:
-            raise ValueError("set DUPLEX_TWILIO_AUTH_TOKEN or DUPLEX_TWILIO_AUTH_TOKEN_FILE, not both")
-        if token_set != (self.twilio_stream_url is not None):
+        _carrier_settings_paired(
+            "Twilio", "TWILIO", self.twilio_auth_token, self.twilio_auth_token_file, self.twilio_stream_url
+        )
+        return self
+
+    @model_validator(mode="after")
+    def _exotel_key_and_token(self) -> RuntimeConfig:
+        if self.exotel_api_token is not None and self.exotel_api_token_file is not None:
+            raise ValueError("set DUPLEX_EXOTEL_API_TOKEN or DUPLEX_EXOTEL_API_TOKEN_FILE, not both")
+        token_set = self.exotel_api_token is not None or self.exotel_api_token_file is not None
+        if token_set != (self.exotel_api_key is not None):
             raise ValueError(
-                "the Twilio bridge needs both DUPLEX_TWILIO_AUTH_TOKEN (or _FILE) and "
-                "DUPLEX_TWILIO_STREAM_URL (the signature covers the stream URL)"
+                "the Exotel bridge needs both DUPLEX_EXOTEL_API_KEY and DUPLEX_EXOTEL_API_TOKEN (or _FILE): "
+                "Exotel's Basic auth on the upgrade"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _telnyx_one_secret(self) -> RuntimeConfig:
+        if self.telnyx_stream_token is not None and self.telnyx_stream_token_file is not None:
+            raise ValueError("set DUPLEX_TELNYX_STREAM_TOKEN or DUPLEX_TELNYX_STREAM_TOKEN_FILE, not both")
+        if self.telnyx_stream_token is not None and len(self.telnyx_stream_token.get_secret_value()) < 16:
+            raise ValueError(
+                "DUPLEX_TELNYX_STREAM_TOKEN must be at least 16 characters (it is the route's only gate)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _plivo_needs_its_url(self) -> RuntimeConfig:
+        _carrier_settings_paired(
+            "Plivo", "PLIVO", self.plivo_auth_token, self.plivo_auth_token_file, self.plivo_stream_url
+        )
         return self
 
     # GCE host maintenance (runtime/frontend/maintenance.py): on a GCE VM's maintenance notice, stop
@@ -547,6 +608,16 @@ class RuntimeConfig(BaseSettings):
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
+    @field_validator("plivo_stream_url")
+    @classmethod
+    def _plivo_stream_url(cls, value: str | None) -> str | None:
+        if value is not None and not (value.startswith("wss://") and "?" not in value):
+            raise ValueError(
+                f"must be the wss:// URL of the Plivo <Stream> without a query string (the call's query is "
+                f"signed as it comes), got {value!r}"
+            )
+        return value
+
     @field_validator("twilio_stream_url")
     @classmethod
     def _twilio_stream_url(cls, value: str | None) -> str | None:
@@ -566,7 +637,7 @@ class RuntimeConfig(BaseSettings):
             raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes (coturn's static-auth-secret)")
         return value
 
-    @field_validator("turn_urls", mode="before")
+    @field_validator("turn_urls", "exotel_personas", mode="before")
     @classmethod
     def _turn_url_list(cls, value: object) -> object:
         if isinstance(value, str):
@@ -641,17 +712,39 @@ class RuntimeConfig(BaseSettings):
         Raises:
             ValueError: the file unreadable or empty (names the variable).
         """
-        if self.twilio_auth_token is not None:
-            return self.twilio_auth_token.get_secret_value()
-        if self.twilio_auth_token_file is None:
-            return None
-        try:
-            token = self.twilio_auth_token_file.read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"DUPLEX_TWILIO_AUTH_TOKEN_FILE: {exc}") from None
-        if not token:
-            raise ValueError(f"DUPLEX_TWILIO_AUTH_TOKEN_FILE: {self.twilio_auth_token_file} is empty")
-        return token
+        return _carrier_secret("TWILIO", self.twilio_auth_token, self.twilio_auth_token_file)
+
+    def plivo_secret(self) -> str | None:
+        """The Plivo auth token (``DUPLEX_PLIVO_AUTH_TOKEN`` or the file's first line, read now); None: the
+        Plivo bridge is off.
+
+        Raises:
+            ValueError: the file unreadable or empty (names the variable).
+        """
+        return _carrier_secret("PLIVO", self.plivo_auth_token, self.plivo_auth_token_file)
+
+    def exotel_secret(self) -> str | None:
+        """``<key>:<token>``: Exotel's Basic auth credentials (``DUPLEX_EXOTEL_API_KEY`` and
+        ``DUPLEX_EXOTEL_API_TOKEN`` or the file's first line, read now); None: the Exotel bridge is off.
+
+        Raises:
+            ValueError: the file unreadable or empty (names the variable).
+        """
+        token = _carrier_secret(
+            "EXOTEL", self.exotel_api_token, self.exotel_api_token_file, setting="API_TOKEN"
+        )
+        return None if token is None or self.exotel_api_key is None else f"{self.exotel_api_key}:{token}"
+
+    def telnyx_secret(self) -> str | None:
+        """The Telnyx stream secret (``DUPLEX_TELNYX_STREAM_TOKEN`` or the file's first line, read now);
+        None: the Telnyx bridge is off.
+
+        Raises:
+            ValueError: the file unreadable or empty (names the variable).
+        """
+        return _carrier_secret(
+            "TELNYX", self.telnyx_stream_token, self.telnyx_stream_token_file, setting="STREAM_TOKEN"
+        )
 
     def load_model_bundle(self) -> ModelBundle:
         """The model these settings name (``model``, ``weights``, ``device``, ``dtype``, ``seed``,
@@ -743,3 +836,41 @@ def normalize_origin(origin: str) -> str:
             '(e.g. https://app.example.com), or "*"'
         )
     return text
+
+
+def _carrier_settings_paired(
+    carrier: str, env: str, token: SecretStr | None, token_file: Path | None, stream_url: str | None
+) -> None:
+    """A carrier's auth token (or its file, not both) and its stream URL: both or neither.
+
+    Raises:
+        ValueError: naming the variables (``DUPLEX_<env>_AUTH_TOKEN``, ``..._FILE``, ``..._STREAM_URL``).
+    """
+    if token is not None and token_file is not None:
+        raise ValueError(f"set DUPLEX_{env}_AUTH_TOKEN or DUPLEX_{env}_AUTH_TOKEN_FILE, not both")
+    if (token is not None or token_file is not None) != (stream_url is not None):
+        raise ValueError(
+            f"the {carrier} bridge needs both DUPLEX_{env}_AUTH_TOKEN (or _FILE) and "
+            f"DUPLEX_{env}_STREAM_URL (the signature covers the stream URL)"
+        )
+
+
+def _carrier_secret(
+    env: str, token: SecretStr | None, token_file: Path | None, setting: str = "AUTH_TOKEN"
+) -> str | None:
+    """A carrier's secret: ``token``, or ``token_file``'s content read now (stripped); None when neither.
+
+    Raises:
+        ValueError: the file unreadable or empty, naming ``DUPLEX_<env>_<setting>_FILE``.
+    """
+    if token is not None:
+        return token.get_secret_value()
+    if token_file is None:
+        return None
+    try:
+        secret = token_file.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"DUPLEX_{env}_{setting}_FILE: {exc}") from None
+    if not secret:
+        raise ValueError(f"DUPLEX_{env}_{setting}_FILE: {token_file} is empty")
+    return secret

@@ -331,7 +331,7 @@ class RuntimeMetrics:
         self.transport_sessions_started = Counter(
             "duplex_transport_sessions_started_total",
             "Sessions admitted, by transport: websocket (/api/chat), webrtc (/api/rtc) or a phone carrier "
-            "(twilio: /api/carriers/twilio)",
+            "(twilio, plivo, telnyx, exotel: /api/carriers/<carrier>)",
             ["transport"],
             registry=r,
         )
@@ -380,10 +380,10 @@ class RuntimeMetrics:
             ["carrier"],
             registry=r,
         )
-        for carrier in ("twilio",):
+        for carrier in ("twilio", "plivo", "telnyx", "exotel"):
             self.carrier_barge_ins.labels(carrier=carrier)
             self.carrier_dtmf.labels(carrier=carrier)
-        for transport in ("websocket", "webrtc", "twilio"):
+        for transport in ("websocket", "webrtc", "twilio", "plivo", "telnyx", "exotel"):
             self.transport_sessions_started.labels(transport=transport)
             self.transport_sessions_active.labels(transport=transport)
         for outcome in ("received", "late", "concealed", "lost"):

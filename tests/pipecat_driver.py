@@ -1,11 +1,12 @@
-"""Run by tests/test_carrier_peers.py with .venv-peers' Python (``make peers-deps``): pipecat-ai's
-``TwilioFrameSerializer``, a Twilio Media Streams implementation nobody here wrote, reads the messages our
-load generator sent as Twilio and writes the messages a bridge sends Twilio, for the test to compare with
-our node's.
+"""Run by tests/test_carrier_peers.py with .venv-peers' Python (``make peers-deps``): pipecat-ai's carrier
+serializers (``TwilioFrameSerializer``, ``PlivoFrameSerializer``, ``TelnyxFrameSerializer``,
+``ExotelFrameSerializer``),
+implementations nobody here wrote, read the messages our load generator sent as the carrier and write the
+messages a bridge sends the carrier, for the test to compare with our node's.
 
-stdin: ``{"sent": [the carrier's messages], "stream_sid": "MZ..."}``. stdout: one JSON object:
-``{"parsed": [{"event", "frame", "samples", "rate", "digit"} per message], "wrote": {"media": {...},
-"clear": {...}}}``.
+stdin: ``{"carrier": "twilio" | "plivo" | "telnyx" | "exotel", "sent": [the carrier's messages], "stream_sid":
+"<stream id>"}``. stdout: one JSON object: ``{"parsed": [{"event", "frame", "samples", "rate", "digit"} per
+message], "wrote": {"media": {...}, "clear": {...}}}``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,36 @@ import sys
 import numpy as np
 from pipecat.frames.frames import InputAudioRawFrame, InputDTMFFrame, InterruptionFrame, OutputAudioRawFrame
 from pipecat.processors.frame_processor import FrameProcessorSetup
+from pipecat.serializers.exotel import ExotelFrameSerializer
+from pipecat.serializers.plivo import PlivoFrameSerializer
+from pipecat.serializers.telnyx import TelnyxFrameSerializer
 from pipecat.serializers.twilio import TwilioFrameSerializer
+
+
+def _serializer(
+    carrier: str, stream_id: str
+) -> TwilioFrameSerializer | PlivoFrameSerializer | TelnyxFrameSerializer | ExotelFrameSerializer:
+    if carrier == "exotel":
+        return ExotelFrameSerializer(stream_id, params=ExotelFrameSerializer.InputParams(sample_rate=8000))
+    if carrier == "telnyx":
+        return TelnyxFrameSerializer(
+            stream_id,
+            outbound_encoding="PCMU",
+            inbound_encoding="PCMU",
+            params=TelnyxFrameSerializer.InputParams(auto_hang_up=False, sample_rate=8000),
+        )
+    if carrier == "plivo":
+        return PlivoFrameSerializer(
+            stream_id, params=PlivoFrameSerializer.InputParams(auto_hang_up=False, sample_rate=8000)
+        )
+    return TwilioFrameSerializer(
+        stream_id, params=TwilioFrameSerializer.InputParams(auto_hang_up=False, sample_rate=8000)
+    )
 
 
 async def main() -> None:
     request = json.load(sys.stdin)
-    serializer = TwilioFrameSerializer(
-        request["stream_sid"], params=TwilioFrameSerializer.InputParams(auto_hang_up=False, sample_rate=8000)
-    )
+    serializer = _serializer(request.get("carrier", "twilio"), request["stream_sid"])
     await serializer.setup(FrameProcessorSetup.__new__(FrameProcessorSetup))
     parsed = []
     for message in request["sent"]:

@@ -124,13 +124,17 @@ def test_nginx_config_has_what_the_node_needs(profile_name: str) -> None:
     assert "$request_method $uri" in log_format and '"$request"' not in log_format
 
 
+@pytest.mark.parametrize("carrier_name", ["twilio", "plivo", "telnyx", "exotel"])
 @pytest.mark.parametrize("profile_name", sorted(PROFILES))
-def test_the_twilio_bridge_is_a_session_route_without_a_per_client_cap(profile_name: str) -> None:
-    """Issue 32: Twilio's media servers connect from a few addresses with many calls each, so the carrier's
-    route holds the node's session cap and the handshake rate but not the per-client-address cap."""
+def test_each_carrier_bridge_is_a_session_route_without_a_per_client_cap(
+    profile_name: str, carrier_name: str
+) -> None:
+    """Issue 32: a carrier's media servers connect from a few addresses with many calls each, so the
+    carrier's route holds the node's session cap and the handshake rate but not the per-client-address
+    cap."""
     profile = PROFILES[profile_name]
     conf = render_nginx(profile)[NGINX_CONF].decode()
-    carrier = _block(conf, "location = /api/carriers/twilio {")
+    carrier = _block(conf, f"location = /api/carriers/{carrier_name} {{")
     assert "proxy_set_header Upgrade $http_upgrade;" in carrier
     assert f"limit_conn duplex_node_sessions {profile.sessions};" in carrier
     assert "duplex_client_sessions" not in carrier
@@ -139,7 +143,7 @@ def test_the_twilio_bridge_is_a_session_route_without_a_per_client_cap(profile_n
     assert (
         chat.replace(
             f"            limit_conn duplex_client_sessions {profile.limits.max_sessions_per_client};\n", ""
-        ).replace("/api/chat", "/api/carriers/twilio")
+        ).replace("/api/chat", f"/api/carriers/{carrier_name}")
         == carrier
     )
 

@@ -198,7 +198,10 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert "perTryTimeout" not in retry  # a WebSocket's try lasts its session: the backend's timeout
     assert sorted(rule["paths"]) == [
         "/api/admission",
-        "/api/carriers/twilio",  # a phone carrier's media stream (issue 32)
+        "/api/carriers/exotel",
+        "/api/carriers/plivo",  # the phone carriers' media streams (issue 32)
+        "/api/carriers/telnyx",
+        "/api/carriers/twilio",
         "/api/chat",
         "/api/personas",
         "/api/rtc",

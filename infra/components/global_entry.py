@@ -53,6 +53,9 @@ RUNTIME_PATHS = (
     "/api/sessions",
     "/api/sessions/*",
     "/api/carriers/twilio",
+    "/api/carriers/plivo",
+    "/api/carriers/telnyx",
+    "/api/carriers/exotel",
 )
 """The runtime's public paths the global entry routes to the pods (a URL map path rule's trailing ``/*`` is
 a prefix match); every other path is the browser client's. WebRTC signalling (``/api/rtc``: the offer, the

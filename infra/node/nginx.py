@@ -84,9 +84,16 @@ def _page_header_lines(profile: NodeProfile) -> str:
     return "\n".join(lines)
 
 
-SESSION_PATHS = ("/api/chat", "/api/carriers/twilio")
-"""The routes that upgrade to a session: Kyutai's WebSocket (runtime.frontend.http CHAT_PATH) and the Twilio
-bridge (runtime.frontend.transports.carriers.twilio TWILIO_PATH)."""
+SESSION_PATHS = (
+    "/api/chat",
+    "/api/carriers/twilio",
+    "/api/carriers/plivo",
+    "/api/carriers/telnyx",
+    "/api/carriers/exotel",
+)
+"""The routes that upgrade to a session: Kyutai's WebSocket (runtime.frontend.http CHAT_PATH) and the phone
+carriers' bridges (runtime.frontend.transports.carriers: twilio TWILIO_PATH, plivo PLIVO_PATH, telnyx
+TELNYX_PATH, exotel EXOTEL_PATH)."""
 
 _SESSION_LOCATION = """        location = {path} {{
             limit_conn duplex_node_sessions {sessions};

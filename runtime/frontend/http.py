@@ -45,7 +45,12 @@ from runtime.frontend.listener import HEADER_DEADLINE, READ_BUFSIZE, HeaderDeadl
 from runtime.frontend.session.conversation import FrontEnd, plan_session
 from runtime.frontend.sessions_api import SESSIONS_PATH, sessions_collection, sessions_item
 from runtime.frontend.transports import websocket as ws
-from runtime.frontend.transports.carriers import twilio
+from runtime.frontend.transports.carriers import edge as carrier_edge
+from runtime.frontend.transports.carriers.dialect import Dialect
+from runtime.frontend.transports.carriers.exotel import ExotelDialect
+from runtime.frontend.transports.carriers.plivo import PlivoDialect
+from runtime.frontend.transports.carriers.telnyx import TelnyxDialect
+from runtime.frontend.transports.carriers.twilio import TwilioDialect
 from runtime.frontend.transports.webrtc import signalling as rtc
 from runtime.metrics import PROMETHEUS_CONTENT_TYPE
 
@@ -177,16 +182,20 @@ async def _chat(front: FrontEnd, request: web.Request) -> web.StreamResponse:
     return answer
 
 
-async def _twilio(front: FrontEnd, request: web.Request) -> web.StreamResponse:
-    """``/api/carriers/twilio``: the connection's gate (rate limits; a carrier is not a browser: no origin),
-    then the Twilio bridge (its signature, the upgrade, the token on the ``start`` message)."""
-    try:
-        connection = admit_connection(
-            front.access, front.metrics, request_view(request), origin=None, resume=False
-        )
-    except GateRefused as refused:
-        return _refused(refused)
-    return await twilio.serve_upgrade(front, request, connection.client)
+def _carrier(dialect: type[Dialect]) -> Callable[[FrontEnd, web.Request], Awaitable[web.StreamResponse]]:
+    """``/api/carriers/<carrier>``: the connection's gate (rate limits; a carrier is not a browser: no
+    origin), then the carrier's bridge (its signature, the upgrade, the token on the ``start`` message)."""
+
+    async def serve(front: FrontEnd, request: web.Request) -> web.StreamResponse:
+        try:
+            connection = admit_connection(
+                front.access, front.metrics, request_view(request), origin=None, resume=False
+            )
+        except GateRefused as refused:
+            return _refused(refused)
+        return await carrier_edge.serve_upgrade(front, request, connection.client, dialect)
+
+    return serve
 
 
 async def _rtc(front: FrontEnd, request: web.Request) -> web.StreamResponse:
@@ -342,7 +351,10 @@ ROUTES: dict[str, Route] = {
     SESSIONS_PATH + "/*": Route(("GET", "DELETE"), sessions_item, _loading_refused),
     rtc.RTC_PATH: Route(("POST",), _rtc, _loading_refused),
     rtc.ICE_SERVERS_PATH: Route(("GET",), _rtc, _loading_refused),
-    twilio.TWILIO_PATH: Route(("GET",), _twilio, _loading_refused),
+    TwilioDialect.path: Route(("GET",), _carrier(TwilioDialect), _loading_refused),
+    PlivoDialect.path: Route(("GET",), _carrier(PlivoDialect), _loading_refused),
+    TelnyxDialect.path: Route(("GET",), _carrier(TelnyxDialect), _loading_refused),
+    ExotelDialect.path: Route(("GET",), _carrier(ExotelDialect), _loading_refused),
 }
 """Every HTTP route: its methods (another gets 405 with ``Allow``), its serving and its loading answer. A key
 ending in ``/*`` takes every path below it."""

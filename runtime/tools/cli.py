@@ -306,8 +306,8 @@ def loadgen(
     transport: Annotated[
         str,
         typer.Option(
-            help="websocket (/api/chat), webrtc (/api/rtc: aiortc clients, pre-encoded Opus) or twilio "
-            "(/api/carriers/twilio: Twilio's side of a Media Stream, 8 kHz mu-law)"
+            help="websocket (/api/chat), webrtc (/api/rtc: aiortc clients, pre-encoded Opus), twilio, "
+            "plivo, telnyx or exotel (/api/carriers/<carrier>: the carrier's side of a media stream, 8 kHz)"
         ),
     ] = "websocket",
     twilio_auth_token: Annotated[
@@ -318,6 +318,29 @@ def loadgen(
         str | None,
         typer.Option(
             envvar="DUPLEX_TWILIO_STREAM_URL", help="--transport twilio: the stream URL the node checks"
+        ),
+    ] = None,
+    plivo_auth_token: Annotated[
+        str | None,
+        typer.Option(envvar="DUPLEX_PLIVO_AUTH_TOKEN", help="--transport plivo: the auth token that signs"),
+    ] = None,
+    plivo_stream_url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DUPLEX_PLIVO_STREAM_URL", help="--transport plivo: the stream URL the node checks"
+        ),
+    ] = None,
+    telnyx_stream_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DUPLEX_TELNYX_STREAM_TOKEN", help="--transport telnyx: the stream secret the node checks"
+        ),
+    ] = None,
+    exotel_credentials: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DUPLEX_EXOTEL_CREDENTIALS",
+            help="--transport exotel: <api key>:<api token>, the Basic auth the node checks",
         ),
     ] = None,
     processes: Annotated[
@@ -369,31 +392,47 @@ def loadgen(
         raise typer.Exit(2)
     if token_key_file is not None:
         tokens = _token_factory(token_key_file, kid, audience=audience, personas=persona)
-    if transport not in ("websocket", "webrtc", "twilio"):
-        console.print(f"[red]--transport must be websocket, webrtc or twilio, got {transport!r}[/red]")
+    carriers = {
+        "twilio": (twilio_auth_token, twilio_stream_url, "Twilio"),
+        "plivo": (plivo_auth_token, plivo_stream_url, "Plivo"),
+        "telnyx": (telnyx_stream_token, "unsigned", "Telnyx"),  # Telnyx signs nothing: no stream URL
+        "exotel": (exotel_credentials, "unsigned", "Exotel"),  # Basic auth: no stream URL either
+    }
+    if transport not in ("websocket", "webrtc", *carriers):
+        console.print(
+            f"[red]--transport must be websocket, webrtc, {', '.join(carriers)}, got {transport!r}[/red]"
+        )
         raise typer.Exit(2)
-    if transport == "twilio":
-        if not twilio_auth_token or not twilio_stream_url:
+    if transport in carriers:
+        secret, stream_url, label = carriers[transport]
+        if not secret or not stream_url:
+            upper = transport.upper()
+            if transport in ("telnyx", "exotel"):
+                option = "--telnyx-stream-token" if transport == "telnyx" else "--exotel-credentials"
+                console.print(f"[red]--transport {transport} needs {option}, as the node has it[/red]")
+                raise typer.Exit(2)
             console.print(
-                "[red]--transport twilio needs --twilio-auth-token and --twilio-stream-url (or "
-                "DUPLEX_TWILIO_AUTH_TOKEN and DUPLEX_TWILIO_STREAM_URL), as the node has them[/red]"
+                f"[red]--transport {transport} needs --{transport}-auth-token and "
+                f"--{transport}-stream-url (or DUPLEX_{upper}_AUTH_TOKEN and DUPLEX_{upper}_STREAM_URL), as "
+                "the node has them[/red]"
             )
             raise typer.Exit(2)
-        from runtime.tools.loadgen_phone import run_twilio_load
+        from runtime.tools.loadgen_phone import run_phone_load
 
         phone_report = asyncio.run(
-            run_twilio_load(
+            run_phone_load(
+                transport,
                 url,
                 speech,
                 sessions=sessions,
-                auth_token=twilio_auth_token,
-                stream_url=twilio_stream_url,
+                secret=secret,
+                stream_url=stream_url,
                 token=tokens,
                 max_duration_s=max_duration_s,
                 stagger_s=stagger_s,
             )
         )
-        _print_report(phone_report, None, f"{sessions} Twilio calls against {url}", json_out)
+        _print_report(phone_report, None, f"{sessions} {label} calls against {url}", json_out)
         raise typer.Exit(0 if phone_report.ok else 1)
     if transport == "webrtc":
         from runtime.tools.loadgen_rtc import run_rtc_load

@@ -7,6 +7,17 @@ the scheme's default port added or removed; so does :func:`twilio_signature_vali
 ``<Stream>`` over ``wss`` only and drops a query string from the stream URL (so tokens and personas travel
 as ``<Parameter>`` elements, in the ``start`` message), so the URL signed is the stream URL as configured:
 the node does not rebuild it from ``Host`` headers a proxy could rewrite.
+
+Plivo (``X-Plivo-Signature-V3`` with ``X-Plivo-Signature-V3-Nonce``): Plivo's "Validation" reference (voice
+XML, "All requests Plivo makes to your server URLs include X-Plivo-Signature-V3 and
+X-Plivo-Signature-V3-Nonce") and its Audio Streaming overview ("Plivo establishes a WebSocket connection to
+your specified URL, validating signatures if configured"): base64 of HMAC-SHA256, keyed with the account's
+(or subaccount's) auth token, over ``<url>.<nonce>``, where a GET's URL is ``scheme://host/path`` followed
+by ``?`` and its query parameters sorted by name (``name=value`` joined by ``&``; none: no ``?``), as the
+``plivo`` SDK's ``plivo.utils.signature_v3.validate_v3_signature`` builds it; the header may hold several
+signatures separated by commas (one per auth token in rotation). The URL signed is the stream URL as
+configured plus the query string the request came with (Plivo keeps a ``<Stream>`` URL's query: the
+session token travels there, as ``extraHeaders`` takes only letters and digits).
 """
 
 from __future__ import annotations
@@ -14,11 +25,21 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-__all__ = ["TWILIO_SIGNATURE_HEADER", "twilio_signature", "twilio_signature_valid"]
+__all__ = [
+    "PLIVO_NONCE_HEADER",
+    "PLIVO_SIGNATURE_HEADER",
+    "TWILIO_SIGNATURE_HEADER",
+    "plivo_signature",
+    "plivo_signature_valid",
+    "twilio_signature",
+    "twilio_signature_valid",
+]
 
 TWILIO_SIGNATURE_HEADER = "X-Twilio-Signature"
+PLIVO_SIGNATURE_HEADER = "X-Plivo-Signature-V3"
+PLIVO_NONCE_HEADER = "X-Plivo-Signature-V3-Nonce"
 
 _DEFAULT_PORTS = {"https": 443, "wss": 443, "http": 80, "ws": 80}
 
@@ -53,3 +74,29 @@ def twilio_signature_valid(auth_token: str, url: str, signature: str | None) -> 
         hmac.compare_digest(twilio_signature(auth_token, candidate).encode(), signature.strip().encode())
         for candidate in _port_variants(url)
     )
+
+
+def _plivo_get_url(url: str) -> str:
+    """``url`` as Plivo signs a GET to it: without its query, then ``?`` and the query's parameters sorted
+    by name (values decoded; a repeated name's values sorted), or no ``?`` when there are none."""
+    parts = urlsplit(url)
+    base = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+    params = parse_qs(parts.query, keep_blank_values=True)
+    query = "&".join("&".join(f"{name}={value}" for value in sorted(params[name])) for name in sorted(params))
+    return f"{base}?{query}" if query else base
+
+
+def plivo_signature(auth_token: str, url: str, nonce: str) -> str:
+    """The ``X-Plivo-Signature-V3`` of a GET to ``url`` (its query included) with ``nonce``:
+    base64(HMAC-SHA256(token, signed_url + "." + nonce)) (the module doc)."""
+    message = f"{_plivo_get_url(url)}.{nonce}".encode()
+    return base64.b64encode(hmac.new(auth_token.encode(), message, hashlib.sha256).digest()).decode()
+
+
+def plivo_signature_valid(auth_token: str, url: str, nonce: str | None, signature: str | None) -> bool:
+    """Whether one of the comma-separated signatures in ``signature`` (the header; None when absent) signs
+    a WebSocket upgrade to ``url`` with ``nonce`` and ``auth_token``, compared in constant time."""
+    if not signature or not nonce:
+        return False
+    expected = plivo_signature(auth_token, url, nonce).encode()
+    return any(hmac.compare_digest(expected, given.strip().encode()) for given in signature.split(","))
