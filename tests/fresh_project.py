@@ -474,7 +474,13 @@ def gpu_quota_problems(run: StackRun, granted: Mapping[tuple[str, str], int]) ->
 
 def gpu_quota_after_preflight(run: StackRun) -> list[str]:
     """A fresh project's GPU quotas after the operator requested what ``duplex preflight`` said
-    (``preflight_requests``): the stack's declared GPUs must fit (``gpu_quota_problems``)."""
+    (``preflight_requests``): the stack's declared GPUs must fit (``gpu_quota_problems``). A program that is
+    not a ``duplexops`` stack (the bootstrap: no ``duplexops:topology``) declares no GPU and needs none."""
+    if "duplexops:topology" not in run.config:
+        return [
+            f"{need.region}: {need.metric} {need.count} declared outside a stack"
+            for need in declared_gpus(run)
+        ]
     return gpu_quota_problems(run, preflight_requests(run))
 
 

@@ -91,18 +91,21 @@ def test_local_node_end_to_end(tmp_path: Path, speech: list) -> None:
     for r in check.rtc_load.served:
         assert r.audio_messages > 0 and r.text.strip() and r.first_audio_ms is not None
         assert r.ice_connect_ms is not None and r.answer_ms is not None and r.close_code == 1000
-    # Phone calls (issue 32): Twilio's side through nginx's /api/carriers/twilio, signed with the node's
-    # stand-in auth token, a session token per call: served whole, agent audio back.
-    assert check.phone_load is not None and len(check.phone_load.served) == 5
-    for r in check.phone_load.served:
-        assert r.failure == "" and r.audio_messages > 0 and r.first_audio_ms is not None
+    # Phone calls (issue 32): each carrier's side through nginx's /api/carriers/<carrier>, with the node's
+    # stand-in carrier secrets (signed for Twilio and Plivo), a session token per call (Exotel: admitted on
+    # its credential): served whole, agent audio back.
+    assert list(check.phone_loads) == ["twilio", "plivo", "telnyx", "exotel"]
+    for carrier, report in check.phone_loads.items():
+        assert len(report.served) == 5, carrier
+        for r in report.served:
+            assert r.failure == "" and r.audio_messages > 0 and r.first_audio_ms is not None, carrier
     # LiveKit's PersonaPlex plugin, unmodified, in its own virtualenv: 5 sessions through nginx over wss://,
     # a token per connection, the node's NATF2 voice, audio back from the plugin.
     livekit = check.livekit_load
     assert livekit is not None and livekit.failure is None and len(livekit.served) == 5, livekit
     assert all(s.samples > 0 and s.first_audio_ms is not None for s in livekit.sessions)
     rows = {row["transport"]: row for row in transport_rows(check)}
-    assert set(rows) == {"websocket", "webrtc", "twilio", "livekit"}
+    assert set(rows) == {"websocket", "webrtc", "twilio", "plivo", "telnyx", "exotel", "livekit"}
     assert rows["webrtc"]["served"] == rows["websocket"]["served"] == rows["twilio"]["served"] == 5
     assert rows["livekit"]["served"] == 5 and rows["livekit"]["audio_s"] > 0
     assert rows["webrtc"]["relay_only"] and rows["webrtc"]["ice_connect_ms_p99"] is not None

@@ -65,8 +65,10 @@ class StackSecretsArgs:
         app_token_keys: the application-token (sessions API) signing keys, the same form, never a session
             key (``NodeSecrets`` refuses one), or None to generate one key.
         hf_token: the Hugging Face token (secret Output), or None.
-        twilio_auth_token: the Twilio account's auth token (``twilioAuthToken``), or None: it goes into the
-            runtime's ``secrets/runtime.env`` with the node's stream URL (``infra.node.services``).
+        carrier_secrets: the phone carriers' secrets by name (``infra.node.carriers.CARRIER_SECRETS``: the
+            stack keys ``twilioAuthToken``, ``plivoAuthToken``...), the ones set only: they go into the
+            runtime's ``secrets/runtime.env`` with the stream URLs the carriers sign
+            (``infra.node.carriers.carrier_settings``).
         turn_secret: the TURN REST shared secret (secret Output), or None to generate one (where the
             profile's relay is on; ignored where it is off).
         turn_secret_previous: the TURN secret being rotated out (secret Output): coturn still accepts it,
@@ -84,7 +86,7 @@ class StackSecretsArgs:
     token_keys: pulumi.Input[str] | None = None
     app_token_keys: pulumi.Input[str] | None = None
     hf_token: pulumi.Input[str] | None = None
-    twilio_auth_token: pulumi.Input[str] | None = None
+    carrier_secrets: Mapping[str, pulumi.Input[str]] = field(default_factory=dict)
     turn_secret: pulumi.Input[str] | None = None
     turn_secret_previous: pulumi.Input[str] | None = None
     alert_secrets: Mapping[str, pulumi.Input[str]] = field(default_factory=dict)
@@ -104,7 +106,7 @@ class StackSecrets(pulumi.ComponentResource):
     turn_secret: pulumi.Output[str] | None
     turn_secret_previous: pulumi.Output[str] | None
     hf_token: pulumi.Output[str] | None
-    twilio_auth_token: pulumi.Output[str] | None
+    carrier_secrets: dict[str, pulumi.Output[str]]
     files: pulumi.Output[dict[str, str]] | None
     secret_ids: dict[str, str]
     secrets: dict[str, pulumi.CustomResource]
@@ -134,9 +136,9 @@ class StackSecrets(pulumi.ComponentResource):
                 app_key.apply(lambda secret: json.dumps({app_kid: secret}))
             )
         self.hf_token = None if args.hf_token is None else pulumi.Output.secret(args.hf_token)
-        self.twilio_auth_token = (
-            None if args.twilio_auth_token is None else pulumi.Output.secret(args.twilio_auth_token)
-        )
+        self.carrier_secrets = {
+            name: pulumi.Output.secret(value) for name, value in sorted(args.carrier_secrets.items())
+        }
         self.turn_secret = None
         self.turn_secret_previous = None
         if args.profile.relay.enabled and args.turn_secret_previous is not None:
@@ -149,9 +151,11 @@ class StackSecrets(pulumi.ComponentResource):
         profile = args.profile
 
         alert_roles = sorted(args.alert_secrets)
+        carrier_names = list(self.carrier_secrets)
 
         def render(values: list[str | None]) -> dict[str, str]:
-            redis, grafana, keys, app_keys, token, turn, turn_previous, twilio, *alerts = values
+            redis, grafana, keys, app_keys, token, turn, turn_previous, *rest = values
+            carriers, alerts = rest[: len(carrier_names)], rest[len(carrier_names) :]
             assert redis is not None and grafana is not None and keys is not None and app_keys is not None
             node_secrets = NodeSecrets(
                 redis_password=redis,
@@ -160,7 +164,7 @@ class StackSecrets(pulumi.ComponentResource):
                 app_token_keys=json.loads(app_keys),
                 turn_secret=turn,
                 turn_secret_previous=turn_previous,
-                twilio_auth_token=twilio,
+                carrier_secrets={n: v for n, v in zip(carrier_names, carriers, strict=True) if v is not None},
                 **dict(zip(alert_roles, alerts, strict=True)),
             )
             files = {path: content.decode() for path, content in secret_files(profile, node_secrets).items()}
@@ -185,7 +189,7 @@ class StackSecrets(pulumi.ComponentResource):
                 token_input,
                 turn_input,
                 self.turn_secret_previous,
-                self.twilio_auth_token,
+                *self.carrier_secrets.values(),
                 *(pulumi.Output.secret(args.alert_secrets[role]) for role in alert_roles),
             ).apply(render)
         )

@@ -89,7 +89,6 @@ SECRET_KEYS = {
     "token_keys": "token_keys.json",
     "app_token_keys": "app_token_keys.json",
     "hf_token": "hf-token",
-    "twilio_auth_token": "twilio-auth-token",
 }
 """Keys of ``SECRET_NAME``'s ``stringData``, by role."""
 
@@ -277,8 +276,8 @@ class RegionWorkload:
             of ``turn-<region>.<domain>`` stays put across Service re-creations); None: GKE picks an
             ephemeral one.
         turn_secret_previous: the TURN secret being rotated out (secret): coturn still accepts it; None: none.
-        twilio_auth_token: the Twilio account's auth token (secret): the runtime's Twilio bridge checks each
-            stream's signature with it (``DUPLEX_TWILIO_AUTH_TOKEN``); None: the bridge is off.
+        carrier_secrets: the phone carriers' secrets by name (``infra.node.carriers.CARRIER_SECRETS``;
+            secret values): each turns its carrier's bridge on in every pod; {}: every bridge off.
         turn_tls_secret: a ``kubernetes.io/tls`` Secret in ``namespace`` holding the certificate of
             ``turn-<region>.<domain>``: coturn serves TURN over TLS with it (``infra.k8s.turn``); None: UDP
             only.
@@ -319,7 +318,7 @@ class RegionWorkload:
     turn_address: Any = None
     turn_secret_previous: Any = field(default=None, repr=False)
     app_token_keys_json: Any = field(default=None, repr=False)
-    twilio_auth_token: Any = field(default=None, repr=False)
+    carrier_secrets: dict[str, Any] = field(default_factory=dict, repr=False)
     turn_tls_secret: str | None = None
     waiting_room_s: int = 0
     waiting_room_size: int = 0

@@ -41,8 +41,14 @@ from infra.k8s.base import (
 from infra.k8s.recordings import recordings_env, recordings_volume, recordings_volume_mounts
 from infra.k8s.turn import TURN_SECRET_KEY, turn_env
 from infra.names import GPU_TAINT_KEY
+from infra.node.carriers import (
+    CARRIER_SECRETS,
+    SIGNED_URL_SETTINGS,
+    carrier_stream_url,
+    check_carrier_secrets,
+)
 from infra.node.profile import NodeProfile
-from infra.node.services import runtime_settings, twilio_stream_url
+from infra.node.services import runtime_settings
 
 __all__ = [
     "GOOGLE_FRONT_END_RANGES",
@@ -152,8 +158,8 @@ def runtime_secret(workload: RegionWorkload) -> dict[str, Any]:
         data[SECRET_KEYS["hf_token"]] = workload.hf_token
     if workload.turn_secret is not None:  # DUPLEX_TURN_SECRET (infra.k8s.turn)
         data[TURN_SECRET_KEY] = workload.turn_secret
-    if workload.twilio_auth_token is not None:  # DUPLEX_TWILIO_AUTH_TOKEN: the Twilio bridge
-        data[SECRET_KEYS["twilio_auth_token"]] = workload.twilio_auth_token
+    for name, value in sorted(workload.carrier_secrets.items()):  # the phone carriers' bridges
+        data[carrier_secret_key(name)] = value
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -252,14 +258,7 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     )
     env += turn_env(workload)
     env += recordings_env(workload)
-    if workload.twilio_auth_token is not None:  # the Twilio bridge: both or neither (runtime/config.py)
-        env += [
-            {
-                "name": "DUPLEX_TWILIO_AUTH_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": SECRET_KEYS["twilio_auth_token"]}},
-            },
-            {"name": "DUPLEX_TWILIO_STREAM_URL", "value": twilio_stream_url(workload.profile)},
-        ]
+    env += carrier_env(workload)
     env += [
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "HF_HOME", "value": "/var/cache/duplex/huggingface"},
@@ -471,3 +470,27 @@ def pod_disruption_budget(workload: RegionWorkload) -> dict[str, Any]:
         "metadata": object_meta(workload, APP_NAME, "runtime"),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": pod_labels(workload)}},
     }
+
+
+def carrier_secret_key(name: str) -> str:
+    """The runtime Secret's key of a carrier secret: ``twilio_auth_token`` -> ``twilio-auth-token``."""
+    return name.replace("_", "-")
+
+
+def carrier_env(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """The runtime container's settings of the phone carriers whose secrets the stack set: each secret from
+    the runtime Secret (:func:`carrier_secret_key`), and the stream URL a signing carrier signs
+    (``infra.node.carriers``); the runtime's rules (``runtime/config.py``) hold the pairs.
+
+    Raises:
+        ValueError: an unknown carrier secret, or one of Exotel's pair alone.
+    """
+    env: list[dict[str, Any]] = []
+    for name in sorted(check_carrier_secrets(workload.carrier_secrets)):
+        carrier, setting = CARRIER_SECRETS[name]
+        key = carrier_secret_key(name)
+        env.append({"name": setting, "valueFrom": {"secretKeyRef": {"name": SECRET_NAME, "key": key}}})
+        if carrier in SIGNED_URL_SETTINGS:
+            url = carrier_stream_url(workload.profile, carrier)
+            env.append({"name": SIGNED_URL_SETTINGS[carrier], "value": url})
+    return env

@@ -20,10 +20,11 @@ node's coturn, relay-only (each client asks ``GET /api/rtc/ice-servers`` for its
 when the profile's relay is on. :func:`transport_rows` sets both runs side by side (first audio p50/p99,
 frames lost, ICE connect time), as ``duplex node up`` prints them.
 
-Then (``phone``) the same number of phone calls as Twilio's side of a Media Stream
-(``runtime.tools.loadgen_phone``): through nginx's ``/api/carriers/twilio``, signed with the node's (stand-in)
-Twilio auth token, espeak-ng speech at 8 kHz μ-law, a session token per call as a ``<Parameter>``; a third
-row beside the other two.
+Then (``phone``) the same number of phone calls through each carrier's bridge, as the carrier's side of its
+media stream (``runtime.tools.loadgen_phone``): Twilio, Plivo, Telnyx and Exotel, through nginx's
+``/api/carriers/<carrier>``, authenticated with the node's (stand-in) carrier secrets (signed for Twilio and
+Plivo), espeak-ng speech at 8 kHz, a session token per call where the carrier carries one (Exotel admits on
+its credential); one row per carrier beside the other two.
 
 Then (``livekit``) the same number of sessions through LiveKit's PersonaPlex plugin, released and unmodified
 (``infra.node.livekit_row``: ``runtime/tools/livekit_agent.py`` run with ``.venv-livekit``'s Python, the
@@ -49,14 +50,15 @@ from pathlib import Path
 
 import numpy as np
 
+from infra.node.carriers import CARRIER_PATHS, carrier_credentials, carrier_stream_url
 from infra.node.livekit_row import LiveKitReport, run_livekit_load
 from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
 from infra.node.resume_check import ResumeCheck, check_resume
-from infra.node.services import token_audience, twilio_stream_url
+from infra.node.services import token_audience
 from runtime.frontend.gate.app_tokens import mint_app_token
 from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
-from runtime.tools.loadgen_phone import run_twilio_load
+from runtime.tools.loadgen_phone import run_phone_load
 from runtime.tools.loadgen_rtc import RtcLoadReport, run_rtc_load
 
 __all__ = ["NodeCheck", "bring_up_and_check", "scraped_figures", "transport_rows"]
@@ -140,7 +142,8 @@ class NodeCheck:
     load: LoadReport | None = None
     rtc_load: RtcLoadReport | None = None
     rtc_relay: bool = False
-    phone_load: LoadReport | None = None
+    phone_loads: dict[str, LoadReport] = field(default_factory=dict)
+    """The phone calls by carrier (``twilio``, ``plivo``, ``telnyx``, ``exotel``), in the order placed."""
     livekit_load: LiveKitReport | None = None
     extra_caller: SessionResult | None = None
     resume: ResumeCheck | None = None
@@ -167,9 +170,10 @@ class NodeCheck:
             }
             if self.rtc_load
             else None,
-            "twilio": {"summary": self.phone_load.summary(), "sessions": self.phone_load.session_rows()}
-            if self.phone_load
-            else None,
+            "phone": {
+                carrier: {"summary": report.summary(), "sessions": report.session_rows()}
+                for carrier, report in self.phone_loads.items()
+            },
             "livekit": {
                 "summary": self.livekit_load.summary(),
                 "failure": self.livekit_load.failure,
@@ -199,7 +203,7 @@ def transport_rows(check: NodeCheck) -> list[dict[str, object]]:
     packets and whether the media was relay-only. ``audio_s``: seconds of audio the LiveKit plugin
     delivered (None for the others); ``failure``: why the LiveKit run gave no result (None otherwise)."""
     rows: list[dict[str, object]] = []
-    runs = (("websocket", check.load), ("webrtc", check.rtc_load), ("twilio", check.phone_load))
+    runs = (("websocket", check.load), ("webrtc", check.rtc_load), *check.phone_loads.items())
     for transport, report in runs:
         if report is None:
             continue
@@ -292,12 +296,12 @@ def _check_load(check: NodeCheck, sessions: int) -> None:
                 check.problems.append(f"WebRTC session {i} {r.failure}")
             elif r.audio_messages == 0:
                 check.problems.append(f"WebRTC session {i} got no audio")
-    if check.phone_load is not None:
-        for i, r in enumerate(check.phone_load.sessions):
+    for carrier, report in check.phone_loads.items():
+        for i, r in enumerate(report.sessions):
             if r.failure:
-                check.problems.append(f"Twilio call {i} {r.failure}")
+                check.problems.append(f"{carrier} call {i} {r.failure}")
             elif r.audio_messages == 0:
-                check.problems.append(f"Twilio call {i} got no audio")
+                check.problems.append(f"{carrier} call {i} got no audio")
     if check.livekit_load is not None:
         check.problems.extend(check.livekit_load.problems())
     extra = check.extra_caller
@@ -387,18 +391,20 @@ def bring_up_and_check(
                 relay=check.rtc_relay,
             )
         )
-    twilio_token = node.secrets.twilio_auth_token
-    if phone and twilio_token is not None and not node.dead_processes():
-        say(f"calling {sessions} times through {node.wss_url}/api/carriers/twilio (Twilio's side)")
+    for carrier, secret in carrier_credentials(node.secrets.carrier_secrets).items() if phone else ():
+        if node.dead_processes():
+            break
+        say(f"calling {sessions} times through {node.wss_url}{CARRIER_PATHS[carrier]} ({carrier}'s side)")
         _wait_until_quiet(node.runtime_url, QUIET_TIMEOUT_S)
-        check.phone_load = asyncio.run(
-            run_twilio_load(
+        check.phone_loads[carrier] = asyncio.run(
+            run_phone_load(
+                carrier,
                 node.wss_url,
                 speech,
                 sessions=sessions,
-                auth_token=twilio_token,
-                stream_url=twilio_stream_url(node.profile),
-                token=node.mint_token,
+                secret=secret,
+                stream_url=carrier_stream_url(node.profile, carrier),
+                token=None if carrier == "exotel" else node.mint_token,
                 max_duration_s=max_duration_s,
                 ssl_context=context,
             )
@@ -428,7 +434,9 @@ def bring_up_and_check(
     say("reading the node's figures back from Prometheus")
     try:
         served = len(check.load.served) + sum(
-            len(report.served) for report in (check.rtc_load, check.phone_load) if report is not None
+            len(report.served)
+            for report in (check.rtc_load, *check.phone_loads.values())
+            if report is not None
         )
         # each plugin session is one session on the node
         served += len(check.livekit_load.served) if check.livekit_load is not None else 0

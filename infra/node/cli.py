@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from infra.node.carriers import CARRIER_PATHS
 from infra.node.profile import PROFILES
 
 app = typer.Typer(help="Node profiles, the rendered node bundle, and the local node.", no_args_is_help=True)
@@ -128,10 +129,8 @@ def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: im
         route = "relay-only via coturn" if check.rtc_relay else "direct"
         title = f"WebRTC sessions through {node.https_url}/api/rtc ({route})"
         console.print(load_table(title, check.rtc_load))
-    if check.phone_load is not None:
-        console.print(
-            load_table(f"Twilio calls through {node.wss_url}/api/carriers/twilio", check.phone_load)
-        )
+    for carrier, report in check.phone_loads.items():
+        console.print(load_table(f"{carrier} calls through {node.wss_url}{CARRIER_PATHS[carrier]}", report))
     rows = transport_rows(check)
     if rows:
         console.print(_transport_table(rows))

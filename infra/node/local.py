@@ -43,6 +43,7 @@ from pathlib import Path
 from infra.node import redis_acl
 from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.bundle import render_bundle, write_bundle, write_secrets
+from infra.node.carriers import carrier_settings
 from infra.node.coturn import coturn_args
 from infra.node.livekit_row import VOICES_DIR, write_livekit_voice
 from infra.node.local_network import (
@@ -64,7 +65,6 @@ from infra.node.services import (
     endpoint,
     runtime_settings,
     token_audience,
-    twilio_settings,
 )
 from infra.node.tls import write_self_signed_certificate
 from runtime.frontend.gate.tokens import mint_token
@@ -320,7 +320,7 @@ class LocalNode:
             except redis.RedisError:
                 return False
 
-        runtime_secrets = twilio_settings(p, self.secrets)  # as secrets/runtime.env has them (a container's)
+        runtime_secrets = carrier_settings(p, self.secrets.carrier_secrets)  # as secrets/runtime.env has them
         processes = [ManagedProcess("redis", ["redis-server", REDIS_CONF], redis_ready)]
         if p.relay.enabled:
             runtime_secrets["DUPLEX_TURN_SECRET"] = self.secrets.turn_secret or ""

@@ -20,6 +20,7 @@ import secrets as _stdlib_secrets
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from infra.node.carriers import CARRIER_SECRETS, carrier_settings, check_carrier_secrets
 from infra.node.coturn import render_turnserver_conf
 from infra.node.profile import NodeProfile
 from infra.node.redis_acl import redis_url, render_acl_users, role_password
@@ -42,8 +43,6 @@ __all__ = [
     "optional_secret_roles",
     "services_of",
     "token_audience",
-    "twilio_settings",
-    "twilio_stream_url",
 ]
 
 Service = Literal[
@@ -113,22 +112,6 @@ value; Alertmanager reads them itself (``auth_password_file``, ``routing_key_fil
 _TURN_SECRET_RE = re.compile(r"[A-Za-z0-9_-]{32,256}")
 _ENV_VALUE_RE = re.compile(r"[!#-&(-~]{8,256}")
 """A value that goes unquoted into an env file: printable ASCII without spaces, ``"`` or ``'``."""
-
-
-def twilio_stream_url(profile: NodeProfile) -> str:
-    """``wss://<domain>[:port]/api/carriers/twilio``: what the TwiML's ``<Stream url>`` names and Twilio
-    signs (the runtime checks the signature against it: ``DUPLEX_TWILIO_STREAM_URL``)."""
-    port = "" if profile.ports.https == 443 else f":{profile.ports.https}"
-    return f"wss://{profile.domain}{port}/api/carriers/twilio"
-
-
-def twilio_settings(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, str]:
-    """The runtime's Twilio bridge settings, both or neither (``runtime/config.py`` refuses one alone):
-    ``DUPLEX_TWILIO_AUTH_TOKEN`` and ``DUPLEX_TWILIO_STREAM_URL`` when the node has a token, else none."""
-    token = node_secrets.twilio_auth_token
-    if token is None:
-        return {}
-    return {"DUPLEX_TWILIO_AUTH_TOKEN": token, "DUPLEX_TWILIO_STREAM_URL": twilio_stream_url(profile)}
 
 
 TOKEN_KEYS_CONTAINER_PATH = "/run/secrets/token_keys"
@@ -271,7 +254,9 @@ class NodeSecrets:
     alert_pagerduty_routing_key: str | None = field(default=None, repr=False)
     turn_secret: str | None = field(default=None, repr=False)
     turn_secret_previous: str | None = field(default=None, repr=False)
-    twilio_auth_token: str | None = field(default=None, repr=False)
+    carrier_secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    """The phone carriers' secrets by name (``infra.node.carriers.CARRIER_SECRETS``): each turns its
+    carrier's bridge on."""
 
     def __post_init__(self) -> None:
         for name in ("redis_password", "grafana_admin_password"):
@@ -308,12 +293,12 @@ class NodeSecrets:
                     "turnserver.conf and an env file unquoted)"
                 )
 
-        token = self.twilio_auth_token
-        if token is not None and not _ENV_VALUE_RE.fullmatch(token):
-            raise ValueError(
-                "twilio_auth_token must be 8 to 256 printable characters without spaces or quotes (it goes "
-                "into an env file unquoted)"
-            )
+        for name, value in check_carrier_secrets(self.carrier_secrets).items():
+            if not _ENV_VALUE_RE.fullmatch(value):
+                raise ValueError(
+                    f"{name} must be 8 to 256 printable characters without spaces or quotes (it goes into an "
+                    "env file unquoted)"
+                )
 
     def signing_keys(self) -> list[SigningKey]:
         """``token_keys`` as ``runtime.frontend.gate.tokens.SigningKey`` objects (the first is the one to mint
@@ -327,8 +312,8 @@ class NodeSecrets:
     @classmethod
     def generate(cls) -> NodeSecrets:
         """Fresh random secrets: 32 URL-safe characters each (192 bits); one token signing key (256 bits);
-        a TURN secret of 43 URL-safe characters (256 bits); a stand-in Twilio auth token (the local node's
-        check plays Twilio's side of a call, signing with it: ``infra.node.bringup``)."""
+        a TURN secret of 43 URL-safe characters (256 bits); stand-in secrets of every phone carrier (the local
+        node's check plays each carrier's side of a call with them: ``infra.node.bringup``)."""
         key = generate_signing_key()
         app_key = generate_signing_key(f"app-{_stdlib_secrets.token_hex(4)}")
         return cls(
@@ -337,7 +322,7 @@ class NodeSecrets:
             token_keys={key.kid: key.secret.decode()},
             app_token_keys={app_key.kid: app_key.secret.decode()},
             turn_secret=_stdlib_secrets.token_urlsafe(32),
-            twilio_auth_token=_stdlib_secrets.token_hex(16),
+            carrier_secrets={name: _stdlib_secrets.token_hex(16) for name in CARRIER_SECRETS},
         )
 
 
@@ -382,7 +367,9 @@ def secret_files(profile: NodeProfile, node_secrets: NodeSecrets) -> dict[str, b
         runtime_env += f"DUPLEX_TURN_SECRET={node_secrets.turn_secret}\n"
         previous = () if node_secrets.turn_secret_previous is None else (node_secrets.turn_secret_previous,)
         turnserver_conf = render_turnserver_conf(profile, node_secrets.turn_secret, previous_secrets=previous)
-    runtime_env += "".join(f"{k}={v}\n" for k, v in twilio_settings(profile, node_secrets).items())
+    runtime_env += "".join(
+        f"{k}={v}\n" for k, v in carrier_settings(profile, node_secrets.carrier_secrets).items()
+    )
     files = {
         SECRET_FILES["redis_password"]: password.encode(),
         SECRET_FILES["redis_auth_conf"]: render_acl_users(password).encode(),

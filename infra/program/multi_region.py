@@ -313,7 +313,7 @@ def _region(
         token_keys_json=secrets.token_keys,
         app_token_keys_json=secrets.app_token_keys,
         hf_token=secrets.hf_token,
-        twilio_auth_token=secrets.twilio_auth_token,
+        carrier_secrets=dict(secrets.carrier_secrets),
         weights_bucket=gke.weights_bucket.name,
         runtime_service_account=gke.runtime_service_account.email,
         weights_service_account=gke.weights_service_account.email,

@@ -173,7 +173,7 @@ def stack_secrets(
             hf_token=secret(given.hf_token),
             turn_secret=secret(given.turn_secret),
             turn_secret_previous=secret(given.turn_secret_previous),
-            twilio_auth_token=secret(given.twilio_auth_token),
+            carrier_secrets={name: value.get_secret_value() for name, value in given.carrier_secrets.items()},
             alert_secrets={
                 role: value
                 for role in ("alert_email_password", "alert_pagerduty_routing_key")

@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 
 from infra.capacity import gcp as gcp_catalog
 from infra.names import PROJECT_ID_RE, REGION_RE, ZONE_RE
+from infra.node.carriers import CARRIER_SECRETS, check_carrier_secrets
 from infra.node.profile import PROFILES, NodeProfile, get_profile
 from infra.node.services import NodeSecrets
 from infra.stack_config.recordings import RecordingsKeys, retention_days
@@ -143,6 +144,14 @@ _TURN_TLS_SECRET_ALLOWED = (
     "cert-manager Certificate's secretName: docs/deploying.md, TURN over TLS in the regions); or leave it "
     "unset for TURN over UDP only"
 )
+_CARRIER_SECRET_ALLOWED = (
+    "printable characters without spaces or quotes (the runtime's env file takes it unquoted)"
+)
+_CarrierSecret = Annotated[
+    Secret, secret_matching(r"^[!#-&(-~]{8,256}$", _CARRIER_SECRET_ALLOWED + ", 8-256")
+]
+"""A phone carrier's secret (``twilioAuthToken``, ``plivoAuthToken``, ``exotelApiKey``,
+``exotelApiToken``)."""
 _TOKEN_KEYS_ALLOWED = (
     'a JSON object {"<kid>": "<secret of 32+ characters>", ...} (`duplex token keygen` makes a key); '
     "or leave it unset to generate one"
@@ -172,14 +181,18 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
-    # The Twilio account's auth token: each node's (each pod's) Twilio bridge checks every stream's signature
-    # with it (docs/deploying.md, "Phone numbers"); unset: the bridge is off.
-    twilio_auth_token: (
-        Annotated[
-            Secret, secret_matching(r"^[!#-&(-~]{8,256}$", "8-256 printable characters, no spaces or quotes")
-        ]
+    # The phone carriers' secrets (docs/deploying.md, "Phone numbers"; infra.node.carriers): each turns its
+    # carrier's bridge on in every node (every pod); unset: that bridge is off. Twilio and Plivo sign each
+    # stream with their account's auth token; Telnyx's stream secret is the route's own gate (16+ chars);
+    # Exotel admits on its API key and token (Basic auth), both or neither.
+    twilio_auth_token: _CarrierSecret | None = None
+    plivo_auth_token: _CarrierSecret | None = None
+    telnyx_stream_token: (
+        Annotated[Secret, secret_matching(r"^[!#-&(-~]{16,256}$", _CARRIER_SECRET_ALLOWED + ", at least 16")]
         | None
     ) = None
+    exotel_api_key: _CarrierSecret | None = None
+    exotel_api_token: _CarrierSecret | None = None
     # The TURN relay's shared secret (coturn's static-auth-secret, DUPLEX_TURN_SECRET); unset: generated.
     turn_secret: Annotated[Secret, secret_matching(TURN_SECRET_PATTERN, _TURN_SECRET_ALLOWED)] | None = None
     # The secret turnSecret replaces, still accepted by coturn during a rotation (docs/deploying.md).
@@ -201,6 +214,18 @@ class _Keys(BaseModel):
     alert_pagerduty_routing_key: (
         Annotated[Secret, secret_matching(r"^[A-Za-z0-9]{32}$", "32 letters or digits")] | None
     ) = None
+
+    @model_validator(mode="after")
+    def _exotel_key_and_token_together(self) -> Any:
+        try:
+            check_carrier_secrets({n: getattr(self, n) for n in CARRIER_SECRETS})
+        except ValueError as exc:
+            raise problem(
+                "exotelApiKey and exotelApiToken go together (Exotel's Basic auth on the upgrade); allowed: "
+                "set both, or neither",
+                where=pulumi_key("exotel_api_key"),
+            ) from exc
+        return self
 
     @field_validator("grafana_admin_password", "redis_password", check_fields=False)
     @classmethod
@@ -289,7 +314,9 @@ class _Keys(BaseModel):
             alert_pagerduty_routing_key=self.alert_pagerduty_routing_key,
             turn_secret=self.turn_secret,
             turn_secret_previous=self.turn_secret_previous,
-            twilio_auth_token=self.twilio_auth_token,
+            carrier_secrets={
+                name: value for name in CARRIER_SECRETS if (value := getattr(self, name)) is not None
+            },
         )
 
     def _config(

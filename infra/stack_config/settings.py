@@ -97,9 +97,10 @@ class StackSecretsConfig(_Frozen):
     ``DUPLEX_TURN_SECRET``); None: generated."""
     turn_secret_previous: SecretStr | None = None
     """The TURN secret being rotated out (``turnSecretPrevious``): coturn still accepts it; None: none."""
-    twilio_auth_token: SecretStr | None = None
-    """The Twilio account's auth token (``twilioAuthToken``, single-node topologies); None: the node's Twilio
-    bridge is off."""
+    carrier_secrets: dict[str, SecretStr] = {}
+    """The phone carriers' secrets that are set, by name (``infra.node.carriers.CARRIER_SECRETS``: the stack
+    keys ``twilioAuthToken``, ``plivoAuthToken``, ``telnyxStreamToken``, ``exotelApiKey``,
+    ``exotelApiToken``); a carrier without its secret has its bridge off."""
 
 
 class GceSettings(_Frozen):
