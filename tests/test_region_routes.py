@@ -18,7 +18,12 @@ from runtime.frontend.session.resume import ResumableSession
 from runtime.frontend.transports.webrtc.signalling import serve_ice_servers
 from runtime.region_routes import check_public_url, offer_url, pod_label, resume_url
 
-MULTI_REGION = {"region": "us-central1", "public_url": "https://voice.example.com", "pod_ip": "10.4.0.12"}
+
+def multi_region(**more: Any) -> RuntimeConfig:
+    """A multi-region pod's settings: region, public URL and pod address (the stack sets the three)."""
+    return RuntimeConfig(
+        region="us-central1", public_url="https://voice.example.com", pod_ip="10.4.0.12", **more
+    )
 
 
 class _Session(ResumableSession):
@@ -80,7 +85,7 @@ def test_config_refuses_bad_values_naming_the_variable() -> None:
 
 
 def test_resume_metadata_names_the_pod_on_multi_region_only() -> None:
-    multi = RuntimeConfig(**MULTI_REGION)
+    multi = multi_region()
     ws = metadata_of(multi, "websocket")
     assert ws["resume_url"] == "wss://voice.example.com/r/us-central1/10-4-0-12/api/chat"
     assert ws["resume"] == "s1.credential"
@@ -103,7 +108,7 @@ def ice_answer(config: RuntimeConfig) -> dict[str, object]:
 
 
 def test_ice_servers_answer_names_the_regional_offer_path() -> None:
-    multi = RuntimeConfig(**MULTI_REGION, turn_urls="stun:turn-us-central1.voice.example.com:3478")
+    multi = multi_region(turn_urls="stun:turn-us-central1.voice.example.com:3478")
     answer = ice_answer(multi)
     assert answer["offer_url"] == "https://voice.example.com/r/us-central1/api/rtc"
     assert answer["iceServers"] == [{"urls": ["stun:turn-us-central1.voice.example.com:3478"]}]

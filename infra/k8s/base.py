@@ -264,6 +264,8 @@ class RegionWorkload:
             (secret); None: none (``infra.k8s.alerting``).
         neg_name: the standalone NEG's name (the same in every zone of the region).
         page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
+        resume_router_neg_name: the resume router's standalone NEG's name (``infra.k8s.resume_router``), or
+            None: no router, no headless Service and no ``resume_url`` (resumes then reach any pod).
         turn_secret: the TURN REST secret (secret) of the region's TURN gateway (``infra.k8s.turn``), or None:
             no gateway, and the runtime gives WebRTC callers no relay.
         turn_peer_ranges: the pod ranges (CIDRs) coturn may relay to: the region's own (the stack).
@@ -319,6 +321,7 @@ class RegionWorkload:
     app_token_keys_json: Any = field(default=None, repr=False)
     twilio_auth_token: Any = field(default=None, repr=False)
     turn_tls_secret: str | None = None
+    resume_router_neg_name: str | None = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8
 
@@ -340,6 +343,8 @@ class RegionWorkload:
                 "a GCE resource name: a letter, then letters, digits, '-' (<= 63)",
             ),
         ]
+        if self.resume_router_neg_name is not None:
+            checks.append(("resume_router_neg_name", _GCE_NAME_RE, "a GCE resource name (<= 63)"))
         if self.turn_tls_secret is not None:
             checks.append(
                 ("turn_tls_secret", _DNS_LABEL_RE, "a Secret name (lower case, digits, '-', <= 63)")
