@@ -155,7 +155,7 @@ class GlobalEntryArgs:
     page_headers: Mapping[str, str]
     labels: Mapping[str, str] = field(default_factory=dict)
     protect: bool = False
-    resume_router_port: int = 8080
+    resume_router_port: int = 8081
     resume_router_health_path: str = "/healthz"
 
 

@@ -52,7 +52,7 @@ __all__ = [
 ROUTER_NAME = "duplex-resume-router"
 """Name of the router's ConfigMap, Deployment and Service; its pods' ``app.kubernetes.io/name``."""
 
-ROUTER_PORT = 8080
+ROUTER_PORT = 8081
 """The router's serving port (unprivileged), the port of its NEG endpoints."""
 
 ROUTER_HEALTH_PATH = "/healthz"
