@@ -196,7 +196,9 @@ class GlobalEntry(pulumi.ComponentResource):
       public paths (``RUNTIME_PATHS``: ``/api/chat``, ``/api/admission``, ``/api/personas``, ``/api/rtc``,
       ``/api/sessions``) to the runtime pods and everything else to the page, so ``/metrics``,
       ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach the pods
-      directly);
+      directly), and each region's ``/r/<region>/*`` (``regional_path``) to that region's resume router
+      (``infra.k8s.resume_router``: resumes naming their pod, WebRTC offers kept in their ICE servers'
+      region; its own backend service per region, ``RATE`` balancing, the same Cloud Armor policy);
     - the HTTPS proxy (SSL policy ``SSL_POLICY``: TLS 1.2 or later) and forwarding rule on 443, and a
       port-80 rule that redirects to HTTPS;
     - a firewall rule on the stack's VPC admitting Google's front ends and health checkers
