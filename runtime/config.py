@@ -104,6 +104,25 @@ class RuntimeConfig(BaseSettings):
         "only where `duplex capacity --stagger-groups 2` says the node keeps its margin (docs/capacity.md)",
     )
     node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=128)
+    # Resume across pods and regions (runtime.region_routes.py; docs/deploying.md, "Resume across
+    # regions"): all three set, a resumable session's metadata names a URL that reaches this pod again.
+    region: str | None = Field(
+        None,
+        pattern=r"^[a-z][a-z0-9-]{0,62}$",
+        description="The region this node serves in (multi-region: the GCP region, e.g. us-central1); with "
+        "DUPLEX_PUBLIC_URL and DUPLEX_POD_IP the resume metadata gets resume_url and the ICE-servers answer "
+        "offer_url; unset: neither (single nodes)",
+    )
+    public_url: str | None = Field(
+        None,
+        description="The stack's public base URL, https://<domain>[:port] with no path (multi-region: the "
+        "global entry's); resume_url and offer_url are built on it",
+    )
+    pod_ip: str | None = Field(
+        None,
+        description="This pod's IPv4 address (Kubernetes' downward API, status.podIP): its dashed form "
+        "names the pod in resume_url, as the resume router's headless-Service DNS name does",
+    )
     redis_url: str | None = Field(
         None, description="redis://[:password@]host:port/db; None disables the store"
     )
@@ -616,6 +635,25 @@ class RuntimeConfig(BaseSettings):
                 f"must be the wss:// URL of the Plivo <Stream> without a query string (the call's query is "
                 f"signed as it comes), got {value!r}"
             )
+        return value
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from runtime.region_routes import check_public_url
+
+        return check_public_url(value)
+
+    @field_validator("pod_ip")
+    @classmethod
+    def _pod_ip(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from runtime.region_routes import pod_label
+
+        pod_label(value)  # ValueError naming what is allowed
         return value
 
     @field_validator("twilio_stream_url")

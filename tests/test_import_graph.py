@@ -24,8 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the tick) imports nothing of the front end or the tools (docs/runtime.md).
     ("runtime.metrics", "runtime.ipc", "runtime.child_process", "runtime.gc_policy", "runtime.heap_trim"),
     ("runtime.engine",),
-    # what the settings check without the front end: signing keys, TURN URLs and secret
-    ("runtime.signing_keys", "runtime.turn_urls"),
+    # what the settings check without the front end: signing keys, TURN URLs and secret, the regional routes
+    ("runtime.signing_keys", "runtime.turn_urls", "runtime.region_routes"),
     ("runtime.config",),
     # The front end, bottom first (docs/runtime.md, "Module map"): wire formats; who may enter and what is
     # kept; the conversation; the transports; the service (HTTP routes, server, workers, engine client).

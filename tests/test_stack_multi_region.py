@@ -190,7 +190,7 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
     assert url_map["defaultService"] == page_id
     [matcher] = url_map["pathMatchers"]
     assert matcher["defaultService"] == page_id
-    [rule] = matcher["pathRules"]
+    [rule, *regional] = matcher["pathRules"]
     assert rule["service"] == runtime_id
     # Issue 33: a 503 before the upgrade (a pod full as the caller reached it) is tried on another pod.
     retry = rule["routeAction"]["retryPolicy"]
@@ -209,6 +209,12 @@ def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) 
         "/api/sessions",
         "/api/sessions/*",
     ]
+    # Issue 33: each region's /r/<region>/* to its resume router, nothing else (the pods' other paths
+    # stay unreachable: the router proxies only the resume and offer routes).
+    assert {r["paths"][0]: r["service"] for r in regional} == {
+        f"/r/{region}/*": f"global-entry-resume-{region}-id" for region in ("us-central1", "europe-west4")
+    }
+    assert all(len(r["paths"]) == 1 for r in regional)
 
     # Every region's page pods serve the shipped files.
     shipped = {path.removeprefix(f"{WEB_DIR}/"): content for path, content in render_web().items()}
@@ -367,7 +373,9 @@ def test_third_region_adds_exactly_one_region(run: StackRun, stack_file_regions:
     added = three.inventory - run.inventory
     assert not (run.inventory - three.inventory)  # nothing removed
     one_region = Counter(r.type for r in _in_region(run.resources, "europe-west4"))
-    assert added == one_region
+    # and, in the global entry, the new region's resume-router backend service (its /r/<region>/* rule)
+    assert added == one_region + Counter({"gcp:compute/backendService:BackendService": 1})
+    assert three.named("global-entry-resume-asia-southeast1")
     new = Counter(r.type for r in _in_region(three.resources, "asia-southeast1"))
     assert new == one_region
     # The existing regions are declared as before (same names, same inputs).
@@ -641,7 +649,8 @@ def test_page_is_served_without_a_public_bucket(run: StackRun) -> None:
         neg = json.loads(service["metadata"]["annotations"]["cloud.google.com/neg"])
         assert neg == {"exposed_ports": {"8080": {"name": "duplex-multi-region-page"}}, "zones": zones}
     firewall = run.one("gcp:compute/firewall:Firewall").plain
-    assert firewall["allows"] == [{"protocol": "tcp", "ports": ["8998", "8080"]}]
+    # the runtime's, the page's and the resume routers' (issue 33)
+    assert firewall["allows"] == [{"protocol": "tcp", "ports": ["8998", "8080", "8081"]}]
 
 
 # --- the policy pack's rules for items 11 and 12 ------------------------------------------------------------

@@ -14,6 +14,7 @@ import pulumi_gcp.compute as compute
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
 from infra.k8s.workload import GOOGLE_FRONT_END_RANGES
+from runtime.region_routes import ROUTE_PREFIX
 
 __all__ = [
     "BACKEND_TIMEOUT_MARGIN_S",
@@ -30,6 +31,7 @@ __all__ = [
     "GlobalEntryArgs",
     "RegionBackend",
     "neg_url",
+    "regional_path",
     "security_rules",
 ]
 
@@ -78,6 +80,18 @@ default, ``COMPATIBLE`` from TLS 1.0. Every browser that runs the client (AudioW
 TLS 1.2 with AES-GCM or ChaCha20."""
 
 
+RESUME_ROUTER_REQUESTS_PER_ENDPOINT_S = 100
+"""Requests per second the load balancer sends one resume-router pod (``RATE`` balancing): resumes and
+WebRTC offers only, each one request; nginx proxies thousands."""
+
+
+def regional_path(region: str) -> str:
+    """The URL map's path of ``region``'s routes: ``/r/<region>/*`` (a prefix match) to its resume router
+    (``infra.k8s.resume_router``): resumes naming a pod, and WebRTC offers kept in the region of their ICE
+    servers (``runtime.region_routes``)."""
+    return f"{ROUTE_PREFIX}{region}/*"
+
+
 def neg_url(project: str, zone: str, neg_name: str) -> str:
     """The URL of the standalone NEG ``neg_name`` in ``zone``."""
     return f"projects/{project}/zones/{zone}/networkEndpointGroups/{neg_name}"
@@ -109,6 +123,8 @@ class RegionBackend:
         region: GCP region; zones: the zones of its GPU pool (one NEG in each).
         neg_name: the NEG name of the runtime Service's annotation.
         page_neg_name: the NEG name of the page Service's annotation (same zones).
+        resume_router_neg_name: the NEG name of the region's resume router Service (same zones), or None:
+            no ``/r/<region>/*`` route.
         sessions_per_endpoint: slots of one pod (the pod reports its use of them itself:
             ``SLOT_UTILIZATION_METRIC``).
         serving: False: capacity 0 (drained).
@@ -122,6 +138,7 @@ class RegionBackend:
     sessions_per_endpoint: int
     serving: bool = True
     ready: Sequence[pulumi.Resource] = ()
+    resume_router_neg_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +161,8 @@ class GlobalEntryArgs:
         labels: labels of the address.
         protect: ``protect`` the static IP (the domain's A record points at it; a new one breaks DNS and
             the certificate until both follow).
+        resume_router_port: the resume routers' serving port (``infra.k8s.resume_router.ROUTER_PORT``), for
+            the firewall rule; resume_router_health_path: what their health check asks for.
     """
 
     name_prefix: str
@@ -161,6 +180,8 @@ class GlobalEntryArgs:
     page_headers: Mapping[str, str]
     labels: Mapping[str, str] = field(default_factory=dict)
     protect: bool = False
+    resume_router_port: int = 8081
+    resume_router_health_path: str = "/healthz"
 
 
 class GlobalEntry(pulumi.ComponentResource):
@@ -204,7 +225,9 @@ class GlobalEntry(pulumi.ComponentResource):
       public paths (``RUNTIME_PATHS``: ``/api/chat``, ``/api/admission``, ``/api/personas``, ``/api/rtc``,
       ``/api/sessions``) to the runtime pods and everything else to the page, so ``/metrics``,
       ``/healthz`` and ``/readyz`` are not reachable from the internet (the health checks reach the pods
-      directly);
+      directly), and each region's ``/r/<region>/*`` (``regional_path``) to that region's resume router
+      (``infra.k8s.resume_router``: resumes naming their pod, WebRTC offers kept in their ICE servers'
+      region; its own backend service per region, ``RATE`` balancing, the same Cloud Armor policy);
     - the HTTPS proxy (SSL policy ``SSL_POLICY``: TLS 1.2 or later) and forwarding rule on 443, and a
       port-80 rule that redirects to HTTPS;
     - a firewall rule on the stack's VPC admitting Google's front ends and health checkers
@@ -221,6 +244,7 @@ class GlobalEntry(pulumi.ComponentResource):
     health_check: compute.HealthCheck
     ssl_policy: compute.SSLPolicy
     page: compute.BackendService
+    resume_routers: dict[str, compute.BackendService]
 
     def __init__(self, name: str, args: GlobalEntryArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PACKAGE}:GlobalEntry", name, None, opts)
@@ -237,7 +261,7 @@ class GlobalEntry(pulumi.ComponentResource):
             network=args.network,
             direction="INGRESS",
             source_ranges=list(GOOGLE_FRONT_END_RANGES),
-            allows=[{"protocol": "tcp", "ports": [str(args.runtime_port), str(args.page_port)]}],
+            allows=[{"protocol": "tcp", "ports": _pod_ports(args)}],
             description="Google front ends and health checks to the runtime and page pods (NEG endpoints)",
             opts=child(),
         )
@@ -318,6 +342,11 @@ class GlobalEntry(pulumi.ComponentResource):
             opts=child(*ready),
         )
         self.page = self._page(name, args, timeout_s, child(*ready))
+        self.resume_routers = self._resume_routers(name, args, timeout_s, child(*ready))
+        regional_rules: list[compute.URLMapPathMatcherPathRuleArgsDict] = [
+            {"paths": [regional_path(region)], "service": router.id}
+            for region, router in self.resume_routers.items()
+        ]
         url_map = compute.URLMap(
             f"{name}-url-map",
             name=f"{prefix}-entry",
@@ -333,7 +362,8 @@ class GlobalEntry(pulumi.ComponentResource):
                             "paths": list(RUNTIME_PATHS),
                             "service": self.backend_service.id,
                             "route_action": {"retry_policy": RUNTIME_RETRY_POLICY},
-                        }
+                        },
+                        *regional_rules,
                     ],
                 }
             ],
@@ -388,6 +418,60 @@ class GlobalEntry(pulumi.ComponentResource):
             )
         self.register_outputs({"address": self.address.address})
 
+    def _resume_routers(
+        self, name: str, args: GlobalEntryArgs, timeout_s: int, opts: pulumi.ResourceOptions
+    ) -> dict[str, compute.BackendService]:
+        """One backend service per region with a resume router (``RegionBackend.resume_router_neg_name``):
+        that region's router NEGs, ``RATE`` balancing, the runtime's timeout (a resumed WebSocket lives
+        through it) and Cloud Armor policy (the per-client rate covers ``/r/`` as ``/api/chat``), one
+        health check for all. ``{region: backend service}``, empty when no region has a router."""
+        routed = [backend for backend in args.backends if backend.resume_router_neg_name is not None]
+        if not routed:
+            return {}
+        project = args.project
+        health = compute.HealthCheck(
+            f"{name}-resume-router-health",
+            name=f"{args.name_prefix}-resume-router",
+            project=project,
+            http_health_check={
+                "port_specification": "USE_SERVING_PORT",
+                "request_path": args.resume_router_health_path,
+            },
+            check_interval_sec=10,
+            timeout_sec=5,
+            opts=opts,
+        )
+        routers = {}
+        for backend in routed:
+            assert backend.resume_router_neg_name is not None
+            routers[backend.region] = compute.BackendService(
+                f"{name}-resume-{backend.region}",
+                name=f"{args.name_prefix}-resume-{backend.region}",
+                project=project,
+                load_balancing_scheme="EXTERNAL_MANAGED",
+                protocol="HTTP",
+                port_name="http",
+                timeout_sec=timeout_s,
+                connection_draining_timeout_sec=min(args.drain_s, MAX_CONNECTION_DRAINING_S),
+                session_affinity="NONE",
+                health_checks=health.id,
+                security_policy=self.security_policy.id,
+                log_config={"enable": True, "sample_rate": 1.0},
+                description=f"duplexops resume router of {backend.region} (/r/{backend.region}/*)",
+                backends=[
+                    {
+                        "group": neg_url(project, zone, backend.resume_router_neg_name),
+                        "balancing_mode": "RATE",
+                        "max_rate_per_endpoint": RESUME_ROUTER_REQUESTS_PER_ENDPOINT_S,
+                        "capacity_scaler": 1.0,
+                        "description": f"{backend.region} {zone} resume router",
+                    }
+                    for zone in backend.zones
+                ],
+                opts=opts,
+            )
+        return routers
+
     def _page(
         self, name: str, args: GlobalEntryArgs, timeout_s: int, opts: pulumi.ResourceOptions
     ) -> compute.BackendService:
@@ -431,6 +515,15 @@ class GlobalEntry(pulumi.ComponentResource):
             ],
             opts=opts,
         )
+
+
+def _pod_ports(args: GlobalEntryArgs) -> list[str]:
+    """The pods' ports Google's front ends reach: the runtime's, the page's and, with any resume router,
+    the router's."""
+    ports = [str(args.runtime_port), str(args.page_port)]
+    if any(backend.resume_router_neg_name is not None for backend in args.backends):
+        ports.append(str(args.resume_router_port))
+    return ports
 
 
 def security_rules(

@@ -263,6 +263,8 @@ class RegionWorkload:
             (secret); None: none (``infra.k8s.alerting``).
         neg_name: the standalone NEG's name (the same in every zone of the region).
         page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
+        resume_router_neg_name: the resume router's standalone NEG's name (``infra.k8s.resume_router``), or
+            None: no router, no headless Service and no ``resume_url`` (resumes then reach any pod).
         turn_secret: the TURN REST secret (secret) of the region's TURN gateway (``infra.k8s.turn``), or None:
             no gateway, and the runtime gives WebRTC callers no relay.
         turn_peer_ranges: the pod ranges (CIDRs) coturn may relay to: the region's own (the stack).
@@ -322,6 +324,7 @@ class RegionWorkload:
     turn_tls_secret: str | None = None
     waiting_room_s: int = 0
     waiting_room_size: int = 0
+    resume_router_neg_name: str | None = None
     namespace: str = DEFAULT_NAMESPACE
     target_slot_utilization: float = 0.8
 
@@ -343,6 +346,8 @@ class RegionWorkload:
                 "a GCE resource name: a letter, then letters, digits, '-' (<= 63)",
             ),
         ]
+        if self.resume_router_neg_name is not None:
+            checks.append(("resume_router_neg_name", _GCE_NAME_RE, "a GCE resource name (<= 63)"))
         if self.turn_tls_secret is not None:
             checks.append(
                 ("turn_tls_secret", _DNS_LABEL_RE, "a Secret name (lower case, digits, '-', <= 63)")

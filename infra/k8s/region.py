@@ -26,6 +26,7 @@ from infra.k8s.monitoring import (
 )
 from infra.k8s.page import page_objects
 from infra.k8s.prefetch import weights_job, weights_service_account
+from infra.k8s.resume_router import router_objects
 from infra.k8s.scaling import horizontal_pod_autoscaler
 from infra.k8s.turn import turn_objects
 from infra.k8s.workload import (
@@ -73,8 +74,9 @@ def apply_rank(obj: Mapping[str, Any]) -> int:
 def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     """Every Kubernetes object of one region, in apply order: the runtime's (``workload``), the weights
     Job's (``prefetch``), the autoscaler (``scaling``), the browser client's (``page``), the Custom Metrics
-    Stackdriver Adapter's (``metrics_adapter``), the monitoring ones (``monitoring``) and, with a TURN
-    secret, the TURN gateway's (``turn``), stably sorted so
+    Stackdriver Adapter's (``metrics_adapter``), the monitoring ones (``monitoring``), with a TURN
+    secret the TURN gateway's (``turn``) and with a resume router's NEG name the router's and the runtime's
+    headless Service (``resume_router``), stably sorted so
     that the kinds of ``APPLY_FIRST`` come first, in that order.
 
     Raises:
@@ -95,6 +97,7 @@ def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         *adapter_objects(workload),
         *monitoring_objects(workload),
         *turn_objects(workload),
+        *router_objects(workload),
     ]
     seen: set[tuple[str, str, str]] = set()
     for obj in objects:

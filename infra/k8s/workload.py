@@ -38,6 +38,7 @@ from infra.k8s.base import (
     standard_labels,
     weights_dir,
 )
+from infra.k8s.pod_routes import resume_routes_env
 from infra.k8s.recordings import recordings_env, recordings_volume, recordings_volume_mounts
 from infra.k8s.turn import TURN_SECRET_KEY, turn_env
 from infra.names import GPU_TAINT_KEY
@@ -265,7 +266,7 @@ def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
         {"name": "XDG_CACHE_HOME", "value": "/var/cache/duplex"},
         {"name": "TRITON_CACHE_DIR", "value": "/var/cache/duplex/triton"},
     ]
-    return env
+    return resume_routes_env(workload, env)  # issue 33: the resume URL's region and pod
 
 
 def prestop_command(port: int, pid: int = 1) -> list[str]:

@@ -119,6 +119,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
     from infra.components.image import RuntimeImage, RuntimeImageArgs, promote
     from infra.k8s import region as k8s_region
     from infra.k8s.page import PAGE_HEALTH_PATH, PAGE_PORT
+    from infra.k8s.resume_router import ROUTER_HEALTH_PATH, ROUTER_PORT
     from infra.k8s.workload import drain_seconds
 
     mr = config.multi_region
@@ -198,6 +199,8 @@ def declare(config: StackConfig) -> dict[str, Any]:
             page_headers=page_headers(public_origin(profile)),
             labels=stack_labels,
             protect=mr.deletion_protection,
+            resume_router_port=ROUTER_PORT,
+            resume_router_health_path=ROUTER_HEALTH_PATH,
         ),
         opts=after_apis,
     )
@@ -322,6 +325,7 @@ def _region(
         alert_secrets=alert_secrets(config),
         neg_name=f"{prefix}-runtime",
         page_neg_name=f"{prefix}-page",
+        resume_router_neg_name=f"{prefix}-resume",  # issue 33: resumes reach their pod
         turn_secret=secrets.turn_secret,
         turn_secret_previous=secrets.turn_secret_previous,
         turn_peer_ranges=(settings.pods_cidr,),
@@ -343,6 +347,7 @@ def _region(
         zones=settings.zones,
         neg_name=workload.neg_name,
         page_neg_name=workload.page_neg_name,
+        resume_router_neg_name=workload.resume_router_neg_name,
         sessions_per_endpoint=settings.profile.sessions,
         serving=settings.serving,
         ready=[runtime],

@@ -34,7 +34,7 @@ import {
   textPromptOf,
 } from "./protocol.js";
 import { Player } from "./player.js";
-import { RTC_STATS, closeRtc, connectRtc, dropRtc, readRtcStats, transportOptions } from "./rtc.js";
+import { RTC_STATS, closeRtc, connectRtc, dropRtc, readRtcStats, sameOrigin, transportOptions } from "./rtc.js";
 
 const PING_INTERVAL_MS = 1000; // one round-trip probe per second
 const READOUT_INTERVAL_MS = 250; // how often the numbers on the page are refreshed
@@ -300,7 +300,7 @@ function resumeRtc(s) {
   setTimeout(async () => {
     if (s.ended) return;
     const result = await connectRtc({
-      token: s.token, stream: s.stream, relay: transportOptions(location.search).relay, resume: s.resume,
+      token: s.token, stream: s.stream, relay: transportOptions(location.search).relay, resume: s.resume, resumeUrl: s.resumeUrl,
       iceServers: s.rtc?.iceServers, onMessage: (data) => onMessage(s, data), onTrack: (remote) => playRemote(s, remote),
     });
     if (s.ended) return result.rtc && closeRtc(result.rtc);
@@ -355,7 +355,8 @@ function resume(s) {
   setStatus(`Connection lost: reconnecting (try ${s.resuming} of ${RESUME_TRIES})…`);
   const scheme = location.protocol === "https:" ? "wss:" : "ws:";
   // The credential as a subprotocol, which the node selects: not in the URL, which proxies log (issue 34).
-  const url = `${scheme}//${location.host}/api/chat?format=pcm`;
+  const path = sameOrigin(s.resumeUrl) ?? "/api/chat"; // multi-region: the pod's route (resume_url)
+  const url = `${scheme}//${location.host}${path}?format=pcm`;
   const delay = s.resuming === 1 ? 0 : RESUME_DELAY_MS * 2 ** (s.resuming - 2);
   setTimeout(() => s.ended || openSocket(s, url, [RESUME_SUBPROTOCOL_PREFIX + s.resume]), delay);
 }
@@ -417,6 +418,8 @@ function onMessage(s, data) {
       break;
     case Kind.METADATA: // the session's resume credential (single-use: each resume brings the next)
       if (typeof message.data?.resume === "string") s.resume = message.data.resume;
+      // Multi-region: the route that reaches the pod holding the slot (docs/protocol.md, "Resume").
+      if (typeof message.data?.resume_url === "string") s.resumeUrl = message.data.resume_url;
       break;
     default:
       break;

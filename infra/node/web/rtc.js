@@ -96,14 +96,16 @@ function connected(pc, deadline) {
  * Never rejects. On success `rtc` = {pc, channel, location, token, startedMs, connectMs, iceServers, resume,
  * close()}; `resume` (and a fallback's `resume`): a resume's next credential from its 201, else null.
  */
-export async function connectRtc({ token, persona, stream, relay, onMessage, onTrack, resume, iceServers }) {
+export async function connectRtc({ token, persona, stream, relay, onMessage, onTrack, resume, resumeUrl, iceServers }) {
   const startedMs = performance.now();
   const deadline = startedMs + CONNECT_LIMIT_MS;
+  let offerUrl = null; // multi-region: the ICE servers' region's offer path (docs/protocol.md, "WebRTC")
   const fallback = (message) => ({ ok: false, fallback: true, reason: "", message, afterMs: performance.now() - startedMs });
   if (!iceServers) {
     const got = await fetchIceServers(token, fallback);
     if (got.refused) return got.refused;
     iceServers = got.iceServers;
+    offerUrl = got.offerUrl;
   }
   const pc = new RTCPeerConnection({ iceServers, iceTransportPolicy: relay ? "relay" : "all" });
   const rtc = { pc, channel: null, location: null, token, startedMs, connectMs: null, closed: false, iceServers };
@@ -132,7 +134,9 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
       // The text prompt in a header, not the URL (issue 34: URLs are logged); percent-encoded UTF-8.
       const prompt = resume ? "" : textPromptOf(persona);
       if (prompt) credentials[TEXT_PROMPT_HEADER] = encodeURIComponent(prompt);
-      response = await fetch(`/api/rtc${query}`, {
+      // Multi-region: a resume goes to its pod's route, an offer to the region of its ICE servers.
+      const target = sameOrigin(resume ? resumeUrl : offerUrl) ?? "/api/rtc";
+      response = await fetch(`${target}${query}`, {
         method: "POST",
         headers: { "Content-Type": "application/sdp", ...credentials },
         body: offer,
@@ -168,6 +172,18 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
 }
 
 /** {iceServers} for the token (GET /api/rtc/ice-servers), or {refused: connectRtc's answer} when refused. */
+/** The path of `url` when it is on this page's origin (a node's resume_url or offer_url), else null. */
+export function sameOrigin(url) {
+  if (typeof url !== "string") return null;
+  try {
+    const parsed = new URL(url, location.href);
+    const origin = location.origin.replace(/^http/, parsed.protocol.startsWith("ws") ? "ws" : "http");
+    return parsed.origin === origin ? parsed.pathname : null;
+  } catch {
+    return null;
+  }
+}
+
 async function fetchIceServers(token, fallback) {
   try {
     const response = await fetch("/api/rtc/ice-servers", { headers: authHeaders(token), cache: "no-store" });
@@ -175,7 +191,8 @@ async function fetchIceServers(token, fallback) {
       return { refused: { ok: false, fallback: false, ...parseRefusal(await response.text()) } };
     }
     if (!response.ok) return { refused: fallback(`ICE servers: HTTP ${response.status}`) };
-    return { iceServers: (await response.json()).iceServers };
+    const answer = await response.json();
+    return { iceServers: answer.iceServers, offerUrl: answer.offer_url ?? null };
   } catch (error) {
     return { refused: fallback(`ICE servers: ${error}`) };
   }

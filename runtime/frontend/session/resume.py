@@ -29,6 +29,7 @@ from runtime.engine.api import Refusal, ResumeGrant, SessionSink, SlotBackend, S
 from runtime.frontend.gate.refusals import CLOSE_NORMAL, SessionRefused
 from runtime.frontend.session.state import SessionState
 from runtime.frontend.store.redis_store import SessionRecord, SessionStore
+from runtime.region_routes import resume_url
 
 if TYPE_CHECKING:
     from runtime.config import RuntimeConfig
@@ -124,8 +125,11 @@ class ResumableSession(SessionSink):
         """What the transport sends right after its handshake when :attr:`offers_resume` (a 0x04 metadata
         JSON object on the WebSocket; docs/protocol.md, "Resume"): ``session_id``; ``node`` (the node that
         holds the slot: ``DUPLEX_NODE_ID``, the pod's name on GKE); ``resume`` (the single-use credential;
-        absent when the node holds no slot for resume), ``resume_s`` (the hold, s); after a resume
-        ``resumed`` true and ``gap_ms`` (from the last frame before the drop)."""
+        absent when the node holds no slot for resume), ``resume_s`` (the hold, s); ``resume_url`` where
+        the resume goes to reach this pod again through a multi-region stack's global entry (only with
+        ``DUPLEX_REGION``, ``DUPLEX_PUBLIC_URL`` and ``DUPLEX_POD_IP`` set: ``runtime.region_routes``; a
+        WebRTC session's names the ``POST``); after a resume ``resumed`` true and ``gap_ms`` (from the last
+        frame before the drop)."""
         lease = self.lease
         config = self.front.config
         body: dict[str, object] = {
@@ -136,6 +140,10 @@ class ResumableSession(SessionSink):
         if lease is not None and lease.resume_credential:
             body["resume"] = lease.resume_credential
             self.credential_given = True
+            if config.region and config.public_url and config.pod_ip:
+                body["resume_url"] = resume_url(
+                    config.public_url, config.region, config.pod_ip, self.transport.name
+                )
         if self.resumed is not None:
             body["resumed"] = True
             body["gap_ms"] = round(self.resumed.gap_s * 1e3)

@@ -64,6 +64,7 @@ from runtime.frontend.session.lifecycle import run
 from runtime.frontend.transports.webrtc.edge import Refused, RtcTransport
 from runtime.frontend.transports.webrtc.peer import OfferRejected, RtcPeer
 from runtime.frontend.transports.webrtc.turn import TURN_ID_RE, IceServer, ice_servers, mint_turn_credentials
+from runtime.region_routes import offer_url
 
 __all__ = [
     "ICE_SERVERS_PATH",
@@ -407,9 +408,16 @@ async def serve_ice_servers(
     front: FrontEnd, request: web.Request, claims: TokenClaims | None
 ) -> web.Response:
     """``GET /api/rtc/ice-servers`` after the access check: ``{"iceServers": [...]}`` (``RTCConfiguration``)
-    with credentials minted for the token's id, and the same as ``Link`` headers."""
+    with credentials minted for the token's id, and the same as ``Link`` headers. With ``DUPLEX_REGION`` and
+    ``DUPLEX_PUBLIC_URL`` set (multi-region) also ``"offer_url"``: ``https://<domain>/r/<region>/api/rtc``,
+    where the caller posts its offer so that it is answered in the region whose TURN relay these ICE
+    servers name (``runtime.region_routes.offer_url``)."""
     servers = ice_servers_for(front, claims)
-    response = web.json_response({"iceServers": [server.as_json() for server in servers]})
+    answer: dict[str, object] = {"iceServers": [server.as_json() for server in servers]}
+    config = front.config
+    if config.region and config.public_url:
+        answer["offer_url"] = offer_url(config.public_url, config.region)
+    response = web.json_response(answer)
     response.headers["Cache-Control"] = "no-store"
     for link in link_headers(servers):
         response.headers.add("Link", link)
