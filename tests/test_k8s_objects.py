@@ -72,7 +72,7 @@ def test_deployment_runs_one_gpu_pod_per_node_and_has_no_replicas(objects: list[
     assert "replicas" not in deployment["spec"]  # the HPA owns it
     assert deployment["spec"]["strategy"] == {
         "type": "RollingUpdate",
-        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
     }
     pod = deployment["spec"]["template"]["spec"]
     runtime = _runtime_container(deployment)
