@@ -1,5 +1,6 @@
 """How the runtime's pods are replaced and removed without cutting calls (issue 33, "Calls survive deploys
-and scale-in"): the Deployment's rollout strategy and how long one step of it may take.
+and scale-in"): the Deployment's rollout strategy and how long one step of it may take; the RBAC and
+environment with which each runtime pod keeps its ``pod-deletion-cost`` at its live sessions.
 docs/deploying.md, "Rollouts and scale-in".
 """
 
@@ -9,8 +10,17 @@ import copy
 from typing import Any
 
 from infra.deploy_timeouts import ROLLOUT_MARGIN_S
+from infra.k8s.base import APP_NAME, RUNTIME_SERVICE_ACCOUNT, RegionWorkload, object_meta
 
-__all__ = ["ROLLOUT_STRATEGY", "rollout_step_s", "rollout_strategy"]
+__all__ = [
+    "DELETION_COST_ROLE",
+    "ROLLOUT_STRATEGY",
+    "deletion_cost_env",
+    "deletion_cost_rbac",
+    "rollout_step_s",
+    "rollout_strategy",
+    "with_deletion_cost",
+]
 
 ROLLOUT_STRATEGY: dict[str, Any] = {
     "type": "RollingUpdate",
@@ -58,3 +68,65 @@ def rollout_step_s(termination_grace_s: int, startup_budget_s: int) -> int:
             f"{startup_budget_s}"
         )
     return termination_grace_s + ROLLOUT_MARGIN_S + startup_budget_s
+
+
+DELETION_COST_ROLE = "duplex-runtime-deletion-cost"
+"""The Role (and RoleBinding) that lets the runtime pods patch pods of their namespace: the runtime keeps
+its own pod's ``controller.kubernetes.io/pod-deletion-cost`` at its live sessions
+(``runtime/fleet/deletion_cost.py``), so that a scale-in removes the idlest pod."""
+
+
+def deletion_cost_rbac(workload: RegionWorkload) -> list[dict[str, Any]]:
+    """Role ``DELETION_COST_ROLE``: ``patch`` on ``pods`` (core group) in the workload's namespace, nothing
+    else (no ``get``, ``list``, ``watch``, no other kind); RoleBinding of it to the runtime's ServiceAccount.
+
+    RBAC cannot name the pod (``resourceNames`` are fixed, pod names are not), so a runtime pod may patch
+    any pod of its namespace (the runtime's, coturn's, nginx's), labels included; a ValidatingAdmissionPolicy
+    limiting the patch to the caller's own pod (the token's ``authentication.kubernetes.io/pod-name``) and
+    to this one annotation is the further fence, not built here (docs/deploying.md, "Rollouts and
+    scale-in")."""
+    rbac = "rbac.authorization.k8s.io"
+    return [
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "Role",
+            "metadata": object_meta(workload, DELETION_COST_ROLE, "runtime", app=APP_NAME),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}],
+        },
+        {
+            "apiVersion": f"{rbac}/v1",
+            "kind": "RoleBinding",
+            "metadata": object_meta(workload, DELETION_COST_ROLE, "runtime", app=APP_NAME),
+            "roleRef": {"apiGroup": rbac, "kind": "Role", "name": DELETION_COST_ROLE},
+            "subjects": [
+                {"kind": "ServiceAccount", "name": RUNTIME_SERVICE_ACCOUNT, "namespace": workload.namespace}
+            ],
+        },
+    ]
+
+
+def deletion_cost_env() -> list[dict[str, Any]]:
+    """The runtime container's environment for the deletion cost: ``DUPLEX_POD_DELETION_COST=true``,
+    ``DUPLEX_POD_NAME`` and ``DUPLEX_POD_NAMESPACE`` from the downward API (``metadata.name``,
+    ``metadata.namespace``). The token and the cluster's CA are the pod's default projected
+    service-account volume (the runtime's ServiceAccount keeps ``automountServiceAccountToken``)."""
+    return [
+        {"name": "DUPLEX_POD_DELETION_COST", "value": "true"},
+        {"name": "DUPLEX_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "DUPLEX_POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+    ]
+
+
+def with_deletion_cost(deployment: dict[str, Any]) -> dict[str, Any]:
+    """``deployment`` (the runtime's, ``infra.k8s.workload.runtime_deployment``) with ``deletion_cost_env``
+    appended to its ``runtime`` container; returned for chaining.
+
+    Raises:
+        ValueError: the Deployment has no container named ``runtime``.
+    """
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    runtime = [c for c in containers if c.get("name") == "runtime"]
+    if len(runtime) != 1:
+        raise ValueError(f"with_deletion_cost: one container named 'runtime' needed, got {len(runtime)}")
+    runtime[0].setdefault("env", []).extend(deletion_cost_env())
+    return deployment
