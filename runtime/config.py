@@ -463,6 +463,12 @@ class RuntimeConfig(BaseSettings):
     pod_namespace: str | None = Field(
         None, min_length=1, description="This pod's namespace (the downward API)"
     )
+    pod_credentials_dir: str = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount",
+        min_length=1,
+        description="Folder of the pod's service-account token and the cluster's CA (token, ca.crt), for the "
+        "deletion-cost patch: the kubelet's projected volume; tests point it at a folder of their own",
+    )
     deletion_cost_interval_s: float = Field(
         10.0,
         ge=1,

@@ -1,11 +1,12 @@
 """``SimPods``: P real ``duplex serve --model sim`` processes on loopback, each standing for one runtime pod
 of a region (one GPU each), for the fleet models of the tests (``tests/test_fleet_operations.py``).
 
-Each pod is a single-process node (``--workers 0``) with ``slots`` slots, this checkout first on the path
-(``PYTHONPATH``), no access control, the sim model's 5 ms step. ``SimPod.terminate`` is what the
-runtime's preStop hook does (SIGTERM: the runtime drains); ``SimPod.sessions`` reads the sessions the pod
-reports (``duplex_active_sessions`` on ``/metrics``), which is what it writes as its
-``controller.kubernetes.io/pod-deletion-cost`` (``runtime.fleet.deletion_cost``).
+Each pod is a single-process node (``--workers 0``, or an engine and ``workers`` front ends) with
+``slots`` slots, this checkout first on the path (``PYTHONPATH``), no access control, the sim model's 5 ms
+step; ``DUPLEX_POD_NAME`` and ``DUPLEX_POD_NAMESPACE`` set as the downward API sets them.
+``SimPod.terminate`` is what the runtime's preStop hook does (SIGTERM: the runtime drains);
+``SimPod.sessions`` reads the sessions the pod reports (``duplex_active_sessions`` on ``/metrics``), which
+is what it writes as its ``controller.kubernetes.io/pod-deletion-cost`` (``runtime.fleet.deletion_cost``).
 
 pytest puts ``tests/`` on ``sys.path``::
 
@@ -30,9 +31,11 @@ import aiohttp
 
 from runtime.tools.local_redis import free_loopback_port
 
-__all__ = ["START_TIMEOUT_S", "SimPod", "SimPods"]
+__all__ = ["NAMESPACE", "START_TIMEOUT_S", "SimPod", "SimPods"]
 
 REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "duplex"
+"""The pods' namespace (``DUPLEX_POD_NAMESPACE``)."""
 START_TIMEOUT_S = 180.0
 """How long a pod may take to turn ready (s): an interpreter importing torch on a busy 2-core machine."""
 _ACTIVE = re.compile(r"^duplex_active_sessions(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
@@ -103,11 +106,15 @@ class SimPods:
         slots: slots per pod (``DUPLEX_MAX_SESSIONS``).
         drain_grace_s: ``DUPLEX_DRAIN_GRACE_S``: how long a terminated pod's sessions may go on (the pod's
             grace, the longest call on GKE).
+        workers: ``--workers``: 0, the model in the serving process; N, an engine process and N front-end
+            workers (the GKE pods run 3).
         env: more ``DUPLEX_*`` settings.
     """
 
-    def __init__(self, folder: Path, *, slots: int, drain_grace_s: float, **env: str) -> None:
-        self.folder, self.slots = folder, slots
+    def __init__(
+        self, folder: Path, *, slots: int, drain_grace_s: float, workers: int = 0, **env: str
+    ) -> None:
+        self.folder, self.slots, self.workers = folder, slots, workers
         self.env = {
             **os.environ,
             "PYTHONPATH": str(REPO),
@@ -150,6 +157,9 @@ class SimPods:
             index = next(self._created)
             port = free_loopback_port()
             log = self.folder / f"pod-{index}.log"
+            name = f"pod-{index}"
+            # The downward API's fields (metadata.name, metadata.namespace).
+            env = {**self.env, "DUPLEX_POD_NAME": name, "DUPLEX_POD_NAMESPACE": NAMESPACE}
             with log.open("wb") as out:
                 process = subprocess.Popen(
                     [
@@ -160,14 +170,14 @@ class SimPods:
                         "--port",
                         str(port),
                         "--workers",
-                        "0",
+                        str(self.workers),
                     ],
-                    env=self.env,
+                    env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            pod = SimPod(f"pod-{index}", index, port, process, log)
+            pod = SimPod(name, index, port, process, log)
             self.pods.append(pod)
             started.append(pod)
         assert self.http is not None

@@ -199,7 +199,7 @@ async def test_on_it_reports_the_live_sessions_and_counts_outcomes(api, tmp_path
     token = tmp_path / "token"
     token.write_text("projected-token\n")
 
-    def reporter(pod, environ, *, min_interval_s, on_outcome):  # type: ignore[no-untyped-def]
+    def reporter(pod, environ, *, min_interval_s, on_outcome, ca_file, token_file):  # type: ignore[no-untyped-def]
         session = aiohttp.ClientSession()
         made = DeletionCostReporter(
             pod, url, session, module.file_token(token), min_interval_s=min_interval_s, on_outcome=on_outcome

@@ -6,8 +6,9 @@ pool at its maximum (P GPUs, all in use), callers placed by a balancer model on 
 (``maxSurge`` 0, ``maxUnavailable`` 1): one old pod at a time is terminated (its preStop: SIGTERM, the
 drain), its GPU frees when it exits, the replacement starts on it; the next step follows once the
 replacement is ready. (b) A scale-in by one pod: the pod the ReplicaSet controller deletes, by the
-``controller.kubernetes.io/pod-deletion-cost`` each pod writes from the sessions it reports
-(``runtime.fleet.deletion_cost``), then newest first (``replicaset_victim``).
+``controller.kubernetes.io/pod-deletion-cost`` each pod patches from its live sessions
+(``runtime.fleet.deletion_cost``, on: the pods reach a fake API server over HTTPS,
+``tests/fake_kube_api.py``), then newest first (``replicaset_victim``).
 
 A call is cut when the node closes it before the caller hangs up. Goal: 0. Figures: docs/benchmarks.md,
 "Calls cut by a rollout and a scale-in".
@@ -25,10 +26,11 @@ from pathlib import Path
 
 import pytest
 import websockets
-from sim_pods import SimPod, SimPods
+from fake_kube_api import FakeKubeApi
+from sim_pods import NAMESPACE, SimPod, SimPods
 
 from infra.k8s.disruption import ROLLOUT_STRATEGY
-from runtime.fleet.deletion_cost import deletion_cost
+from runtime.fleet.deletion_cost import ANNOTATION
 
 SLOTS = 3
 PODS = 3
@@ -158,14 +160,28 @@ def test_the_replicaset_deletes_the_cheapest_then_the_newest() -> None:
     assert replicaset_victim(pods, {"pod-0": 0, "pod-1": 2, "pod-2": 0}).name == "pod-2"
 
 
+async def _annotated(api: FakeKubeApi, expected: Mapping[str, int]) -> dict[str, int]:
+    """The deletion cost each pod wrote to the API server, once it equals ``expected`` (by pod name)."""
+    costs: dict[str, int] = {}
+    for _ in range(300):
+        costs = {
+            name: int(api.annotations.get((NAMESPACE, name), {}).get(ANNOTATION, "-1")) for name in expected
+        }
+        if costs == dict(expected):
+            return costs
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"annotated {costs}, expected {dict(expected)}")
+
+
 @pytest.mark.slow
 async def test_no_call_is_cut_by_a_rollout_or_a_scale_in(tmp_path: Path) -> None:
     rng = random.Random(33)
+    api = await FakeKubeApi(tmp_path / "kube-api").start()
     # The pool is at its maximum (PODS GPUs, all in use): a surge pod would never get one.
     assert gpus_needed_by_a_rollout(ROLLOUT_STRATEGY, PODS) <= PODS, (
         "the rollout stalls: no GPU for a surge pod"
     )
-    async with SimPods(tmp_path, slots=SLOTS, drain_grace_s=LONGEST_CALL_S + 2) as fleet:
+    async with SimPods(tmp_path, slots=SLOTS, drain_grace_s=LONGEST_CALL_S + 2, **api.env()) as fleet:
         await fleet.start(PODS)
         assert fleet.http is not None
 
@@ -213,7 +229,7 @@ async def test_no_call_is_cut_by_a_rollout_or_a_scale_in(tmp_path: Path) -> None
                 calls.place(fleet, rng.uniform(LONGEST_CALL_S / 2, LONGEST_CALL_S), pod=pod)
         reported = await _reported(fleet, pods, placed, lambda: calls.calls)
         older, newest = pods[0], pods[-1]
-        costs = {name: deletion_cost(n) for name, n in reported.items()}
+        costs = await _annotated(api, placed)  # what each pod patched on its own object
         victim = replicaset_victim(fleet.serving(), costs)
         without = replicaset_victim(fleet.serving(), {})
         assert victim is older and without is newest
@@ -229,3 +245,27 @@ async def test_no_call_is_cut_by_a_rollout_or_a_scale_in(tmp_path: Path) -> None
             f"{without.name} ({reported[without.name]} calls); {scale_in}"
         )
         assert scale_in["cut"] == 0 and scale_in["admitted"] == sum(placed.values())
+        assert api.refused == 0
+    await api.close()
+
+
+@pytest.mark.slow
+async def test_a_split_pod_keeps_its_deletion_cost_at_its_live_sessions(tmp_path: Path) -> None:
+    """As the GKE pods run it (an engine process and front-end workers): the engine patches its pod's
+    annotation: 0 when idle, 2 with two calls, 0 again once they hung up."""
+    api = await FakeKubeApi(tmp_path / "kube-api").start()
+    try:
+        async with SimPods(
+            tmp_path, slots=SLOTS, drain_grace_s=LONGEST_CALL_S + 2, workers=1, **api.env()
+        ) as fleet:
+            [pod] = await fleet.start(1)
+            assert await _annotated(api, {pod.name: 0}) == {pod.name: 0}
+            calls = Calls()
+            for _ in range(2):
+                calls.place(fleet, 4.0, pod=pod)
+            assert await _annotated(api, {pod.name: 2}) == {pod.name: 2}
+            await calls.settle()
+            assert await _annotated(api, {pod.name: 0}) == {pod.name: 0}
+            assert calls.summary()["cut"] == 0 and api.refused == 0
+    finally:
+        await api.close()

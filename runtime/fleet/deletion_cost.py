@@ -302,9 +302,10 @@ def start_deletion_cost(
     config: Any, metrics: RuntimeMetrics, live_sessions: Callable[[], int], environ: dict[str, str]
 ) -> DeletionCostTask | None:
     """The reporter ``config`` asks for (``pod_deletion_cost``, ``pod_name``, ``pod_namespace``,
-    ``deletion_cost_interval_s`` of ``runtime.config.RuntimeConfig``), started on the running loop, reading
-    ``live_sessions()`` (sessions holding a slot) every second; None when off. One per pod: the process that
-    owns the slots (the engine, or the single process of ``--workers 0``) starts it.
+    ``pod_credentials_dir``, ``deletion_cost_interval_s`` of ``runtime.config.RuntimeConfig``), started on
+    the running loop, reading ``live_sessions()`` (sessions holding a slot) every second; None when off.
+    One per pod: the process that owns the slots (the engine, or the single process of ``--workers 0``)
+    starts it.
 
     Raises:
         ValueError: on but not in a Kubernetes pod.
@@ -317,8 +318,14 @@ def start_deletion_cost(
     def count(outcome: str) -> None:
         metrics.deletion_cost_writes.labels(outcome=outcome).inc()
 
+    folder = Path(config.pod_credentials_dir)
     reporter, http = in_cluster_reporter(
-        pod, environ, min_interval_s=config.deletion_cost_interval_s, on_outcome=count
+        pod,
+        environ,
+        min_interval_s=config.deletion_cost_interval_s,
+        on_outcome=count,
+        ca_file=str(folder / "ca.crt"),
+        token_file=str(folder / "token"),
     )
     task = asyncio.create_task(reporter.run(live_sessions), name="pod-deletion-cost")
     log.info("pod-deletion-cost: keeping %s/%s's annotation at its live sessions", pod.namespace, pod.name)
