@@ -190,6 +190,21 @@ async def test_off_by_default_starts_nothing() -> None:
     assert start_deletion_cost(config, RuntimeMetrics(), lambda: 0, {}) is None
 
 
+async def test_on_outside_a_pod_it_logs_counts_and_serves_anyway(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    config = RuntimeConfig(
+        pod_deletion_cost=True,
+        pod_name=POD.name,
+        pod_namespace=POD.namespace,
+        pod_credentials_dir=str(tmp_path),
+    )
+    metrics = RuntimeMetrics()
+    assert start_deletion_cost(config, metrics, lambda: 0, {}) is None  # no KUBERNETES_SERVICE_HOST
+    env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    assert start_deletion_cost(config, metrics, lambda: 0, env) is None  # no ca.crt in the folder
+    assert metrics.deletion_cost_writes.labels(outcome="failed")._value.get() == 2
+    assert "KUBERNETES_SERVICE_HOST" in caplog.text and "pod-deletion-cost off" in caplog.text
+
+
 async def test_on_it_reports_the_live_sessions_and_counts_outcomes(api, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """``start_deletion_cost`` as the engine starts it, pointed at the fake API server over plain HTTP
     (the in-cluster client's TLS context is replaced: the fake has no certificate)."""

@@ -305,11 +305,8 @@ def start_deletion_cost(
     ``pod_credentials_dir``, ``deletion_cost_interval_s`` of ``runtime.config.RuntimeConfig``), started on
     the running loop, reading ``live_sessions()`` (sessions holding a slot) every second; None when off.
     One per pod: the process that owns the slots (the engine, or the single process of ``--workers 0``)
-    starts it.
-
-    Raises:
-        ValueError: on but not in a Kubernetes pod.
-        OSError: the cluster's CA cannot be read.
+    starts it. On but unable to start (not in a Kubernetes pod, the cluster's CA unreadable): logged,
+    counted ``failed``, None: the node serves anyway.
     """
     if not config.pod_deletion_cost:
         return None
@@ -319,14 +316,19 @@ def start_deletion_cost(
         metrics.deletion_cost_writes.labels(outcome=outcome).inc()
 
     folder = Path(config.pod_credentials_dir)
-    reporter, http = in_cluster_reporter(
-        pod,
-        environ,
-        min_interval_s=config.deletion_cost_interval_s,
-        on_outcome=count,
-        ca_file=str(folder / "ca.crt"),
-        token_file=str(folder / "token"),
-    )
+    try:
+        reporter, http = in_cluster_reporter(
+            pod,
+            environ,
+            min_interval_s=config.deletion_cost_interval_s,
+            on_outcome=count,
+            ca_file=str(folder / "ca.crt"),
+            token_file=str(folder / "token"),
+        )
+    except (ValueError, OSError) as exc:  # the node serves anyway: scale-in falls back to Kubernetes' order
+        log.error("pod-deletion-cost off: %s", exc)
+        count("failed")
+        return None
     task = asyncio.create_task(reporter.run(live_sessions), name="pod-deletion-cost")
     log.info("pod-deletion-cost: keeping %s/%s's annotation at its live sessions", pod.namespace, pod.name)
     return DeletionCostTask(reporter, http, task)
