@@ -48,6 +48,14 @@ node, loading the weights onto the GPU, and the readiness probe (minutes each)."
 PULUMI_RESOURCE_TIMEOUT_S = WEIGHTS_JOB_DEADLINE_S + ROLLOUT_MARGIN_S
 """Pulumi's create/update timeout of each runtime object (``CustomTimeouts``), seconds: 8,100 s."""
 
+# A rollout of the runtime (``infra.k8s.disruption``: maxSurge 0, maxUnavailable 1) is a series of steps,
+# each up to the old pod's drain + ROLLOUT_MARGIN_S + the startup budget (``rollout_step_s``: 6360 s for a
+# 1 h longest session), the Deployment's ``progressDeadlineSeconds``. PULUMI_RESOURCE_TIMEOUT_S outlasts one
+# step (tests/test_k8s_disruption.py), so pulumi-kubernetes never gives up before the Deployment itself
+# would call a step stuck. A whole rollout of a region at peak is up to ``maxNodes`` steps and outlasts any
+# CI job (GitHub's 6 h): pulumi then reports the update as timed out while the Deployment controller
+# finishes it (docs/deploying.md, "Rollouts and scale-in").
+
 PULUMI_CUSTOM_TIMEOUT = f"{math.ceil(PULUMI_RESOURCE_TIMEOUT_S / 60)}m"
 """``PULUMI_RESOURCE_TIMEOUT_S`` as Pulumi's duration string (``"135m"``)."""
 

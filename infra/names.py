@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["GPU_TAINT", "GPU_TAINT_KEY", "PROJECT_ID_RE", "RECORDINGS_LABEL", "REGION_RE", "ZONE_RE"]
+__all__ = [
+    "GPU_TAINT",
+    "GPU_TAINT_KEY",
+    "PROJECT_ID_RE",
+    "RECORDINGS_LABEL",
+    "REGION_RE",
+    "SYSTEM_POOL",
+    "ZONE_RE",
+]
 
 PROJECT_ID_RE = re.compile(r"^[a-z][a-z0-9-]{4,28}[a-z0-9]$")
 """A Google Cloud project id: 6-30 lower-case letters, digits and '-', starting with a letter, not ending
@@ -25,6 +33,10 @@ GPU_TAINT = {"key": GPU_TAINT_KEY, "value": "present", "effect": "NO_SCHEDULE"}
 only pods that tolerate it land there (cloud.google.com/kubernetes-engine/docs/how-to/gpus, "GKE adds
 taints to GPU nodes"). The GPU pool sets it, the runtime's pods tolerate ``GPU_TAINT_KEY``, the policy
 pack requires it."""
+
+SYSTEM_POOL = "system"
+"""The name of each region's CPU node pool (``infra.components.gke_parts.RegionNodePools``); GKE labels its
+nodes ``cloud.google.com/gke-nodepool=system``. coturn runs there (``infra.k8s.turn``), off the GPU pool."""
 
 RECORDINGS_LABEL = ("duplex-data", "recordings")
 """The label (key, value) of a bucket that holds call recordings (``infra.components.recording_bucket``):

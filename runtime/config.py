@@ -539,6 +539,40 @@ class RuntimeConfig(BaseSettings):
         )
         return self
 
+    # Scale-in takes the idlest pod (runtime/fleet/deletion_cost.py, issue 33): on Kubernetes only.
+    pod_deletion_cost: bool = Field(
+        False,
+        description="Keep this pod's controller.kubernetes.io/pod-deletion-cost annotation at its live "
+        "sessions (a patch through the API server), so a scale-in removes the idlest pod; needs "
+        "DUPLEX_POD_NAME and DUPLEX_POD_NAMESPACE (the downward API) and RBAC patch on pods",
+    )
+    pod_name: str | None = Field(None, min_length=1, description="This pod's name (the downward API)")
+    pod_namespace: str | None = Field(
+        None, min_length=1, description="This pod's namespace (the downward API)"
+    )
+    pod_credentials_dir: str = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount",
+        min_length=1,
+        description="Folder of the pod's service-account token and the cluster's CA (token, ca.crt), for the "
+        "deletion-cost patch: the kubelet's projected volume; tests point it at a folder of their own",
+    )
+    deletion_cost_interval_s: float = Field(
+        10.0,
+        ge=1,
+        le=3600,
+        description="Least time between two writes of the pod-deletion-cost annotation (s); also the retry "
+        "delay after the API server refused or failed one",
+    )
+
+    @model_validator(mode="after")
+    def _deletion_cost_needs_its_pod(self) -> RuntimeConfig:
+        if self.pod_deletion_cost and (self.pod_name is None or self.pod_namespace is None):
+            raise ValueError(
+                "DUPLEX_POD_DELETION_COST=true needs DUPLEX_POD_NAME and DUPLEX_POD_NAMESPACE (the pod to "
+                "annotate: fieldRef metadata.name and metadata.namespace)"
+            )
+        return self
+
     # GCE host maintenance (runtime/frontend/maintenance.py): on a GCE VM's maintenance notice, stop
     # admitting.
     maintenance_watch: Literal["gce", "off"] = Field(

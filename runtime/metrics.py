@@ -101,6 +101,13 @@ class RuntimeMetrics:
             "Failed requests to the metadata server's maintenance-event key (retried with backoff)",
             registry=r,
         )
+        self.deletion_cost_writes = Counter(
+            "duplex_deletion_cost_writes_total",
+            "Writes of the pod's controller.kubernetes.io/pod-deletion-cost annotation by outcome: written, "
+            "refused (4xx: RBAC), failed (5xx, timeout, network); runtime/fleet/deletion_cost.py",
+            ["outcome"],
+            registry=r,
+        )
         self.voice_files_refused = Gauge(
             "duplex_voice_files_refused",
             "Voice files refused at start-up (unreadable, wrong keys or shapes, bad name; each logged with "

@@ -23,6 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # The batched runtime, which knows nothing of the deployment. Inside it, the engine side (the model and
     # the tick) imports nothing of the front end or the tools (docs/runtime.md).
     ("runtime.metrics", "runtime.ipc", "runtime.child_process", "runtime.gc_policy", "runtime.heap_trim"),
+    # what the runtime tells the fleet it runs in (its pod's deletion cost): below the engine, which reports
+    ("runtime.fleet",),
     ("runtime.engine",),
     # what the settings check without the front end: signing keys, TURN URLs and secret, the regional routes
     ("runtime.signing_keys", "runtime.turn_urls", "runtime.region_routes"),

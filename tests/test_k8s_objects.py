@@ -72,7 +72,7 @@ def test_deployment_runs_one_gpu_pod_per_node_and_has_no_replicas(objects: list[
     assert "replicas" not in deployment["spec"]  # the HPA owns it
     assert deployment["spec"]["strategy"] == {
         "type": "RollingUpdate",
-        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
     }
     pod = deployment["spec"]["template"]["spec"]
     runtime = _runtime_container(deployment)
@@ -166,6 +166,8 @@ def test_environment_names_are_runtime_settings(objects: list[dict], monkeypatch
     for var in runtime["env"]:
         if var["name"].startswith("DUPLEX_") and "value" in var:
             monkeypatch.setenv(var["name"], var["value"])
+        elif "fieldRef" in var.get("valueFrom", {}):  # the downward API: the pod's name or namespace
+            monkeypatch.setenv(var["name"], "duplex-runtime-7d9f-abcde")
     config = RuntimeConfig()
     assert config.host == "0.0.0.0" and config.device == "cuda" and config.max_sessions == 5
     assert str(config.token_keys_file) == base.TOKEN_KEYS_PATH

@@ -48,15 +48,15 @@ def test_gateway_manifests_validate_strictly() -> None:
     objects = _objects()
     assert validate_manifests(objects) == []
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
-    assert {("Secret", TURN_CONFIG_SECRET), ("DaemonSet", TURN_NAME), ("Service", TURN_NAME)} <= kinds
+    assert {("Secret", TURN_CONFIG_SECRET), ("Deployment", TURN_NAME), ("Service", TURN_NAME)} <= kinds
     assert ("PodMonitoring", TURN_NAME) in kinds
 
 
-def test_coturn_runs_on_the_gpu_pool_without_host_network() -> None:
+def test_coturn_runs_on_the_system_pool_without_host_network() -> None:
     workload = make_workload(turn_secret=TURN_SECRET, turn_peer_ranges=POD_RANGES)
-    spec = one(region_objects(workload), "DaemonSet", TURN_NAME)["spec"]["template"]["spec"]
-    assert spec["nodeSelector"] == {"cloud.google.com/gke-accelerator": workload.accelerator}
-    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    spec = one(region_objects(workload), "Deployment", TURN_NAME)["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"cloud.google.com/gke-nodepool": "system"}  # off the GPU pool
+    assert "tolerations" not in spec  # the GPU taint keeps it off the GPU nodes
     assert "hostNetwork" not in spec and spec["securityContext"]["runAsNonRoot"] is True
     (container,) = spec["containers"]
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -129,7 +129,7 @@ def test_tls_is_served_from_the_mounted_secret() -> None:
     assert "no-tls" not in conf and "tls-listening-port=5349" in conf
     assert f"cert={TLS_MOUNT}/tls.crt" in conf and f"pkey={TLS_MOUNT}/tls.key" in conf
     assert "no-tlsv1" in conf and "no-tlsv1_1" in conf and "no-tcp" in conf  # TLS only, 1.2 and later
-    spec = one(objects, "DaemonSet", TURN_NAME)["spec"]["template"]["spec"]
+    spec = one(objects, "Deployment", TURN_NAME)["spec"]["template"]["spec"]
     [tls_volume] = [v for v in spec["volumes"] if v["name"] == "tls"]
     assert tls_volume["secret"]["secretName"] == TLS_SECRET
     coturn, reload = spec["containers"]
@@ -165,7 +165,7 @@ def test_runtime_offers_turns_only_with_a_certificate() -> None:
     # Without one: UDP only, no TLS listener, no TLS Service, no sidecar.
     objects = _objects()
     assert ("Service", TURN_TLS_NAME) not in {(o["kind"], o["metadata"]["name"]) for o in objects}
-    spec = one(objects, "DaemonSet", TURN_NAME)["spec"]["template"]["spec"]
+    spec = one(objects, "Deployment", TURN_NAME)["spec"]["template"]["spec"]
     assert [c["name"] for c in spec["containers"]] == [TURN_NAME] and "shareProcessNamespace" not in spec
     assert "loadBalancerIP" not in one(objects, "Service", TURN_NAME)["spec"]  # no reserved address given
 

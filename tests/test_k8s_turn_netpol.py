@@ -181,7 +181,7 @@ def _pod(objects: list[dict], kind: str, name: str, ip: str) -> Endpoint:
 def test_the_region_renders_the_coturn_egress_policy(objects: list[dict]) -> None:
     policy = one(objects, "NetworkPolicy", TURN_EGRESS_POLICY)
     assert validate_manifests([policy]) == []
-    coturn = one(objects, "DaemonSet", TURN_NAME)
+    coturn = one(objects, "Deployment", TURN_NAME)
     assert policy["metadata"]["namespace"] == coturn["metadata"]["namespace"]
     assert policy["spec"]["podSelector"] == {"matchLabels": coturn["spec"]["selector"]["matchLabels"]}
     assert policy["spec"]["policyTypes"] == ["Egress"]
@@ -194,8 +194,8 @@ def test_the_region_renders_the_coturn_egress_policy(objects: list[dict]) -> Non
     ]
     # Applied before the coturn pods exist (a foundation kind of the region's apply order).
     assert "NetworkPolicy" in APPLY_FIRST
-    kinds = [o["kind"] for o in objects]
-    assert kinds.index("NetworkPolicy") < kinds.index("DaemonSet")
+    order = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert order.index(("NetworkPolicy", TURN_EGRESS_POLICY)) < order.index(("Deployment", TURN_NAME))
 
 
 def test_no_turn_no_policy() -> None:
@@ -245,7 +245,7 @@ def _destinations(objects: list[dict]) -> dict[str, Endpoint]:
         "redis-exporter": _pod(objects, "Deployment", "redis-exporter", "10.4.2.12"),
         "grafana": _pod(objects, "Deployment", "grafana", "10.4.2.13"),
         "metrics-adapter": _pod(objects, "Deployment", "custom-metrics-stackdriver-adapter", "10.4.2.14"),
-        "coturn": _pod(objects, "DaemonSet", TURN_NAME, "10.4.1.21"),
+        "coturn": _pod(objects, "Deployment", TURN_NAME, "10.4.1.21"),
         # Pods GKE runs itself, with the labels GKE gives them.
         "kube-dns": Endpoint("10.4.0.5", "kube-system", {"k8s-app": "kube-dns"}, {"dns": 53}),
         "gmp-collector": Endpoint("10.4.0.6", "gmp-system", {"app.kubernetes.io/name": "collector"}),
@@ -263,7 +263,7 @@ def test_coturn_reaches_the_runtime_pods_only(
     objects: list[dict], what: str, destination: str, protocol: str, port: int, allowed: bool
 ) -> None:
     policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
-    coturn = _pod(objects, "DaemonSet", TURN_NAME, "10.4.1.20")
+    coturn = _pod(objects, "Deployment", TURN_NAME, "10.4.1.20")
     to = _destinations(objects)[destination]
     assert egress_allowed(policies, coturn, to, protocol, port) is allowed, what
 

@@ -123,7 +123,11 @@ def test_gpu_pool(run: StackRun, region: str, zones: list[str], bounds: tuple[in
     # Upgrades need no GPU beyond the pool's (no surge node), and take no more nodes at once than the
     # PodDisruptionBudget lets go.
     upgrade = pool["upgradeSettings"]
-    [pdb] = [m for m in _manifests(run, region) if m["kind"] == "PodDisruptionBudget"]
+    [pdb] = [
+        m
+        for m in _manifests(run, region)
+        if m["kind"] == "PodDisruptionBudget" and m["metadata"]["name"] == "duplex-runtime"
+    ]
     assert upgrade["maxSurge"] == 0 and upgrade["maxUnavailable"] == 1
     assert upgrade["maxUnavailable"] <= pdb["spec"]["maxUnavailable"]
     assert config["workloadMetadataConfig"]["mode"] == "GKE_METADATA"
@@ -833,7 +837,7 @@ def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
 
     manifests = _manifests(run, region)
     kinds = {(m["kind"], m["metadata"]["name"]) for m in manifests}
-    assert {("DaemonSet", TURN_NAME), ("Service", TURN_NAME), ("Secret", TURN_CONFIG_SECRET)} <= kinds
+    assert {("Deployment", TURN_NAME), ("Service", TURN_NAME), ("Secret", TURN_CONFIG_SECRET)} <= kinds
     # The second fence (issue 34, item 9): coturn's pods send UDP to the runtime pods only.
     [policy] = [m for m in manifests if m["kind"] == "NetworkPolicy"]
     assert policy["metadata"]["name"] == TURN_EGRESS_POLICY
@@ -853,8 +857,8 @@ def test_each_region_runs_its_turn_gateway(run: StackRun, region: str) -> None:
     assert rule["ports"] == [{"protocol": "UDP"}]
     # Created before the coturn pods: they never run unfenced.
     policy_resource = _one_in_region(run, "kubernetes:networking.k8s.io/v1:NetworkPolicy", region)
-    daemon_set = _one_in_region(run, "kubernetes:apps/v1:DaemonSet", region, f"-{TURN_NAME}")
-    assert policy_resource.urn in run.ordered_after(daemon_set)
+    coturn = _one_in_region(run, "kubernetes:apps/v1:Deployment", region, f"-{TURN_NAME}")
+    assert policy_resource.urn in run.ordered_after(coturn)
     settings = {"us-central1": 0, "europe-west4": 1}[region]
     [config] = [m for m in manifests if m["kind"] == "Secret" and m["metadata"]["name"] == TURN_CONFIG_SECRET]
     conf = config["stringData"]["turnserver.conf"]

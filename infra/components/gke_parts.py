@@ -22,7 +22,7 @@ import pulumi_gcp.serviceaccount as serviceaccount
 import pulumi_gcp.storage as storage
 
 from infra.components._util import COMPONENT_PACKAGE, child_options
-from infra.names import GPU_TAINT
+from infra.names import GPU_TAINT, SYSTEM_POOL
 from infra.stack_config import MaintenanceWindow, RegionSettings
 
 __all__ = [
@@ -325,8 +325,12 @@ class RegionNodePools(_Part):
     ``GPU_TAINT`` (only pods that tolerate it land there), autoscaling ``min_nodes``-``max_nodes`` in total
     over the zones (location policy ANY: GPUs are scarce, take any zone that has one), image streaming.
 
-    Both start with ``INITIAL_NODES_PER_ZONE`` node in each zone. Upgrades: the system pool surges (one
-    extra node, ``max_unavailable`` 0); the GPU pool upgrades one node at a time in place (``max_surge`` 0,
+    Both start with ``INITIAL_NODES_PER_ZONE`` node in each zone. The system pool also runs coturn
+    (``infra.k8s.turn``): its CPU VMs live-migrate through host maintenance, it never scales or upgrades
+    with the GPU pool, and the cluster autoscaler leaves a node holding a coturn pod alone (the pods are
+    ``safe-to-evict: false``). Upgrades: the system pool surges (one extra node, ``max_unavailable`` 0: the
+    coturn pod it evicts drains its allocations first, within the PodDisruptionBudget); the GPU pool
+    upgrades one node at a time in place (``max_surge`` 0,
     ``max_unavailable`` 1): a surge node would be one more GPU (an A100 80 GB) in the zone, which quota or
     stock may not have, and a blue-green upgrade a whole second pool of them. The node's pod drains first
     (eviction honours the PodDisruptionBudget's ``maxUnavailable`` 1; the preStop hook waits for its
@@ -365,7 +369,7 @@ class RegionNodePools(_Part):
         }
         container.NodePool(
             f"{prefix}-system-pool",
-            name="system",
+            name=SYSTEM_POOL,
             project=project,
             cluster=cluster,
             location=s.region,

@@ -16,6 +16,7 @@ from infra.k8s.base import (
     WEIGHTS_SERVICE_ACCOUNT,
     RegionWorkload,
 )
+from infra.k8s.disruption import deletion_cost_rbac, with_deletion_cost
 from infra.k8s.metrics_adapter import ADAPTER_NAME, ADAPTER_NAMESPACE, adapter_objects
 from infra.k8s.monitoring import (
     FRONTEND_NAME,
@@ -56,6 +57,7 @@ APPLY_FIRST = (
     "ConfigMap",
     "ClusterRole",
     "ClusterRoleBinding",
+    "Role",
     "RoleBinding",
     "NetworkPolicy",
 )
@@ -89,7 +91,8 @@ def region_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         runtime_secret(workload),
         redis_ca_configmap(workload),
         weights_job(workload),
-        runtime_deployment(workload),
+        with_deletion_cost(runtime_deployment(workload)),
+        *deletion_cost_rbac(workload),
         runtime_service(workload),
         pod_disruption_budget(workload),
         horizontal_pod_autoscaler(workload),

@@ -41,7 +41,10 @@ def horizontal_pod_autoscaler(workload: RegionWorkload) -> dict[str, Any]:
     recommendation of the last ``HPA_SCALE_DOWN_WINDOW_S`` (30 min) and one pod per 10 min. A pod removed
     by scale-down keeps its GPU while it drains its conversations, for up to the grace period (an hour),
     and a new one costs a node start and a load: removing pods on a short dip and adding them back after
-    would cost both. Metrics reach the HPA through GMP and the adapter, a minute or two behind."""
+    would cost both. Which pod goes: the ReplicaSet deletes the one with the lowest
+    ``controller.kubernetes.io/pod-deletion-cost``, which each runtime pod keeps at its live sessions
+    (``infra.k8s.disruption``, ``runtime/fleet/deletion_cost.py``): the idlest, not the newest. Metrics
+    reach the HPA through GMP and the adapter, a minute or two behind."""
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",

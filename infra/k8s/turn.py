@@ -1,12 +1,26 @@
-"""One region's TURN gateway (docs/deploying.md, "WebRTC media per stack"): coturn as a DaemonSet on the GPU
-pool, its configuration in a Secret, and a ``LoadBalancer`` Service that GKE turns into a regional external
-passthrough Network Load Balancer (UDP; the caller's address kept), since the global HTTPS load balancer
-carries no UDP.
+"""One region's TURN gateway (docs/deploying.md, "WebRTC media per stack"): coturn as a Deployment on the
+system (CPU) pool, its configuration in a Secret, a PodDisruptionBudget, and a ``LoadBalancer`` Service that
+GKE turns into a regional external passthrough Network Load Balancer (UDP; the caller's address kept), since
+the global HTTPS load balancer carries no UDP.
+
+Off the GPU pool (issue 33): as a DaemonSet on the GPU pool, every GPU node leaving (scale-down, an upgrade,
+a repair, host maintenance: GPU VMs cannot live-migrate) killed every call relayed through it, whichever
+runtime pod served the call, with no drain (node drains skip DaemonSet pods). Now coturn runs on the system
+pool (``infra.names.SYSTEM_POOL``: CPU VMs live-migrate, the pool neither scales nor upgrades with the GPU
+pool, surge upgrades add a node before one goes), ``turn_replicas`` pods spread over the zones, and every
+removal drains: a surge upgrade or ``kubectl drain`` evicts through the PodDisruptionBudget (one at a time),
+the cluster autoscaler leaves their nodes alone (``safe-to-evict: false``), and the preStop hook
+(``turn_drain_command``) puts coturn in drain mode (SIGUSR1: coturn/coturn PR 1529, "Add new Drain
+feature", merged June 2024, before the 4.6.3 image pinned in ``infra.images``; read, not run here:
+existing allocations go on, new ones are refused with 403, coturn exits once its allocation count is
+0) and waits for it to exit, up to ``terminationGracePeriodSeconds`` = the longest session +
+``TURN_DRAIN_MARGIN_S``. Each coturn holds the relay ports and quota of the whole
+region (``max_replicas`` x slots): a zone's coturn may carry every caller of the region.
 
 No ``hostNetwork``: the cluster is VPC-native, so a pod's address is routable in the VPC and serves as the
 relayed address (no ``external-ip``), exactly as coturn's container address does in a Compose node; the
-pods stay under the namespace's Pod Security ``restricted`` level, which forbids host networking. One coturn
-per GPU node (a DaemonSet): relay capacity grows with the runtime pods. Peers, two fences: coturn's own
+pods stay under the namespace's Pod Security ``restricted`` level, which forbids host networking. Peers, two
+fences: coturn's own
 ``allowed-peer-ip`` admits the region's pod range only (``RegionWorkload.turn_peer_ranges``, which GKE's
 cluster firewall rule already lets reach the pods; coturn names ranges, not pods), and the NetworkPolicy
 ``coturn-egress`` lets the coturn pods send to the runtime pods only, over UDP (kube-dns, Prometheus, the
@@ -37,12 +51,13 @@ from infra.k8s.base import (
     pod_security,
     selector_labels,
 )
-from infra.names import GPU_TAINT_KEY
+from infra.names import SYSTEM_POOL
 from infra.node.compose import IMAGES
 from infra.node.coturn import CONTAINER_CONFIG_PATH, coturn_args, render_turnserver_conf
 from infra.node.relay import turn_urls
 
 __all__ = [
+    "TURN_DRAIN_MARGIN_S",
     "TLS_MOUNT",
     "TLS_RELOAD_INTERVAL_S",
     "TURN_CONFIG_SECRET",
@@ -53,12 +68,20 @@ __all__ = [
     "tls_reload_script",
     "turn_egress_policy",
     "turn_env",
+    "turn_drain_command",
+    "turn_grace_s",
     "turn_host",
     "turn_objects",
+    "turn_replicas",
 ]
 
 TURN_NAME = "coturn"
-"""The DaemonSet's, Service's and PodMonitoring's name (and the pods' ``app.kubernetes.io/name``)."""
+"""The Deployment's, Service's, PodDisruptionBudget's and PodMonitoring's name (and the pods'
+``app.kubernetes.io/name``)."""
+TURN_DRAIN_MARGIN_S = 60
+"""Seconds of the coturn pods' grace beyond the longest session: the preStop hook polls every 5 s and
+coturn's last allocations time out within their refresh (as ``infra.k8s.workload.DRAIN_MARGIN_S``)."""
+_DRAIN_POLL_S = 5
 TURN_CONFIG_SECRET = "coturn-config"
 """The Secret holding ``turnserver.conf`` (it carries the TURN secret)."""
 TURN_EGRESS_POLICY = "coturn-egress"
@@ -176,8 +199,44 @@ def turn_egress_policy(workload: RegionWorkload) -> dict[str, Any]:
     }
 
 
+def turn_replicas(workload: RegionWorkload) -> int:
+    """coturn pods of a region: one per zone of the GPU pool, at least 2 (one drains while another relays).
+    Each carries the whole region's relay ports and quota (see the module docstring)."""
+    return max(2, len(workload.zones))
+
+
+def turn_grace_s(workload: RegionWorkload) -> int:
+    """The coturn pods' ``terminationGracePeriodSeconds`` (s): the longest session
+    (``profile.limits.max_session_s``) + ``TURN_DRAIN_MARGIN_S``: a relayed call started just before the
+    drain runs to its end."""
+    return workload.profile.limits.max_session_s + TURN_DRAIN_MARGIN_S
+
+
+def turn_drain_command(pid_file: str, poll_s: int = _DRAIN_POLL_S) -> list[str]:
+    """The coturn container's preStop hook: SIGUSR1 to the process in ``pid_file`` (coturn's drain mode: new
+    allocations refused with 403, running ones go on; coturn exits once none is left), then wait, polling
+    every ``poll_s`` s, until that process is gone. The kubelet's SIGTERM comes after the hook, or at the
+    grace period's end. Needs ``cat``, ``kill``, ``sleep`` of the coturn image.
+
+    Raises:
+        ValueError: ``poll_s`` < 1, or a path with characters the script does not quote.
+    """
+    if poll_s < 1:
+        raise ValueError(f"poll_s must be >= 1 s, got {poll_s}")
+    if not pid_file.startswith("/") or not set(pid_file) <= set("abcdefghijklmnopqrstuvwxyz0123456789/._-"):
+        raise ValueError(f"{pid_file!r}: an absolute path of lower case letters, digits, '/', '.', '_', '-'")
+    script = (
+        f'pid=$(cat {pid_file}) || exit 0; kill -USR1 "$pid" || exit 0; '
+        f'echo "coturn draining: new allocations refused, waiting for the running ones"; '
+        f'while kill -0 "$pid" 2>/dev/null; do sleep {poll_s}; done'
+    )
+    return ["/bin/sh", "-c", script]
+
+
 def _conf(workload: RegionWorkload, secret: str, previous: str | None = None) -> str:
-    profile = workload.profile
+    # One coturn may relay every session of the region (a zone's coturn drains, the NLB hashes callers
+    # unevenly): its relay range and quota are sized for max_replicas x slots.
+    profile = workload.profile.model_copy(update={"max_sessions": workload.max_replicas * workload.slots})
     relay = profile.relay.model_copy(update={"peer_networks": tuple(workload.turn_peer_ranges)})
     tls = profile.tls.model_copy(
         update={"certificate_path": f"{TLS_MOUNT}/tls.crt", "private_key_path": f"{TLS_MOUNT}/tls.key"}
@@ -192,7 +251,9 @@ def _conf(workload: RegionWorkload, secret: str, previous: str | None = None) ->
 
 
 def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """The region's TURN gateway: Secret ``coturn-config``, DaemonSet ``coturn``, Service ``coturn``
+    """The region's TURN gateway: Secret ``coturn-config``, Deployment ``coturn`` (``turn_replicas`` pods on
+    the system pool, spread over the zones, drained on removal), PodDisruptionBudget ``coturn``
+    (``maxUnavailable`` 1), Service ``coturn``
     (LoadBalancer, UDP ``relay.port``, ``externalTrafficPolicy: Local``), with ``turn_tls_secret`` Service
     ``coturn-tls`` (LoadBalancer, TCP ``relay.tls_port``) on the same ``turn_address``, PodMonitoring
     ``coturn`` (its exporter), NetworkPolicy ``coturn-egress`` (``turn_egress_policy``). Empty when
@@ -272,9 +333,19 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
                 ],
             }
         )
+    container["lifecycle"] = {"preStop": {"exec": {"command": turn_drain_command(_PID_FILE)}}}
     pod_spec: dict[str, Any] = {
-        "nodeSelector": {"cloud.google.com/gke-accelerator": workload.accelerator},
-        "tolerations": [{"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}],
+        # Off the GPU pool (issue 33): on the CPU pool that neither scales nor upgrades with it.
+        "nodeSelector": {"cloud.google.com/gke-nodepool": SYSTEM_POOL},
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": labels},
+            }
+        ],
+        "terminationGracePeriodSeconds": turn_grace_s(workload),
         "automountServiceAccountToken": False,
         "securityContext": pod_security(_COTURN_UID),
         "containers": containers,
@@ -282,18 +353,30 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     }
     if tls:  # the sidecar signals coturn: same user, one process namespace (no capability needed)
         pod_spec["shareProcessNamespace"] = True
-    daemon_set = {
+    deployment = {
         "apiVersion": "apps/v1",
-        "kind": "DaemonSet",
+        "kind": "Deployment",
         "metadata": object_meta(workload, TURN_NAME, "turn"),
         "spec": {
+            "replicas": turn_replicas(workload),
             "selector": {"matchLabels": labels},
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            # A CPU pod is cheap: the new coturn runs before the old one drains.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": {**labels, "app.kubernetes.io/component": "turn"}},
+                "metadata": {
+                    "labels": {**labels, "app.kubernetes.io/component": "turn"},
+                    # The cluster autoscaler never removes a node for its own scale-down while it holds one.
+                    "annotations": {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"},
+                },
                 "spec": pod_spec,
             },
         },
+    }
+    budget = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(workload, TURN_NAME, "turn"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
     }
     services = [_service(workload, TURN_NAME, "turn-udp", relay.port, "UDP")]
     if tls:
@@ -309,7 +392,7 @@ def turn_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
             ],
         },
     }
-    return [secret, turn_egress_policy(workload), daemon_set, *services, monitoring]
+    return [secret, turn_egress_policy(workload), deployment, budget, *services, monitoring]
 
 
 def _service(workload: RegionWorkload, name: str, port_name: str, port: int, protocol: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from infra.k8s.base import (
     standard_labels,
     weights_dir,
 )
+from infra.k8s.disruption import rollout_step_s, rollout_strategy
 from infra.k8s.pod_routes import resume_routes_env
 from infra.k8s.recordings import recordings_env, recordings_volume, recordings_volume_mounts
 from infra.k8s.turn import TURN_SECRET_KEY, turn_env
@@ -309,7 +310,8 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
     """The runtime's Deployment. No ``replicas`` field: the HorizontalPodAutoscaler owns it (a value here
     would reset the count at every apply).
 
-    - Rolling updates add one pod before removing one (maxSurge 1, maxUnavailable 0): capacity never dips.
+    - Rolling updates replace one pod at a time, never one beyond the replicas (maxSurge 0, maxUnavailable
+      1: ``infra.k8s.disruption.ROLLOUT_STRATEGY``): a rollout at the pool's ``maxNodes`` needs no extra GPU.
     - One GPU per pod (``nvidia.com/gpu: 1``), on the GPU pool (``cloud.google.com/gke-accelerator``),
       tolerating its ``nvidia.com/gpu`` NoSchedule taint, spread over the zones (``zone_spread``).
     - Resources: requests 4 CPU and 20 GiB, memory limit 28 GiB, no CPU limit (CFS throttling would stretch
@@ -391,10 +393,10 @@ def runtime_deployment(workload: RegionWorkload) -> dict[str, Any]:
         "metadata": object_meta(workload, APP_NAME, "runtime"),
         "spec": {
             "selector": {"matchLabels": pod_labels(workload)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": rollout_strategy(),
             "revisionHistoryLimit": 5,
-            # A rollout is stuck only after the weights wait and the whole startup budget.
-            "progressDeadlineSeconds": startup_budget_s() + 1800,
+            # A step is stuck only after the old pod's drain, a node, the weights wait and the startup budget.
+            "progressDeadlineSeconds": rollout_step_s(termination_grace_s(profile), startup_budget_s()),
             "template": {
                 "metadata": {
                     "labels": standard_labels(APP_NAME, "runtime"),

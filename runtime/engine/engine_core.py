@@ -50,6 +50,7 @@ from runtime.engine.api import (
 from runtime.engine.local_slots import LocalSlots
 from runtime.engine.models import ModelBundle
 from runtime.engine.resume import credential_session
+from runtime.fleet.deletion_cost import sessions_on, start_deletion_cost
 from runtime.metrics import RuntimeMetrics
 
 __all__ = ["STATUS_PERIOD_S", "WORKER_TIMEOUT_S", "EngineCore", "LocalSlots"]
@@ -154,9 +155,14 @@ class EngineCore:
             "engine: %d slots, listening for front-end workers on %s", self.slots.engine.slots, self.address
         )
         tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._broadcast())]
+        deletion_cost = start_deletion_cost(
+            self.config, self.metrics, lambda: sessions_on(self.slots.status()), dict(os.environ)
+        )
         try:
             await self._stop.wait()
         finally:
+            if deletion_cost is not None:
+                await deletion_cost.close()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

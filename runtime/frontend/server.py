@@ -31,6 +31,7 @@ from aiohttp.web_response import StreamResponse
 
 from runtime.config import RuntimeConfig
 from runtime.engine.api import MIMI_FRAME, SlotBackend
+from runtime.fleet.deletion_cost import DeletionCostTask, sessions_on, start_deletion_cost
 from runtime.frontend import http
 from runtime.frontend.gate.access import Access
 from runtime.frontend.gate.refusals import (
@@ -176,6 +177,7 @@ class DuplexServer:
         )
         self._sweep_task: asyncio.Task[None] | None = None
         self._trim_task: asyncio.Task[None] | None = None
+        self._deletion_cost: DeletionCostTask | None = None
         self.sessions: set[ChatSession] = set()
         self.draining = False
         self.upgrades = UpgradeReservations()
@@ -210,6 +212,10 @@ class DuplexServer:
         self.maintenance = start_maintenance_watch(
             self.config, self.metrics, self._on_maintenance_notice, on_preempted=self._on_preempted
         )
+        if self.worker_id is None:  # the slots are in this process (--workers 0): one reporter per pod
+            self._deletion_cost = start_deletion_cost(
+                self.config, self.metrics, lambda: sessions_on(self.backend.status()), dict(os.environ)
+            )
         trimmer = HeapTrimmer(self.config.malloc_trim_s, self._on_heap_trim)
         self._trim_task = asyncio.create_task(trimmer.run(), name="heap trim")
         log.info(
@@ -284,6 +290,9 @@ class DuplexServer:
     async def close(self) -> None:
         """End the WebRTC sessions left, stop listening, close the backend, flush the store. Idempotent."""
         self._stop_maintenance_watch()
+        if self._deletion_cost is not None:
+            deletion_cost, self._deletion_cost = self._deletion_cost, None
+            await deletion_cost.close()
         if self._trim_task is not None:
             self._trim_task.cancel()
             self._trim_task = None
