@@ -11,7 +11,8 @@ pool, surge upgrades add a node before one goes), ``turn_replicas`` pods spread 
 removal drains: a surge upgrade or ``kubectl drain`` evicts through the PodDisruptionBudget (one at a time),
 the cluster autoscaler leaves their nodes alone (``safe-to-evict: false``), and the preStop hook
 (``turn_drain_command``) puts coturn in drain mode (SIGUSR1: coturn/coturn PR 1529, "Add new Drain
-feature", merged June 2024, before the 4.6.3 image pinned in ``infra.images``; read, not run here:
+feature", merged June 2024; in the 4.6.3 source the image in ``infra.images`` is built from:
+``mainrelay.c`` ``drain_handler``, ``netengine.c`` ``enable_drain_mode``; read, not run here:
 existing allocations go on, new ones are refused with 403, coturn exits once its allocation count is
 0) and waits for it to exit, up to ``terminationGracePeriodSeconds`` = the longest session +
 ``TURN_DRAIN_MARGIN_S``. Each coturn holds the relay ports and quota of the whole

@@ -465,8 +465,9 @@ def runtime_service(workload: RegionWorkload) -> dict[str, Any]:
 def pod_disruption_budget(workload: RegionWorkload) -> dict[str, Any]:
     """PodDisruptionBudget (policy/v1): at most one runtime pod evicted at a time (node upgrades, the
     cluster autoscaler). An evicted pod drains like any other (preStop). A pod whose slots are all taken
-    answers ``/readyz`` 503 and so counts as unavailable: with the default unhealthy-pod policy
-    (IfHealthyBudget) evictions wait while one is full, or take that full pod (which drains)."""
+    stays ready (``/readyz`` means serving; ``/slotz`` has-a-free-slot: docs/deploying.md, "Slot-aware
+    admission"), so a full region does not block evictions; a loading or draining pod counts as
+    unavailable."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
