@@ -70,6 +70,23 @@ async def test_a_full_node_answers_503_before_the_upgrade_when_told_to() -> None
         assert server.upgrades.count == 0
 
 
+async def test_a_phone_carriers_stream_to_a_full_node_gets_the_same_503_before_the_upgrade() -> None:
+    """A carrier's media stream (Telnyx here: its secret in the URL) is balanced like ``/api/chat``: on a
+    full multi-region pod it gets 503 ``node_full`` with ``Retry-After`` before the upgrade, so the global
+    entry retries it on another pod. Before, it was upgraded and refused (or waited) on the full pod."""
+    token = "telnyx-stream-secret-0123"
+    node = fake_node(FakeBackend(slots=1), full_before_upgrade=True, telnyx_stream_token=token)
+    async with node as server, connect(chat(server)) as first:
+        assert await first.recv() == bytes([MessageKind.HANDSHAKE])
+        stream = f"ws://127.0.0.1:{server.port}/api/carriers/telnyx?stream_token={token}"
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(stream):
+                pass
+        answer = refused.value.response
+        assert (answer.status_code, answer.headers["Retry-After"]) == (503, "5")
+        assert answer.body is not None and answer.body.startswith(b"node_full: ")
+
+
 async def test_without_the_setting_a_full_node_refuses_after_the_upgrade() -> None:
     async with fake_node(FakeBackend(slots=1)) as server, connect(chat(server)) as first:
         assert await first.recv() == bytes([MessageKind.HANDSHAKE])

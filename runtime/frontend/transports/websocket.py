@@ -291,7 +291,7 @@ async def serve_chat(front: FrontEnd, request: web.Request, admitted: Admitted) 
         answer.headers["Sec-WebSocket-Version"] = "13"
         return answer
     if not resume.given and front.config.full_before_upgrade:
-        full = _full_before_upgrade(front)
+        full = full_before_upgrade(front)
         if full is not None:
             return full
     # Counted until the session holds a slot (or never will): racing upgrades cannot all pass the check
@@ -309,10 +309,11 @@ async def serve_chat(front: FrontEnd, request: web.Request, admitted: Admitted) 
     return connection
 
 
-def _full_before_upgrade(front: FrontEnd) -> web.Response | None:
+def full_before_upgrade(front: FrontEnd) -> web.Response | None:
     """With ``full_before_upgrade``: a 503 ``node_full`` with ``Retry-After`` when no slot and no waiting-room
     place is left for a new caller (``SlotLoad.takes_upgrade``), before any upgrade, so that the global
-    entry's retry policy tries another pod (issue 33); counted as a refusal. None when there is room."""
+    entry's retry policy tries another pod (issue 33); counted as a refusal. None when there is room. Used
+    by ``/api/chat`` and the phone carriers' routes alike."""
     load = SlotLoad.of(front.backend.status(), front.upgrades.count)
     if load.takes_upgrade(front.config):
         return None

@@ -57,7 +57,12 @@ from runtime.frontend.gate.tokens import TokenClaims
 from runtime.frontend.session.conversation import ChatSession, FrontEnd, SessionOutcome, plan_session
 from runtime.frontend.session.lifecycle import Edge, TransportClosed, run
 from runtime.frontend.transports.carriers.dialect import CallStart, CarrierProtocolError, Dialect
-from runtime.frontend.transports.websocket import HEARTBEAT_S, ConnectionClosed, DuplexWebSocket
+from runtime.frontend.transports.websocket import (
+    HEARTBEAT_S,
+    ConnectionClosed,
+    DuplexWebSocket,
+    full_before_upgrade,
+)
 
 __all__ = [
     "AGENT_SPEECH_DBFS",
@@ -353,8 +358,9 @@ async def serve_upgrade(
 ) -> web.StreamResponse:
     """``GET <dialect.path>`` past the connection's gate (rate limits): 404 ``carrier_off`` without the
     node's secret for that carrier, 403 ``carrier_signature`` when the dialect finds no valid signature
-    (each counted once, before any work), 426 for a request that is not a WebSocket upgrade; else the
-    upgrade and :func:`serve_stream`."""
+    (each counted once, before any work), 426 for a request that is not a WebSocket upgrade, and with
+    ``full_before_upgrade`` 503 ``node_full`` + ``Retry-After`` when no slot or waiting-room place is left
+    (the global entry retries it on another pod); else the upgrade and :func:`serve_stream`."""
     secret = dialect.secret(front.config)
     refusal: SessionRefused | None = None
     if secret is None:
@@ -379,6 +385,10 @@ async def serve_upgrade(
         answer.headers["Upgrade"] = "websocket"
         answer.force_close()
         return answer
+    if front.config.full_before_upgrade:  # multi-region: a full pod's 503 is retried on another (issue 33)
+        full = full_before_upgrade(front)
+        if full is not None:
+            return full
     carried = dialect.upgrade_parameters(request)
     await connection.prepare(request)
     await serve_stream(front, connection, client, dialect, carried)
