@@ -6,6 +6,7 @@ receivers. Read from the stacks' programs under Pulumi mocks (``tests/pulumi_har
 from __future__ import annotations
 
 import pytest
+from pulumi_harness import MOCK_IP, StackRun, run_stack
 
 from infra.components.node_uptime import (
     ALERT_DURATION,
@@ -14,7 +15,6 @@ from infra.components.node_uptime import (
     check_passed_filter,
 )
 from infra.gcp_apis import required_apis
-from tests.pulumi_harness import MOCK_IP, StackRun, run_stack
 
 K = "duplexops:"
 CHECK = "gcp:monitoring/uptimeCheckConfig:UptimeCheckConfig"
