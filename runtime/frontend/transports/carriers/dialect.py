@@ -132,3 +132,54 @@ class Dialect(abc.ABC):
     def checkpoint(self, name: str) -> dict[str, object]:
         """The message the carrier echoes (:class:`CarrierEvent` ``played``) once the audio before it
         played out."""
+
+
+class MediaMarkClearDialect(Dialect):
+    """The message shape Twilio Media Streams introduced and Telnyx and Exotel follow: each message
+    ``{"event": <kind>, <stream key>: <stream id>, <kind>: {...}}``; in: ``media`` (``payload``), ``mark``
+    (its ``name`` played out), ``dtmf`` (``digit``), ``stop``; out: ``media``, ``mark``, ``clear``. The
+    carriers differ in the stream id's key (:attr:`stream_key`: Twilio ``streamSid``, Exotel
+    ``stream_sid``, Telnyx none), in the start message, and in what :meth:`other_event` takes."""
+
+    stream_key: ClassVar[str | None]
+    """The key that stamps each outgoing message with the stream's id, or None (Telnyx sends none)."""
+
+    def parse(self, event: dict[str, object]) -> CarrierEvent:
+        kind = event.get("event")
+        body = event.get(str(kind)) if isinstance(kind, str) else None
+        body = body if isinstance(body, dict) else {}
+        if kind == "media":
+            if not self.inbound(body):
+                return CarrierEvent("ignore")
+            return CarrierEvent("media", payload=str(body.get("payload", "")))
+        if kind == "mark":
+            return CarrierEvent("played", name=str(body.get("name")))
+        if kind == "dtmf":
+            return CarrierEvent("dtmf", digit=str(body.get("digit", "")))
+        if kind in ("stop", "start"):
+            return CarrierEvent(kind)  # type: ignore[arg-type]
+        other = self.other_event(str(kind), event)
+        if other is None:
+            raise CarrierProtocolError("unknown_event", f"unknown event {str(kind)[:40]!r}")
+        return other
+
+    def inbound(self, media: dict[str, object]) -> bool:
+        """Whether a ``media`` body is the caller's audio (default: every one)."""
+        return True
+
+    def other_event(self, kind: str, event: dict[str, object]) -> CarrierEvent | None:
+        """A carrier's own event beyond the shared ones, or None: unknown (default: none)."""
+        return None
+
+    def _message(self, kind: str, body: dict[str, object] | None = None) -> dict[str, object]:
+        stamp = {} if self.stream_key is None else {self.stream_key: self.start.stream_id}
+        return {"event": kind, **stamp, **({kind: body} if body is not None else {})}
+
+    def media(self, payload: str) -> dict[str, object]:
+        return self._message("media", {"payload": payload})
+
+    def clear(self) -> dict[str, object]:
+        return self._message("clear")
+
+    def checkpoint(self, name: str) -> dict[str, object]:
+        return self._message("mark", {"name": name})

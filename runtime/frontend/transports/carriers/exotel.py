@@ -35,12 +35,7 @@ from runtime.config import RuntimeConfig
 from runtime.engine.persona_limits import voice_name
 from runtime.frontend.codecs.telephony import CarrierEncoding
 from runtime.frontend.gate.refusals import SessionRefused
-from runtime.frontend.transports.carriers.dialect import (
-    CallStart,
-    CarrierEvent,
-    CarrierProtocolError,
-    Dialect,
-)
+from runtime.frontend.transports.carriers.dialect import CallStart, MediaMarkClearDialect
 
 __all__ = ["EXOTEL_PATH", "ExotelDialect"]
 
@@ -60,7 +55,7 @@ def _basic_credentials(header: str | None) -> str | None:
         return None
 
 
-class ExotelDialect(Dialect):
+class ExotelDialect(MediaMarkClearDialect):
     """Exotel voicebot streams' messages (the module doc)."""
 
     name = "exotel"
@@ -68,6 +63,7 @@ class ExotelDialect(Dialect):
     log = logging.getLogger(__name__)
     secret_env = "DUPLEX_EXOTEL_API_KEY and DUPLEX_EXOTEL_API_TOKEN"
     admits_on_credential = True
+    stream_key = "stream_sid"
 
     @classmethod
     def secret(cls, config: RuntimeConfig) -> str | None:
@@ -135,26 +131,3 @@ class ExotelDialect(Dialect):
             encoding=CarrierEncoding.L16,
             rate_hz=rate_hz,
         )
-
-    def parse(self, event: dict[str, object]) -> CarrierEvent:
-        kind = event.get("event")
-        body = event.get(str(kind)) if isinstance(kind, str) else None
-        body = body if isinstance(body, dict) else {}
-        if kind == "media":
-            return CarrierEvent("media", payload=str(body.get("payload", "")))
-        if kind == "mark":
-            return CarrierEvent("played", name=str(body.get("name")))
-        if kind == "dtmf":
-            return CarrierEvent("dtmf", digit=str(body.get("digit", "")))
-        if kind in ("stop", "start"):
-            return CarrierEvent(kind)  # type: ignore[arg-type]
-        raise CarrierProtocolError("unknown_event", f"unknown event {str(kind)[:40]!r}")
-
-    def media(self, payload: str) -> dict[str, object]:
-        return {"event": "media", "stream_sid": self.start.stream_id, "media": {"payload": payload}}
-
-    def clear(self) -> dict[str, object]:
-        return {"event": "clear", "stream_sid": self.start.stream_id}
-
-    def checkpoint(self, name: str) -> dict[str, object]:
-        return {"event": "mark", "stream_sid": self.start.stream_id, "mark": {"name": name}}

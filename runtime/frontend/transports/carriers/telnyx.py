@@ -34,12 +34,7 @@ from aiohttp import web
 from runtime.config import RuntimeConfig
 from runtime.frontend.codecs.telephony import CarrierEncoding
 from runtime.frontend.gate.refusals import SessionRefused
-from runtime.frontend.transports.carriers.dialect import (
-    CallStart,
-    CarrierEvent,
-    CarrierProtocolError,
-    Dialect,
-)
+from runtime.frontend.transports.carriers.dialect import CallStart, CarrierEvent, MediaMarkClearDialect
 
 __all__ = ["STREAM_TOKEN_PARAMETER", "TELNYX_PATH", "TelnyxDialect"]
 
@@ -55,13 +50,14 @@ _FORMATS = {
 """The stream formats this bridge carries (Telnyx also offers G722, OPUS and AMR-WB: not carried here)."""
 
 
-class TelnyxDialect(Dialect):
+class TelnyxDialect(MediaMarkClearDialect):
     """Telnyx media streaming's messages (the module doc)."""
 
     name = "telnyx"
     path = TELNYX_PATH
     log = logging.getLogger(__name__)
     secret_env = "DUPLEX_TELNYX_STREAM_TOKEN"
+    stream_key = None
 
     @classmethod
     def secret(cls, config: RuntimeConfig) -> str | None:
@@ -125,32 +121,16 @@ class TelnyxDialect(Dialect):
             rate_hz=int(str(rate)),
         )
 
-    def parse(self, event: dict[str, object]) -> CarrierEvent:
-        kind = event.get("event")
-        body = event.get(str(kind)) if isinstance(kind, str) else None
-        body = body if isinstance(body, dict) else {}
-        if kind == "media":
-            if body.get("track", "inbound") != "inbound":
-                return CarrierEvent("ignore")  # both_tracks: the agent's own audio echoed back
-            return CarrierEvent("media", payload=str(body.get("payload", "")))
-        if kind == "mark":
-            return CarrierEvent("played", name=str(body.get("name")))
-        if kind == "dtmf":
-            return CarrierEvent("dtmf", digit=str(body.get("digit", "")))
-        if kind == "error":
-            self.log.info(
-                "telnyx stream %s: Telnyx reports %s", self.start.stream_id, str(event.get("payload"))[:200]
-            )
-            return CarrierEvent("ignore")
-        if kind in ("stop", "start"):
-            return CarrierEvent(kind)  # type: ignore[arg-type]
-        raise CarrierProtocolError("unknown_event", f"unknown event {str(kind)[:40]!r}")
+    def inbound(self, media: dict[str, object]) -> bool:
+        """``both_tracks`` streams echo the agent's own audio back as ``outbound``: only ``inbound`` is the
+        caller's."""
+        return media.get("track", "inbound") == "inbound"
 
-    def media(self, payload: str) -> dict[str, object]:
-        return {"event": "media", "media": {"payload": payload}}
-
-    def clear(self) -> dict[str, object]:
-        return {"event": "clear"}
-
-    def checkpoint(self, name: str) -> dict[str, object]:
-        return {"event": "mark", "mark": {"name": name}}
+    def other_event(self, kind: str, event: dict[str, object]) -> CarrierEvent | None:
+        """``error``: Telnyx reports a problem with what this side sent; logged, the call goes on."""
+        if kind != "error":
+            return None
+        self.log.info(
+            "telnyx stream %s: Telnyx reports %s", self.start.stream_id, str(event.get("payload"))[:200]
+        )
+        return CarrierEvent("ignore")

@@ -26,12 +26,7 @@ from aiohttp import web
 from runtime.config import RuntimeConfig
 from runtime.frontend.gate.carrier_auth import TWILIO_SIGNATURE_HEADER, twilio_signature_valid
 from runtime.frontend.gate.refusals import SessionRefused
-from runtime.frontend.transports.carriers.dialect import (
-    CallStart,
-    CarrierEvent,
-    CarrierProtocolError,
-    Dialect,
-)
+from runtime.frontend.transports.carriers.dialect import CallStart, MediaMarkClearDialect
 
 __all__ = ["TWILIO_PATH", "TwilioDialect"]
 
@@ -40,13 +35,14 @@ _MEDIA_FORMAT = {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}
 """The only ``start.mediaFormat`` of a bidirectional stream (Twilio's reference: μ-law, 8000 Hz, mono)."""
 
 
-class TwilioDialect(Dialect):
+class TwilioDialect(MediaMarkClearDialect):
     """Twilio Media Streams' messages (the module doc)."""
 
     name = "twilio"
     path = TWILIO_PATH
     log = logging.getLogger(__name__)
     secret_env = "DUPLEX_TWILIO_AUTH_TOKEN"
+    stream_key = "streamSid"
 
     @classmethod
     def secret(cls, config: RuntimeConfig) -> str | None:
@@ -90,26 +86,3 @@ class TwilioDialect(Dialect):
             call_id=str(start.get("callSid", "")),
             parameters={str(k): str(v) for k, v in parameters.items()},
         )
-
-    def parse(self, event: dict[str, object]) -> CarrierEvent:
-        kind = event.get("event")
-        body = event.get(str(kind)) if isinstance(kind, str) else None
-        body = body if isinstance(body, dict) else {}
-        if kind == "media":
-            return CarrierEvent("media", payload=str(body.get("payload", "")))
-        if kind == "mark":
-            return CarrierEvent("played", name=str(body.get("name")))
-        if kind == "dtmf":
-            return CarrierEvent("dtmf", digit=str(body.get("digit", "")))
-        if kind in ("stop", "start"):
-            return CarrierEvent(kind)  # type: ignore[arg-type]
-        raise CarrierProtocolError("unknown_event", f"unknown event {str(kind)[:40]!r}")
-
-    def media(self, payload: str) -> dict[str, object]:
-        return {"event": "media", "streamSid": self.start.stream_id, "media": {"payload": payload}}
-
-    def clear(self) -> dict[str, object]:
-        return {"event": "clear", "streamSid": self.start.stream_id}
-
-    def checkpoint(self, name: str) -> dict[str, object]:
-        return {"event": "mark", "streamSid": self.start.stream_id, "mark": {"name": name}}
