@@ -144,6 +144,9 @@ class RecordedResource:
     """URN of its parent (the stack's for a top-level resource)."""
     provider: str = ""
     """Its explicit provider reference, ``<provider URN>::<id>`` ("" for the default provider)."""
+    delete_before_replace: bool = False
+    """Its ``delete_before_replace`` option: True deletes the old resource before creating its replacement
+    (Pulumi's default, False, creates the new one first)."""
 
     @property
     def parent_types(self) -> list[str]:
@@ -190,6 +193,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 resource.replace_on_changes,
                 resource.parent,
                 resource.provider,
+                resource.delete_before_replace,
             ) = options
         self.resources.append(resource)
         return f"{args.name}-id", state
@@ -212,20 +216,21 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
 
 _PENDING_OPTIONS: dict[
-    tuple[str, str], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str, str]
+    tuple[str, str], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str, str, bool]
 ] = {}
 """Resource options of the registration under way, by (type, name): what the mock monitor received."""
 
 
 def _recording_register_resource(self: Any, request: Any) -> Any:
     """``MockMonitor.RegisterResource`` that first keeps the options the mocks' ``new_resource`` is not
-    given (dependencies, ignoreChanges, replaceOnChanges, parent, provider)."""
+    given (dependencies, ignoreChanges, replaceOnChanges, parent, provider, deleteBeforeReplace)."""
     _PENDING_OPTIONS[(request.type, request.name)] = (
         tuple(request.dependencies),
         tuple(request.ignoreChanges),
         tuple(request.replaceOnChanges),
         request.parent,
         request.provider,
+        bool(request.deleteBeforeReplace),
     )
     return _ORIGINAL_REGISTER_RESOURCE(self, request)
 
