@@ -239,6 +239,24 @@ _ORIGINAL_REGISTER_RESOURCE = pulumi.runtime.mocks.MockMonitor.RegisterResource
 pulumi.runtime.mocks.MockMonitor.RegisterResource = _recording_register_resource  # type: ignore[method-assign]
 
 
+def _recording_read_resource(self: Any, request: Any) -> Any:
+    """``MockMonitor.ReadResource`` (a ``<Resource>.get``) that first keeps its dependencies, parent and
+    provider, as ``_recording_register_resource`` does for a declaration."""
+    _PENDING_OPTIONS[(request.type, request.name)] = (
+        tuple(request.dependencies),
+        (),
+        (),
+        request.parent,
+        request.provider,
+        False,
+    )
+    return _ORIGINAL_READ_RESOURCE(self, request)
+
+
+_ORIGINAL_READ_RESOURCE = pulumi.runtime.mocks.MockMonitor.ReadResource
+pulumi.runtime.mocks.MockMonitor.ReadResource = _recording_read_resource  # type: ignore[method-assign]
+
+
 def _mock_password(name: str) -> str:
     return "Mock" + hashlib.sha256(name.encode()).hexdigest()[:28]
 
