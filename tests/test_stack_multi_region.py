@@ -524,6 +524,17 @@ def test_node_pools_start_with_nodes(run: StackRun) -> None:
         assert cluster.plain["removeDefaultNodePool"] is True
 
 
+@pytest.mark.parametrize("region", ["us-central1", "europe-west4"])
+def test_a_zone_out_of_gpus_does_not_fail_the_gpu_pool(run: StackRun, region: str) -> None:
+    """Issue 33 (latent): with one node per listed zone at creation, a single zone out of GPUs failed the
+    pool's creation (the first ``up``). Best-effort provisioning accepts the pool with one node and brings
+    up the rest as stock returns; creation-only, so ignored after (no replacement of a running pool)."""
+    pool = _one_in_region(run, NODE_POOL, region, "gpu-pool")
+    assert pool.plain["bestEffortProvisioning"] == {"enabled": True, "minProvisionNodes": 1}
+    assert "bestEffortProvisioning" in pool.ignore_changes
+    assert pool.plain["autoscaling"]["locationPolicy"] == "ANY"
+
+
 def test_default_pool_runs_as_the_node_account(run: StackRun) -> None:
     """Issue 20 item 20: the transient default pool ran as the Compute Engine default service account
     (Editor on the project); it runs as the region's node account, its config ignored once removed."""
