@@ -5,6 +5,7 @@ runtime turns ready, so every wait above that download must outlast it, each by 
 waits on besides:
 
     weights Job deadline  <  Pulumi's create/update timeout  <  the CI deploy job's timeout
+                              (+ the clusters and pools of a first multi-region up, + CI's setup)
 
 (tests/test_deploy_timeouts.py checks the order, tests/test_workflows.py that the workflows carry these
 values). Were they in the wrong order, the outer wait would give up first and report a timeout for a
@@ -24,6 +25,9 @@ __all__ = [
     "CI_DEPLOY_JOB_TIMEOUT_MIN",
     "CI_IMAGE_JOB_TIMEOUT_MIN",
     "CI_SETUP_MARGIN_S",
+    "FIRST_UP_INFRA_S",
+    "GKE_CLUSTER_CREATE_TIMEOUT_S",
+    "GKE_NODE_POOL_CREATE_TIMEOUT_S",
     "GITHUB_JOB_TIMEOUT_MAX_MIN",
     "PULUMI_CUSTOM_TIMEOUT",
     "PULUMI_RESOURCE_TIMEOUT_S",
@@ -60,11 +64,27 @@ PULUMI_CUSTOM_TIMEOUT = f"{math.ceil(PULUMI_RESOURCE_TIMEOUT_S / 60)}m"
 """``PULUMI_RESOURCE_TIMEOUT_S`` as Pulumi's duration string (``"135m"``)."""
 
 CI_SETUP_MARGIN_S = 30 * 60
-"""What a CI deploy job does besides that wait, seconds: installing the deploy tools, authenticating,
-``pulumi refresh``, the resources created before the runtime, the policy pack."""
+"""What a CI deploy job does besides the waits below, seconds: installing the deploy tools,
+authenticating, ``pulumi refresh``, the image copy into each region's repository, the policy pack."""
 
-CI_DEPLOY_JOB_TIMEOUT_MIN = math.ceil((PULUMI_RESOURCE_TIMEOUT_S + CI_SETUP_MARGIN_S) / 60)
-"""``timeout-minutes`` of a stack's deploy job (.github/workflows/pulumi-up-stack.yml): 165."""
+GKE_CLUSTER_CREATE_TIMEOUT_S = 40 * 60
+"""How long pulumi-gcp waits for a GKE cluster's creation before failing it, seconds: the provider's
+default create timeout of ``container.Cluster`` (terraform-provider-google ``google_container_cluster``,
+"Timeouts": create 40 minutes)."""
+
+GKE_NODE_POOL_CREATE_TIMEOUT_S = 30 * 60
+"""The same for a node pool (``google_container_node_pool``, "Timeouts": create 30 minutes)."""
+
+FIRST_UP_INFRA_S = GKE_CLUSTER_CREATE_TIMEOUT_S + GKE_NODE_POOL_CREATE_TIMEOUT_S
+"""What a first multi-region ``up`` may wait on before the runtime objects' own wait starts, seconds:
+the regions' clusters, then their node pools (created after the cluster; the runtime objects after both;
+regions and Memorystore in parallel), each up to the provider's own limit: 4,200 s. A single-node stack's
+first ``up`` (a VM, its disk) takes minutes and fits the same job."""
+
+CI_DEPLOY_JOB_TIMEOUT_MIN = math.ceil((PULUMI_RESOURCE_TIMEOUT_S + FIRST_UP_INFRA_S + CI_SETUP_MARGIN_S) / 60)
+"""``timeout-minutes`` of a stack's deploy job (.github/workflows/pulumi-up-stack.yml): 235. Before, it
+left 30 minutes over the runtime objects' wait for everything else, which a first multi-region ``up``
+(two clusters and pools before any runtime object) could outrun: CI then killed ``pulumi up`` half way."""
 
 CI_IMAGE_JOB_TIMEOUT_MIN = 60
 """``timeout-minutes`` of the job that builds and pushes the runtime image once per push: a cold build

@@ -144,6 +144,9 @@ class RecordedResource:
     """URN of its parent (the stack's for a top-level resource)."""
     provider: str = ""
     """Its explicit provider reference, ``<provider URN>::<id>`` ("" for the default provider)."""
+    delete_before_replace: bool = False
+    """Its ``delete_before_replace`` option: True deletes the old resource before creating its replacement
+    (Pulumi's default, False, creates the new one first)."""
 
     @property
     def parent_types(self) -> list[str]:
@@ -172,8 +175,9 @@ class RecordedCall:
 class RecordingMocks(pulumi.runtime.Mocks):
     """Records every resource and call; answers with inputs plus the outputs the programs read."""
 
-    def __init__(self, stack: str):
+    def __init__(self, stack: str, *, unknown_image_digest: bool = False):
         self.stack = stack
+        self.unknown_image_digest = unknown_image_digest
         self.resources: list[RecordedResource] = []
         self.calls: list[RecordedCall] = []
 
@@ -182,6 +186,9 @@ class RecordingMocks(pulumi.runtime.Mocks):
         options = _PENDING_OPTIONS.pop((args.typ, args.name), None)
         state = dict(inputs)
         state.update(_computed(args.typ, args.name, plain(inputs)))
+        if self.unknown_image_digest and args.typ == "docker-build:index:Image":
+            # As a preview of a new build sees it: the digest is known only once the image is pushed.
+            state.update({"digest": rpc.UNKNOWN, "ref": rpc.UNKNOWN})
         resource = RecordedResource(args.typ, args.name, inputs, bool(args.custom), state)
         if options is not None:
             (
@@ -190,6 +197,7 @@ class RecordingMocks(pulumi.runtime.Mocks):
                 resource.replace_on_changes,
                 resource.parent,
                 resource.provider,
+                resource.delete_before_replace,
             ) = options
         self.resources.append(resource)
         return f"{args.name}-id", state
@@ -212,26 +220,45 @@ class RecordingMocks(pulumi.runtime.Mocks):
 
 
 _PENDING_OPTIONS: dict[
-    tuple[str, str], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str, str]
+    tuple[str, str], tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str, str, bool]
 ] = {}
 """Resource options of the registration under way, by (type, name): what the mock monitor received."""
 
 
 def _recording_register_resource(self: Any, request: Any) -> Any:
     """``MockMonitor.RegisterResource`` that first keeps the options the mocks' ``new_resource`` is not
-    given (dependencies, ignoreChanges, replaceOnChanges, parent, provider)."""
+    given (dependencies, ignoreChanges, replaceOnChanges, parent, provider, deleteBeforeReplace)."""
     _PENDING_OPTIONS[(request.type, request.name)] = (
         tuple(request.dependencies),
         tuple(request.ignoreChanges),
         tuple(request.replaceOnChanges),
         request.parent,
         request.provider,
+        bool(request.deleteBeforeReplace),
     )
     return _ORIGINAL_REGISTER_RESOURCE(self, request)
 
 
 _ORIGINAL_REGISTER_RESOURCE = pulumi.runtime.mocks.MockMonitor.RegisterResource
 pulumi.runtime.mocks.MockMonitor.RegisterResource = _recording_register_resource  # type: ignore[method-assign]
+
+
+def _recording_read_resource(self: Any, request: Any) -> Any:
+    """``MockMonitor.ReadResource`` (a ``<Resource>.get``) that first keeps its dependencies, parent and
+    provider, as ``_recording_register_resource`` does for a declaration."""
+    _PENDING_OPTIONS[(request.type, request.name)] = (
+        tuple(request.dependencies),
+        (),
+        (),
+        request.parent,
+        request.provider,
+        False,
+    )
+    return _ORIGINAL_READ_RESOURCE(self, request)
+
+
+_ORIGINAL_READ_RESOURCE = pulumi.runtime.mocks.MockMonitor.ReadResource
+pulumi.runtime.mocks.MockMonitor.ReadResource = _recording_read_resource  # type: ignore[method-assign]
 
 
 def _mock_password(name: str) -> str:
@@ -449,10 +476,12 @@ def run_stack(
     secrets: Mapping[str, str] | None = None,
     drop: Iterable[str] = (),
     build_dir: Path | None = None,
+    unknown_image_digest: bool = False,
 ) -> StackRun:
     """Run the program of ``stack`` under mocks (see ``stack_config`` for the arguments) and return what
     it declared and exported. ``build_dir``: where the on-premises bundle is written (a temporary
-    directory when None).
+    directory when None). ``unknown_image_digest``: the built image's ``digest`` and ``ref`` are unknown,
+    as in a preview of a new build (what depends on them is unknown too: ``rpc.UNKNOWN`` in the inputs).
 
     Raises:
         infra.stack_config.StackConfigError: the configuration is wrong (nothing was declared).
@@ -468,7 +497,14 @@ def run_stack(
         return program()
 
     return run_program(
-        main, project=PROJECT, stack=stack, config=config, secret_keys=secret_keys, env=env, build_dir=build
+        main,
+        project=PROJECT,
+        stack=stack,
+        config=config,
+        secret_keys=secret_keys,
+        env=env,
+        build_dir=build,
+        mocks=RecordingMocks(stack, unknown_image_digest=unknown_image_digest),
     )
 
 
@@ -481,13 +517,14 @@ def run_program(
     secret_keys: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     build_dir: Path | None = None,
+    mocks: RecordingMocks | None = None,
 ) -> StackRun:
     """Run the Pulumi program ``main`` (returns its outputs) of ``project`` as stack ``stack`` under the
     recording mocks, with the config ``{"<namespace>:<key>": value}`` (``secret_keys``: which are secret) and
     the environment variables ``env`` set for the run; return what it declared and exported.
     ``run_stack`` runs this repository's main program with it; the bootstrap project's tests run theirs."""
     global LAST_MOCKS
-    mocks = LAST_MOCKS = RecordingMocks(stack)
+    mocks = LAST_MOCKS = mocks or RecordingMocks(stack)
     # A loop of its own: Pulumi's runtime uses the thread's current loop, which an async test before this
     # one (pytest-asyncio) may have closed and unset.
     local = getattr(asyncio.get_event_loop_policy(), "_local", None)

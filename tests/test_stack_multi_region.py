@@ -6,6 +6,7 @@ what a third region adds."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -182,6 +183,39 @@ def test_global_entry(run: StackRun) -> None:
         for r in run.of_type("gcp:compute/globalForwardingRule:GlobalForwardingRule")
     }
     assert set(forwarding) == {"443", "80"}
+
+
+CERTIFICATE = "gcp:compute/managedSslCertificate:ManagedSslCertificate"
+
+
+def test_a_new_domain_gets_a_new_certificate_before_the_old_goes(run: StackRun) -> None:
+    """Issue 33 (latent): a managed certificate's domains cannot change in place, so a new ``domain``
+    replaces it; with a fixed name the replacement (created first) collided with the old one. Named after
+    the domain, the new one is created beside the old, the proxy switched to it, the old deleted last."""
+    other = run_stack(STACK, overrides={"duplexops:domain": "voice.example.org"})
+    before, after = run.one(CERTIFICATE), other.one(CERTIFICATE)
+    assert after.plain["managed"]["domains"] == ["voice.example.org"]
+    assert before.plain["name"] != after.plain["name"]
+    for certificate in (before, after):
+        name = certificate.plain["name"]
+        assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", name), name
+        assert not certificate.delete_before_replace  # create the new one, then delete the old
+    # Same logical resource (a replacement, not a second certificate), still the proxy's only one.
+    assert before.name == after.name
+    assert other.one("gcp:compute/targetHttpsProxy:TargetHttpsProxy").plain["sslCertificates"] == [
+        f"{after.name}-id"
+    ]
+    # The same domain keeps its certificate (no replacement on an unrelated update).
+    assert run_stack(STACK).one(CERTIFICATE).plain["name"] == before.plain["name"]
+
+
+def test_certificate_name_refuses_an_empty_domain_and_a_long_prefix() -> None:
+    from infra.components.global_entry import certificate_name
+
+    with pytest.raises(ValueError, match="domain is empty"):
+        certificate_name("duplex", "")
+    with pytest.raises(ValueError, match="over GCP's 63 characters"):
+        certificate_name("d" * 50, "duplex.example.com")
 
 
 def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) -> None:
@@ -488,6 +522,17 @@ def test_node_pools_start_with_nodes(run: StackRun) -> None:
         assert "initialNodeCount" in pool.ignore_changes, pool.name
     for cluster in run.of_type(CLUSTER):
         assert cluster.plain["removeDefaultNodePool"] is True
+
+
+@pytest.mark.parametrize("region", ["us-central1", "europe-west4"])
+def test_a_zone_out_of_gpus_does_not_fail_the_gpu_pool(run: StackRun, region: str) -> None:
+    """Issue 33 (latent): with one node per listed zone at creation, a single zone out of GPUs failed the
+    pool's creation (the first ``up``). Best-effort provisioning accepts the pool with one node and brings
+    up the rest as stock returns; creation-only, so ignored after (no replacement of a running pool)."""
+    pool = _one_in_region(run, NODE_POOL, region, "gpu-pool")
+    assert pool.plain["bestEffortProvisioning"] == {"enabled": True, "minProvisionNodes": 1}
+    assert "bestEffortProvisioning" in pool.ignore_changes
+    assert pool.plain["autoscaling"]["locationPolicy"] == "ANY"
 
 
 def test_default_pool_runs_as_the_node_account(run: StackRun) -> None:

@@ -235,6 +235,44 @@ def test_turn_tls_secret_turns_on_turns_in_every_region() -> None:
         )
 
 
+def test_the_turn_tls_secret_is_read_before_coturn_and_after_its_namespace() -> None:
+    """Issue 33 (latent): the TLS Secret is made outside the stack (cert-manager, or by hand), and coturn's
+    pods mount it: the stack reads it first, so a missing one fails the update (or a preview of a running
+    cluster) naming it, before coturn is touched, not pods stuck until the rollout's timeout."""
+    run = run_stack("multi-region", overrides={"duplexops:turnTlsSecret": "turn-tls"})
+    for region in ("us-central1", "europe-west4"):
+        prefix = f"runtime-{region}"
+        read = run.named(f"{prefix}-requires-secret-duplex-turn-tls")
+        assert read.type == "kubernetes:core/v1:Secret" and not read.custom  # a read, not a declaration
+        coturn = run.named(f"{prefix}-deployment-duplex-coturn")
+        assert read.urn in run.ordered_after(coturn)
+        namespace = run.named(f"{prefix}-namespace-cluster-duplex")
+        assert namespace.urn in run.ordered_after(read)
+    # Without the key nothing is read (every other Secret the pods mount is the stack's own).
+    plain_run = run_stack("multi-region")
+    assert not [r for r in plain_run.resources if "-requires-secret-" in r.name]
+
+
+def test_external_secrets_are_the_mounted_ones_not_declared() -> None:
+    from infra.components.regional_runtime import external_secrets
+
+    def pod(kind: str, *volumes: dict) -> dict:
+        return {
+            "kind": kind,
+            "metadata": {"name": "p", "namespace": "duplex"},
+            "spec": {"template": {"spec": {"containers": [], "volumes": list(volumes)}}},
+        }
+
+    objects = [
+        {"kind": "Secret", "metadata": {"name": "ours", "namespace": "duplex"}},
+        pod("Deployment", {"name": "a", "secret": {"secretName": "ours"}}),
+        pod("Deployment", {"name": "b", "secret": {"secretName": "theirs"}}),
+        pod("Job", {"name": "c", "secret": {"secretName": "maybe", "optional": True}}),
+        pod("StatefulSet", {"name": "d", "emptyDir": {}}),
+    ]
+    assert external_secrets(objects) == [("duplex", "theirs")]
+
+
 def test_a_bad_turn_tls_secret_name_is_refused() -> None:
     values, secret_keys = stack_config("multi-region", overrides={"duplexops:turnTlsSecret": "Turn_TLS"})
     with pytest.raises(StackConfigError) as caught:

@@ -554,6 +554,20 @@ def test_previews_do_not_refresh() -> None:
     assert the_step(job, "pulumi/actions")["with"].get("refresh") is False
 
 
+def test_deploy_job_outlasts_a_slow_first_multi_region_up() -> None:
+    """Issue 33 (latent): the deploy job left 30 minutes over the runtime objects' wait for everything
+    else; a first multi-region ``up`` first creates the clusters and their node pools, each up to the
+    provider's create timeout. The job's ``timeout-minutes`` (read from the workflow) must cover them, the
+    runtime objects' wait and the setup, and stay under GitHub's 6 h."""
+    from infra import deploy_timeouts as limits
+
+    [up] = load(UP_STACK)["jobs"].values()
+    job_s = up["timeout-minutes"] * 60
+    before_runtime = limits.GKE_CLUSTER_CREATE_TIMEOUT_S + limits.GKE_NODE_POOL_CREATE_TIMEOUT_S
+    assert job_s - limits.PULUMI_RESOURCE_TIMEOUT_S >= before_runtime + limits.CI_SETUP_MARGIN_S
+    assert job_s <= limits.GITHUB_JOB_TIMEOUT_MAX_MIN * 60
+
+
 def test_time_limits_are_ordered_from_the_weights_download_budget() -> None:
     """Weights Job deadline < Pulumi's timeout of the runtime objects < the CI deploy job's timeout <
     GitHub's 6 h, all from ``infra.deploy_timeouts`` (before: a 7,200 s Job under Pulumi's 60 min, under a

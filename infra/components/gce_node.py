@@ -203,6 +203,11 @@ class GceGpuNodeArgs:
         secrets: the Secret Manager secrets the VM may read (``{role: secret}``).
         boot_after: resources that must exist before the VM boots (secret versions).
         labels: labels of the VM and its address.
+        image_repository_path: ``image_ref``'s repository (``<registry>/<project>/<repo>/<image>``), known
+            before the image is built: the user-data is rendered from it, so a preview of a new digest
+            (unknown until the build) shows the user-data unchanged, i.e. no VM replacement; None: rendered
+            from ``image_ref`` (a preview of a new build then shows ``user-data`` unknown and the VM
+            replaced, though the ``up`` replaces nothing).
     """
 
     name_prefix: str
@@ -214,6 +219,7 @@ class GceGpuNodeArgs:
     secrets: Mapping[str, pulumi.CustomResource]
     boot_after: Sequence[pulumi.Resource] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
+    image_repository_path: str | None = None
 
     @property
     def network_tag(self) -> str:
@@ -373,9 +379,14 @@ class GceGpuNode(pulumi.ComponentResource):
             )
 
         secret_ids = dict(args.secret_ids)
-        self.user_data = pulumi.Output.from_input(args.image_ref).apply(
-            lambda image_ref: render_user_data(profile, image_ref, secret_ids, project)
-        )
+        if args.image_repository_path is not None:
+            # The user-data names the repository only (pending_image): render it from what a preview knows.
+            known = f"{args.image_repository_path}@sha256:{'0' * 64}"
+            self.user_data = pulumi.Output.from_input(render_user_data(profile, known, secret_ids, project))
+        else:
+            self.user_data = pulumi.Output.from_input(args.image_ref).apply(
+                lambda image_ref: render_user_data(profile, image_ref, secret_ids, project)
+            )
         accelerators: list[compute.InstanceGuestAcceleratorArgsDict] | None = None
         if gce.accelerator_type is not None:  # N1: attached; A2/G2/A3 types come with their GPUs
             accelerators = [{"type": gce.accelerator_type, "count": gce.accelerator_count}]

@@ -28,6 +28,7 @@ from infra.stack_config import MaintenanceWindow, RegionSettings
 __all__ = [
     "DATAPATH_PROVIDER",
     "GPU_NODE_PROJECT_ROLES",
+    "GPU_POOL_MIN_PROVISION_NODES",
     "INITIAL_NODES_PER_ZONE",
     "SCOPES",
     "RegionAccounts",
@@ -319,13 +320,25 @@ class RegionCluster(_Part):
         self.register_outputs({"cluster": self.cluster.name})
 
 
+GPU_POOL_MIN_PROVISION_NODES = 1
+"""``best_effort_provisioning.min_provision_nodes`` of the GPU pool: its creation succeeds once this many
+nodes run, and GKE brings up the rest of ``initial_node_count`` per zone as stock returns (GKE API
+``BestEffortProvisioning``: "cluster/node pool creations will ignore non-fatal errors like stockout ... and
+eventually bring up all target number of nodes"; pulumi-gcp 10.2 ``NodePool.best_effort_provisioning``).
+Without it, one listed zone out of GPUs (``ZONE_RESOURCE_POOL_EXHAUSTED``) failed the pool's creation and
+the first ``up`` with it. Creation-only (changing it recreates the pool): ignored after creation, so
+turning it on does not replace an existing pool."""
+
+
 class RegionNodePools(_Part):
     """The CPU pool for system pods (Grafana, the query frontend, the metrics adapter, redis_exporter), and
     the GPU pool: one GPU per node (one runtime pod per node), GKE-managed driver installation, the
     ``GPU_TAINT`` (only pods that tolerate it land there), autoscaling ``min_nodes``-``max_nodes`` in total
     over the zones (location policy ANY: GPUs are scarce, take any zone that has one), image streaming.
 
-    Both start with ``INITIAL_NODES_PER_ZONE`` node in each zone. The system pool also runs coturn
+    Both start with ``INITIAL_NODES_PER_ZONE`` node in each zone; the GPU pool's creation is best-effort
+    (``GPU_POOL_MIN_PROVISION_NODES``): a zone out of GPUs at the first ``up`` does not fail it, GKE adds
+    that zone's node when stock returns. The system pool also runs coturn
     (``infra.k8s.turn``): its CPU VMs live-migrate through host maintenance, it never scales or upgrades
     with the GPU pool, and the cluster autoscaler leaves a node holding a coturn pod alone (the pods are
     ``safe-to-evict: false``). Upgrades: the system pool surges (one extra node, ``max_unavailable`` 0: the
@@ -397,6 +410,11 @@ class RegionNodePools(_Part):
             management={"auto_repair": True, "auto_upgrade": True},
             # No surge node: it would need one more GPU in the zone (see the class docstring).
             upgrade_settings={"strategy": "SURGE", "max_surge": 0, "max_unavailable": 1},
+            # A zone out of GPUs at creation does not fail the pool (GPU_POOL_MIN_PROVISION_NODES).
+            best_effort_provisioning={
+                "enabled": True,
+                "min_provision_nodes": GPU_POOL_MIN_PROVISION_NODES,
+            },
             node_config={
                 **common_node_config,
                 "machine_type": s.machine_type,
@@ -414,7 +432,8 @@ class RegionNodePools(_Part):
                 # Image streaming: the multi-GB runtime image starts before it is fully pulled.
                 "gcfs_config": {"enabled": True},
             },
-            opts=self.child(ignore_changes=["initialNodeCount"]),
+            # Both are read at creation only, and changing either would recreate the pool.
+            opts=self.child(ignore_changes=["initialNodeCount", "bestEffortProvisioning"]),
         )
         self.register_outputs({"gpu_pool": self.gpu_pool.name})
 

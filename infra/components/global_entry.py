@@ -6,6 +6,7 @@ multi-region".
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ __all__ = [
     "SLOT_UTILIZATION_METRIC",
     "SSL_POLICY",
     "GlobalEntry",
+    "certificate_name",
     "GlobalEntryArgs",
     "RegionBackend",
     "neg_url",
@@ -90,6 +92,36 @@ def regional_path(region: str) -> str:
     (``infra.k8s.resume_router``): resumes naming a pod, and WebRTC offers kept in the region of their ICE
     servers (``runtime.region_routes``)."""
     return f"{ROUTE_PREFIX}{region}/*"
+
+
+CERTIFICATE_HASH_CHARS = 8
+"""Hex characters of the domain's SHA-256 in the certificate's name (32 bits: two domains of one stack
+colliding is not a concern)."""
+
+
+def certificate_name(name_prefix: str, domain: str) -> str:
+    """The managed certificate's GCP name for ``domain``: ``<name_prefix>-entry-<8 hex of sha256(domain)>``.
+
+    A ``ManagedSslCertificate``'s domains cannot be changed in place: the Compute API's ``sslCertificates``
+    has insert, get, list and delete, no update or patch (cloud.google.com/compute/docs/reference/rest/v1/
+    sslCertificates), so pulumi-gcp replaces the certificate on any change, and the way to change a domain
+    is a new certificate on the target proxy, then the old one deleted (``targetHttpsProxies.
+    setSslCertificates``; cloud.google.com/load-balancing/docs/ssl-certificates/google-managed-certs). A
+    fixed name made a new ``domain`` fail: Pulumi replaces
+    create-before-delete, and the new certificate's name was the old one's (409 "already exists"). Named
+    after the domain, the new certificate is created beside the old, the HTTPS proxy is switched to it, and
+    the old one is deleted last.
+
+    Raises:
+        ValueError: ``domain`` is empty, or the name would pass GCP's 63 characters.
+    """
+    if not domain:
+        raise ValueError("domain is empty: the managed certificate needs the DNS name it is issued for")
+    digest = hashlib.sha256(domain.lower().encode()).hexdigest()[:CERTIFICATE_HASH_CHARS]
+    name = f"{name_prefix}-entry-{digest}"
+    if len(name) > 63:
+        raise ValueError(f"certificate name {name!r} is over GCP's 63 characters: shorten namePrefix")
+    return name
 
 
 def neg_url(project: str, zone: str, neg_name: str) -> str:
@@ -196,7 +228,8 @@ class GlobalEntry(pulumi.ComponentResource):
     What it declares:
 
     - a global static IPv4 address and a Google-managed certificate for ``domain`` (it provisions once the
-      domain's A record points at the address);
+      domain's A record points at the address), named after the domain (``certificate_name``) so that a new
+      domain creates a new certificate before the old one is deleted;
     - a Cloud Armor policy (``security_rules``): callers outside ``public_source_ranges`` get 403, and each
       client IP is throttled to ``handshakes_per_minute`` new requests per minute (429 beyond; a session is
       one request: the WebSocket upgrade), with adaptive layer-7 DDoS protection;
@@ -273,12 +306,14 @@ class GlobalEntry(pulumi.ComponentResource):
             labels=dict(args.labels),
             opts=child_options(self, deps, protect=args.protect),
         )
+        # Named after the domain, replaced create-before-delete: a new domain gets a new certificate, the
+        # HTTPS proxy moves to it, then the old one goes (``certificate_name``).
         self.certificate = compute.ManagedSslCertificate(
             f"{name}-certificate",
-            name=f"{prefix}-entry",
+            name=certificate_name(prefix, args.domain),
             project=project,
             managed={"domains": [args.domain]},
-            opts=child(),
+            opts=child_options(self, deps, delete_before_replace=False),
         )
         self.security_policy = compute.SecurityPolicy(
             f"{name}-armor",

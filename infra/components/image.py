@@ -165,10 +165,13 @@ class RuntimeImage(pulumi.ComponentResource):
     ref: pulumi.Output[str]
     digest: pulumi.Output[str]
     image_ref: pulumi.Output[str]
+    repository_path: str
+    """``<registry>/<project>/<repository>/<image>``: known before the image is built (a preview knows it)."""
 
     def __init__(self, name: str, args: RuntimeImageArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PACKAGE}:RuntimeImage", name, None, opts)
         deps = dependencies(opts)
+        self.repository_path = args.repository_path
         self.repository = artifactregistry.Repository(
             f"{name}-repository",
             project=args.project,

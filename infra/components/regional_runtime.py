@@ -7,6 +7,13 @@ as a ``CustomResource`` otherwise (GMP's ``PodMonitoring``, ``ClusterRules``). O
 renderer's order (``infra.k8s.region.APPLY_FIRST`` kinds first), each depending on the ones before it of
 those kinds (Namespaces, ServiceAccounts, Secrets, ConfigMaps, RBAC).
 
+A Secret that a pod template mounts but the objects do not declare (the TURN TLS Secret, ``turnTlsSecret``,
+made by cert-manager or by hand: ``infra.k8s.turn``) is read first (``kubernetes.core.v1.Secret.get``,
+logical name ``<name>-requires-secret-<namespace>-<secret>``), after the objects it needs (its Namespace)
+and before the workload that mounts it: a missing one fails the update there, naming the Secret, before
+the workload is touched, instead of pods stuck in ``ContainerCreating`` until the rollout's timeout; on a
+cluster that exists already, ``pulumi preview`` reads it too and fails the same way.
+
 Pulumi waits for a Deployment's rollout (its pods ready: model loaded, up to the startup probe's limit)
 and a Job's completion; ``CUSTOM_TIMEOUT`` lets a 7B download and load take that long.
 """
@@ -25,7 +32,7 @@ from infra.components._util import COMPONENT_PACKAGE, child_options, dependencie
 from infra.deploy_timeouts import PULUMI_CUSTOM_TIMEOUT
 from infra.k8s.region import APPLY_FIRST, apply_rank
 
-__all__ = ["CUSTOM_TIMEOUT", "RegionalRuntime", "resource_class"]
+__all__ = ["CUSTOM_TIMEOUT", "RegionalRuntime", "external_secrets", "resource_class"]
 
 CUSTOM_TIMEOUT = PULUMI_CUSTOM_TIMEOUT
 """Create/update timeout of each object: a first rollout downloads and loads the weights (longer than the
@@ -71,7 +78,12 @@ class RegionalRuntime(pulumi.ComponentResource):
         deps = dependencies(opts)
         self.resources = {}
         foundations: list[pulumi.Resource] = []
+        external = external_secrets(objects)
         for manifest in sorted(objects, key=apply_rank):
+            if manifest["kind"] not in APPLY_FIRST and external:
+                # Past the foundations: read the Secrets made outside the stack, before any workload.
+                foundations.extend(self._read_secrets(name, external, provider, [*deps, *foundations]))
+                external = []
             metadata = manifest.get("metadata") or {}
             key = f"{manifest['kind']}/{metadata.get('namespace', '')}/{metadata['name']}"
             if key in self.resources:
@@ -89,7 +101,48 @@ class RegionalRuntime(pulumi.ComponentResource):
             self.resources[key] = resource
             if manifest["kind"] in APPLY_FIRST:
                 foundations.append(resource)
+        if external:  # no workload at all: still check them
+            self._read_secrets(name, external, provider, [*deps, *foundations])
         self.register_outputs({"objects": sorted(self.resources)})
+
+    def _read_secrets(
+        self,
+        name: str,
+        secrets: Sequence[tuple[str, str]],
+        provider: kubernetes.Provider,
+        after: Sequence[pulumi.Resource],
+    ) -> list[pulumi.Resource]:
+        """Read each ``(namespace, name)`` Secret made outside the stack, after ``after``; the reads."""
+        return [
+            kubernetes.core.v1.Secret.get(
+                f"{name}-requires-secret-{namespace}-{secret}",
+                f"{namespace}/{secret}",
+                opts=child_options(self, after, provider=provider),
+            )
+            for namespace, secret in secrets
+        ]
+
+
+_POD_TEMPLATE_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+
+
+def external_secrets(objects: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """``(namespace, name)`` of every Secret a pod template among ``objects`` mounts (a ``secret`` volume
+    not marked ``optional``) that ``objects`` do not declare, sorted: Secrets made outside the stack."""
+    declared = {
+        (o["metadata"].get("namespace", ""), o["metadata"]["name"]) for o in objects if o["kind"] == "Secret"
+    }
+    mounted: set[tuple[str, str]] = set()
+    for manifest in objects:
+        if manifest["kind"] not in _POD_TEMPLATE_KINDS:
+            continue
+        namespace = manifest["metadata"].get("namespace", "")
+        pod = manifest["spec"]["template"]["spec"]
+        for volume in pod.get("volumes") or ():
+            source = volume.get("secret")
+            if source and not source.get("optional") and isinstance(source.get("secretName"), str):
+                mounted.add((namespace, source["secretName"]))
+    return sorted(mounted - declared)
 
 
 def declare(name: str, manifest: dict[str, Any], opts: pulumi.ResourceOptions) -> pulumi.CustomResource:

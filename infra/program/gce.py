@@ -80,6 +80,7 @@ def declare(config: StackConfig) -> dict[str, Any]:
             profile=profile,
             image_ref=image.image_ref,
             image_repository=image.repository,
+            image_repository_path=image.repository_path,
             secret_ids=secrets.secret_ids,
             secrets=secrets.secrets,
             boot_after=secrets.versions,
