@@ -14,7 +14,7 @@ from k8s_fixtures import make_workload, one
 from infra.k8s.manifest import validate_manifests
 from infra.k8s.pod_routes import RUNTIME_PODS_SERVICE
 from infra.k8s.region import region_objects
-from infra.k8s.resume_router import ROUTER_NAME, ROUTER_PORT, router_nginx_conf
+from infra.k8s.resume_router import OFFER_SERVICE, OFFER_TRIES, ROUTER_NAME, ROUTER_PORT, router_nginx_conf
 from runtime.config import RuntimeConfig
 
 ROUTED = {"resume_router_neg_name": "duplex-multi-region-resume", "turn_peer_ranges": ("10.8.0.0/14",)}
@@ -41,7 +41,13 @@ def test_router_objects_validate_and_run_on_the_system_pool() -> None:
     conf = one(objects, "ConfigMap", ROUTER_NAME)["data"]["nginx.conf"]
     assert "resolver kube-dns.kube-system.svc.cluster.local" in conf
     assert f"$pod.{RUNTIME_PODS_SERVICE}.duplex.svc.cluster.local:8998" in conf
-    assert "proxy_pass http://duplex-runtime.duplex.svc.cluster.local:8998/api/rtc" in conf
+    # The regional offer: an upstream of the ready pods, re-resolved, each 503 sent on to the next pod.
+    assert "server duplex-runtime-ready.duplex.svc.cluster.local:8998 resolve max_fails=0;" in conf
+    assert "proxy_pass http://region_offers/api/rtc$is_args$args;" in conf
+    offer = conf.split("location = /r/us-central1/api/rtc {")[1].split("}")[0]
+    assert "proxy_next_upstream error timeout http_503 non_idempotent;" in offer
+    assert f"proxy_next_upstream_tries {OFFER_TRIES};" in offer and "proxy_request_buffering on;" in offer
+    assert "proxy_request_buffering off;" not in offer
     assert '"^/r/us-central1/(?<pod>(?:[0-9]{1,3}-){3}[0-9]{1,3})/api/(?<api>chat|rtc)$"' in conf
 
 
@@ -52,6 +58,36 @@ def test_headless_service_names_every_pod_full_or_not() -> None:
     assert headless["publishNotReadyAddresses"] is True  # a full pod (readyz 503) holds the slot to resume
     assert headless["selector"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
     assert one(objects, "Deployment")["kind"] == "Deployment"  # a Deployment still: pod-deletion-cost holds
+
+
+def test_offers_go_to_a_headless_service_of_ready_pods_only() -> None:
+    objects = region_objects(make_workload(**ROUTED))
+    assert validate_manifests(objects) == []
+    ready = one(objects, "Service", OFFER_SERVICE)["spec"]
+    assert ready["clusterIP"] == "None"  # one A record per pod: nginx's upstream holds every pod
+    assert ready["publishNotReadyAddresses"] is False  # a loading or draining pod is not offered a call
+    assert ready["selector"] == one(objects, "Deployment")["spec"]["selector"]["matchLabels"]
+    names = {(o["kind"], o["metadata"]["name"]) for o in region_objects(make_workload())}
+    assert ("Service", OFFER_SERVICE) not in names  # without a router, as before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"resolver": None}, "without a resolver, offer_servers must list the pods"),
+        ({"offer_servers": []}, "offer_servers is empty"),
+    ],
+)
+def test_router_config_refuses_an_offer_upstream_without_pods(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        router_nginx_conf(
+            "us-central1",
+            pod_suffix=".x",
+            runtime_port=8998,
+            region_runtime="duplex-runtime-ready.duplex.svc.cluster.local:8998",
+            read_timeout_s=60,
+            **kwargs,
+        )
 
 
 def test_pods_are_told_region_public_url_and_their_address() -> None:

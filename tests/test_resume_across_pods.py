@@ -28,20 +28,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from infra.components.global_entry import regional_path
 from infra.k8s.pod_routes import RUNTIME_PODS_SERVICE
-from infra.k8s.resume_router import router_nginx_conf
+from infra.k8s.resume_router import OFFER_TRIES, router_nginx_conf
 from infra.node.local import nginx_global_directives
 from runtime.engine.resume import NOT_A_CREDENTIAL_MESSAGE
 from runtime.frontend.codecs.protocol import MessageKind
 from runtime.frontend.gate.query import RESUME_HEADER
+from runtime.tools.rtc_client import RtcCall, encode_packets
 
 REGION = "us-test1"
 POD_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+SLOTS = 2
+"""Each pod's slots (``DUPLEX_MAX_SESSIONS``); no waiting room: a full pod answers 503 ``node_full``."""
 WAIT_S = 60.0
 """The bound of every wait (s): a failure, never a pace."""
 PCM_FRAME = b"\x00\x00" * 1920  # 80 ms of silence at 24 kHz, Int16 LE (format=pcm)
@@ -155,7 +159,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 "DUPLEX_PORT": str(port),
                 "DUPLEX_MODEL": "sim",
                 "DUPLEX_AUTH_MODE": "off",
-                "DUPLEX_MAX_SESSIONS": "2",
+                "DUPLEX_MAX_SESSIONS": str(SLOTS),
                 "DUPLEX_NODE_ID": f"pod-{address}",
                 "DUPLEX_REGION": REGION,
                 "DUPLEX_PUBLIC_URL": entry,
@@ -170,10 +174,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 REGION,
                 pod_suffix=f".{RUNTIME_PODS_SERVICE}.duplex.svc.cluster.local",
                 runtime_port=8998,
-                region_runtime=f"{pods[0][0]}:{pods[0][1]}",
+                region_runtime="unused.invalid:8998",  # offer_servers stand for its DNS answer
                 read_timeout_s=300,
                 resolver=None,  # no DNS here: a name outside the map fails as a gone pod's does
                 pod_addresses={address.replace(".", "-"): f"{address}:{port}" for address, port in pods},
+                offer_servers=[f"{address}:{port}" for address, port in pods],
                 port=router_port,
                 temp_dir=str(router_dir / "tmp"),
             )
@@ -359,3 +364,126 @@ def test_the_regional_offer_path_reaches_the_regions_runtime(fleet: Fleet) -> No
     assert json.loads(body)["offer_url"] == f"{fleet.entry}/r/{REGION}/api/rtc"
     status, body = http(f"{fleet.entry}/r/{REGION}/api/rtc", "POST", b"not an offer")
     assert status == 400 and body.startswith("bad_request"), (status, body)
+
+
+def post_offer(url: str, sdp: str) -> tuple[int, dict[str, str], str]:
+    """(status, headers, body) of one ``POST`` of an SDP offer; 4xx/5xx are returned too."""
+    request = urllib.request.Request(url, data=sdp.encode(), method="POST")
+    request.add_header("Content-Type", "application/sdp")
+    try:
+        with _NO_PROXY.open(request, timeout=30) as response:
+            return response.status, dict(response.headers.items()), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers.items()), exc.read().decode()
+
+
+def node_full_refusals(pod: tuple[str, int]) -> float:
+    """The pod's ``duplex_admissions_refused_total{reason="node_full"}`` (0 before its first)."""
+    status, text = http(f"http://{pod[0]}:{pod[1]}/metrics")
+    assert status == 200, text
+    for line in text.splitlines():
+        if line.startswith("duplex_admissions_refused_total{") and 'reason="node_full"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def in_use(pod: tuple[str, int]) -> int:
+    """Slots not free on ``pod`` (its ``/slotz``)."""
+    return int(json.loads(http(f"http://{pod[0]}:{pod[1]}/slotz")[1])["in_use"])
+
+
+async def until_in_use(pod: tuple[str, int], expected: int) -> None:
+    """Wait (an event: the pod's own count, polled) until ``pod`` has ``expected`` slots in use."""
+    async with asyncio.timeout(WAIT_S):
+        while await asyncio.to_thread(in_use, pod) != expected:
+            await asyncio.sleep(0.05)
+
+
+async def fill(pod: tuple[str, int]) -> list[Call]:
+    """Take every slot of ``pod`` with a WebSocket call made to it directly (not through the entry)."""
+    await until_in_use(pod, 0)
+    calls = [await open_call(f"ws://{pod[0]}:{pod[1]}/api/chat?format=pcm&resumable=1") for _ in range(SLOTS)]
+    await until_in_use(pod, SLOTS)
+    return calls
+
+
+async def hang_up(calls: list[Call]) -> None:
+    for call in calls:
+        await call.ws.close()
+        call.reader.cancel()
+
+
+async def real_offer() -> str:
+    """A browser-shaped offer (aiortc: audio and a DataChannel, host candidates)."""
+    call = RtcCall("http://127.0.0.1:1", encode_packets(np.zeros(1920, dtype=np.float32)))
+    try:
+        return await call.offer()
+    finally:
+        await call.pc.close()
+
+
+async def end_answered(fleet: Fleet, location: str) -> None:
+    """DELETE an answered offer's ``Location`` at the pod that holds it (the others answer 404), and wait
+    until that pod's slot is free again (the session ends in its own task, after the DELETE's answer)."""
+    answers = [http(f"http://{address}:{port}{location}", "DELETE")[0] for address, port in fleet.pods]
+    assert sorted(answers) == [200, 404, 404], answers
+    await until_in_use(fleet.pods[answers.index(200)], 0)
+
+
+@pytest.mark.timeout(300)
+def test_a_regional_offer_that_reaches_a_full_pod_is_answered_by_a_free_one(fleet: Fleet) -> None:
+    """One pod of three full: every offer posted to the regional path is answered (201) by a pod with a
+    free slot, and the full pod did refuse some of them (its ``node_full`` count grew): the router sent
+    those on to the next pod instead of passing the 503 to the caller."""
+
+    async def scenario() -> None:
+        full = fleet.pods[0]
+        calls = await fill(full)
+        try:
+            sdp = await real_offer()
+            before = node_full_refusals(full)
+            # nginx's round-robin reaches every server within a few requests; how soon depends on the
+            # rotation's state, shared with the earlier tests: 2 rounds.
+            for _ in range(2 * len(fleet.pods)):
+                status, headers, body = await asyncio.to_thread(
+                    post_offer, f"{fleet.entry}/r/{REGION}/api/rtc?resumable=1", sdp
+                )
+                assert status == 201 and body.startswith("v=0"), (status, body)
+                await end_answered(fleet, headers["Location"])
+            # The pod counts a refusal as it answers it: wait for the count, bounded.
+            async with asyncio.timeout(WAIT_S):
+                while await asyncio.to_thread(node_full_refusals, full) == before:
+                    await asyncio.sleep(0.05)
+            assert in_use(full) == SLOTS
+        finally:
+            await hang_up(calls)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(300)
+def test_when_every_pod_is_full_the_503_and_its_retry_after_reach_the_caller(fleet: Fleet) -> None:
+    """Every pod full: the offer is tried on each pod once (each counts one ``node_full``; at most
+    ``OFFER_TRIES``) and the caller gets the last pod's answer: 503 ``node_full`` with ``Retry-After``,
+    not nginx's 502."""
+
+    async def scenario() -> None:
+        calls = [call for pod in fleet.pods for call in await fill(pod)]
+        try:
+            sdp = await real_offer()
+            before = [node_full_refusals(pod) for pod in fleet.pods]
+            status, headers, body = await asyncio.to_thread(
+                post_offer, f"{fleet.entry}/r/{REGION}/api/rtc?resumable=1", sdp
+            )
+            assert status == 503 and body.startswith("node_full"), (status, body)
+            assert headers.get("Retry-After") == "5", headers
+            assert len(fleet.pods) <= OFFER_TRIES
+            expected = [count + 1 for count in before]  # each pod tried once (counted as it answers)
+            async with asyncio.timeout(WAIT_S):
+                while (after := [node_full_refusals(pod) for pod in fleet.pods]) != expected:
+                    assert all(a <= e for a, e in zip(after, expected, strict=True)), (after, expected)
+                    await asyncio.sleep(0.05)
+        finally:
+            await hang_up(calls)
+
+    asyncio.run(scenario())

@@ -246,6 +246,7 @@ async function start() {
         token, persona, stream: s.stream, relay: options.relay,
         onMessage: (data) => onMessage(s, data),
         onTrack: (remote) => playRemote(s, remote),
+        onWait: (ms) => setStatus(`The region is full: waiting for a free slot (trying again in ${Math.round(ms / 1000)} s)…`),
       });
       if (s.ended) return result.rtc && closeRtc(result.rtc);
       if (result.ok) return useRtc(s, result.rtc);

@@ -11,6 +11,11 @@
 // call with it: POST /api/rtc with a Duplex-Resume-Credential header (not ?resume=: URLs are logged), a
 // fresh offer and no token (the credential is the right), the ICE servers of the first connection (the token is spent: /api/rtc/ice-servers would refuse
 // it). Its 201 carries the next credential (Duplex-Resume-Credential): rtc.resume.
+//
+// A full region (docs/deploying.md, "Resume across regions"): an offer refused 503 node_full with
+// Retry-After (every pod the router tried was full) is sent once more after that delay (at most
+// RETRY_AFTER_CAP_S), with onWait(ms) telling the page it is waiting for a free slot; the ICE limit is
+// moved on by the wait. A second refusal is shown.
 
 import { RESUME_HEADER, TEXT_PROMPT_HEADER, sessionQuery, textPromptOf } from "./protocol.js";
 
@@ -18,6 +23,9 @@ export const CONNECT_LIMIT_MS = 3000; // from the first ICE server request to "c
 // Gathering waits for every ICE server; an unreachable one would hold it to the limit and leave ICE no time
 // to connect: at this point the offer goes with the candidates gathered so far (none: the WebSocket).
 export const GATHER_LIMIT_MS = 2000;
+// The longest Retry-After honoured before the one retry of a node_full offer (s): the runtime sends 5
+// (runtime/frontend/transports/webrtc/signalling.py RETRY_AFTER_S); a caller waits no longer than this.
+export const RETRY_AFTER_CAP_S = 10;
 const REFUSAL_STATUSES = new Set([401, 403, 429, 503]); // access, persona, rate and capacity refusals
 const RESUME_REFUSALS = new Set([404, 410]); // resume_off, resume_expired (a resume's 403: invalid, replayed)
 
@@ -61,6 +69,34 @@ function delay(ms) {
   return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
+/**
+ * The wait (ms) before the one retry of a refused offer, or null for no retry: only a 503 whose reason
+ * is node_full and whose Retry-After is delta-seconds (RFC 9110, 10.2.3; an HTTP-date is not retried),
+ * capped at RETRY_AFTER_CAP_S.
+ */
+export function offerRetryMs(status, reason, retryAfter) {
+  if (status !== 503 || reason !== "node_full" || typeof retryAfter !== "string") return null;
+  if (!/^\d+$/.test(retryAfter.trim())) return null;
+  return Math.min(Number(retryAfter.trim()), RETRY_AFTER_CAP_S) * 1000;
+}
+
+/**
+ * POST an offer (fetch(url, init)); a 503 node_full with Retry-After is sent once more after the delay
+ * (offerRetryMs), onWait(ms) called first. Resolves to {response, body, waitedMs}; fetch's errors reject.
+ * sleep(ms): the wait (a test passes its own clock).
+ */
+export async function postOffer(url, init, { onWait = () => {}, sleep = delay } = {}) {
+  let response = await fetch(url, init);
+  let body = await response.text();
+  const waitMs = offerRetryMs(response.status, parseRefusal(body).reason, response.headers.get("Retry-After"));
+  if (waitMs === null) return { response, body, waitedMs: 0 };
+  onWait(waitMs);
+  await sleep(waitMs);
+  response = await fetch(url, init);
+  body = await response.text();
+  return { response, body, waitedMs: waitMs };
+}
+
 /** Resolves when ICE gathering completed, or at `deadline` (performance.now() ms), whichever first. */
 function gathered(pc, deadline) {
   if (pc.iceGatheringState === "complete") return Promise.resolve(true);
@@ -93,12 +129,15 @@ function connected(pc, deadline) {
  * Open a WebRTC session. options: {token, persona, stream (getUserMedia's), relay (bool: relay-only ICE),
  * onMessage(ArrayBuffer) for DataChannel messages, onTrack(MediaStream) for the node's audio}.
  * resume: a credential (reconnect a dropped call, no token); iceServers: skip GET /api/rtc/ice-servers.
+ * onWait(ms): the offer was refused node_full and is sent again in `ms` (the page says it is waiting).
  * Never rejects. On success `rtc` = {pc, channel, location, token, startedMs, connectMs, iceServers, resume,
  * close()}; `resume` (and a fallback's `resume`): a resume's next credential from its 201, else null.
  */
-export async function connectRtc({ token, persona, stream, relay, onMessage, onTrack, resume, resumeUrl, iceServers }) {
+export async function connectRtc({
+  token, persona, stream, relay, onMessage, onTrack, resume, resumeUrl, iceServers, onWait,
+}) {
   const startedMs = performance.now();
-  const deadline = startedMs + CONNECT_LIMIT_MS;
+  let deadline = startedMs + CONNECT_LIMIT_MS;
   let offerUrl = null; // multi-region: the ICE servers' region's offer path (docs/protocol.md, "WebRTC")
   const fallback = (message) => ({ ok: false, fallback: true, reason: "", message, afterMs: performance.now() - startedMs });
   if (!iceServers) {
@@ -126,7 +165,7 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
       rtc.close();
       return fallback(relay ? "no relay candidate (TURN server unreachable)" : "no ICE candidate");
     }
-    let response;
+    let response, body;
     try {
       // A resume: the credential in a header, not the URL (which proxies log); the session's query is its own.
       const query = resume ? "" : `?${sessionQuery(persona)}&resumable=1`;
@@ -136,17 +175,19 @@ export async function connectRtc({ token, persona, stream, relay, onMessage, onT
       if (prompt) credentials[TEXT_PROMPT_HEADER] = encodeURIComponent(prompt);
       // Multi-region: a resume goes to its pod's route, an offer to the region of its ICE servers.
       const target = sameOrigin(resume ? resumeUrl : offerUrl) ?? "/api/rtc";
-      response = await fetch(`${target}${query}`, {
+      const init = {
         method: "POST",
         headers: { "Content-Type": "application/sdp", ...credentials },
         body: offer,
         cache: "no-store",
-      });
+      };
+      const posted = await postOffer(`${target}${query}`, init, { onWait });
+      ({ response, body } = posted);
+      deadline += posted.waitedMs; // the wait for a slot is not ICE's time
     } catch (error) {
       rtc.close();
       return fallback(`POST /api/rtc: ${error}`);
     }
-    const body = await response.text();
     if (response.status !== 201) {
       rtc.close();
       const refused = parseRefusal(body);
