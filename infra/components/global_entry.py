@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulumi
 import pulumi_gcp.compute as compute
@@ -463,47 +464,30 @@ class GlobalEntry(pulumi.ComponentResource):
         routed = [backend for backend in args.backends if backend.resume_router_neg_name is not None]
         if not routed:
             return {}
-        project = args.project
-        health = compute.HealthCheck(
+        health = _health_check(
             f"{name}-resume-router-health",
-            name=f"{args.name_prefix}-resume-router",
-            project=project,
-            http_health_check={
-                "port_specification": "USE_SERVING_PORT",
-                "request_path": args.resume_router_health_path,
-            },
-            check_interval_sec=10,
-            timeout_sec=5,
-            opts=opts,
+            f"{args.name_prefix}-resume-router",
+            args,
+            args.resume_router_health_path,
+            opts,
         )
         routers = {}
         for backend in routed:
             assert backend.resume_router_neg_name is not None
-            routers[backend.region] = compute.BackendService(
+            routers[backend.region] = _rate_backend_service(
                 f"{name}-resume-{backend.region}",
-                name=f"{args.name_prefix}-resume-{backend.region}",
-                project=project,
-                load_balancing_scheme="EXTERNAL_MANAGED",
-                protocol="HTTP",
-                port_name="http",
-                timeout_sec=timeout_s,
+                f"{args.name_prefix}-resume-{backend.region}",
+                args,
+                health=health,
+                negs=[(backend.region, zone, backend.resume_router_neg_name) for zone in backend.zones],
+                what="resume router",
+                rate=RESUME_ROUTER_REQUESTS_PER_ENDPOINT_S,
+                timeout_s=timeout_s,
+                opts=opts,
                 connection_draining_timeout_sec=min(args.drain_s, MAX_CONNECTION_DRAINING_S),
-                session_affinity="NONE",
-                health_checks=health.id,
                 security_policy=self.security_policy.id,
                 log_config={"enable": True, "sample_rate": 1.0},
                 description=f"duplexops resume router of {backend.region} (/r/{backend.region}/*)",
-                backends=[
-                    {
-                        "group": neg_url(project, zone, backend.resume_router_neg_name),
-                        "balancing_mode": "RATE",
-                        "max_rate_per_endpoint": RESUME_ROUTER_REQUESTS_PER_ENDPOINT_S,
-                        "capacity_scaler": 1.0,
-                        "description": f"{backend.region} {zone} resume router",
-                    }
-                    for zone in backend.zones
-                ],
-                opts=opts,
             )
         return routers
 
@@ -512,44 +496,78 @@ class GlobalEntry(pulumi.ComponentResource):
     ) -> compute.BackendService:
         """The browser client's health check and backend service: every region's page NEGs, ``RATE``
         balancing at ``PAGE_REQUESTS_PER_ENDPOINT_S`` per pod, the page's headers added to each response."""
-        project = args.project
-        health = compute.HealthCheck(
-            f"{name}-page-health",
-            name=f"{args.name_prefix}-page",
-            project=project,
-            http_health_check={
-                "port_specification": "USE_SERVING_PORT",
-                "request_path": args.page_health_path,
-            },
-            check_interval_sec=10,
-            timeout_sec=5,
-            opts=opts,
+        health = _health_check(
+            f"{name}-page-health", f"{args.name_prefix}-page", args, args.page_health_path, opts
         )
-        return compute.BackendService(
+        return _rate_backend_service(
             f"{name}-page-backend",
-            name=f"{args.name_prefix}-page",
-            project=project,
-            load_balancing_scheme="EXTERNAL_MANAGED",
-            protocol="HTTP",
-            port_name="http",
-            timeout_sec=timeout_s,
-            session_affinity="NONE",
-            health_checks=health.id,
+            f"{args.name_prefix}-page",
+            args,
+            health=health,
+            negs=[(b.region, zone, b.page_neg_name) for b in args.backends for zone in b.zones],
+            what="page",
+            rate=PAGE_REQUESTS_PER_ENDPOINT_S,
+            timeout_s=timeout_s,
+            opts=opts,
             custom_response_headers=[f"{header}: {value}" for header, value in args.page_headers.items()],
             description="duplexops browser client (nginx pods of every region)",
-            backends=[
-                {
-                    "group": neg_url(project, zone, backend.page_neg_name),
-                    "balancing_mode": "RATE",
-                    "max_rate_per_endpoint": PAGE_REQUESTS_PER_ENDPOINT_S,
-                    "capacity_scaler": 1.0,
-                    "description": f"{backend.region} {zone} page",
-                }
-                for backend in args.backends
-                for zone in backend.zones
-            ],
-            opts=opts,
         )
+
+
+def _health_check(
+    resource: str, gcp_name: str, args: GlobalEntryArgs, path: str, opts: pulumi.ResourceOptions
+) -> compute.HealthCheck:
+    """An HTTP health check of ``path`` on each endpoint's serving port, every 10 s (5 s timeout)."""
+    return compute.HealthCheck(
+        resource,
+        name=gcp_name,
+        project=args.project,
+        http_health_check={"port_specification": "USE_SERVING_PORT", "request_path": path},
+        check_interval_sec=10,
+        timeout_sec=5,
+        opts=opts,
+    )
+
+
+def _rate_backend_service(
+    resource: str,
+    gcp_name: str,
+    args: GlobalEntryArgs,
+    *,
+    health: compute.HealthCheck,
+    negs: Sequence[tuple[str, str, str]],
+    what: str,
+    rate: int,
+    timeout_s: int,
+    opts: pulumi.ResourceOptions,
+    **extra: Any,
+) -> compute.BackendService:
+    """A backend service of nginx pods (the page's, a region's resume router): the ``(region, zone, NEG
+    name)`` NEGs balanced at ``rate`` requests per second per endpoint (``RATE``), no affinity,
+    ``timeout_s``; ``extra``: the service's other arguments."""
+    return compute.BackendService(
+        resource,
+        name=gcp_name,
+        project=args.project,
+        load_balancing_scheme="EXTERNAL_MANAGED",
+        protocol="HTTP",
+        port_name="http",
+        timeout_sec=timeout_s,
+        session_affinity="NONE",
+        health_checks=health.id,
+        backends=[
+            {
+                "group": neg_url(args.project, zone, neg),
+                "balancing_mode": "RATE",
+                "max_rate_per_endpoint": rate,
+                "capacity_scaler": 1.0,
+                "description": f"{region} {zone} {what}",
+            }
+            for region, zone, neg in negs
+        ],
+        opts=opts,
+        **extra,
+    )
 
 
 def _pod_ports(args: GlobalEntryArgs) -> list[str]:
