@@ -108,40 +108,85 @@ def page_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     it off GPU nodes), Pod Security ``restricted`` (uid ``PAGE_UID``, read-only root filesystem, an
     emptyDir for ``/tmp``), and its ClusterIP Service with a standalone NEG per zone
     (``workload.page_neg_name``)."""
-    files = page_files()
-    labels = selector_labels(PAGE_NAME)
+    return nginx_pods(
+        workload,
+        name=PAGE_NAME,
+        component="page",
+        conf=page_nginx_conf(),
+        conf_dir=_CONF_DIR,
+        port=PAGE_PORT,
+        probe={
+            "httpGet": {"path": PAGE_HEALTH_PATH, "port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 3,
+        },
+        resources={"requests": {"cpu": "20m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+        neg_name=workload.page_neg_name,
+        files=page_files(),
+        files_dir=PAGE_ROOT,
+    )
+
+
+def nginx_pods(
+    workload: RegionWorkload,
+    *,
+    name: str,
+    component: str,
+    conf: str,
+    conf_dir: str,
+    port: int,
+    probe: dict[str, Any],
+    resources: dict[str, Any],
+    neg_name: str,
+    files: dict[str, str] | None = None,
+    files_dir: str = "",
+) -> list[dict[str, Any]]:
+    """An nginx Deployment on the system pool behind a standalone NEG per zone (the page's; a region's
+    resume router): a ConfigMap ``name`` holding ``conf`` (mounted at ``conf_dir``) and ``files`` (mounted at
+    ``files_dir``, when given), one pod per zone of ``workload.zones`` (``zone_spread``), Pod Security
+    ``restricted`` (uid ``PAGE_UID``: the nginx image's own user; read-only root filesystem, an emptyDir for
+    ``/tmp``), ``probe`` for readiness and liveness, and the ClusterIP Service on ``port`` whose NEGs are
+    ``neg_name``. ``[ConfigMap, Deployment, Service]``."""
+    files = files or {}
+    labels = selector_labels(name)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": object_meta(workload, PAGE_NAME, "page"),
-        "data": {**files, _CONF_KEY: page_nginx_conf()},
+        "metadata": object_meta(workload, name, component),
+        "data": {**files, _CONF_KEY: conf},
     }
-    probe = {"httpGet": {"path": PAGE_HEALTH_PATH, "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 3}
+    mounts = [{"name": "files", "mountPath": files_dir, "readOnly": True}] if files else []
     nginx = {
         "name": "nginx",
         "image": IMAGES["nginx"],
-        "command": ["nginx", "-c", f"{_CONF_DIR}/{_CONF_KEY}", "-g", "daemon off;"],
-        "ports": [{"name": "http", "containerPort": PAGE_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "20m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+        "command": ["nginx", "-c", f"{conf_dir}/{_CONF_KEY}", "-g", "daemon off;"],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "resources": resources,
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 3},
         "securityContext": container_security(),
         "volumeMounts": [
-            {"name": "files", "mountPath": PAGE_ROOT, "readOnly": True},
-            {"name": "conf", "mountPath": _CONF_DIR, "readOnly": True},
+            *mounts,
+            {"name": "conf", "mountPath": conf_dir, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+
+    def config_volume(volume: str, keys: list[str]) -> dict[str, Any]:
+        items = [{"key": key, "path": key} for key in keys]
+        return {"name": volume, "configMap": {"name": name, "defaultMode": 0o444, "items": items}}
+
+    volumes = [config_volume("files", sorted(files))] if files else []
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": object_meta(workload, PAGE_NAME, "page"),
+        "metadata": object_meta(workload, name, component),
         "spec": {
             "replicas": len(workload.zones),
             "selector": {"matchLabels": labels},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
-                "metadata": {"labels": standard_labels(PAGE_NAME, "page")},
+                "metadata": {"labels": standard_labels(name, component)},
                 "spec": {
                     "enableServiceLinks": False,
                     "automountServiceAccountToken": False,
@@ -149,36 +194,14 @@ def page_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
                     "topologySpreadConstraints": zone_spread(labels),
                     "containers": [nginx],
                     "volumes": [
-                        {
-                            "name": "files",
-                            "configMap": {
-                                "name": PAGE_NAME,
-                                "defaultMode": 0o444,
-                                "items": [{"key": name, "path": name} for name in sorted(files)],
-                            },
-                        },
-                        {
-                            "name": "conf",
-                            "configMap": {
-                                "name": PAGE_NAME,
-                                "defaultMode": 0o444,
-                                "items": [{"key": _CONF_KEY, "path": _CONF_KEY}],
-                            },
-                        },
+                        *volumes,
+                        config_volume("conf", [_CONF_KEY]),
                         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
                     ],
                 },
             },
         },
     }
-    service = cluster_ip_service(
-        workload,
-        PAGE_NAME,
-        "page",
-        "http",
-        PAGE_PORT,
-        annotations={
-            "cloud.google.com/neg": neg_annotation(workload.page_neg_name, PAGE_PORT, workload.zones)
-        },
-    )
+    annotations = {"cloud.google.com/neg": neg_annotation(neg_name, port, workload.zones)}
+    service = cluster_ip_service(workload, name, component, "http", port, annotations=annotations)
     return [config_map, deployment, service]

@@ -31,18 +31,11 @@ from typing import Any
 from infra.k8s.base import (
     APP_NAME,
     RegionWorkload,
-    cluster_ip_service,
-    container_security,
     object_meta,
     pod_labels,
-    pod_security,
-    selector_labels,
-    standard_labels,
 )
-from infra.k8s.page import PAGE_UID
+from infra.k8s.page import nginx_pods
 from infra.k8s.pod_routes import pod_dns_suffix, runtime_pods_service
-from infra.k8s.workload import neg_annotation, zone_spread
-from infra.node.compose import IMAGES
 from infra.node.nginx import RTC_OFFER_MAX_BYTES, SESSION_TIMEOUT_MARGIN_S
 
 __all__ = [
@@ -242,68 +235,18 @@ def router_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
         region_runtime=f"{OFFER_SERVICE}.{workload.namespace}.svc.cluster.local:{runtime_port}",
         read_timeout_s=workload.profile.limits.max_session_s + SESSION_TIMEOUT_MARGIN_S,
     )
-    labels = selector_labels(ROUTER_NAME)
-    config_map = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": object_meta(workload, ROUTER_NAME, "resume-router"),
-        "data": {_CONF_KEY: conf},
-    }
-    probe = {"httpGet": {"path": ROUTER_HEALTH_PATH, "port": "http"}, "periodSeconds": 10}
-    nginx = {
-        "name": "nginx",
-        "image": IMAGES["nginx"],
-        "command": ["nginx", "-c", f"{_CONF_DIR}/{_CONF_KEY}", "-g", "daemon off;"],
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
-        "readinessProbe": probe,
-        "livenessProbe": {**probe, "failureThreshold": 3},
-        "securityContext": container_security(),
-        "volumeMounts": [
-            {"name": "conf", "mountPath": _CONF_DIR, "readOnly": True},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-    }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": object_meta(workload, ROUTER_NAME, "resume-router"),
-        "spec": {
-            "replicas": len(workload.zones),
-            "selector": {"matchLabels": labels},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "template": {
-                "metadata": {"labels": standard_labels(ROUTER_NAME, "resume-router")},
-                "spec": {
-                    "enableServiceLinks": False,
-                    "automountServiceAccountToken": False,
-                    "securityContext": pod_security(PAGE_UID),  # the nginx image's own user, as the page's
-                    "topologySpreadConstraints": zone_spread(labels),
-                    "containers": [nginx],
-                    "volumes": [
-                        {
-                            "name": "conf",
-                            "configMap": {
-                                "name": ROUTER_NAME,
-                                "defaultMode": 0o444,
-                                "items": [{"key": _CONF_KEY, "path": _CONF_KEY}],
-                            },
-                        },
-                        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-                    ],
-                },
-            },
-        },
-    }
-    service = cluster_ip_service(
+    pods = nginx_pods(
         workload,
-        ROUTER_NAME,
-        "resume-router",
-        "http",
-        ROUTER_PORT,
-        annotations={"cloud.google.com/neg": neg_annotation(neg_name, ROUTER_PORT, workload.zones)},
+        name=ROUTER_NAME,
+        component="resume-router",
+        conf=conf,
+        conf_dir=_CONF_DIR,
+        port=ROUTER_PORT,
+        probe={"httpGet": {"path": ROUTER_HEALTH_PATH, "port": "http"}, "periodSeconds": 10},
+        resources={"requests": {"cpu": "50m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+        neg_name=neg_name,
     )
-    return [config_map, deployment, service, runtime_pods_service(workload), runtime_offer_service(workload)]
+    return [*pods, runtime_pods_service(workload), runtime_offer_service(workload)]
 
 
 def runtime_offer_service(workload: RegionWorkload) -> dict[str, Any]:
