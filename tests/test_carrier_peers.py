@@ -2,7 +2,7 @@
 carrier serializers (PyPI ``pipecat-ai`` 1.14.0, in ``.venv-peers``: ``make peers-deps``, a prerequisite of
 ``make test``) run by ``tests/pipecat_driver.py``.
 
-- What our load generator sends as Twilio (``runtime.tools.twilio_client``) is what pipecat's
+- What our load generator sends as Twilio (``runtime.tools.carrier_client``) is what pipecat's
   ``TwilioFrameSerializer`` reads as Twilio's: every ``media`` a 20 ms audio frame at 8 kHz, ``dtmf`` its
   digit.
 - What our bridge sends Twilio (``media``, ``clear``) has the shape pipecat's serializer writes for Twilio.
@@ -24,7 +24,8 @@ from pathlib import Path
 from test_carrier_twilio import AUTH_TOKEN, STREAM_URL, TWILIO, _TalkingBackend, base, tone_8k
 from test_frontend_seam import fake_node
 
-from runtime.tools.twilio_client import twilio_call
+from runtime.tools.carrier_client import carrier_call
+from runtime.tools.carrier_sides import TwilioSide
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -57,10 +58,11 @@ async def test_pipecat_reads_our_twilio_side_and_writes_what_our_bridge_writes()
     import numpy as np
 
     async with fake_node(backend, **TWILIO) as server:
-        call = await twilio_call(
+        call = await carrier_call(
+            TwilioSide(),
             base(server),
             np.concatenate([silence, speech]),
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             dtmf=((3, "7"),),
             keep_messages=200,

@@ -1,5 +1,5 @@
 """The Twilio Media Streams bridge (issue 32): ``/api/carriers/twilio`` on the lifecycle's seam, driven by
-Twilio's side (``runtime.tools.twilio_client``) over the fake backend (``tests/fake_backend.py``: each slot
+Twilio's side (``runtime.tools.carrier_client``) over the fake backend (``tests/fake_backend.py``: each slot
 echoes the caller's frames), so what the caller hears is what it said, through both resamplers and G.711.
 
 The signature is checked against Twilio's own ``RequestValidator`` (the ``twilio`` package), not only
@@ -22,7 +22,8 @@ from runtime.frontend.codecs.telephony import CarrierEncoding, PhoneAudioIn, Pho
 from runtime.frontend.gate.carrier_auth import twilio_signature, twilio_signature_valid
 from runtime.frontend.gate.tokens import SigningKey, mint_token
 from runtime.frontend.server import DuplexServer
-from runtime.tools.twilio_client import twilio_call
+from runtime.tools.carrier_client import carrier_call
+from runtime.tools.carrier_sides import TwilioSide
 
 AUTH_TOKEN = "0123456789abcdef0123456789abcdef"
 STREAM_URL = "wss://voice.example.com/api/carriers/twilio"
@@ -104,8 +105,13 @@ async def test_a_stream_not_signed_by_the_account_is_refused_before_the_upgrade(
 ):
     backend = FakeBackend(slots=1)
     async with fake_node(backend, **settings) as server:
-        result = await twilio_call(
-            base(server), tone_8k(440, 0.2), auth_token=AUTH_TOKEN, stream_url=STREAM_URL, signature=signature
+        result = await carrier_call(
+            TwilioSide(),
+            base(server),
+            tone_8k(440, 0.2),
+            secret=AUTH_TOKEN,
+            stream_url=STREAM_URL,
+            signature=signature,
         )
         assert result.status == status and result.close_reason.startswith(f"{reason}: ")
         assert refused_count(server, reason) == 1
@@ -120,10 +126,11 @@ async def test_a_call_hears_itself_through_the_echo_slot_and_stop_frees_the_slot
     80 ms frame; ``stop`` ends the call normally and releases the slot."""
     backend = FakeBackend(slots=1)
     async with fake_node(backend, **TWILIO) as server:
-        result = await twilio_call(
+        result = await carrier_call(
+            TwilioSide(),
             base(server),
             tone_8k(440, 1.6),
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             parameters={"voice_prompt": "alice"},
         )
@@ -143,10 +150,11 @@ async def test_a_call_hears_itself_through_the_echo_slot_and_stop_frees_the_slot
 async def test_a_dropped_socket_frees_the_slot_at_once():
     backend = FakeBackend(slots=1)
     async with fake_node(backend, **TWILIO) as server:
-        result = await twilio_call(
+        result = await carrier_call(
+            TwilioSide(),
             base(server),
             tone_8k(440, 0.4),
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             hang_up="drop",
             tail_s=0.1,
@@ -160,25 +168,27 @@ async def test_the_token_and_persona_come_from_the_start_messages_parameters():
     refused there, counted once, with the close code of the refusal table; a token spent once is replayed."""
     backend = FakeBackend(slots=2)
     async with fake_node(backend, **TWILIO, **TOKEN_MODE) as server:
-        missing = await twilio_call(
-            base(server), tone_8k(440, 0.2), auth_token=AUTH_TOKEN, stream_url=STREAM_URL
+        missing = await carrier_call(
+            TwilioSide(), base(server), tone_8k(440, 0.2), secret=AUTH_TOKEN, stream_url=STREAM_URL
         )
         assert missing.close_code == 1008 and missing.close_reason.startswith("missing:")
         assert refused_count(server, "missing") == 1 and backend.requests == []
         once = token()
-        first = await twilio_call(
+        first = await carrier_call(
+            TwilioSide(),
             base(server),
             tone_8k(440, 0.4),
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             parameters={"token": once, "text_prompt": "You are a helpful receptionist."},
         )
         assert first.close_code == 1000 and first.marks > 0
         assert backend.requests[0].text_prompt == "You are a helpful receptionist."
-        again = await twilio_call(
+        again = await carrier_call(
+            TwilioSide(),
             base(server),
             tone_8k(440, 0.2),
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             parameters={"token": once},
         )
@@ -189,10 +199,11 @@ async def test_the_token_and_persona_come_from_the_start_messages_parameters():
 async def test_a_start_message_with_another_media_format_is_refused_naming_it():
     backend = FakeBackend(slots=1)
     async with fake_node(backend, **TWILIO) as server:
-        result = await twilio_call(
+        result = await carrier_call(
+            TwilioSide(),
             base(server),
             tone_8k(440, 0.2),
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             media_format={"encoding": "audio/x-alaw", "sampleRate": 8000, "channels": 1},
         )
@@ -216,10 +227,11 @@ async def test_dtmf_is_counted_and_barge_in_clears_the_carriers_queue_once_per_o
     speaking gets one ``clear`` per onset; a caller who stays quiet gets none."""
     backend = _TalkingBackend(slots=1)
     async with fake_node(backend, **TWILIO) as server:
-        quiet = await twilio_call(
+        quiet = await carrier_call(
+            TwilioSide(),
             base(server),
             tone_8k(440, 1.0, amplitude=0.001),
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             dtmf=((10, "5"),),
         )
@@ -227,7 +239,9 @@ async def test_dtmf_is_counted_and_barge_in_clears_the_carriers_queue_once_per_o
         silence = np.zeros(4000, dtype=np.float32)  # half a second, then speech, twice
         speech = tone_8k(440, 0.5)
         caller = np.concatenate([silence, speech, silence, speech])
-        loud = await twilio_call(base(server), caller, auth_token=AUTH_TOKEN, stream_url=STREAM_URL)
+        loud = await carrier_call(
+            TwilioSide(), base(server), caller, secret=AUTH_TOKEN, stream_url=STREAM_URL
+        )
         assert loud.clears == 2
         samples = server.metrics.registry.get_sample_value
         assert samples("duplex_carrier_barge_ins_total", {"carrier": "twilio"}) == 2
@@ -252,8 +266,12 @@ async def test_a_caller_waiting_for_a_slot_hears_the_hold_tone_not_silence():
     backend = _WaitingBackend()
     async with fake_node(backend, **TWILIO) as server:
         call = asyncio.create_task(
-            twilio_call(
-                base(server), tone_8k(440, 3.0, amplitude=0.001), auth_token=AUTH_TOKEN, stream_url=STREAM_URL
+            carrier_call(
+                TwilioSide(),
+                base(server),
+                tone_8k(440, 3.0, amplitude=0.001),
+                secret=AUTH_TOKEN,
+                stream_url=STREAM_URL,
             )
         )
         await asyncio.sleep(1.8)
@@ -265,8 +283,12 @@ async def test_a_caller_waiting_for_a_slot_hears_the_hold_tone_not_silence():
         beep = held[8000:11200]  # 1.0-1.4 s: the tone
         assert abs(dominant_hz(beep) - 425) < 20 and np.max(np.abs(beep)) > 0.05
         assert result.marks > 0  # then the call went live
-        at_once = await twilio_call(
-            base(server), tone_8k(440, 0.6, amplitude=0.001), auth_token=AUTH_TOKEN, stream_url=STREAM_URL
+        at_once = await carrier_call(
+            TwilioSide(),
+            base(server),
+            tone_8k(440, 0.6, amplitude=0.001),
+            secret=AUTH_TOKEN,
+            stream_url=STREAM_URL,
         )
         before = at_once.received_pcm()[: at_once.packets_before_live * 160]
         assert before.size == 0 or np.max(np.abs(before)) < 0.01  # no beep for a caller admitted at once
@@ -329,16 +351,17 @@ async def test_the_phone_load_generator_reports_calls_like_the_other_transports(
     Two are served whole (no frame lost by the echo slots), the third is refused and counted a failure
     with the node's words."""
     from runtime.tools.loadgen import synthesize_speech
-    from runtime.tools.loadgen_phone import run_twilio_load
+    from runtime.tools.loadgen_phone import run_phone_load
 
     speech = synthesize_speech("Hello, I would like to book a table for two tonight.")
     backend = FakeBackend(slots=2)
     async with fake_node(backend, **TWILIO) as server:
-        report = await run_twilio_load(
+        report = await run_phone_load(
+            "twilio",
             base(server),
             [speech],
             sessions=3,
-            auth_token=AUTH_TOKEN,
+            secret=AUTH_TOKEN,
             stream_url=STREAM_URL,
             max_duration_s=60,
         )

@@ -4,7 +4,7 @@ on one machine, against a real node on loopback.
 One ``duplex serve --model sim`` (``runtime.tools.bench_frontend.node``: one process, ``--workers 0``, the
 sim's fixed step time, access control off, the Twilio bridge on with a stand-in auth token) serves at the
 same time ``S`` PCM WebSocket sessions (``runtime.tools.loadgen``) and ``S`` Twilio calls
-(``runtime.tools.twilio_client``: Twilio's side of a Media Stream, 8 kHz μ-law, 20 ms packets), all of
+(``runtime.tools.carrier_client``: Twilio's side of a Media Stream, 8 kHz μ-law, 20 ms packets), all of
 speech at real-time pace. Every session sits in the same batch, so every tick emits one 80 ms frame to each
 of them at once: the WebSocket clients' arrivals of a tick are the reference (their median), and a call's
 frame arrives when its ``mark`` does (the bridge sends a frame's four 20 ms ``media`` packets, then its
@@ -41,6 +41,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from runtime.tools.bench_frontend import _get, node
+from runtime.tools.carrier_client import CallResult, carrier_call
+from runtime.tools.carrier_sides import TwilioSide
 from runtime.tools.loadgen import (
     FIRST_AUDIO_TERMS,
     first_audio_budget,
@@ -50,7 +52,6 @@ from runtime.tools.loadgen import (
     synthesize_speech,
 )
 from runtime.tools.loadgen_phone import phone_speech
-from runtime.tools.twilio_client import TwilioCallResult, twilio_call
 
 __all__ = [
     "added_latency_ms",
@@ -142,13 +143,15 @@ def bench_bridge_latency(sessions: int, step_ms: str, seconds: float) -> dict[st
     clip = clip[: int(seconds * 24000)]
     env = {"DUPLEX_TWILIO_AUTH_TOKEN": AUTH_TOKEN, "DUPLEX_TWILIO_STREAM_URL": STREAM_URL}
 
-    async def both(port: int) -> tuple[list[list[float]], list[TwilioCallResult]]:
+    async def both(port: int) -> tuple[list[list[float]], list[CallResult]]:
         base = f"ws://127.0.0.1:{port}"
         load = asyncio.create_task(
             run_load(session_url(base), [clip], sessions=sessions, max_duration_s=seconds + 60)
         )
         calls = [
-            twilio_call(base, phone_speech(clip), auth_token=AUTH_TOKEN, stream_url=STREAM_URL, tail_s=0.3)
+            carrier_call(
+                TwilioSide(), base, phone_speech(clip), secret=AUTH_TOKEN, stream_url=STREAM_URL, tail_s=0.3
+            )
             for _ in range(sessions)
         ]
         results = await asyncio.gather(*calls)
@@ -177,7 +180,7 @@ def bench_bridge_latency(sessions: int, step_ms: str, seconds: float) -> dict[st
 
 CALLER_PACING_MS = 60.0
 """When the caller's first 80 ms frame is complete (ms after its first packet): Twilio sends 20 ms
-``media`` packets in real time, and the fourth goes 60 ms after the first (runtime/tools/twilio_client.py
+``media`` packets in real time, and the fourth goes 60 ms after the first (runtime/tools/carrier_client.py
 paces them so)."""
 
 
@@ -224,16 +227,17 @@ def bench_first_audio(calls: int, step_ms: str, text_prompt: str | None) -> dict
     env = {"DUPLEX_TWILIO_AUTH_TOKEN": AUTH_TOKEN, "DUPLEX_TWILIO_STREAM_URL": STREAM_URL}
     names = [name for _, name in FIRST_AUDIO_TERMS]
     parameters = {"text_prompt": text_prompt} if text_prompt else {}
-    results: list[TwilioCallResult] = []
+    results: list[CallResult] = []
     with node(0, 2, step_ms, env=env) as port:
         before = parse_histograms(_get(port, "/metrics")[1], names)
         for _ in range(calls):
             results.append(
                 asyncio.run(
-                    twilio_call(
+                    carrier_call(
+                        TwilioSide(),
                         f"ws://127.0.0.1:{port}",
                         clip,
-                        auth_token=AUTH_TOKEN,
+                        secret=AUTH_TOKEN,
                         stream_url=STREAM_URL,
                         parameters=parameters,
                         tail_s=0.2,

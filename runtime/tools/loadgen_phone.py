@@ -27,7 +27,7 @@ from runtime.tools.carrier_client import PACKET_S, CallResult, carrier_call
 from runtime.tools.carrier_sides import SIDES
 from runtime.tools.loadgen import LoadReport, SessionResult, check_load_args, gather_sessions
 
-__all__ = ["phone_speech", "run_phone_load", "run_twilio_load", "session_result"]
+__all__ = ["phone_speech", "run_phone_load", "session_result"]
 
 PACKETS_PER_FRAME = 4
 """Carrier packets (20 ms) per model frame (80 ms)."""
@@ -120,37 +120,3 @@ async def run_phone_load(
     tasks = [asyncio.create_task(one(i)) for i in range(sessions)]
     results: list[SessionResult] = await gather_sessions(tasks, max_duration_s, SessionResult)
     return LoadReport(results, time.monotonic() - started, time.process_time() - cpu)
-
-
-async def run_twilio_load(
-    url: str,
-    speech: Sequence[np.ndarray],
-    *,
-    sessions: int,
-    auth_token: str,
-    stream_url: str,
-    token: str | Callable[[], str] | None = None,
-    parameters: dict[str, str] | None = None,
-    max_duration_s: float = 120.0,
-    stagger_s: float = 0.0,
-    ssl_context: ssl.SSLContext | None = None,
-) -> LoadReport:
-    """:func:`run_phone_load` for Twilio (``auth_token``: ``DUPLEX_TWILIO_AUTH_TOKEN``; ``parameters``: the
-    ``<Parameter>`` elements).
-
-    Raises:
-        ValueError: as :func:`runtime.tools.loadgen.check_load_args`.
-    """
-    return await run_phone_load(
-        "twilio",
-        url,
-        speech,
-        sessions=sessions,
-        secret=auth_token,
-        stream_url=stream_url,
-        token=token,
-        parameters=parameters,
-        max_duration_s=max_duration_s,
-        stagger_s=stagger_s,
-        ssl_context=ssl_context,
-    )
