@@ -26,12 +26,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sim_pods import start_serve
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -104,23 +104,7 @@ async def running_pods(tmp_path: Path, count: int, slots: int, **env: str) -> As
         for _ in range(count):
             port = free_loopback_port()
             log = tmp_path / f"pod-{port}.log"
-            with log.open("wb") as out:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "runtime.tools.cli",
-                        "serve",
-                        "--port",
-                        str(port),
-                        "--workers",
-                        "0",
-                    ],
-                    env=environment,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            process = start_serve(port, environment, log)
             pods.append(Pod(port, process, log))
         deadline = time.monotonic() + START_TIMEOUT_S
         for pod in pods:

@@ -41,6 +41,28 @@ START_TIMEOUT_S = 180.0
 _ACTIVE = re.compile(r"^duplex_active_sessions(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.MULTILINE)
 
 
+def start_serve(port: int, env: dict[str, str], log: Path, *, workers: int = 0) -> subprocess.Popen[bytes]:
+    """``duplex serve`` on loopback ``port`` as its own process group (killed whole), with ``env`` (the
+    whole environment) and ``--workers workers``, its output into ``log``."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "runtime.tools.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
 class SimPod:
     """One ``duplex serve`` process: ``name`` (``pod-<n>``, in creation order), ``port``, ``created`` (its
     creation index: the ReplicaSet controller deletes newer pods first among equals)."""
@@ -160,23 +182,7 @@ class SimPods:
             name = f"pod-{index}"
             # The downward API's fields (metadata.name, metadata.namespace).
             env = {**self.env, "DUPLEX_POD_NAME": name, "DUPLEX_POD_NAMESPACE": NAMESPACE}
-            with log.open("wb") as out:
-                process = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "runtime.tools.cli",
-                        "serve",
-                        "--port",
-                        str(port),
-                        "--workers",
-                        str(self.workers),
-                    ],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            process = start_serve(port, env, log, workers=self.workers)
             pod = SimPod(name, index, port, process, log)
             self.pods.append(pod)
             started.append(pod)
