@@ -36,7 +36,7 @@ from infra.policy.rules import (
     session_affinity_needs_hash_policy,
 )
 from infra.stack_config import StackConfigError
-from infra.stack_config.keys import NODE_DRAIN_GRACE_S
+from infra.stack_config.keys_node import NODE_DRAIN_GRACE_S
 
 SERVICE = "gcp:projects/service:Service"
 NODE_POOL = "gcp:container/nodePool:NodePool"

@@ -1,7 +1,7 @@
 """What the program takes from the stack's configuration: ``StackConfig`` and the settings of each
 topology (``GceSettings``, ``OnPremSettings``, ``MultiRegionSettings`` with its ``RegionSettings``), the
 names of the configuration (namespaces, topologies, secret keys) and ``StackConfigError``. Built by
-``infra.stack_config.keys``; docs/stack-configuration.md.
+``infra.stack_config.keys`` and its ``keys_*`` modules; docs/stack-configuration.md.
 """
 
 from __future__ import annotations
