@@ -11,7 +11,7 @@ from pathlib import Path
 from infra.node.bundle import write_bundle
 from infra.node.local import nginx_global_directives
 from infra.node.nginx import NGINX_CONF
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.tls import write_self_signed_certificate
 
 

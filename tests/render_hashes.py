@@ -62,7 +62,7 @@ def _group(items: dict[str, str]) -> dict[str, Any]:
 def bundles() -> dict[str, dict[str, Any]]:
     """``{"bundle/<profile>": group}`` for every built-in profile."""
     from infra.node.bundle import render_bundle
-    from infra.node.profile import PROFILES
+    from infra.node.profile.profiles import PROFILES
 
     return {
         f"bundle/{name}": _group({path: _digest(content) for path, content in render_bundle(profile).items()})
@@ -117,7 +117,7 @@ def fixture_manifests() -> dict[str, dict[str, Any]]:
 
     from infra.capacity.gcp import ACCELERATOR_TYPES
     from infra.k8s.region import region_objects
-    from infra.node.profile import PROFILES
+    from infra.node.profile.profiles import PROFILES
 
     out = {}
     for name, profile in sorted(PROFILES.items()):

@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from infra.capacity.plan import first_audio_check
-from infra.node.profile import PROFILES, get_profile
+from infra.node.profile.profiles import PROFILES, get_profile
 from infra.node.services import runtime_settings
 
 

@@ -47,7 +47,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "infra.names",
         "infra.yaml_text",
     ),
-    # The node: profiles and the renderers of its bundle, the local node.
+    # The node: its profile, which imports nothing else of the node; then the renderers of its bundle and
+    # monitoring, the local node.
+    ("infra.node.profile",),
     ("infra.node",),
     # One region's Kubernetes objects.
     ("infra.k8s",),

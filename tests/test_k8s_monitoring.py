@@ -16,7 +16,7 @@ from test_node_alertmanager import ALL_RECEIVERS
 
 from infra.k8s import base, metrics_adapter, monitoring, region
 from infra.k8s.manifest import validate_manifests
-from infra.node.profile import get_profile
+from infra.node.profile.profiles import get_profile
 
 
 def _promtool(promtool: str, cwd: Path, *args: str) -> None:

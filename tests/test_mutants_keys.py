@@ -12,7 +12,7 @@ from pydantic_core import PydanticCustomError
 from test_stack_config_gpus import _parse, _region
 
 from infra.capacity import gcp as gcp_catalog
-from infra.node.profile import PROFILES, NodeProfile
+from infra.node.profile.profiles import PROFILES, NodeProfile
 from infra.stack_config import StackConfigError
 from infra.stack_config.keys_gcp import _gcp_profiles, _profile_gpu, _region_settings
 from infra.stack_config.keys_regions import RegionKeys

@@ -44,7 +44,7 @@ from infra.node.cloud_init import USER_DATA_FILE
 from infra.node.compose import COMPOSE_FILE
 from infra.node.local import free_port_profile, nginx_global_directives
 from infra.node.nginx import NGINX_CONF
-from infra.node.profile import LETSENCRYPT_DIRECTORY, NodeProfile, get_profile
+from infra.node.profile.profiles import LETSENCRYPT_DIRECTORY, NodeProfile, get_profile
 from infra.node.tls import write_self_signed_certificate
 from runtime.tools.local_redis import free_loopback_port
 

@@ -29,7 +29,7 @@ from infra.node.bundle import render_bundle, write_bundle, write_secrets
 from infra.node.cloud_init import USER_DATA_FILE, render_cloud_init
 from infra.node.compose import COMPOSE_FILE
 from infra.node.local import REQUIRED_BINARIES, free_port_profile
-from infra.node.profile import PROFILES, NodeProfile, get_profile
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 from infra.node.prometheus import CONFIG_FILE, prometheus_args
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, NodeSecrets, endpoint, secret_files
 

@@ -40,7 +40,7 @@ from infra.node.bundle import render_bundle
 from infra.node.cloud_init import USER_DATA_FILE, render_cloud_init
 from infra.node.compose import COMPOSE_FILE
 from infra.node.first_boot import APT_LOCK_CONF
-from infra.node.profile import NodeProfile, get_profile
+from infra.node.profile.profiles import NodeProfile, get_profile
 from infra.node.services import SECRET_FILES
 from infra.node.tls import write_self_signed_certificate
 from runtime.tools.local_redis import free_loopback_port

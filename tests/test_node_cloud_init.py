@@ -30,7 +30,7 @@ from infra.node.cloud_init import (
     render_cloud_init,
 )
 from infra.node.compose import COMPOSE_FILE, node_stop_timeout_s, render_compose
-from infra.node.profile import PROFILES, NodeProfile, get_profile
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 from infra.node.services import SECRET_FILES, NodeSecrets, secret_files
 
 GPU_PROFILES = sorted(name for name, p in PROFILES.items() if p.deployment == "compose" and p.gpu is not None)

@@ -33,7 +33,7 @@ from infra.node.compose import (
     render_compose,
     runtime_stop_grace_s,
 )
-from infra.node.profile import GRAFANA_VERSION, PROFILES, NodeProfile, get_profile
+from infra.node.profile.profiles import GRAFANA_VERSION, PROFILES, NodeProfile, get_profile
 from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, services_of
 
 GPU_PROFILES = sorted(name for name, p in PROFILES.items() if p.deployment == "compose" and p.gpu is not None)
@@ -150,7 +150,7 @@ def test_only_nginx_public_and_monitoring_private(profile: NodeProfile) -> None:
     services = _doc(profile)["services"]
     published = {name: spec["ports"] for name, spec in services.items() if "ports" in spec}
     assert set(published) == {"nginx", "prometheus", "grafana", "alertmanager", "coturn"}
-    # The TURN relay: its UDP and TLS listeners only, never the relay range (infra.node.relay).
+    # The TURN relay: its UDP and TLS listeners only, never the relay range (infra.node.profile.relay).
     assert {(p["host_ip"], p["target"], p["published"], p["protocol"]) for p in published["coturn"]} == {
         (profile.public_address, profile.relay.port, str(profile.relay.port), "udp"),
         (profile.public_address, profile.relay.tls_port, str(profile.relay.tls_port), "tcp"),

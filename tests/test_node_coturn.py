@@ -24,8 +24,8 @@ import pytest
 
 from infra.node.coturn import coturn_args, render_turnserver_conf
 from infra.node.local import free_port_profile, host_ipv4_addresses, stun_binding_ok
-from infra.node.profile import NodeProfile
-from infra.node.relay import ALLOCATIONS_PER_SESSION, relay_port_range
+from infra.node.profile.profiles import NodeProfile
+from infra.node.profile.relay import ALLOCATIONS_PER_SESSION, relay_port_range
 from infra.node.tls import write_self_signed_certificate
 from runtime.frontend.transports.webrtc.turn import TurnCredentials, mint_turn_credentials
 from runtime.tools.local_redis import free_loopback_port

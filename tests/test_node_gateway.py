@@ -17,7 +17,7 @@ from rendered_redis import start_rendered_redis
 
 from infra.node.local import free_port_profile, nginx_global_directives
 from infra.node.nginx import NGINX_CONF, SESSION_TIMEOUT_MARGIN_S, render_nginx
-from infra.node.profile import PROFILES, get_profile
+from infra.node.profile.profiles import PROFILES, get_profile
 from infra.node.redis_conf import REDIS_CONF, render_redis
 from infra.node.services import NodeSecrets
 from infra.node.tls import write_self_signed_certificate

@@ -35,7 +35,7 @@ from infra.node.grafana import (
     node_dashboard,
     render_grafana,
 )
-from infra.node.profile import PROFILES, NodeProfile, get_profile
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 from infra.node.services import endpoint
 from runtime.metrics import RuntimeMetrics
 

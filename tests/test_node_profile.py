@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from infra.capacity import max_sessions
-from infra.node.profile import PROFILES, get_profile
+from infra.node.profile.profiles import PROFILES, get_profile
 from infra.node.services import NodeSecrets, endpoint, runtime_settings, secret_files, services_of
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.node.profile import PROFILES, NodeProfile, get_profile
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 from infra.node.prometheus import (
     CONFIG_FILE,
     RULES_FILE,

@@ -1,4 +1,4 @@
-"""The relay's settings and figures (``infra.node.relay``) and what the node's renderers make of them
+"""The relay's settings and figures (``infra.node.profile.relay``) and what the node's renderers make of them
 (``infra.node.coturn``, ``services``, ``compose``): pure, no coturn running (``test_node_coturn.py`` runs
 it)."""
 
@@ -10,8 +10,8 @@ import yaml
 
 from infra.node.compose import COMPOSE_FILE, render_compose
 from infra.node.coturn import peer_ranges, render_turnserver_conf
-from infra.node.profile import PROFILES, get_profile
-from infra.node.relay import (
+from infra.node.profile.profiles import PROFILES, get_profile
+from infra.node.profile.relay import (
     ALLOCATIONS_PER_SESSION,
     RelaySettings,
     media_firewall_allows,

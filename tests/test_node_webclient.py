@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from infra.node.bundle import render_bundle
-from infra.node.profile import PROFILES
+from infra.node.profile.profiles import PROFILES
 from infra.node.webclient import WEB_DIR, WEB_TYPES, render_web
 from runtime.frontend.server import ADMISSION_REASONS
 

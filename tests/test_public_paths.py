@@ -17,7 +17,7 @@ import pytest
 
 from infra.components.global_entry import RUNTIME_PATHS
 from infra.node.nginx import NGINX_CONF, render_nginx
-from infra.node.profile import PROFILES
+from infra.node.profile.profiles import PROFILES
 from runtime.frontend.http import ROUTES
 
 INTERNAL = ("/healthz", "/readyz", "/slotz", "/metrics")

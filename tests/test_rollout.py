@@ -20,7 +20,7 @@ import yaml
 from test_server_e2e import speech  # noqa: F401 - a fixture
 
 from infra.node.bundle import render_bundle
-from infra.node.profile import get_profile
+from infra.node.profile.profiles import get_profile
 from infra.node.rollout import (
     ROLLOUT_METADATA_KEY,
     add_rollout,

@@ -27,7 +27,7 @@ from pulumi_harness import STACKS, StackRun, load_stack_file, run_stack
 from infra.capacity import max_sessions, plan
 from infra.capacity.gcp import MACHINE_TYPES
 from infra.node.compose import CONTAINER_READ_SECRETS
-from infra.node.profile import get_profile
+from infra.node.profile.profiles import get_profile
 from infra.node.redis_acl import redis_url, render_acl_users
 from infra.node.services import SECRET_FILES
 from infra.stack_config import StackConfigError

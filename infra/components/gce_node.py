@@ -35,8 +35,8 @@ from infra.node.cloud_init import (
     render_cloud_init,
 )
 from infra.node.compose import node_stop_timeout_s
-from infra.node.profile import NodeProfile
-from infra.node.relay import media_firewall_allows
+from infra.node.profile.profiles import NodeProfile
+from infra.node.profile.relay import media_firewall_allows
 from infra.node.rollout import DATA_DISK_DEVICE, ROLLOUT_METADATA_KEY, add_rollout, pending_image
 from infra.stack_config import GceSettings
 

@@ -32,7 +32,7 @@ import pulumi_random as random
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
 from infra.node.cloud_init import HF_TOKEN_FILE
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import (
     OPTIONAL_SECRET_FILES,
     SECRET_FILES,

@@ -27,7 +27,7 @@ from infra.node.acme import render_acme_host_files
 from infra.node.bundle import render_bundle, write_bundle
 from infra.node.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
 from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS, tls_reload_command
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR
 
 __all__ = [

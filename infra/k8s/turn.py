@@ -54,7 +54,7 @@ from infra.k8s.base import (
 from infra.names import SYSTEM_POOL
 from infra.node.compose import IMAGES
 from infra.node.coturn import CONTAINER_CONFIG_PATH, coturn_args, render_turnserver_conf
-from infra.node.relay import turn_urls
+from infra.node.profile.relay import turn_urls
 
 __all__ = [
     "TURN_DRAIN_MARGIN_S",

@@ -49,7 +49,7 @@ from infra.node.carriers import (
     carrier_stream_url,
     check_carrier_secrets,
 )
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import runtime_settings
 
 __all__ = [

@@ -19,7 +19,7 @@ import posixpath
 import shlex
 from dataclasses import dataclass
 
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
     "ACME_CHALLENGE_PREFIX",

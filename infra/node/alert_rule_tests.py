@@ -27,7 +27,7 @@ from infra.node.cert_rules import (
     cert_test_groups,
 )
 from infra.node.first_audio_rules import budget_test_group
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.promql import (
     RATE_WINDOW,
     RATE_WINDOW_MIN,

@@ -19,7 +19,7 @@ from typing import Any
 
 from infra.node.cert_rules import cert_alert_specs, cert_rules_apply
 from infra.node.first_audio_rules import budget_recording_rules
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.promql import RATE_WINDOW, AlertSpec, normalised, num, sel
 from infra.node.rtc_rules import coturn_exported, rtc_alert_specs, rtc_recording_rules, turn_alert_specs
 from infra.node.session_rules import session_alert_specs, session_recording_rules

@@ -30,7 +30,7 @@ from infra.node.cloud_init import render_cloud_init
 from infra.node.compose import render_compose
 from infra.node.grafana import render_grafana
 from infra.node.nginx import render_nginx
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.prometheus import render_prometheus
 from infra.node.redis_conf import render_redis
 from infra.node.services import SECRETS_DIR, NodeSecrets, secret_files

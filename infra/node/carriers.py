@@ -21,7 +21,7 @@ from runtime.frontend.transports.carriers.telnyx import TELNYX_PATH
 from runtime.frontend.transports.carriers.twilio import TWILIO_PATH
 
 if TYPE_CHECKING:
-    from infra.node.profile import NodeProfile
+    from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
     "CARRIER_PATHS",

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from infra.node.carriers import CARRIER_PATHS
-from infra.node.profile import PROFILES
+from infra.node.profile.profiles import PROFILES
 
 app = typer.Typer(help="Node profiles, the rendered node bundle, and the local node.", no_args_is_help=True)
 console = Console()

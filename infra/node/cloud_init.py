@@ -29,7 +29,7 @@ from infra.node.compose import (
 )
 from infra.node.first_boot import OPS_AGENT_INSTALL, apt_install, apt_lock_file, retried
 from infra.node.gce_secrets import EXTRA_SECRET_ROLES, HF_TOKEN_FILE, check_secrets, secret_targets
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
 from infra.yaml_text import dump_yaml
 

@@ -32,7 +32,7 @@ from infra.node.compose_host import (
 )
 from infra.node.coturn import CONTAINER_CONFIG_PATH as COTURN_CONFIG_PATH
 from infra.node.coturn import coturn_args
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.prometheus import prometheus_args
 from infra.node.services import (
     APP_TOKEN_KEYS_CONTAINER_PATH,

@@ -9,7 +9,7 @@ import posixpath
 from dataclasses import dataclass
 
 from infra.node.acme import acme_dirs
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
     "CONTAINER_USERS",

@@ -10,7 +10,7 @@ and why (coturn 4.6 option names; README.turnserver of the Debian package ``cotu
 - listeners: ``listening-port`` (TURN over UDP) and ``tls-listening-port`` (TURN over TLS) with the node's
   nginx certificate and key (``tls.certificate_path``, ``tls.private_key_path``: the same files, renewed by
   ACME in place); no plain TCP, no DTLS, no TCP relays (browsers use neither), TLS 1.2 and later only;
-- relay: ``min-port``/``max-port`` from ``infra.node.relay.relay_port_range``, ``user-quota`` and
+- relay: ``min-port``/``max-port`` from ``infra.node.profile.relay.relay_port_range``, ``user-quota`` and
   ``total-quota`` from ``relay_quota``;
 - peers: every address is denied (``denied-peer-ip`` over the whole IPv4 and IPv6 spaces) except the
   runtime's (``allowed-peer-ip``: an allowed rule wins over a denied one), loopback and multicast peers
@@ -28,8 +28,8 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Sequence
 
-from infra.node.profile import NodeProfile
-from infra.node.relay import relay_port_range, relay_quota
+from infra.node.profile.profiles import NodeProfile
+from infra.node.profile.relay import relay_port_range, relay_quota
 
 __all__ = [
     "CONTAINER_CONFIG_PATH",

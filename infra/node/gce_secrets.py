@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from infra.node.compose import CONTAINER_READ_SECRETS
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
 
 __all__ = ["EXTRA_SECRET_ROLES", "HF_TOKEN_FILE", "check_secrets", "secret_targets"]

@@ -51,7 +51,7 @@ from infra.node.grafana_panels import (
     PanelKit,
     datasource_ref,
 )
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.prometheus import scrape_interval
 from infra.node.rtc_rules import coturn_exported
 from infra.node.services import endpoint

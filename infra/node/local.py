@@ -54,11 +54,11 @@ from infra.node.local_network import (
     udp_ports_free,
 )
 from infra.node.nginx import NGINX_CONF
-from infra.node.profile import NodeProfile, get_profile
+from infra.node.profile.profiles import NodeProfile, get_profile
+from infra.node.profile.relay import relay_port_range
 from infra.node.prometheus import prometheus_args, prometheus_config
 from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
 from infra.node.redis_conf import REDIS_CONF
-from infra.node.relay import relay_port_range
 from infra.node.services import (
     SECRET_FILES,
     NodeSecrets,

@@ -12,8 +12,8 @@ import random
 import socket
 import struct
 
-from infra.node.profile import NodeProfile, get_profile
-from infra.node.relay import relay_port_range
+from infra.node.profile.profiles import NodeProfile, get_profile
+from infra.node.profile.relay import relay_port_range
 from runtime.tools.local_redis import free_loopback_port
 
 __all__ = ["free_port_profile", "host_ipv4_addresses", "port_in_use", "stun_binding_ok", "udp_ports_free"]
@@ -41,8 +41,8 @@ def free_port_profile(**overrides: object) -> NodeProfile:
         tls_port = free_loopback_port()
         while tls_port in {*ports.values(), relay_port}:
             tls_port = free_loopback_port()
-        # A free block of relay ports above Linux's ephemeral range (infra.node.relay), from a random start
-        # so that nodes started at once (parallel test runs) rarely pick the same one.
+        # A free block of relay ports above Linux's ephemeral range (infra.node.profile.relay), from a random
+        # start so that nodes started at once (parallel test runs) rarely pick the same one.
         wanted = overrides.get("max_sessions")
         sessions = wanted if isinstance(wanted, int) else 5
         base = get_profile("local").relay

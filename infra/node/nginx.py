@@ -15,7 +15,7 @@ from __future__ import annotations
 import posixpath
 
 from infra.node.acme import ACME_CHALLENGE_PREFIX, nginx_webroot
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import endpoint, public_origin
 from infra.node.webclient import WEB_TYPES, page_headers, web_root
 from infra.node.webclient import content_security_policy as page_csp

@@ -25,7 +25,7 @@ from infra.node.alert_rules import (
     TICKS_OVER_BUDGET_FRACTION,
     alert_rules,
 )
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.rtc_rules import coturn_exported
 from infra.node.services import Service, endpoint
 

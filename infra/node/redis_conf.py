@@ -22,7 +22,7 @@ is never published on the host.
 
 from __future__ import annotations
 
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import SECRET_FILES
 
 __all__ = ["REDIS_CONF", "render_redis"]

@@ -20,7 +20,7 @@ import yaml
 
 from infra.node.cloud_init import GCE_METADATA_VALUE_LIMIT, NODE_ROOT, PREPARE_SCRIPT, UNIT_NAME
 from infra.node.compose import COMPOSE_FILE
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.yaml_text import dump_yaml
 
 __all__ = [

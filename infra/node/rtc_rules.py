@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.node.promql import AlertSpec, RuleTestKit, Series, bucket_quantile, num, rate_per_s, sel, series
 
 __all__ = [

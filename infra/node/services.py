@@ -22,9 +22,9 @@ from typing import Literal, get_args
 
 from infra.node.carriers import CARRIER_SECRETS, carrier_settings, check_carrier_secrets
 from infra.node.coturn import render_turnserver_conf
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
+from infra.node.profile.relay import turn_urls
 from infra.node.redis_acl import redis_url, render_acl_users, role_password
-from infra.node.relay import turn_urls
 from runtime.frontend.gate.tokens import SigningKey, generate_signing_key
 
 __all__ = [

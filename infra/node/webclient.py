@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.resources
 
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
     "WEB_CONTAINER_ROOT",

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from infra.node.carriers import CARRIER_SECRETS, check_carrier_secrets
-from infra.node.profile import PROFILES, NodeProfile, get_profile
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 from infra.node.services import NodeSecrets
 from infra.stack_config.settings import (
     NAMESPACE,

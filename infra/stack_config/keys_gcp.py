@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import ValidationInfo
 
 from infra.capacity import gcp as gcp_catalog
-from infra.node.profile import PROFILES, NodeProfile
+from infra.node.profile.profiles import PROFILES, NodeProfile
 from infra.stack_config.keys_common import _compose_profiles
 from infra.stack_config.keys_regions import RegionKeys
 from infra.stack_config.settings import RegionSettings

@@ -11,7 +11,7 @@ from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, fi
 from pydantic_core import PydanticCustomError
 
 from infra.names import PROJECT_ID_RE
-from infra.node.profile import PROFILES, get_profile
+from infra.node.profile.profiles import PROFILES, get_profile
 from infra.stack_config.keys_common import _DNS_ZONE, _check_bundle, _Keys
 from infra.stack_config.keys_gcp import _not_on_gcp, _region_settings
 from infra.stack_config.keys_regions import MaintenanceWindowKeys, RegionKeys

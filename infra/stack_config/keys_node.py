@@ -14,7 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from infra.capacity import gcp as gcp_catalog
 from infra.names import PROJECT_ID_RE, REGION_RE, ZONE_RE
-from infra.node.profile import PROFILES
+from infra.node.profile.profiles import PROFILES
 from infra.stack_config.keys_common import _DNS_ZONE, _IMAGE_ALLOWED, _IMAGE_RE, _check_bundle, _Keys
 from infra.stack_config.keys_gcp import _gcp_profiles, _profile_gpu
 from infra.stack_config.settings import GceSettings, OnPremSettings

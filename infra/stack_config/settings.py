@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from infra.node.profile import NodeProfile, get_profile
+from infra.node.profile.profiles import NodeProfile, get_profile
 
 __all__ = [
     "BUILT_TOPOLOGIES",

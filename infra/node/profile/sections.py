@@ -1,6 +1,6 @@
-"""The sections of a node profile (``infra.node.profile.NodeProfile``): its ports, TLS, alert receivers,
-limits and retention, each a frozen pydantic model that refuses unknown fields and names what is allowed.
-``infra.node.profile`` re-exports every public name here."""
+"""The sections of a node profile (``infra.node.profile.profiles.NodeProfile``): its ports, TLS, alert
+receivers, limits and retention, each a frozen pydantic model that refuses unknown fields and names what is
+allowed. ``infra.node.profile.profiles`` re-exports every public name here."""
 
 from __future__ import annotations
 

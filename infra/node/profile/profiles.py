@@ -24,7 +24,8 @@ from pydantic import Field, field_validator, model_validator
 from infra.capacity import InfeasibleConfiguration, max_sessions, require_feasible
 from infra.capacity.gpus import GPUS
 from infra.capacity.plan import first_audio_check
-from infra.node.profile_sections import (
+from infra.node.profile.relay import RelaySettings
+from infra.node.profile.sections import (
     LETSENCRYPT_DIRECTORY,
     AlertReceivers,
     NodeLimits,
@@ -33,7 +34,6 @@ from infra.node.profile_sections import (
     StrictModel,
     TlsSettings,
 )
-from infra.node.relay import RelaySettings
 from runtime.engine.model_presets import check_preset_name
 
 __all__ = [
@@ -91,7 +91,7 @@ class NodeProfile(StrictModel):
         stagger_groups: the runtime's ``DUPLEX_STAGGER_GROUPS`` (1 off, 2 on), planned with it.
         frontend_workers: the runtime's front-end processes (``runtime/multiproc.py``; about 40 Opus
             sessions per worker, issue 16).
-        relay: the TURN relay (coturn) WebRTC media goes through (``infra.node.relay``).
+        relay: the TURN relay (coturn) WebRTC media goes through (``infra.node.profile.relay``).
     """
 
     name: str
