@@ -35,11 +35,11 @@ from infra.node.acme import (
     render_acme_host_files,
     textfile_dir,
 )
-from infra.node.alert_rules import alert_rules
 from infra.node.bundle import render_bundle
 from infra.node.cloud_init import USER_DATA_FILE, render_cloud_init
 from infra.node.compose import COMPOSE_FILE
 from infra.node.first_boot import APT_LOCK_CONF
+from infra.node.monitoring.alert_rules import alert_rules
 from infra.node.profile.profiles import NodeProfile, get_profile
 from infra.node.services import SECRET_FILES
 from infra.node.tls import write_self_signed_certificate

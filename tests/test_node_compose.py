@@ -329,7 +329,7 @@ def test_node_exporter_sees_the_host() -> None:
 
 def test_mounts_agree_with_the_other_renderers() -> None:
     from infra.node.bundle import render_bundle
-    from infra.node.grafana import DASHBOARDS_PATH
+    from infra.node.monitoring.grafana import DASHBOARDS_PATH
 
     profile = PROFILES["l40s"]
     bundle = render_bundle(profile)

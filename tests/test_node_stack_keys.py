@@ -17,7 +17,7 @@ import yaml
 from pulumi_harness import FAKE_SECRETS, run_stack, stack_config
 
 from infra.node.acme import DEPLOY_HOOK, FIRST_SERVICE, FIRST_TIMER, RENEW_SCRIPT, SERVICE, TIMER
-from infra.node.alertmanager import ALERTMANAGER_CONFIG, PAGE_RECEIVER
+from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, PAGE_RECEIVER
 from infra.node.services import OPTIONAL_SECRET_FILES
 from infra.stack_config import StackConfigError, parse_stack_config
 

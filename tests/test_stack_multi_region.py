@@ -755,7 +755,7 @@ def test_receivers_reach_gmp_managed_alertmanager(tmp_path: Path) -> None:
     import shutil
     import subprocess
 
-    from infra.node.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
+    from infra.node.monitoring.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
 
     run = run_stack(
         STACK,

@@ -7,8 +7,8 @@ nginx without cutting sessions. certbot's state lives under ``profile.data_dir``
 Until the first certificate is issued, a second timer (``FIRST_TIMER``) retries every 5 minutes: a domain
 pointed at the node after its first boot gets its certificate within minutes, not at the next twice-daily
 run. Each run writes node_exporter textfile metrics (``textfile_dir``, ``METRICS_FILE``): the served
-certificate's ``notAfter`` and the run's result, which ``infra.node.cert_rules`` alerts on (Let's Encrypt
-sends no expiry e-mail since 2025-06-04).
+certificate's ``notAfter`` and the run's result, which ``infra.node.monitoring.cert_rules`` alerts on (Let's
+Encrypt sends no expiry e-mail since 2025-06-04).
 
 How a node gets and keeps its certificate, what it needs, and the tests: docs/deploying.md, "Certificates
 on a single node"."""

@@ -10,9 +10,9 @@ path                                                rendered by
 ``nginx/nginx.conf``                                ``infra.node.nginx``
 ``web/`` (the browser client, served at ``/``)      ``infra.node.webclient``
 ``redis/redis.conf``                                ``infra.node.redis_conf``
-``prometheus/prometheus.yml``, ``rules/``, ``tests/``  ``infra.node.prometheus``
-``alertmanager/alertmanager.yml``                    ``infra.node.alertmanager``
-``grafana/provisioning/...``, ``grafana/dashboards/``  ``infra.node.grafana``
+``prometheus/prometheus.yml``, ``rules/``, ``tests/``  ``infra.node.monitoring.prometheus``
+``alertmanager/alertmanager.yml``                    ``infra.node.monitoring.alertmanager``
+``grafana/provisioning/...``, ``grafana/dashboards/``  ``infra.node.monitoring.grafana``
 ``compose.yaml`` (compose nodes)                    ``infra.node.compose``
 ``cloud-init/user-data.yaml`` (compose nodes)        ``infra.node.cloud_init``
 =================================================  ==========================================
@@ -25,13 +25,13 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
-from infra.node.alertmanager import render_alertmanager
 from infra.node.cloud_init import render_cloud_init
 from infra.node.compose import render_compose
-from infra.node.grafana import render_grafana
+from infra.node.monitoring.alertmanager import render_alertmanager
+from infra.node.monitoring.grafana import render_grafana
+from infra.node.monitoring.prometheus import render_prometheus
 from infra.node.nginx import render_nginx
 from infra.node.profile.profiles import NodeProfile
-from infra.node.prometheus import render_prometheus
 from infra.node.redis_conf import render_redis
 from infra.node.services import SECRETS_DIR, NodeSecrets, secret_files
 from infra.node.webclient import render_web

@@ -15,7 +15,6 @@ from typing import Any
 
 from infra.images import NODE_IMAGES
 from infra.node.acme import WEBROOT_CONTAINER, acme_dirs, textfile_dir
-from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.compose_host import (
     CONTAINER_USERS,
     GRAFANA_UID,
@@ -32,8 +31,9 @@ from infra.node.compose_host import (
 )
 from infra.node.coturn import CONTAINER_CONFIG_PATH as COTURN_CONFIG_PATH
 from infra.node.coturn import coturn_args
+from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
+from infra.node.monitoring.prometheus import prometheus_args
 from infra.node.profile.profiles import NodeProfile
-from infra.node.prometheus import prometheus_args
 from infra.node.services import (
     APP_TOKEN_KEYS_CONTAINER_PATH,
     OPTIONAL_SECRET_FILES,
@@ -91,8 +91,8 @@ nothing to run a healthcheck with."""
 
 # Paths inside the containers. redis/redis.conf (infra.node.redis_conf) includes REDIS_AUTH_CONF;
 # prometheus.yml's rule_files (rules/*.yml, relative to it) are under PROMETHEUS_RULES_DIR; Grafana's
-# dashboard provider (infra.node.grafana.DASHBOARDS_PATH) reads GRAFANA_DASHBOARDS_DIR, mounted inside
-# Grafana's data directory.
+# dashboard provider (infra.node.monitoring.grafana.DASHBOARDS_PATH) reads GRAFANA_DASHBOARDS_DIR, mounted
+# inside Grafana's data directory.
 REDIS_CONF = "/usr/local/etc/redis/redis.conf"
 REDIS_AUTH_CONF = "/usr/local/etc/redis/redis-auth.conf"
 PROMETHEUS_CONFIG = "/etc/prometheus/prometheus.yml"

@@ -11,8 +11,8 @@ Free ports, this host's addresses and the relay's STUN probe: ``infra.node.local
 Node directory::
 
     nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle)
-    alertmanager/                         Alertmanager's configuration (infra.node.alertmanager), data/
-    web/                                  the browser client nginx serves at / (infra.node.webclient)
+    alertmanager/                         Alertmanager's configuration (infra.node.monitoring.alertmanager),
+    data/ web/                                  the browser client nginx serves at / (infra.node.webclient)
     secrets/                              0700: Redis password, runtime env, token signing keys,
                                           coturn's turnserver.conf (infra.node.services)
     tls/node.crt, tls/node.key            self-signed certificate (infra.node.tls)
@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.node import redis_acl
-from infra.node.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.bundle import render_bundle, write_bundle, write_secrets
 from infra.node.carriers import carrier_settings
 from infra.node.coturn import coturn_args
@@ -53,10 +52,11 @@ from infra.node.local_network import (
     stun_binding_ok,
     udp_ports_free,
 )
+from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
+from infra.node.monitoring.prometheus import prometheus_args, prometheus_config
 from infra.node.nginx import NGINX_CONF
 from infra.node.profile.profiles import NodeProfile, get_profile
 from infra.node.profile.relay import relay_port_range
-from infra.node.prometheus import prometheus_args, prometheus_config
 from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
 from infra.node.redis_conf import REDIS_CONF
 from infra.node.services import (

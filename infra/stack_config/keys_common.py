@@ -137,7 +137,7 @@ class _Keys(BaseModel):
     # unset there, `pulumi up` builds images/runtime/Dockerfile itself. On-premises requires it.
     runtime_image: str | None = Field(None, pattern=_IMAGE_RE, json_schema_extra=allowed(_IMAGE_ALLOWED))
     # Alert receivers (issue 20, item 8), every topology alike: a node's Alertmanager
-    # (infra.node.alertmanager), GMP's managed Alertmanager on multi-region (infra.k8s.alerting).
+    # (infra.node.monitoring.alertmanager), GMP's managed Alertmanager on multi-region (infra.k8s.alerting).
     alert_webhook_url: str | None = None
     alert_email_to: str | None = None
     alert_email_from: str | None = None

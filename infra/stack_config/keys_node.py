@@ -71,7 +71,8 @@ class _NodeKeys(_Keys):
 
     Certificates (``infra.node.acme``): with ``domain`` and ``acmeEmail`` the node gets its certificate
     from ``acmeDirectory`` (Let's Encrypt) by HTTP-01; without a domain it serves a self-signed one.
-    Alerts: the node's Alertmanager (``infra.node.alertmanager``) sends to the receivers of ``_Keys``.
+    Alerts: the node's Alertmanager (``infra.node.monitoring.alertmanager``) sends to the receivers of
+    ``_Keys``.
 
     ``drainGraceSeconds``: how long live sessions may go on when the node restarts (a rollout, a stop, a
     replacement) before they are closed with 1001 (the profile's ``limits.drain_grace_s``). Long enough

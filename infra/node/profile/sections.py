@@ -110,9 +110,9 @@ class TlsSettings(StrictModel):
 
 
 class AlertReceivers(StrictModel):
-    """Where the node's Alertmanager sends alerts (``infra.node.alertmanager``); every one configured gets
-    every alert. Secrets are not here: the e-mail password and the PagerDuty routing key are secret files
-    (``infra.node.services.OPTIONAL_SECRET_FILES``), named by the flags below.
+    """Where the node's Alertmanager sends alerts (``infra.node.monitoring.alertmanager``); every one
+    configured gets every alert. Secrets are not here: the e-mail password and the PagerDuty routing key are
+    secret files (``infra.node.services.OPTIONAL_SECRET_FILES``), named by the flags below.
 
     Attributes:
         webhook_url: an HTTP(S) URL Alertmanager POSTs its webhook JSON to (version 4 payload).

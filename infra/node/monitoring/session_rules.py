@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from infra.node.promql import AlertSpec, RuleTestKit, Series, num, rate_per_s, sel, series
+from infra.node.monitoring.promql import AlertSpec, RuleTestKit, Series, num, rate_per_s, sel, series
 
 __all__ = [
     "RESUME_REFUSED_ALERT_FRACTION",

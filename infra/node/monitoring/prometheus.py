@@ -1,7 +1,8 @@
 """Prometheus of one node, rendered from a ``NodeProfile``: ``render_prometheus`` gives its configuration
 (static scrape targets from ``infra.node.services.endpoint``, alerts to the node's Alertmanager), its rule
-file (``alert_rules``, ``infra.node.alert_rules``) and the ``promtool test rules`` file for those rules
-(``rules_unit_tests``, ``infra.node.alert_rule_tests``). The same profile always gives the same bytes.
+file (``alert_rules``, ``infra.node.monitoring.alert_rules``) and the ``promtool test rules`` file for those
+rules (``rules_unit_tests``, ``infra.node.monitoring.alert_rule_tests``). The same profile always gives the
+same bytes.
 
 ``alert_rules``, ``rules_unit_tests`` and the selectors and thresholds are importable from here too, as they
 were before the rules had modules of their own. The rules, each alert's condition and the selectors:
@@ -14,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from infra.node.alert_rule_tests import rules_unit_tests
-from infra.node.alert_rules import (
+from infra.node.monitoring.alert_rule_tests import rules_unit_tests
+from infra.node.monitoring.alert_rules import (
     COTURN_SELECTOR,
     DCGM_SELECTOR,
     LOADING_ALERT_MINUTES,
@@ -25,8 +26,8 @@ from infra.node.alert_rules import (
     TICKS_OVER_BUDGET_FRACTION,
     alert_rules,
 )
+from infra.node.monitoring.rtc_rules import coturn_exported
 from infra.node.profile.profiles import NodeProfile
-from infra.node.rtc_rules import coturn_exported
 from infra.node.services import Service, endpoint
 
 __all__ = [
@@ -70,7 +71,7 @@ def prometheus_config(profile: NodeProfile) -> dict[str, Any]:
     ``profile.name``. dcgm-exporter is scraped only when ``profile.gpu`` is set, coturn (the TURN relay's
     exporter) only in a ``compose`` node with the relay on (Debian's coturn, which the local node runs, is
     built without one). ``alerting`` sends the alerts to the node's Alertmanager
-    (``infra.node.alertmanager``)."""
+    (``infra.node.monitoring.alertmanager``)."""
     # Job names are the service names.
     jobs: list[Service] = ["runtime", "prometheus", "node-exporter", "redis-exporter"]
     if profile.gpu is not None:

@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from infra.node.monitoring.promql import AlertSpec, RuleTestKit, Series, sel
 from infra.node.profile.profiles import NodeProfile
-from infra.node.promql import AlertSpec, RuleTestKit, Series, sel
 
 __all__ = [
     "EXPIRY_CRITICAL_DAYS",

@@ -10,7 +10,8 @@ over ``window``:
 - ``duplex:first_audio_<term>:p99_<window>``: ``histogram_quantile(0.99, rate(_bucket))``, an estimate
   within a bucket (the ticks' buckets sit at k + 0.5, so it lands within half a tick).
 
-``infra.node.prometheus`` puts these in its recording group and the test group in its promtool test file.
+``infra.node.monitoring.prometheus`` puts these in its recording group and the test group in its promtool test
+file.
 """
 
 from __future__ import annotations

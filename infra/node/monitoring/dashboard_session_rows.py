@@ -1,13 +1,13 @@
-"""The node dashboard's row for what outlives a connection (issue 23, ``infra.node.grafana.node_dashboard``):
-resume (sessions detached, resumed, refusals by reason, the resume gap) and recordings (files, bytes and
-faults by side or reason, the retention sweep). The series: ``runtime/metrics.py``; the alerts on them:
-``infra.node.session_rules``."""
+"""The node dashboard's row for what outlives a connection (issue 23,
+``infra.node.monitoring.grafana.node_dashboard``): resume (sessions detached, resumed, refusals by reason, the
+resume gap) and recordings (files, bytes and faults by side or reason, the retention sweep). The series:
+``runtime/metrics.py``; the alerts on them: ``infra.node.monitoring.session_rules``."""
 
 from __future__ import annotations
 
 from grafana_foundation_sdk.models import units
 
-from infra.node.grafana_panels import PanelBuilder, PanelKit
+from infra.node.monitoring.grafana_panels import PanelBuilder, PanelKit
 
 __all__ = ["resume_and_recordings_row"]
 

@@ -5,11 +5,11 @@ refused.
 
 The node's own alerts (runtime up, ready and loading, Redis, first-audio latency, ticks over budget, slot cap,
 refusals, GPU memory) are here; the first-audio budget's recording rules come from
-``infra.node.first_audio_rules``, WebRTC's and the TURN relay's rules from ``infra.node.rtc_rules``,
-resume's and recordings' from ``infra.node.session_rules``, the certificate's (``tls.mode: acme``) from
-``infra.node.cert_rules``. Their ``promtool test rules`` file:
-``infra.node.alert_rule_tests``. The rules, each alert's condition and the selectors: docs/operations.md,
-"Alerts".
+``infra.node.monitoring.first_audio_rules``, WebRTC's and the TURN relay's rules from
+``infra.node.monitoring.rtc_rules``, resume's and recordings' from ``infra.node.monitoring.session_rules``,
+the certificate's (``tls.mode: acme``) from ``infra.node.monitoring.cert_rules``. Their ``promtool test
+rules`` file: ``infra.node.monitoring.alert_rule_tests``. The rules, each alert's condition and the selectors:
+docs/operations.md, "Alerts".
 """
 
 from __future__ import annotations
@@ -17,12 +17,17 @@ from __future__ import annotations
 from types import EllipsisType
 from typing import Any
 
-from infra.node.cert_rules import cert_alert_specs, cert_rules_apply
-from infra.node.first_audio_rules import budget_recording_rules
+from infra.node.monitoring.cert_rules import cert_alert_specs, cert_rules_apply
+from infra.node.monitoring.first_audio_rules import budget_recording_rules
+from infra.node.monitoring.promql import RATE_WINDOW, AlertSpec, normalised, num, sel
+from infra.node.monitoring.rtc_rules import (
+    coturn_exported,
+    rtc_alert_specs,
+    rtc_recording_rules,
+    turn_alert_specs,
+)
+from infra.node.monitoring.session_rules import session_alert_specs, session_recording_rules
 from infra.node.profile.profiles import NodeProfile
-from infra.node.promql import RATE_WINDOW, AlertSpec, normalised, num, sel
-from infra.node.rtc_rules import coturn_exported, rtc_alert_specs, rtc_recording_rules, turn_alert_specs
-from infra.node.session_rules import session_alert_specs, session_recording_rules
 
 __all__ = [
     "COTURN_SELECTOR",

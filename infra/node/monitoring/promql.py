@@ -9,8 +9,8 @@
 - the arithmetic Prometheus does on the unit tests' synthetic series (``rate_per_s``, ``bucket_quantile``)
   and ``RuleTestKit``, which builds ``promtool test rules`` groups from alert specs (``AlertSpec``).
 
-Used by ``infra.node.alert_rules`` and the rule modules it gathers (``first_audio_rules``, ``rtc_rules``,
-``session_rules``) and by ``infra.node.alert_rule_tests``.
+Used by ``infra.node.monitoring.alert_rules`` and the rule modules it gathers (``first_audio_rules``,
+``rtc_rules``, ``session_rules``) and by ``infra.node.monitoring.alert_rule_tests``.
 """
 
 from __future__ import annotations

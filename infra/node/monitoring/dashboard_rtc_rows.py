@@ -1,19 +1,20 @@
-"""The node dashboard's transport rows (``infra.node.grafana.node_dashboard``): sessions by transport and
-WebRTC's media and signalling (issue 22), and the TURN relay (coturn) where its exporter is scraped.
+"""The node dashboard's transport rows (``infra.node.monitoring.grafana.node_dashboard``): sessions by
+transport and WebRTC's media and signalling (issue 22), and the TURN relay (coturn) where its exporter is
+scraped.
 
 The series: ``runtime/metrics.py`` (``duplex_transport_sessions_*``, ``duplex_rtp_packets_total{outcome}``,
 ``duplex_rtp_jitter_buffer_depth_packets``, ``duplex_rtc_answer_seconds``, ``duplex_rtc_connect_seconds``);
 coturn 4.6.3's exporter (``turn_total_allocations{type}``, ``turn_total_traffic_*``: bytes and packets of
-allocations that have ended; ``infra.node.rtc_rules``). Thresholds drawn are the alerts' (``rtc_rules``)
-and issue 22's goals.
+allocations that have ended; ``infra.node.monitoring.rtc_rules``). Thresholds drawn are the alerts'
+(``rtc_rules``) and issue 22's goals.
 """
 
 from __future__ import annotations
 
 from grafana_foundation_sdk.models import units
 
-from infra.node.grafana_panels import PanelBuilder, PanelKit
-from infra.node.rtc_rules import (
+from infra.node.monitoring.grafana_panels import PanelBuilder, PanelKit
+from infra.node.monitoring.rtc_rules import (
     RTC_CONNECT_P99_ALERT_S,
     RTC_UNCONNECTED_ALERT_FRACTION,
     RTP_CONCEALED_ALERT_FRACTION,

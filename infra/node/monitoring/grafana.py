@@ -9,7 +9,7 @@
 - ``grafana/dashboards/duplex-node.json``: the node dashboard (``node_dashboard``).
 
 The dashboard is built with grafana-foundation-sdk's typed builders (the SDK release generated for Grafana
-11.6, ``GRAFANA_VERSION``; the panel kit: ``infra.node.grafana_panels``; the rows:
+11.6, ``GRAFANA_VERSION``; the panel kit: ``infra.node.monitoring.grafana_panels``; the rows:
 ``infra.node.dashboard_*``): sessions against the slot cap, tick time against the 80 ms frame budget,
 first-audio latency against the profile's p99 target, refusals and drops by reason, sessions by transport
 and WebRTC's media and signalling, the TURN relay (coturn, where its exporter is scraped), resume and
@@ -32,7 +32,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 
 from infra.capacity.gpus import GPUS
-from infra.node.dashboard_node_rows import (
+from infra.node.monitoring.dashboard_node_rows import (
     FIRST_AUDIO_TIME_TERMS,
     gpu_row,
     health_row,
@@ -41,9 +41,9 @@ from infra.node.dashboard_node_rows import (
     refusals_and_drops_row,
     sessions_row,
 )
-from infra.node.dashboard_rtc_rows import turn_row, webrtc_row
-from infra.node.dashboard_session_rows import resume_and_recordings_row
-from infra.node.grafana_panels import (
+from infra.node.monitoring.dashboard_rtc_rows import turn_row, webrtc_row
+from infra.node.monitoring.dashboard_session_rows import resume_and_recordings_row
+from infra.node.monitoring.grafana_panels import (
     BYTES_PER_MIB,
     DATASOURCE_TYPE,
     DATASOURCE_UID,
@@ -51,9 +51,9 @@ from infra.node.grafana_panels import (
     PanelKit,
     datasource_ref,
 )
+from infra.node.monitoring.prometheus import scrape_interval
+from infra.node.monitoring.rtc_rules import coturn_exported
 from infra.node.profile.profiles import NodeProfile
-from infra.node.prometheus import scrape_interval
-from infra.node.rtc_rules import coturn_exported
 from infra.node.services import endpoint
 from runtime.engine.model_presets import FRAME_MS
 

@@ -1,5 +1,5 @@
-"""The node dashboard's own rows (``infra.node.grafana.node_dashboard``): sessions against the slot cap,
-tick time against the 80 ms frame budget, first-audio latency against the profile's p99 target and its
+"""The node dashboard's own rows (``infra.node.monitoring.grafana.node_dashboard``): sessions against the slot
+cap, tick time against the 80 ms frame budget, first-audio latency against the profile's p99 target and its
 budget term by term, refusals and drops by reason, GPU memory, utilisation and power from dcgm-exporter
 (GPU nodes only), Redis health from redis_exporter and the runtime's own session-store counters, readiness,
 draining and scrape health. Each function gives one row's panels, 24 columns wide in all."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.models import units
 
-from infra.node.grafana_panels import BYTES_PER_MIB, PanelBuilder, PanelKit
+from infra.node.monitoring.grafana_panels import BYTES_PER_MIB, PanelBuilder, PanelKit
 from runtime.engine.model_presets import FRAME_MS
 
 __all__ = [

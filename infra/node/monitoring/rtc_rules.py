@@ -29,8 +29,17 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from infra.node.monitoring.promql import (
+    AlertSpec,
+    RuleTestKit,
+    Series,
+    bucket_quantile,
+    num,
+    rate_per_s,
+    sel,
+    series,
+)
 from infra.node.profile.profiles import NodeProfile
-from infra.node.promql import AlertSpec, RuleTestKit, Series, bucket_quantile, num, rate_per_s, sel, series
 
 __all__ = [
     "RTC_ALERT_MIN_ANSWERS",

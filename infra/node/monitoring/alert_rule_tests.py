@@ -1,7 +1,8 @@
-"""``promtool test rules`` for the node's rules (``infra.node.alert_rules.alert_rules``): one healthy group
-where every alert stays silent, and for each alert a group where it fires, with its exact labels and
-annotations, computed as Prometheus computes them (``infra.node.promql``). ``infra.node.prometheus``
-renders the file beside the rules; ``infra.k8s.monitoring`` builds it for a region's selectors.
+"""``promtool test rules`` for the node's rules (``infra.node.monitoring.alert_rules.alert_rules``): one
+healthy group where every alert stays silent, and for each alert a group where it fires, with its exact labels
+and annotations, computed as Prometheus computes them (``infra.node.monitoring.promql``).
+``infra.node.monitoring.prometheus`` renders the file beside the rules; ``infra.k8s.monitoring`` builds it for
+a region's selectors.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import math
 from types import EllipsisType
 from typing import Any
 
-from infra.node.alert_rules import (
+from infra.node.monitoring.alert_rules import (
     DCGM_SELECTOR,
     LOADING_ALERT_MINUTES,
     REDIS_MEMORY_ALERT_FRACTION,
@@ -20,15 +21,14 @@ from infra.node.alert_rules import (
     alert_rules,
     coturn_rule_selector,
 )
-from infra.node.cert_rules import (
+from infra.node.monitoring.cert_rules import (
     NODE_EXPORTER_SELECTOR,
     cert_healthy_series,
     cert_rules_apply,
     cert_test_groups,
 )
-from infra.node.first_audio_rules import budget_test_group
-from infra.node.profile.profiles import NodeProfile
-from infra.node.promql import (
+from infra.node.monitoring.first_audio_rules import budget_test_group
+from infra.node.monitoring.promql import (
     RATE_WINDOW,
     RATE_WINDOW_MIN,
     RuleTestKit,
@@ -39,15 +39,20 @@ from infra.node.promql import (
     rate_per_s,
     series,
 )
-from infra.node.rtc_rules import (
+from infra.node.monitoring.rtc_rules import (
     rtc_expression_tests,
     rtc_healthy_series,
     rtc_test_groups,
     turn_healthy_series,
     turn_test_groups,
 )
+from infra.node.monitoring.session_rules import (
+    session_expression_tests,
+    session_healthy_series,
+    session_test_groups,
+)
+from infra.node.profile.profiles import NodeProfile
 from infra.node.services import Service, endpoint
-from infra.node.session_rules import session_expression_tests, session_healthy_series, session_test_groups
 
 __all__ = ["rules_unit_tests"]
 
