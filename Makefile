@@ -152,7 +152,7 @@ MUTATION_MODULES := runtime/frontend/gate/ratelimit.py runtime/frontend/gate/rep
 	infra/capacity/gcp.py infra/stack_config/keys_gcp.py infra/policy/rules \
 	runtime/frontend/transports/webrtc/candidates.py runtime/frontend/transports/webrtc/offer_checks.py \
 	runtime/frontend/transports/webrtc/turn.py runtime/frontend/store/keys.py runtime/engine/resume.py \
-	infra/node/coturn.py runtime/engine/waiting_room.py runtime/frontend/gate/app_tokens.py \
+	infra/node/bundle/coturn.py runtime/engine/waiting_room.py runtime/frontend/gate/app_tokens.py \
 	runtime/frontend/store/records.py runtime/frontend/sessions_api.py
 MUTATION_JOBS ?= 1
 MODULE ?=

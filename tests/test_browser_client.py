@@ -42,9 +42,9 @@ from browser_fixtures import (  # noqa: F401 (fixtures)
     wait_stats,
 )
 
+from infra.node.bundle.services import token_audience
 from infra.node.jitter_relay import JitterRelay
 from infra.node.local import LocalNode, free_port_profile, missing_binaries
-from infra.node.services import token_audience
 from runtime.frontend.gate.tokens import mint_token
 
 pytestmark = [

@@ -23,7 +23,7 @@ from fresh_project import (
 from pulumi_harness import RecordedResource, StackRun, run_stack
 
 from infra.capacity import gcp as gcp_catalog
-from infra.node.compose import node_stop_timeout_s
+from infra.node.bundle.compose import node_stop_timeout_s
 from infra.node.profile.profiles import get_profile
 from infra.policy.rules import (
     BACKEND_SERVICE,

@@ -27,6 +27,7 @@ from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard, Panel
 
 from infra.capacity.gpus import GPUS
+from infra.node.bundle.services import endpoint
 from infra.node.monitoring.grafana import (
     DASHBOARD_FILE,
     DATASOURCE_FILE,
@@ -37,7 +38,6 @@ from infra.node.monitoring.grafana import (
     render_grafana,
 )
 from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
-from infra.node.services import endpoint
 from runtime.metrics import RuntimeMetrics
 
 GPU_PROFILES = [name for name, profile in PROFILES.items() if profile.gpu is not None]

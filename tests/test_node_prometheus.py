@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.node.bundle.services import endpoint
 from infra.node.monitoring.prometheus import (
     CONFIG_FILE,
     RULES_FILE,
@@ -31,7 +32,6 @@ from infra.node.monitoring.prometheus import (
     rules_unit_tests,
 )
 from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
-from infra.node.services import endpoint
 from runtime.tools.local_redis import free_loopback_port
 
 ALL_ALERTS = {

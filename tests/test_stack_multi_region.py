@@ -187,7 +187,7 @@ def test_global_entry(run: StackRun) -> None:
 def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) -> None:
     """The browser client is the default; only the runtime's public paths reach the pods, so /metrics,
     /healthz and /readyz are not reachable from the internet."""
-    from infra.node.webclient import WEB_DIR, render_web
+    from infra.node.bundle.webclient import WEB_DIR, render_web
 
     [url_map] = [r.plain for r in run.of_type("gcp:compute/uRLMap:URLMap") if "hostRules" in r.plain]
     page_id, runtime_id = "global-entry-page-backend-id", "global-entry-backend-id"

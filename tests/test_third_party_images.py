@@ -9,7 +9,7 @@ import re
 import pytest
 
 from infra.images import NODE_IMAGES, UNPINNED, ThirdPartyImage
-from infra.node.compose import IMAGES
+from infra.node.bundle.compose import IMAGES
 from infra.node.profile.profiles import GRAFANA_VERSION
 
 MIRROR = "us-central1-docker.pkg.dev/my-gcp-project/dockerhub"

@@ -36,8 +36,8 @@ from infra.k8s.base import (
 from infra.k8s.page import PAGE_UID
 from infra.k8s.pod_routes import pod_dns_suffix, runtime_pods_service
 from infra.k8s.workload import neg_annotation, zone_spread
-from infra.node.compose import IMAGES
-from infra.node.nginx import SESSION_TIMEOUT_MARGIN_S
+from infra.node.bundle.compose import IMAGES
+from infra.node.bundle.nginx import SESSION_TIMEOUT_MARGIN_S
 
 __all__ = [
     "KUBE_DNS",

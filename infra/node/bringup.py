@@ -50,12 +50,12 @@ from pathlib import Path
 
 import numpy as np
 
-from infra.node.carriers import CARRIER_PATHS, carrier_credentials, carrier_stream_url
+from infra.node.bundle.carriers import CARRIER_PATHS, carrier_credentials, carrier_stream_url
+from infra.node.bundle.services import token_audience
 from infra.node.livekit_row import LiveKitReport, run_livekit_load
 from infra.node.local import LocalNode
 from infra.node.prometheus_api import prometheus_query
 from infra.node.resume_check import ResumeCheck, check_resume
-from infra.node.services import token_audience
 from runtime.frontend.gate.app_tokens import mint_app_token
 from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
 from runtime.tools.loadgen_phone import run_phone_load

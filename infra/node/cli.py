@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from infra.node.carriers import CARRIER_PATHS
+from infra.node.bundle.carriers import CARRIER_PATHS
 from infra.node.profile.profiles import PROFILES
 
 app = typer.Typer(help="Node profiles, the rendered node bundle, and the local node.", no_args_is_help=True)
@@ -51,7 +51,7 @@ def render_command(
     out: Annotated[Path, typer.Argument(help="Directory to write the bundle into")],
 ) -> None:
     """Write PROFILE's bundle (nginx, Redis, Prometheus, Grafana, Compose, cloud-init) into OUT."""
-    from infra.node.bundle import render_bundle, write_bundle
+    from infra.node.bundle.render import render_bundle, write_bundle
 
     if profile not in PROFILES:
         console.print(f"[red]unknown profile {profile!r}[/red]; allowed: {', '.join(PROFILES)}")
@@ -157,7 +157,7 @@ BROWSER_LINK_TTL_S = 900.0
 def _print_browser_client(node) -> None:  # noqa: ANN001 (LocalNode: imported lazily)
     """The browser client's address, a one-conversation link carrying a fresh token in its fragment (never
     sent to the server, never logged), and how to mint more tokens."""
-    from infra.node.services import SECRET_FILES, token_audience
+    from infra.node.bundle.services import SECRET_FILES, token_audience
 
     token = node.mint_token(ttl_s=BROWSER_LINK_TTL_S)
     minutes = BROWSER_LINK_TTL_S / 60

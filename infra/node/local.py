@@ -10,12 +10,12 @@ Free ports, this host's addresses and the relay's STUN probe: ``infra.node.local
 
 Node directory::
 
-    nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle)
+    nginx/ redis/ prometheus/ grafana/    the rendered bundle (infra.node.bundle.render)
     alertmanager/                         Alertmanager's configuration (infra.node.monitoring.alertmanager),
-    data/ web/                                  the browser client nginx serves at / (infra.node.webclient)
+    data/ web/                            the browser client nginx serves at / (infra.node.bundle.webclient)
     secrets/                              0700: Redis password, runtime env, token signing keys,
-                                          coturn's turnserver.conf (infra.node.services)
-    tls/node.crt, tls/node.key            self-signed certificate (infra.node.tls)
+                                          coturn's turnserver.conf (infra.node.bundle.services)
+    tls/node.crt, tls/node.key            self-signed certificate (infra.node.bundle.tls)
     logs/                                 one log per process, nginx's access and error logs
     run/                                  nginx's pid and temp files
     redis/data/, prometheus/data/         data
@@ -40,10 +40,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.node import redis_acl
-from infra.node.bundle import render_bundle, write_bundle, write_secrets
-from infra.node.carriers import carrier_settings
-from infra.node.coturn import coturn_args
+from infra.node.bundle import redis_acl
+from infra.node.bundle.carriers import carrier_settings
+from infra.node.bundle.coturn import coturn_args
+from infra.node.bundle.nginx import NGINX_CONF
+from infra.node.bundle.redis_conf import REDIS_CONF
+from infra.node.bundle.render import render_bundle, write_bundle, write_secrets
+from infra.node.bundle.services import (
+    SECRET_FILES,
+    NodeSecrets,
+    endpoint,
+    runtime_settings,
+    token_audience,
+)
+from infra.node.bundle.tls import write_self_signed_certificate
 from infra.node.livekit_row import VOICES_DIR, write_livekit_voice
 from infra.node.local_network import (
     free_port_profile,
@@ -54,19 +64,9 @@ from infra.node.local_network import (
 )
 from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.monitoring.prometheus import prometheus_args, prometheus_config
-from infra.node.nginx import NGINX_CONF
 from infra.node.profile.profiles import NodeProfile, get_profile
 from infra.node.profile.relay import relay_port_range
 from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
-from infra.node.redis_conf import REDIS_CONF
-from infra.node.services import (
-    SECRET_FILES,
-    NodeSecrets,
-    endpoint,
-    runtime_settings,
-    token_audience,
-)
-from infra.node.tls import write_self_signed_certificate
 from runtime.frontend.gate.tokens import mint_token
 
 __all__ = [

@@ -23,9 +23,9 @@ from pydantic import (
     model_validator,
 )
 
-from infra.node.carriers import CARRIER_SECRETS, check_carrier_secrets
+from infra.node.bundle.carriers import CARRIER_SECRETS, check_carrier_secrets
+from infra.node.bundle.services import NodeSecrets
 from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
-from infra.node.services import NodeSecrets
 from infra.stack_config.settings import (
     NAMESPACE,
     PLACEHOLDER_IMAGE,
@@ -58,9 +58,9 @@ _IMAGE_ALLOWED = "a digest-pinned image reference, e.g. ghcr.io/org/duplexops-ru
 
 
 TURN_SECRET_PATTERN = r"^[A-Za-z0-9_-]{32,256}$"
-"""``turnSecret``'s form: what ``infra.node.services.NodeSecrets`` and ``infra.node.coturn`` accept (coturn's
-``static-auth-secret`` and the runtime's env file take it unquoted) and at least the runtime's 32 bytes
-(``runtime.frontend.transports.webrtc.turn.MIN_SECRET_BYTES``)."""
+"""``turnSecret``'s form: what ``infra.node.bundle.services.NodeSecrets`` and ``infra.node.bundle.coturn``
+accept (coturn's ``static-auth-secret`` and the runtime's env file take it unquoted) and at least the
+runtime's 32 bytes (``runtime.frontend.transports.webrtc.turn.MIN_SECRET_BYTES``)."""
 _TURN_SECRET_ALLOWED = (
     "32 to 256 letters, digits, '_' or '-' (e.g. `python3 -c 'import secrets; "
     "print(secrets.token_urlsafe(32))'`), set with `pulumi config set --secret turnSecret ...`; or leave it "
@@ -114,8 +114,8 @@ class _Keys(BaseModel):
     grafana_admin_password: Secret | None = None
     token_signing_keys: Secret | None = Field(None, json_schema_extra=allowed(_TOKEN_KEYS_ALLOWED))
     hf_token: Annotated[Secret, secret_matching(r"^\S{8,512}$", "a token, no spaces")] | None = None
-    # The phone carriers' secrets (docs/deploying.md, "Phone numbers"; infra.node.carriers): each turns its
-    # carrier's bridge on in every node (every pod); unset: that bridge is off. Twilio and Plivo sign each
+    # The phone carriers' secrets (docs/deploying.md, "Phone numbers"; infra.node.bundle.carriers): each turns
+    # its carrier's bridge on in every node (every pod); unset: that bridge is off. Twilio and Plivo sign each
     # stream with their account's auth token; Telnyx's stream secret is the route's own gate (16+ chars);
     # Exotel admits on its API key and token (Basic auth), both or neither.
     twilio_auth_token: _CarrierSecret | None = None
@@ -354,7 +354,7 @@ def _default_prefix(stack: str) -> str:
 
 def _check_bundle(profile: NodeProfile) -> None:
     """Render the node's bundle once (and the GCE user-data) so that a renderer's refusal shows here."""
-    from infra.node.bundle import render_bundle
+    from infra.node.bundle.render import render_bundle
 
     try:
         render_bundle(profile)

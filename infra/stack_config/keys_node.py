@@ -36,7 +36,7 @@ NODE_DRAIN_GRACE_S = 300
 """Default drain grace of a single node (s): a conversation of up to 5 minutes finishes through a rollout."""
 MAX_NODE_DRAIN_GRACE_S = 1700
 """Largest drain grace of a single node (s): nginx's and the runtime's grace periods plus margins and a
-minute (``infra.node.compose.node_stop_timeout_s``) must stay within GCE graceful shutdown's 3600 s."""
+minute (``infra.node.bundle.compose.node_stop_timeout_s``) must stay within GCE graceful shutdown's 3600 s."""
 
 
 _SAFE_DIR_RE = r"^(/[A-Za-z0-9._-]+){2,}$"
@@ -69,7 +69,7 @@ _SSH_KEY_ALLOWED = (
 class _NodeKeys(_Keys):
     """Keys of a single-node topology (``gce-node``, ``onprem-node``).
 
-    Certificates (``infra.node.acme``): with ``domain`` and ``acmeEmail`` the node gets its certificate
+    Certificates (``infra.node.bundle.acme``): with ``domain`` and ``acmeEmail`` the node gets its certificate
     from ``acmeDirectory`` (Let's Encrypt) by HTTP-01; without a domain it serves a self-signed one.
     Alerts: the node's Alertmanager (``infra.node.monitoring.alertmanager``) sends to the receivers of
     ``_Keys``.

@@ -98,8 +98,8 @@ class StackSecretsConfig(_Frozen):
     turn_secret_previous: SecretStr | None = None
     """The TURN secret being rotated out (``turnSecretPrevious``): coturn still accepts it; None: none."""
     carrier_secrets: dict[str, SecretStr] = {}
-    """The phone carriers' secrets that are set, by name (``infra.node.carriers.CARRIER_SECRETS``: the stack
-    keys ``twilioAuthToken``, ``plivoAuthToken``, ``telnyxStreamToken``, ``exotelApiKey``,
+    """The phone carriers' secrets that are set, by name (``infra.node.bundle.carriers.CARRIER_SECRETS``: the
+    stack keys ``twilioAuthToken``, ``plivoAuthToken``, ``telnyxStreamToken``, ``exotelApiKey``,
     ``exotelApiToken``); a carrier without its secret has its bridge off."""
 
 
@@ -117,7 +117,7 @@ class GceSettings(_Frozen):
     boot_disk_type: str
     data_disk_gb: int = 100
     """Size of the node's persistent data disk (GB; model cache, Redis, Prometheus, Grafana), kept across
-    VM replacements (``infra.node.rollout``)."""
+    VM replacements (``infra.node.bundle.rollout``)."""
     public_source_ranges: tuple[str, ...]
     subnet_cidr: str
     enable_apis: bool

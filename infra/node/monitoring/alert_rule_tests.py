@@ -11,6 +11,7 @@ import math
 from types import EllipsisType
 from typing import Any
 
+from infra.node.bundle.services import Service, endpoint
 from infra.node.monitoring.alert_rules import (
     DCGM_SELECTOR,
     LOADING_ALERT_MINUTES,
@@ -52,7 +53,6 @@ from infra.node.monitoring.session_rules import (
     session_test_groups,
 )
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import Service, endpoint
 
 __all__ = ["rules_unit_tests"]
 

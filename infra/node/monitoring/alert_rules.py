@@ -7,9 +7,9 @@ The node's own alerts (runtime up, ready and loading, Redis, first-audio latency
 refusals, GPU memory) are here; the first-audio budget's recording rules come from
 ``infra.node.monitoring.first_audio_rules``, WebRTC's and the TURN relay's rules from
 ``infra.node.monitoring.rtc_rules``, resume's and recordings' from ``infra.node.monitoring.session_rules``,
-the certificate's (``tls.mode: acme``) from ``infra.node.monitoring.cert_rules``. Their ``promtool test
-rules`` file: ``infra.node.monitoring.alert_rule_tests``. The rules, each alert's condition and the selectors:
-docs/operations.md, "Alerts".
+the certificate's (``tls.mode: acme``) from ``infra.node.monitoring.cert_rules``. Their
+``promtool test rules`` file: ``infra.node.monitoring.alert_rule_tests``. The rules, each alert's condition
+and the selectors: docs/operations.md, "Alerts".
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from infra.node.bundle.services import OPTIONAL_SECRET_FILES
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import OPTIONAL_SECRET_FILES
 from infra.yaml_text import dump_yaml
 
 __all__ = [

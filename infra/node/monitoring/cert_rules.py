@@ -1,10 +1,10 @@
 """Prometheus rules for a node's own TLS certificate (issue 33, "Single nodes fail silently"): on a node with
-``tls.mode: acme``, certbot's renew script (``infra.node.acme``) writes node_exporter textfile metrics at
-each run, and these alerts read them through node_exporter (``NODE_EXPORTER_SELECTOR``). Let's Encrypt
+``tls.mode: acme``, certbot's renew script (``infra.node.bundle.acme``) writes node_exporter textfile metrics
+at each run, and these alerts read them through node_exporter (``NODE_EXPORTER_SELECTOR``). Let's Encrypt
 stopped sending expiry e-mails on 2025-06-04 (letsencrypt.org/2025/01/22/ending-expiration-emails), so the
 node has to say it itself.
 
-The series (``infra.node.acme.METRICS_FILE``, each labelled ``domain``):
+The series (``infra.node.bundle.acme.METRICS_FILE``, each labelled ``domain``):
 ``duplex_tls_certificate_not_after_timestamp_seconds`` (the served certificate's notAfter, Unix s),
 ``duplex_acme_renewal_success`` (1: the last certbot run obtained or kept a valid certificate; 0: it failed,
 or the name does not resolve yet, or nginx did not answer on port 80) and
@@ -49,10 +49,10 @@ EXPIRY_CRITICAL_DAYS = 3
 """``TlsCertificateExpiryCritical`` pages below this many days left."""
 RENEWAL_FAILED_FOR = "15m"
 """How long ``duplex_acme_renewal_success`` stays 0 before ``AcmeRenewalFailed``: three first-issuance
-retries (``infra.node.acme.FIRST_RETRY_S``), so a transient failure retried at once stays quiet."""
+retries (``infra.node.bundle.acme.FIRST_RETRY_S``), so a transient failure retried at once stays quiet."""
 RENEWAL_STALE_HOURS = 48
 """``AcmeRenewalNotRunning`` fires when the renew script has not run for this many hours (it runs twice a
-day, ``infra.node.acme.TIMER``)."""
+day, ``infra.node.bundle.acme.TIMER``)."""
 
 _NOT_AFTER = "duplex_tls_certificate_not_after_timestamp_seconds"
 _SUCCESS = "duplex_acme_renewal_success"

@@ -32,6 +32,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import dashboard as dashboard_models
 
 from infra.capacity.gpus import GPUS
+from infra.node.bundle.services import endpoint
 from infra.node.monitoring.dashboard_node_rows import (
     FIRST_AUDIO_TIME_TERMS,
     gpu_row,
@@ -54,7 +55,6 @@ from infra.node.monitoring.grafana_panels import (
 from infra.node.monitoring.prometheus import scrape_interval
 from infra.node.monitoring.rtc_rules import coturn_exported
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import endpoint
 from runtime.engine.model_presets import FRAME_MS
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Prometheus of one node, rendered from a ``NodeProfile``: ``render_prometheus`` gives its configuration
-(static scrape targets from ``infra.node.services.endpoint``, alerts to the node's Alertmanager), its rule
-file (``alert_rules``, ``infra.node.monitoring.alert_rules``) and the ``promtool test rules`` file for those
-rules (``rules_unit_tests``, ``infra.node.monitoring.alert_rule_tests``). The same profile always gives the
-same bytes.
+(static scrape targets from ``infra.node.bundle.services.endpoint``, alerts to the node's Alertmanager), its
+rule file (``alert_rules``, ``infra.node.monitoring.alert_rules``) and the ``promtool test rules`` file for
+those rules (``rules_unit_tests``, ``infra.node.monitoring.alert_rule_tests``). The same profile always gives
+the same bytes.
 
 ``alert_rules``, ``rules_unit_tests`` and the selectors and thresholds are importable from here too, as they
 were before the rules had modules of their own. The rules, each alert's condition and the selectors:
@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from infra.node.bundle.services import Service, endpoint
 from infra.node.monitoring.alert_rule_tests import rules_unit_tests
 from infra.node.monitoring.alert_rules import (
     COTURN_SELECTOR,
@@ -28,7 +29,6 @@ from infra.node.monitoring.alert_rules import (
 )
 from infra.node.monitoring.rtc_rules import coturn_exported
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import Service, endpoint
 
 __all__ = [
     "CONFIG_FILE",

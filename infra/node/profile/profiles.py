@@ -1,5 +1,5 @@
 """Node profiles: one typed description of a single-GPU (or CPU) node, from which every file of the node
-bundle is rendered (``infra.node.bundle``).
+bundle is rendered (``infra.node.bundle.render``).
 
 A node is the unit every stack deploys: nginx (TLS, WebSocket proxy, session cap) in front of the batched
 runtime, Redis for session state and transcripts, Prometheus scraping the runtime, the host (node-exporter),

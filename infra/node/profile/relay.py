@@ -1,7 +1,7 @@
 """The node's TURN relay, typed: ``RelaySettings`` (a section of ``NodeProfile``) and the figures derived from
 it: the relay port range sized to the node's sessions, the TURN URLs callers are given, the public ports a
 firewall opens for media. Pure: no sockets, no Pulumi; coturn's configuration is rendered by
-``infra.node.coturn``.
+``infra.node.bundle.coturn``.
 
 Why a relay at all: the runtime's WebRTC stack (aiortc; its ICE agent, aioice) binds random ephemeral UDP
 ports and has no port-range option, so a node cannot open "the media ports" in a firewall. Callers instead
@@ -46,7 +46,7 @@ relay never competes with the runtime's ICE sockets on a host where both share a
 
 
 class RelaySettings(BaseModel):
-    """The node's TURN relay (coturn, ``infra.node.coturn``).
+    """The node's TURN relay (coturn, ``infra.node.bundle.coturn``).
 
     Attributes:
         enabled: run coturn and give WebRTC callers TURN credentials (``DUPLEX_TURN_*``).

@@ -63,10 +63,10 @@ class NodePorts(StrictModel):
 
 
 class TlsSettings(StrictModel):
-    """Where nginx finds its certificate. ``self-signed``: generated at bring-up (``infra.node.tls``), for
-    local nodes and first boots; ``files``: the operator's certificate and key at these paths on the host
+    """Where nginx finds its certificate. ``self-signed``: generated at bring-up (``infra.node.bundle.tls``),
+    for local nodes and first boots; ``files``: the operator's certificate and key at these paths on the host
     (from a secret store); ``acme``: a certificate for ``NodeProfile.domain`` from an ACME CA (Let's
-    Encrypt by default) by HTTP-01 through the node's own nginx (``infra.node.acme``), written to these
+    Encrypt by default) by HTTP-01 through the node's own nginx (``infra.node.bundle.acme``), written to these
     paths, with a self-signed one there until the first is issued.
 
     Attributes:
@@ -112,7 +112,7 @@ class TlsSettings(StrictModel):
 class AlertReceivers(StrictModel):
     """Where the node's Alertmanager sends alerts (``infra.node.monitoring.alertmanager``); every one
     configured gets every alert. Secrets are not here: the e-mail password and the PagerDuty routing key are
-    secret files (``infra.node.services.OPTIONAL_SECRET_FILES``), named by the flags below.
+    secret files (``infra.node.bundle.services.OPTIONAL_SECRET_FILES``), named by the flags below.
 
     Attributes:
         webhook_url: an HTTP(S) URL Alertmanager POSTs its webhook JSON to (version 4 payload).

@@ -7,14 +7,14 @@ or copied over SSH, and a re-run with an unchanged profile changes nothing.
 =================================================  ==========================================
 path                                                rendered by
 =================================================  ==========================================
-``nginx/nginx.conf``                                ``infra.node.nginx``
-``web/`` (the browser client, served at ``/``)      ``infra.node.webclient``
-``redis/redis.conf``                                ``infra.node.redis_conf``
+``nginx/nginx.conf``                                ``infra.node.bundle.nginx``
+``web/`` (the browser client, served at ``/``)      ``infra.node.bundle.webclient``
+``redis/redis.conf``                                ``infra.node.bundle.redis_conf``
 ``prometheus/prometheus.yml``, ``rules/``, ``tests/``  ``infra.node.monitoring.prometheus``
 ``alertmanager/alertmanager.yml``                    ``infra.node.monitoring.alertmanager``
 ``grafana/provisioning/...``, ``grafana/dashboards/``  ``infra.node.monitoring.grafana``
-``compose.yaml`` (compose nodes)                    ``infra.node.compose``
-``cloud-init/user-data.yaml`` (compose nodes)        ``infra.node.cloud_init``
+``compose.yaml`` (compose nodes)                    ``infra.node.bundle.compose``
+``cloud-init/user-data.yaml`` (compose nodes)        ``infra.node.bundle.cloud_init``
 =================================================  ==========================================
 
 Secrets are written apart (``write_secrets``) into ``secrets/`` beside the bundle.
@@ -25,16 +25,16 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath
 
-from infra.node.cloud_init import render_cloud_init
-from infra.node.compose import render_compose
+from infra.node.bundle.cloud_init import render_cloud_init
+from infra.node.bundle.compose import render_compose
+from infra.node.bundle.nginx import render_nginx
+from infra.node.bundle.redis_conf import render_redis
+from infra.node.bundle.services import SECRETS_DIR, NodeSecrets, secret_files
+from infra.node.bundle.webclient import render_web
 from infra.node.monitoring.alertmanager import render_alertmanager
 from infra.node.monitoring.grafana import render_grafana
 from infra.node.monitoring.prometheus import render_prometheus
-from infra.node.nginx import render_nginx
 from infra.node.profile.profiles import NodeProfile
-from infra.node.redis_conf import render_redis
-from infra.node.services import SECRETS_DIR, NodeSecrets, secret_files
-from infra.node.webclient import render_web
 
 __all__ = ["render_bundle", "write_bundle", "write_secrets"]
 
@@ -44,7 +44,7 @@ def render_bundle(profile: NodeProfile) -> dict[str, bytes]:
 
     Every node gets the browser client nginx serves at ``/`` (``web/``). A ``compose`` node also gets
     ``compose.yaml`` and the cloud-init user-data that installs the rest of the bundle, the client included,
-    on a fresh GCE VM (secrets fetched at boot from Secret Manager, see ``infra.node.cloud_init``).
+    on a fresh GCE VM (secrets fetched at boot from Secret Manager, see ``infra.node.bundle.cloud_init``).
 
     Raises:
         ValueError: two renderers produced the same path (a bug), or a path escapes the bundle.

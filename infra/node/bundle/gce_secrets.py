@@ -1,16 +1,16 @@
-"""The Secret Manager secrets of a GCE node (``infra.node.cloud_init``): which roles exist beyond the
+"""The Secret Manager secrets of a GCE node (``infra.node.bundle.cloud_init``): which roles exist beyond the
 bundle's ``SECRET_FILES`` (``EXTRA_SECRET_ROLES``), the check of the secret ids a stack passes against the
 profile, and where each secret lands on the VM with which mode. Secret values never enter the user-data:
-the preparation script fetches them by id at every start. ``infra.node.cloud_init`` re-exports the public
-names."""
+the preparation script fetches them by id at every start. ``infra.node.bundle.cloud_init`` re-exports the
+public names."""
 
 from __future__ import annotations
 
 import re
 
-from infra.node.compose import CONTAINER_READ_SECRETS
+from infra.node.bundle.compose import CONTAINER_READ_SECRETS
+from infra.node.bundle.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
 
 __all__ = ["EXTRA_SECRET_ROLES", "HF_TOKEN_FILE", "check_secrets", "secret_targets"]
 

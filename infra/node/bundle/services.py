@@ -20,11 +20,11 @@ import secrets as _stdlib_secrets
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from infra.node.carriers import CARRIER_SECRETS, carrier_settings, check_carrier_secrets
-from infra.node.coturn import render_turnserver_conf
+from infra.node.bundle.carriers import CARRIER_SECRETS, carrier_settings, check_carrier_secrets
+from infra.node.bundle.coturn import render_turnserver_conf
+from infra.node.bundle.redis_acl import redis_url, render_acl_users, role_password
 from infra.node.profile.profiles import NodeProfile
 from infra.node.profile.relay import turn_urls
-from infra.node.redis_acl import redis_url, render_acl_users, role_password
 from runtime.frontend.gate.tokens import SigningKey, generate_signing_key
 
 __all__ = [
@@ -87,9 +87,9 @@ SECRET_FILES = {
     "turnserver_conf": "secrets/turnserver.conf",
 }
 """What ``secret_files`` writes, by role: the Redis ``admin`` user's password alone; the Redis users
-(``user`` lines, ``infra.node.redis_acl``) for redis.conf's ``include``; ``DUPLEX_REDIS_URL`` for the runtime
-(as the ``runtime`` user; with the TURN secret and, where the node has one, the Twilio auth token and its
-stream URL); ``REDIS_USER``/``REDIS_PASSWORD`` for redis_exporter (the ``exporter`` user);
+(``user`` lines, ``infra.node.bundle.redis_acl``) for redis.conf's ``include``; ``DUPLEX_REDIS_URL`` for the
+runtime (as the ``runtime`` user; with the TURN secret and, where the node has one, the Twilio auth token and
+its stream URL); ``REDIS_USER``/``REDIS_PASSWORD`` for redis_exporter (the ``exporter`` user);
 ``DUPLEX_EVENTS_REDIS_URL`` for the application's events consumer (the ``events`` user, read-only on the
 events stream: docs/sessions-api.md, "Events"); Grafana's admin
 password (read through ``GF_SECURITY_ADMIN_PASSWORD__FILE``); the session-token signing keys, JSON
@@ -98,7 +98,7 @@ backend mints with (``duplex token mint --key-file``, ``runtime.frontend.gate.to
 application-token signing keys, the same JSON form but other keys (``DUPLEX_APP_TOKEN_KEYS_FILE``: the
 sessions API's tokens, ``duplex token mint --app --key-file``; issue 34, item 8: what mints caller tokens
 cannot mint one that reads or erases every session); coturn's
-whole configuration (``infra.node.coturn``), which holds the TURN secret the runtime also gets in
+whole configuration (``infra.node.bundle.coturn``), which holds the TURN secret the runtime also gets in
 ``runtime.env`` (``DUPLEX_TURN_SECRET``), or a comment where the relay is off."""
 
 OPTIONAL_SECRET_FILES = {
@@ -232,7 +232,7 @@ class NodeSecrets:
     first boot); stacks pass Pulumi secrets or Secret Manager values instead.
 
     ``redis_password``: the Redis ``admin`` user's password; the ``runtime``, ``events`` and ``exporter``
-    users' passwords are derived from it (``infra.node.redis_acl.role_password``).
+    users' passwords are derived from it (``infra.node.bundle.redis_acl.role_password``).
 
     ``token_keys``: the session-token signing keys, ``{kid: secret}`` (at least one; several during a
     rotation; ``duplex token keygen`` makes one). Required: a node without keys refuses every session.
@@ -255,7 +255,7 @@ class NodeSecrets:
     turn_secret: str | None = field(default=None, repr=False)
     turn_secret_previous: str | None = field(default=None, repr=False)
     carrier_secrets: dict[str, str] = field(default_factory=dict, repr=False)
-    """The phone carriers' secrets by name (``infra.node.carriers.CARRIER_SECRETS``): each turns its
+    """The phone carriers' secrets by name (``infra.node.bundle.carriers.CARRIER_SECRETS``): each turns its
     carrier's bridge on."""
 
     def __post_init__(self) -> None:

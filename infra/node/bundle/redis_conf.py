@@ -3,7 +3,7 @@
 ``render_redis(profile)`` gives ``redis/redis.conf``: bound to the private side only, one ACL user per
 role and the default user off (the ``user`` lines, with their passwords, come from the secret
 ``secrets/redis-auth.conf`` through ``include``, so the rendered file holds no secret:
-``infra.node.redis_acl`` lists the users and their rights), persistence by the append-only file alone
+``infra.node.bundle.redis_acl`` lists the users and their rights), persistence by the append-only file alone
 (fsynced every second; no RDB snapshots: a snapshot is a copy an erasure cannot reach, issue 34 item 6),
 memory bounded with ``noeviction`` (issue 34 item 4: with
 ``volatile-ttl`` a full Redis evicted the minutes-long spent-token markers first, and a spent token opened a
@@ -22,8 +22,8 @@ is never published on the host.
 
 from __future__ import annotations
 
+from infra.node.bundle.services import SECRET_FILES
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import SECRET_FILES
 
 __all__ = ["REDIS_CONF", "render_redis"]
 

@@ -1,6 +1,6 @@
 """The host's side of a ``compose`` node: the directories to prepare before ``docker compose up`` (owned by
 the fixed users the containers run as), how long stopping may take (nginx, then the runtime's drain), and the
-command that makes the TLS servers read a renewed certificate. ``infra.node.compose`` re-exports every
+command that makes the TLS servers read a renewed certificate. ``infra.node.bundle.compose`` re-exports every
 public name here; cloud-init's unit and the on-premises component use them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import posixpath
 from dataclasses import dataclass
 
-from infra.node.acme import acme_dirs
+from infra.node.bundle.acme import acme_dirs
 from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
@@ -106,9 +106,9 @@ def host_directories(profile: NodeProfile) -> list[HostDirectory]:
 
 def tls_reload_command(profile: NodeProfile, compose: str) -> str:
     """The shell command that makes the node's TLS servers read a renewed certificate (ACME deploy hook,
-    ``infra.node.acme``): SIGHUP to nginx and, where the relay runs, SIGUSR2 to coturn (coturn 4.6 reloads
-    its certificate on SIGUSR2 with its allocations kept: tried here on Debian's 4.6.1). ``compose`` is the
-    ``docker compose ...`` prefix of the node's project."""
+    ``infra.node.bundle.acme``): SIGHUP to nginx and, where the relay runs, SIGUSR2 to coturn (coturn 4.6
+    reloads its certificate on SIGUSR2 with its allocations kept: tried here on Debian's 4.6.1). ``compose``
+    is the ``docker compose ...`` prefix of the node's project."""
     command = f"{compose} kill --signal HUP nginx"
     if profile.relay.enabled:
         command += f" && {compose} kill --signal USR2 coturn"

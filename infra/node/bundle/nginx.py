@@ -1,12 +1,12 @@
 """nginx in front of the runtime: TLS termination, the WebSocket proxy and the node's session cap.
 
 ``render_nginx(profile)`` gives ``nginx/nginx.conf``: TLS 1.2/1.3 only, plain HTTP redirected except the
-ACME HTTP-01 webroot (``infra.node.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn`` per
-node and per client address (503) and ``limit_req`` on handshakes (429), WebRTC signalling (``/api/rtc``:
+ACME HTTP-01 webroot (``infra.node.bundle.acme``), ``/api/chat`` proxied as a WebSocket with ``limit_conn``
+per node and per client address (503) and ``limit_req`` on handshakes (429), WebRTC signalling (``/api/rtc``:
 POST of an offer under the same limits, the ICE servers, DELETE of a session), the sessions API
 (``/api/sessions``, GET and DELETE), ``/metrics`` and ``/slotz`` 404 on the public side, the browser client
-(``infra.node.webclient``) at ``/`` under a CSP that allows only the node itself, no session token in the
-access log. The same profile always gives the same bytes.
+(``infra.node.bundle.webclient``) at ``/`` under a CSP that allows only the node itself, no session token in
+the access log. The same profile always gives the same bytes.
 
 What each directive does, and why: docs/node.md, "The bundle"."""
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import posixpath
 
-from infra.node.acme import ACME_CHALLENGE_PREFIX, nginx_webroot
+from infra.node.bundle.acme import ACME_CHALLENGE_PREFIX, nginx_webroot
+from infra.node.bundle.services import endpoint, public_origin
+from infra.node.bundle.webclient import WEB_TYPES, page_headers, web_root
+from infra.node.bundle.webclient import content_security_policy as page_csp
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import endpoint, public_origin
-from infra.node.webclient import WEB_TYPES, page_headers, web_root
-from infra.node.webclient import content_security_policy as page_csp
 
 __all__ = [
     "NGINX_CONF",

@@ -17,20 +17,20 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
-from infra.node.acme import SERVICE as ACME_SERVICE
-from infra.node.acme import TIMERS as ACME_TIMERS
-from infra.node.acme import acme_dirs, render_acme_host_files
-from infra.node.compose import (
+from infra.node.bundle.acme import SERVICE as ACME_SERVICE
+from infra.node.bundle.acme import TIMERS as ACME_TIMERS
+from infra.node.bundle.acme import acme_dirs, render_acme_host_files
+from infra.node.bundle.compose import (
     COMPOSE_FILE,
     CONTAINER_READ_SECRETS,
     host_directories,
     node_stop_timeout_s,
     tls_reload_command,
 )
-from infra.node.first_boot import OPS_AGENT_INSTALL, apt_install, apt_lock_file, retried
-from infra.node.gce_secrets import EXTRA_SECRET_ROLES, HF_TOKEN_FILE, check_secrets, secret_targets
+from infra.node.bundle.first_boot import OPS_AGENT_INSTALL, apt_install, apt_lock_file, retried
+from infra.node.bundle.gce_secrets import EXTRA_SECRET_ROLES, HF_TOKEN_FILE, check_secrets, secret_targets
+from infra.node.bundle.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
 from infra.node.profile.profiles import NodeProfile
-from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR, optional_secret_roles
 from infra.yaml_text import dump_yaml
 
 __all__ = [
@@ -123,7 +123,9 @@ def render_cloud_init(
             "user-data is rendered only for deployment='compose' (a VM running compose.yaml)"
         )
     if COMPOSE_FILE not in bundle:
-        raise ValueError(f"the bundle has no {COMPOSE_FILE}: render it with infra.node.bundle.render_bundle")
+        raise ValueError(
+            f"the bundle has no {COMPOSE_FILE}: render it with infra.node.bundle.render.render_bundle"
+        )
     files = _bundle_files(bundle)
     secret_roles = check_secrets(profile, secret_manager_secrets, project_id)
     compose = f"{_DOCKER} compose --project-directory {NODE_ROOT} --file {NODE_ROOT}/{COMPOSE_FILE}"
@@ -284,7 +286,7 @@ def _prepare_script(
     if profile.tls.mode == "acme":
         # A certificate certbot already holds (its state is under data_dir, kept with the node's data)
         # goes where nginx reads it; else the self-signed one below lets nginx start until the first is
-        # issued (infra.node.acme).
+        # issued (infra.node.bundle.acme).
         live = acme_dirs(profile).live_dir
         chain, private = q(f"{live}/fullchain.pem"), q(f"{live}/privkey.pem")
         lines += [

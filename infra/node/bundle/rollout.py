@@ -5,7 +5,8 @@ instance metadata key ``ROLLOUT_METADATA_KEY``, which GCE updates in place. On t
 sync`` writes the key's image into ``compose.yaml`` before every start, and ``duplex-rollout watch`` rolls
 to a new digest (pull while the old image serves, then a draining restart). The data disk
 (``DATA_DISK_DEVICE``) holds ``profile.data_dir``, formatted only when it has no file system.
-:func:`add_rollout` adds all of this to a rendered user-data (``infra.node.cloud_init.render_cloud_init``).
+:func:`add_rollout` adds all of this to a rendered user-data
+(``infra.node.bundle.cloud_init.render_cloud_init``).
 
 Why, the steps, and the gap a caller sees: docs/deploying.md, "Deploys a user does not notice"; the data
 disk: docs/deploying.md, "Stack `dev` (GCP, T4, INT8)"."""
@@ -18,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from infra.node.cloud_init import GCE_METADATA_VALUE_LIMIT, NODE_ROOT, PREPARE_SCRIPT, UNIT_NAME
-from infra.node.compose import COMPOSE_FILE
+from infra.node.bundle.cloud_init import GCE_METADATA_VALUE_LIMIT, NODE_ROOT, PREPARE_SCRIPT, UNIT_NAME
+from infra.node.bundle.compose import COMPOSE_FILE
 from infra.node.profile.profiles import NodeProfile
 from infra.yaml_text import dump_yaml
 

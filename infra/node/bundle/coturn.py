@@ -2,8 +2,8 @@
 
 The file holds coturn's ``static-auth-secret`` (the same secret the runtime mints TURN credentials with,
 ``DUPLEX_TURN_SECRET``; ``runtime/frontend/transports/webrtc/turn.py``), so it is a secret file of the node
-(``infra.node.services.SECRET_FILES["turnserver_conf"]``), never part of the public bundle. What it sets,
-and why (coturn 4.6 option names; README.turnserver of the Debian package ``coturn`` 4.6.1):
+(``infra.node.bundle.services.SECRET_FILES["turnserver_conf"]``), never part of the public bundle. What it
+sets, and why (coturn 4.6 option names; README.turnserver of the Debian package ``coturn`` 4.6.1):
 
 - authentication: ``use-auth-secret`` + ``static-auth-secret`` (the TURN REST scheme: the password is
   recomputed from the username ``<expiry>:<session id>``; expired usernames are refused), ``realm``;

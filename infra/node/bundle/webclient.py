@@ -1,5 +1,5 @@
 """The browser client every node serves at ``/``: static files shipped with this package, copied into the
-node bundle under ``web/`` and served by nginx (``infra.node.nginx``).
+node bundle under ``web/`` and served by nginx (``infra.node.bundle.nginx``).
 
 Plain ES modules, no build step, nothing fetched from elsewhere (the page's Content-Security-Policy allows
 only the node itself): ``index.html``, ``style.css``, ``app.js`` (the page), ``protocol.js`` (the wire

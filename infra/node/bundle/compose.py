@@ -1,9 +1,9 @@
 """The Compose file of a ``compose`` node (GPU hosts, VMs): ``render_compose`` gives ``compose.yaml``, one
-project (``duplex``) on one bridge network running every service of ``infra.node.services`` under its own
-name. Only nginx publishes on the public address (Prometheus, Alertmanager and Grafana on the private one);
-secrets are never in the file (env files and Compose secrets under ``secrets/``); the host directories the
-containers write are listed by ``host_directories``, and ``node_stop_timeout_s`` bounds a stop (nginx, then
-the runtime's drain): both in ``infra.node.compose_host``, re-exported here.
+project (``duplex``) on one bridge network running every service of ``infra.node.bundle.services`` under its
+own name. Only nginx publishes on the public address (Prometheus, Alertmanager and Grafana on the private
+one); secrets are never in the file (env files and Compose secrets under ``secrets/``); the host directories
+the containers write are listed by ``host_directories``, and ``node_stop_timeout_s`` bounds a stop (nginx,
+then the runtime's drain): both in ``infra.node.bundle.compose_host``, re-exported here.
 
 Exposure, secrets and their owners, stopping: docs/node.md, "The bundle"."""
 
@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 from infra.images import NODE_IMAGES
-from infra.node.acme import WEBROOT_CONTAINER, acme_dirs, textfile_dir
-from infra.node.compose_host import (
+from infra.node.bundle.acme import WEBROOT_CONTAINER, acme_dirs, textfile_dir
+from infra.node.bundle.compose_host import (
     CONTAINER_USERS,
     GRAFANA_UID,
     NGINX_STOP_MARGIN_S,
@@ -29,12 +29,9 @@ from infra.node.compose_host import (
     tls_dirs,
     tls_reload_command,
 )
-from infra.node.coturn import CONTAINER_CONFIG_PATH as COTURN_CONFIG_PATH
-from infra.node.coturn import coturn_args
-from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
-from infra.node.monitoring.prometheus import prometheus_args
-from infra.node.profile.profiles import NodeProfile
-from infra.node.services import (
+from infra.node.bundle.coturn import CONTAINER_CONFIG_PATH as COTURN_CONFIG_PATH
+from infra.node.bundle.coturn import coturn_args
+from infra.node.bundle.services import (
     APP_TOKEN_KEYS_CONTAINER_PATH,
     OPTIONAL_SECRET_FILES,
     SECRET_FILES,
@@ -43,7 +40,10 @@ from infra.node.services import (
     optional_secret_roles,
     runtime_settings,
 )
-from infra.node.webclient import WEB_CONTAINER_ROOT, WEB_DIR
+from infra.node.bundle.webclient import WEB_CONTAINER_ROOT, WEB_DIR
+from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
+from infra.node.monitoring.prometheus import prometheus_args
+from infra.node.profile.profiles import NodeProfile
 from infra.yaml_text import dump_yaml
 
 __all__ = [
@@ -89,7 +89,7 @@ from ``infra.images.NODE_IMAGES`` (where each digest came from and how to refres
 go by tag). The redis_exporter image is the Alpine variant: the default one is ``FROM scratch`` and has
 nothing to run a healthcheck with."""
 
-# Paths inside the containers. redis/redis.conf (infra.node.redis_conf) includes REDIS_AUTH_CONF;
+# Paths inside the containers. redis/redis.conf (infra.node.bundle.redis_conf) includes REDIS_AUTH_CONF;
 # prometheus.yml's rule_files (rules/*.yml, relative to it) are under PROMETHEUS_RULES_DIR; Grafana's
 # dashboard provider (infra.node.monitoring.grafana.DASHBOARDS_PATH) reads GRAFANA_DASHBOARDS_DIR, mounted
 # inside Grafana's data directory.
@@ -177,7 +177,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
         service["restart"] = "unless-stopped"
         service["networks"] = [NETWORK]
         service["logging"] = _LOGGING
-    # The runtime at a fixed address: coturn's peer rule names it and nothing else (infra.node.coturn).
+    # The runtime at a fixed address: coturn's peer rule names it and nothing else (infra.node.bundle.coturn).
     services["runtime"]["networks"] = {NETWORK: {"ipv4_address": profile.relay.runtime_address}}
     subnet = {"subnet": profile.relay.compose_subnet, "ip_range": profile.relay.dynamic_range}
 
@@ -235,7 +235,7 @@ def _runtime(profile: NodeProfile) -> dict[str, Any]:
     environment["DUPLEX_NODE_ID"] = f"${{DUPLEX_NODE_ID:-{environment['DUPLEX_NODE_ID']}}}"
     # The host says whether it is a GCE VM whose maintenance notices to watch
     # (runtime/frontend/maintenance.py): the
-    # GCE VM's systemd unit sets DUPLEX_MAINTENANCE_WATCH=gce (infra/node/cloud_init.py); elsewhere
+    # GCE VM's systemd unit sets DUPLEX_MAINTENANCE_WATCH=gce (infra/node/bundle/cloud_init.py); elsewhere
     # (on-premises hosts) it is off.
     environment["DUPLEX_MAINTENANCE_WATCH"] = "${DUPLEX_MAINTENANCE_WATCH:-off}"
     # No value: taken from the environment of `docker compose`, never written to a file.
@@ -272,7 +272,8 @@ def _runtime(profile: NodeProfile) -> dict[str, Any]:
 def _redis(profile: NodeProfile) -> dict[str, Any]:
     port = profile.ports.redis
     # $$: a literal $ for the container's shell (Compose interpolates a single $).
-    # As the admin user (password: secrets/redis_password): the default user is off (infra.node.redis_acl).
+    # As the admin user (password: secrets/redis_password): the default user is off
+    # (infra.node.bundle.redis_acl).
     ping = (
         f'REDISCLI_AUTH="$$(cat {_SECRETS_MOUNT}/redis_password)" redis-cli --user admin -p {port} ping'
         " | grep -q PONG"
@@ -372,7 +373,8 @@ def _grafana(profile: NodeProfile) -> dict[str, Any]:
 def _node_exporter(profile: NodeProfile) -> dict[str, Any]:
     # node_exporter's README: host PID namespace and the host's root read-only at /host. It stays on the
     # bridge network (Prometheus dials node-exporter:PORT), so network-device metrics are the container's.
-    # With ACME, the textfile collector reads the renew script's metrics (infra.node.acme.METRICS_FILE).
+    # With ACME, the textfile collector reads the renew script's metrics
+    # (infra.node.bundle.acme.METRICS_FILE).
     port = profile.ports.node_exporter
     command = ["--path.rootfs=/host", f"--web.listen-address=:{port}"]
     if profile.tls.mode == "acme":

@@ -1,7 +1,7 @@
 """What a GCE node installs at its first boot, made robust (issue 33): on a fresh Ubuntu VM
 unattended-upgrades holds the dpkg lock for minutes, and a package install that loses it fails once and is
 never retried. ``apt_lock_file`` makes every ``apt-get`` wait for the lock; ``apt_install`` and ``retried``
-retry an install a few times. Used by ``infra.node.cloud_init``."""
+retry an install a few times. Used by ``infra.node.bundle.cloud_init``."""
 
 from __future__ import annotations
 
