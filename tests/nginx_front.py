@@ -11,7 +11,7 @@ from pathlib import Path
 from infra.node.bundle.nginx import NGINX_CONF
 from infra.node.bundle.render import write_bundle
 from infra.node.bundle.tls import write_self_signed_certificate
-from infra.node.local import nginx_global_directives
+from infra.node.local.node import nginx_global_directives
 from infra.node.profile.profiles import NodeProfile
 
 

@@ -14,7 +14,7 @@ import redis
 from infra.node.bundle.redis_conf import REDIS_CONF, render_redis
 from infra.node.bundle.render import write_bundle, write_secrets
 from infra.node.bundle.services import NodeSecrets
-from infra.node.local import free_port_profile
+from infra.node.local.node import free_port_profile
 
 
 @dataclass

@@ -44,7 +44,7 @@ from infra.node.bundle.compose import COMPOSE_FILE
 from infra.node.bundle.nginx import NGINX_CONF
 from infra.node.bundle.render import render_bundle, write_bundle
 from infra.node.bundle.tls import write_self_signed_certificate
-from infra.node.local import free_port_profile, nginx_global_directives
+from infra.node.local.node import free_port_profile, nginx_global_directives
 from infra.node.profile.profiles import LETSENCRYPT_DIRECTORY, NodeProfile, get_profile
 from runtime.tools.local_redis import free_loopback_port
 

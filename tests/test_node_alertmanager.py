@@ -27,7 +27,7 @@ from infra.node.bundle.services import (
     endpoint,
     secret_files,
 )
-from infra.node.local import REQUIRED_BINARIES, free_port_profile
+from infra.node.local.node import REQUIRED_BINARIES, free_port_profile
 from infra.node.monitoring.alertmanager import (
     ALERTMANAGER_CONFIG,
     PAGE_RECEIVER,

@@ -24,7 +24,7 @@ import pytest
 
 from infra.node.bundle.coturn import coturn_args, render_turnserver_conf
 from infra.node.bundle.tls import write_self_signed_certificate
-from infra.node.local import free_port_profile, host_ipv4_addresses, stun_binding_ok
+from infra.node.local.node import free_port_profile, host_ipv4_addresses, stun_binding_ok
 from infra.node.profile.profiles import NodeProfile
 from infra.node.profile.relay import ALLOCATIONS_PER_SESSION, relay_port_range
 from runtime.frontend.transports.webrtc.turn import TurnCredentials, mint_turn_credentials

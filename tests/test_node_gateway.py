@@ -19,7 +19,7 @@ from infra.node.bundle.nginx import NGINX_CONF, SESSION_TIMEOUT_MARGIN_S, render
 from infra.node.bundle.redis_conf import REDIS_CONF, render_redis
 from infra.node.bundle.services import NodeSecrets
 from infra.node.bundle.tls import write_self_signed_certificate
-from infra.node.local import free_port_profile, nginx_global_directives
+from infra.node.local.node import free_port_profile, nginx_global_directives
 from infra.node.profile.profiles import PROFILES, get_profile
 from runtime.frontend.gate.replay import RedisReplayGuard
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected

@@ -89,7 +89,7 @@ def test_node_up_prints_the_page_and_a_one_conversation_link(tmp_path: Path) -> 
 
     from infra.node import cli
     from infra.node.bundle.services import token_audience
-    from infra.node.local import LocalNode, free_port_profile
+    from infra.node.local.node import LocalNode, free_port_profile
     from runtime.frontend.gate.tokens import TokenVerifier
 
     node = LocalNode(tmp_path / "node", free_port_profile())

@@ -118,7 +118,7 @@ def _resume_table(row: dict[str, object]) -> Table:
 
 
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
-    from infra.node.bringup import transport_rows
+    from infra.node.local.bringup import transport_rows
     from runtime.tools.loadgen import load_table
 
     if check.load is not None:
@@ -206,8 +206,8 @@ def up_command(
     TCP connection is cut and resumed, then as many over WebRTC through the node's TURN relay, print both
     transports side by side and the resume, show Prometheus's figures, stop."""
     logging.basicConfig(level=logging.WARNING)
-    from infra.node.bringup import bring_up_and_check
-    from infra.node.local import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
+    from infra.node.local.bringup import bring_up_and_check
+    from infra.node.local.node import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
     from runtime.tools.loadgen import load_speech
 
     profile = free_port_profile() if free_ports else PROFILES["local"]

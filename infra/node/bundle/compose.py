@@ -139,13 +139,13 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
 
     Raises:
         ValueError: ``profile.deployment`` is not ``compose`` (the local node runs host processes, see
-            ``infra.node.local``), or a path field cannot be used in a Compose bind mount.
+            ``infra.node.local.node``), or a path field cannot be used in a Compose bind mount.
     """
     if profile.deployment != "compose":
         raise ValueError(
             f"deployment: profile {profile.name!r} has deployment={profile.deployment!r}; compose.yaml is "
             "rendered only for deployment='compose' (GPU hosts and VMs). The local node runs host processes "
-            "(infra.node.local)."
+            "(infra.node.local.node)."
         )
     for field, value in (
         ("model_cache_dir", profile.model_cache_dir),

@@ -7,7 +7,7 @@ everything listens on ``profile.private_address``.
 
 Secrets never go into the rendered bundle (it is deterministic and may be shown, diffed or stored as plain
 stack outputs). They are written next to it, in ``secrets/`` (mode 0700, files 0600), by whoever brings
-the node up: ``infra.node.local`` here, cloud-init from Secret Manager on a GCE VM, Pulumi over SSH on an
+the node up: ``infra.node.local.node`` here, cloud-init from Secret Manager on a GCE VM, Pulumi over SSH on an
 on-premises host. ``SECRET_FILES`` names them; renderers reference them by these paths.
 """
 
@@ -313,7 +313,7 @@ class NodeSecrets:
     def generate(cls) -> NodeSecrets:
         """Fresh random secrets: 32 URL-safe characters each (192 bits); one token signing key (256 bits);
         a TURN secret of 43 URL-safe characters (256 bits); stand-in secrets of every phone carrier (the local
-        node's check plays each carrier's side of a call with them: ``infra.node.bringup``)."""
+        node's check plays each carrier's side of a call with them: ``infra.node.local.bringup``)."""
         key = generate_signing_key()
         app_key = generate_signing_key(f"app-{_stdlib_secrets.token_hex(4)}")
         return cls(

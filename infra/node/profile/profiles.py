@@ -53,7 +53,7 @@ __all__ = [
 
 Deployment = Literal["compose", "processes"]
 """How the node's services run: ``compose`` (containers on one bridge network, GPU hosts and VMs) or
-``processes`` (host processes on loopback: the local node, ``infra.node.local``)."""
+``processes`` (host processes on loopback: the local node, ``infra.node.local.node``)."""
 
 Precision = Literal["fp32", "bf16", "fp16", "int8"]
 """Weight precision of the LM. ``int8`` needs a CUDA GPU here (bitsandbytes; the runtime's

@@ -1,6 +1,6 @@
 """Headless Chromium for a conversation without a person: the espeak-ng speech WAV its fake microphone
 plays, the launch flags that feed it and let the page play audio, and where the binary is. Used by the
-playout bench (``infra.node.playout_bench``) and the browser tests (``tests/browser_fixtures.py``)."""
+playout bench (``infra.node.local.playout_bench``) and the browser tests (``tests/browser_fixtures.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The local node's ports and addresses (``infra.node.local``): a ``local`` profile on free ports (tests,
+"""The local node's ports and addresses (``infra.node.local.node``): a ``local`` profile on free ports (tests,
 ``duplex node up --free-ports``), with a free block of relay ports above Linux's ephemeral range; this
 host's IPv4 addresses (the runtime's ICE host candidates, so the peers the relay may reach); a STUN Binding
-probe of the relay; whether a TCP port is taken. ``infra.node.local`` re-exports the public names."""
+probe of the relay; whether a TCP port is taken. ``infra.node.local.node`` re-exports the public names."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 100 %"): headless Chromium (Debian's, the fake microphone playing espeak-ng speech) opens the browser
 client against a local node (nginx over TLS, the runtime, Redis, coturn; one slot), one call after another:
 
-    python -m infra.node.browser_connects --count 100 --mode direct
-    python -m infra.node.browser_connects --count 100 --mode relay     # the page's ?relay=1
+    python -m infra.node.local.browser_connects --count 100 --mode direct
+    python -m infra.node.local.browser_connects --count 100 --mode relay     # the page's ?relay=1
 
 Each call, in a fresh browser context: load the page with a fresh session token and
 ``?transport=webrtc`` (so a WebSocket fallback is a failure, not a success), press "Start talking", wait
@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.node.browser_launch import chromium_args, chromium_binary, speech_wav
-from infra.node.local import LocalNode, free_port_profile, missing_binaries
+from infra.node.local.browser_launch import chromium_args, chromium_binary, speech_wav
+from infra.node.local.node import LocalNode, free_port_profile, missing_binaries
 
 __all__ = ["AUDIO_MS", "CallResult", "ConnectsReport", "main", "run_calls"]
 
@@ -203,7 +203,7 @@ def run_calls(
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring): one JSON line per call, then a summary per mode."""
-    parser = argparse.ArgumentParser(prog="python -m infra.node.browser_connects", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m infra.node.local.browser_connects", description=__doc__)
     parser.add_argument("--count", type=int, default=100, help="consecutive calls per mode")
     parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
     parser.add_argument("--model", default="sim", help="the node's model: sim (a fixed step) or tiny")

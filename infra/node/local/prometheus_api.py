@@ -1,5 +1,5 @@
-"""Prometheus's HTTP query API, as the node's own tools read it (``infra.node.local``'s readiness probe,
-``infra.node.bringup``'s figures): instant queries, standard library only."""
+"""Prometheus's HTTP query API, as the node's own tools read it (``infra.node.local.node``'s readiness probe,
+``infra.node.local.bringup``'s figures): instant queries, standard library only."""
 
 from __future__ import annotations
 

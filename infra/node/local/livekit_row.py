@@ -37,7 +37,7 @@ __all__ = [
 
 LIVEKIT_VOICE = "NATF2"
 """The voice the plugin asks for (its default, ``realtime_model.py``: ``voice_prompt=NATF2.pt``); the local
-node holds a voice of that name (``infra.node.local``, espeak-ng speech: the tiny model has no NVIDIA
+node holds a voice of that name (``infra.node.local.node``, espeak-ng speech: the tiny model has no NVIDIA
 presets)."""
 
 VOICES_DIR = "voices"

@@ -6,7 +6,7 @@ on loopback, from the ``local`` profile's bundle.
 starts each process in its own process group with its log in ``logs/<name>.log``, waits until each one
 answers its readiness probe, and stops them all (reverse order, SIGTERM then SIGKILL) on ``stop()``.
 A process that exits early is reported with its exit code and the tail of its log rather than waited on.
-Free ports, this host's addresses and the relay's STUN probe: ``infra.node.local_network`` (re-exported).
+Free ports, this host's addresses and the relay's STUN probe: ``infra.node.local.network`` (re-exported).
 
 Node directory::
 
@@ -54,19 +54,19 @@ from infra.node.bundle.services import (
     token_audience,
 )
 from infra.node.bundle.tls import write_self_signed_certificate
-from infra.node.livekit_row import VOICES_DIR, write_livekit_voice
-from infra.node.local_network import (
+from infra.node.local.livekit_row import VOICES_DIR, write_livekit_voice
+from infra.node.local.network import (
     free_port_profile,
     host_ipv4_addresses,
     port_in_use,
     stun_binding_ok,
     udp_ports_free,
 )
+from infra.node.local.prometheus_api import PrometheusQueryError, prometheus_query
 from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, alertmanager_args
 from infra.node.monitoring.prometheus import prometheus_args, prometheus_config
 from infra.node.profile.profiles import NodeProfile, get_profile
 from infra.node.profile.relay import relay_port_range
-from infra.node.prometheus_api import PrometheusQueryError, prometheus_query
 from runtime.frontend.gate.tokens import mint_token
 
 __all__ = [

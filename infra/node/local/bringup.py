@@ -27,12 +27,12 @@ Plivo), espeak-ng speech at 8 kHz, a session token per call where the carrier ca
 its credential); one row per carrier beside the other two.
 
 Then (``livekit``) the same number of sessions through LiveKit's PersonaPlex plugin, released and unmodified
-(``infra.node.livekit_row``: ``runtime/tools/livekit_agent.py`` run with ``.venv-livekit``'s Python, the
+(``infra.node.local.livekit_row``: ``runtime/tools/livekit_agent.py`` run with ``.venv-livekit``'s Python, the
 plugin's ``RealtimeSession.push_audio`` of speech, through nginx over ``wss://``, a fresh session token per
 connection in ``Authorization: Bearer``): a fourth row. A missing virtualenv or a failing plugin is a failed
 row naming it, and the node check fails (``make demo`` builds the virtualenv first).
 
-Between the two runs, the resume step (``infra.node.resume_check``): one WebSocket session with
+Between the two runs, the resume step (``infra.node.local.resume_check``): one WebSocket session with
 ``resumable=1`` through nginx, its TCP connection cut without a close frame mid-conversation, reconnected
 with its credential: audio again in the same slot under the same session id (read back through the
 sessions API), or the check fails.
@@ -52,10 +52,10 @@ import numpy as np
 
 from infra.node.bundle.carriers import CARRIER_PATHS, carrier_credentials, carrier_stream_url
 from infra.node.bundle.services import token_audience
-from infra.node.livekit_row import LiveKitReport, run_livekit_load
-from infra.node.local import LocalNode
-from infra.node.prometheus_api import prometheus_query
-from infra.node.resume_check import ResumeCheck, check_resume
+from infra.node.local.livekit_row import LiveKitReport, run_livekit_load
+from infra.node.local.node import LocalNode
+from infra.node.local.prometheus_api import prometheus_query
+from infra.node.local.resume_check import ResumeCheck, check_resume
 from runtime.frontend.gate.app_tokens import mint_app_token
 from runtime.tools.loadgen import LoadReport, SessionResult, run_load, run_session, session_url
 from runtime.tools.loadgen_phone import run_phone_load
@@ -325,11 +325,11 @@ def bring_up_and_check(
 ) -> NodeCheck:
     """Drive the (started) ``node``: ``sessions`` (default: its slot count) concurrent sessions through
     nginx over TLS, one extra caller while they run, then (``resume``) one session dropped and resumed
-    (``infra.node.resume_check``), then (``webrtc``) as many WebRTC sessions, relay-only
+    (``infra.node.local.resume_check``), then (``webrtc``) as many WebRTC sessions, relay-only
     through the node's coturn when its relay is on, then (``phone``) as many Twilio calls, then
     (``livekit``) as many sessions through LiveKit's plugin run by ``livekit_python`` (default
-    ``infra.node.livekit_row.default_livekit_python``), then Prometheus's figures. Never raises for a node
-    failure: what went wrong is in ``NodeCheck.problems``."""
+    ``infra.node.local.livekit_row.default_livekit_python``), then Prometheus's figures. Never raises for a
+    node failure: what went wrong is in ``NodeCheck.problems``."""
     say = progress or (lambda message: None)
     sessions = sessions or node.profile.sessions
     url = session_url(node.wss_url)

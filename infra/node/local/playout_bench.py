@@ -1,10 +1,10 @@
 """Measure the browser client's playout buffer: one conversation in headless Chromium (fake microphone:
 espeak-ng speech) against a local node with one slot, for ``--seconds`` of received audio, optionally
-through the jitter relay (``infra.node.jitter_relay``), optionally with the player of an older commit.
+through the jitter relay (``infra.node.local.jitter_relay``), optionally with the player of an older commit.
 
-    python -m infra.node.playout_bench --seconds 60                       # this tree's player
-    python -m infra.node.playout_bench --seconds 60 --player-from d5a8f48 # the fixed 120 ms player
-    python -m infra.node.playout_bench --seconds 60 --jitter-ms 150       # 0-150 ms of injected jitter
+    python -m infra.node.local.playout_bench --seconds 60                       # this tree's player
+    python -m infra.node.local.playout_bench --seconds 60 --player-from d5a8f48 # the fixed 120 ms player
+    python -m infra.node.local.playout_bench --seconds 60 --jitter-ms 150       # 0-150 ms of injected jitter
 
 What it reports, from the page itself: the **lead** of every frame handed to the AudioContext (how far
 ahead of the playhead it was scheduled: how long its first sample waits to be played, which is the delay
@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra.node.browser_launch import chromium_args, chromium_binary, speech_wav
-from infra.node.jitter_relay import JitterRelay
-from infra.node.local import LocalNode, free_port_profile, missing_binaries
+from infra.node.local.browser_launch import chromium_args, chromium_binary, speech_wav
+from infra.node.local.jitter_relay import JitterRelay
+from infra.node.local.node import LocalNode, free_port_profile, missing_binaries
 
 __all__ = ["LEAD_HOOK", "main", "measure", "summarize_leads"]
 
@@ -129,7 +129,7 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring); prints one Markdown table row and, with ``--json``, writes
     the figures."""
-    parser = argparse.ArgumentParser(prog="python -m infra.node.playout_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m infra.node.local.playout_bench", description=__doc__)
     parser.add_argument("--seconds", type=float, default=60.0, help="received audio to measure (s)")
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="relay delay: random 0-N ms")
     parser.add_argument(
