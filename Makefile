@@ -141,7 +141,7 @@ gpu-wheels: $(STAMP)
 # `make mutation MODULE=runtime/frontend/gate/ratelimit.py`. Prints killed / survived / total per module; the
 # survivors: `$(BIN)/mutmut results`, one diff: `$(BIN)/mutmut show <name>`. Not in CI (too slow). Niced,
 # MUTATION_JOBS workers (1: shared machines), one OpenMP thread (torch's OpenMP pool, started in mutmut's
-# process by its first test run, hangs a forked mutant). The stack configuration's GCP rules: keys.py's GCP
+# process by its first test run, hangs a forked mutant). The stack configuration's GCP rules: keys_gcp.py's
 # functions (_gcp_profiles, _profile_gpu, _not_on_gcp, _region_settings; mutmut leaves the decorated pydantic
 # validators alone) and the catalog they read (infra/capacity/gcp.py); the policy rules: the infra/policy/rules
 # package; the batch engine: its slot bookkeeping alone (TickBuffers, _Forcing, BatchEngine's constructor,
@@ -149,10 +149,10 @@ gpu-wheels: $(STAMP)
 MUTATION_MODULES := runtime/frontend/gate/ratelimit.py runtime/frontend/gate/replay.py runtime/frontend/gate/tokens.py \
 	runtime/engine/sampling.py runtime/engine/scheduler.py runtime/engine/batch.py infra/capacity/memory.py \
 	infra/capacity/timing.py \
-	infra/capacity/gcp.py infra/stack_config/keys.py infra/policy/rules \
+	infra/capacity/gcp.py infra/stack_config/keys_gcp.py infra/policy/rules \
 	runtime/frontend/transports/webrtc/candidates.py runtime/frontend/transports/webrtc/offer_checks.py \
 	runtime/frontend/transports/webrtc/turn.py runtime/frontend/store/keys.py runtime/engine/resume.py \
-	infra/node/coturn.py runtime/engine/waiting_room.py runtime/frontend/gate/app_tokens.py \
+	infra/node/bundle/coturn.py runtime/engine/waiting_room.py runtime/frontend/gate/app_tokens.py \
 	runtime/frontend/store/records.py runtime/frontend/sessions_api.py
 MUTATION_JOBS ?= 1
 MODULE ?=
@@ -162,7 +162,7 @@ mutation: $(STAMP)
 	for module in $(or $(MODULE),$(MUTATION_MODULES)); do \
 	  dotted="$${module%.py}"; dotted="$${dotted//\//.}"; \
 	  case "$$module" in \
-	    infra/stack_config/keys.py) patterns="$$dotted.x__gcp_profiles__* $$dotted.x__profile_gpu__* $$dotted.x__not_on_gcp__* \
+	    infra/stack_config/keys_gcp.py) patterns="$$dotted.x__gcp_profiles__* $$dotted.x__profile_gpu__* $$dotted.x__not_on_gcp__* \
 	      $$dotted.x__region_settings__*";; \
 	    runtime/engine/batch.py) patterns="$$dotted.xǁTickBuffersǁ* $$dotted.xǁ_Forcingǁ* \
 	      $$dotted.xǁBatchEngineǁ__init__* $$dotted.xǁBatchEngineǁphase__* $$dotted.xǁBatchEngineǁjoin__* \

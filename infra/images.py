@@ -140,9 +140,10 @@ NODE_IMAGES: dict[str, ThirdPartyImage] = {
         "NVIDIA's registry (no Docker Hub limit); no published digest found: pin it",
     ),
 }
-"""Every image of the node's Compose file but the runtime's, by the names of ``infra.node.compose.IMAGES``
-(which the GKE regions' Grafana, redis_exporter and page nginx use too, ``infra.k8s``): ``IMAGES`` is
-``{name: image.reference() for name, image in NODE_IMAGES.items()}``, so the node runs each by digest."""
+"""Every image of the node's Compose file but the runtime's, by the names of
+``infra.node.bundle.compose.IMAGES`` (which the GKE regions' Grafana, redis_exporter and page nginx use too,
+``infra.k8s``): ``IMAGES`` is ``{name: image.reference() for name, image in NODE_IMAGES.items()}``, so the
+node runs each by digest."""
 
 UNPINNED: frozenset[str] = frozenset(name for name, image in NODE_IMAGES.items() if image.digest is None)
 """Images without a digest yet (tests/test_third_party_images.py keeps this list from growing)."""

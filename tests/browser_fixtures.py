@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from infra.node.browser_launch import chromium_args, chromium_binary
-from infra.node.browser_launch import speech_wav as write_speech_wav
-from infra.node.local import LocalNode, free_port_profile
+from infra.node.local.browser_launch import chromium_args, chromium_binary
+from infra.node.local.browser_launch import speech_wav as write_speech_wav
+from infra.node.local.node import LocalNode, free_port_profile
 
 CHROMIUM = chromium_binary()
 STATS_TIMEOUT_MS = 60_000

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from infra.k8s import base
-from infra.node.profile import PROFILES
+from infra.node.profile.profiles import PROFILES
 
 __all__ = ["CA", "IMAGE", "SECRETS", "make_workload", "one"]
 

@@ -8,11 +8,11 @@ import ssl
 import subprocess
 from pathlib import Path
 
-from infra.node.bundle import write_bundle
-from infra.node.local import nginx_global_directives
-from infra.node.nginx import NGINX_CONF
-from infra.node.profile import NodeProfile
-from infra.node.tls import write_self_signed_certificate
+from infra.node.bundle.nginx import NGINX_CONF
+from infra.node.bundle.render import write_bundle
+from infra.node.bundle.tls import write_self_signed_certificate
+from infra.node.local.node import nginx_global_directives
+from infra.node.profile.profiles import NodeProfile
 
 
 def start_nginx(

@@ -9,7 +9,8 @@ change, whose two outputs are compared::
 
 What is hashed (SHA-256 of canonical JSON or of the bytes):
 
-- ``bundle/<profile>``: every built-in node profile's bundle (``infra.node.bundle.render_bundle``), per file;
+- ``bundle/<profile>``: every built-in node profile's bundle (``infra.node.bundle.render.render_bundle``), per
+  file;
 - ``stack/<stack>/inputs``: every custom resource a stack's program declares under the mocks of
   ``tests/pulumi_harness.py`` (type, logical name, inputs as the provider gets them), per resource;
 - ``stack/<stack>/tree``: the same with component resources and URNs (parents): moving a resource under a
@@ -61,8 +62,8 @@ def _group(items: dict[str, str]) -> dict[str, Any]:
 
 def bundles() -> dict[str, dict[str, Any]]:
     """``{"bundle/<profile>": group}`` for every built-in profile."""
-    from infra.node.bundle import render_bundle
-    from infra.node.profile import PROFILES
+    from infra.node.bundle.render import render_bundle
+    from infra.node.profile.profiles import PROFILES
 
     return {
         f"bundle/{name}": _group({path: _digest(content) for path, content in render_bundle(profile).items()})
@@ -117,7 +118,7 @@ def fixture_manifests() -> dict[str, dict[str, Any]]:
 
     from infra.capacity.gcp import ACCELERATOR_TYPES
     from infra.k8s.region import region_objects
-    from infra.node.profile import PROFILES
+    from infra.node.profile.profiles import PROFILES
 
     out = {}
     for name, profile in sorted(PROFILES.items()):

@@ -1,5 +1,6 @@
 """A redis-server started from a node's rendered ``redis/redis.conf`` and secrets (``infra.node``), as a
-``processes`` node runs it: its ACL users (``infra.node.redis_acl``), AOF persistence, bounded memory."""
+``processes`` node runs it: its ACL users (``infra.node.bundle.redis_acl``), AOF persistence, bounded
+memory."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import redis
 
-from infra.node.bundle import write_bundle, write_secrets
-from infra.node.local import free_port_profile
-from infra.node.redis_conf import REDIS_CONF, render_redis
-from infra.node.services import NodeSecrets
+from infra.node.bundle.redis_conf import REDIS_CONF, render_redis
+from infra.node.bundle.render import write_bundle, write_secrets
+from infra.node.bundle.services import NodeSecrets
+from infra.node.local.node import free_port_profile
 
 
 @dataclass

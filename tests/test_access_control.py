@@ -39,7 +39,7 @@ from test_server_e2e import (  # noqa: F401 (bundle, speech: fixtures)
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from infra.node.local import LocalNode, free_port_profile, missing_binaries
+from infra.node.local.node import LocalNode, free_port_profile, missing_binaries
 from runtime.engine.model_presets import FRAME_SAMPLES
 from runtime.frontend.gate.tokens import SUBPROTOCOL_PREFIX, SigningKey, mint_token
 from runtime.frontend.server import DuplexServer

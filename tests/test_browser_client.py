@@ -11,8 +11,8 @@ page's token, which then opens a conversation; a used, expired, malformed, forei
 its own words; a connection cut mid-conversation (no close frame) is resumed by the page by itself, which
 says so; the page fits a 360 px screen with every control labelled; the capture worklet's 24 kHz
 resampling keeps speech-band tones and removes what would alias; the adaptive playout buffer
-(``playout.js``, through ``infra.node.jitter_relay``) stays within the 60 ms goal without a gap on a clean
-path, grows under injected jitter with few gaps, and shrinks back when the jitter stops.
+(``playout.js``, through ``infra.node.local.jitter_relay``) stays within the 60 ms goal without a gap on a
+clean path, grows under injected jitter with few gaps, and shrinks back when the jitter stops.
 
 A screenshot of the page mid-conversation goes to ``artifacts/browser-client.png`` (git-ignored), and one
 of the phone layout to ``artifacts/browser-client-360.png``.
@@ -42,9 +42,9 @@ from browser_fixtures import (  # noqa: F401 (fixtures)
     wait_stats,
 )
 
-from infra.node.jitter_relay import JitterRelay
-from infra.node.local import LocalNode, free_port_profile, missing_binaries
-from infra.node.services import token_audience
+from infra.node.bundle.services import token_audience
+from infra.node.local.jitter_relay import JitterRelay
+from infra.node.local.node import LocalNode, free_port_profile, missing_binaries
 from runtime.frontend.gate.tokens import mint_token
 
 pytestmark = [

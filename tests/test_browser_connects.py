@@ -1,7 +1,7 @@
-"""``python -m infra.node.browser_connects`` (issue 22: "100 consecutive browser connects, direct and relay"),
-run small so that it cannot rot: 3 calls each way through its command line against its own local node (sim
-model), every call through the right kind of candidate with audio back; and a relay that is down: each call
-it breaks is a failure with the page's reason, and the calls after it go on. Real Chromium, nginx, coturn
+"""``python -m infra.node.local.browser_connects`` (issue 22: "100 consecutive browser connects, direct and
+relay"), run small so that it cannot rot: 3 calls each way through its command line against its own local node
+(sim model), every call through the right kind of candidate with audio back; and a relay that is down: each
+call it breaks is a failure with the page's reason, and the calls after it go on. Real Chromium, nginx, coturn
 and runtime on loopback; the timeouts are hang guards."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from browser_fixtures import CHROMIUM, node_fixture, speech_wav_fixture  # noqa: F401 (fixtures)
 
-from infra.node import browser_connects
-from infra.node.local import LocalNode, missing_binaries
+from infra.node.local import browser_connects
+from infra.node.local.node import LocalNode, missing_binaries
 
 pytestmark = [
     pytest.mark.slow,

@@ -36,7 +36,7 @@ from browser_fixtures import (  # noqa: F401 (fixtures)
 )
 from playwright.sync_api import Error as PlaywrightError
 
-from infra.node.local import LocalNode, missing_binaries
+from infra.node.local.node import LocalNode, missing_binaries
 
 pytestmark = [
     pytest.mark.slow,

@@ -16,8 +16,8 @@ import pytest
 from pydantic import ValidationError
 
 from infra.capacity.plan import first_audio_check
-from infra.node.profile import PROFILES, get_profile
-from infra.node.services import runtime_settings
+from infra.node.bundle.services import runtime_settings
+from infra.node.profile.profiles import PROFILES, get_profile
 
 
 def test_a_target_below_what_the_gpu_can_reach_is_refused_naming_the_floor() -> None:

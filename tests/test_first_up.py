@@ -23,8 +23,8 @@ from fresh_project import (
 from pulumi_harness import RecordedResource, StackRun, run_stack
 
 from infra.capacity import gcp as gcp_catalog
-from infra.node.compose import node_stop_timeout_s
-from infra.node.profile import get_profile
+from infra.node.bundle.compose import node_stop_timeout_s
+from infra.node.profile.profiles import get_profile
 from infra.policy.rules import (
     BACKEND_SERVICE,
     INSTANCE,
@@ -36,7 +36,7 @@ from infra.policy.rules import (
     session_affinity_needs_hash_policy,
 )
 from infra.stack_config import StackConfigError
-from infra.stack_config.keys import NODE_DRAIN_GRACE_S
+from infra.stack_config.keys_node import NODE_DRAIN_GRACE_S
 
 SERVICE = "gcp:projects/service:Service"
 NODE_POOL = "gcp:container/nodePool:NodePool"
@@ -352,7 +352,7 @@ def test_gpu_node_disruption_drains_one_pod_at_a_time_within_its_grace(multi_reg
     terminationGracePeriodSeconds. GPU pools upgrade one node at a time in place (no surge node: it would
     need one more GPU; issue 20 item 11)."""
     from infra.k8s.workload import drain_seconds
-    from infra.node.profile import get_profile as profile_of
+    from infra.node.profile.profiles import get_profile as profile_of
 
     pdbs = [
         p

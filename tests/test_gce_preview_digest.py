@@ -10,7 +10,7 @@ import pytest
 from pulumi.runtime import rpc
 from pulumi_harness import run_stack
 
-from infra.node.rollout import ROLLOUT_METADATA_KEY
+from infra.node.bundle.rollout import ROLLOUT_METADATA_KEY
 
 INSTANCE = "gcp:compute/instance:Instance"
 

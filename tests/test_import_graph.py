@@ -47,8 +47,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "infra.names",
         "infra.yaml_text",
     ),
-    # The node: profiles and the renderers of its bundle, the local node.
+    # The node (docs/node.md, "Module map"): its profile, which imports nothing else of the node; the
+    # renderers of its bundle and its monitoring (they use each other: one part); the local node and its
+    # checks, which run the bundle; ``duplex node``'s commands.
+    ("infra.node.profile",),
     ("infra.node",),
+    ("infra.node.local",),
+    ("infra.node.cli",),
     # One region's Kubernetes objects.
     ("infra.k8s",),
     # The stack's configuration (Pulumi config, validated).

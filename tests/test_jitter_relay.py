@@ -1,4 +1,4 @@
-"""The jitter relay (``infra.node.jitter_relay``) on its own, against a plain TCP server on loopback: it
+"""The jitter relay (``infra.node.local.jitter_relay``) on its own, against a plain TCP server on loopback: it
 tunnels ``CONNECT`` to loopback only, passes bytes both ways, cuts the server's bytes at TLS record
 boundaries (a record split over several reads, or several in one read), keeps their order under random
 delays, counts audio-sized records, and refuses bad settings. Its use with a browser is in
@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from infra.node.jitter_relay import AUDIO_RECORD_MIN_BYTES, JitterRelay
-from infra.node.playout_bench import summarize_leads
+from infra.node.local.jitter_relay import AUDIO_RECORD_MIN_BYTES, JitterRelay
+from infra.node.local.playout_bench import summarize_leads
 
 TIMEOUT_S = 30.0  # hang guard
 

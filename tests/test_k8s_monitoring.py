@@ -16,7 +16,7 @@ from test_node_alertmanager import ALL_RECEIVERS
 
 from infra.k8s import base, metrics_adapter, monitoring, region
 from infra.k8s.manifest import validate_manifests
-from infra.node.profile import get_profile
+from infra.node.profile.profiles import get_profile
 
 
 def _promtool(promtool: str, cwd: Path, *args: str) -> None:
@@ -187,7 +187,7 @@ def test_managed_alertmanager_gets_the_node_receivers_inline(tmp_path: Path) -> 
     Alertmanager configuration (same routes and receivers) with the secrets inline instead of files;
     amtool accepts it; it validates as a Kubernetes Secret."""
     from infra.k8s import alerting
-    from infra.node.alertmanager import alertmanager_config
+    from infra.node.monitoring.alertmanager import alertmanager_config
 
     profile = get_profile("a100-80gb", alerting=ALL_RECEIVERS)
     workload = make_workload(profile=profile, alert_secrets=_ALERT_SECRETS)

@@ -21,7 +21,7 @@ from infra.k8s import base, scaling
 from infra.k8s import workload as k8s_workload
 from infra.k8s.manifest import validate_manifests
 from infra.k8s.region import region_objects, workload_identity_bindings
-from infra.node.profile import PROFILES, get_profile
+from infra.node.profile.profiles import PROFILES, get_profile
 from runtime.config import RuntimeConfig
 
 

@@ -14,7 +14,7 @@ from infra.components.recording_bucket import lifecycle_rules
 from infra.k8s.manifest import validate_manifests
 from infra.k8s.recordings import RECORDINGS_MOUNT, RECORDINGS_SWEEP_S
 from infra.k8s.region import region_objects
-from infra.node.profile import get_profile
+from infra.node.profile.profiles import get_profile
 from infra.policy.rules import BUCKET, UNKNOWN, bucket_private, check_resources, recordings_bucket_retention
 from infra.stack_config.recordings import RecordingsKeys, retention_days
 from runtime.config import RuntimeConfig

@@ -19,7 +19,7 @@ from k8s_fixtures import make_workload, one
 from infra.k8s.manifest import validate_manifests
 from infra.k8s.region import region_objects
 from infra.k8s.turn import TURN_CONFIG_SECRET, TURN_NAME, turn_drain_command, turn_grace_s, turn_replicas
-from infra.node.relay import relay_quota
+from infra.node.profile.relay import relay_quota
 
 TURN_SECRET = "TurnSecretForTheRegions0123456789abcdefghij"
 POD_RANGES = ("10.4.0.0/14",)

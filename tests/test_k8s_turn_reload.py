@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from infra.k8s.turn import tls_reload_script
-from infra.node.coturn import coturn_args, render_turnserver_conf
-from infra.node.local import free_port_profile, stun_binding_ok
-from infra.node.tls import write_self_signed_certificate
+from infra.node.bundle.coturn import coturn_args, render_turnserver_conf
+from infra.node.bundle.tls import write_self_signed_certificate
+from infra.node.local.node import free_port_profile, stun_binding_ok
 
 SECRET = "coturn-reload-secret-0123456789abcdefghijklmn"
 WAIT_S = 60.0

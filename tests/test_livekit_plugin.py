@@ -178,8 +178,8 @@ def test_a_call_through_the_nodes_nginx_over_wss(
     ``Authorization`` header through nginx's ``/api/chat`` location, audio back on both connections."""
     from nginx_front import start_nginx
 
-    from infra.node.local_network import free_port_profile
-    from infra.node.nginx import render_nginx
+    from infra.node.bundle.nginx import render_nginx
+    from infra.node.local.network import free_port_profile
 
     profile = free_port_profile()
     profile = profile.model_copy(update={"ports": profile.ports.model_copy(update={"runtime": port})})

@@ -1,6 +1,6 @@
-"""The LiveKit row of ``duplex node up`` (issue 32, "Done when"): ``infra.node.livekit_row`` runs the
+"""The LiveKit row of ``duplex node up`` (issue 32, "Done when"): ``infra.node.local.livekit_row`` runs the
 plugin's agent (``runtime/tools/livekit_agent.py``) as a subprocess of the LiveKit virtualenv's Python, and
-``infra.node.bringup`` sets its row beside the other transports and fails the node check on its failure.
+``infra.node.local.bringup`` sets its row beside the other transports and fails the node check on its failure.
 
 Nothing here needs the plugin: the subprocess is replaced by a runner (``subprocess.run``'s shape) or by a
 small executable standing in for the virtualenv's Python. The real plugin against a real node:
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from infra.node.bringup import NodeCheck, _check_load, transport_rows
 from infra.node.cli import _transport_table
-from infra.node.livekit_row import LIVEKIT_VOICE, LiveKitReport, LiveKitSession, run_livekit_load
+from infra.node.local.bringup import NodeCheck, _check_load, transport_rows
+from infra.node.local.livekit_row import LIVEKIT_VOICE, LiveKitReport, LiveKitSession, run_livekit_load
 from runtime.tools.loadgen import LoadReport, SessionResult
 
 SPEECH = [np.zeros(24000, dtype=np.float32)]

@@ -1,6 +1,6 @@
 """``duplex_ticks_over_budget_total`` and ``duplex_tick_duration_seconds`` (runtime/metrics.py), counted by
 the scheduler's tick loop (runtime/engine/scheduler.py) from each tick's ``timings.total_ms`` (issue 25).
-The over-budget counter drives the node's "ticks over budget" alert (infra/node/prometheus.py).
+The over-budget counter drives the node's "ticks over budget" alert (infra/node/monitoring/prometheus.py).
 
 The ticks are the sim engine's (runtime/engine/sim.py) with its step-time knob scripted tick by tick and
 its clock injected: the sim's ``time.perf_counter`` is a fake clock that only the injected ``sleep``

@@ -1,5 +1,5 @@
-"""Tests that kill mutants of infra/stack_config/keys.py's GCP functions that the stack configuration tests
-let survive (``make mutation MODULE=infra/stack_config/keys.py``; docs/mutation.md). Each docstring names
+"""Tests killing mutants of infra/stack_config/keys_gcp.py's GCP functions that the stack configuration tests
+let survive (``make mutation MODULE=infra/stack_config/keys_gcp.py``; docs/mutation.md). Each docstring names
 the mutants it kills."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pydantic_core import PydanticCustomError
 from test_stack_config_gpus import _parse, _region
 
 from infra.capacity import gcp as gcp_catalog
-from infra.node.profile import PROFILES, NodeProfile
+from infra.node.profile.profiles import PROFILES, NodeProfile
 from infra.stack_config import StackConfigError
-from infra.stack_config.keys import RegionKeys, _gcp_profiles, _profile_gpu, _region_settings
+from infra.stack_config.keys_gcp import _gcp_profiles, _profile_gpu, _region_settings
+from infra.stack_config.keys_regions import RegionKeys
 from infra.stack_config.settings import RegionSettings
 
 NOT_ON_GCP = (

@@ -26,7 +26,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from infra.node.acme import (
+from infra.node.bundle.acme import (
     ACME_CHALLENGE_PREFIX,
     CERT_NAME,
     DEPLOY_HOOK,
@@ -39,13 +39,13 @@ from infra.node.acme import (
     deploy_hook_script,
     render_acme_host_files,
 )
-from infra.node.bundle import render_bundle, write_bundle
-from infra.node.cloud_init import USER_DATA_FILE
-from infra.node.compose import COMPOSE_FILE
-from infra.node.local import free_port_profile, nginx_global_directives
-from infra.node.nginx import NGINX_CONF
-from infra.node.profile import LETSENCRYPT_DIRECTORY, NodeProfile, get_profile
-from infra.node.tls import write_self_signed_certificate
+from infra.node.bundle.cloud_init import USER_DATA_FILE
+from infra.node.bundle.compose import COMPOSE_FILE
+from infra.node.bundle.nginx import NGINX_CONF
+from infra.node.bundle.render import render_bundle, write_bundle
+from infra.node.bundle.tls import write_self_signed_certificate
+from infra.node.local.node import free_port_profile, nginx_global_directives
+from infra.node.profile.profiles import LETSENCRYPT_DIRECTORY, NodeProfile, get_profile
 from runtime.tools.local_redis import free_loopback_port
 
 DOMAIN = "node.duplex.test"
@@ -332,8 +332,8 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 def test_cloud_init_schema_accepts_the_acme_and_alerting_user_data(tmp_path: Path) -> None:
     """The user-data with certbot's files, the alert receivers' secrets and the Ops Agent passes the real
     ``cloud-init schema``."""
-    from infra.node.cloud_init import render_cloud_init
-    from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES
+    from infra.node.bundle.cloud_init import render_cloud_init
+    from infra.node.bundle.services import OPTIONAL_SECRET_FILES, SECRET_FILES
 
     profile = _acme_profile(alerting={"webhook_url": "https://hooks.example.com/x", "pagerduty": True})
     ids = {role: role.replace("_", "-") for role in [*SECRET_FILES, "alert_pagerduty_routing_key"]}

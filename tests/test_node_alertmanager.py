@@ -17,7 +17,18 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.node.alertmanager import (
+from infra.node.bundle.cloud_init import USER_DATA_FILE, render_cloud_init
+from infra.node.bundle.compose import COMPOSE_FILE
+from infra.node.bundle.render import render_bundle, write_bundle, write_secrets
+from infra.node.bundle.services import (
+    OPTIONAL_SECRET_FILES,
+    SECRET_FILES,
+    NodeSecrets,
+    endpoint,
+    secret_files,
+)
+from infra.node.local.node import REQUIRED_BINARIES, free_port_profile
+from infra.node.monitoring.alertmanager import (
     ALERTMANAGER_CONFIG,
     PAGE_RECEIVER,
     TICKET_RECEIVER,
@@ -25,13 +36,8 @@ from infra.node.alertmanager import (
     alertmanager_config,
     render_alertmanager,
 )
-from infra.node.bundle import render_bundle, write_bundle, write_secrets
-from infra.node.cloud_init import USER_DATA_FILE, render_cloud_init
-from infra.node.compose import COMPOSE_FILE
-from infra.node.local import REQUIRED_BINARIES, free_port_profile
-from infra.node.profile import PROFILES, NodeProfile, get_profile
-from infra.node.prometheus import CONFIG_FILE, prometheus_args
-from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, NodeSecrets, endpoint, secret_files
+from infra.node.monitoring.prometheus import CONFIG_FILE, prometheus_args
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 
 WAIT_S = 90.0
 

@@ -1,4 +1,5 @@
-"""The local node's verdict on its load run (``infra.node.bringup``): a session the node cuts is a problem.
+"""The local node's verdict on its load run (``infra.node.local.bringup``): a session the node cuts is a
+problem.
 
 Planted bug this guards: ``_check_load`` looking only at the handshake and the audio count passed a node
 that closed a session with 1006 after 72 of its 250 frames (``duplex node up`` printed "node check passed").
@@ -6,7 +7,7 @@ that closed a session with 1006 after 72 of its 250 frames (``duplex node up`` p
 
 from __future__ import annotations
 
-from infra.node.bringup import NodeCheck, _check_load
+from infra.node.local.bringup import NodeCheck, _check_load
 from runtime.tools.loadgen import LoadReport, SessionResult
 
 
@@ -44,9 +45,9 @@ def test_a_session_not_served_is_a_problem() -> None:
 
 
 def _resumed(**fields: object) -> list[str]:
-    """The resume step's verdict (``infra.node.resume_check._judge``) on a run that went well but for
+    """The resume step's verdict (``infra.node.local.resume_check._judge``) on a run that went well but for
     ``fields``."""
-    from infra.node.resume_check import ResumeCheck, _judge
+    from infra.node.local.resume_check import ResumeCheck, _judge
 
     base: dict[str, object] = dict(
         session_id="a" * 32,

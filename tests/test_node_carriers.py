@@ -13,9 +13,9 @@ import json
 import pytest
 from pulumi_harness import FAKE_SECRETS, run_stack
 
-from infra.node.carriers import CARRIER_SECRETS, carrier_credentials, carrier_stream_url
-from infra.node.profile import PROFILES, get_profile
-from infra.node.services import NodeSecrets, secret_files
+from infra.node.bundle.carriers import CARRIER_SECRETS, carrier_credentials, carrier_stream_url
+from infra.node.bundle.services import NodeSecrets, secret_files
+from infra.node.profile.profiles import PROFILES, get_profile
 from infra.stack_config import StackConfigError
 from runtime.config import RuntimeConfig
 

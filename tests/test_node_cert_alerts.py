@@ -24,7 +24,7 @@ import pytest
 import yaml
 from cryptography import x509
 
-from infra.node.acme import (
+from infra.node.bundle.acme import (
     FIRST_SERVICE,
     FIRST_TIMER,
     METRICS_FILE,
@@ -35,14 +35,14 @@ from infra.node.acme import (
     render_acme_host_files,
     textfile_dir,
 )
-from infra.node.alert_rules import alert_rules
-from infra.node.bundle import render_bundle
-from infra.node.cloud_init import USER_DATA_FILE, render_cloud_init
-from infra.node.compose import COMPOSE_FILE
-from infra.node.first_boot import APT_LOCK_CONF
-from infra.node.profile import NodeProfile, get_profile
-from infra.node.services import SECRET_FILES
-from infra.node.tls import write_self_signed_certificate
+from infra.node.bundle.cloud_init import USER_DATA_FILE, render_cloud_init
+from infra.node.bundle.compose import COMPOSE_FILE
+from infra.node.bundle.first_boot import APT_LOCK_CONF
+from infra.node.bundle.render import render_bundle
+from infra.node.bundle.services import SECRET_FILES
+from infra.node.bundle.tls import write_self_signed_certificate
+from infra.node.monitoring.alert_rules import alert_rules
+from infra.node.profile.profiles import NodeProfile, get_profile
 from runtime.tools.local_redis import free_loopback_port
 
 DOMAIN = "voice.example.com"
@@ -333,7 +333,7 @@ def test_first_boot_installs_wait_for_the_dpkg_lock_and_retry(tmp_path: Path) ->
 def test_retried_install_gives_up_after_five_attempts(tmp_path: Path) -> None:
     """The retry loop itself, run by ``sh`` with a failing command and no pause: five attempts, then exit 1
     naming what failed."""
-    from infra.node import first_boot
+    from infra.node.bundle import first_boot
 
     script = first_boot.retried(f"echo try >>{tmp_path}/tries; false", "the test install").replace(
         f"sleep {first_boot.APT_RETRY_PAUSE_S}", "true"

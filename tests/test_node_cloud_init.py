@@ -1,6 +1,7 @@
-"""cloud-init user-data of a GCE node (``infra.node.cloud_init``): valid for the real ``cloud-init schema``,
-every bundle file written and decoding to the same bytes, no secret values, under GCE's metadata limit, and a
-preparation script that really fetches secrets (with a stand-in ``gcloud``) and prepares the host.
+"""cloud-init user-data of a GCE node (``infra.node.bundle.cloud_init``): valid for the real
+``cloud-init schema``, every bundle file written and decoding to the same bytes, no secret values, under GCE's
+metadata limit, and a preparation script that really fetches secrets (with a stand-in ``gcloud``) and prepares
+the host.
 
 ``cloud-init`` is the Debian/Ubuntu package's binary (CI installs it); without it the schema tests skip.
 """
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.node.cloud_init import (
+from infra.node.bundle.cloud_init import (
     DLVM_IMAGE_FAMILY,
     DLVM_IMAGE_PROJECT,
     GCE_METADATA_VALUE_LIMIT,
@@ -29,9 +30,9 @@ from infra.node.cloud_init import (
     USER_DATA_FILE,
     render_cloud_init,
 )
-from infra.node.compose import COMPOSE_FILE, node_stop_timeout_s, render_compose
-from infra.node.profile import PROFILES, NodeProfile, get_profile
-from infra.node.services import SECRET_FILES, NodeSecrets, secret_files
+from infra.node.bundle.compose import COMPOSE_FILE, node_stop_timeout_s, render_compose
+from infra.node.bundle.services import SECRET_FILES, NodeSecrets, secret_files
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 
 GPU_PROFILES = sorted(name for name, p in PROFILES.items() if p.deployment == "compose" and p.gpu is not None)
 
@@ -52,7 +53,7 @@ def _fake_bundle(profile: NodeProfile) -> dict[str, bytes]:
 
 
 def _real_bundle(profile: NodeProfile) -> dict[str, bytes]:
-    from infra.node.bundle import render_bundle
+    from infra.node.bundle.render import render_bundle
 
     return render_bundle(profile)
 
@@ -493,7 +494,7 @@ def test_tls_files_can_come_from_secret_manager() -> None:
 
 def test_the_browser_client_reaches_the_vm() -> None:
     """The client's files travel in the user-data with the rest of the bundle, where Compose mounts them."""
-    from infra.node.webclient import WEB_DIR, render_web
+    from infra.node.bundle.webclient import WEB_DIR, render_web
 
     profile = PROFILES["l40s"]
     written = _written(_parse(_user_data(profile, _real_bundle(profile))))

@@ -1,5 +1,5 @@
-"""compose.yaml of a GPU node (``infra.node.compose``): valid against the Compose specification's JSON schema,
-GPUs reserved, only nginx public, drain-aware stop periods, no secret values, agreement with the other
+"""compose.yaml of a GPU node (``infra.node.bundle.compose``): valid against the Compose specification's JSON
+schema, GPUs reserved, only nginx public, drain-aware stop periods, no secret values, agreement with the other
 renderers' container paths.
 
 The schema is compose-spec's own ``schema/compose-spec.json`` as vendored by ``check-jsonschema`` (a dev
@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from infra.node.compose import (
+from infra.node.bundle.compose import (
     COMPOSE_FILE,
     CONTAINER_READ_SECRETS,
     GRAFANA_DASHBOARDS_DIR,
@@ -33,8 +33,8 @@ from infra.node.compose import (
     render_compose,
     runtime_stop_grace_s,
 )
-from infra.node.profile import GRAFANA_VERSION, PROFILES, NodeProfile, get_profile
-from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, services_of
+from infra.node.bundle.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, services_of
+from infra.node.profile.profiles import GRAFANA_VERSION, PROFILES, NodeProfile, get_profile
 
 GPU_PROFILES = sorted(name for name, p in PROFILES.items() if p.deployment == "compose" and p.gpu is not None)
 
@@ -150,7 +150,7 @@ def test_only_nginx_public_and_monitoring_private(profile: NodeProfile) -> None:
     services = _doc(profile)["services"]
     published = {name: spec["ports"] for name, spec in services.items() if "ports" in spec}
     assert set(published) == {"nginx", "prometheus", "grafana", "alertmanager", "coturn"}
-    # The TURN relay: its UDP and TLS listeners only, never the relay range (infra.node.relay).
+    # The TURN relay: its UDP and TLS listeners only, never the relay range (infra.node.profile.relay).
     assert {(p["host_ip"], p["target"], p["published"], p["protocol"]) for p in published["coturn"]} == {
         (profile.public_address, profile.relay.port, str(profile.relay.port), "udp"),
         (profile.public_address, profile.relay.tls_port, str(profile.relay.tls_port), "tcp"),
@@ -310,7 +310,7 @@ def test_every_service_restarts_logs_bounded_and_has_a_healthcheck(name: str) ->
     assert doc["networks"] == {NETWORK: {"name": NETWORK, "driver": "bridge", "ipam": ipam}}
     for service, spec in doc["services"].items():
         assert spec["restart"] == "unless-stopped", service
-        if service == "runtime":  # at the one address coturn may relay to (infra.node.coturn)
+        if service == "runtime":  # at the one address coturn may relay to (infra.node.bundle.coturn)
             assert spec["networks"] == {NETWORK: {"ipv4_address": relay.runtime_address}}
         else:
             assert spec["networks"] == [NETWORK], service
@@ -328,8 +328,8 @@ def test_node_exporter_sees_the_host() -> None:
 
 
 def test_mounts_agree_with_the_other_renderers() -> None:
-    from infra.node.bundle import render_bundle
-    from infra.node.grafana import DASHBOARDS_PATH
+    from infra.node.bundle.render import render_bundle
+    from infra.node.monitoring.grafana import DASHBOARDS_PATH
 
     profile = PROFILES["l40s"]
     bundle = render_bundle(profile)
@@ -371,8 +371,8 @@ def test_host_directories_cover_the_writable_bind_mounts() -> None:
 
 @pytest.mark.parametrize("name", GPU_PROFILES)
 def test_nginx_mounts_the_browser_client_where_its_config_serves_it(name: str) -> None:
-    from infra.node.bundle import render_bundle
-    from infra.node.webclient import WEB_CONTAINER_ROOT, WEB_DIR
+    from infra.node.bundle.render import render_bundle
+    from infra.node.bundle.webclient import WEB_CONTAINER_ROOT, WEB_DIR
 
     profile = PROFILES[name]
     volumes = _doc(profile)["services"]["nginx"]["volumes"]

@@ -1,7 +1,7 @@
 """The node's TURN relay, for real: coturn (Debian's ``turnserver`` 4.6.1) started on loopback from the
-configuration ``infra.node.coturn`` renders, exercised with coturn's own test client (``turnutils_uclient``)
-and echo peer (``turnutils_peer``), with credentials minted by ``runtime.frontend.transports.webrtc.turn``
-the way the runtime
+configuration ``infra.node.bundle.coturn`` renders, exercised with coturn's own test client
+(``turnutils_uclient``) and echo peer (``turnutils_peer``), with credentials minted by
+``runtime.frontend.transports.webrtc.turn`` the way the runtime
 mints them per session.
 
 What must hold: minted credentials allocate and relay UDP to the runtime's address (TURN over UDP and over
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.node.coturn import coturn_args, render_turnserver_conf
-from infra.node.local import free_port_profile, host_ipv4_addresses, stun_binding_ok
-from infra.node.profile import NodeProfile
-from infra.node.relay import ALLOCATIONS_PER_SESSION, relay_port_range
-from infra.node.tls import write_self_signed_certificate
+from infra.node.bundle.coturn import coturn_args, render_turnserver_conf
+from infra.node.bundle.tls import write_self_signed_certificate
+from infra.node.local.node import free_port_profile, host_ipv4_addresses, stun_binding_ok
+from infra.node.profile.profiles import NodeProfile
+from infra.node.profile.relay import ALLOCATIONS_PER_SESSION, relay_port_range
 from runtime.frontend.transports.webrtc.turn import TurnCredentials, mint_turn_credentials
 from runtime.tools.local_redis import free_loopback_port
 

@@ -15,12 +15,12 @@ import redis
 from nginx_front import start_nginx
 from rendered_redis import start_rendered_redis
 
-from infra.node.local import free_port_profile, nginx_global_directives
-from infra.node.nginx import NGINX_CONF, SESSION_TIMEOUT_MARGIN_S, render_nginx
-from infra.node.profile import PROFILES, get_profile
-from infra.node.redis_conf import REDIS_CONF, render_redis
-from infra.node.services import NodeSecrets
-from infra.node.tls import write_self_signed_certificate
+from infra.node.bundle.nginx import NGINX_CONF, SESSION_TIMEOUT_MARGIN_S, render_nginx
+from infra.node.bundle.redis_conf import REDIS_CONF, render_redis
+from infra.node.bundle.services import NodeSecrets
+from infra.node.bundle.tls import write_self_signed_certificate
+from infra.node.local.node import free_port_profile, nginx_global_directives
+from infra.node.profile.profiles import PROFILES, get_profile
 from runtime.frontend.gate.replay import RedisReplayGuard
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 
@@ -301,9 +301,9 @@ def _block(conf: str, opening: str) -> str:
 
 @pytest.mark.parametrize("profile_name", sorted(PROFILES))
 def test_browser_client_location_has_its_headers(profile_name: str) -> None:
-    from infra.node.nginx import content_security_policy
-    from infra.node.services import public_origin
-    from infra.node.webclient import web_root
+    from infra.node.bundle.nginx import content_security_policy
+    from infra.node.bundle.services import public_origin
+    from infra.node.bundle.webclient import web_root
 
     profile = PROFILES[profile_name]
     conf = render_nginx(profile)[NGINX_CONF].decode()
@@ -340,7 +340,7 @@ def test_nginx_serves_the_browser_client_with_its_headers(tmp_path: Path) -> Non
     import urllib.error
     import urllib.request
 
-    from infra.node.webclient import render_web
+    from infra.node.bundle.webclient import render_web
 
     profile = free_port_profile()
     files = {**render_nginx(profile), **render_web()}

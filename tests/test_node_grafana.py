@@ -1,4 +1,5 @@
-"""Grafana files of a node (``infra.node.grafana``): provisioning YAML, the node dashboard, determinism.
+"""Grafana files of a node (``infra.node.monitoring.grafana``): provisioning YAML, the node dashboard,
+determinism.
 
 There is no Grafana server here, so the dashboard is checked as far as tools allow: the SDK's model decoder
 reads it back into typed objects (with the SDK's panel and query plugins) and must give back the same JSON
@@ -26,7 +27,8 @@ from grafana_foundation_sdk.cog.plugins import register_default_plugins
 from grafana_foundation_sdk.models.dashboard import Dashboard, Panel
 
 from infra.capacity.gpus import GPUS
-from infra.node.grafana import (
+from infra.node.bundle.services import endpoint
+from infra.node.monitoring.grafana import (
     DASHBOARD_FILE,
     DATASOURCE_FILE,
     PROVIDER_FILE,
@@ -35,8 +37,7 @@ from infra.node.grafana import (
     node_dashboard,
     render_grafana,
 )
-from infra.node.profile import PROFILES, NodeProfile, get_profile
-from infra.node.services import endpoint
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 from runtime.metrics import RuntimeMetrics
 
 GPU_PROFILES = [name for name, profile in PROFILES.items() if profile.gpu is not None]
@@ -475,7 +476,7 @@ def test_a_staggered_node_draws_its_tick_budget_at_the_sub_tick_period() -> None
 def test_the_turn_relay_row_only_where_coturn_is_scraped() -> None:
     """coturn's panels read its exporter: on a compose node with the relay on (the coturn/coturn image), not
     on the local node (Debian's coturn has none) nor with the relay off; a stack can ask for them."""
-    from infra.node.rtc_rules import coturn_exported
+    from infra.node.monitoring.rtc_rules import coturn_exported
 
     for name, profile in PROFILES.items():
         read = set().union(*(metric_names(e) for e in exprs(dashboard_of(profile))))
@@ -497,7 +498,7 @@ def read_metrics(p: dict[str, Any]) -> set[str]:
 
 
 def test_webrtc_panels_read_their_series_and_draw_the_alert_thresholds() -> None:
-    from infra.node.rtc_rules import (
+    from infra.node.monitoring.rtc_rules import (
         RTC_CONNECT_P99_ALERT_S,
         RTC_UNCONNECTED_ALERT_FRACTION,
         RTP_CONCEALED_ALERT_FRACTION,

@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 from test_server_e2e import AFTER_FRAMES, WAIT_S, LiveClient, Metrics, assert_healthy, live
 
-from infra.node.bringup import bring_up_and_check, transport_rows
-from infra.node.local import (
+from infra.node.local.bringup import bring_up_and_check, transport_rows
+from infra.node.local.node import (
     LocalNode,
     MissingBinaryError,
     NodeStartError,
     free_port_profile,
     missing_binaries,
 )
-from infra.node.prometheus_api import prometheus_query
+from infra.node.local.prometheus_api import prometheus_query
 from runtime.tools.loadgen import DEMO_SENTENCES, run_session, session_url, synthesize_speech
 
 pytestmark = [

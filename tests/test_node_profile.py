@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from infra.capacity import max_sessions
-from infra.node.profile import PROFILES, get_profile
-from infra.node.services import NodeSecrets, endpoint, runtime_settings, secret_files, services_of
+from infra.node.bundle.services import NodeSecrets, endpoint, runtime_settings, secret_files, services_of
+from infra.node.profile.profiles import PROFILES, get_profile
 
 
 def test_builtin_profiles_are_the_four_the_stacks_use() -> None:

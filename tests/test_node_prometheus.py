@@ -1,4 +1,4 @@
-"""The node's Prometheus files (``infra.node.prometheus``), checked by Prometheus's own tools:
+"""The node's Prometheus files (``infra.node.monitoring.prometheus``), checked by Prometheus's own tools:
 ``promtool check config``, ``promtool check rules`` and ``promtool test rules`` on the generated unit tests,
 for every profile and for variants; mutations of the rules that those unit tests must catch; and a real
 ``prometheus`` started with ``prometheus_args`` on the rendered configuration.
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.node.profile import PROFILES, NodeProfile, get_profile
-from infra.node.prometheus import (
+from infra.node.bundle.services import endpoint
+from infra.node.monitoring.prometheus import (
     CONFIG_FILE,
     RULES_FILE,
     RULES_TEST_FILE,
@@ -31,7 +31,7 @@ from infra.node.prometheus import (
     render_prometheus,
     rules_unit_tests,
 )
-from infra.node.services import endpoint
+from infra.node.profile.profiles import PROFILES, NodeProfile, get_profile
 from runtime.tools.local_redis import free_loopback_port
 
 ALL_ALERTS = {
@@ -111,7 +111,7 @@ def test_promtool_accepts_config_rules_and_unit_tests(promtool: str, tmp_path: P
         # 200 ms: just above the 195.6 ms the planner says a T4 can reach at all (NodeProfile refuses less)
         ("t4-int8", {"limits": {"first_audio_p99_target_ms": 200.0, "at_cap_alert_minutes": 60}}),
         ("local", {"max_sessions": 1, "deployment": "compose"}),
-        # ACME: the certificate's alerts (infra.node.cert_rules) and their unit tests
+        # ACME: the certificate's alerts (infra.node.monitoring.cert_rules) and their unit tests
         (
             "a100-80gb",
             {"domain": "voice.example.com", "tls": {"mode": "acme", "acme_email": "o@example.com"}},
@@ -282,7 +282,7 @@ def test_scrape_jobs_targets_and_gpu_only_parts(name: str) -> None:
     timeout_s = int(config["global"]["scrape_timeout"].removesuffix("s"))
     assert 1 <= timeout_s <= profile.scrape_interval_s
     assert config["rule_files"] == ["rules/*.yml"]
-    # Alerts go to the node's own Alertmanager (infra.node.alertmanager).
+    # Alerts go to the node's own Alertmanager (infra.node.monitoring.alertmanager).
     assert config["alerting"] == {
         "alertmanagers": [{"static_configs": [{"targets": [endpoint(profile, "alertmanager")]}]}]
     }

@@ -27,7 +27,7 @@ import redis
 import redis.asyncio as aioredis
 from rendered_redis import RenderedRedis, start_rendered_redis
 
-from infra.node.redis_acl import role_password
+from infra.node.bundle.redis_acl import role_password
 from runtime.frontend.gate.replay import RedisReplayGuard
 from runtime.frontend.gate.tokens import TokenClaims, TokenRejected
 from runtime.frontend.store.records import RedisSessionReader

@@ -1,6 +1,6 @@
-"""The relay's settings and figures (``infra.node.relay``) and what the node's renderers make of them
-(``infra.node.coturn``, ``services``, ``compose``): pure, no coturn running (``test_node_coturn.py`` runs
-it)."""
+"""The relay's settings and figures (``infra.node.profile.relay``) and what the node's renderers make of them
+(``infra.node.bundle.coturn``, ``services``, ``compose``): pure, no coturn running (``test_node_coturn.py``
+runs it)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pydantic
 import pytest
 import yaml
 
-from infra.node.compose import COMPOSE_FILE, render_compose
-from infra.node.coturn import peer_ranges, render_turnserver_conf
-from infra.node.profile import PROFILES, get_profile
-from infra.node.relay import (
+from infra.node.bundle.compose import COMPOSE_FILE, render_compose
+from infra.node.bundle.coturn import peer_ranges, render_turnserver_conf
+from infra.node.bundle.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, services_of
+from infra.node.profile.profiles import PROFILES, get_profile
+from infra.node.profile.relay import (
     ALLOCATIONS_PER_SESSION,
     RelaySettings,
     media_firewall_allows,
@@ -19,7 +20,6 @@ from infra.node.relay import (
     relay_quota,
     turn_urls,
 )
-from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, services_of
 
 SECRET = "x" * 40
 

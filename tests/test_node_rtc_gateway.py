@@ -30,9 +30,9 @@ from test_server_e2e import (  # noqa: F401 (fixtures)
     wait_until,
 )
 
-from infra.node.local import free_port_profile
-from infra.node.nginx import NGINX_CONF, RTC_OFFER_MAX_BYTES, render_nginx
-from infra.node.profile import PROFILES
+from infra.node.bundle.nginx import NGINX_CONF, RTC_OFFER_MAX_BYTES, render_nginx
+from infra.node.local.node import free_port_profile
+from infra.node.profile.profiles import PROFILES
 from runtime.frontend.gate.query import RESUME_HEADER, RESUME_SUBPROTOCOL_PREFIX
 from runtime.frontend.server import DuplexServer
 from runtime.frontend.transports.webrtc import signalling as rtc

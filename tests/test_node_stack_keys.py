@@ -16,9 +16,9 @@ import pytest
 import yaml
 from pulumi_harness import FAKE_SECRETS, run_stack, stack_config
 
-from infra.node.acme import DEPLOY_HOOK, FIRST_SERVICE, FIRST_TIMER, RENEW_SCRIPT, SERVICE, TIMER
-from infra.node.alertmanager import ALERTMANAGER_CONFIG, PAGE_RECEIVER
-from infra.node.services import OPTIONAL_SECRET_FILES
+from infra.node.bundle.acme import DEPLOY_HOOK, FIRST_SERVICE, FIRST_TIMER, RENEW_SCRIPT, SERVICE, TIMER
+from infra.node.bundle.services import OPTIONAL_SECRET_FILES
+from infra.node.monitoring.alertmanager import ALERTMANAGER_CONFIG, PAGE_RECEIVER
 from infra.stack_config import StackConfigError, parse_stack_config
 
 K = "duplexops:"
@@ -167,8 +167,8 @@ def _acme_files(script: str) -> dict[str, str]:
 def test_onprem_node_with_a_domain_installs_certbot_renewal(tmp_path) -> None:  # noqa: ANN001
     """Guards item 7 on-premises (acmeEmail was refused: the deploy installed no certbot): with a domain
     and acmeEmail the deploy has an ``acme`` step, right after the GPU check and before compose-up, that
-    requires certbot on the host (naming the package), installs infra.node.acme's renew script, deploy hook
-    (nginx reloaded in Compose with SIGHUP), service and timer, and removes them on delete."""
+    requires certbot on the host (naming the package), installs infra.node.bundle.acme's renew script, deploy
+    hook (nginx reloaded in Compose with SIGHUP), service and timer, and removes them on delete."""
     from infra.components.onprem_node import CERTBOT_PACKAGE
 
     run = run_stack(

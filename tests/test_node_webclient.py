@@ -1,5 +1,5 @@
-"""The browser client's files (``infra.node.webclient``): what the bundle carries, that they ship with the
-package, that they fetch nothing from elsewhere, and that the page has plain words for every reason the
+"""The browser client's files (``infra.node.bundle.webclient``): what the bundle carries, that they ship with
+the package, that they fetch nothing from elsewhere, and that the page has plain words for every reason the
 runtime can give. The page itself runs in a real browser in ``test_browser_client``."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.node.bundle import render_bundle
-from infra.node.profile import PROFILES
-from infra.node.webclient import WEB_DIR, WEB_TYPES, render_web
+from infra.node.bundle.render import render_bundle
+from infra.node.bundle.webclient import WEB_DIR, WEB_TYPES, render_web
+from infra.node.profile.profiles import PROFILES
 from runtime.frontend.server import ADMISSION_REASONS
 
 SOURCE = Path(__file__).resolve().parents[1] / "infra" / "node" / "web"
@@ -88,8 +88,8 @@ def test_node_up_prints_the_page_and_a_one_conversation_link(tmp_path: Path) -> 
     from rich.console import Console
 
     from infra.node import cli
-    from infra.node.local import LocalNode, free_port_profile
-    from infra.node.services import token_audience
+    from infra.node.bundle.services import token_audience
+    from infra.node.local.node import LocalNode, free_port_profile
     from runtime.frontend.gate.tokens import TokenVerifier
 
     node = LocalNode(tmp_path / "node", free_port_profile())

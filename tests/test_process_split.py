@@ -32,7 +32,7 @@ from test_server_e2e import (  # noqa: F401 (speech: fixture)
 )
 from websockets.asyncio.client import connect
 
-from infra.node.bringup import runtime_health_problem
+from infra.node.local.bringup import runtime_health_problem
 from runtime.frontend.codecs.protocol import encode_metadata
 from runtime.frontend.gate.tokens import generate_signing_key, mint_token
 from runtime.tools.loadgen import run_session, session_url
@@ -276,7 +276,7 @@ async def test_a_killed_engine_makes_every_worker_unhealthy(node_dir, speech):  
             assert (status, text.strip()) == (500, "engine unreachable")
         refused = await knock(node.chat_url(), speech[1])
         assert not refused.handshake
-        # `duplex node up` (infra.node.bringup) reports it.
+        # `duplex node up` (infra.node.local.bringup) reports it.
         problem = await asyncio.to_thread(runtime_health_problem, f"http://127.0.0.1:{node.port}")
         assert problem == "runtime /healthz answered 500: engine unreachable"
 

@@ -1,7 +1,7 @@
 """One list of the runtime's public paths, held in three places (issue 33, "one place, or one test, for the
 public paths that ``http.ROUTES``, nginx and the URL map each list"): the runtime's routes
-(``runtime.frontend.http.ROUTES``), the node's nginx (``infra.node.nginx``) and the global entry's URL map
-(``infra.components.global_entry.RUNTIME_PATHS``). A route added to the runtime and forgotten in nginx is
+(``runtime.frontend.http.ROUTES``), the node's nginx (``infra.node.bundle.nginx``) and the global entry's URL
+map (``infra.components.global_entry.RUNTIME_PATHS``). A route added to the runtime and forgotten in nginx is
 served the browser client's 404 on every single node; forgotten in the URL map it is the page's on
 multi-region; an internal path (health, readiness, free slots, metrics) forwarded by either is public.
 
@@ -16,8 +16,8 @@ import re
 import pytest
 
 from infra.components.global_entry import RUNTIME_PATHS
-from infra.node.nginx import NGINX_CONF, render_nginx
-from infra.node.profile import PROFILES
+from infra.node.bundle.nginx import NGINX_CONF, render_nginx
+from infra.node.profile.profiles import PROFILES
 from runtime.frontend.http import ROUTES
 
 INTERNAL = ("/healthz", "/readyz", "/slotz", "/metrics")

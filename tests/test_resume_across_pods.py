@@ -36,7 +36,7 @@ from websockets.exceptions import ConnectionClosed
 from infra.components.global_entry import regional_path
 from infra.k8s.pod_routes import RUNTIME_PODS_SERVICE
 from infra.k8s.resume_router import OFFER_TRIES, router_nginx_conf
-from infra.node.local import nginx_global_directives
+from infra.node.local.node import nginx_global_directives
 from runtime.engine.resume import NOT_A_CREDENTIAL_MESSAGE
 from runtime.frontend.codecs.protocol import MessageKind
 from runtime.frontend.gate.query import RESUME_HEADER

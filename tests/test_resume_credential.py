@@ -217,7 +217,7 @@ def test_the_page_and_the_tools_put_no_credential_in_a_url() -> None:
             "runtime/tools/resume_bench.py",
             "runtime/tools/resume_bench_rtc.py",
             "runtime/tools/rtc_client.py",
-            "infra/node/resume_check.py",
+            "infra/node/local/resume_check.py",
         )
     }
     for path, text in sources.items():

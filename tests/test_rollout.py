@@ -1,5 +1,5 @@
-"""The node's rollout agent (``infra.node.rollout``), run here for real: the rendered POSIX script against
-a fake GCE metadata server on loopback (the ``duplex-runtime-image`` key with ETags and
+"""The node's rollout agent (``infra.node.bundle.rollout``), run here for real: the rendered POSIX script
+against a fake GCE metadata server on loopback (the ``duplex-runtime-image`` key with ETags and
 ``wait_for_change``, as GCE answers), a real ``compose.yaml`` rendered by the node bundle, and fake
 ``docker``, ``systemctl`` and preparation script that record what they were asked (no Docker here). Also
 the user-data that no longer carries the digest, and the data disk cloud-init mounts.
@@ -19,9 +19,8 @@ import pytest
 import yaml
 from test_server_e2e import speech  # noqa: F401 - a fixture
 
-from infra.node.bundle import render_bundle
-from infra.node.profile import get_profile
-from infra.node.rollout import (
+from infra.node.bundle.render import render_bundle
+from infra.node.bundle.rollout import (
     ROLLOUT_METADATA_KEY,
     add_rollout,
     data_disk_path,
@@ -29,6 +28,7 @@ from infra.node.rollout import (
     render_agent,
     render_rollout_files,
 )
+from infra.node.profile.profiles import get_profile
 
 REPO = "us-central1-docker.pkg.dev/my-gcp-project/duplex-dev/duplex-runtime"
 IMAGE_A = f"{REPO}@sha256:" + "a" * 64
@@ -246,7 +246,7 @@ def test_sync_without_the_metadata_server(tmp_path: Path, metadata: FakeMetadata
 def test_user_data_carries_the_agent_and_the_data_disk() -> None:
     """The node unit waits for the data disk's mount and syncs the image first; cloud-init formats the
     data disk only when it has no file system (``overwrite: false``) and mounts it at ``data_dir``."""
-    from infra.node.cloud_init import USER_DATA_FILE, render_cloud_init
+    from infra.node.bundle.cloud_init import USER_DATA_FILE, render_cloud_init
 
     user_data = render_cloud_init(PROFILE, render_bundle(PROFILE))[USER_DATA_FILE].decode()
     merged = add_rollout(user_data, PROFILE)

@@ -354,8 +354,8 @@ async def test_the_api_through_the_local_nodes_nginx(api_node: DuplexServer, tmp
     dotted path is normalised by nginx before any location matches."""
     from nginx_front import start_nginx
 
-    from infra.node.local import free_port_profile
-    from infra.node.nginx import render_nginx
+    from infra.node.bundle.nginx import render_nginx
+    from infra.node.local.node import free_port_profile
 
     server = api_node
     profile = free_port_profile()

@@ -155,8 +155,8 @@ def test_a_gated_model_requires_hf_token(stack: str, profile: str) -> None:
 
 def test_gated_ness_comes_from_the_model_preset() -> None:
     """Only a model whose preset is gated needs the token (moshi-7b's weights are public)."""
-    from infra.node.profile import get_profile
-    from infra.stack_config.keys import _require_hf_token
+    from infra.node.profile.profiles import get_profile
+    from infra.stack_config.keys_common import _require_hf_token
     from runtime.engine.model_presets import PRESETS
 
     assert {name for name, preset in PRESETS.items() if preset.gated} == {"personaplex-7b"}

@@ -36,7 +36,7 @@ def test_a_region_whose_machine_type_cannot_carry_its_gpu_is_refused_naming_both
     its L4). Both bad regions are refused at once, each line naming the region's item, the machine type,
     the GPU and the types that would carry it; the good region draws no line.
 
-    Planted bug: ``_region_settings`` (infra/stack_config/keys.py) without its ``carry_problem`` check (the
+    Planted bug: ``_region_settings`` (infra.stack_config.keys_gcp) without its ``carry_problem`` check (the
     multi-region check removed) — fails on it (the configuration is accepted)."""
     regions = [
         _region("us-central1", None, "n1-standard-8"),

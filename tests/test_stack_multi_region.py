@@ -221,7 +221,7 @@ def test_certificate_name_refuses_an_empty_domain_and_a_long_prefix() -> None:
 def test_global_entry_serves_the_page_and_only_the_runtime_paths(run: StackRun) -> None:
     """The browser client is the default; only the runtime's public paths reach the pods, so /metrics,
     /healthz and /readyz are not reachable from the internet."""
-    from infra.node.webclient import WEB_DIR, render_web
+    from infra.node.bundle.webclient import WEB_DIR, render_web
 
     [url_map] = [r.plain for r in run.of_type("gcp:compute/uRLMap:URLMap") if "hostRules" in r.plain]
     page_id, runtime_id = "global-entry-page-backend-id", "global-entry-backend-id"
@@ -800,7 +800,7 @@ def test_receivers_reach_gmp_managed_alertmanager(tmp_path: Path) -> None:
     import shutil
     import subprocess
 
-    from infra.node.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
+    from infra.node.monitoring.alertmanager import PAGE_RECEIVER, TICKET_RECEIVER
 
     run = run_stack(
         STACK,

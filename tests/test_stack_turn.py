@@ -11,7 +11,7 @@ import json
 import pytest
 from pulumi_harness import FAKE_SECRETS, StackRun, run_stack, stack_config
 
-from infra.node.services import NodeSecrets
+from infra.node.bundle.services import NodeSecrets
 from infra.stack_config import StackConfigError, parse_stack_config
 
 GIVEN = "GivenTurnSecretSharedWithTheFleet_0123456789-abc"

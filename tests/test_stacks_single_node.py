@@ -26,10 +26,10 @@ from pulumi_harness import STACKS, StackRun, load_stack_file, run_stack
 
 from infra.capacity import max_sessions, plan
 from infra.capacity.gcp import MACHINE_TYPES
-from infra.node.compose import CONTAINER_READ_SECRETS
-from infra.node.profile import get_profile
-from infra.node.redis_acl import redis_url, render_acl_users
-from infra.node.services import SECRET_FILES
+from infra.node.bundle.compose import CONTAINER_READ_SECRETS
+from infra.node.bundle.redis_acl import redis_url, render_acl_users
+from infra.node.bundle.services import SECRET_FILES
+from infra.node.profile.profiles import get_profile
 from infra.stack_config import StackConfigError
 
 REPO = pulumi_harness.REPO_ROOT
@@ -357,7 +357,7 @@ def test_secret_manager_holds_the_node_secrets(runs: dict[str, StackRun], stack:
     assert payloads["secrets-redis-password-version"] == redis_pw
     assert payloads["secrets-redis-auth-conf-version"] == render_acl_users(redis_pw)  # the users, default off
     # The runtime and coturn share the TURN secret (runtime/frontend/transports/webrtc/turn.py,
-    # infra.node.coturn).
+    # infra.node.bundle.coturn).
     turn = pulumi_harness._mock_password("secrets-turn-secret")
     assert payloads["secrets-runtime-env-version"] == (
         f"DUPLEX_REDIS_URL={redis_url(redis_pw, 'runtime', 'redis', 6379)}\nDUPLEX_TURN_SECRET={turn}\n"

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from infra.images import NODE_IMAGES, UNPINNED, ThirdPartyImage
-from infra.node.compose import IMAGES
-from infra.node.profile import GRAFANA_VERSION
+from infra.node.bundle.compose import IMAGES
+from infra.node.profile.profiles import GRAFANA_VERSION
 
 MIRROR = "us-central1-docker.pkg.dev/my-gcp-project/dockerhub"
 PINNED = re.compile(r"^[a-z0-9./_-]+:[A-Za-z0-9_.-]+@sha256:[0-9a-f]{64}$")

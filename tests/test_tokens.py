@@ -22,8 +22,14 @@ from typer.testing import CliRunner
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from infra.node.profile import PROFILES
-from infra.node.services import SECRET_FILES, NodeSecrets, runtime_settings, secret_files, token_audience
+from infra.node.bundle.services import (
+    SECRET_FILES,
+    NodeSecrets,
+    runtime_settings,
+    secret_files,
+    token_audience,
+)
+from infra.node.profile.profiles import PROFILES
 from runtime.config import RuntimeConfig
 from runtime.engine.api import AdmitRequest, SessionSink, SlotLease
 from runtime.frontend.codecs.protocol import MessageKind

@@ -27,17 +27,17 @@ from infra.capacity.gcp import (
     STOP_TIMEOUT_METADATA_KEY,
 )
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
-from infra.node.bundle import render_bundle
-from infra.node.cloud_init import (
+from infra.node.bundle.cloud_init import (
     DLVM_IMAGE_FAMILY,
     DLVM_IMAGE_PROJECT,
     USER_DATA_FILE,
     render_cloud_init,
 )
-from infra.node.compose import node_stop_timeout_s
-from infra.node.profile import NodeProfile
-from infra.node.relay import media_firewall_allows
-from infra.node.rollout import DATA_DISK_DEVICE, ROLLOUT_METADATA_KEY, add_rollout, pending_image
+from infra.node.bundle.compose import node_stop_timeout_s
+from infra.node.bundle.render import render_bundle
+from infra.node.bundle.rollout import DATA_DISK_DEVICE, ROLLOUT_METADATA_KEY, add_rollout, pending_image
+from infra.node.profile.profiles import NodeProfile
+from infra.node.profile.relay import media_firewall_allows
 from infra.stack_config import GceSettings
 
 __all__ = [

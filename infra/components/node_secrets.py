@@ -31,15 +31,15 @@ import pulumi
 import pulumi_random as random
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
-from infra.node.cloud_init import HF_TOKEN_FILE
-from infra.node.profile import NodeProfile
-from infra.node.services import (
+from infra.node.bundle.cloud_init import HF_TOKEN_FILE
+from infra.node.bundle.services import (
     OPTIONAL_SECRET_FILES,
     SECRET_FILES,
     NodeSecrets,
     optional_secret_roles,
     secret_files,
 )
+from infra.node.profile.profiles import NodeProfile
 
 __all__ = ["PASSWORD_LENGTH", "StackSecrets", "StackSecretsArgs", "secret_id_for"]
 

@@ -17,7 +17,7 @@ import pulumi
 import pulumi_gcp.monitoring as monitoring
 
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
     "ALERT_DURATION",

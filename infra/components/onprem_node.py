@@ -20,15 +20,15 @@ import pulumi_gcp.serviceaccount as serviceaccount
 
 from infra.capacity.gpus import GPUS
 from infra.components._util import COMPONENT_PACKAGE, child_options, dependencies
-from infra.node.acme import SERVICE as ACME_SERVICE
-from infra.node.acme import TIMER as ACME_TIMER
-from infra.node.acme import TIMERS as ACME_TIMERS
-from infra.node.acme import render_acme_host_files
-from infra.node.bundle import render_bundle, write_bundle
-from infra.node.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
-from infra.node.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS, tls_reload_command
-from infra.node.profile import NodeProfile
-from infra.node.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR
+from infra.node.bundle.acme import SERVICE as ACME_SERVICE
+from infra.node.bundle.acme import TIMER as ACME_TIMER
+from infra.node.bundle.acme import TIMERS as ACME_TIMERS
+from infra.node.bundle.acme import render_acme_host_files
+from infra.node.bundle.cloud_init import DOCKER_CONFIG_DIR, USER_DATA_FILE, render_prepare_script
+from infra.node.bundle.compose import COMPOSE_FILE, CONTAINER_READ_SECRETS, tls_reload_command
+from infra.node.bundle.render import render_bundle, write_bundle
+from infra.node.bundle.services import OPTIONAL_SECRET_FILES, SECRET_FILES, SECRETS_DIR
+from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
     "GPU_NAME_PATTERNS",

@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from infra.k8s.base import PART_OF, RegionWorkload, lift
-from infra.node.alertmanager import alertmanager_config
-from infra.node.profile import NodeProfile
+from infra.node.monitoring.alertmanager import alertmanager_config
+from infra.node.profile.profiles import NodeProfile
 from infra.yaml_text import dump_yaml
 
 __all__ = [

@@ -16,8 +16,8 @@ from urllib.parse import quote
 
 from infra.capacity.gcp import ACCELERATOR_TYPES
 from infra.names import PROJECT_ID_RE, REGION_RE, ZONE_RE
-from infra.node.compose import RUNTIME_UID
-from infra.node.profile import NodeProfile
+from infra.node.bundle.compose import RUNTIME_UID
+from infra.node.profile.profiles import NodeProfile
 from runtime.engine.model_presets import get_preset
 
 __all__ = [

@@ -32,10 +32,10 @@ from infra.k8s.base import (
     standard_labels,
 )
 from infra.k8s.turn import TURN_NAME
-from infra.node.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, GRAFANA_UID, IMAGES
-from infra.node.compose import _grafana as _compose_grafana
-from infra.node.grafana import dashboard_bytes, datasource_yaml, node_dashboard, provider_yaml
-from infra.node.prometheus import alert_rules, rules_unit_tests, scrape_interval
+from infra.node.bundle.compose import GRAFANA_DASHBOARDS_DIR, GRAFANA_PROVISIONING_DIR, GRAFANA_UID, IMAGES
+from infra.node.bundle.compose import _grafana as _compose_grafana
+from infra.node.monitoring.grafana import dashboard_bytes, datasource_yaml, node_dashboard, provider_yaml
+from infra.node.monitoring.prometheus import alert_rules, rules_unit_tests, scrape_interval
 
 __all__ = [
     "AlertSelectors",

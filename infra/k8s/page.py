@@ -23,8 +23,8 @@ from infra.k8s.base import (
     standard_labels,
 )
 from infra.k8s.workload import neg_annotation, zone_spread
-from infra.node.compose import IMAGES
-from infra.node.webclient import WEB_DIR, WEB_TYPES, render_web
+from infra.node.bundle.compose import IMAGES
+from infra.node.bundle.webclient import WEB_DIR, WEB_TYPES, render_web
 
 __all__ = [
     "PAGE_HEALTH_PATH",

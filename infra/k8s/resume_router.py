@@ -36,7 +36,7 @@ from infra.k8s.base import (
 )
 from infra.k8s.page import nginx_pods
 from infra.k8s.pod_routes import pod_dns_suffix, runtime_pods_service
-from infra.node.nginx import RTC_OFFER_MAX_BYTES, SESSION_TIMEOUT_MARGIN_S
+from infra.node.bundle.nginx import RTC_OFFER_MAX_BYTES, SESSION_TIMEOUT_MARGIN_S
 
 __all__ = [
     "KUBE_DNS",

@@ -53,9 +53,9 @@ from infra.k8s.base import (
     selector_labels,
 )
 from infra.names import SYSTEM_POOL
-from infra.node.compose import IMAGES
-from infra.node.coturn import CONTAINER_CONFIG_PATH, coturn_args, render_turnserver_conf
-from infra.node.relay import turn_urls
+from infra.node.bundle.compose import IMAGES
+from infra.node.bundle.coturn import CONTAINER_CONFIG_PATH, coturn_args, render_turnserver_conf
+from infra.node.profile.relay import turn_urls
 
 __all__ = [
     "TURN_DRAIN_MARGIN_S",

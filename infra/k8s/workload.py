@@ -43,14 +43,14 @@ from infra.k8s.pod_routes import resume_routes_env
 from infra.k8s.recordings import recordings_env, recordings_volume, recordings_volume_mounts
 from infra.k8s.turn import TURN_SECRET_KEY, turn_env
 from infra.names import GPU_TAINT_KEY
-from infra.node.carriers import (
+from infra.node.bundle.carriers import (
     CARRIER_SECRETS,
     SIGNED_URL_SETTINGS,
     carrier_stream_url,
     check_carrier_secrets,
 )
-from infra.node.profile import NodeProfile
-from infra.node.services import runtime_settings
+from infra.node.bundle.services import runtime_settings
+from infra.node.profile.profiles import NodeProfile
 
 __all__ = [
     "GOOGLE_FRONT_END_RANGES",

@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from infra.node.carriers import CARRIER_PATHS
-from infra.node.profile import PROFILES
+from infra.node.bundle.carriers import CARRIER_PATHS
+from infra.node.profile.profiles import PROFILES
 
 app = typer.Typer(help="Node profiles, the rendered node bundle, and the local node.", no_args_is_help=True)
 console = Console()
@@ -51,7 +51,7 @@ def render_command(
     out: Annotated[Path, typer.Argument(help="Directory to write the bundle into")],
 ) -> None:
     """Write PROFILE's bundle (nginx, Redis, Prometheus, Grafana, Compose, cloud-init) into OUT."""
-    from infra.node.bundle import render_bundle, write_bundle
+    from infra.node.bundle.render import render_bundle, write_bundle
 
     if profile not in PROFILES:
         console.print(f"[red]unknown profile {profile!r}[/red]; allowed: {', '.join(PROFILES)}")
@@ -118,7 +118,7 @@ def _resume_table(row: dict[str, object]) -> Table:
 
 
 def _print_check(check, node) -> None:  # noqa: ANN001 (NodeCheck, LocalNode: imported lazily)
-    from infra.node.bringup import transport_rows
+    from infra.node.local.bringup import transport_rows
     from runtime.tools.loadgen import load_table
 
     if check.load is not None:
@@ -157,7 +157,7 @@ BROWSER_LINK_TTL_S = 900.0
 def _print_browser_client(node) -> None:  # noqa: ANN001 (LocalNode: imported lazily)
     """The browser client's address, a one-conversation link carrying a fresh token in its fragment (never
     sent to the server, never logged), and how to mint more tokens."""
-    from infra.node.services import SECRET_FILES, token_audience
+    from infra.node.bundle.services import SECRET_FILES, token_audience
 
     token = node.mint_token(ttl_s=BROWSER_LINK_TTL_S)
     minutes = BROWSER_LINK_TTL_S / 60
@@ -206,8 +206,8 @@ def up_command(
     TCP connection is cut and resumed, then as many over WebRTC through the node's TURN relay, print both
     transports side by side and the resume, show Prometheus's figures, stop."""
     logging.basicConfig(level=logging.WARNING)
-    from infra.node.bringup import bring_up_and_check
-    from infra.node.local import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
+    from infra.node.local.bringup import bring_up_and_check
+    from infra.node.local.node import LocalNode, MissingBinaryError, NodeStartError, free_port_profile
     from runtime.tools.loadgen import load_speech
 
     profile = free_port_profile() if free_ports else PROFILES["local"]

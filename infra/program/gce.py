@@ -9,7 +9,7 @@ from typing import Any
 
 import pulumi
 
-from infra.node.cloud_init import GUEST_ATTRIBUTE_TLS_SHA256
+from infra.node.bundle.cloud_init import GUEST_ATTRIBUTE_TLS_SHA256
 from infra.program.dns import a_records, records_summary
 from infra.program.shared import (
     capacity_summary,

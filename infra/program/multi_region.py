@@ -15,8 +15,8 @@ from typing import Any
 import pulumi
 
 from infra.capacity.power import HOURS_PER_MONTH
-from infra.node.services import public_origin
-from infra.node.webclient import page_headers
+from infra.node.bundle.services import public_origin
+from infra.node.bundle.webclient import page_headers
 from infra.program.dns import a_records, records_summary, turn_address
 from infra.program.shared import (
     capacity_summary,

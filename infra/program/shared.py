@@ -15,9 +15,9 @@ import pulumi
 from infra.capacity import plan
 from infra.capacity.power import DEFAULT_USD_PER_KWH, HOURS_PER_MONTH
 from infra.components._util import REPO_ROOT
-from infra.node.profile import NodeProfile
-from infra.node.relay import media_firewall_allows, relay_port_range, turn_urls
-from infra.node.services import token_audience
+from infra.node.bundle.services import token_audience
+from infra.node.profile.profiles import NodeProfile
+from infra.node.profile.relay import media_firewall_allows, relay_port_range, turn_urls
 from infra.stack_config import StackConfig
 
 if TYPE_CHECKING:

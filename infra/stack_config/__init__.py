@@ -15,15 +15,10 @@ from collections.abc import Mapping
 from pydantic import ValidationError
 
 from infra.stack_config.errors import describe, drop_echoes
-from infra.stack_config.keys import (
-    KEYS_OF,
-    KNOWN_KEYS,
-    GceNodeKeys,
-    MultiRegionKeys,
-    OnPremNodeKeys,
-    RegionKeys,
-    _pulumi_keys,
-)
+from infra.stack_config.keys import KEYS_OF, KNOWN_KEYS, _pulumi_keys
+from infra.stack_config.keys_multi_region import MultiRegionKeys
+from infra.stack_config.keys_node import GceNodeKeys, OnPremNodeKeys
+from infra.stack_config.keys_regions import RegionKeys
 from infra.stack_config.settings import (
     BUILT_TOPOLOGIES,
     GCP_NAMESPACE,

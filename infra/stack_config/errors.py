@@ -10,7 +10,10 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from infra.stack_config.keys import KNOWN_KEYS, RegionKeys, _Keys, _NodeKeys, _pulumi_keys
+from infra.stack_config.keys import KNOWN_KEYS, _pulumi_keys
+from infra.stack_config.keys_common import _Keys
+from infra.stack_config.keys_node import _NodeKeys
+from infra.stack_config.keys_regions import RegionKeys
 from infra.stack_config.settings import GCP_NAMESPACE, NAMESPACE, SECRET_KEYS
 from infra.stack_config.values import PROBLEM
 

@@ -10,7 +10,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from infra.node.profile import NodeProfile
+from infra.node.profile.profiles import NodeProfile
 from infra.stack_config.values import Boolean, allowed, problem
 
 __all__ = ["MAX_RETENTION_DAYS", "RecordingsKeys", "retention_days"]

@@ -1,7 +1,7 @@
 """What the program takes from the stack's configuration: ``StackConfig`` and the settings of each
 topology (``GceSettings``, ``OnPremSettings``, ``MultiRegionSettings`` with its ``RegionSettings``), the
 names of the configuration (namespaces, topologies, secret keys) and ``StackConfigError``. Built by
-``infra.stack_config.keys``; docs/stack-configuration.md.
+``infra.stack_config.keys`` and its ``keys_*`` modules; docs/stack-configuration.md.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, SecretStr
 
-from infra.node.profile import NodeProfile, get_profile
+from infra.node.profile.profiles import NodeProfile, get_profile
 
 __all__ = [
     "BUILT_TOPOLOGIES",
@@ -98,8 +98,8 @@ class StackSecretsConfig(_Frozen):
     turn_secret_previous: SecretStr | None = None
     """The TURN secret being rotated out (``turnSecretPrevious``): coturn still accepts it; None: none."""
     carrier_secrets: dict[str, SecretStr] = {}
-    """The phone carriers' secrets that are set, by name (``infra.node.carriers.CARRIER_SECRETS``: the stack
-    keys ``twilioAuthToken``, ``plivoAuthToken``, ``telnyxStreamToken``, ``exotelApiKey``,
+    """The phone carriers' secrets that are set, by name (``infra.node.bundle.carriers.CARRIER_SECRETS``: the
+    stack keys ``twilioAuthToken``, ``plivoAuthToken``, ``telnyxStreamToken``, ``exotelApiKey``,
     ``exotelApiToken``); a carrier without its secret has its bridge off."""
 
 
@@ -117,7 +117,7 @@ class GceSettings(_Frozen):
     boot_disk_type: str
     data_disk_gb: int = 100
     """Size of the node's persistent data disk (GB; model cache, Redis, Prometheus, Grafana), kept across
-    VM replacements (``infra.node.rollout``)."""
+    VM replacements (``infra.node.bundle.rollout``)."""
     public_source_ranges: tuple[str, ...]
     subnet_cidr: str
     enable_apis: bool

@@ -11,7 +11,7 @@ from typing import Any
 from infra.capacity.gcp import (
     IAP_SOURCE_RANGE,
 )
-from infra.node.profile import NodePorts
+from infra.node.profile.profiles import NodePorts
 from infra.policy.rules._common import (
     FIREWALL,
     _list,
@@ -183,11 +183,12 @@ def _is_public(network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
 
 
 def firewall_no_public_monitoring(resource_type: str, props: Mapping[str, Any]) -> list[str]:
-    """No INGRESS firewall rule opens Prometheus (9090) or Grafana (3000) (``infra.node.profile.NodePorts``)
-    to a public source: any range not inside RFC 1918 (10/8, 172.16/12, 192.168/16), IAP's
-    35.235.240.0/20 or loopback. Catches single ports (string or number), ranges such as ``"3000-3100"``,
-    ``tcp`` without ports, protocol ``all``, IPv6 sources, and the 0.0.0.0/0 default of a rule without
-    sources. A source that is not a CIDR range is refused as well (it cannot be shown to be private).
+    """No INGRESS firewall rule opens Prometheus (9090) or Grafana (3000)
+    (``infra.node.profile.profiles.NodePorts``) to a public source: any range not inside RFC 1918 (10/8,
+    172.16/12, 192.168/16), IAP's 35.235.240.0/20 or loopback. Catches single ports (string or number), ranges
+    such as ``"3000-3100"``, ``tcp`` without ports, protocol ``all``, IPv6 sources, and the 0.0.0.0/0 default
+    of a rule without sources. A source that is not a CIDR range is refused as well (it cannot be shown to be
+    private).
 
     Polices ``gcp:compute/firewall:Firewall``. Passes for what is unknown during preview, as
     :func:`firewall_no_world_ssh` does.
