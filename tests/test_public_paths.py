@@ -16,6 +16,7 @@ import re
 import pytest
 
 from infra.components.global_entry import RUNTIME_PATHS
+from infra.node.bundle.carriers import CARRIER_PATHS
 from infra.node.bundle.nginx import NGINX_CONF, render_nginx
 from infra.node.profile.profiles import PROFILES
 from runtime.frontend.http import ROUTES
@@ -92,3 +93,16 @@ def test_the_url_map_routes_every_public_route_and_nothing_else() -> None:
     assert missing == [], f"public runtime routes the global entry sends to the page: {missing}"
     assert [rule for rule in RUNTIME_PATHS if not _route_matches(rule)] == []
     assert [path for path in INTERNAL if _url_map_matches(path)] == []
+
+
+def test_the_carriers_paths_infra_names_are_the_runtimes() -> None:
+    """``infra.node.bundle.carriers.CARRIER_PATHS`` (written out: the deploy role has no aiohttp) against the
+    runtime's dialects, and each one a route of ``ROUTES``."""
+    from runtime.frontend.transports.carriers.exotel import ExotelDialect
+    from runtime.frontend.transports.carriers.plivo import PlivoDialect
+    from runtime.frontend.transports.carriers.telnyx import TelnyxDialect
+    from runtime.frontend.transports.carriers.twilio import TwilioDialect
+
+    dialects = (TwilioDialect, PlivoDialect, TelnyxDialect, ExotelDialect)
+    assert {d.name: d.path for d in dialects} == CARRIER_PATHS
+    assert all(path in ROUTES for path in CARRIER_PATHS.values())

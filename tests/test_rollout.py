@@ -250,7 +250,7 @@ def test_user_data_carries_the_agent_and_the_data_disk() -> None:
 
     user_data = render_cloud_init(PROFILE, render_bundle(PROFILE))[USER_DATA_FILE].decode()
     merged = add_rollout(user_data, PROFILE)
-    assert merged.startswith("#cloud-config\n# Rendered by infra.node.cloud_init")
+    assert merged.startswith("#cloud-config\n# Rendered by infra.node.bundle.cloud_init")
     document = yaml.safe_load(merged)
     written = {f["path"]: f for f in document["write_files"]}
     for path, content in render_rollout_files(PROFILE).items():

@@ -294,7 +294,7 @@ def test_user_data_installs_the_bundle_running_the_image_digest(
     profile = load_stack_file(stack)["duplexops:profile"]
     sessions = runs[stack].outputs["capacity"]["sessions_per_node"]
     assert compose["services"]["runtime"]["environment"]["DUPLEX_MAX_SESSIONS"] == str(sessions)
-    assert f"node profile {profile!r}" in user_data
+    assert f"for profile {profile!r}" in user_data
     # Secrets named by Secret Manager id, never their values; Docker logs in to the image's registry.
     prepare = files["/usr/local/sbin/duplex-node-prepare"].decode()
     for secret_id in run.outputs["node"]["secretIds"].values():

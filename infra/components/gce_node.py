@@ -3,7 +3,8 @@
 both outlive the VM (protected), a least-privilege service account, ``scheduling`` of :func:`scheduling`
 (TERMINATE on host maintenance, graceful shutdown covering the drain, the provisioning model) and, on
 Spot, a Cloud Scheduler job that starts a preempted VM again. A new image does not replace the VM
-(``infra.node.rollout``); only a new user-data does, and nothing else may (``IGNORED_INSTANCE_CHANGES``).
+(``infra.node.bundle.rollout``); only a new user-data does, and nothing else may
+(``IGNORED_INSTANCE_CHANGES``).
 
 What it declares and how the VM behaves: docs/deploying.md, "Stack `dev` (GCP, T4, INT8)"."""
 
@@ -109,7 +110,7 @@ distribution load). vTPM and integrity monitoring (measured boot) stay on. Not v
 
 def graceful_shutdown_s(profile: NodeProfile) -> int:
     """Seconds of GCE graceful shutdown the node needs: the systemd unit's stop timeout, in which nginx
-    and the runtime drain their sessions (``infra.node.compose.node_stop_timeout_s``).
+    and the runtime drain their sessions (``infra.node.bundle.compose.node_stop_timeout_s``).
 
     Raises:
         ValueError: it exceeds ``GRACEFUL_SHUTDOWN_MAX_S`` (GCE would cut the drain short)."""
@@ -177,7 +178,8 @@ def render_user_data(
 ) -> str:
     """The cloud-init user-data of ``profile`` running an image of ``image_ref``'s repository, its secrets
     named by Secret Manager id (``{role: id}``) in ``project_id``, with the rollout agent and the data disk
-    of ``infra.node.rollout``. The digest is not in it (``pending_image``): a new digest changes only the
+    of ``infra.node.bundle.rollout``. The digest is not in it (``pending_image``): a new digest changes only
+    the
     metadata key ``ROLLOUT_METADATA_KEY``, never the user-data.
 
     Raises:
@@ -419,7 +421,7 @@ class GceGpuNode(pulumi.ComponentResource):
             metadata={
                 "user-data": self.user_data,
                 "enable-oslogin": "TRUE",
-                # The node publishes its certificate's fingerprint there (infra.node.cloud_init).
+                # The node publishes its certificate's fingerprint there (infra.node.bundle.cloud_init).
                 "enable-guest-attributes": "TRUE",
                 "block-project-ssh-keys": "TRUE",
                 STOP_TIMEOUT_METADATA_KEY: str(node_stop_timeout_s(profile)),

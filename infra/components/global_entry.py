@@ -252,7 +252,8 @@ class GlobalEntry(pulumi.ComponentResource):
     - the browser client (issue "a browser client on every node"): a second backend service over every
       region's page NEGs (``infra.k8s.page``: nginx pods on the system pools, one per zone), ``RATE``
       balancing, with its own health check, adding the page's security headers
-      (``infra.node.webclient.page_headers``: CSP, HSTS, nosniff, ...). Not a public bucket: a backend bucket
+      (``infra.node.bundle.webclient.page_headers``: CSP, HSTS, nosniff, ...). Not a public bucket: a backend
+      bucket
       needs ``allUsers`` read, which secure-by-default organizations (created since May 2024) refuse. Its
       timeout is the runtime's only because the policy pack's ``backend-timeout-fits-websockets`` applies to
       every HTTP backend service; a file is answered in milliseconds. The URL map sends only the runtime's

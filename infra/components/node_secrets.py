@@ -10,11 +10,13 @@
   where the profile's relay is on: from secret configuration when given (``turnSecret``: to share one with
   an existing coturn fleet, or to rotate it), else from a ``random.RandomPassword`` (48 letters and digits).
 - The Hugging Face token (``hfToken``) only from secret configuration; absent when not given.
-- ``files``: the node's secret files (``infra.node.services.secret_files``, plus ``secrets/hf-token.env``
+- ``files``: the node's secret files (``infra.node.bundle.services.secret_files``, plus
+``secrets/hf-token.env``
   when there is a token), ``{bundle path: content}``, a secret Output: the on-premises stack writes them
   over SSH.
 - With ``secret_manager_project`` (GCE nodes), one Secret Manager secret per role (replication automatic)
-  holding exactly what ``infra.node.cloud_init`` fetches at boot: the secret file's content for the roles
+  holding exactly what ``infra.node.bundle.cloud_init`` fetches at boot: the secret file's content for the
+  roles
   of ``SECRET_FILES``, the bare token for ``hf_token``. ``secret_ids`` maps role to secret id (plain: ids
   are not secret); the VM's service account gets read access to these secrets only (``GceGpuNode``).
 
@@ -65,10 +67,11 @@ class StackSecretsArgs:
         app_token_keys: the application-token (sessions API) signing keys, the same form, never a session
             key (``NodeSecrets`` refuses one), or None to generate one key.
         hf_token: the Hugging Face token (secret Output), or None.
-        carrier_secrets: the phone carriers' secrets by name (``infra.node.carriers.CARRIER_SECRETS``: the
+        carrier_secrets: the phone carriers' secrets by name (``infra.node.bundle.carriers.CARRIER_SECRETS``:
+        the
             stack keys ``twilioAuthToken``, ``plivoAuthToken``...), the ones set only: they go into the
             runtime's ``secrets/runtime.env`` with the stream URLs the carriers sign
-            (``infra.node.carriers.carrier_settings``).
+            (``infra.node.bundle.carriers.carrier_settings``).
         turn_secret: the TURN REST shared secret (secret Output), or None to generate one (where the
             profile's relay is on; ignored where it is off).
         turn_secret_previous: the TURN secret being rotated out (secret Output): coturn still accepts it,
@@ -235,7 +238,8 @@ class StackSecrets(pulumi.ComponentResource):
             return pulumi.Output.secret(files.apply(lambda content: content[path]))
 
         payloads = {role: payload(path) for role, path in SECRET_FILES.items()}
-        for role in optional_secret_roles(args.profile):  # the alert receivers' (infra.node.alertmanager)
+        # the alert receivers' (infra.node.monitoring.alertmanager)
+        for role in optional_secret_roles(args.profile):
             payloads[role] = payload(OPTIONAL_SECRET_FILES[role])
         if self.hf_token is not None:
             payloads["hf_token"] = self.hf_token

@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 CHECK_PATH = "/healthz"
-"""The node's liveness path through nginx (``infra.node.nginx``: proxied to the runtime)."""
+"""The node's liveness path through nginx (``infra.node.bundle.nginx``: proxied to the runtime)."""
 CHECK_PERIOD = "60s"
 """How often each checker region requests it (the shortest period Cloud Monitoring offers:
 ``UptimeCheckConfig.period`` is one of 60s, 300s, 600s, 900s; pulumi-gcp ``uptime_check_config``)."""

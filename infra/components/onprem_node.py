@@ -238,7 +238,8 @@ def _acme_files(profile: NodeProfile, install_dir: str) -> dict[str, tuple[str, 
 def acme_install_script(profile: NodeProfile, install_dir: str) -> str:
     """Installs certbot's renewal for ``profile.domain`` on the host (as root): fails first, naming the
     package, unless ``certbot`` (Debian/Ubuntu package ``certbot``) and ``systemctl`` are there; then writes
-    the files of ``infra.node.acme.render_acme_host_files`` (renew script, deploy hook, services, timers;
+    the files of ``infra.node.bundle.acme.render_acme_host_files`` (renew script, deploy hook, services,
+    timers;
     each through a temporary file and a rename), enables the timers (twice a day, and every 5 minutes until
     the first issuance) and starts the service once without waiting (it waits for nginx on port 80 itself,
     then obtains or renews the certificate).
@@ -394,12 +395,13 @@ class OnPremNode(pulumi.ComponentResource):
        ``secrets/`` and ``tls/`` kept);
     3. ``secrets``: the secret files written from ``stdin`` (never on a command line) into
        ``installDir/secrets`` (0700): 0640 for the files a container reads itself
-       (``infra.node.compose.CONTAINER_READ_SECRETS``), 0600 for the others;
+       (``infra.node.bundle.compose.CONTAINER_READ_SECRETS``), 0600 for the others;
     3b. ``acme`` (``tls.mode: acme`` only, right after ``gpu-check``): ``acme_install_script``: certbot
        required on the host (else it fails naming the package), the renew script, deploy hook (nginx
-       reloaded with ``docker compose kill --signal HUP nginx``), service and timer of ``infra.node.acme``;
+       reloaded with ``docker compose kill --signal HUP nginx``), service and timer of
+       ``infra.node.bundle.acme``;
        its ``delete`` removes them. Like ``compose-up``, a change is an update;
-    4. ``compose-up``: the preparation script of ``infra.node.cloud_init.render_prepare_script`` (host
+    4. ``compose-up``: the preparation script of ``infra.node.bundle.cloud_init.render_prepare_script`` (host
        directories with their owners, a self-signed certificate when none exists, the secrets checked), then
        ``docker compose up -d``. Its ``delete`` runs ``docker compose down`` and removes ``installDir``:
        destroy removes what the stack installed (the data directory, with the model cache, Redis, Prometheus

@@ -11,7 +11,8 @@ code, GoogleCloudPlatform/prometheus-engine ``pkg/operator/operator_config.go``
 ``ensureAlertmanagerConfigSecret``: the default selector, used when the ``OperatorConfig``'s
 ``managedAlertmanager.configSecret`` is unset, as here; nothing else to set in the ``OperatorConfig``).
 
-The configuration is the node's (``infra.node.alertmanager.alertmanager_config`` of the region's profile:
+The configuration is the node's (``infra.node.monitoring.alertmanager.alertmanager_config`` of the region's
+profile:
 the same receivers, routes and grouping as a single node), with one difference: the operator copies only
 that key, so the receivers' secrets (the SMTP password, the PagerDuty routing key) are written into the
 configuration itself rather than read from files. The Secret's text is therefore a secret as a whole (the
@@ -53,7 +54,7 @@ def managed_alertmanager_yaml(profile: NodeProfile, secrets: Mapping[str, str] |
         ValueError: a secret the receivers use is missing from ``secrets``.
     """
     header = (
-        f"# Rendered by infra.k8s.alerting (infra.node.alertmanager's receivers) for profile "
+        f"# Rendered by infra.k8s.alerting (infra.node.monitoring.alertmanager's receivers) for profile "
         f"{profile.name!r}; GMP's managed Alertmanager reads it from Secret "
         f"{GMP_PUBLIC_NAMESPACE}/{ALERTMANAGER_SECRET}.\n"
     )

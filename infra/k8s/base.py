@@ -259,7 +259,8 @@ class RegionWorkload:
             Custom Metrics Stackdriver Adapter (``roles/monitoring.viewer``).
         grafana_admin_password: Grafana's admin password (secret).
         alert_secrets: the alert receivers' secrets for ``profile.alerting``, ``{role of
-            infra.node.services.OPTIONAL_SECRET_FILES: value}``: a plain mapping, or a Pulumi Output of one
+            infra.node.bundle.services.OPTIONAL_SECRET_FILES: value}``: a plain mapping, or a Pulumi Output
+            of one
             (secret); None: none (``infra.k8s.alerting``).
         neg_name: the standalone NEG's name (the same in every zone of the region).
         page_neg_name: the browser client's standalone NEG's name (``infra.k8s.page``).
@@ -278,7 +279,7 @@ class RegionWorkload:
             of ``turn-<region>.<domain>`` stays put across Service re-creations); None: GKE picks an
             ephemeral one.
         turn_secret_previous: the TURN secret being rotated out (secret): coturn still accepts it; None: none.
-        carrier_secrets: the phone carriers' secrets by name (``infra.node.carriers.CARRIER_SECRETS``;
+        carrier_secrets: the phone carriers' secrets by name (``infra.node.bundle.carriers.CARRIER_SECRETS``;
             secret values): each turns its carrier's bridge on in every pod; {}: every bridge off.
         turn_tls_secret: a ``kubernetes.io/tls`` Secret in ``namespace`` holding the certificate of
             ``turn-<region>.<domain>``: coturn serves TURN over TLS with it (``infra.k8s.turn``); None: UDP

@@ -1,6 +1,7 @@
 """Monitoring of one region on Google Managed Prometheus (GMP): ``PodMonitoring`` of the runtime and
 redis_exporter (which watches Memorystore over TLS), GPU series from GKE's managed DCGM exporter
-(``DCGM_SELECTOR``), the node's alert rules as a ``ClusterRules`` (``infra.node.prometheus.alert_rules``,
+(``DCGM_SELECTOR``), the node's alert rules as a ``ClusterRules``
+(``infra.node.monitoring.prometheus.alert_rules``,
 each query scoped to its cluster), where those alerts go (GMP's managed Alertmanager with the node's
 receivers: ``infra.k8s.alerting``), and the tools to look at it: the GMP query frontend and Grafana with the
 node's dashboard (reached with ``kubectl port-forward``). docs/deploying.md, "Stack multi-region".
@@ -100,9 +101,10 @@ GRAFANA_NAME = "grafana"
 GRAFANA_SECRET = "grafana-admin"
 GRAFANA_SECRET_KEY = "admin-password"
 """Grafana's Deployment/Service name and the Secret (key) with its admin password."""
-_REDIS_EXPORTER_UID = 59000  # the redis_exporter image's user (infra.node.compose)
+_REDIS_EXPORTER_UID = 59000  # the redis_exporter image's user (infra.node.bundle.compose)
 _FRONTEND_UID = 1000  # examples/frontend.yaml's runAsUser
-_SECRETS_MOUNT = "/run/secrets"  # where infra.node.compose's Grafana environment reads its password file
+# where infra.node.bundle.compose's Grafana environment reads its password file
+_SECRETS_MOUNT = "/run/secrets"
 
 
 class AlertSelectors(TypedDict):
@@ -266,7 +268,8 @@ def cluster_rules(workload: RegionWorkload) -> dict[str, Any]:
 
 
 def alert_rules_unit_tests(workload: RegionWorkload, rule_file: str = "rules.yml") -> dict[str, Any]:
-    """``rules_unit_tests`` (``infra.node.prometheus``) for ``alert_selectors(workload)``: a ``promtool test
+    """``rules_unit_tests`` (``infra.node.monitoring.prometheus``) for ``alert_selectors(workload)``: a
+    ``promtool test
     rules`` document whose ``rule_files`` is ``[rule_file]`` (relative to the test file), to run against
     ``{"groups": rule_groups(workload)}``."""
     return rules_unit_tests(workload.profile, **alert_selectors(workload), rule_file=rule_file)
@@ -325,7 +328,7 @@ def grafana_objects(workload: RegionWorkload) -> list[dict[str, Any]]:
     environment["GF_LOG_MODE"] = "console"  # the image's default also writes /var/log/grafana (read-only)
     password_file = environment["GF_SECURITY_ADMIN_PASSWORD__FILE"]
     if posixpath.dirname(password_file) != _SECRETS_MOUNT:
-        raise AssertionError(f"infra.node.compose's Grafana reads its password from {password_file}")
+        raise AssertionError(f"infra.node.bundle.compose's Grafana reads its password from {password_file}")
     provisioning = "grafana-provisioning"
     container = {
         "name": "grafana",

@@ -5,7 +5,8 @@ the system pool, one pod in each of the region's zones, whose Service GKE expose
 Why not a public bucket: a backend bucket reads its bucket anonymously, so the bucket must grant
 ``allUsers``, which every organization created since 3 May 2024 refuses (secure-by-default organization
 policies: public access prevention, domain-restricted sharing); GCP's backend-bucket guides have no private
-bucket. The load balancer adds the page's response headers (``infra.node.webclient.page_headers``) on its
+bucket. The load balancer adds the page's response headers (``infra.node.bundle.webclient.page_headers``) on
+its
 page backend service, so this nginx serves files and nothing else. docs/deploying.md, "Stack multi-region".
 """
 
@@ -57,7 +58,8 @@ _CONF_KEY = "nginx.conf"
 
 
 def page_files() -> dict[str, str]:
-    """The browser client's files, ``{file name: text}`` (``infra.node.webclient.render_web`` without its
+    """The browser client's files, ``{file name: text}`` (``infra.node.bundle.webclient.render_web``
+    without its
     ``web/`` prefix)."""
     return {
         path.removeprefix(f"{WEB_DIR}/"): content.decode("utf-8") for path, content in render_web().items()

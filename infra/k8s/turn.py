@@ -34,7 +34,7 @@ TURN over TLS (5349/tcp) when the workload names a ``kubernetes.io/tls`` Secret 
 mounted into the pods, served by coturn, a second ``LoadBalancer`` Service (TCP) on the same reserved
 address, and a ``tls-reload`` sidecar that sends coturn SIGUSR2 when the mounted certificate changes (a
 renewal: the kubelet updates a Secret volume in place; coturn 4.6 reloads its certificate on SIGUSR2 with
-its allocations kept, as on a node: ``infra.node.compose``). Rendered only when the workload has a TURN
+its allocations kept, as on a node: ``infra.node.bundle.compose``). Rendered only when the workload has a TURN
 secret.
 """
 

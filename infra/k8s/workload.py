@@ -81,7 +81,7 @@ DRAIN_MARGIN_S = 60
 """Seconds of ``terminationGracePeriodSeconds`` beyond the drain grace: after the grace the runtime closes
 the remaining sessions and waits up to 5 s for them (``ChatServer.drain``), stops its tick thread and
 flushes Redis; the preStop hook notices within its 5 s poll. 60 s is twice the Compose node's margin
-(``infra.node.compose.RUNTIME_STOP_MARGIN_S``, 30 s), for the slower API-driven teardown."""
+(``infra.node.bundle.compose.RUNTIME_STOP_MARGIN_S``, 30 s), for the slower API-driven teardown."""
 
 
 STARTUP_PROBE_PERIOD_S = 10
@@ -196,7 +196,8 @@ RUNTIME_FRONTEND_WORKERS = RUNTIME_CPU_REQUEST - 1
 
 
 def runtime_env(workload: RegionWorkload) -> list[dict[str, Any]]:
-    """The runtime container's environment: ``runtime_settings(profile)`` (``infra.node.services``) adapted to
+    """The runtime container's environment: ``runtime_settings(profile)`` (``infra.node.bundle.services``)
+    adapted to
     Kubernetes: ``DUPLEX_HOST=0.0.0.0``; ``DUPLEX_NODE_ID`` = the pod's name (fieldRef);
     ``DUPLEX_DRAIN_GRACE_S`` = ``drain_seconds(profile)`` (the longest session, so that a drain never cuts
     one); ``DUPLEX_TOKEN_KEYS_FILE`` = ``TOKEN_KEYS_PATH``; ``DUPLEX_WEIGHTS`` = ``weights_dir``;
@@ -484,7 +485,7 @@ def carrier_secret_key(name: str) -> str:
 def carrier_env(workload: RegionWorkload) -> list[dict[str, Any]]:
     """The runtime container's settings of the phone carriers whose secrets the stack set: each secret from
     the runtime Secret (:func:`carrier_secret_key`), and the stream URL a signing carrier signs
-    (``infra.node.carriers``); the runtime's rules (``runtime/config.py``) hold the pairs.
+    (``infra.node.bundle.carriers``); the runtime's rules (``runtime/config.py``) hold the pairs.
 
     Raises:
         ValueError: an unknown carrier secret, or one of Exotel's pair alone.

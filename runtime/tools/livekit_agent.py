@@ -6,7 +6,8 @@ It runs in the LiveKit virtualenv (``make livekit-deps``: ``.venv-livekit`` from
 hold (aiohttp, protobuf, numpy); so it imports only what a LiveKit agent has (livekit, aiohttp, numpy and
 the standard library), nothing else of this repository, and runs as a script:
 ``<venv>/bin/python runtime/tools/livekit_agent.py <plan.json>``. ``duplex node up`` runs its ``load``
-scenario for the LiveKit row (``infra.node.livekit_row``); ``tests/livekit_driver.py`` reuses its pieces.
+scenario for the LiveKit row (``infra.node.local.livekit_row``); ``tests/livekit_driver.py`` reuses its
+pieces.
 
 The one piece of wiring is the token: the plugin builds its URL itself (``realtime_model.py``
 ``_build_ws_url``: ``/api/chat?voice_prompt=<NAME>.pt&text_prompt=...&seed=...``) but takes an

@@ -197,7 +197,8 @@ def deploy_hook_script(certificate_path: str, private_key_path: str, reload_comm
     q = shlex.quote
     crt, key = q(certificate_path), q(private_key_path)
     return f"""#!/bin/sh
-# Rendered by infra.node.acme: certbot's deploy hook. Installs the issued certificate where nginx reads it,
+# Rendered by infra.node.bundle.acme: certbot's deploy hook. Installs the issued certificate where nginx
+# reads it,
 # then reloads nginx (open sessions go on).
 set -eu
 : "${{RENEWED_LINEAGE:?certbot sets RENEWED_LINEAGE for a deploy hook}}"
@@ -221,7 +222,7 @@ def _metrics_function(profile: NodeProfile) -> str:
     not_after = "duplex_tls_certificate_not_after_timestamp_seconds"
     success = "duplex_acme_renewal_success"
     last_run = "duplex_acme_renewal_last_run_timestamp_seconds"
-    return f"""# metrics SUCCESS: node_exporter textfile metrics (infra.node.cert_rules alerts on them).
+    return f"""# metrics SUCCESS: textfile metrics for node_exporter (infra.node.monitoring.cert_rules).
 metrics() {{
     mkdir -p "$TEXTFILE" && chmod 0755 "$TEXTFILE"
     tmp="$TEXTFILE/.{METRICS_FILE}.tmp"
@@ -251,7 +252,7 @@ def _renew_script(profile: NodeProfile, dirs: AcmeDirs) -> str:
     probe = f"http://{host}:{profile.ports.http}{ACME_CHALLENGE_PREFIX}duplex-probe"
     webroot_challenges = q(posixpath.join(dirs.webroot, ACME_CHALLENGE_PREFIX.strip("/")))
     return f"""#!/bin/sh
-# Rendered by infra.node.acme for node profile {profile.name!r}: obtains the node's certificate for
+# Rendered by infra.node.bundle.acme for profile {profile.name!r}: obtains the node's certificate for
 # {profile.domain} from {profile.tls.acme_directory}, or renews it once due (a no-op before), and writes
 # node_exporter textfile metrics of the result.
 set -eu
@@ -328,7 +329,7 @@ def render_acme_host_files(profile: NodeProfile, *, reload_command: str) -> dict
     dirs = acme_dirs(profile)
     renew = _renew_script(profile, dirs)  # raises for a non-acme profile
     hook = deploy_hook_script(profile.tls.certificate_path, profile.tls.private_key_path, reload_command)
-    service = f"""# Rendered by infra.node.acme for node profile {profile.name!r}. Do not edit: re-render.
+    service = f"""# Rendered by infra.node.bundle.acme for profile {profile.name!r}. Do not edit: re-render.
 [Unit]
 Description=Duplex node certificate for {profile.domain} (certbot, ACME HTTP-01)
 After=network-online.target docker.service
@@ -339,7 +340,7 @@ Type=oneshot
 ExecStart={RENEW_SCRIPT}
 TimeoutStartSec={NGINX_WAIT_S + 600}
 """
-    timer = f"""# Rendered by infra.node.acme for node profile {profile.name!r}. Do not edit: re-render.
+    timer = f"""# Rendered by infra.node.bundle.acme for profile {profile.name!r}. Do not edit: re-render.
 [Unit]
 Description=Obtain or renew the duplex node's certificate twice a day
 
@@ -352,7 +353,7 @@ Persistent=true
 [Install]
 WantedBy=timers.target
 """
-    header = f"# Rendered by infra.node.acme for node profile {profile.name!r}. Do not edit: re-render."
+    header = f"# Rendered by infra.node.bundle.acme for profile {profile.name!r}. Do not edit: re-render."
     first_service = f"""{header}
 [Unit]
 Description=Obtain the duplex node's first certificate (retried until issued)

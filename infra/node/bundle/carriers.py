@@ -15,11 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from runtime.frontend.transports.carriers.exotel import EXOTEL_PATH
-from runtime.frontend.transports.carriers.plivo import PLIVO_PATH
-from runtime.frontend.transports.carriers.telnyx import TELNYX_PATH
-from runtime.frontend.transports.carriers.twilio import TWILIO_PATH
-
 if TYPE_CHECKING:
     from infra.node.profile.profiles import NodeProfile
 
@@ -34,12 +29,14 @@ __all__ = [
 ]
 
 CARRIER_PATHS: dict[str, str] = {
-    "twilio": TWILIO_PATH,
-    "plivo": PLIVO_PATH,
-    "telnyx": TELNYX_PATH,
-    "exotel": EXOTEL_PATH,
+    "twilio": "/api/carriers/twilio",
+    "plivo": "/api/carriers/plivo",
+    "telnyx": "/api/carriers/telnyx",
+    "exotel": "/api/carriers/exotel",
 }
-"""Each carrier's media-stream route on the node (the runtime's, ``runtime.frontend.transports.carriers``)."""
+"""Each carrier's media-stream route on the node: the runtime's dialects' ``path``
+(``runtime.frontend.transports.carriers``), written here because the deploy role runs without the runtime's
+dependencies (aiohttp: ``tests/test_deploy_role.py``); ``tests/test_public_paths.py`` holds the two equal."""
 
 CARRIER_SECRETS: dict[str, tuple[str, str]] = {
     "twilio_auth_token": ("twilio", "DUPLEX_TWILIO_AUTH_TOKEN"),

@@ -187,7 +187,7 @@ def render_cloud_init(
     )
     header = (
         "#cloud-config\n"
-        f"# Rendered by infra.node.cloud_init for node profile {profile.name!r}. Do not edit: re-render.\n"
+        f"# Rendered by infra.node.bundle.cloud_init for profile {profile.name!r}. Do not edit: re-render.\n"
         f"# Boot image: family {DLVM_IMAGE_FAMILY} in project {DLVM_IMAGE_PROJECT}.\n"
         f"# No secret values here: {secrets_note}.\n"
     )
@@ -247,7 +247,7 @@ def _prepare_script(
     q = shlex.quote
     lines = [
         "#!/bin/sh",
-        f"# Rendered by infra.node.cloud_init for node profile {profile.name!r}. Run by {UNIT_NAME} before",
+        f"# Rendered by infra.node.bundle.cloud_init for profile {profile.name!r}. Run by {UNIT_NAME} before",
         "# `docker compose up`: host directories, TLS certificate, secrets. Idempotent.",
         "set -eu",
         'export PATH="$PATH:/snap/bin:/usr/lib/google-cloud-sdk/bin"',
@@ -409,11 +409,12 @@ def _unit(profile: NodeProfile, compose: str) -> str:
     acme = ""
     if profile.tls.mode == "acme":
         acme = (
-            "# The certificate (infra.node.acme): certbot waits for nginx on port 80, then obtains or\n"
+            "# The certificate (infra.node.bundle.acme): certbot waits for nginx on port 80, "
+            "then obtains or\n"
             "# renews it.\n"
             f"ExecStartPost=-/bin/systemctl start --no-block {ACME_SERVICE}\n"
         )
-    return f"""# Rendered by infra.node.cloud_init for node profile {profile.name!r}. Do not edit: re-render.
+    return f"""# Rendered by infra.node.bundle.cloud_init for profile {profile.name!r}: re-render, not edit.
 [Unit]
 Description=Duplex node {profile.name} (docker compose in {NODE_ROOT})
 Requires=docker.service

@@ -194,7 +194,7 @@ def render_compose(profile: NodeProfile) -> dict[str, bytes]:
         },
     }
     header = (
-        f"# Rendered by infra.node.compose for node profile {profile.name!r}. Do not edit: re-render.\n"
+        f"# Rendered by infra.node.bundle.compose for profile {profile.name!r}. Do not edit: re-render.\n"
         "# Run from the bundle root (the directory holding this file and secrets/): docker compose up\n"
     )
     return {COMPOSE_FILE: (header + _dump(document)).encode()}
@@ -207,7 +207,7 @@ def _nginx(profile: NodeProfile) -> dict[str, Any]:
     ports = profile.ports
     volumes = ["./nginx/nginx.conf:/etc/nginx/nginx.conf:ro", f"./{WEB_DIR}:{WEB_CONTAINER_ROOT}:ro"]
     volumes += [f"{d}:{d}:ro" for d in tls_dirs(profile)]
-    if profile.tls.mode == "acme":  # certbot writes HTTP-01 tokens here on the host (infra.node.acme)
+    if profile.tls.mode == "acme":  # certbot writes HTTP-01 tokens here on the host (infra.node.bundle.acme)
         volumes.append(f"{acme_dirs(profile).webroot}:{WEBROOT_CONTAINER}:ro")
     return {
         "image": IMAGES["nginx"],

@@ -95,7 +95,7 @@ def render_turnserver_conf(
     low, high = relay_port_range(relay, profile.sessions)
     user_quota, total_quota = relay_quota(profile.sessions)
     lines = [
-        f"# Rendered by infra.node.coturn for node profile {profile.name!r}. Do not edit: re-render.",
+        f"# Rendered by infra.node.bundle.coturn for profile {profile.name!r}. Do not edit: re-render.",
         "# Secret file: it holds the TURN REST shared secret (static-auth-secret).",
         "",
         "# Authentication: TURN REST credentials minted per session (runtime/frontend/transports/webrtc).",
@@ -127,7 +127,7 @@ def render_turnserver_conf(
         "no-tlsv1",
         "no-tlsv1_1",
         "",
-        f"# Relay: {high - low + 1} UDP ports for {profile.sessions} sessions (infra.node.relay).",
+        f"# Relay: {high - low + 1} UDP ports for {profile.sessions} sessions (infra.node.profile.relay).",
         f"min-port={low}",
         f"max-port={high}",
         f"user-quota={user_quota}",

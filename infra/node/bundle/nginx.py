@@ -176,7 +176,7 @@ def render_nginx(profile: NodeProfile) -> dict[str, bytes]:
         )
         for path in SESSION_PATHS
     )
-    conf = f"""# Rendered by infra.node.nginx for node profile {profile.name!r}. Do not edit: re-render.
+    conf = f"""# Rendered by infra.node.bundle.nginx for profile {profile.name!r}. Do not edit: re-render.
 worker_processes {1 if local else "auto"};
 pid {paths["pid"]};
 error_log {paths["logs"]}/error.log warn;
@@ -221,7 +221,7 @@ http {{
     server {{
         listen {public}:{profile.ports.http};
         server_name {profile.domain};
-        # ACME HTTP-01 tokens (infra.node.acme): plain HTTP, files only, no redirect.
+        # ACME HTTP-01 tokens (infra.node.bundle.acme): plain HTTP, files only, no redirect.
         location ^~ {ACME_CHALLENGE_PREFIX} {{
             root {nginx_webroot(profile)};
             default_type text/plain;
@@ -380,7 +380,7 @@ http {{
             return 502 "runtime unavailable: the node's runtime is down or not answering\\n";
         }}
 
-        # The browser client (infra.node.webclient): static files only.
+        # The browser client (infra.node.bundle.webclient): static files only.
         location / {{
             root {web_root(profile)};
             index index.html;

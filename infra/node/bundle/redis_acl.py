@@ -107,7 +107,8 @@ def render_acl_users(admin_password: str) -> str:
     """The ``user`` lines of ``secrets/redis-auth.conf`` (secret: they hold the passwords): the default
     user off, with no password, no keys and no commands; then one line per :data:`REDIS_USERS`."""
     lines = [
-        "# Rendered by infra.node.redis_acl: the node's Redis users (docs/operations.md, 'Redis users').",
+        "# Rendered by infra.node.bundle.redis_acl: the node's Redis users "
+        "(docs/operations.md, 'Redis users').",
         "user default off resetpass resetkeys resetchannels -@all",
     ]
     for role in REDIS_USERS:

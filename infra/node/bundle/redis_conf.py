@@ -41,12 +41,12 @@ def render_redis(profile: NodeProfile) -> dict[str, bytes]:
     bind = profile.private_address if local else "0.0.0.0"
     auth_include = SECRET_FILES["redis_auth_conf"] if local else "/usr/local/etc/redis/redis-auth.conf"
     data_dir = "redis/data" if local else "/data"
-    conf = f"""# Rendered by infra.node.redis_conf for node profile {profile.name!r}. Do not edit: re-render.
+    conf = f"""# Rendered by infra.node.bundle.redis_conf for profile {profile.name!r}: re-render, not edit.
 bind {bind}
 port {profile.ports.redis}
 protected-mode yes
 # The ACL users (default off; runtime, events, exporter, admin) and their passwords live in the secrets
-# directory, never in this file (infra.node.redis_acl).
+# directory, never in this file (infra.node.bundle.redis_acl).
 include {auth_include}
 
 daemonize no

@@ -105,7 +105,7 @@ def render_agent(profile: NodeProfile) -> str:
     repo = image_repository(profile.runtime_image)
     allowed = f"{repo}@sha256:<64 hex>"
     return f"""#!/bin/sh
-# Rendered by infra.node.rollout for node profile {profile.name!r}. Do not edit: re-render.
+# Rendered by infra.node.bundle.rollout for profile {profile.name!r}. Do not edit: re-render.
 # duplex-rollout sync        : write the image of metadata key {ROLLOUT_METADATA_KEY} into compose.yaml
 # duplex-rollout watch [--once]: on each new image: prepare, pull, write, restart {UNIT_NAME} (drains)
 set -eu
@@ -216,7 +216,7 @@ esac
 
 
 def _agent_unit(profile: NodeProfile) -> str:
-    return f"""# Rendered by infra.node.rollout for node profile {profile.name!r}. Do not edit: re-render.
+    return f"""# Rendered by infra.node.bundle.rollout for profile {profile.name!r}. Do not edit: re-render.
 [Unit]
 Description=Duplex rollout: runs the image of metadata key {ROLLOUT_METADATA_KEY} ({UNIT_NAME} restarts)
 After={UNIT_NAME}
@@ -234,7 +234,7 @@ WantedBy=multi-user.target
 
 
 def _drop_in(profile: NodeProfile) -> str:
-    return f"""# Rendered by infra.node.rollout for node profile {profile.name!r}. Do not edit: re-render.
+    return f"""# Rendered by infra.node.bundle.rollout for profile {profile.name!r}. Do not edit: re-render.
 [Unit]
 RequiresMountsFor={profile.data_dir}
 
@@ -294,7 +294,8 @@ def add_rollout(user_data: str, profile: NodeProfile) -> str:
     runcmd[at:at] = [["systemctl", "daemon-reload"], ["systemctl", "enable", AGENT_UNIT]]
     runcmd.append(["systemctl", "start", "--no-block", AGENT_UNIT])
     header_lines.append(
-        f"# Runtime image: metadata key {ROLLOUT_METADATA_KEY} (infra.node.rollout); data disk {device} at "
+        f"# Runtime image: metadata key {ROLLOUT_METADATA_KEY} (infra.node.bundle.rollout); "
+        f"data disk {device} at "
         f"{profile.data_dir}."
     )
     merged = "\n".join(header_lines) + "\n" + dump_yaml(document, literal_blocks=True)

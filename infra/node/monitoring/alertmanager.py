@@ -135,7 +135,7 @@ def alertmanager_config(
 def render_alertmanager(profile: NodeProfile) -> dict[str, bytes]:
     """``{"alertmanager/alertmanager.yml": ...}`` for ``profile``; the same profile gives the same bytes."""
     header = (
-        f"# Rendered by infra.node.alertmanager for node profile {profile.name!r}; edit the renderer, "
+        f"# Rendered by infra.node.monitoring.alertmanager for profile {profile.name!r}; edit the renderer, "
         "not this file.\n"
     )
     return {ALERTMANAGER_CONFIG: (header + dump_yaml(alertmanager_config(profile))).encode()}

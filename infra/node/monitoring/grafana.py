@@ -142,7 +142,8 @@ def node_dashboard(
         .uid(uid or dashboard_uid(profile))
         .description(
             f"Batched full-duplex runtime on node profile {profile.name!r} ({profile.sessions} slots, "
-            f"{profile.gpu or 'CPU'}, {profile.model} {profile.precision}). Rendered by infra.node.grafana."
+            f"{profile.gpu or 'CPU'}, {profile.model} {profile.precision}). "
+            "Rendered by infra.node.monitoring.grafana."
         )
         .tags(["duplex", "node"])
         .readonly()
@@ -241,7 +242,9 @@ def _provider_yaml(profile: NodeProfile, dashboards_path: str) -> bytes:
 
 
 def _yaml_document(profile: NodeProfile, document: dict[str, Any]) -> bytes:
-    header = f"# Rendered by infra.node.grafana for node profile {profile.name!r}. Do not edit: re-render.\n"
+    header = (
+        f"# Rendered by infra.node.monitoring.grafana for profile {profile.name!r}. Do not edit: re-render.\n"
+    )
     return (header + "\n".join(_yaml_lines(document, 0)) + "\n").encode()
 
 

@@ -56,7 +56,9 @@ RULES_FILE = "prometheus/rules/duplex-node.rules.yml"
 RULES_TEST_FILE = "prometheus/tests/duplex-node.rules.test.yml"
 """The ``promtool test rules`` file, relative to the bundle root (outside ``rules/``: never loaded)."""
 
-_HEADER = "# Rendered by infra.node.prometheus for node profile {name!r}; edit the renderer, not this file.\n"
+_HEADER = (
+    "# Rendered by infra.node.monitoring.prometheus for profile {name!r}; edit the renderer, not this file.\n"
+)
 
 
 def scrape_interval(profile: NodeProfile) -> str:

@@ -2,7 +2,7 @@
 
 A key that expired (the retention, ``DUPLEX_TRANSCRIPT_TTL_S``) or was deleted is gone from Redis's memory
 but stays in its append-only file until the file is rewritten (``BGREWRITEAOF``; the node runs Redis with the
-AOF and no RDB snapshots: ``infra.node.redis_conf``). Redis rewrites on its own only as the file grows
+AOF and no RDB snapshots: ``infra.node.bundle.redis_conf``). Redis rewrites on its own only as the file grows
 (``auto-aof-rewrite-percentage``), which a quiet node may never do; an erase asks at once (debounced:
 ``runtime.frontend.store.records``). :class:`PeriodicAofRewrite` asks once every period
 (``DUPLEX_AOF_REWRITE_EVERY_S``, a day by default) on an injected clock, so expired transcripts leave the
