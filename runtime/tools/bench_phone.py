@@ -103,13 +103,22 @@ def added_latency_ms(
     last tick (:func:`tick_groups` of ``reference``) that began at most ``frame_s`` before it. Arrivals with
     no such tick (before the reference sessions started, after they ended, or in a tick none of them got a
     frame of) are left out. Valid while the added delay stays under one frame (``frame_s``): a larger one
-    would be taken for the next tick's or left out (the caller compares the count with the frames)."""
+    would be taken for the next tick's or left out (the caller compares the count with the frames).
+
+    An arrival more than half a frame after its tick began counts only when the reference has the next
+    tick (within 1.5 frames): past the reference's last tick, or where it missed one, it is as likely the
+    next tick's own frame, which a match to the earlier tick would charge with a whole frame (about 80 ms).
+    Those are left out."""
     starts, medians = tick_groups(reference, frame_s)
     delays: list[float] = []
     for t in bridged:
         i = bisect.bisect_right(starts, t) - 1
-        if i >= 0 and t - starts[i] < frame_s:
-            delays.append((t - medians[i]) * 1e3)
+        if i < 0 or t - starts[i] >= frame_s:
+            continue
+        next_tick_seen = i + 1 < len(starts) and starts[i + 1] - starts[i] < 1.5 * frame_s
+        if t - starts[i] > frame_s / 2 and not next_tick_seen:
+            continue
+        delays.append((t - medians[i]) * 1e3)
     return delays
 
 
