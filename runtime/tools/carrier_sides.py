@@ -40,7 +40,22 @@ def _body(event: dict[str, object], key: str) -> dict[str, object]:
     return value if isinstance(value, dict) else {}
 
 
-class TwilioSide(CarrierSide):
+class _MediaMarkClearSide(CarrierSide):
+    """The node's messages in the shape Twilio, Telnyx and Exotel share: ``media``, ``mark``, ``clear``
+    (``runtime.frontend.transports.carriers.dialect.MediaMarkClearDialect`` on the node's side)."""
+
+    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
+        kind = event.get("event")
+        if kind == "media":
+            return "media", str(_body(event, "media").get("payload", ""))
+        if kind == "mark":
+            return "mark", str(_body(event, "mark").get("name", ""))
+        if kind == "clear":
+            return "clear", ""
+        return "other", ""
+
+
+class TwilioSide(_MediaMarkClearSide):
     """Twilio's media servers on a bidirectional ``<Connect><Stream>``."""
 
     name = "twilio"
@@ -94,16 +109,6 @@ class TwilioSide(CarrierSide):
             "streamSid": ids.stream,
             "stop": {"accountSid": ids.account, "callSid": ids.call},
         }
-
-    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
-        kind = event.get("event")
-        if kind == "media":
-            return "media", str(_body(event, "media").get("payload", ""))
-        if kind == "mark":
-            return "mark", str(_body(event, "mark").get("name", ""))
-        if kind == "clear":
-            return "clear", ""
-        return "other", ""
 
     def played(self, ids: CallIds, name: str) -> dict[str, object]:
         return {"event": "mark", "streamSid": ids.stream, "mark": {"name": name}}
@@ -179,7 +184,7 @@ class PlivoSide(CarrierSide):
         return {"sequenceNumber": 0, "event": "clearedAudio", "streamId": ids.stream}
 
 
-class TelnyxSide(CarrierSide):
+class TelnyxSide(_MediaMarkClearSide):
     """Telnyx's media servers on a bidirectional RTP stream (PCMU at 8000 Hz by default)."""
 
     name = "telnyx"
@@ -241,21 +246,11 @@ class TelnyxSide(CarrierSide):
             "stream_id": ids.stream,
         }
 
-    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
-        kind = event.get("event")
-        if kind == "media":
-            return "media", str(_body(event, "media").get("payload", ""))
-        if kind == "mark":
-            return "mark", str(_body(event, "mark").get("name", ""))
-        if kind == "clear":
-            return "clear", ""
-        return "other", ""
-
     def played(self, ids: CallIds, name: str) -> dict[str, object]:
         return {"event": "mark", "sequence_number": "0", "stream_id": ids.stream, "mark": {"name": name}}
 
 
-class ExotelSide(CarrierSide):
+class ExotelSide(_MediaMarkClearSide):
     """Exotel's media servers on a voicebot (bidirectional) stream: 16-bit PCM at 8000 Hz."""
 
     name = "exotel"
@@ -314,16 +309,6 @@ class ExotelSide(CarrierSide):
             "stream_sid": ids.stream,
             "stop": {"call_sid": ids.call, "account_sid": ids.account, "reason": "callended"},
         }
-
-    def incoming(self, event: dict[str, object]) -> tuple[str, str]:
-        kind = event.get("event")
-        if kind == "media":
-            return "media", str(_body(event, "media").get("payload", ""))
-        if kind == "mark":
-            return "mark", str(_body(event, "mark").get("name", ""))
-        if kind == "clear":
-            return "clear", ""
-        return "other", ""
 
     def played(self, ids: CallIds, name: str) -> dict[str, object]:
         return {"event": "mark", "sequence_number": "0", "stream_sid": ids.stream, "mark": {"name": name}}
